@@ -1,0 +1,127 @@
+"""Model shapes: a typed description and the named presets.
+
+The presets of public models (`llama3-*`, `mixtral-8x7b`, `deepseek-v3`) are only shapes:
+the planner reads them and the model can be built on the meta device, never allocated here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from phalanx.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of a Llama-style decoder, optionally with mixture-of-experts feed-forwards."""
+
+    name: str = "custom"
+    vocab_size: int = 256
+    """Byte-level models use 256; public presets use their tokenizer's size."""
+    dim: int = 64
+    """Hidden size h."""
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4
+    """Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads."""
+    ffn_dim: int = 128
+    """Inner size of the dense SwiGLU feed-forward."""
+    mlp: str = "swiglu"
+    """'swiglu' (gated, three matrices) or 'gelu' (plain 4h MLP, two matrices)."""
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    n_experts: int = 0
+    """Routed experts per MoE layer; 0 means a dense model."""
+    experts_per_token: int = 2
+    expert_ffn_dim: int = 0
+    """Inner size of each routed expert (defaults to ffn_dim when 0)."""
+    n_shared_experts: int = 0
+    """Experts every token passes through, besides the routed ones (DeepSeek style)."""
+    n_dense_layers: int = 0
+    """In an MoE model, the first n_dense_layers layers keep a dense feed-forward."""
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dim % self.n_heads:
+            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            problems.append(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.mlp not in ("swiglu", "gelu"):
+            problems.append(f"mlp={self.mlp!r} must be 'swiglu' or 'gelu'")
+        if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
+            problems.append(
+                f"experts_per_token={self.experts_per_token} must be in 1..n_experts={self.n_experts}"
+            )
+        if problems:
+            raise UserError(f"model {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def moe_ffn_dim(self) -> int:
+        return self.expert_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and layer >= self.n_dense_layers
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    cfg.name: cfg
+    for cfg in [
+        # Tests: four layers so that pipelines of 2 stages x 2 virtual chunks exist.
+        ModelConfig(name="tiny", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256),
+        ModelConfig(
+            name="tiny-moe", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
+            n_experts=8, experts_per_token=2, expert_ffn_dim=64, max_seq_len=256,
+        ),
+        # The `phalanx train` default: learns visibly from bytes in a few CPU minutes.
+        ModelConfig(name="small", dim=192, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=512, max_seq_len=1024),
+        ModelConfig(
+            name="small-moe", dim=192, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=512,
+            n_experts=8, experts_per_token=2, expert_ffn_dim=256, max_seq_len=1024,
+        ),
+        # Public shapes, for the planner and meta-device dry runs.
+        ModelConfig(
+            name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+            ffn_dim=14336, rope_theta=500000.0, max_seq_len=8192,
+        ),
+        ModelConfig(
+            name="llama3-70b", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+            ffn_dim=28672, rope_theta=500000.0, max_seq_len=8192,
+        ),
+        ModelConfig(
+            name="llama3-405b", vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+            ffn_dim=53248, rope_theta=500000.0, max_seq_len=8192,
+        ),
+        ModelConfig(
+            name="mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+            ffn_dim=14336, n_experts=8, experts_per_token=2, expert_ffn_dim=14336,
+            rope_theta=1e6, max_seq_len=32768,
+        ),
+        # DeepSeek-V3 uses multi-head latent attention; we model its attention as GQA with the
+        # same head count, which matches its FLOPs to first order but not its KV-cache size.
+        ModelConfig(
+            name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+            ffn_dim=18432, n_experts=256, experts_per_token=8, expert_ffn_dim=2048,
+            n_shared_experts=1, n_dense_layers=3, max_seq_len=4096,
+        ),
+    ]
+}
+
+
+def model_config(name: str) -> ModelConfig:
+    """The preset called `name`, or a UserError listing the valid names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise UserError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}") from None

@@ -1,0 +1,157 @@
+"""A parallel layout as plain data, and the `--plan` string grammar that writes it.
+
+    dp=2,tp=2,pp=2,ep=2,fsdp=true,sp=true,schedule=interleaved,virtual=2,microbatches=8
+
+The planner emits this same dataclass, so a chosen plan can be printed, saved, edited and run.
+Rank order (documented in docs/layout.md): tp is innermost (fastest links), then dp, then pp
+outermost; ep is carved out of the dp ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from phalanx.errors import UserError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How one training job is spread over `dp * tp * pp` processes."""
+
+    dp: int = 1
+    """Data-parallel degree: copies (or shards, with fsdp) of the model, each on its batch slice."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matrices split across this many ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: number of stages."""
+    ep: int = 1
+    """Expert-parallel degree, carved out of the dp ranks (must divide dp)."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over dp (FSDP2) instead of replicating."""
+    replicate: int = 1
+    """With fsdp: HSDP, replicate over this many groups and shard within each (divides dp)."""
+    sp: bool = False
+    """Sequence parallelism for the norm regions (needs tp > 1)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved, zbv or dualpipev."""
+    virtual: int = 1
+    """Model chunks per pipeline rank (interleaved uses >= 2, zbv and dualpipev use 2)."""
+    microbatches: int = 0
+    """Micro-batches per optimizer step per data-parallel rank; 0 picks a default (pp, or 1)."""
+    recompute: str = "none"
+    """Activation checkpointing: none, selective or full."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or max(1, self.pp * (2 if self.pp > 1 else 1))
+
+    def to_string(self) -> str:
+        """The shortest `--plan` string that parses back to this plan."""
+        default = Plan()
+        parts = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value != getattr(default, field.name):
+                parts.append(f"{field.name}={str(value).lower() if isinstance(value, bool) else value}")
+        return ",".join(parts) or "dp=1"
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+    def validate(self, world_size: int | None = None) -> "Plan":
+        """Check the plan on its own and against `world_size` processes; return it."""
+        problems = []
+        for name in ("dp", "tp", "pp", "ep", "replicate", "virtual"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if self.microbatches < 0:
+            problems.append(f"microbatches={self.microbatches} must be at least 1")
+        if problems:
+            raise UserError("invalid plan: " + "; ".join(problems))
+        if self.dp % self.ep:
+            problems.append(f"ep={self.ep} must divide dp={self.dp} (experts are spread over data-parallel ranks)")
+        if self.replicate > 1 and not self.fsdp:
+            problems.append(f"replicate={self.replicate} (HSDP) needs fsdp=true")
+        if self.dp % self.replicate:
+            problems.append(f"replicate={self.replicate} must divide dp={self.dp}")
+        if self.sp and self.tp == 1:
+            problems.append("sp=true needs tp > 1 (sequence parallelism splits along the tp group)")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            problems.append(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.schedule == "interleaved" and self.pp > 1 and self.virtual < 2:
+            problems.append("schedule=interleaved needs virtual >= 2")
+        if self.schedule in ("zbv", "dualpipev") and self.pp > 1 and self.virtual != 2:
+            problems.append(f"schedule={self.schedule} uses exactly virtual=2 (two chunks per rank, V shape)")
+        if self.schedule in ("gpipe", "1f1b") and self.virtual != 1:
+            problems.append(f"schedule={self.schedule} runs one chunk per rank; virtual={self.virtual} needs interleaved")
+        if self.pp > 1 and self.num_microbatches < self.pp and self.schedule != "gpipe":
+            problems.append(
+                f"schedule={self.schedule} with pp={self.pp} needs microbatches >= {self.pp}, got {self.num_microbatches}"
+            )
+        if world_size is not None and self.world_size != world_size:
+            problems.append(
+                f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size}, "
+                f"but {world_size} processes were started"
+            )
+        if problems:
+            raise UserError("invalid plan: " + "; ".join(problems))
+        return self
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Plan)}
+
+
+def _convert(key: str, raw: str):
+    kind = type(getattr(Plan(), key))
+    if kind is bool:
+        if raw.lower() in ("true", "1", "yes", "on"):
+            return True
+        if raw.lower() in ("false", "0", "no", "off"):
+            return False
+        raise UserError(f"plan key {key}={raw!r} must be true or false")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise UserError(f"plan key {key}={raw!r} must be an integer") from None
+    return raw.lower()
+
+
+def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, dict[str, str]]:
+    """Parse `k=v,k=v` into a Plan; keys named in `extra_keys` are returned raw beside it.
+
+    The planner passes extra_keys=("mbs",) for its micro-batch size knob; the trainer none.
+    """
+    values: dict[str, object] = {}
+    extras: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower()
+        if not sep or not raw.strip():
+            raise UserError(f"plan item {item!r} is not of the form key=value")
+        if key in values or key in extras:
+            raise UserError(f"plan key {key!r} is given twice")
+        if key in extra_keys:
+            extras[key] = raw.strip()
+        elif key in _FIELDS:
+            values[key] = _convert(key, raw.strip())
+        else:
+            valid = ", ".join([*_FIELDS, *extra_keys])
+            raise UserError(f"unknown plan key {key!r}; valid keys: {valid}")
+    return Plan(**values), extras
+
+
+def plan_from_string(text: str, world_size: int | None = None) -> Plan:
+    """Parse and validate a `--plan` string for the trainer."""
+    plan, _ = parse_plan(text)
+    return plan.validate(world_size)
