@@ -1,0 +1,73 @@
+"""`phalanx` command line: train (and, from the planner, plan / simulate / calibrate)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from phalanx.errors import UserError
+
+# Flags of `phalanx train` that override TrainConfig fields (flag name -> field, type).
+TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...)"),
+    ("--data", "data", str, "text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
+    ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true (default: dp over all processes)"),
+    ("--nproc", "nproc", int, "local worker processes (default: one per GPU, or 1 on CPU)"),
+    ("--steps", "steps", int, "optimizer steps"),
+    ("--global-batch", "global_batch", int, "sequences per optimizer step, whatever the layout"),
+    ("--seq-len", "seq_len", int, "tokens per sequence"),
+    ("--lr", "lr", float, "peak learning rate"),
+    ("--seed", "seed", int, "seed for weights and data order"),
+    ("--out", "out", str, "run directory (default: runs/<model>-<date>-<time>)"),
+    ("--dtype", "dtype", str, "fp32 or bf16 (autocast)"),
+    ("--device", "device", str, "auto, cpu or cuda"),
+    ("--eval-every", "eval_every", int, "validation every N steps (0: never)"),
+    ("--ckpt-every", "ckpt_every", int, "checkpoint every N steps (0: only at the end)"),
+    ("--sample-tokens", "sample_tokens", int, "bytes of text to generate at the end"),
+]
+
+
+def _add_train(subparsers) -> None:
+    parser = subparsers.add_parser("train", help="train a model", description="Train a model on local or torchrun-launched workers.")
+    parser.add_argument("--config", help="TOML file of settings (keys: the long flag names with _)")
+    for flag, field, kind, text in TRAIN_FLAGS:
+        parser.add_argument(flag, dest=field, type=kind, default=None, help=text)
+    parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint in --out")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
+    parser.set_defaults(func=_run_train)
+
+
+def _run_train(args) -> int:
+    from phalanx.launch import launch_train
+    from phalanx.train.config import load_config
+
+    overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
+    overrides.update(resume=args.resume, progress=args.progress)
+    return launch_train(load_config(args.config, overrides), rdzv_endpoint=args.rdzv_endpoint)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phalanx", description="Train transformers across many devices.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_train(subparsers)
+    try:
+        from phalanx.planner.cli import register
+    except ImportError:
+        pass
+    else:
+        register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        status = args.func(args)
+    except UserError as error:
+        print(f"phalanx: error: {error}", file=sys.stderr)
+        status = 2
+    except KeyboardInterrupt:
+        print("phalanx: interrupted", file=sys.stderr)
+        status = 130
+    sys.exit(status)

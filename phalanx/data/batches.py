@@ -1,0 +1,37 @@
+"""Which sequences make up each step's global batch, and which of them a rank reads.
+
+A batch is a pure function of (seed, step): the same global batch whatever the layout, so
+every layout computes the same thing, and a resumed run reads exactly what the
+uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from phalanx.errors import UserError
+
+
+def window_starts(n_tokens: int, seq_len: int, count: int, seed: int, step: int) -> np.ndarray:
+    """`count` random window starts for `step`, each leaving room for seq_len + 1 tokens."""
+    if n_tokens < seq_len + 2:
+        raise UserError(f"the data has {n_tokens} tokens, fewer than seq_len + 2 = {seq_len + 2}")
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, n_tokens - seq_len - 1, size=count)
+
+
+def take_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets, each (len(starts), seq_len) int64."""
+    rows = np.stack([np.asarray(tokens[s : s + seq_len + 1], dtype=np.int64) for s in starts])
+    data = torch.from_numpy(rows)  # (batch, seq_len + 1)
+    return data[:, :-1], data[:, 1:]
+
+
+def rank_batch(
+    tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int, dp_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's contiguous slice of the step's global batch."""
+    starts = window_starts(len(tokens), seq_len, global_batch, seed, step)
+    per_rank = global_batch // dp_size
+    return take_windows(tokens, starts[dp_rank * per_rank : (dp_rank + 1) * per_rank], seq_len)

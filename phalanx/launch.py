@@ -1,0 +1,156 @@
+"""Starting the worker processes of `phalanx train`.
+
+- Under an external `torchrun` (RANK and WORLD_SIZE set), this process is one worker.
+- `--nproc 1` runs in this process, with no process group.
+- `--nproc N` starts N local workers through PyTorch's elastic launcher (the machinery of
+  `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import UserError
+from phalanx.train.config import TrainConfig
+
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_nproc(device: str) -> int:
+    """One worker per GPU; on CPU a single process that uses every core (threads), since
+    splitting a small model over processes only adds communication."""
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 1
+
+
+def check_nproc(nproc: int, device: str) -> None:
+    if device != "cpu" and torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise UserError(f"--nproc {nproc} asks for more GPUs than this machine has ({gpus})")
+    elif nproc > usable_cores():
+        print(f"phalanx: warning: {nproc} processes on {usable_cores()} CPU cores; they will share cores "
+              "(fine for testing layouts, slow for training)", file=sys.stderr)
+
+
+def resolve_run_dir(cfg: TrainConfig) -> Path:
+    if cfg.out:
+        return Path(cfg.out)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.model}-{stamp}"
+
+
+def _summary(result, cfg: TrainConfig, seconds: float) -> str:
+    lines = [f"done: {result.steps_done} steps in {seconds:.0f} s"]
+    if result.losses:
+        lines.append(f"  train loss   {result.losses[-1]:.3f} (first step of this run: {result.losses[0]:.3f})")
+    if result.val_loss is not None:
+        lines.append(f"  val loss     {result.val_loss:.3f}")
+    if result.sample:
+        lines.append("  sample:\n" + "\n".join("    | " + line for line in result.sample.splitlines()))
+    lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png, checkpoints/)")
+    return "\n".join(lines)
+
+
+def worker_main(cfg_fields: dict, run_dir: str) -> int:
+    """Entry point of every worker process; returns its exit status."""
+    from phalanx.train.loop import train
+
+    cfg = TrainConfig(**cfg_fields)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world_size > 1 and not dist.is_initialized():
+        use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+        if not use_cuda:
+            torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    began = time.perf_counter()
+    try:
+        result = train(cfg, Path(run_dir))
+    except UserError as error:
+        if rank == 0:
+            print(f"phalanx: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if result.interrupted:
+        return 130
+    if rank == 0:
+        print(_summary(result, cfg, time.perf_counter() - began))
+    return 0
+
+
+def _elastic_entry(cfg_fields: dict, run_dir: str) -> None:
+    status = worker_main(cfg_fields, run_dir)
+    if status:
+        sys.exit(status)
+
+
+def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
+        if not cfg.out:
+            raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
+        return worker_main(asdict(cfg), cfg.out)
+
+    from phalanx.model.config import model_config
+    from phalanx.train.loop import resolve_plan
+
+    nproc = cfg.nproc or default_nproc(cfg.device)
+    check_nproc(nproc, cfg.device)
+    model_config(cfg.model)  # fail here, not in every worker
+    resolve_plan(cfg.plan, nproc)
+    if cfg.data and not Path(cfg.data).expanduser().exists():
+        raise UserError(f"data path {cfg.data!r} does not exist")
+    run_dir = resolve_run_dir(cfg)
+    if run_dir.exists() and not cfg.resume and any(run_dir.glob("checkpoints/step_*")):
+        raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = cfg.replace(nproc=nproc, out=str(run_dir))
+    print(f"phalanx: training {cfg.model} on {nproc} process{'es' if nproc > 1 else ''}, "
+          f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
+    if nproc == 1:
+        return worker_main(asdict(cfg), str(run_dir))
+    return _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
+
+
+def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from phalanx.testing.fork_ranks import free_port
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"phalanx-{os.getpid()}",
+        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
+        local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
+        # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
+        # not be initialized before a fork, so GPU runs spawn fresh interpreters instead.
+        start_method="spawn" if torch.cuda.is_available() and cfg.device != "cpu" else "fork",
+    )
+    try:
+        elastic_launch(config, _elastic_entry)(asdict(cfg), run_dir)
+    except ChildFailedError as error:
+        codes = {failure.exitcode for failure in error.failures.values()}
+        if codes <= {2}:
+            return 2  # a user error, already printed by rank 0
+        if codes <= {130}:
+            return 130
+        print(f"phalanx: a worker failed: {error.get_first_failure()[1].message}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,68 @@
+"""One explicit object for the process layout: the plan, this rank's place, and the meshes.
+
+Rank order: tp innermost (neighbouring ranks, the fastest links), then dp, then pp outermost,
+so rank = (pp_rank * dp + dp_rank) * tp + tp_rank. A one-process run has no process group
+and no DeviceMesh: every accessor still answers (size 1, rank 0) so training code has no
+special cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from phalanx.plan import Plan
+
+
+@dataclass
+class ParallelMesh:
+    plan: Plan
+    device: torch.device
+    world_size: int = 1
+    rank: int = 0
+    device_mesh: object | None = None
+    """DeviceMesh with axes ("pp", "dp", "tp"), or None for a single process."""
+    _groups: dict = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.device_mesh is not None
+
+    def axis(self, name: str):
+        """The sub-mesh of one axis ("pp", "dp" or "tp")."""
+        assert self.device_mesh is not None, "single-process run has no mesh"
+        return self.device_mesh[name]
+
+    def axis_rank(self, name: str) -> int:
+        return self.device_mesh.get_local_rank(name) if self.device_mesh is not None else 0
+
+    def group(self, name: str):
+        return self.axis(name).get_group() if self.device_mesh is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.axis_rank("dp")
+
+    def all_reduce_mean(self, value: torch.Tensor, axis: str = "dp") -> torch.Tensor:
+        """Mean of `value` over one mesh axis (no-op for one process)."""
+        size = getattr(self.plan, axis)
+        if self.device_mesh is None or size == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.group(axis))
+        return value / size
+
+
+def build_mesh(plan: Plan, device: torch.device) -> ParallelMesh:
+    """The mesh for `plan` over the default process group (validated against its size)."""
+    if not dist.is_initialized():
+        plan.validate(1)
+        return ParallelMesh(plan=plan, device=device)
+    world_size = dist.get_world_size()
+    plan.validate(world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_mesh = init_device_mesh(device.type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return ParallelMesh(plan=plan, device=device, world_size=world_size, rank=dist.get_rank(), device_mesh=device_mesh)

@@ -1,0 +1,105 @@
+"""A training run's settings: one typed dataclass, filled from a TOML file and flags.
+
+Precedence: built-in defaults < `--config run.toml` < command-line flags. Every key of the
+TOML file is a field name below; an unknown key is an error that names the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from phalanx.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = "small"
+    """Model preset name (see `phalanx.model.config.PRESETS`)."""
+    data: str = ""
+    """Text file, folder of text files, or `.bin` of uint16 tokens; empty = Python's stdlib."""
+    plan: str = ""
+    """Parallel layout in the `--plan` grammar; empty = data parallel over all processes."""
+    nproc: int = 0
+    """Local worker processes; 0 = one per GPU, or one per core (at most 2... see launch)."""
+    steps: int = 300
+    global_batch: int = 16
+    """Sequences per optimizer step, whatever the layout."""
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dtype: str = "fp32"
+    """'fp32' or 'bf16' (autocast; weights and optimizer stay fp32)."""
+    seed: int = 0
+    out: str = ""
+    """Run directory; empty = runs/<model>-<date>-<time>."""
+    eval_every: int = 100
+    eval_batches: int = 4
+    ckpt_every: int = 100
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    resume: bool = False
+    """Continue from the newest checkpoint in `out`."""
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+    device: str = "auto"
+    """'auto' (CUDA if present), 'cpu' or 'cuda'."""
+    progress: bool = True
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self) -> "TrainConfig":
+        problems = []
+        for name in ("steps", "global_batch", "seq_len", "eval_batches", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("nproc", "warmup_steps", "ckpt_every", "eval_every", "sample_tokens"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must not be negative")
+        if self.dtype not in ("fp32", "bf16"):
+            problems.append(f"dtype={self.dtype!r} must be 'fp32' or 'bf16'")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
+        if self.lr <= 0 or self.min_lr < 0:
+            problems.append("lr must be positive and min_lr not negative")
+        if problems:
+            raise UserError("invalid settings: " + "; ".join(problems))
+        return self
+
+
+FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}
+
+
+def _check_type(key: str, value: Any, source: str) -> Any:
+    expected = type(getattr(TrainConfig(), key))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not expected:
+        raise UserError(f"{source}: {key} = {value!r} should be of type {expected.__name__}")
+    return value
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+    """Defaults, then the TOML file at `path`, then `overrides` (already typed, None = unset)."""
+    values: dict[str, Any] = {}
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"config file {path!r} does not exist")
+        try:
+            raw = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise UserError(f"config file {path!r} is not valid TOML: {error}") from None
+        for key, value in raw.items():
+            if key not in FIELDS:
+                raise UserError(f"unknown key {key!r} in {path}; valid keys: {', '.join(FIELDS)}")
+            values[key] = _check_type(key, value, path)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig(**values).validate()

@@ -1,0 +1,196 @@
+"""The training loop, run by every rank: one optimizer step per global batch."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from phalanx.data.batches import rank_batch
+from phalanx.data.corpus import load_corpus
+from phalanx.errors import UserError
+from phalanx.model.config import model_config
+from phalanx.parallel.apply import parallelize
+from phalanx.parallel.data_parallel import set_gradient_sync
+from phalanx.parallel.mesh import ParallelMesh, build_mesh
+from phalanx.plan import Plan, plan_from_string
+from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from phalanx.train.config import TrainConfig
+from phalanx.train.metrics import MetricsLog, plot_loss
+from phalanx.train.progress import Progress
+from phalanx.train.sample import generate
+from phalanx.train.schedule import lr_at
+
+EVAL_SEED = 7919
+"""Validation windows use their own seed, the same for every run and every step."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    """Global-batch mean loss of each step this process ran (after a resume: from there)."""
+    val_loss: float | None = None
+    sample: str = ""
+    interrupted: bool = False
+    steps_done: int = 0
+
+
+def resolve_plan(text: str, world_size: int) -> Plan:
+    """An empty plan means plain data parallelism over every process."""
+    return plan_from_string(text or f"dp={world_size}", world_size)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("device=cuda was asked for, but torch sees no CUDA device")
+    local_rank = dist.get_node_local_rank(fallback_rank=0) if dist.is_initialized() else 0
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def accumulation_steps(cfg: TrainConfig, plan: Plan) -> int:
+    """Micro-batches per optimizer step on each data-parallel rank."""
+    steps = plan.num_microbatches
+    if cfg.global_batch % (plan.dp * steps):
+        raise UserError(
+            f"global_batch={cfg.global_batch} must divide evenly into dp={plan.dp} ranks x "
+            f"microbatches={steps} (= {plan.dp * steps} micro-batches)"
+        )
+    return steps
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak allocated accelerator memory, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _global_norm(norm: torch.Tensor) -> float:
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def batch_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
+    """Mean next-token cross-entropy over every token of the batch."""
+    with autocast():
+        logits = model(inputs)  # (batch, seq, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@torch.no_grad()
+def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast) -> float:
+    model.eval()
+    total = torch.zeros((), device=mesh.device)
+    for i in range(cfg.eval_batches):
+        inputs, targets = rank_batch(
+            tokens, seed=EVAL_SEED, step=i, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+            dp_rank=mesh.dp_rank, dp_size=mesh.plan.dp,
+        )
+        total += batch_loss(model, inputs.to(mesh.device), targets.to(mesh.device), autocast)
+    model.train()
+    return float(mesh.all_reduce_mean(total / cfg.eval_batches))
+
+
+def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
+    """Train on this rank. With a process group, every rank of the group must call this."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    model_cfg = model_config(cfg.model)
+    plan = resolve_plan(cfg.plan, world_size)
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
+    accum = accumulation_steps(cfg, plan)
+    device = pick_device(cfg.device)
+    mesh = build_mesh(plan, device)
+    corpus = load_corpus(cfg.data)
+    if int(corpus.train.max()) >= model_cfg.vocab_size:
+        raise UserError(f"the data holds token ids up to {int(corpus.train.max())}, beyond the vocabulary of {cfg.model!r} ({model_cfg.vocab_size})")
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16" else contextlib.nullcontext
+    )
+
+    model = parallelize(model_cfg, mesh, seed=cfg.seed)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+    start_step, result = 0, TrainResult(run_dir=run_dir)
+    found = latest_checkpoint(run_dir) if cfg.resume else None
+    if cfg.resume and found is None:
+        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'}")
+    if found:
+        start_step = load_checkpoint(found[1], model, optimizer)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
+    progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
+    per_rank = cfg.global_batch // plan.dp
+    micro = per_rank // accum
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    last_ckpt = found[0] if found else None
+
+    try:
+        for step in range(start_step, cfg.steps):
+            began = time.perf_counter()
+            lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            inputs, targets = rank_batch(
+                corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+                dp_rank=mesh.dp_rank, dp_size=plan.dp,
+            )
+            inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq)
+            loss_sum = torch.zeros((), device=device)
+            for i in range(accum):
+                set_gradient_sync(model, i == accum - 1)
+                rows = slice(i * micro, (i + 1) * micro)
+                loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
+                loss.backward()
+                loss_sum += loss.detach()
+            grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
+            step_time = time.perf_counter() - began
+            result.losses.append(loss_value)
+            record = {
+                "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
+                "peak_mem_mb": peak_memory_mb(device),
+            }
+            done = step + 1
+            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast)
+            if metrics:
+                metrics.write(record)
+            progress.update(record)
+            if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
+                save_checkpoint(run_dir, done, model, optimizer, rank=rank, keep=cfg.keep_checkpoints)
+                last_ckpt = done
+            result.steps_done = done
+    except KeyboardInterrupt:
+        result.interrupted = True
+        progress.close()
+        if rank == 0:
+            where = f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt else "none yet"
+            print(f"\ninterrupted after step {result.steps_done}; last checkpoint: {where}; "
+                  f"continue with: phalanx train --out {run_dir} --resume")
+        return result
+    progress.close()
+    if rank == 0:
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    if cfg.sample_tokens:
+        result.sample = generate(
+            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed
+        )
+    return result

@@ -1,0 +1,50 @@
+"""The run's record: one JSON line per step in metrics.jsonl, and a loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends step records; on resume, first drops records past the checkpoint's step so
+    the file reads as one continuous run."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None:
+            path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+def plot_loss(metrics_path: Path, png_path: Path) -> None:
+    """Train loss per step, and validation loss where it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    figure, axes = plt.subplots(figsize=(7, 4))
+    axes.plot([r["step"] for r in records], [r["loss"] for r in records], label="train", linewidth=1)
+    val = [r for r in records if "val_loss" in r]
+    if val:
+        axes.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats per token)")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=100)
+    plt.close(figure)
