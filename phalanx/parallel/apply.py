@@ -3,20 +3,22 @@
 The order is fixed, and each step relies on the ones before it:
   1. pipeline split  - delete the layers this stage does not own (plain deletions);
   2. tensor parallel - swap the remaining parameters for DTensors sharded over "tp";
-  3. FSDP            - shard what is left over "dp" (wraps DTensors, so it comes after TP);
-  4. materialize     - allocate and fill weights from the seed, each rank only its shard;
-  5. DDP             - replicated data parallelism wraps real weights, so it comes last.
+  3. expert parallel - keep only this rank's experts, route tokens by all-to-all over "ep";
+  4. recompute       - activation checkpointing wraps whole (already parallel) blocks;
+  5. FSDP            - shard what is left over "dp" (wraps DTensors, so it comes after TP);
+  6. materialize     - allocate and fill weights from the seed, each rank only its shard;
+  7. DDP             - replicated data parallelism wraps real weights, so it comes last.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import build_model, init_weights
 from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp
 from phalanx.parallel.mesh import ParallelMesh
-from phalanx.errors import UserError
 
 
 def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int) -> nn.Module:

@@ -45,6 +45,22 @@ class ParallelMesh:
     def dp_rank(self) -> int:
         return self.axis_rank("dp")
 
+    def split_dp(self, outer: str, inner: str, inner_size: int):
+        """A DeviceMesh ("pp", outer, inner, "tp") that splits the dp axis into
+        dp / inner_size x inner_size, inner ranks adjacent; index it by name for sub-meshes.
+
+        HSDP uses ("replicate", "shard"); expert parallelism ("edp", "ep"). Every rank must call
+        this (it creates process groups); results are cached per split.
+        """
+        key = (outer, inner, inner_size)
+        if key not in self._groups:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            plan = self.plan
+            ranks = torch.arange(self.world_size).view(plan.pp, plan.dp // inner_size, inner_size, plan.tp)
+            self._groups[key] = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", outer, inner, "tp"))
+        return self._groups[key]
+
     def all_reduce_mean(self, value: torch.Tensor, axis: str = "dp") -> torch.Tensor:
         """Mean of `value` over one mesh axis (no-op for one process)."""
         size = getattr(self.plan, axis)
