@@ -11,6 +11,7 @@ import datetime
 import time
 import multiprocessing
 import os
+import pickle
 import socket
 import traceback
 from multiprocessing.connection import wait
@@ -37,9 +38,13 @@ def _child(rank: int, world_size: int, port: int, timeout_s: float, fn, args, co
             "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
         )
         result = fn(*args)
-        conn.send(("ok", result))
+        message = ("ok", result)
     except BaseException:  # report everything, including SystemExit, to the parent
-        conn.send(("error", traceback.format_exc()))
+        message = ("error", traceback.format_exc())
+    try:
+        # Plain pickle copies tensors into the message; multiprocessing's own pickler would
+        # share their memory through this process, which is about to exit.
+        conn.send_bytes(pickle.dumps(message))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -78,7 +83,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
                 break
             for rank in [r for r, pipe in waiting.items() if pipe in ready]:
                 try:
-                    status, payload = waiting.pop(rank).recv()
+                    status, payload = pickle.loads(waiting.pop(rank).recv_bytes())
                 except EOFError:
                     procs[rank].join(5)
                     errors.append(f"rank {rank}: died without a result (exit code {procs[rank].exitcode})")

@@ -40,6 +40,8 @@ class TrainResult:
     sample: str = ""
     interrupted: bool = False
     steps_done: int = 0
+    model: object = None
+    """The trained (parallelized) model, for tests that compare weights."""
 
 
 def resolve_plan(text: str, world_size: int) -> Plan:
@@ -112,6 +114,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
     corpus = load_corpus(cfg.data)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if int(corpus.train.max()) >= model_cfg.vocab_size:
         raise UserError(f"the data holds token ids up to {int(corpus.train.max())}, beyond the vocabulary of {cfg.model!r} ({model_cfg.vocab_size})")
     autocast = (
@@ -126,7 +129,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
     )
 
-    start_step, result = 0, TrainResult(run_dir=run_dir)
+    start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
     found = latest_checkpoint(run_dir) if cfg.resume else None
     if cfg.resume and found is None:
         raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'}")
