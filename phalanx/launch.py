@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from phalanx.data.corpus import check_data_path
 from phalanx.errors import UserError
+from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -112,29 +114,47 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
 
     nproc = cfg.nproc or default_nproc(cfg.device)
     check_nproc(nproc, cfg.device)
-    model_config(cfg.model)  # fail here, not in every worker
-    resolve_plan(cfg.plan, nproc)
-    if cfg.data and not Path(cfg.data).expanduser().exists():
-        raise UserError(f"data path {cfg.data!r} does not exist")
+    from phalanx.train.loop import accumulation_steps, check_sequence_length
+
+    model_cfg = model_config(cfg.model)  # fail here, not in every worker
+    check_sequence_length(cfg, model_cfg)
+    accumulation_steps(cfg, resolve_plan(cfg.plan, nproc))
+    if cfg.data:
+        check_data_path(cfg.data)
     run_dir = resolve_run_dir(cfg)
-    if run_dir.exists() and not cfg.resume and any(run_dir.glob("checkpoints/step_*")):
+    if cfg.resume and latest_checkpoint(run_dir) is None:
+        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'}")
+    if not cfg.resume and latest_checkpoint(run_dir) is not None:
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(nproc=nproc, out=str(run_dir))
     print(f"phalanx: training {cfg.model} on {nproc} process{'es' if nproc > 1 else ''}, "
           f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
     if nproc == 1:
-        return worker_main(asdict(cfg), str(run_dir))
-    return _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
+        status = worker_main(asdict(cfg), str(run_dir))
+    else:
+        status = _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
+    if status == 130:
+        print(interrupted_message(run_dir), file=sys.stderr)
+    return status
+
+
+def interrupted_message(run_dir: Path) -> str:
+    found = latest_checkpoint(run_dir)
+    where = f"step {found[0]} in {found[1]}" if found else "none was written yet"
+    return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume"
 
 
 def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.testing.fork_ranks import free_port
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The agent's loggers each carry their own level; quiet them all, errors still show.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"phalanx-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
@@ -145,6 +165,8 @@ def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: s
     )
     try:
         elastic_launch(config, _elastic_entry)(asdict(cfg), run_dir)
+    except (SignalException, KeyboardInterrupt):
+        return 130  # the agent has already stopped the workers
     except ChildFailedError as error:
         codes = {failure.exitcode for failure in error.failures.values()}
         if codes <= {2}:

@@ -70,6 +70,11 @@ def accumulation_steps(cfg: TrainConfig, plan: Plan) -> int:
     return steps
 
 
+def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated accelerator memory, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
@@ -108,8 +113,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     rank = dist.get_rank() if dist.is_initialized() else 0
     model_cfg = model_config(cfg.model)
     plan = resolve_plan(cfg.plan, world_size)
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
+    check_sequence_length(cfg, model_cfg)
     accum = accumulation_steps(cfg, plan)
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
@@ -140,7 +144,6 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     per_rank = cfg.global_batch // plan.dp
     micro = per_rank // accum
     tokens_per_step = cfg.global_batch * cfg.seq_len
-    last_ckpt = found[0] if found else None
 
     try:
         for step in range(start_step, cfg.steps):
@@ -179,15 +182,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
             progress.update(record)
             if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
                 save_checkpoint(run_dir, done, model, optimizer, rank=rank, keep=cfg.keep_checkpoints)
-                last_ckpt = done
             result.steps_done = done
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the launcher reports where the last checkpoint is
         result.interrupted = True
         progress.close()
-        if rank == 0:
-            where = f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt else "none yet"
-            print(f"\ninterrupted after step {result.steps_done}; last checkpoint: {where}; "
-                  f"continue with: phalanx train --out {run_dir} --resume")
         return result
     progress.close()
     if rank == 0:
