@@ -85,11 +85,15 @@ def main() -> None:
             times["plain"] += run_ranks(2, plain_arm, *shape, "", timeout_s=900)[0]
             print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     medians = {arm: statistics.median(values) for arm, values in times.items()}
+    fastest = {arm: min(values) for arm, values in times.items()}
     print(f"model {args.model}, dp=2 on 2 gloo ranks, global batch {args.global_batch} x {args.seq_len} tokens, "
           f"{len(times['plain'])} measured steps per arm")
-    for arm, median in medians.items():
-        print(f"  {arm:8s} median step {median * 1000:8.1f} ms")
-    print(f"ratio phalanx / plain = {medians['phalanx'] / medians['plain']:.3f}  (target <= 1.03)")
+    for arm in times:
+        print(f"  {arm:8s} median step {medians[arm] * 1000:8.1f} ms   fastest step {fastest[arm] * 1000:8.1f} ms")
+    # The fastest step is the least disturbed by other work on a shared machine; the median
+    # is the typical step. Both ratios are printed; the target applies to both.
+    print(f"ratio phalanx / plain = {medians['phalanx'] / medians['plain']:.3f} (median), "
+          f"{fastest['phalanx'] / fastest['plain']:.3f} (fastest)  (target <= 1.03)")
 
 
 if __name__ == "__main__":

@@ -31,12 +31,19 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def default_nproc(device: str) -> int:
-    """One worker per GPU; on CPU a single process that uses every core (threads), since
-    splitting a small model over processes only adds communication."""
-    if device != "cpu" and torch.cuda.is_available():
+def default_nproc(cfg: TrainConfig) -> int:
+    """Workers when --nproc is not given: as many as the plan names; else one per GPU; else
+    one per CPU core (at most 8), lowered until it divides the global batch."""
+    from phalanx.plan import parse_plan
+
+    if cfg.plan and cfg.plan != "auto":
+        return parse_plan(cfg.plan)[0].world_size
+    if cfg.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
-    return 1
+    nproc = min(usable_cores(), 8)
+    while cfg.global_batch % nproc:
+        nproc -= 1
+    return nproc
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -112,7 +119,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     from phalanx.model.config import model_config
     from phalanx.train.loop import resolve_plan
 
-    nproc = cfg.nproc or default_nproc(cfg.device)
+    nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
     from phalanx.train.loop import accumulation_steps, check_sequence_length
 

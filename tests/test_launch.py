@@ -23,7 +23,7 @@ def test_nproc_and_torchrun_match_one_process(tmp_path):
     """Same tolerance as tests/test_data_parallel.py (1e-4: float reassociation of the
     gradient all-reduce over 3 AdamW steps)."""
     python = sys.executable
-    subprocess.run([python, "-m", "phalanx", "train", *ARGS, "--out", str(tmp_path / "one")], check=True, timeout=120)
+    subprocess.run([python, "-m", "phalanx", "train", *ARGS, "--nproc", "1", "--out", str(tmp_path / "one")], check=True, timeout=120)
     subprocess.run([python, "-m", "phalanx", "train", *ARGS, "--nproc", "2", "--out", str(tmp_path / "two")], check=True, timeout=120)
     subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "phalanx", "train", *ARGS, "--plan", "dp=2,fsdp=true",
