@@ -112,8 +112,11 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
 
     nproc = cfg.nproc or default_nproc(cfg.device)
     check_nproc(nproc, cfg.device)
-    model_config(cfg.model)  # fail here, not in every worker
-    resolve_plan(cfg.plan, nproc)
+    from phalanx.parallel.apply import validate_for_model
+
+    # Fail here, in one line, not in every worker.
+    validate_for_model(resolve_plan(cfg.plan, nproc), model_config(cfg.model), global_batch=cfg.global_batch,
+                       seq_len=cfg.seq_len)
     if cfg.data and not Path(cfg.data).expanduser().exists():
         raise UserError(f"data path {cfg.data!r} does not exist")
     run_dir = resolve_run_dir(cfg)

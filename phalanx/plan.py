@@ -1,6 +1,7 @@
 """A parallel layout as plain data, and the `--plan` string grammar that writes it.
 
     dp=2,tp=2,pp=2,ep=2,fsdp=true,sp=true,schedule=interleaved,virtual=2,microbatches=8
+    pp=2,split=3:1        (hand-given layers per pipeline stage)
 
 The planner emits this same dataclass, so a chosen plan can be printed, saved, edited and run.
 Rank order (documented in docs/layout.md): tp is innermost (fastest links), then dp, then pp
@@ -44,6 +45,9 @@ class Plan:
     """Micro-batches per optimizer step per data-parallel rank; 0 picks a default (pp, or 1)."""
     recompute: str = "none"
     """Activation checkpointing: none, selective or full."""
+    split: str = ""
+    """Transformer layers per pipeline stage by hand, `a:b:...` (pp x virtual counts, in stage
+    order); empty = balanced by estimated cost (see `phalanx.parallel.stage_split`)."""
 
     @property
     def world_size(self) -> int:
@@ -98,6 +102,8 @@ class Plan:
             problems.append(
                 f"schedule={self.schedule} with pp={self.pp} needs microbatches >= {self.pp}, got {self.num_microbatches}"
             )
+        if self.split and self.pp == 1:
+            problems.append(f"split={self.split} divides layers between pipeline stages, but pp=1")
         if world_size is not None and self.world_size != world_size:
             problems.append(
                 f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size}, "

@@ -18,7 +18,10 @@ def generate(model: nn.Module, prompt: str, *, tokens: int, max_seq_len: int, de
     was_training = model.training
     model.eval()
     for _ in range(tokens):
-        logits = model(ids[:, -max_seq_len:])[0, -1].float().cpu()  # (vocab,)
+        logits = model(ids[:, -max_seq_len:])  # (1, seq, vocab), vocab-sharded under tp
+        if hasattr(logits, "full_tensor"):
+            logits = logits.full_tensor()
+        logits = logits[0, -1].float().cpu()  # (vocab,)
         values, choices = (logits / temperature).topk(top_k)
         pick = choices[torch.multinomial(values.softmax(-1), 1, generator=generator)]
         ids = torch.cat([ids, pick.to(device)[None]], dim=1)
