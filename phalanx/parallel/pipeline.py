@@ -83,8 +83,8 @@ def min_microbatches(plan: Plan) -> int:
     """Fewest micro-batches each schedule accepts (checked before any worker starts)."""
     if plan.pp == 1 or plan.schedule == "gpipe":
         return 1
-    if plan.schedule in ("zbv", "dualpipev"):
-        return 2 * plan.pp
+    if plan.schedule == "dualpipev":
+        return 2 * plan.pp  # one per stage, and each rank holds two
     return plan.pp
 
 
@@ -111,10 +111,11 @@ def validate_pp(plan: Plan, cfg: ModelConfig) -> list[str]:
         problems.append(
             f"schedule={plan.schedule} with pp={plan.pp} needs microbatches >= {need}, got {plan.num_microbatches}"
         )
-    if plan.schedule == "interleaved" and plan.num_microbatches % plan.pp:
+    rounds = max(1, plan.num_microbatches // plan.pp)
+    if plan.schedule == "interleaved" and plan.num_microbatches % rounds:
         problems.append(
-            f"schedule=interleaved runs micro-batches in rounds of pp={plan.pp}; "
-            f"microbatches={plan.num_microbatches} must be a multiple of it"
+            f"schedule=interleaved runs microbatches={plan.num_microbatches} in {rounds} rounds of about "
+            f"pp={plan.pp}; use a count that splits evenly ({rounds * plan.pp} or {(rounds + 1) * plan.pp})"
         )
     return problems
 
