@@ -211,10 +211,12 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if cfg.sample_tokens and plan.pp > 1 and rank == 0:
-        print("phalanx: no end-of-run sample under pipeline parallelism (generation runs unpipelined)")
+    if cfg.sample_tokens and plan.pp > 1:
+        if rank == 0:
+            print("phalanx: no end-of-run sample under pipeline parallelism (generation is not pipelined)")
     elif cfg.sample_tokens:
         result.sample = generate(
-            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed
+            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed,
+            pad_to=plan.tp if plan.sp else 1,
         )
     return result
