@@ -67,6 +67,12 @@ class StageModules(nn.Module):
     def forward(self, *args):
         raise RuntimeError("StageModules is a container; the pipeline schedule runs its chunks")
 
+    def train(self, mode: bool = True) -> "StageModules":
+        super().train(mode)
+        for chunk in self.chunks:  # not children, so not reached by the call above
+            chunk.train(mode)
+        return self
+
 
 @dataclass
 class Pipeline:

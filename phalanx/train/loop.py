@@ -24,7 +24,9 @@ from phalanx.plan import Plan, plan_from_string
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import MetricsLog, plot_loss
-from phalanx.train.pipeline_step import WaitClock, bubble_record, make_pipeline, pipeline_step, token_loss
+from phalanx.train.pipeline_step import (
+    WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_step, token_loss,
+)
 from phalanx.train.progress import Progress
 from phalanx.train.sample import generate
 from phalanx.train.schedule import lr_at
@@ -102,7 +104,7 @@ def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipe
         )
         inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
         if pipeline is not None:
-            total += pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast, evaluate=True)
+            total += pipeline_forward_loss(model, mesh, inputs, targets, autocast=autocast)
         else:
             with loss_context(mesh.plan):
                 total += _plain(batch_loss(model, inputs, targets, autocast))

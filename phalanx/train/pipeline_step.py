@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from phalanx.parallel.mesh import ParallelMesh
-from phalanx.parallel.pipeline import Pipeline, build_schedule
+from phalanx.parallel.pipeline import Pipeline, build_schedule, stages_of_rank
 from phalanx.parallel.tensor_parallel import loss_context
 
 
@@ -61,17 +61,14 @@ class WaitClock:
 
 
 def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor,
-                  *, autocast, evaluate: bool = False) -> torch.Tensor:
-    """Forward and backward (or with `evaluate`, forward only) of this dp rank's batch;
-    returns its mean loss, the same on every pp rank."""
+                  *, autocast) -> torch.Tensor:
+    """Forward and backward of this dp rank's batch; returns its mean loss, the same on
+    every pp rank."""
     losses: list[torch.Tensor] = []
     with loss_context(mesh.plan), autocast():
         kwargs = {"target": targets if pipeline.has_last else None, "losses": losses}
         args = (inputs,) if pipeline.has_first else ()
-        if evaluate:
-            pipeline.schedule.eval(*args, **kwargs)
-        else:
-            pipeline.schedule.step(*args, **kwargs)
+        pipeline.schedule.step(*args, **kwargs)
     loss = torch.zeros((), device=mesh.device)
     if pipeline.has_last:
         values = [l.full_tensor() if hasattr(l, "full_tensor") else l for l in losses]
@@ -94,3 +91,45 @@ def bubble_record(wait_s: float, step_time_s: float, plan, mesh: ParallelMesh) -
     by_stage = [round(float(w) / step_time_s, 4) for w in waits]
     record.update(bubble=sum(by_stage) / len(by_stage), bubble_by_rank=by_stage)
     return record
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@torch.no_grad()
+def pipeline_forward_loss(model, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor, *,
+                          autocast) -> torch.Tensor:
+    """Forward only, the whole batch as one micro-batch, stage after stage; returns the mean
+    loss on every pp rank. For validation: simpler than a schedule's `eval` (which the
+    V-shaped schedules do not support), and the same for every schedule.
+
+    Hidden states travel between the pp ranks that hold consecutive stages, preceded by their
+    shape and dtype (the receiver does not know the sequence split or the autocast dtype).
+    """
+    plan = mesh.plan
+    group = mesh.group("pp")
+    me = mesh.axis_rank("pp")
+    owner = {stage: r for r in range(plan.pp) for stage in stages_of_rank(plan, r)}
+    chunks = dict(zip(model.stage_indices, model.chunks))
+    n_stages = plan.pp * plan.virtual
+    hidden, loss = inputs, torch.zeros((), device=mesh.device)
+    with loss_context(plan), autocast():
+        for stage in range(n_stages):
+            if owner[stage] != me:
+                continue
+            source = owner.get(stage - 1, me)
+            if source != me:
+                header = torch.zeros(4, dtype=torch.int64, device=mesh.device)
+                dist.recv(header, group=group, group_src=source)  # (batch, seq, dim, dtype index)
+                hidden = torch.empty(tuple(header[:3].tolist()), dtype=_DTYPES[int(header[3])], device=mesh.device)
+                dist.recv(hidden, group=group, group_src=source)
+            hidden = chunks[stage](hidden)
+            if stage == n_stages - 1:
+                value = token_loss(hidden, targets)
+                loss = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().float()
+            elif owner[stage + 1] != me:
+                header = torch.tensor([*hidden.shape, _DTYPES.index(hidden.dtype)], dtype=torch.int64, device=mesh.device)
+                dist.send(header, group=group, group_dst=owner[stage + 1])
+                dist.send(hidden.contiguous(), group=group, group_dst=owner[stage + 1])
+    dist.all_reduce(loss, group=group)  # only the last stage's rank adds a value
+    return loss
