@@ -40,7 +40,8 @@ class Plan:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zbv or dualpipev."""
     virtual: int = 1
-    """Model chunks per pipeline rank (interleaved uses >= 2, zbv and dualpipev use 2)."""
+    """Model chunks per pipeline rank (interleaved uses >= 2, zbv and dualpipev use 2). A `--plan`
+    string that names one of those schedules without `virtual` gets virtual=2."""
     microbatches: int = 0
     """Micro-batches per optimizer step per data-parallel rank; 0 picks a default (pp, or 1)."""
     recompute: str = "none"
@@ -154,6 +155,8 @@ def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, di
         else:
             valid = ", ".join([*_FIELDS, *extra_keys])
             raise UserError(f"unknown plan key {key!r}; valid keys: {valid}")
+    if values.get("schedule") in ("interleaved", "zbv", "dualpipev") and "virtual" not in values:
+        values["virtual"] = 2  # the multi-chunk schedules' usual (and for zbv/dualpipev only) value
     return Plan(**values), extras
 
 

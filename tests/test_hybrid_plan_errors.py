@@ -40,3 +40,14 @@ def test_invalid_plan_fails_before_launch(tmp_path, no_workers, nproc, plan, ext
                       nproc=nproc, plan=plan).replace(**extra)
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         launch.launch_train(cfg)
+
+
+def test_multi_chunk_schedules_default_to_two_chunks_in_plan_strings():
+    """The issue's example names no `virtual`; the string grammar fills in 2 and round-trips."""
+    from phalanx.plan import plan_from_string
+
+    plan = plan_from_string("dp=2,tp=2,pp=2,schedule=interleaved,microbatches=8", 8)
+    assert plan.virtual == 2
+    assert plan_from_string(plan.to_string(), 8) == plan
+    assert plan_from_string("pp=2,schedule=dualpipev", 2).virtual == 2
+    assert plan_from_string("pp=2,schedule=interleaved,virtual=3", 2).virtual == 3
