@@ -32,9 +32,11 @@ class WaitClock:
     """Seconds this rank spends blocked on pipeline sends and receives.
 
     The schedules wait for their point-to-point transfers through one module function
-    (`schedules._wait_batch_p2p`, present in torch 2.11 to 2.13); it is wrapped once per process
-    to add up those waits. Where a torch version lacks it, `available` is False and the bubble
-    is reported as unmeasured (None) rather than guessed.
+    (`schedules._wait_batch_p2p`, private but long-standing); it is wrapped once per process to
+    add up those waits. Where a torch version lacks it, `available` is False and the bubble is
+    reported as unmeasured (None) rather than guessed. This is host time: with gloo the host
+    blocks until data arrives; with NCCL a wait only orders CUDA streams, so on GPUs this clock
+    undercounts (measuring there needs CUDA events, not done yet).
     """
 
     seconds = 0.0
@@ -86,8 +88,9 @@ def bubble_record(wait_s: float, step_time_s: float, plan, mesh: ParallelMesh) -
     if not WaitClock.available:
         record["bubble"] = None
         return record
-    waits = [torch.zeros((), dtype=torch.float64) for _ in range(plan.pp)]
-    dist.all_gather(waits, torch.tensor(wait_s, dtype=torch.float64), group=mesh.group("pp"))
+    # On the mesh's device: NCCL only moves accelerator tensors.
+    waits = [torch.zeros((), dtype=torch.float64, device=mesh.device) for _ in range(plan.pp)]
+    dist.all_gather(waits, torch.tensor(wait_s, dtype=torch.float64, device=mesh.device), group=mesh.group("pp"))
     by_stage = [round(float(w) / step_time_s, 4) for w in waits]
     record.update(bubble=sum(by_stage) / len(by_stage), bubble_by_rank=by_stage)
     return record
