@@ -149,14 +149,16 @@ def _train_then_resume(cfg: TrainConfig, first: str, second: str, world: int) ->
     return run.losses, run.val_loss, resumed.losses, resumed.val_loss
 
 
-def test_checkpoint_moves_between_pipeline_and_tensor_layouts(base_config, reference):
-    """A checkpoint written by a zbv pipeline (each rank its two stages, under the model's own
-    parameter names) resumes as tp=2 with sequence parallelism; steps 3-4 match one process,
-    and the pipelined validation loss matches the tensor-parallel one. Tolerance as above."""
-    cfg = base_config.replace(out=base_config.out + "/resume")
-    first, first_val, resumed, resumed_val = run_ranks(
-        2, _train_then_resume, cfg, "pp=2,schedule=zbv,virtual=2", "tp=2,sp=true", 2, timeout_s=300
-    )[0]
+@pytest.mark.parametrize("world, first, second", [
+    (2, "pp=2,schedule=zbv,virtual=2", "tp=2,sp=true"),
+    (4, "tp=2,pp=2", "dp=2,pp=2,fsdp=true,schedule=interleaved,virtual=2"),
+])
+def test_checkpoint_moves_between_layouts(base_config, reference, world, first, second):
+    """A checkpoint written by one layout (pipeline ranks save their own stages, under the
+    model's own parameter names) resumes in another; steps 3-4 match one process, and the
+    validation losses of the two layouts at step 4 agree. Tolerance as above."""
+    cfg = base_config.replace(out=base_config.out + f"/resume-{world}")
+    first, first_val, resumed, resumed_val = run_ranks(world, _train_then_resume, cfg, first, second, world, timeout_s=300)[0]
     ref_losses = reference[0]
     assert max(abs(a - b) for a, b in zip(first, ref_losses)) < TOLERANCE
     assert len(resumed) == 2 and max(abs(a - b) for a, b in zip(resumed, ref_losses[2:])) < TOLERANCE
