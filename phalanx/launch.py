@@ -121,11 +121,13 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
 
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
-    from phalanx.train.loop import accumulation_steps, check_sequence_length
+    from phalanx.parallel.apply import validate_for_model
+    from phalanx.train.loop import check_sequence_length
 
-    model_cfg = model_config(cfg.model)  # fail here, not in every worker
+    # Fail here, in one line, not in every worker.
+    model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
-    accumulation_steps(cfg, resolve_plan(cfg.plan, nproc))
+    validate_for_model(resolve_plan(cfg.plan, nproc), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len)
     if cfg.data:
         check_data_path(cfg.data)
     run_dir = resolve_run_dir(cfg)

@@ -1,6 +1,7 @@
 """A parallel layout as plain data, and the `--plan` string grammar that writes it.
 
     dp=2,tp=2,pp=2,ep=2,fsdp=true,sp=true,schedule=interleaved,virtual=2,microbatches=8
+    pp=2,split=3:1        (hand-given layers per pipeline stage)
 
 The planner emits this same dataclass, so a chosen plan can be printed, saved, edited and run.
 Rank order (documented in docs/layout.md): tp is innermost (fastest links), then dp, then pp
@@ -39,11 +40,15 @@ class Plan:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b, interleaved, zbv or dualpipev."""
     virtual: int = 1
-    """Model chunks per pipeline rank (interleaved uses >= 2, zbv and dualpipev use 2)."""
+    """Model chunks per pipeline rank (interleaved uses >= 2, zbv and dualpipev use 2). A `--plan`
+    string that names one of those schedules without `virtual` gets virtual=2."""
     microbatches: int = 0
     """Micro-batches per optimizer step per data-parallel rank; 0 picks a default (pp, or 1)."""
     recompute: str = "none"
     """Activation checkpointing: none, selective or full."""
+    split: str = ""
+    """Transformer layers per pipeline stage by hand, `a:b:...` (pp x virtual counts, in stage
+    order); empty = balanced by estimated cost (see `phalanx.parallel.stage_split`)."""
 
     @property
     def world_size(self) -> int:
@@ -98,6 +103,8 @@ class Plan:
             problems.append(
                 f"schedule={self.schedule} with pp={self.pp} needs microbatches >= {self.pp}, got {self.num_microbatches}"
             )
+        if self.split and self.pp == 1:
+            problems.append(f"split={self.split} divides layers between pipeline stages, but pp=1")
         if world_size is not None and self.world_size != world_size:
             problems.append(
                 f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size}, "
@@ -148,6 +155,8 @@ def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, di
         else:
             valid = ", ".join([*_FIELDS, *extra_keys])
             raise UserError(f"unknown plan key {key!r}; valid keys: {valid}")
+    if values.get("schedule") in ("interleaved", "zbv", "dualpipev") and "virtual" not in values:
+        values["virtual"] = 2  # the multi-chunk schedules' usual (and for zbv/dualpipev only) value
     return Plan(**values), extras
 
 

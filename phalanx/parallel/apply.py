@@ -1,13 +1,18 @@
 """Turn a single-device model on the meta device into this rank's part of the layout.
 
 The order is fixed, and each step relies on the ones before it:
-  1. pipeline split  - delete the layers this stage does not own (plain deletions);
-  2. tensor parallel - swap the remaining parameters for DTensors sharded over "tp";
+  1. pipeline split  - delete the layers this stage does not own (plain deletions), so every
+                       later step only touches what this rank keeps;
+  2. tensor parallel - swap the remaining parameters for DTensors sharded over "tp"
+                       (`parallelize_module` needs the plain modules, before any wrapper);
   3. expert parallel - keep only this rank's experts, route tokens by all-to-all over "ep";
   4. recompute       - activation checkpointing wraps whole (already parallel) blocks;
-  5. FSDP            - shard what is left over "dp" (wraps DTensors, so it comes after TP);
+  5. FSDP            - shard what is left over "dp" (wraps DTensors, so it comes after TP,
+                       and wraps the checkpointed block, so recompute re-gathers its weights);
   6. materialize     - allocate and fill weights from the seed, each rank only its shard;
-  7. DDP             - replicated data parallelism wraps real weights, so it comes last.
+  7. DDP             - replicated data parallelism wraps real weights, so it comes last
+                       (only for pure data parallelism: with tp or pp, FSDP2 replicates).
+With pipeline parallelism steps 2-6 run once per chunk this rank holds.
 """
 
 from __future__ import annotations
@@ -17,19 +22,60 @@ from torch import nn
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import build_model, init_weights
-from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp
+from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from phalanx.parallel.mesh import ParallelMesh
+from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank, validate_pp
+from phalanx.parallel.recompute import apply_recompute
+from phalanx.parallel.stage_split import split_stages
+from phalanx.parallel.tensor_parallel import apply_tp, validate_tp
+from phalanx.plan import Plan
 
 
-def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int) -> nn.Module:
+def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int) -> Plan:
+    """Checks that need the model's shape and the batch; raised before any worker starts."""
+    problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
+    micro = plan.dp * plan.num_microbatches
+    if global_batch % micro:
+        problems.append(
+            f"global_batch={global_batch} must divide evenly into dp={plan.dp} ranks x "
+            f"microbatches={plan.num_microbatches} (= {micro} micro-batches)"
+        )
+    if problems:
+        raise UserError("invalid plan for this model: " + "; ".join(problems))
+    return plan
+
+
+def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int) -> nn.Module:
+    """Steps 2-6 for one model or pipeline chunk."""
     plan = mesh.plan
-    unsupported = [f"{k}={getattr(plan, k)}" for k in ("tp", "pp", "ep") if getattr(plan, k) > 1]
-    if unsupported:
-        raise UserError(f"this build of phalanx runs data parallelism only; {', '.join(unsupported)} is not available yet")
-    model = build_model(cfg)
-    if plan.dp > 1 and plan.fsdp:
+    if plan.tp > 1:
+        apply_tp(model, mesh.tp_mesh(), sp=plan.sp)
+    apply_recompute(model, plan.recompute)
+    if uses_fsdp(plan):
         apply_fsdp(model, mesh)
-    init_weights(model, cfg, seed, mesh.device)
-    if plan.dp > 1 and not plan.fsdp:
-        model = apply_ddp(model, mesh)
-    return model
+    return init_weights(model, cfg, seed, mesh.device)
+
+
+def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int = 0,
+                microbatch_tokens: int = 0) -> nn.Module:
+    """This rank's model: a Transformer, or with pp > 1 a `StageModules` of its chunks.
+
+    `seq_len` and `microbatch_tokens` only inform the pipeline split's cost estimate.
+    """
+    plan = mesh.plan
+    if plan.ep > 1:
+        raise UserError(f"this build of phalanx has no expert parallelism yet; ep={plan.ep} is not available")
+    if plan.pp == 1:
+        model = _parallelize_part(build_model(cfg), cfg, mesh, seed)
+        if plan.dp > 1 and not uses_fsdp(plan):
+            model = apply_ddp(model, mesh)
+        return model
+    seq_len = seq_len or cfg.max_seq_len
+    split = split_stages(
+        cfg, plan.pp * plan.virtual, split=plan.split, seq_len=seq_len, tokens_per_microbatch=microbatch_tokens or seq_len
+    )
+    chunks, stages = [], stages_of_rank(plan, mesh.axis_rank("pp"))
+    for stage in stages:
+        chunk = keep_only(build_model(cfg), split[stage])
+        chunks.append(_parallelize_part(chunk, cfg, mesh, seed))
+    return StageModules(chunks, stages)

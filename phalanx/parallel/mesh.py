@@ -61,6 +61,32 @@ class ParallelMesh:
             self._groups[key] = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", outer, inner, "tp"))
         return self._groups[key]
 
+    def _dp_split_root(self):
+        """The DeviceMesh that FSDP's and TP's sub-meshes are cut from.
+
+        FSDP2 on top of tensor-parallel DTensors concatenates the dp and tp sub-meshes, which
+        only works when both come from the same root mesh. HSDP needs the dp axis split into
+        ("replicate", "shard"); replicated data parallelism composed with tp or pp is run as
+        HSDP with shard size 1 (FSDP2 then all-reduces gradients like DDP, but it understands
+        DTensor parameters and pipeline stages, which DDP does not).
+        """
+        plan = self.plan
+        if plan.fsdp and plan.replicate == 1:
+            return self.device_mesh
+        shard = plan.dp // plan.replicate if plan.fsdp else 1
+        return self.split_dp("replicate", "shard", shard)
+
+    def fsdp_mesh(self):
+        """The mesh `fully_shard` takes: 1-D "dp", or 2-D ("replicate", "shard") for HSDP."""
+        root = self._dp_split_root()
+        return root["dp"] if root is self.device_mesh else root["replicate", "shard"]
+
+    def tp_mesh(self):
+        """The "tp" sub-mesh, cut from the same root as `fsdp_mesh` (see `_dp_split_root`)."""
+        if self.plan.dp > 1:
+            return self._dp_split_root()["tp"]
+        return self.device_mesh["tp"]
+
     def all_reduce_mean(self, value: torch.Tensor, axis: str = "dp") -> torch.Tensor:
         """Mean of `value` over one mesh axis (no-op for one process)."""
         size = getattr(self.plan, axis)

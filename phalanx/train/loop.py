@@ -10,19 +10,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from phalanx.data.batches import rank_batch
 from phalanx.data.corpus import load_corpus
 from phalanx.errors import UserError
 from phalanx.model.config import model_config
-from phalanx.parallel.apply import parallelize
+from phalanx.parallel.apply import parallelize, validate_for_model
 from phalanx.parallel.data_parallel import set_gradient_sync
+from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
+from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import MetricsLog, plot_loss
+from phalanx.train.pipeline_step import (
+    WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_step, token_loss,
+)
 from phalanx.train.progress import Progress
 from phalanx.train.sample import generate
 from phalanx.train.schedule import lr_at
@@ -59,17 +63,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def accumulation_steps(cfg: TrainConfig, plan: Plan) -> int:
-    """Micro-batches per optimizer step on each data-parallel rank."""
-    steps = plan.num_microbatches
-    if cfg.global_batch % (plan.dp * steps):
-        raise UserError(
-            f"global_batch={cfg.global_batch} must divide evenly into dp={plan.dp} ranks x "
-            f"microbatches={steps} (= {plan.dp * steps} micro-batches)"
-        )
-    return steps
-
-
 def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
     if cfg.seq_len > model_cfg.max_seq_len:
         raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
@@ -82,19 +75,20 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _global_norm(norm: torch.Tensor) -> float:
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
 def batch_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
-    """Mean next-token cross-entropy over every token of the batch."""
+    """Mean next-token cross-entropy over every token of the batch (under tensor parallelism,
+    a replicated DTensor computed from vocabulary-sharded logits; run in `loss_context`)."""
     with autocast():
         logits = model(inputs)  # (batch, seq, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return token_loss(logits, targets)
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 @torch.no_grad()
-def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast) -> float:
+def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipeline=None) -> float:
     model.eval()
     total = torch.zeros((), device=mesh.device)
     for i in range(cfg.eval_batches):
@@ -102,7 +96,12 @@ def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast) -> f
             tokens, seed=EVAL_SEED, step=i, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
             dp_rank=mesh.dp_rank, dp_size=mesh.plan.dp,
         )
-        total += batch_loss(model, inputs.to(mesh.device), targets.to(mesh.device), autocast)
+        inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
+        if pipeline is not None:
+            total += pipeline_forward_loss(model, mesh, inputs, targets, autocast=autocast)
+        else:
+            with loss_context(mesh.plan):
+                total += _plain(batch_loss(model, inputs, targets, autocast))
     model.train()
     return float(mesh.all_reduce_mean(total / cfg.eval_batches))
 
@@ -114,7 +113,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     model_cfg = model_config(cfg.model)
     plan = resolve_plan(cfg.plan, world_size)
     check_sequence_length(cfg, model_cfg)
-    accum = accumulation_steps(cfg, plan)
+    validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len)
+    accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
     corpus = load_corpus(cfg.data)
@@ -125,7 +125,12 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16" else contextlib.nullcontext
     )
 
-    model = parallelize(model_cfg, mesh, seed=cfg.seed)
+    per_rank = cfg.global_batch // plan.dp
+    micro = per_rank // accum
+    model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len)
+    pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
+    if pipeline is not None:
+        WaitClock.install()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -141,8 +146,6 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         start_step = load_checkpoint(found[1], model, optimizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
-    per_rank = cfg.global_batch // plan.dp
-    micro = per_rank // accum
     tokens_per_step = cfg.global_batch * cfg.seq_len
 
     try:
@@ -156,14 +159,19 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 dp_rank=mesh.dp_rank, dp_size=plan.dp,
             )
             inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq)
-            loss_sum = torch.zeros((), device=device)
-            for i in range(accum):
-                set_gradient_sync(model, i == accum - 1)
-                rows = slice(i * micro, (i + 1) * micro)
-                loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
-                loss.backward()
-                loss_sum += loss.detach()
-            grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            WaitClock.seconds = 0.0
+            if pipeline is not None:
+                loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast)
+            else:
+                loss_sum = torch.zeros((), device=device)
+                for i in range(accum):
+                    set_gradient_sync(model, i == accum - 1)
+                    rows = slice(i * micro, (i + 1) * micro)
+                    with loss_context(plan):  # the backward too: loss_parallel has its own
+                        loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
+                        loss.backward()
+                    loss_sum += _plain(loss.detach())
+            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
@@ -174,9 +182,11 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "peak_mem_mb": peak_memory_mb(device),
             }
+            if pipeline is not None:
+                record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
             done = step + 1
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast)
+                record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
             if metrics:
                 metrics.write(record)
             progress.update(record)
@@ -190,8 +200,12 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and plan.pp > 1:
+        if rank == 0:
+            print("phalanx: no end-of-run sample under pipeline parallelism (generation is not pipelined)")
+    elif cfg.sample_tokens:
         result.sample = generate(
-            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed
+            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed,
+            pad_to=plan.tp if plan.sp else 1,
         )
     return result

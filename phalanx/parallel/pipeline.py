@@ -1,0 +1,170 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: stages are deletions, then a schedule.
+
+Each stage is a full `Transformer` built on the meta device from which the modules the stage
+does not own were deleted (the forward skips what is missing). A rank owns one stage
+(gpipe, 1f1b) or several "virtual" chunks: round-robin for interleaved (rank r holds stages
+r, r + pp, ...), V-shaped for zbv and dualpipev (rank r holds stages r and 2 pp - 1 - r, so the
+first and the last stage share rank 0).
+
+The chunks of a rank are gathered in a `StageModules` container that registers their modules
+under the model's own names ("layers.3.attention.wq.weight"): optimizer, checkpoints,
+layout-independent init and weight comparison all see ordinary parameter names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
+from phalanx.model.transformer import Transformer
+from phalanx.plan import Plan
+
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def stages_of_rank(plan: Plan, pp_rank: int) -> list[int]:
+    """Stage indices held by `pp_rank`, in the order the schedule expects."""
+    n_stages = plan.pp * plan.virtual
+    if plan.schedule in ("zbv", "dualpipev"):
+        return [pp_rank, n_stages - 1 - pp_rank]
+    return list(range(pp_rank, n_stages, plan.pp))
+
+
+def keep_only(model: Transformer, names: list[str]) -> Transformer:
+    """Delete from `model` every top-level part and layer not named in `names`."""
+    for part in ("tok_embeddings", "norm", "output"):
+        if part not in names:
+            setattr(model, part, None)
+    for key in list(model.layers.keys()):
+        if f"layers.{key}" not in names:
+            del model.layers[key]
+    return model
+
+
+class StageModules(nn.Module):
+    """This rank's pipeline chunks, with their modules registered under the model's names.
+
+    Only a container: the schedule runs `chunks[i]` (each a pruned Transformer); this module
+    is never called. Its parameters are the chunks' parameters, once each.
+    """
+
+    def __init__(self, chunks: list[Transformer], stage_indices: list[int]):
+        super().__init__()
+        self.chunks = chunks  # a plain list: not registered, so names carry no "chunks.0."
+        self.stage_indices = stage_indices
+        self.layers = nn.ModuleDict()
+        for chunk in chunks:
+            for part in ("tok_embeddings", "norm", "output"):
+                if getattr(chunk, part) is not None:
+                    setattr(self, part, getattr(chunk, part))
+            for key, layer in chunk.layers.items():
+                self.layers[key] = layer
+
+    def forward(self, *args):
+        raise RuntimeError("StageModules is a container; the pipeline schedule runs its chunks")
+
+    def train(self, mode: bool = True) -> "StageModules":
+        super().train(mode)
+        for chunk in self.chunks:  # not children, so not reached by the call above
+            chunk.train(mode)
+        return self
+
+
+@dataclass
+class Pipeline:
+    """Everything the training step needs to run one rank's share of the pipeline."""
+
+    schedule: object
+    stage_indices: list[int]
+    n_stages: int
+    has_first: bool
+    has_last: bool
+
+
+def min_microbatches(plan: Plan) -> int:
+    """Fewest micro-batches each schedule accepts (checked before any worker starts)."""
+    if plan.pp == 1 or plan.schedule == "gpipe":
+        return 1
+    if plan.schedule == "dualpipev":
+        return 2 * plan.pp  # one per stage, and each rank holds two
+    return plan.pp
+
+
+def validate_pp(plan: Plan, cfg: ModelConfig) -> list[str]:
+    """Why the pipeline part of `plan` cannot run `cfg` (empty if it can)."""
+    if plan.pp == 1:
+        return []
+    problems = []
+    n_stages = plan.pp * plan.virtual
+    if n_stages > cfg.n_layers:
+        problems.append(
+            f"pp={plan.pp} x virtual={plan.virtual} = {n_stages} stages, but model {cfg.name!r} has "
+            f"{cfg.n_layers} layers (each stage needs one)"
+        )
+    if plan.split:
+        from phalanx.parallel.stage_split import parse_split
+
+        try:
+            parse_split(plan.split, n_stages, cfg.n_layers)
+        except UserError as error:
+            problems.append(str(error))
+    need = min_microbatches(plan)
+    if plan.num_microbatches < need:
+        problems.append(
+            f"schedule={plan.schedule} with pp={plan.pp} needs microbatches >= {need}, got {plan.num_microbatches}"
+        )
+    rounds = max(1, plan.num_microbatches // plan.pp)
+    if plan.schedule == "interleaved" and plan.num_microbatches % rounds:
+        problems.append(
+            f"schedule=interleaved runs microbatches={plan.num_microbatches} in {rounds} rounds of about "
+            f"pp={plan.pp}; use a count that splits evenly ({rounds * plan.pp} or {(rounds + 1) * plan.pp})"
+        )
+    return problems
+
+
+def build_schedule(plan: Plan, stage_modules: list[nn.Module], stage_indices: list[int], pp_group,
+                   device: torch.device, loss_fn) -> Pipeline:
+    """Wrap each chunk in a PipelineStage and make the plan's schedule over them."""
+    from torch.distributed import pipelining as pl
+
+    n_stages = plan.pp * plan.virtual
+    stages = [
+        pl.PipelineStage(module, index, n_stages, device, group=pp_group)
+        for module, index in zip(stage_modules, stage_indices)
+    ]
+    kinds = {
+        "gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved": pl.ScheduleInterleaved1F1B,
+        "zbv": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV,
+    }
+    kind = kinds[plan.schedule]
+    # scale_grads: each micro-batch loss is a mean over its tokens; dividing the summed
+    # gradients by the micro-batch count makes them the gradient of the whole batch's mean.
+    target = stages[0] if plan.schedule in SINGLE_STAGE else stages
+    schedule = kind(target, n_microbatches=plan.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return Pipeline(
+        schedule=schedule, stage_indices=stage_indices, n_stages=n_stages,
+        has_first=0 in stage_indices, has_last=n_stages - 1 in stage_indices,
+    )
+
+
+def bubble_formula(plan: Plan) -> float:
+    """The schedule's idle fraction of a step, assuming every micro-batch's forward, backward
+    (and, split, input-grad and weight-grad) take the same time on every stage and sends are
+    free. p = pp, m = micro-batches, v = chunks per rank:
+
+    - gpipe, 1f1b:  (p - 1) / (m + p - 1)   (1f1b only saves memory, not time)
+    - interleaved:  (p - 1) / (v m + p - 1) (each warm-up slot is a v-times-smaller chunk)
+    - zbv:          0 once m >= 2p: weight-gradient work fills the warm-up and cool-down slots
+    - dualpipev:    (p/2 - 1)(F&B + B - 3W) / step = 0 when F = B = W and F&B = F + B
+    The measured value also includes time waiting on slower stages and on transfers.
+    """
+    p, m, v = plan.pp, plan.num_microbatches, plan.virtual
+    if p == 1 or plan.schedule in ("zbv", "dualpipev"):
+        return 0.0
+    if plan.schedule == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (m + p - 1)

@@ -1,0 +1,115 @@
+"""Which modules each pipeline stage owns: a pure function of the model's shape.
+
+A split is data, a list (one entry per stage) of module names:
+    [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+The embedding always goes with the first stage and the final norm and output projection
+with the last; the transformer layers are cut into contiguous runs, either by hand
+(`split=2:2` in the plan: layers per stage) or so that the most expensive stage is as cheap
+as possible, counting the embedding and the output layer at their own cost.
+"""
+
+from __future__ import annotations
+
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
+
+
+def unit_costs(cfg: ModelConfig, seq_len: int, tokens_per_microbatch: int) -> list[float]:
+    """Cost of [embedding, layer 0, ..., layer n-1, norm+output] for one micro-batch, in FLOPs
+    of forward plus backward (backward counted as twice forward).
+
+    - a layer: 6 FLOPs per token per matrix parameter, plus causal attention scores and the
+      weighted sum (forward 2 x seq x dim per token, halved by the causal mask, x3 with backward);
+    - the output layer: a dim x vocab matrix (for large vocabularies it weighs as much as
+      several layers), plus the softmax / cross-entropy over the vocabulary;
+    - the embedding: almost no FLOPs, but backward writes a dense vocab x dim gradient each
+      micro-batch, and the lookup moves dim values per token; both counted at one FLOP per
+      element touched. Small, but not free.
+    """
+    dim, head_dim = cfg.dim, cfg.head_dim
+    attention_params = dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    costs = [float(2 * cfg.vocab_size * dim + 2 * dim * tokens_per_microbatch)]
+    for layer in range(cfg.n_layers):
+        if cfg.is_moe_layer(layer):
+            # Each token passes through its top-k experts (and shared ones) plus the router.
+            mlp_params = 3 * dim * cfg.moe_ffn_dim * (cfg.experts_per_token + cfg.n_shared_experts)
+            mlp_params += dim * cfg.n_experts
+        else:
+            mlp_params = (3 if cfg.mlp == "swiglu" else 2) * dim * cfg.ffn_dim
+        per_token = 6 * (attention_params + mlp_params) + 3 * 2 * seq_len * cfg.n_heads * head_dim
+        costs.append(float(per_token * tokens_per_microbatch))
+    costs.append(float((6 * dim * cfg.vocab_size + 10 * cfg.vocab_size) * tokens_per_microbatch))
+    return costs
+
+
+def balanced_layer_counts(costs: list[float], n_stages: int) -> list[int]:
+    """Layers per stage that minimize the most expensive stage (ties: earlier stages lighter).
+
+    `costs` is [embedding, layers..., output] as from `unit_costs`; every stage gets at least
+    one layer. Exact dynamic programme over contiguous cuts, O(stages x layers^2).
+    """
+    embed, layers, output = costs[0], costs[1:-1], costs[-1]
+    n = len(layers)
+    if n_stages < 1 or n < n_stages:
+        raise UserError(f"{n_stages} pipeline stages need at least {n_stages} layers; the model has {n}")
+    prefix = [0.0]
+    for cost in layers:
+        prefix.append(prefix[-1] + cost)
+
+    def stage_cost(first_stage: bool, last_stage: bool, lo: int, hi: int) -> float:
+        return prefix[hi] - prefix[lo] + (embed if first_stage else 0.0) + (output if last_stage else 0.0)
+
+    # best[s][i]: (max stage cost, cuts) for the first i layers over the first s stages.
+    inf = float("inf")
+    best: list[list[tuple[float, tuple[int, ...]]]] = [[(inf, ())] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = (0.0, ())
+    for s in range(1, n_stages + 1):
+        for i in range(s, n - (n_stages - s) + 1):
+            for j in range(s - 1, i):
+                prev, cuts = best[s - 1][j]
+                if prev == inf:
+                    continue
+                worst = max(prev, stage_cost(s == 1, s == n_stages, j, i))
+                # Strictly better only: of equal splits, keep the one with the earliest cuts.
+                if worst < best[s][i][0] * (1 - 1e-12):
+                    best[s][i] = (worst, cuts + (i - j,))
+    return list(best[n_stages][n][1])
+
+
+def parse_split(text: str, n_stages: int, n_layers: int) -> list[int]:
+    """The plan's hand-given `split=a:b:...` (layers per stage), checked against the model."""
+    try:
+        counts = [int(part) for part in text.split(":")]
+    except ValueError:
+        raise UserError(f"split={text!r} must be layer counts separated by ':', e.g. split=3:3:2") from None
+    if len(counts) != n_stages:
+        raise UserError(f"split={text} gives {len(counts)} stages, but pp x virtual = {n_stages}")
+    if any(c < 1 for c in counts):
+        raise UserError(f"split={text}: every stage needs at least one layer")
+    if sum(counts) != n_layers:
+        raise UserError(f"split={text} adds up to {sum(counts)} layers, but the model has {n_layers}")
+    return counts
+
+
+def stage_modules(layer_counts: list[int]) -> list[list[str]]:
+    """Module names per stage for the given layers-per-stage."""
+    stages, first = [], 0
+    for index, count in enumerate(layer_counts):
+        names = [f"layers.{i}" for i in range(first, first + count)]
+        if index == 0:
+            names.insert(0, "tok_embeddings")
+        if index == len(layer_counts) - 1:
+            names += ["norm", "output"]
+        stages.append(names)
+        first += count
+    return stages
+
+
+def split_stages(cfg: ModelConfig, n_stages: int, *, split: str = "", seq_len: int,
+                 tokens_per_microbatch: int) -> list[list[str]]:
+    """Module names per stage: by hand when `split` is given, else balanced by cost."""
+    if split:
+        counts = parse_split(split, n_stages, cfg.n_layers)
+    else:
+        counts = balanced_layer_counts(unit_costs(cfg, seq_len, tokens_per_microbatch), n_stages)
+    return stage_modules(counts)

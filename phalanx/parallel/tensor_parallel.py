@@ -1,0 +1,124 @@
+"""Tensor and sequence parallelism: the model's matrices become DTensors sharded over "tp".
+
+The plan is data: a table from module name (relative to a block, or to the model root) to a
+`parallelize_module` style. Attention and the MLP follow the Megatron pattern: the first
+matrices are split by output columns (each rank computes a slice of the heads / hidden units
+with no communication), the second by input rows (each rank's partial sum is all-reduced).
+The embedding is split by vocabulary rows and the output projection by vocabulary columns;
+the logits stay sharded over the vocabulary and the loss is computed with `loss_parallel`,
+so no rank ever holds full-vocabulary logits.
+
+With `sp=true` the activations between those regions (the norms and the residual stream) are
+split along the sequence instead of replicated: the all-reduce after each row-parallel
+matrix becomes a reduce-scatter, and an all-gather precedes each column-parallel region. The
+communicated bytes are the same; activation memory of the norm regions is divided by tp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
+from phalanx.plan import Plan
+
+
+def block_plan(sp: bool) -> dict[str, object]:
+    """Module name inside a transformer block -> parallel style."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    # Between regions the residual stream is sequence-sharded (sp) or replicated.
+    between = Shard(1) if sp else Replicate()
+    plan: dict[str, object] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sp:
+        plan.update({
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # Gather the sequence before the column-parallel matrices; the rope table (second
+            # argument) is an ordinary tensor and passes through untouched.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+            ),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+        })
+    return plan
+
+
+def root_plan(sp: bool, *, has_embedding: bool, has_output: bool) -> dict[str, object]:
+    """Module name at the model root -> parallel style (for the parts this stage holds)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    between = Shard(1) if sp else Replicate()
+    plan: dict[str, object] = {}
+    if has_embedding:
+        # Vocabulary-parallel embedding: each rank looks up the ids in its vocabulary rows
+        # (zeros elsewhere) and the partial results are summed (or reduce-scattered with sp).
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+    if has_output:
+        if sp:
+            plan["norm"] = SequenceParallel()
+        # Logits stay a DTensor sharded over the vocabulary, for `loss_parallel`.
+        plan["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
+    """Shard `model` (a Transformer, possibly a pipeline stage with parts deleted) over tp_mesh.
+
+    Runs on the meta device: parameters become meta DTensors and are filled later by
+    `init_weights`, which draws each full value and keeps this rank's shard.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for block in model.layers.values():
+        plan = block_plan(sp)
+        if getattr(block.feed_forward, "w3", 1) is None:  # GeLU MLP: no gate matrix
+            del plan["feed_forward.w3"]
+        parallelize_module(block, tp_mesh, plan)
+    plan = root_plan(sp, has_embedding=model.tok_embeddings is not None, has_output=model.output is not None)
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    return model
+
+
+def loss_context(plan: Plan):
+    """The context in which forward, loss and backward run: vocabulary-parallel cross-entropy
+    when the logits are sharded over tp, nothing otherwise."""
+    if plan.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def validate_tp(plan: Plan, cfg: ModelConfig, seq_len: int) -> list[str]:
+    """Why `cfg` cannot be split `plan.tp` ways (empty if it can)."""
+    tp = plan.tp
+    if tp == 1:
+        return []
+    problems = []
+    for name, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim),
+                        ("vocab_size", cfg.vocab_size)):
+        if value % tp:
+            problems.append(f"tp={tp} must divide {name}={value} of model {cfg.name!r}")
+    if cfg.n_experts:
+        problems.append(f"tp={tp} with mixture-of-experts model {cfg.name!r} is not supported yet")
+    if plan.sp and seq_len % tp:
+        problems.append(f"sp=true splits the sequence over tp={tp}, which must divide seq_len={seq_len}")
+    return problems

@@ -1,0 +1,138 @@
+"""One optimizer step's forward and backward through a pipeline schedule.
+
+The schedule splits this data-parallel rank's batch into the plan's micro-batches, runs
+them through the stages, and computes the loss on the rank that holds the last stage (rank
+pp - 1, or rank 0 for the V-shaped schedules). That rank's micro-batch losses are summed
+over the pp group, so every rank, rank 0 included, returns the same loss to log.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from phalanx.parallel.mesh import ParallelMesh
+from phalanx.parallel.pipeline import Pipeline, build_schedule, stages_of_rank
+from phalanx.parallel.tensor_parallel import loss_context
+
+
+def token_loss(logits, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch (logits may be vocab-sharded)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def make_pipeline(model, mesh: ParallelMesh) -> Pipeline:
+    return build_schedule(mesh.plan, model.chunks, model.stage_indices, mesh.group("pp"), mesh.device, token_loss)
+
+
+class WaitClock:
+    """Seconds this rank spends blocked on pipeline sends and receives.
+
+    The schedules wait for their point-to-point transfers through one module function
+    (`schedules._wait_batch_p2p`, private but long-standing); it is wrapped once per process to
+    add up those waits. Where a torch version lacks it, `available` is False and the bubble is
+    reported as unmeasured (None) rather than guessed. This is host time: with gloo the host
+    blocks until data arrives; with NCCL a wait only orders CUDA streams, so on GPUs this clock
+    undercounts (measuring there needs CUDA events, not done yet).
+    """
+
+    seconds = 0.0
+    available = False
+
+    @classmethod
+    def install(cls) -> None:
+        from torch.distributed.pipelining import schedules
+
+        original = getattr(schedules, "_wait_batch_p2p", None)
+        cls.available = original is not None
+        if original is None or getattr(original, "phalanx_timed", False):
+            return
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                cls.seconds += time.perf_counter() - began
+
+        timed.phalanx_timed = True
+        schedules._wait_batch_p2p = timed
+
+
+def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor,
+                  *, autocast) -> torch.Tensor:
+    """Forward and backward of this dp rank's batch; returns its mean loss, the same on
+    every pp rank."""
+    losses: list[torch.Tensor] = []
+    with loss_context(mesh.plan), autocast():
+        kwargs = {"target": targets if pipeline.has_last else None, "losses": losses}
+        args = (inputs,) if pipeline.has_first else ()
+        pipeline.schedule.step(*args, **kwargs)
+    loss = torch.zeros((), device=mesh.device)
+    if pipeline.has_last:
+        values = [l.full_tensor() if hasattr(l, "full_tensor") else l for l in losses]
+        loss = torch.stack([v.detach().float() for v in values]).mean()
+    dist.all_reduce(loss, group=mesh.group("pp"))  # only the last stage's rank adds a value
+    return loss
+
+
+def bubble_record(wait_s: float, step_time_s: float, plan, mesh: ParallelMesh) -> dict:
+    """The step's measured bubble (each pp rank's waiting time / step time) beside the
+    schedule's formula. Collective over the pp group: every rank must call it."""
+    from phalanx.parallel.pipeline import bubble_formula
+
+    record: dict = {"bubble_formula": bubble_formula(plan)}
+    if not WaitClock.available:
+        record["bubble"] = None
+        return record
+    # On the mesh's device: NCCL only moves accelerator tensors.
+    waits = [torch.zeros((), dtype=torch.float64, device=mesh.device) for _ in range(plan.pp)]
+    dist.all_gather(waits, torch.tensor(wait_s, dtype=torch.float64, device=mesh.device), group=mesh.group("pp"))
+    by_stage = [round(float(w) / step_time_s, 4) for w in waits]
+    record.update(bubble=sum(by_stage) / len(by_stage), bubble_by_rank=by_stage)
+    return record
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@torch.no_grad()
+def pipeline_forward_loss(model, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor, *,
+                          autocast) -> torch.Tensor:
+    """Forward only, the whole batch as one micro-batch, stage after stage; returns the mean
+    loss on every pp rank. For validation: simpler than a schedule's `eval` (which the
+    V-shaped schedules do not support), and the same for every schedule.
+
+    Hidden states travel between the pp ranks that hold consecutive stages, preceded by their
+    shape and dtype (the receiver does not know the sequence split or the autocast dtype).
+    """
+    plan = mesh.plan
+    group = mesh.group("pp")
+    me = mesh.axis_rank("pp")
+    owner = {stage: r for r in range(plan.pp) for stage in stages_of_rank(plan, r)}
+    chunks = dict(zip(model.stage_indices, model.chunks))
+    n_stages = plan.pp * plan.virtual
+    hidden, loss = inputs, torch.zeros((), device=mesh.device)
+    with loss_context(plan), autocast():
+        for stage in range(n_stages):
+            if owner[stage] != me:
+                continue
+            source = owner.get(stage - 1, me)
+            if source != me:
+                header = torch.zeros(4, dtype=torch.int64, device=mesh.device)
+                dist.recv(header, group=group, group_src=source)  # (batch, seq, dim, dtype index)
+                hidden = torch.empty(tuple(header[:3].tolist()), dtype=_DTYPES[int(header[3])], device=mesh.device)
+                dist.recv(hidden, group=group, group_src=source)
+            hidden = chunks[stage](hidden)
+            if stage == n_stages - 1:
+                value = token_loss(hidden, targets)
+                loss = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().float()
+            elif owner[stage + 1] != me:
+                header = torch.tensor([*hidden.shape, _DTYPES.index(hidden.dtype)], dtype=torch.int64, device=mesh.device)
+                dist.send(header, group=group, group_dst=owner[stage + 1])
+                dist.send(hidden.contiguous(), group=group, group_dst=owner[stage + 1])
+    dist.all_reduce(loss, group=group)  # only the last stage's rank adds a value
+    return loss

@@ -1,0 +1,68 @@
+"""What tensor parallelism leaves on each rank: shard shapes, vocab-sharded logits, the plan table.
+
+Numerical equivalence with one process is in test_hybrid_layouts.py; this checks the layout
+itself, which equivalence alone would not catch (a model that silently stayed replicated
+computes the right numbers too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx.model.config import model_config
+from phalanx.testing.fork_ranks import run_ranks
+
+
+def _shapes_on_rank(plan_text: str) -> dict:
+    import torch.distributed as dist
+
+    from phalanx.parallel.apply import parallelize
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.parallel.tensor_parallel import loss_context
+    from phalanx.plan import plan_from_string
+    from phalanx.train.pipeline_step import token_loss
+
+    cfg = model_config("tiny")
+    mesh = build_mesh(plan_from_string(plan_text, dist.get_world_size()), torch.device("cpu"))
+    model = parallelize(cfg, mesh, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with loss_context(mesh.plan):
+        logits = model(tokens)
+        loss = token_loss(logits, tokens)
+        loss.backward()
+    local = {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if hasattr(p, "to_local")}
+    return {"params": local, "logits": tuple(logits.to_local().shape), "loss": float(loss.full_tensor())}
+
+
+@pytest.mark.parametrize("plan", ["tp=2,sp=true"])
+def test_each_rank_holds_its_slice(plan):
+    """tiny: dim 64, 4 heads of 16, 2 kv heads, ffn 128, vocab 256; tp=2 halves each split dim."""
+    cfg = model_config("tiny")
+    ranks = run_ranks(2, _shapes_on_rank, plan)
+    for result in ranks:
+        params = result["params"]
+        assert params["layers.0.attention.wq.weight"] == (cfg.n_heads * cfg.head_dim // 2, cfg.dim)
+        assert params["layers.0.attention.wk.weight"] == (cfg.n_kv_heads * cfg.head_dim // 2, cfg.dim)
+        assert params["layers.0.attention.wo.weight"] == (cfg.dim, cfg.n_heads * cfg.head_dim // 2)
+        assert params["layers.0.feed_forward.w1.weight"] == (cfg.ffn_dim // 2, cfg.dim)
+        assert params["layers.0.feed_forward.w2.weight"] == (cfg.dim, cfg.ffn_dim // 2)
+        assert params["tok_embeddings.weight"] == (cfg.vocab_size // 2, cfg.dim)
+        assert params["output.weight"] == (cfg.vocab_size // 2, cfg.dim)
+        # No rank ever holds full-vocabulary logits: (batch, seq, vocab / tp).
+        assert result["logits"] == (2, 32, cfg.vocab_size // 2)
+    assert ranks[0]["loss"] == ranks[1]["loss"]
+
+
+def test_plan_table_is_data():
+    """The block plan is a table keyed by module name; sp adds the norm and gather entries."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from phalanx.parallel.tensor_parallel import block_plan
+
+    plain, sp = block_plan(sp=False), block_plan(sp=True)
+    assert {k for k, v in plain.items() if isinstance(v, ColwiseParallel)} == {
+        "attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"}
+    assert {k for k, v in plain.items() if isinstance(v, RowwiseParallel)} == {"attention.wo", "feed_forward.w2"}
+    assert {k for k, v in sp.items() if isinstance(v, SequenceParallel)} == {"attention_norm", "ffn_norm"}
+    assert set(sp) - set(plain) == {"attention_norm", "ffn_norm", "attention", "feed_forward"}
