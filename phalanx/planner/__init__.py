@@ -1,0 +1,12 @@
+"""The planner: pick a parallel layout from a cluster description and a model's shape.
+
+hardware.py  cluster description (presets, TOML/JSON files)
+model_spec.py  model description (presets, project JSON, Hugging Face config.json)
+cost.py  compute, memory, communication and bubble formulas for one candidate layout
+search.py  enumerate layouts, prune by memory, rank, explain; `auto_plan` for the trainer
+simulate.py  per-rank timeline of one step as a Chrome trace and a PNG
+calibrate.py  measure this machine and write a cluster file
+cli.py  the `plan`, `simulate` and `calibrate` subcommands
+
+Nothing here needs torch except calibrate.py: planning a 400B model runs on a laptop.
+"""
