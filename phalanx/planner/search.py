@@ -37,6 +37,8 @@ class SearchSpace:
     virtual: tuple[int, ...] = (2, 3, 4, 6, 8)
     """Chunks per rank tried for the interleaved schedule."""
     max_mbs: int = 16
+    sequence_parallel: bool = True
+    """Use sp with tp > 1; False for implementations that lack it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +133,7 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                             for zero in zeros:
                                 if fixed.get("zero_not3") and zero == 3:
                                     continue
-                                sp = fixed.get("sp", tp > 1)
+                                sp = fixed.get("sp", tp > 1 and space.sequence_parallel)
                                 yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, microbatches=m,
                                              schedule=schedule, virtual=v, recompute=rc, zero=zero,
                                              sp=bool(sp), replicate=int(f("replicate", 1)))
