@@ -109,6 +109,8 @@ class Estimate:
     world_size: int
     peak_flops: float
     tokens: int
+    seq_len: int
+    hidden_size: int
     stage: StageTimes = field(repr=False)
 
     @property
@@ -325,7 +327,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         layout=lay, step_time_s=step, breakdown=breakdown, memory_bytes=sum(memory.values()),
         memory_breakdown=memory, fits=sum(memory.values()) <= cluster.usable_bytes,
         model_flops=model_flops, hardware_flops=hardware_flops, world_size=world, peak_flops=peak,
-        tokens=workload.global_batch * seq, stage=stage,
+        tokens=workload.global_batch * seq, seq_len=seq, hidden_size=model.dim, stage=stage,
     )
 
 
