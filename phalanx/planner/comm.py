@@ -27,14 +27,15 @@ def per_domain(cluster: Cluster, *, size: int, stride: int) -> int:
 
 def _bus_bw(cluster: Cluster, size: int, local: int) -> float:
     """Achieved bus bandwidth in bytes/s of a group with `local` members per fast domain."""
+    intra = cluster.intra_link(local)[1]
     if size <= local:
-        return cluster.intra_bw_gbs * 1e9
-    return min(cluster.intra_bw_gbs, local * cluster.inter_bw_gbs) * 1e9
+        return intra * 1e9
+    return min(intra, local * cluster.inter_bw_gbs) * 1e9
 
 
 def _latency(cluster: Cluster, size: int, local: int, steps_per_level: float) -> float:
     """Alpha term: ring steps inside a domain, tree depth (log2) across domains."""
-    alpha = steps_per_level * (local - 1) * cluster.intra_latency_us
+    alpha = steps_per_level * (local - 1) * cluster.intra_link(local)[0]
     if size > local:
         alpha += steps_per_level * math.ceil(math.log2(size / local)) * cluster.inter_latency_us
     return alpha * 1e-6
@@ -68,7 +69,7 @@ def all_to_all(cluster: Cluster, nbytes: float, *, size: int, stride: int) -> fl
     if size <= 1:
         return 0.0
     local = per_domain(cluster, size=size, stride=stride)
-    inside = (local - 1) / size * nbytes / (cluster.intra_bw_gbs * 1e9)
+    inside = (local - 1) / size * nbytes / (cluster.intra_link(local)[1] * 1e9)
     outside = (size - local) / size * nbytes / (cluster.inter_bw_gbs * 1e9)
     return max(inside, outside) + _latency(cluster, size, local, 1)
 
@@ -76,5 +77,6 @@ def all_to_all(cluster: Cluster, nbytes: float, *, size: int, stride: int) -> fl
 def send(cluster: Cluster, nbytes: float, *, same_domain: bool) -> float:
     """Seconds for one point-to-point send (pipeline stage boundary)."""
     if same_domain:
-        return nbytes / (cluster.intra_bw_gbs * 1e9) + cluster.intra_latency_us * 1e-6
+        latency, bw = cluster.intra_link(2)
+        return nbytes / (bw * 1e9) + latency * 1e-6
     return nbytes / (cluster.inter_bw_gbs * 1e9) + cluster.inter_latency_us * 1e-6

@@ -57,6 +57,17 @@ class Cluster:
     """Fixed time per layer per micro-batch per pass that no FLOP count explains (launches, Python)."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
+    measured_groups: tuple[tuple[int, float, float], ...] = ()
+    """(group size, latency us per step, bus GB/s) measured by calibrate; they replace the intra
+    figures for groups of that size inside the fast domain (a CPU's collectives slow down as
+    more processes share its cores)."""
+
+    def intra_link(self, size: int) -> tuple[float, float]:
+        """(latency us, bus GB/s) of a group of `size` ranks inside one fast domain."""
+        for n, latency, bw in self.measured_groups:
+            if n == size:
+                return latency, bw
+        return self.intra_latency_us, self.intra_bw_gbs
 
     def __post_init__(self) -> None:
         problems = []
@@ -147,6 +158,11 @@ def cluster_from_dict(data: dict, *, source: str) -> Cluster:
             if isinstance(raw, bool) or not isinstance(raw, int):
                 raise UserError(f"{source}: {key} must be an integer, got {raw!r}")
             values[key] = raw
+        elif key == "measured_groups":
+            try:
+                values[key] = tuple((int(n), float(lat), float(bw)) for n, lat, bw in raw)
+            except (TypeError, ValueError):
+                raise UserError(f"{source}: measured_groups must be a list of [size, latency_us, bus_gbs]") from None
         elif kind is float:
             if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                 raise UserError(f"{source}: {key} must be a number, got {raw!r}")
