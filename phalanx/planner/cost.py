@@ -147,7 +147,7 @@ def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) ->
 
 @functools.lru_cache(maxsize=65536)
 def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
-               moe: bool, peak: float, flash: bool) -> LayerCost:
+               moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float) -> LayerCost:
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch."""
     tokens = mbs * seq
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
@@ -167,8 +167,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         gemm += g(tokens, model.ffn_dim / tp, h) + g(tokens, h, model.ffn_dim / tp)
     attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
-    elementwise = 2 * stored / (cluster.hbm_tbs * 1e12)
-    overhead = cluster.layer_overhead_us * 1e-6
+    elementwise = 2 * stored / memory_bw
     return LayerCost(
         f=gemm + attention + elementwise + overhead,
         b=gemm + 2.5 * attention + 2 * elementwise + overhead,
@@ -250,11 +249,13 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     seq, m, p, v = workload.seq_len, lay.microbatches, lay.pp, lay.virtual
     world = lay.world_size
     peak = cluster.peak_flops_per_rank(world)
+    memory_bw = cluster.memory_bw_per_rank(world)
     n = layers_per_stage(model.n_layers, p, v)
     n_moe_total = _moe_layers(model)
     n_moe = min(n, n_moe_total)  # the most loaded stage holds MoE layers where there are any
     n_dense = n - n_moe
-    kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=peak, flash=options.flash_attention)
+    kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=peak, flash=options.flash_attention,
+              memory_bw=memory_bw, overhead=cluster.overhead_per_rank(world))
     dense = layer_cost(model, cluster, moe=False, **kw)
     moe = layer_cost(model, cluster, moe=True, **kw) if n_moe else dense
 
@@ -273,7 +274,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     # Logits and loss on the last stage (vocab split over tp).
     tokens = lay.mbs * seq
     logit_gemm = gemm_time(tokens, model.vocab_size / lay.tp, model.dim, cluster=cluster, peak=peak)
-    logit_ew = 3 * tokens * model.vocab_size / lay.tp * 4 / (cluster.hbm_tbs * 1e12)
+    logit_ew = 3 * tokens * model.vocab_size / lay.tp * 4 / memory_bw
 
     comp_f = n_dense * dense.f + n_moe * moe.f + logit_gemm + logit_ew
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_gemm + 2 * logit_ew
@@ -307,7 +308,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n)
     shards = lay.dp // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
-    optimizer = local_state * OPTIMIZER_BYTES_PER_PARAM / (cluster.hbm_tbs * 1e12)
+    optimizer = local_state * OPTIMIZER_BYTES_PER_PARAM / memory_bw
 
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer
     breakdown = {

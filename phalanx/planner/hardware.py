@@ -91,10 +91,19 @@ class Cluster:
         return (self.memory_gib - self.memory_reserved_gib) * 2**30
 
     def peak_flops_per_rank(self, world_size: int) -> float:
-        """FLOP/s one rank can reach; on a shared CPU the node's peak splits among its ranks."""
+        """FLOP/s one rank can reach; on a shared CPU the node's peak splits among all its ranks."""
         if self.shared_compute:
-            return self.peak_tflops * 1e12 / min(world_size, self.devices_per_node)
+            return self.peak_tflops * 1e12 / world_size
         return self.peak_tflops * 1e12
+
+    def memory_bw_per_rank(self, world_size: int) -> float:
+        """Bytes/s of memory bandwidth one rank gets (shared CPU: split among its ranks)."""
+        return self.hbm_tbs * 1e12 / (world_size if self.shared_compute else 1)
+
+    def overhead_per_rank(self, world_size: int) -> float:
+        """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
+        scale = max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
+        return self.layer_overhead_us * 1e-6 * scale
 
 
 # Presets. Link figures are the measured ones of published-figures.md section 2; peak and
