@@ -27,7 +27,7 @@ from pathlib import Path
 from phalanx.planner.hardware import cluster_from_name, local_cluster_path
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.search import search
+from phalanx.planner.search import parse_fix, search
 
 
 def pick(ranked, count: int):
@@ -41,7 +41,7 @@ def pick(ranked, count: int):
 def run_trainer(args, nproc: int, plan: str, out: Path) -> float:
     cmd = [sys.executable, "-m", "phalanx", "train", "--model", args.model, "--nproc", str(nproc), "--plan", plan,
            "--steps", str(args.steps), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
-           "--out", str(out)]
+           "--out", str(out), "--no-progress", "--eval-every", "0", "--sample-tokens", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -64,6 +64,8 @@ def main() -> int:
     parser.add_argument("--per-size", default="3,4,5", help="layouts to run at each process count")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per training run")
     parser.add_argument("--calibrate", action="store_true", help="run `phalanx calibrate` first")
+    parser.add_argument("--fix", default="", help="restrict the layouts (--fix grammar), e.g. tp=1,pp=1 for a "
+                        "trainer that runs data parallelism only")
     args = parser.parse_args()
 
     if args.calibrate or not local_cluster_path().exists():
@@ -79,7 +81,7 @@ def main() -> int:
     verdicts = []
     with tempfile.TemporaryDirectory(prefix="planner-local-") as tmp:
         for nproc, count in zip((int(p) for p in args.procs.split(",")), (int(c) for c in args.per_size.split(","))):
-            ranked = search(model, cluster, work, world_size=nproc, keep=10_000).ranked
+            ranked = search(model, cluster, work, world_size=nproc, fixed=parse_fix(args.fix), keep=10_000).ranked
             measured = []
             for rank, est in enumerate(pick(ranked, count)):
                 plan = est.layout.to_plan().to_string()

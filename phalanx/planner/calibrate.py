@@ -95,21 +95,32 @@ def fit_matmul(samples: list[tuple[int, int, int, float]]) -> tuple[float, float
 
 
 def measure_attention(device, dtype, peak: float, *, quick: bool) -> float:
-    """Fraction of `peak` that causal attention forward+backward reaches (causal FLOPs)."""
+    """Fraction of `peak` that causal attention forward+backward adds per extra FLOP.
+
+    Timed at two sequence lengths so that the fixed cost of the call (already inside
+    layer_overhead_us) cancels: efficiency = (FLOPs2 - FLOPs1) / (peak * (t2 - t1)).
+    """
     import torch
     import torch.nn.functional as F
 
-    batch, heads, seq, hd = (1, 4, 256, 32) if device.type == "cpu" else (4, 16, 2048, 128)
-    q, k, v = (torch.randn(batch, heads, seq, hd, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    batch, heads, hd = (1, 4, 32) if device.type == "cpu" else (4, 16, 128)
+    seqs = (256, 1024) if device.type == "cpu" else (1024, 4096)
+    points = []
+    for seq in seqs:
+        q, k, v = (torch.randn(batch, heads, seq, hd, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
 
-    def run():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        _sync(device)
+        def run():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            _sync(device)
 
-    t = _timeit(run, repeats=3 if quick else 10, best=True)
-    # The cost model's count: forward 0.5 * 4 T s h_q, backward 2.5x that.
-    flops = 3.5 * 0.5 * 4 * batch * seq * seq * heads * hd
-    return min(1.0, flops / t / peak)
+        # The cost model's count: forward 0.5 * 4 T s h_q, backward 2.5x that.
+        flops = 3.5 * 0.5 * 4 * batch * seq * seq * heads * hd
+        points.append((flops, _timeit(run, repeats=3 if quick else 10, best=True)))
+    (f1, t1), (f2, t2) = points
+    if t2 <= t1:
+        return 1.0
+    return min(1.0, (f2 - f1) / (t2 - t1) / peak)
 
 
 def measure_bandwidth(device, *, quick: bool) -> float:
@@ -240,20 +251,29 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     dtype = torch.bfloat16 if gpu else torch.float32  # CPUs train in float32
     report: dict = {"backend": backend, "device": str(device), "dtype": str(dtype)}
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not gpu:
+        # One thread, scaled by the core count: a multi-threaded tiny op on a busy machine
+        # waits for its slowest (descheduled) thread and measures the neighbours, not the CPU.
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)
     samples = measure_matmuls(device, dtype, quick=quick)
     peak, half = fit_matmul(samples)
+    peak *= 1 if gpu else cores
     report["matmul"] = [{"m": m, "n": n, "k": k, "seconds": t, "tflops": 2 * m * n * k / t / 1e12}
                         for m, n, k, t in samples]
     for row in report["matmul"]:
         log(f"matmul {row['m']:>5} x {row['k']:>5} @ {row['k']:>5} x {row['n']:>5}: {row['tflops'] * 1e3:8.2f} GFLOP/s")
     log(f"fit: peak {peak / 1e12 * 1e3:.2f} GFLOP/s, half-efficiency dimension {half:.1f}")
-    attention = measure_attention(device, dtype, peak, quick=quick)
+    attention = measure_attention(device, dtype, peak / (1 if gpu else cores), quick=quick)
     bandwidth = measure_bandwidth(device, quick=quick)
     overhead = 0.0 if gpu else measure_layer_overhead(device, quick=quick)
+    if not gpu:
+        torch.set_num_threads(threads_before)
     log(f"attention at {attention:.2f} of peak; memory bandwidth {bandwidth * 1e3:.1f} GB/s; "
         f"layer overhead {overhead:.0f} us per pass")
 
-    devices = torch.cuda.device_count() if gpu else (os.cpu_count() or 1)
+    devices = torch.cuda.device_count() if gpu else cores
     fits = {}
     for world in range(2, max(2, max_procs) + 1):
         if gpu and world > devices:
