@@ -5,8 +5,8 @@ What is measured, and which Cluster field it sets:
     fit of t = 2mnk / (peak f(m) f(n) f(k)), f(d) = d / (d + half)), matmul_efficiency = 1;
   causal scaled-dot-product attention forward+backward -> attention_efficiency;
   a large element-wise add -> hbm_tbs (memory bandwidth);
-  forward+backward of a very small transformer layer, whose FLOPs are negligible ->
-    layer_overhead_us (per layer, per pass: framework and launch cost);
+  training steps of a model too small for its FLOPs to count, at two depths ->
+    layer_overhead_us (slope) and step_overhead_ms (intercept: loss, clipping, AdamW);
   all-reduce and all-gather over 2..max_procs processes with the real backend (gloo on CPU,
     NCCL on GPU) at several sizes -> alpha (latency) and beta (bandwidth) per group size by a
     linear fit; their medians become intra_latency_us and intra_bw_gbs.
@@ -138,24 +138,36 @@ def measure_bandwidth(device, *, quick: bool) -> float:
     return 12 * n / _timeit(run, repeats=5 if quick else 20, best=True) / 1e12
 
 
-def measure_layer_overhead(device, *, quick: bool) -> float:
-    """Microseconds per layer per pass, from a layer so small that its FLOPs do not count."""
+def measure_overheads(device, *, quick: bool) -> tuple[float, float]:
+    """(us per layer per pass, ms per step) of fixed cost, from whole training steps of a
+    model so small that its FLOPs do not count, at two depths: the slope is the per-layer
+    cost (three passes: forward, input and weight gradients), the intercept the per-step
+    cost (embedding, loss, gradient clipping, AdamW, zeroing gradients)."""
     import torch
 
     from phalanx.model.config import ModelConfig
-    from phalanx.model.transformer import Block, rotary_tables
+    from phalanx.model.transformer import Transformer
 
-    cfg = ModelConfig(name="overhead", dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-    block = Block(cfg, 0).to(device)
-    rope = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
-    x = torch.randn(1, 8, 32, device=device)
+    points = []
+    for layers in (1, 5):
+        cfg = ModelConfig(name="overhead", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64,
+                          max_seq_len=16)
+        model = Transformer(cfg).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 8), device=device)
 
-    def run():
-        block(x, rope).sum().backward()
-        _sync(device)
+        def step():
+            logits = model(tokens)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
 
-    # Forward, input-gradient and weight-gradient passes each carry one overhead in cost.py.
-    return _timeit(run, repeats=10 if quick else 50, warmup=3, best=True) / 3 * 1e6
+        points.append((layers, _timeit(step, repeats=10 if quick else 40, warmup=3, best=True)))
+    (l1, t1), (l2, t2) = points
+    per_layer = max(0.0, (t2 - t1) / (l2 - l1))
+    return per_layer / 3 * 1e6, max(0.0, t1 - per_layer * l1) * 1e3
 
 
 def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int,
@@ -267,11 +279,11 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     log(f"fit: peak {peak / 1e12 * 1e3:.2f} GFLOP/s, half-efficiency dimension {half:.1f}")
     attention = measure_attention(device, dtype, peak / (1 if gpu else cores), quick=quick)
     bandwidth = measure_bandwidth(device, quick=quick)
-    overhead = 0.0 if gpu else measure_layer_overhead(device, quick=quick)
+    overhead, step_overhead = (0.0, 0.0) if gpu else measure_overheads(device, quick=quick)
     if not gpu:
         torch.set_num_threads(threads_before)
     log(f"attention at {attention:.2f} of peak; memory bandwidth {bandwidth * 1e3:.1f} GB/s; "
-        f"layer overhead {overhead:.0f} us per pass")
+        f"overhead {overhead:.0f} us per layer per pass and {step_overhead:.2f} ms per step")
 
     devices = torch.cuda.device_count() if gpu else cores
     fits = {}
@@ -296,7 +308,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         memory_gib=round(memory_gib, 2), memory_reserved_gib=round(min(4.0, memory_gib / 4), 2),
         hbm_tbs=bandwidth, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
         matmul_efficiency=1.0, matmul_half_dim=half, attention_efficiency=max(attention, 1e-3),
-        layer_overhead_us=overhead, shared_compute=not gpu,
+        layer_overhead_us=overhead, step_overhead_ms=step_overhead, shared_compute=not gpu,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
     )
     return cluster, report

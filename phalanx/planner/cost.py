@@ -19,7 +19,8 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     per step, overlapped with the last backward / first forward when `dp_overlap`; zero 3
     gathers parameters forward and backward and reduce-scatters gradients every micro-batch.
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
-  exposed DP traffic + the optimizer (memory-bound, about 30 bytes per local parameter).
+  exposed DP traffic + the optimizer (memory-bound, about 30 bytes per local parameter) +
+  the cluster's fixed `step_overhead_ms` (measured on CPUs, zero on the GPU presets).
 Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
   gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
   zbv (chunks of half a stage): (p-1)(F + B - 2W)/2 clipped at zero;
@@ -49,7 +50,8 @@ OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam reads fp32 param, grad and two moments (16 bytes), writes three and a bf16 copy (14)."""
 LOGIT_BYTES = 6
 """Per logit element on the last stage: bf16 logits kept for backward + fp32 for the loss."""
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer")
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
+                  "overhead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,7 +312,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
     optimizer = local_state * OPTIMIZER_BYTES_PER_PARAM / memory_bw
 
-    step = m * per_mb + bubble + pp_comm + dp_comm + optimizer
+    overhead = cluster.step_overhead_per_rank(world)
+    step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + overhead
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),
         "recompute": m * comp_r,
@@ -320,6 +323,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         "bubble": bubble,
         "dp_comm": dp_comm,
         "optimizer": optimizer,
+        "overhead": overhead,
     }
 
     memory = _memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)

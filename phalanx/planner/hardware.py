@@ -55,6 +55,8 @@ class Cluster:
     """Fraction of peak of fused (flash) attention, forward and backward together."""
     layer_overhead_us: float = 0.0
     """Fixed time per layer per micro-batch per pass that no FLOP count explains (launches, Python)."""
+    step_overhead_ms: float = 0.0
+    """Fixed time per optimizer step besides the layers (loss, clipping, optimizer launches)."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
     measured_groups: tuple[tuple[int, float, float], ...] = ()
@@ -102,8 +104,13 @@ class Cluster:
 
     def overhead_per_rank(self, world_size: int) -> float:
         """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
-        scale = max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
-        return self.layer_overhead_us * 1e-6 * scale
+        return self.layer_overhead_us * 1e-6 * self._queueing(world_size)
+
+    def step_overhead_per_rank(self, world_size: int) -> float:
+        return self.step_overhead_ms * 1e-3 * self._queueing(world_size)
+
+    def _queueing(self, world_size: int) -> float:
+        return max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
 
 
 # Presets. Link figures are the measured ones of published-figures.md section 2; peak and
