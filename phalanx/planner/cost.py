@@ -136,6 +136,30 @@ class Estimate:
         return self.memory_bytes / 2**30
 
 
+def _by_identity(fn):
+    """Memoise fn(obj, obj2, *args, **kwargs) keyed on the objects' identities and the rest.
+
+    lru_cache would hash the frozen ModelConfig and Cluster on every call, which is most of
+    a search's time; the search passes the very same objects thousands of times.
+    """
+    cache: dict = {}
+
+    def wrapper(a, b, *args, **kwargs):
+        key = (id(a), id(b), args, tuple(kwargs.items()))
+        hit = cache.get(key)
+        if hit is not None and hit[0] is a and hit[1] is b:
+            return hit[2]
+        if len(cache) > 500_000:
+            cache.clear()
+        value = fn(a, b, *args, **kwargs)
+        cache[key] = (a, b, value)
+        return value
+
+    wrapper.__wrapped__ = fn
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
 def _fill(d: float, half: float) -> float:
     return d / (d + half)
 
@@ -147,7 +171,7 @@ def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) ->
     return 2.0 * m * n * k / (peak * eff)
 
 
-@functools.lru_cache(maxsize=65536)
+@_by_identity
 def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
                moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float) -> LayerCost:
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch."""
@@ -181,7 +205,12 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     )
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=64)
+def _param_counts(model: ModelConfig):
+    return param_counts(model)
+
+
+@functools.lru_cache(maxsize=64)
 def _moe_layers(model: ModelConfig) -> int:
     return sum(model.is_moe_layer(i) for i in range(model.n_layers))
 
@@ -198,7 +227,7 @@ def layer_flops(model: ModelConfig, *, seq: int, moe: bool) -> tuple[float, floa
     return 2.0 * seq * params, 4.0 * seq * seq * hq
 
 
-@functools.lru_cache(maxsize=1024)
+@_by_identity
 def step_flops(model: ModelConfig, workload: Workload, recompute: str) -> tuple[float, float]:
     """(model, hardware) FLOPs of one step: 3 passes; hardware adds the recomputed forward."""
     s = workload.seq_len
@@ -244,6 +273,16 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
     return out
 
 
+@_by_identity
+def _collective(fn, cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
+    return fn(cluster, nbytes, size=size, stride=stride)
+
+
+@_by_identity
+def _activation(model: ModelConfig, options: "Options", **kw) -> float:
+    return layer_activation_bytes(model, flash=options.flash_attention, **kw)
+
+
 def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
              options: Options = Options()) -> Estimate:
     """Predicted step time, breakdown and peak memory of a (valid) layout."""
@@ -262,12 +301,12 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     moe = layer_cost(model, cluster, moe=True, **kw) if n_moe else dense
 
     # Exposed communication per layer per micro-batch, forward and backward.
-    t_tp = comm.all_reduce(cluster, dense.tp_bytes, size=lay.tp, stride=1) * 2
+    t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
     def tp_exposed(gemm: float) -> float:
         if not options.tp_overlap:
             return t_tp
         return max(t_tp - gemm, 0.0) + min(t_tp, gemm) / lay.tp
-    t_ep = comm.all_to_all(cluster, moe.ep_bytes, size=lay.ep, stride=lay.tp) * 2 if n_moe else 0.0
+    t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
         t_ep = max(0.0, t_ep - moe.f)  # hidden behind the paired micro-batch's compute
     tp_f = n_dense * tp_exposed(dense.gemm_f) + n_moe * tp_exposed(moe.gemm_f)
@@ -302,7 +341,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         pp_comm = 0.0
 
     # Parameters on the most loaded device (first or last stage: embedding or output head).
-    c = param_counts(model)
+    c = _param_counts(model)
     heads = 2 if (p == 1 and not model.tie_embeddings) else 1
     shared_params = (n * (c.attention + c.norms) + n_dense * c.dense_mlp + n_moe * c.moe_other
                      + heads * c.embedding) / lay.tp
@@ -362,12 +401,12 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     rs = ag = ar_replica = 0.0
     for params, size, stride in groups:
         if lay.zero == 0:
-            rs += comm.all_reduce(cluster, params * g, size=size, stride=stride)
+            rs += _collective(comm.all_reduce, cluster, params * g, size, stride)
         else:
-            rs += comm.reduce_scatter(cluster, params * g, size=size, stride=stride)
-            ag += comm.all_gather(cluster, params * BF16, size=size, stride=stride)
+            rs += _collective(comm.reduce_scatter, cluster, params * g, size, stride)
+            ag += _collective(comm.all_gather, cluster, params * BF16, size, stride)
         if lay.replicate > 1:
-            ar_replica += comm.all_reduce(cluster, params * g / size, size=lay.replicate, stride=stride * size)
+            ar_replica += _collective(comm.all_reduce, cluster, params * g / size, lay.replicate, stride * size)
     one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
     if lay.zero == 3:
         # Every micro-batch: gather forward, gather again backward, reduce-scatter gradients.
@@ -389,8 +428,8 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
     shard = lay.dp // lay.replicate
     state = (shared * state_bytes_per_param(lay.zero, shard)
              + experts * state_bytes_per_param(lay.zero, max(1, shard // lay.ep)))
-    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp, flash=options.flash_attention)
-    per_layer = lambda moe, rc: layer_activation_bytes(model, moe=moe, recompute=rc, **kw)  # noqa: E731
+    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
+    per_layer = lambda moe, rc: _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
     stage_act = (n - n_moe) * per_layer(False, lay.recompute) + n_moe * per_layer(True, lay.recompute)
     in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
                                        microbatches=lay.microbatches)

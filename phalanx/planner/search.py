@@ -4,9 +4,10 @@ The space: tp over divisors of the world size up to the fast domain (and dividin
 pp over divisors up to the layer count, dp the rest (dividing the global batch), ep over
 divisors of dp that divide the expert count, every micro-batch size that divides the
 per-rank batch (up to `max_mbs`), each schedule with its virtual stages, each recompute
-mode and each ZeRO level allowed. Sequence parallelism is always on when tp > 1: in this
-cost model it moves the same bytes as plain TP and stores less, so sp=false can never win
-(`--fix sp=false` still evaluates it).
+mode and each ZeRO level allowed. Knobs this cost model proves dominated are not searched
+(a `--fix` still evaluates them): sp=false when tp > 1 (same bytes as SP, more memory),
+gpipe (1F1B's bubble, more memory) and, with flash attention, selective recompute (flash
+already keeps no s x s scores, so it saves nothing and recomputes the attention core).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class SearchSpace:
     zero_levels: tuple[int, ...] = (0, 3)
     """What the phalanx trainer runs: replicated (fsdp=false) or fully sharded (fsdp=true)."""
     recompute: tuple[str, ...] = RECOMPUTE
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zbv", "dualpipev")
+    """gpipe is left out: same bubble as 1f1b, more memory (`--fix schedule=gpipe` evaluates it)."""
     virtual: tuple[int, ...] = (2, 3, 4, 6, 8)
     """Chunks per rank tried for the interleaved schedule."""
     max_mbs: int = 16
@@ -151,6 +153,8 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         space = dataclasses.replace(space, schedules=(str(fixed["schedule"]),))
     if "virtual" in fixed and fixed["virtual"] not in space.virtual:
         space = dataclasses.replace(space, virtual=(int(fixed["virtual"]),))
+    if options.flash_attention and "recompute" not in fixed and "selective" in space.recompute:
+        space = dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
     fitting: list[Estimate] = []
     considered = pruned = 0
     fastest_pruned: Estimate | None = None
