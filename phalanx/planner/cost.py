@@ -16,8 +16,10 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
   PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
   DP: gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1, 2) once
-    per step, overlapped with the last backward / first forward when `dp_overlap`; zero 3
-    gathers parameters forward and backward and reduce-scatters gradients every micro-batch.
+    per step in 25 MiB buckets, overlapped with the last backward / first forward when
+    `dp_overlap`; zero 3 gathers parameters forward and backward and reduce-scatters
+    gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
+    uses the cores that compute, so nothing overlaps.
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
   exposed DP traffic + the optimizer (memory-bound, about 30 bytes per local parameter) +
   the cluster's fixed `step_overhead_ms` (measured on CPUs, zero on the GPU presets).
@@ -48,6 +50,8 @@ from phalanx.planner.memory import (
 BF16 = 2
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam reads fp32 param, grad and two moments (16 bytes), writes three and a bf16 copy (14)."""
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
 LOGIT_BYTES = 6
 """Per logit element on the last stage: bf16 logits kept for backward + fp32 for the loss."""
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
@@ -398,22 +402,29 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
     if experts:
         groups.append((experts, max(1, shard // lay.ep), lay.tp * lay.ep))
+    # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 3, and
+    # per gradient bucket otherwise, so latency counts once per unit or bucket.
+    units = n_layers + 1 if lay.zero == 3 else 0
     rs = ag = ar_replica = 0.0
     for params, size, stride in groups:
+        pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))
         if lay.zero == 0:
-            rs += _collective(comm.all_reduce, cluster, params * g, size, stride)
+            rs += pieces * _collective(comm.all_reduce, cluster, params * g / pieces, size, stride)
         else:
-            rs += _collective(comm.reduce_scatter, cluster, params * g, size, stride)
-            ag += _collective(comm.all_gather, cluster, params * BF16, size, stride)
+            rs += pieces * _collective(comm.reduce_scatter, cluster, params * g / pieces, size, stride)
+            ag += pieces * _collective(comm.all_gather, cluster, params * BF16 / pieces, size, stride)
         if lay.replicate > 1:
-            ar_replica += _collective(comm.all_reduce, cluster, params * g / size, lay.replicate, stride * size)
+            ar_replica += pieces * _collective(comm.all_reduce, cluster, params * g / size / pieces,
+                                               lay.replicate, stride * size)
+    # gloo runs collectives on the very cores that compute: nothing overlaps on a CPU.
+    overlap = options.dp_overlap and not cluster.shared_compute
     one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
     if lay.zero == 3:
         # Every micro-batch: gather forward, gather again backward, reduce-scatter gradients.
         per_mb = (max(ag - st.f, ag * one_layer) + max(ag + rs - (st.b + st.w), (ag + rs) * one_layer)
-                  if options.dp_overlap else 2 * ag + rs)
+                  if overlap else 2 * ag + rs)
         return lay.microbatches * per_mb + ar_replica
-    if not options.dp_overlap:
+    if not overlap:
         return rs + ag + ar_replica
     window_b = st.b + st.w + st.r
     exposed = max(rs - window_b, rs * one_layer) + ar_replica
