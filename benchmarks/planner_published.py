@@ -11,6 +11,8 @@ cluster presets' defaults) serves every row; nothing is fitted per row.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -101,12 +103,18 @@ def metric(est, kind: str) -> float:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--matmul-efficiency", type=float, default=None,
+                        help="sensitivity check only: replace every preset's matmul_efficiency (default: keep 0.70)")
+    args = parser.parse_args()
     unit = {"model": "TFLOP/s", "hardware": "hw TFLOP/s", "tokens": "tok/s"}
     print(f"{'run':26} {'metric':10} {'published':>9} {'predicted':>9} {'error':>7}  search")
     errors = []
     slowest = 0.0
     for row in ROWS:
         cluster = PRESETS[row.cluster]
+        if args.matmul_efficiency is not None:
+            cluster = dataclasses.replace(cluster, matmul_efficiency=args.matmul_efficiency)
         work = Workload(global_batch=row.global_batch, seq_len=row.seq_len)
         fixed = search(row.model, cluster, work, world_size=row.gpus, fixed=row.fixed, space=row.space,
                        options=row.options, keep=1)

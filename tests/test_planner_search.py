@@ -54,6 +54,9 @@ def test_auto_plan_returns_a_runnable_plan():
     assert isinstance(plan, Plan)
     plan.validate(4)
     assert plan.world_size == 4 and 8 % plan.dp == 0
+    dp_only = auto_plan(model_config("tiny"), world_size=4, global_batch=8, seq_len=64, cluster=PRESETS["local"],
+                        fixed={"tp": 1, "pp": 1})
+    assert (dp_only.dp, dp_only.tp, dp_only.pp) == (4, 1, 1)
     # 64 ranks: tp <= 4 (heads) and pp <= 4 (layers) leave dp >= 4, which never divides 7.
     with pytest.raises(UserError, match="divides global batch 7"):
         auto_plan(model_config("tiny"), world_size=64, global_batch=7, seq_len=64, cluster=H100)

@@ -195,12 +195,17 @@ def explain(result: SearchResult, usable_gib: float) -> list[str]:
 
 
 def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
-              cluster: Cluster | str = "local") -> Plan:
-    """The fastest layout `phalanx train --plan auto` can run on `world_size` processes."""
+              cluster: Cluster | str = "local", fixed: dict[str, object] | None = None,
+              space: SearchSpace = SearchSpace()) -> Plan:
+    """The fastest layout `phalanx train --plan auto` can run on `world_size` processes.
+
+    `fixed` pins knobs (as `parse_fix` returns them) for a trainer that lacks some, e.g.
+    {"tp": 1, "pp": 1} for a data-parallel-only build; `space` narrows the rest.
+    """
     if isinstance(cluster, str):
         cluster = cluster_from_name(cluster)
     workload = Workload(global_batch=global_batch, seq_len=seq_len)
-    result = search(model, cluster, workload, world_size=world_size, keep=1)
+    result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space, keep=1)
     if not result.ranked:
         if result.considered == 0:
             raise UserError(f"no layout of {model.name!r} on {world_size} processes divides "
