@@ -7,6 +7,8 @@ What is measured, and which Cluster field it sets:
   a large element-wise add -> hbm_tbs (memory bandwidth);
   training steps of a model too small for its FLOPs to count, at two depths ->
     layer_overhead_us (slope) and step_overhead_ms (intercept: loss, clipping, AdamW);
+  FSDP2 on 2 gloo processes, with and without sharding, at two depths ->
+    fsdp_unit_overhead_us (framework cost per sharded layer per micro-batch);
   all-reduce and all-gather over 2..max_procs processes with the real backend (gloo on CPU,
     NCCL on GPU) at several sizes -> alpha (latency) and beta (bandwidth) per group size by a
     linear fit; their medians become intra_latency_us and intra_bw_gbs.
@@ -204,6 +206,75 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
     dist.destroy_process_group()
 
 
+def _fsdp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    """Per-unit, per-micro-batch cost of FSDP2 beyond its collectives' bytes: tiny models with 1
+    and 5 sharded blocks, timed with and without fully_shard (the slope of the difference)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from phalanx.model.config import ModelConfig
+    from phalanx.model.transformer import Transformer
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    extra = []
+    for layers in (1, 5):
+        cfg = ModelConfig(name="fsdp", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 8))
+        times = []
+        for shard in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            if shard:
+                for block in model.layers.values():
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+
+            def step():
+                model(tokens).sum().backward()
+
+            samples = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            times.append(min(samples))
+        extra.append(times[1] - times[0])
+    if rank == 0:
+        queue.put({"fsdp_unit_overhead_us": max(0.0, (extra[1] - extra[0]) / 4) * 1e6})
+    dist.destroy_process_group()
+
+
+def measure_fsdp_overhead(*, quick: bool, timeout_s: float = 120.0) -> float:
+    """Microseconds FSDP adds per sharded unit per micro-batch on 2 gloo processes."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = _free_port()
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, port, 3 if quick else 10, threads, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=timeout_s)
+    except Exception:
+        result = None
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if result is None:
+        raise UserError(f"FSDP measurement on 2 gloo processes did not finish in {timeout_s:.0f} s")
+    return result["fsdp_unit_overhead_us"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -295,6 +366,9 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         report.setdefault("collectives", {})[str(world)] = {"samples": measured, **fits[world]}
         log(f"{backend} {world} processes: latency {fits[world]['latency_us']:.1f} us per step, "
             f"bus bandwidth {fits[world]['bus_bw_gbs']:.2f} GB/s")
+    fsdp_overhead = 0.0 if gpu else measure_fsdp_overhead(quick=quick)
+    if not gpu:
+        log(f"FSDP adds {fsdp_overhead:.0f} us per sharded layer per micro-batch beyond its collectives' bytes")
     bw = statistics.median(f["bus_bw_gbs"] for f in fits.values()) if fits else 1.0
     latency = statistics.median(f["latency_us"] for f in fits.values()) if fits else 50.0
 
@@ -308,7 +382,8 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         memory_gib=round(memory_gib, 2), memory_reserved_gib=round(min(4.0, memory_gib / 4), 2),
         hbm_tbs=bandwidth, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
         matmul_efficiency=1.0, matmul_half_dim=half, attention_efficiency=max(attention, 1e-3),
-        layer_overhead_us=overhead, step_overhead_ms=step_overhead, shared_compute=not gpu,
+        layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
+        shared_compute=not gpu,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
     )
     return cluster, report

@@ -423,6 +423,7 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
         # Every micro-batch: gather forward, gather again backward, reduce-scatter gradients.
         per_mb = (max(ag - st.f, ag * one_layer) + max(ag + rs - (st.b + st.w), (ag + rs) * one_layer)
                   if overlap else 2 * ag + rs)
+        per_mb += units * cluster.fsdp_unit_overhead_us * 1e-6 * cluster.queueing(lay.world_size)
         return lay.microbatches * per_mb + ar_replica
     if not overlap:
         return rs + ag + ar_replica

@@ -57,6 +57,9 @@ class Cluster:
     """Fixed time per layer per micro-batch per pass that no FLOP count explains (launches, Python)."""
     step_overhead_ms: float = 0.0
     """Fixed time per optimizer step besides the layers (loss, clipping, optimizer launches)."""
+    fsdp_unit_overhead_us: float = 0.0
+    """Framework time FSDP adds per sharded layer per micro-batch (hooks, copies, waits) beyond
+    its collectives' alpha-beta time: measured on CPUs, hidden by GPU asynchrony (0)."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
     measured_groups: tuple[tuple[int, float, float], ...] = ()
@@ -104,12 +107,12 @@ class Cluster:
 
     def overhead_per_rank(self, world_size: int) -> float:
         """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
-        return self.layer_overhead_us * 1e-6 * self._queueing(world_size)
+        return self.layer_overhead_us * 1e-6 * self.queueing(world_size)
 
     def step_overhead_per_rank(self, world_size: int) -> float:
-        return self.step_overhead_ms * 1e-3 * self._queueing(world_size)
+        return self.step_overhead_ms * 1e-3 * self.queueing(world_size)
 
-    def _queueing(self, world_size: int) -> float:
+    def queueing(self, world_size: int) -> float:
         return max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
 
 
