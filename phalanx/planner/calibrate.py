@@ -8,7 +8,8 @@ What is measured, and which Cluster field it sets:
   training steps of a model too small for its FLOPs to count, at two depths ->
     layer_overhead_us (slope) and step_overhead_ms (intercept: loss, clipping, AdamW);
   FSDP2 on 2 gloo processes, with and without sharding, at two depths ->
-    fsdp_unit_overhead_us (framework cost per sharded layer per micro-batch);
+    fsdp_unit_overhead_us (framework cost per sharded layer per micro-batch); the same with
+    column/row-wise tensor parallelism -> tp_layer_overhead_us (DTensor dispatch per pass);
   all-reduce and all-gather over 2..max_procs processes with the real backend (gloo on CPU,
     NCCL on GPU) at several sizes -> alpha (latency) and beta (bandwidth) per group size by a
     linear fit; their medians become intra_latency_us and intra_bw_gbs.
@@ -247,19 +248,72 @@ def _fsdp_worker(rank: int, world: int, port: int, repeats: int, threads: int, q
             times.append(min(samples))
         extra.append(times[1] - times[0])
     if rank == 0:
-        queue.put({"fsdp_unit_overhead_us": max(0.0, (extra[1] - extra[0]) / 4) * 1e6})
+        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4) * 1e6})
     dist.destroy_process_group()
 
 
-def measure_fsdp_overhead(*, quick: bool, timeout_s: float = 120.0) -> float:
+def _tp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    """Per-layer, per-pass cost of tensor parallelism beyond its collectives (DTensor dispatch):
+    tiny models with 1 and 5 blocks, timed with and without column/row-wise sharding."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from phalanx.model.config import ModelConfig
+    from phalanx.model.transformer import Transformer
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    extra = []
+    for layers in (1, 5):
+        cfg = ModelConfig(name="tp", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 8))
+        times = []
+        for shard in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            if shard:
+                for block in model.layers.values():
+                    parallelize_module(block, mesh, plan)
+
+            samples = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                model(tokens).sum().backward()
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            times.append(min(samples))
+        extra.append(times[1] - times[0])
+    if rank == 0:
+        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4 / 3) * 1e6})
+    dist.destroy_process_group()
+
+
+def measure_tp_overhead(*, quick: bool) -> float:
+    """Microseconds tensor parallelism adds per layer per pass on 2 gloo processes."""
+    return _two_process(_tp_worker, quick=quick, what="tensor-parallel")
+
+
+def measure_fsdp_overhead(*, quick: bool) -> float:
     """Microseconds FSDP adds per sharded unit per micro-batch on 2 gloo processes."""
+    return _two_process(_fsdp_worker, quick=quick, what="FSDP")
+
+
+def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) -> float:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // 2)
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, port, 3 if quick else 10, threads, queue)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, 3 if quick else 10, threads, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -271,8 +325,8 @@ def measure_fsdp_overhead(*, quick: bool, timeout_s: float = 120.0) -> float:
         if p.is_alive():
             p.kill()
     if result is None:
-        raise UserError(f"FSDP measurement on 2 gloo processes did not finish in {timeout_s:.0f} s")
-    return result["fsdp_unit_overhead_us"]
+        raise UserError(f"{what} measurement on 2 gloo processes did not finish in {timeout_s:.0f} s")
+    return result["overhead_us"]
 
 
 def _free_port() -> int:
@@ -367,8 +421,10 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         log(f"{backend} {world} processes: latency {fits[world]['latency_us']:.1f} us per step, "
             f"bus bandwidth {fits[world]['bus_bw_gbs']:.2f} GB/s")
     fsdp_overhead = 0.0 if gpu else measure_fsdp_overhead(quick=quick)
+    tp_overhead = 0.0 if gpu else measure_tp_overhead(quick=quick)
     if not gpu:
-        log(f"FSDP adds {fsdp_overhead:.0f} us per sharded layer per micro-batch beyond its collectives' bytes")
+        log(f"FSDP adds {fsdp_overhead:.0f} us per sharded layer per micro-batch, tensor parallelism "
+            f"{tp_overhead:.0f} us per layer per pass, beyond their collectives")
     bw = statistics.median(f["bus_bw_gbs"] for f in fits.values()) if fits else 1.0
     latency = statistics.median(f["latency_us"] for f in fits.values()) if fits else 50.0
 
@@ -383,6 +439,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         hbm_tbs=bandwidth, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
         matmul_efficiency=1.0, matmul_half_dim=half, attention_efficiency=max(attention, 1e-3),
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
+        tp_layer_overhead_us=tp_overhead,
         shared_compute=not gpu,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
     )

@@ -299,8 +299,11 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     n_moe_total = _moe_layers(model)
     n_moe = min(n, n_moe_total)  # the most loaded stage holds MoE layers where there are any
     n_dense = n - n_moe
+    overhead = cluster.overhead_per_rank(world)
+    if lay.tp > 1:
+        overhead += cluster.tp_layer_overhead_us * 1e-6 * cluster.queueing(world)
     kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=peak, flash=options.flash_attention,
-              memory_bw=memory_bw, overhead=cluster.overhead_per_rank(world))
+              memory_bw=memory_bw, overhead=overhead)
     dense = layer_cost(model, cluster, moe=False, **kw)
     moe = layer_cost(model, cluster, moe=True, **kw) if n_moe else dense
 
@@ -355,8 +358,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
     optimizer = local_state * OPTIMIZER_BYTES_PER_PARAM / memory_bw
 
-    overhead = cluster.step_overhead_per_rank(world)
-    step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + overhead
+    step_overhead = cluster.step_overhead_per_rank(world)
+    step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),
         "recompute": m * comp_r,
@@ -366,7 +369,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         "bubble": bubble,
         "dp_comm": dp_comm,
         "optimizer": optimizer,
-        "overhead": overhead,
+        "overhead": step_overhead,
     }
 
     memory = _memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)

@@ -60,6 +60,9 @@ class Cluster:
     fsdp_unit_overhead_us: float = 0.0
     """Framework time FSDP adds per sharded layer per micro-batch (hooks, copies, waits) beyond
     its collectives' alpha-beta time: measured on CPUs, hidden by GPU asynchrony (0)."""
+    tp_layer_overhead_us: float = 0.0
+    """Framework time tensor parallelism adds per layer per pass (DTensor dispatch) beyond its
+    collectives: measured on CPUs, hidden by GPU asynchrony (0)."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
     measured_groups: tuple[tuple[int, float, float], ...] = ()
