@@ -141,21 +141,27 @@ def measure_bandwidth(device, *, quick: bool) -> float:
     return 12 * n / _timeit(run, repeats=5 if quick else 20, best=True) / 1e12
 
 
-def measure_overheads(device, *, quick: bool) -> tuple[float, float]:
-    """(us per layer per pass, ms per step) of fixed cost, from whole training steps of a
-    model so small that its FLOPs do not count, at two depths: the slope is the per-layer
-    cost (three passes: forward, input and weight gradients), the intercept the per-step
-    cost (embedding, loss, gradient clipping, AdamW, zeroing gradients)."""
+def measure_overheads(device, *, quick: bool) -> tuple[float, float, float]:
+    """Fixed costs, from whole training steps of a model so small that its FLOPs do not count,
+    at two depths: (us per layer per pass, ms per step, us per recomputed layer).
+
+    The slope over depth is the per-layer cost (three passes: forward, input and weight
+    gradients), the intercept the per-step cost (embedding, loss, clipping, AdamW, zeroing);
+    the same with every block under activation checkpointing gives recompute's own cost.
+    """
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
 
-    points = []
-    for layers in (1, 5):
+    def timed(layers: int, recompute: bool) -> float:
         cfg = ModelConfig(name="overhead", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64,
                           max_seq_len=16)
         model = Transformer(cfg).to(device)
+        if recompute:
+            for block in model.layers.values():
+                block.forward = (lambda f: lambda x, rope: checkpoint(f, x, rope, use_reentrant=False))(block.forward)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(0, cfg.vocab_size, (1, 8), device=device)
 
@@ -167,10 +173,13 @@ def measure_overheads(device, *, quick: bool) -> tuple[float, float]:
             opt.zero_grad(set_to_none=True)
             _sync(device)
 
-        points.append((layers, _timeit(step, repeats=10 if quick else 40, warmup=3, best=True)))
-    (l1, t1), (l2, t2) = points
-    per_layer = max(0.0, (t2 - t1) / (l2 - l1))
-    return per_layer / 3 * 1e6, max(0.0, t1 - per_layer * l1) * 1e3
+        return _timeit(step, repeats=10 if quick else 40, warmup=3, best=True)
+
+    t1, t5 = timed(1, False), timed(5, False)
+    r1, r5 = timed(1, True), timed(5, True)
+    per_layer = max(0.0, (t5 - t1) / 4)
+    recompute = max(0.0, (r5 - r1) / 4 - per_layer)
+    return per_layer / 3 * 1e6, max(0.0, t1 - per_layer) * 1e3, recompute * 1e6
 
 
 def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int,
@@ -404,11 +413,12 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     log(f"fit: peak {peak / 1e12 * 1e3:.2f} GFLOP/s, half-efficiency dimension {half:.1f}")
     attention = measure_attention(device, dtype, peak / (1 if gpu else cores), quick=quick)
     bandwidth = measure_bandwidth(device, quick=quick)
-    overhead, step_overhead = (0.0, 0.0) if gpu else measure_overheads(device, quick=quick)
+    overhead, step_overhead, recompute_overhead = (0.0, 0.0, 0.0) if gpu else measure_overheads(device, quick=quick)
     if not gpu:
         torch.set_num_threads(threads_before)
     log(f"attention at {attention:.2f} of peak; memory bandwidth {bandwidth * 1e3:.1f} GB/s; "
-        f"overhead {overhead:.0f} us per layer per pass and {step_overhead:.2f} ms per step")
+        f"overhead {overhead:.0f} us per layer per pass, {step_overhead:.2f} ms per step, "
+        f"{recompute_overhead:.0f} us per recomputed layer")
 
     devices = torch.cuda.device_count() if gpu else cores
     fits = {}
@@ -439,7 +449,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         hbm_tbs=bandwidth, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
         matmul_efficiency=1.0, matmul_half_dim=half, attention_efficiency=max(attention, 1e-3),
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
-        tp_layer_overhead_us=tp_overhead,
+        tp_layer_overhead_us=tp_overhead, recompute_overhead_us=recompute_overhead,
         shared_compute=not gpu,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
     )

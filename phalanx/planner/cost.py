@@ -327,10 +327,14 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     comp_f = n_dense * dense.f + n_moe * moe.f + logit_gemm + logit_ew
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_gemm + 2 * logit_ew
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_gemm
+    if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
+        comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
+    else:
+        comp_r_fixed = 0.0
     if lay.recompute == "full":
-        comp_r, comm_r = n_dense * dense.f + n_moe * moe.f, tp_f + ep_f
+        comp_r, comm_r = n_dense * dense.f + n_moe * moe.f + comp_r_fixed, tp_f + ep_f
     elif lay.recompute == "selective":
-        comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f, 0.0
+        comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
     else:
         comp_r = comm_r = 0.0
     stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_f + ep_f, w=comp_w, r=comp_r + comm_r,
@@ -408,6 +412,10 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 3, and
     # per gradient bucket otherwise, so latency counts once per unit or bucket.
     units = n_layers + 1 if lay.zero == 3 else 0
+    # The phalanx trainer runs replicated dp composed with tp or pp through FSDP2 as HSDP with
+    # shard size 1 (DDP takes neither DTensors nor stages): FSDP's per-unit cost, DDP's bytes.
+    wrapped = n_layers + 1 if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1) else 0
+    wrap_cost = lay.microbatches * wrapped * cluster.fsdp_unit_overhead_us * 1e-6 * cluster.queueing(lay.world_size)
     rs = ag = ar_replica = 0.0
     for params, size, stride in groups:
         pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))
@@ -429,12 +437,12 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
         per_mb += units * cluster.fsdp_unit_overhead_us * 1e-6 * cluster.queueing(lay.world_size)
         return lay.microbatches * per_mb + ar_replica
     if not overlap:
-        return rs + ag + ar_replica
+        return rs + ag + ar_replica + wrap_cost
     window_b = st.b + st.w + st.r
     exposed = max(rs - window_b, rs * one_layer) + ar_replica
     if ag:
         exposed += max(ag - st.f, ag * one_layer)
-    return exposed
+    return exposed + wrap_cost
 
 
 def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,

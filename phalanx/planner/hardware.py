@@ -63,6 +63,9 @@ class Cluster:
     tp_layer_overhead_us: float = 0.0
     """Framework time tensor parallelism adds per layer per pass (DTensor dispatch) beyond its
     collectives: measured on CPUs, hidden by GPU asynchrony (0)."""
+    recompute_overhead_us: float = 0.0
+    """Framework time activation checkpointing adds per layer per micro-batch besides the
+    recomputed forward: measured on CPUs, 0 on GPUs."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
     measured_groups: tuple[tuple[int, float, float], ...] = ()
