@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig, model_config
 from phalanx.planner.cost import Options

@@ -1,6 +1,5 @@
 """Each cost formula against values worked out by hand (the arithmetic is in the comments)."""
 
-import math
 
 import pytest
 

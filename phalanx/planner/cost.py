@@ -8,7 +8,10 @@ Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
     skip masked blocks), backward 2.5x forward, at `attention_efficiency` of peak.
   Element-wise work (norms, activations, residuals, rotary): memory-bound, modelled as
     reading and writing the layer's stored activations once forward, twice backward.
-  `layer_overhead_us` per pass (launches, Python): zero on the GPU presets, measured on CPU.
+  `layer_overhead_us` per pass (launches, Python): zero on the GPU presets, measured on CPU,
+    like the framework costs of tensor parallelism (`tp_layer_overhead_us`, per layer per
+    pass), FSDP (`fsdp_unit_overhead_us`, per unit per micro-batch) and activation
+    checkpointing (`recompute_overhead_us`, per layer per micro-batch).
 Communication per layer per micro-batch (comm.py for the alpha-beta times):
   TP: 2 all-reduces of T h bf16 forward, 2 backward (with sp: all-gathers + reduce-scatters
     of the same bandwidth cost); exposed, or pipelined with the GEMMs with `tp_overlap`.

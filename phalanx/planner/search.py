@@ -24,9 +24,6 @@ from phalanx.planner.cost import Estimate, Options, evaluate
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
 
-_LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
-
-
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
     """Which knob values the search may use."""
