@@ -113,3 +113,27 @@ def test_step_time_adds_up_and_tp_traffic_is_counted():
     assert est.breakdown["tp_comm"] == pytest.approx(4 * 24 * 4 * per, rel=1e-12)
     assert est.tflops_per_gpu == pytest.approx(est.model_flops / est.step_time_s / 96 / 1e12)
     assert est.mfu == pytest.approx(est.tflops_per_gpu / 989.0)
+
+
+def test_cpu_framework_costs_add_per_unit_and_per_pass():
+    from phalanx.model.config import model_config
+
+    tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)
+    cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
+                  memory_reserved_gib=1.0, shared_compute=True)
+    costly = Cluster(**{**cpu.__dict__, "fsdp_unit_overhead_us": 1000.0, "tp_layer_overhead_us": 500.0,
+                        "recompute_overhead_us": 200.0})
+    # FSDP: one unit per layer plus the root, every micro-batch: 2 micro-batches x 5 units x 1 ms.
+    fsdp = Layout(dp=2, mbs=2, microbatches=2, zero=3)
+    gap = evaluate(tiny, costly, work, fsdp).breakdown["dp_comm"] - evaluate(tiny, cpu, work, fsdp).breakdown["dp_comm"]
+    assert gap == pytest.approx(2 * 5 * 1e-3)
+    # TP: three passes per layer: 4 micro-batches x 4 layers x 3 x 0.5 ms (2 ranks on 2 cores: no queueing).
+    tp = Layout(tp=2, mbs=2, microbatches=4, sp=True)
+    gap = evaluate(tiny, costly, work, tp).breakdown["compute"] - evaluate(tiny, cpu, work, tp).breakdown["compute"]
+    assert gap == pytest.approx(4 * 4 * 3 * 0.5e-3)
+    # Recompute: per layer per micro-batch, on top of the recomputed forward.
+    rc = Layout(mbs=2, microbatches=4, recompute="full")
+    gap = evaluate(tiny, costly, work, rc).breakdown["recompute"] - evaluate(tiny, cpu, work, rc).breakdown["recompute"]
+    assert gap == pytest.approx(4 * 4 * 0.2e-3)
+    # Four ranks on two cores: each gets a quarter of the node's peak.
+    assert cpu.peak_flops_per_rank(4) == pytest.approx(0.1e12 / 4)
