@@ -38,7 +38,7 @@ class Row:
     metric: str = "model"
     """'model': model TFLOP/s/GPU; 'hardware': counting recompute; 'tokens': tokens/s/GPU."""
     options: Options = Options()
-    space: SearchSpace = SearchSpace(zero_levels=(0, 1), schedules=("1f1b", "interleaved"))
+    space: SearchSpace = SearchSpace(zero_levels=(0, 1), schedules=("1f1b", "interleaved"), phalanx_trainer=False)
     in_median: bool = True
     note: str = ""
 
@@ -60,7 +60,7 @@ MEGATRON = [
 MEGATRON_OPTIONS = Options(tp_overlap=True)
 # Megatron-DeepSpeed of 2021-22 (BLOOM, MT-NLG): plain 1F1B, full or no recompute, no SP.
 DEEPSPEED = SearchSpace(zero_levels=(0, 1), schedules=("1f1b",), recompute=("none", "full"),
-                        sequence_parallel=False)
+                        sequence_parallel=False, phalanx_trainer=False)
 
 ROWS = [
     Row(label=f"Megatron {name}", model=gpt(name, a, h, l, 131072, 4096), cluster="dgx-h100",
@@ -70,7 +70,7 @@ ROWS = [
 ] + [
     Row(label=f"Llama3-405B {gpus} GPUs", model=model_config("llama3-405b"), cluster="dgx-h100", gpus=gpus,
         global_batch=2048, seq_len=8192, fixed=dict(tp=8, pp=16, dp=gpus // 128), published=tflops,
-        space=SearchSpace(zero_levels=(1, 2, 3), schedules=("1f1b", "interleaved")))
+        space=SearchSpace(zero_levels=(1, 2, 3), schedules=("1f1b", "interleaved"), phalanx_trainer=False))
     for gpus, tflops in ((8192, 430.0), (16384, 400.0))
 ] + [
     # Pre-flash-attention era runs; FLOP/s counted with the recompute pass.
@@ -91,7 +91,8 @@ ROWS = [
         published=468.0),
     Row(label="DeepSeek-V3", model=model_config("deepseek-v3"), cluster="hgx-h800", gpus=2048, global_batch=15360,
         seq_len=4096, fixed=dict(tp=1, pp=16, ep=64, dp=128, schedule="dualpipev", zero=1), published=1540.0,
-        metric="tokens", space=SearchSpace(zero_levels=(1,), schedules=("1f1b", "interleaved", "dualpipev")),
+        metric="tokens", space=SearchSpace(zero_levels=(1,), schedules=("1f1b", "interleaved", "dualpipev"),
+                                           phalanx_trainer=False),
         in_median=False, note="trained in FP8 with MLA attention; predicted in BF16 with MHA: not comparable"),
 ]
 

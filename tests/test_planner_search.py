@@ -100,3 +100,19 @@ def test_trillion_parameters_on_3072_gpus_plans_fast():
     assert result.ranked and result.considered > 1000
     # The issue asks for at most a second; the bound is doubled for a loaded shared CI core.
     assert elapsed < 2.0
+
+
+def test_trainer_rules_for_schedules_and_tp():
+    # DualPipe needs two micro-batches per stage; interleaved rounds of about pp must split evenly.
+    from phalanx.planner.search import SearchSpace, _schedules
+
+    names = lambda pp, m: {s for s, _ in _schedules(SearchSpace(), pp, m, 32)}  # noqa: E731
+    assert "dualpipev" not in names(4, 6) and "dualpipev" in names(4, 8)
+    assert "interleaved" not in names(2, 7) and "interleaved" in names(2, 8)
+    # llama3-8b has 8 KV heads: tp=16 could only run with KV replication, which the trainer lacks.
+    model = ModelConfig(name="kv2", vocab_size=1000, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=512)
+    work = Workload(global_batch=8, seq_len=64)
+    ours = search(model, H100, work, world_size=8, keep=10_000)
+    anywhere = search(model, H100, work, world_size=8, keep=10_000, space=SearchSpace(phalanx_trainer=False))
+    assert max(e.layout.tp for e in ours.ranked) == 2  # divides n_kv_heads=2 and vocab 1000
+    assert max(e.layout.tp for e in anywhere.ranked) == 8

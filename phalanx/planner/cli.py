@@ -36,6 +36,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="assume TP collectives are pipelined with GEMMs (Megatron's tp-comm-overlap)")
     p.add_argument("--zero-levels", type=_levels, default=(0, 3),
                    help="ZeRO levels to search (default 0,3: what the phalanx trainer runs)")
+    p.add_argument("--any-runtime", action="store_true",
+                   help="also layouts the phalanx trainer does not run (tp not dividing the KV heads or the "
+                        "vocabulary, tp with experts), as other implementations with padding would")
 
 
 def register(subparsers) -> None:
@@ -71,7 +74,7 @@ def run_plan(args) -> int:
     if args.gpus < 1:
         raise UserError(f"--gpus={args.gpus} must be at least 1")
     fixed = parse_fix(args.fix)
-    space = SearchSpace(zero_levels=args.zero_levels)
+    space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
     options = Options(tp_overlap=args.tp_overlap)
     results = []
     for cluster in clusters:
@@ -110,7 +113,8 @@ def _why_empty(args, fixed: dict) -> str:
     if args.fix:
         text += f" --fix {args.fix}"
     return text + (f" with global batch {args.global_batch} (dp x mbs x microbatches must equal it, "
-                   "tp must divide the heads and feed-forward size, pp at most the layer count)")
+                   "tp must divide the heads and feed-forward size, pp at most the layer count; the phalanx "
+                   "trainer also needs tp to divide the KV heads and vocabulary: --any-runtime lifts that)")
 
 
 def _print_side_by_side(model_name: str, args, results) -> None:

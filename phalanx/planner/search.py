@@ -38,6 +38,10 @@ class SearchSpace:
     max_mbs: int = 16
     sequence_parallel: bool = True
     """Use sp with tp > 1; False for implementations that lack it."""
+    phalanx_trainer: bool = True
+    """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
+    padding), sp needs tp to divide seq_len, no tp with experts yet. Off to model other
+    implementations (the published runs)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,8 +91,10 @@ def _schedules(space: SearchSpace, pp: int, m: int, n_layers: int) -> list[tuple
         if name in ("gpipe", "1f1b"):
             out.append((name, 1))
         elif name == "interleaved":
-            out += [(name, v) for v in space.virtual if pp * v <= n_layers]
-        elif pp * 2 <= n_layers:
+            # Micro-batches run in rounds of about pp; the rounds must split them evenly.
+            if m % max(1, m // pp) == 0:
+                out += [(name, v) for v in space.virtual if pp * v <= n_layers]
+        elif pp * 2 <= n_layers and (name == "zbv" or m >= 2 * pp):  # DualPipe: two per stage
             out.append((name, 2))
     return out
 
@@ -106,6 +112,9 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
             continue
         if model.n_experts and model.moe_ffn_dim % tp:
             continue
+        if space.phalanx_trainer and tp > 1 and (model.n_kv_heads % tp or model.vocab_size % tp or model.n_experts):
+            continue
+        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and workload.seq_len % tp)
         for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp:
@@ -132,7 +141,7 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                             for zero in zeros:
                                 if fixed.get("zero_not3") and zero == 3:
                                     continue
-                                sp = fixed.get("sp", tp > 1 and space.sequence_parallel)
+                                sp = fixed.get("sp", tp > 1 and sp_ok)
                                 yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, microbatches=m,
                                              schedule=schedule, virtual=v, recompute=rc, zero=zero,
                                              sp=bool(sp), replicate=int(f("replicate", 1)))
