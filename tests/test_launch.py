@@ -46,3 +46,17 @@ def test_bf16_autocast_trains_close_to_fp32(tiny_config):
     bf16 = run_ranks(1, _train_losses, tiny_config.replace(dtype="bf16", out=tiny_config.out + "-bf16"))[0]
     assert abs(bf16[0] - fp32[0]) < 2e-2
     assert bf16[-1] < bf16[0] - 0.3
+
+
+def test_plan_auto_picks_a_runnable_plan(tiny_config):
+    """`--plan auto` asks the planner; what it returns must be a plan the trainer accepts on
+    that many processes for this model and batch (validated as a hand-written plan would be)."""
+    from phalanx.launch import choose_auto_plan
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan import plan_from_string
+
+    for world in (1, 2, 4):
+        chosen = choose_auto_plan(tiny_config.replace(plan="auto"), world)
+        plan = plan_from_string(chosen.plan, world)
+        validate_for_model(plan, model_config("tiny"), global_batch=tiny_config.global_batch, seq_len=tiny_config.seq_len)
