@@ -18,15 +18,17 @@ from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import build_model, init_weights
 from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp
+from phalanx.parallel.expert import apply_ep
 from phalanx.parallel.mesh import ParallelMesh
 
 
 def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int) -> nn.Module:
     plan = mesh.plan
-    unsupported = [f"{k}={getattr(plan, k)}" for k in ("tp", "pp", "ep") if getattr(plan, k) > 1]
+    unsupported = [f"{k}={getattr(plan, k)}" for k in ("tp", "pp") if getattr(plan, k) > 1]
     if unsupported:
-        raise UserError(f"this build of phalanx runs data parallelism only; {', '.join(unsupported)} is not available yet")
+        raise UserError(f"this build of phalanx runs data and expert parallelism only; {', '.join(unsupported)} is not available yet")
     model = build_model(cfg)
+    apply_ep(model, mesh)
     if plan.dp > 1 and plan.fsdp:
         apply_fsdp(model, mesh)
     init_weights(model, cfg, seed, mesh.device)

@@ -18,6 +18,7 @@ from phalanx.errors import UserError
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.data_parallel import set_gradient_sync
+from phalanx.parallel.grad_norm import clip_grad_norm_
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -160,7 +161,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
                 loss.backward()
                 loss_sum += loss.detach()
-            grad_norm = _global_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+            grad_norm = clip_grad_norm_(model, cfg.grad_clip)  # over every rank's experts too
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
