@@ -21,6 +21,7 @@ from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.grad_norm import clip_grad_norm_
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.plan import Plan, plan_from_string
+from phalanx.train import moe_stats
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import MetricsLog, plot_loss
@@ -76,10 +77,6 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _global_norm(norm: torch.Tensor) -> float:
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 def batch_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
@@ -159,7 +156,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 set_gradient_sync(model, i == accum - 1)
                 rows = slice(i * micro, (i + 1) * micro)
                 loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
-                loss.backward()
+                (loss + moe_stats.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
                 loss_sum += loss.detach()
             grad_norm = clip_grad_norm_(model, cfg.grad_clip)  # over every rank's experts too
             optimizer.step()
@@ -172,6 +169,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "peak_mem_mb": peak_memory_mb(device),
             }
+            record.update(moe_stats.end_step(model, mesh))  # expert loads; loss-free bias update
             done = step + 1
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast)
@@ -193,6 +191,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        moe_stats.plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:
         result.sample = generate(
             model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed
