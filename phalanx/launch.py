@@ -108,12 +108,12 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         return worker_main(asdict(cfg), cfg.out)
 
     from phalanx.model.config import model_config
+    from phalanx.parallel.expert import validate_ep
     from phalanx.train.loop import resolve_plan
 
     nproc = cfg.nproc or default_nproc(cfg.device)
     check_nproc(nproc, cfg.device)
-    model_config(cfg.model)  # fail here, not in every worker
-    resolve_plan(cfg.plan, nproc)
+    validate_ep(model_config(cfg.model), resolve_plan(cfg.plan, nproc))  # fail here, not in every worker
     if cfg.data and not Path(cfg.data).expanduser().exists():
         raise UserError(f"data path {cfg.data!r} does not exist")
     run_dir = resolve_run_dir(cfg)

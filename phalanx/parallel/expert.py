@@ -31,8 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
 from phalanx.model.moe import GroupedExperts
 from phalanx.parallel.mesh import ParallelMesh
+from phalanx.plan import Plan
 
 
 class _AllToAll(torch.autograd.Function):
@@ -156,11 +158,15 @@ def _hook_gradients_each_forward(reduce: _ReduceOverEdp):
     return attach
 
 
-def validate_ep(cfg_n_experts: int, ep: int, model_name: str) -> None:
-    if ep > 1 and not cfg_n_experts:
-        raise UserError(f"ep={ep} needs a mixture-of-experts model; {model_name!r} has no experts")
-    if ep > 1 and cfg_n_experts % ep:
-        raise UserError(f"ep={ep} must divide the number of experts: {model_name!r} has n_experts={cfg_n_experts}")
+def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
+    """The model-dependent rules for ep (Plan.validate already checks that ep divides dp)."""
+    if plan.ep > 1 and not cfg.n_experts:
+        raise UserError(f"invalid plan: ep={plan.ep} needs a mixture-of-experts model; {cfg.name!r} has no experts")
+    if plan.ep > 1 and cfg.n_experts % plan.ep:
+        raise UserError(
+            f"invalid plan: ep={plan.ep} must divide the number of experts, but {cfg.name!r} has "
+            f"n_experts={cfg.n_experts} ({cfg.n_experts} / {plan.ep} is not a whole number of experts per rank)"
+        )
 
 
 def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
@@ -169,7 +175,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     if plan.ep == 1:
         return model
     cfg = model.cfg
-    validate_ep(cfg.n_experts, plan.ep, cfg.name)
+    validate_ep(cfg, plan)
     ep_mesh = mesh.split_dp("edp", "ep", plan.ep)
     ep_group, ep_rank = ep_mesh["ep"].get_group(), ep_mesh.get_local_rank("ep")
     edp = plan.dp // plan.ep
