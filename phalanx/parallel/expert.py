@@ -169,6 +169,26 @@ def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
         )
 
 
+def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int) -> GroupedExperts:
+    """Keep rank ep_rank's block of `experts` (meta or real weights) and route over `group`.
+
+    Rows [ep_rank * n_local, (ep_rank + 1) * n_local) of each stacked weight stay; forward then
+    takes rows for all experts, dispatches them to their owners and returns the combined rows.
+    """
+    n_experts = experts.w1.shape[0]
+    n_local = n_experts // ep
+    start, stop = ep_rank * n_local, (ep_rank + 1) * n_local
+    for weight in ("w1", "w2", "w3"):
+        full = getattr(experts, weight)
+        setattr(experts, weight, nn.Parameter(full.detach()[start:stop].clone()))  # (n_local, ...)
+    experts.expert_shard = (start, stop, n_experts)
+    experts.ep_group = group
+    hooks = _ExpertParallelHooks(group)
+    experts.register_forward_pre_hook(hooks.before)
+    experts.register_forward_hook(hooks.after)
+    return experts
+
+
 def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     """Keep this rank's experts in every MoE layer and route their tokens over "ep" (meta model)."""
     plan = mesh.plan
@@ -179,20 +199,12 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     ep_mesh = mesh.split_dp("edp", "ep", plan.ep)
     ep_group, ep_rank = ep_mesh["ep"].get_group(), ep_mesh.get_local_rank("ep")
     edp = plan.dp // plan.ep
-    n_local = cfg.n_experts // plan.ep
     ignored = []
     for name, experts in model.named_modules():
         if not isinstance(experts, GroupedExperts):
             continue
-        for weight in ("w1", "w2", "w3"):
-            full = getattr(experts, weight)
-            setattr(experts, weight, nn.Parameter(torch.empty((n_local, *full.shape[1:]), device="meta")))
-            ignored.append(f"{name}.{weight}")
-        experts.expert_shard = (ep_rank * n_local, (ep_rank + 1) * n_local, cfg.n_experts)
-        experts.ep_group = ep_group
-        hooks = _ExpertParallelHooks(ep_group)
-        experts.register_forward_pre_hook(hooks.before)
-        experts.register_forward_hook(hooks.after)
+        shard_experts(experts, ep_group, ep_rank, plan.ep)
+        ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]
         if plan.fsdp:
             from torch.distributed.fsdp import fully_shard
 
