@@ -204,6 +204,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         if not isinstance(experts, GroupedExperts):
             continue
         shard_experts(experts, ep_group, ep_rank, plan.ep)
+        experts.ep_mesh = ep_mesh["ep"]  # checkpoints save the experts as DTensors over it
         ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]
         if plan.fsdp:
             from torch.distributed.fsdp import fully_shard
