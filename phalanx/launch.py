@@ -62,7 +62,8 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
         lines.append(f"  val loss     {result.val_loss:.3f}")
     if result.sample:
         lines.append("  sample:\n" + "\n".join("    | " + line for line in result.sample.splitlines()))
-    lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png, checkpoints/)")
+    extra = ", experts.png" if (result.run_dir / "experts.png").exists() else ""  # MoE load heat-map
+    lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png{extra}, checkpoints/)")
     return "\n".join(lines)
 
 
