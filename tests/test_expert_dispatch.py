@@ -72,3 +72,34 @@ def test_round_trip_is_exact(world):
     skewed = [r["skewed"]["received"] for r in results]
     # Every row went to expert 0, held by rank 0: the other ranks received nothing.
     assert skewed[0] > 0 and skewed[1:] == [0] * (world - 1)
+
+
+def _input_grads_only() -> None:
+    """Every row goes to the last rank's experts, so the other ranks' experts get no rows; then
+    gradients are asked for the inputs only (as pipeline stages do). A rank whose expert output
+    ignored its (empty) input would let autograd skip its backward all-to-alls and hang the
+    others. The gradient must also equal the one computed without any communication."""
+    from phalanx.model.moe import grouped_expert_ffn
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(0)  # the same full expert weights on every rank
+    w1, w3 = (torch.randn(N_EXPERTS, 6, DIM, generator=generator, dtype=torch.float64) for _ in range(2))
+    w2 = torch.randn(N_EXPERTS, DIM, 6, generator=generator, dtype=torch.float64)
+    for weight in (w1, w2, w3):
+        weight.requires_grad_(True)  # as in the model: the output depends on them either way
+    n_local = N_EXPERTS // world
+    mine = slice(rank * n_local, (rank + 1) * n_local)
+    rows = torch.randn(5, DIM, generator=torch.Generator().manual_seed(rank), dtype=torch.float64, requires_grad=True)
+    counts = torch.zeros(N_EXPERTS, dtype=torch.long)
+    counts[-1] = 5  # all to the last expert, held by the last rank
+    received, local_counts, plan = dispatch(rows, counts, dist.group.WORLD)
+    out = combine(grouped_expert_ffn(received, local_counts.tolist(), w1[mine], w2[mine], w3[mine]), plan, dist.group.WORLD)
+    (grad,) = torch.autograd.grad(out.sum(), [rows])
+    local = rows.detach().requires_grad_(True)
+    expected_out = grouped_expert_ffn(local, counts.tolist(), w1, w2, w3)
+    (expected,) = torch.autograd.grad(expected_out.sum(), [local])
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_input_gradients_only_with_idle_ranks():
+    run_ranks(2, _input_grads_only, timeout_s=30)

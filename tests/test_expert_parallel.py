@@ -63,11 +63,13 @@ def _compare(results, reference):
     # The clipping norm must cover every rank's experts: AdamW hides a wrong clip factor in
     # the weights (it is nearly scale-invariant), so compare the norm itself.
     torch.testing.assert_close(results[0][2], ref_norms, rtol=TOLERANCE, atol=0)
+    seen = set()
     for losses, weights, _ in results:
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOLERANCE, (losses, ref_losses)
-        assert weights.keys() == ref_weights.keys()
         for name, value in weights.items():
             torch.testing.assert_close(value, ref_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+        seen |= weights.keys()
+    assert seen == ref_weights.keys()  # a pipeline stage holds some layers; together, all of them
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,11 @@ def grouped_expert_ffn(
         hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())  # (rows, hidden)
         outputs.append(hidden @ w2[expert].t())  # (rows, dim)
     if not outputs:
-        # No rows at all (a rank that received nothing): still depend on the weights, so that
-        # every rank produces (zero) gradients and runs the same backward collectives.
-        return x.new_zeros(x.shape) + 0 * (w1.sum() + w2.sum() + w3.sum())
+        # No rows at all (a rank that received nothing): still depend on x and the weights, so
+        # every rank produces (zero) gradients and runs the same backward collectives, even
+        # when autograd is asked for input gradients only (pipeline stages do that) and would
+        # otherwise prune the path through an output that ignores x.
+        return x * 0 + 0 * (w1.sum() + w2.sum() + w3.sum())
     return torch.cat(outputs)
 
 
