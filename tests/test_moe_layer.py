@@ -116,6 +116,23 @@ def test_capacity_drops_exactly_the_tokens_over_capacity():
     assert torch.equal(moe(flat), out)  # deterministic
 
 
+def test_activation_checkpointing_counts_each_forward_once():
+    """Recomputing the layer in backward must not count its tokens (or aux loss) again.
+
+    Early stop off: by default torch stops a recomputation once it has every saved tensor,
+    before the statistics at the end of forward, which would hide the double count."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    moe = _moe(aux_loss_coef=0.1)
+    flat = torch.randn(16, 64, requires_grad=True)
+    with set_checkpoint_early_stop(False):
+        out = checkpoint(moe, flat, use_reentrant=False)
+    counts, aux = moe.tokens_per_expert.clone(), moe.aux_loss
+    (out.sum() + aux).backward()  # reruns moe.forward inside backward
+    assert torch.equal(moe.tokens_per_expert, counts) and counts.sum() == 32
+    assert moe.aux_loss is aux
+
+
 def test_config_and_plan_errors_name_the_numbers():
     with pytest.raises(UserError, match="router='topk' must be 'softmax' or 'sigmoid'"):
         model_config("tiny-moe").replace(router="topk")

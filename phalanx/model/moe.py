@@ -50,6 +50,14 @@ def grouped_expert_ffn(
     return torch.cat(outputs)
 
 
+def in_recompute() -> bool:
+    """True while autograd's backward runs this code: activation checkpointing recomputing a
+    forward. Statistics must count each forward once, not again during recomputation.
+    (torch has no public call for this; `_current_graph_task_id` is -1 outside backward.)"""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class GroupedExperts(nn.Module):
     """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert."""
 
@@ -132,14 +140,19 @@ class MoE(nn.Module):
         return out.reshape(shape)
 
     def _record(self, route, counts: torch.Tensor, dropped: int) -> None:
-        self.aux_loss = None
         if not self.training:
+            self.aux_loss = None
             return
         terms = []
         if self.aux_loss_coef:
             terms.append(self.aux_loss_coef * route.balance_loss())
         if self.z_loss_coef:
             terms.append(self.z_loss_coef * route.z_loss())
+        if in_recompute():
+            # Activation checkpointing re-running this forward in backward: the ops above must
+            # still run (it checks that the same tensors are saved), but the loss was already
+            # taken and the tokens already counted.
+            return
         self.aux_loss = sum(terms) if terms else None
         counts = counts.detach()
         self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts

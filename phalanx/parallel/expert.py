@@ -32,7 +32,7 @@ from torch import nn
 
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.model.moe import GroupedExperts
+from phalanx.model.moe import GroupedExperts, in_recompute
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
 
@@ -121,7 +121,8 @@ class _ExpertParallelHooks:
         rows, counts = args
         local_rows, local_counts, plan = dispatch(rows, counts, self.group)
         self.pending.append(plan)
-        module.received_tokens = getattr(module, "received_tokens", 0) + (local_rows.shape[0] if module.training else 0)
+        if module.training and not in_recompute():
+            module.received_tokens = getattr(module, "received_tokens", 0) + local_rows.shape[0]
         return local_rows, local_counts
 
     def after(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
