@@ -1,8 +1,8 @@
 """An expert-parallel run resumes from its checkpoint as if never stopped, in any layout.
 
 Run A trains 4 steps with a checkpoint after step 2. Run B starts from a copy of A's
-step-2 checkpoint and trains steps 3-4, in the same layout or another one (the experts are
-saved as full stacks, so they load into any ep degree). B's losses and final weights must
+step-2 checkpoint and trains steps 3-4 in another layout (the experts are saved as full
+stacks, so they load into any ep degree). B's losses and final weights must
 equal A's. Resuming reloads the exact saved values, so the only differences are the
 summation-order ones of the layouts (see test_expert_parallel: ~1e-6 here), against a
 tolerance of 1e-4. Saving one rank's experts under every rank's name (DCP's default for a
@@ -32,7 +32,10 @@ def _run(cfg):
 
 @pytest.mark.parametrize(
     "save_plan, resume_plan",
-    [("dp=2,ep=2", "dp=2,ep=2"), ("dp=2,ep=2,fsdp=true", "dp=2,ep=2,fsdp=true"), ("dp=4,ep=2,fsdp=true", "dp=2")],
+    # Saved by DDP experts, loaded into FSDP with another ep degree; saved by FSDP experts
+    # sharded over edp, loaded without expert parallelism. Together: both save paths, both
+    # load paths, and resharding of the expert stacks.
+    [("dp=2,ep=2", "dp=4,ep=4,fsdp=true"), ("dp=4,ep=2,fsdp=true", "dp=2")],
 )
 def test_resume_matches_uninterrupted(tiny_config, save_plan, resume_plan):
     cfg = tiny_config.replace(model="tiny-moe", steps=4, ckpt_every=2)
