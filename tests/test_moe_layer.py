@@ -63,6 +63,17 @@ def test_grouped_layer_matches_per_token_formula(router):
     assert moe.tokens_per_expert.sum() == 48 and moe.dropped_tokens == 0
 
 
+def test_shared_experts_add_a_dense_path():
+    """DeepSeek-style shared experts: every token also passes a dense SwiGLU of width
+    hidden * n_shared_experts, added to the routed output."""
+    moe = _moe(n_shared_experts=2)
+    assert moe.shared.w1.weight.shape == (2 * 64, 64)  # tiny-moe: expert_ffn_dim 64
+    flat = torch.randn(8, 64)
+    route = moe.router(flat)
+    expected = _per_token(moe, flat, route.experts, route.weights) + moe.shared(flat)
+    torch.testing.assert_close(moe(flat), expected, atol=TOLERANCE, rtol=0)
+
+
 def test_bias_steers_choice_but_not_weights():
     """DeepSeek-V3: the balancing bias only decides which experts are chosen."""
     moe = _moe(router="sigmoid", router_bias_rate=1e-3)
