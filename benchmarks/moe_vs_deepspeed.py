@@ -9,8 +9,10 @@ renormalized weights, ep=2 on 2 ranks, no token dropping (DeepSpeed: drop_tokens
 use_rts=False, top2_2nd_expert_sampling=False, so its second expert is the deterministic
 argmax), the same gate and expert weights and the same input rows per rank. Each rank runs
 one thread. Timed: forward + backward of the layer (both all-to-alls, the experts, the
-gate), tokens/s over both ranks, median of interleaved repeats so that load from other
-processes hits both sides alike.
+gate), tokens/s over both ranks, repeats interleaved (phalanx, DeepSpeed, phalanx, ...) so
+that load from other processes hits both sides alike. The ratio uses each side's fastest
+repeat: on shared cores, noise only ever adds time, so the fastest repeat is the best
+estimate of the cost itself; medians are printed beside it.
 
 Routing semantics are checked before timing: per rank, the per-expert assignment counts of
 both sides must be identical (same experts chosen), and the outputs must agree to 1e-4
@@ -34,7 +36,7 @@ from torch import nn
 
 EXPERTS, DIM, HIDDEN, TOP_K, EP = 8, 256, 512, 2, 2
 TOKENS_PER_RANK = 4096
-WARMUP, REPEATS = 2, 7
+WARMUP, REPEATS = 2, 9
 
 
 class SwiGLU(nn.Module):
@@ -144,7 +146,8 @@ def _bench(skewed: bool) -> dict:
         times["deepspeed"].append(_time(theirs, x, upstream, True))
     return {
         "same_experts": same_experts, "max_diff": max_diff, "counts": counts.tolist(),
-        "seconds": {k: statistics.median(v) for k, v in times.items()},
+        "seconds": {k: min(v) for k, v in times.items()},
+        "median_seconds": {k: statistics.median(v) for k, v in times.items()},
     }
 
 
@@ -155,21 +158,24 @@ def main() -> int:
 
     print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}; {EXPERTS} experts, dim {DIM}, "
           f"hidden {HIDDEN}, top-{TOP_K}, ep={EP} on {EP} gloo ranks x 1 thread, {TOKENS_PER_RANK} tokens/rank, "
-          f"forward+backward, median of {REPEATS}")
+          f"forward+backward, {REPEATS} interleaved repeats")
     failures = []
     for name, skewed, target in (("near-uniform", False, 1.05), ("skewed", True, 1.5)):
         results = run_ranks(EP, _bench, skewed, timeout_s=600)
         counts = torch.tensor(results[0]["counts"])
         skew = float(counts.max() / counts.mean())
-        rate = {side: EP * TOKENS_PER_RANK / max(r["seconds"][side] for r in results) for side in ("phalanx", "deepspeed")}
+        sides = ("phalanx", "deepspeed")
+        rate = {side: EP * TOKENS_PER_RANK / max(r["seconds"][side] for r in results) for side in sides}
+        median = {side: EP * TOKENS_PER_RANK / max(r["median_seconds"][side] for r in results) for side in sides}
         ratio = rate["phalanx"] / rate["deepspeed"]
         same = all(r["same_experts"] for r in results)
         diff = max(r["max_diff"] for r in results)
         print(f"\n{name}: busiest expert = {skew:.2f} x mean load; per-expert tokens {counts.int().tolist()}")
         print(f"  same experts chosen on every rank: {same}; max |output difference| = {diff:.2e}")
-        print(f"  phalanx   {rate['phalanx']:>9,.0f} tokens/s")
-        print(f"  deepspeed {rate['deepspeed']:>9,.0f} tokens/s")
-        print(f"  ratio phalanx/deepspeed = {ratio:.2f}x (target >= {target}x)")
+        for side in sides:
+            print(f"  {side:<9} {rate[side]:>9,.0f} tokens/s fastest, {median[side]:>9,.0f} median")
+        print(f"  ratio phalanx/deepspeed = {ratio:.2f}x fastest (target >= {target}x), "
+              f"{median['phalanx'] / median['deepspeed']:.2f}x median")
         if not same or diff > 1e-4:
             failures.append(f"{name}: routing differs (same experts: {same}, max diff {diff:.1e})")
         if skewed and skew < 2.0:
