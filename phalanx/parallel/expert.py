@@ -227,6 +227,17 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     return model
 
 
+def expert_params(model: nn.Module):
+    """(ids of this rank's expert-parallel parameters, ep group) for gradient clipping, or
+    None when the model has no expert parallelism."""
+    ids, group = set(), None
+    for module in model.modules():
+        if getattr(module, "expert_shard", None) is not None:
+            group = module.ep_group
+            ids |= {id(param) for param in module.parameters(recurse=False)}
+    return (ids, group) if group is not None else None
+
+
 def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` (canonical names, full over dp/fsdp) with each expert stack gathered over "ep".
 

@@ -18,7 +18,8 @@ from phalanx.errors import UserError
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.data_parallel import set_gradient_sync
-from phalanx.parallel.grad_norm import clip_grad_norm_
+from phalanx.parallel.expert import expert_params
+from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_stats
@@ -158,7 +159,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
                 (loss + moe_stats.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
                 loss_sum += loss.detach()
-            grad_norm = clip_grad_norm_(model, cfg.grad_clip)  # over every rank's experts too
+            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, experts=expert_params(model))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
