@@ -159,6 +159,17 @@ def _hook_gradients_each_forward(reduce: _ReduceOverEdp):
     return attach
 
 
+def _fsdp_carries_dp(plan: Plan) -> bool:
+    """Whether FSDP2, not DDP, runs data parallelism: when asked, and whenever tp or pp > 1.
+
+    The same rule as `uses_fsdp` in the tensor/pipeline branch (DDP takes neither DTensor
+    parameters nor pipeline stages); at the merge, import that one instead. Experts must
+    follow the layout's choice: under FSDP they are sharded over edp before the blocks are
+    wrapped over dp, otherwise the dp wrapping would average different ranks' experts.
+    """
+    return plan.dp > 1 and (plan.fsdp or plan.tp > 1 or plan.pp > 1)
+
+
 def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
     """The model-dependent rules for ep (Plan.validate already checks that ep divides dp)."""
     if plan.ep > 1 and not cfg.n_experts:
@@ -207,7 +218,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         shard_experts(experts, ep_group, ep_rank, plan.ep)
         experts.ep_mesh = ep_mesh["ep"]  # checkpoints save the experts as DTensors over it
         ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]
-        if plan.fsdp:
+        if _fsdp_carries_dp(plan):
             from torch.distributed.fsdp import fully_shard
 
             # Before the blocks are wrapped over "dp" (apply_fsdp), so those skip the experts.
@@ -221,7 +232,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         else:
             reduce = _ReduceOverEdp(ep_mesh["edp"].get_group() if edp > 1 else None, edp, plan.dp)
             experts.register_forward_pre_hook(_hook_gradients_each_forward(reduce))
-    if not plan.fsdp:
+    if not _fsdp_carries_dp(plan):
         # DDP must neither broadcast nor average expert weights over dp: they differ per ep rank.
         model._ddp_params_and_buffers_to_ignore = ignored
     return model
