@@ -87,7 +87,8 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
         lines.append(f"  val loss     {result.val_loss:.3f}")
     if result.sample:
         lines.append("  sample:\n" + "\n".join("    | " + line for line in result.sample.splitlines()))
-    lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png, checkpoints/)")
+    extra = ", experts.png" if (result.run_dir / "experts.png").exists() else ""  # MoE load heat-map
+    lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png{extra}, checkpoints/)")
     return "\n".join(lines)
 
 
@@ -133,14 +134,12 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         return worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
 
     from phalanx.model.config import model_config
-    from phalanx.train.loop import resolve_plan
+    from phalanx.parallel.apply import validate_for_model
+    from phalanx.train.loop import check_sequence_length, resolve_plan
 
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
     cfg = choose_auto_plan(cfg, nproc)
-    from phalanx.parallel.apply import validate_for_model
-    from phalanx.train.loop import check_sequence_length
-
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
