@@ -142,6 +142,11 @@ def main() -> int:
               + (f"  [{row.note}]" if row.note else ""))
     print(f"median |error| over {len(errors)} comparable rows: {statistics.median(errors):.1%}")
     print(f"slowest full search: {slowest:.2f} s")
+    # The speed target: a full search for a 1T-parameter model on 3,072 GPUs in at most 1 s.
+    trillion = gpt("1T", 160, 25600, 128, 131072, 4096)
+    result = search(trillion, PRESETS["dgx-h100"], Workload(global_batch=3072, seq_len=4096), world_size=3072,
+                    space=SearchSpace(zero_levels=(0, 1, 3)))
+    print(f"1T-parameter model on 3,072 GPUs: {result.considered} layouts searched in {result.seconds:.2f} s")
     return 0
 
 
