@@ -26,7 +26,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -319,13 +318,22 @@ def measure_fsdp_overhead(*, quick: bool) -> float:
 
 
 def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) -> float:
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    result = _run_workers(worker, 2, (3 if quick else 10, threads), start_method="fork", timeout_s=timeout_s,
+                          what=f"{what} measurement on 2 gloo processes")
+    return result["overhead_us"]
+
+
+def _run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s: float, what: str) -> dict:
+    """Run worker(rank, world, port, *args, queue) on `world` processes; return what rank 0 puts."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("fork")
+    from phalanx.testing.fork_ranks import free_port
+
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
-    port = _free_port()
-    threads = max(1, (os.cpu_count() or 1) // 2)
-    procs = [ctx.Process(target=worker, args=(r, 2, port, 3 if quick else 10, threads, queue)) for r in range(2)]
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -337,8 +345,8 @@ def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) ->
         if p.is_alive():
             p.kill()
     if result is None:
-        raise UserError(f"{what} measurement on 2 gloo processes did not finish in {timeout_s:.0f} s")
-    return result["overhead_us"]
+        raise UserError(f"{what} did not finish in {timeout_s:.0f} s")
+    return result
 
 
 def _busy_worker(seconds: float, start, queue) -> None:
@@ -374,37 +382,14 @@ def measure_delivered_share(cores: int, single_flops: float, *, quick: bool) -> 
     return max(0.05, min(1.0, total / (cores * single_flops)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_collectives(world: int, backend: str, *, quick: bool, timeout_s: float = 120.0) -> dict[str, float]:
     """Seconds per (op, bytes) on `world` processes, measured by rank 0."""
-    import torch.multiprocessing as mp
-
     sizes = [4096, 1 << 16, 1 << 20] if quick else [4096, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
     repeats = 3 if quick else 10
     threads = max(1, (os.cpu_count() or 1) // world)
-    ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, sizes, repeats, threads, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get(timeout=timeout_s)
-    except Exception:
-        result = None
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    if result is None:
-        raise UserError(f"collective measurement on {world} processes ({backend}) did not finish in {timeout_s:.0f} s")
-    return result
+    return _run_workers(_collective_worker, world, (backend, sizes, repeats, threads),
+                        start_method="fork" if backend == "gloo" else "spawn", timeout_s=timeout_s,
+                        what=f"collective measurement on {world} processes ({backend})")
 
 
 def fit_alpha_beta(samples: dict[str, float], world: int) -> dict[str, float]:
