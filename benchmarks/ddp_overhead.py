@@ -3,9 +3,10 @@
 Both arms train the same model (the `small` preset unless --model says otherwise) on the
 same global batch and sequence length, on 2 gloo ranks forked from this process, with the
 same AdamW, clipping and loss all-reduce per step. The plain loop is what a user would write
-by hand: DDP wrap, random windows of the corpus, forward, backward, clip, step. Arms
-alternate (A B A B ...) so machine noise hits both alike; the ratio is of median step times
-over the measured steps (the first steps are warm-up and skipped).
+by hand: DDP wrap, random windows of the corpus, forward, backward, clip, step, starting
+from the same initial weights. Arms alternate in ABBA order (A B, B A, A B, ...) so machine
+noise and any drift hit both alike; ratios are of median and of fastest step times over the
+measured steps (the first steps of each run are warm-up and skipped).
 
 Reproduce:  .venv/bin/python benchmarks/ddp_overhead.py            (target: ratio <= 1.03)
 """
@@ -44,10 +45,11 @@ def plain_arm(model: str, steps: int, batch: int, seq: int, out: str) -> list[fl
     from torch.nn.parallel import DistributedDataParallel
 
     from phalanx.data.corpus import stdlib_corpus
-    from phalanx.model import Transformer, model_config
+    from phalanx.model import model_config
+    from phalanx.model.init import build_model, init_weights
 
-    torch.manual_seed(0)
-    net = DistributedDataParallel(Transformer(model_config(model)))
+    cfg = model_config(model)
+    net = DistributedDataParallel(init_weights(build_model(cfg), cfg, 0, "cpu"))  # phalanx's initial weights
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     data = torch.from_numpy(stdlib_corpus().train.astype("int64"))
     per_rank = batch // dist.get_world_size()
@@ -75,14 +77,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     shape = (args.model, args.steps, args.global_batch, args.seq_len)
     times = {"phalanx": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            times["phalanx"] += run_ranks(2, phalanx_arm, *shape, f"{tmp}/run{round_}", timeout_s=900)[0]
-            times["plain"] += run_ranks(2, plain_arm, *shape, "", timeout_s=900)[0]
+            for arm in ("phalanx", "plain") if round_ % 2 == 0 else ("plain", "phalanx"):
+                fn = phalanx_arm if arm == "phalanx" else plain_arm
+                times[arm] += run_ranks(2, fn, *shape, f"{tmp}/run{round_}", timeout_s=900)[0]
             print(f"round {round_ + 1}/{args.rounds} done", flush=True)
     medians = {arm: statistics.median(values) for arm, values in times.items()}
     fastest = {arm: min(values) for arm, values in times.items()}
