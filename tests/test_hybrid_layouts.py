@@ -123,6 +123,7 @@ def test_layout_matches_single_process(world, plan, groups, reference, base_conf
     # Rank 0 writes metrics.jsonl; with pipelines it must log the last stage's loss.
     records = [json.loads(line) for line in (Path(base_config.out) / _dir(plan) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(len(r["peak_mem_mb_by_rank"]) == world and min(r["peak_mem_mb_by_rank"]) > 0 for r in records)
     assert max(abs(r["loss"] - b) for r, b in zip(records, ref_losses)) < TOLERANCE
     # The clipped-by norm is the whole model's, across shards and stages (not one stage's).
     ref_records = [json.loads(line) for line in (Path(base_config.out) / "metrics.jsonl").read_text().splitlines()]

@@ -81,6 +81,17 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def peak_memory_by_rank(device: torch.device) -> list[float]:
+    """Every rank's peak memory (MB), in rank order: stages and shards differ in size, and
+    rank 0 alone would hide the fullest one. Collective: every rank calls it."""
+    mine = torch.tensor(peak_memory_mb(device), dtype=torch.float64, device=device)
+    if not dist.is_initialized():
+        return [float(mine)]
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [round(float(value), 1) for value in every]
+
+
 def batch_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
     """Mean next-token cross-entropy over every token of the batch (under tensor parallelism,
     a replicated DTensor computed from vocabulary-sharded logits; run in `loss_context`)."""
@@ -190,6 +201,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "peak_mem_mb": peak_memory_mb(device),
             }
+            if dist.is_initialized():
+                record["peak_mem_mb_by_rank"] = peak_memory_by_rank(device)
             if pipeline is not None:
                 record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
             done = step + 1
