@@ -50,14 +50,16 @@ def clip_grad_norm(parameters, max_norm: float, *, pp_group=None) -> float:
     grads = [p.grad for p in parameters]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), device=device, dtype=torch.float32)
+    # Gradients on the same ranks with the same placements share their collectives. (FSDP
+    # builds a mesh object per parameter, so meshes are compared by names and ranks, not id.)
     by_layout: dict[tuple, list] = defaultdict(list)
     for grad in grads:
         if isinstance(grad, DTensor):
-            by_layout[(id(grad.device_mesh), grad.placements)].append(grad)
+            mesh = grad.device_mesh
+            by_layout[(mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), str(grad.placements))].append(grad)
         else:
             total += grad.float().pow(2).sum()
-    # Sorted so every rank issues its collectives in the same order.
-    for key in sorted(by_layout, key=lambda k: (by_layout[k][0].device_mesh.mesh_dim_names, str(k[1]))):
+    for key in sorted(by_layout):  # the same order on every rank of a group
         total += _full_squares(by_layout[key])
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)  # each stage holds different parameters
