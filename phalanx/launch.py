@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from phalanx.data.corpus import check_data_path
 from phalanx.errors import UserError
+from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -29,12 +31,19 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def default_nproc(device: str) -> int:
-    """One worker per GPU; on CPU a single process that uses every core (threads), since
-    splitting a small model over processes only adds communication."""
-    if device != "cpu" and torch.cuda.is_available():
+def default_nproc(cfg: TrainConfig) -> int:
+    """Workers when --nproc is not given: as many as the plan names; else one per GPU; else
+    one per CPU core (at most 8), lowered until it divides the global batch."""
+    from phalanx.plan import parse_plan
+
+    if cfg.plan and cfg.plan != "auto":
+        return parse_plan(cfg.plan)[0].world_size
+    if cfg.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
-    return 1
+    nproc = min(usable_cores(), 8)
+    while cfg.global_batch % nproc:
+        nproc -= 1
+    return nproc
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -110,34 +119,51 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     from phalanx.model.config import model_config
     from phalanx.train.loop import resolve_plan
 
-    nproc = cfg.nproc or default_nproc(cfg.device)
+    nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
     from phalanx.parallel.apply import validate_for_model
+    from phalanx.train.loop import check_sequence_length
 
     # Fail here, in one line, not in every worker.
-    validate_for_model(resolve_plan(cfg.plan, nproc), model_config(cfg.model), global_batch=cfg.global_batch,
-                       seq_len=cfg.seq_len)
-    if cfg.data and not Path(cfg.data).expanduser().exists():
-        raise UserError(f"data path {cfg.data!r} does not exist")
+    model_cfg = model_config(cfg.model)
+    check_sequence_length(cfg, model_cfg)
+    validate_for_model(resolve_plan(cfg.plan, nproc), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len)
+    if cfg.data:
+        check_data_path(cfg.data)
     run_dir = resolve_run_dir(cfg)
-    if run_dir.exists() and not cfg.resume and any(run_dir.glob("checkpoints/step_*")):
+    if cfg.resume and latest_checkpoint(run_dir) is None:
+        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'}")
+    if not cfg.resume and latest_checkpoint(run_dir) is not None:
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(nproc=nproc, out=str(run_dir))
     print(f"phalanx: training {cfg.model} on {nproc} process{'es' if nproc > 1 else ''}, "
           f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
     if nproc == 1:
-        return worker_main(asdict(cfg), str(run_dir))
-    return _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
+        status = worker_main(asdict(cfg), str(run_dir))
+    else:
+        status = _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
+    if status == 130:
+        print(interrupted_message(run_dir), file=sys.stderr)
+    return status
+
+
+def interrupted_message(run_dir: Path) -> str:
+    found = latest_checkpoint(run_dir)
+    where = f"step {found[0]} in {found[1]}" if found else "none was written yet"
+    return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume"
 
 
 def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.testing.fork_ranks import free_port
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The agent's loggers each carry their own level; quiet them all, errors still show.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"phalanx-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
@@ -148,6 +174,8 @@ def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: s
     )
     try:
         elastic_launch(config, _elastic_entry)(asdict(cfg), run_dir)
+    except (SignalException, KeyboardInterrupt):
+        return 130  # the agent has already stopped the workers
     except ChildFailedError as error:
         codes = {failure.exitcode for failure in error.failures.values()}
         if codes <= {2}:

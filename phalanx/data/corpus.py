@@ -64,23 +64,34 @@ def stdlib_corpus() -> Corpus:
     return _from_files(files, root, f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)")
 
 
-def load_corpus(path: str | None) -> Corpus:
-    """The corpus at `path` (file, folder or `.bin`), or the standard library when None."""
-    if not path:
-        return stdlib_corpus()
+def _text_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+
+
+def check_data_path(path: str) -> Path:
+    """Cheap checks of a --data path (before any worker starts); returns it resolved."""
     target = Path(path).expanduser()
     if not target.exists():
         raise UserError(f"data path {path!r} does not exist")
     if target.is_dir():
-        files = sorted(p for p in target.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
-        if not files:
+        if not _text_files(target):
             raise UserError(f"data folder {path!r} holds no text files ({', '.join(sorted(TEXT_SUFFIXES))})")
-        return _from_files(files, target, f"{path} ({len(files)} files)")
-    if target.stat().st_size == 0:
+    elif target.stat().st_size == 0:
         raise UserError(f"data file {path!r} is empty")
+    elif target.suffix == ".bin" and target.stat().st_size % 2:
+        raise UserError(f"{path!r} has an odd size; a .bin must hold uint16 tokens")
+    return target
+
+
+def load_corpus(path: str | None) -> Corpus:
+    """The corpus at `path` (file, folder or `.bin`), or the standard library when None."""
+    if not path:
+        return stdlib_corpus()
+    target = check_data_path(path)
+    if target.is_dir():
+        files = _text_files(target)
+        return _from_files(files, target, f"{path} ({len(files)} files)")
     if target.suffix == ".bin":
-        if target.stat().st_size % 2:
-            raise UserError(f"{path!r} has an odd size; a .bin must hold uint16 tokens")
         tokens = np.memmap(target, dtype=np.uint16, mode="r")
         cut = len(tokens) * (VALIDATION_SHARE - 1) // VALIDATION_SHARE
         return Corpus(tokens[:cut], tokens[cut:], f"{path}: {cut:,} train / {len(tokens) - cut:,} validation tokens")

@@ -24,7 +24,8 @@ class TrainConfig:
     plan: str = ""
     """Parallel layout in the `--plan` grammar; empty = data parallel over all processes."""
     nproc: int = 0
-    """Local worker processes; 0 = one per GPU, or one per core (at most 2... see launch)."""
+    """Local worker processes; 0 = as many as the plan names, else one per GPU, else one per
+    CPU core (at most 8, and dividing global_batch)."""
     steps: int = 300
     global_batch: int = 16
     """Sequences per optimizer step, whatever the layout."""

@@ -63,15 +63,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def accumulation_steps(cfg: TrainConfig, plan: Plan) -> int:
-    """Micro-batches per optimizer step on each data-parallel rank."""
-    steps = plan.num_microbatches
-    if cfg.global_batch % (plan.dp * steps):
-        raise UserError(
-            f"global_batch={cfg.global_batch} must divide evenly into dp={plan.dp} ranks x "
-            f"microbatches={steps} (= {plan.dp * steps} micro-batches)"
-        )
-    return steps
+def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -129,10 +123,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     rank = dist.get_rank() if dist.is_initialized() else 0
     model_cfg = model_config(cfg.model)
     plan = resolve_plan(cfg.plan, world_size)
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
-    accum = accumulation_steps(cfg, plan)
+    check_sequence_length(cfg, model_cfg)
     validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len)
+    accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
     corpus = load_corpus(cfg.data)
@@ -165,7 +158,6 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
     tokens_per_step = cfg.global_batch * cfg.seq_len
-    last_ckpt = found[0] if found else None
 
     try:
         for step in range(start_step, cfg.steps):
@@ -213,15 +205,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
             progress.update(record)
             if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
                 save_checkpoint(run_dir, done, model, optimizer, rank=rank, keep=cfg.keep_checkpoints)
-                last_ckpt = done
             result.steps_done = done
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the launcher reports where the last checkpoint is
         result.interrupted = True
         progress.close()
-        if rank == 0:
-            where = f"step {last_ckpt} in {run_dir / 'checkpoints'}" if last_ckpt else "none yet"
-            print(f"\ninterrupted after step {result.steps_done}; last checkpoint: {where}; "
-                  f"continue with: phalanx train --out {run_dir} --resume")
         return result
     progress.close()
     if rank == 0:

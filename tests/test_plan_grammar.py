@@ -1,0 +1,43 @@
+"""The --plan grammar: round trips, and every invalid plan names its numbers."""
+
+import pytest
+
+from phalanx.errors import UserError
+from phalanx.plan import Plan, parse_plan, plan_from_string
+
+
+def test_round_trip():
+    text = "dp=2,tp=2,pp=2,fsdp=true,schedule=interleaved,virtual=2,microbatches=8"
+    plan = plan_from_string(text, 8)
+    assert plan == Plan(dp=2, tp=2, pp=2, fsdp=True, schedule="interleaved", virtual=2, microbatches=8)
+    assert plan_from_string(plan.to_string(), 8) == plan
+
+
+def test_extra_keys_for_the_planner():
+    plan, extras = parse_plan("tp=8,mbs=2", extra_keys=("mbs",))
+    assert plan.tp == 8 and extras == {"mbs": "2"}
+
+
+@pytest.mark.parametrize(
+    "text, world, message",
+    [
+        ("dp=3,tp=2,pp=2", 8, "dp=3 x tp=2 x pp=2 = 12, but 8 processes were started"),
+        ("dp=2,colour=blue", 2, "unknown plan key 'colour'; valid keys: dp, tp, pp"),
+        ("dp=two", 2, "dp='two' must be an integer"),
+        ("dp=2,fsdp=maybe", 2, "fsdp='maybe' must be true or false"),
+        ("dp=2,dp=2", 2, "given twice"),
+        ("dp", 1, "not of the form key=value"),
+        ("dp=0", 0, "dp=0 must be at least 1"),
+        ("dp=4,ep=3", 4, "ep=3 must divide dp=4"),
+        ("dp=2,replicate=2", 2, "needs fsdp=true"),
+        ("dp=2,sp=true", 2, "sp=true needs tp > 1"),
+        ("pp=2,schedule=fast", 2, "schedule='fast' is not one of"),
+        ("pp=2,schedule=interleaved", 2, "needs virtual >= 2"),
+        ("pp=4,schedule=1f1b,microbatches=2", 4, "needs microbatches >= 4, got 2"),
+        ("dp=1,recompute=some", 1, "recompute='some' is not one of"),
+    ],
+)
+def test_invalid_plans(text, world, message):
+    with pytest.raises(UserError, match=None) as error:
+        plan_from_string(text, world)
+    assert message in str(error.value)
