@@ -25,7 +25,8 @@ from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import MetricsLog, plot_loss
 from phalanx.train.pipeline_step import (
-    WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_step, token_loss,
+    WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_next_logits, pipeline_step,
+    token_loss,
 )
 from phalanx.train.progress import Progress
 from phalanx.train.sample import generate
@@ -213,12 +214,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if cfg.sample_tokens and plan.pp > 1:
-        if rank == 0:
-            print("phalanx: no end-of-run sample under pipeline parallelism (generation is not pipelined)")
-    elif cfg.sample_tokens:
+    if cfg.sample_tokens:
         result.sample = generate(
             model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed,
             pad_to=plan.tp if plan.sp else 1,
+            next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
         )
     return result
