@@ -56,6 +56,22 @@ def check_nproc(nproc: int, device: str) -> None:
               "(fine for testing layouts, slow for training)", file=sys.stderr)
 
 
+def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """Replace `--plan auto` by the planner's fastest layout for this machine (the cluster file
+    `phalanx calibrate` wrote, else the `local` preset). Deterministic, so every rank of an
+    external torchrun launch picks the same plan."""
+    if cfg.plan != "auto":
+        return cfg
+    from phalanx.model.config import model_config
+    from phalanx.planner.search import auto_plan
+
+    plan = auto_plan(model_config(cfg.model), world_size=world_size, global_batch=cfg.global_batch,
+                     seq_len=cfg.seq_len, cluster="local")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"phalanx: --plan auto chose {plan} for {world_size} process{'es' if world_size > 1 else ''}", file=sys.stderr)
+    return cfg.replace(plan=plan.to_string())
+
+
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
@@ -71,7 +87,8 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
         lines.append(f"  val loss     {result.val_loss:.3f}")
     if result.sample:
         lines.append("  sample:\n" + "\n".join("    | " + line for line in result.sample.splitlines()))
-    lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png, checkpoints/)")
+    extra = ", experts.png" if (result.run_dir / "experts.png").exists() else ""  # MoE load heat-map
+    lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png{extra}, checkpoints/)")
     return "\n".join(lines)
 
 
@@ -114,16 +131,15 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
         if not cfg.out:
             raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
-        return worker_main(asdict(cfg), cfg.out)
+        return worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
 
     from phalanx.model.config import model_config
-    from phalanx.train.loop import resolve_plan
+    from phalanx.parallel.apply import validate_for_model
+    from phalanx.train.loop import check_sequence_length, resolve_plan
 
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
-    from phalanx.parallel.apply import validate_for_model
-    from phalanx.train.loop import check_sequence_length
-
+    cfg = choose_auto_plan(cfg, nproc)
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)

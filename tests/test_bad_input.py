@@ -84,7 +84,7 @@ def test_training_data_file_works(tmp_path):
     data = tmp_path / "text.txt"
     data.write_text("hello phalanx. " * 200)
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", *TINY, "--data", str(data), "--out", str(tmp_path / "r")])
+        main(["train", *TINY, "--nproc", "1", "--data", str(data), "--out", str(tmp_path / "r")])
     assert exit_info.value.code == 0
     assert (tmp_path / "r" / "metrics.jsonl").read_text().count("\n") == 2
 

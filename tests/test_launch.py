@@ -7,12 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from phalanx.testing.fork_ranks import free_port
+from phalanx.testing.fork_ranks import free_port, run_ranks
 from phalanx.train.loop import train
 from phalanx.train.metrics import read_metrics
 
 ARGS = ["--model", "tiny", "--steps", "3", "--global-batch", "4", "--seq-len", "16", "--no-progress",
         "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu"]
+
+
+def _train_losses(cfg) -> list[float]:
+    return train(cfg, Path(cfg.out)).losses
 
 
 def _losses(run: Path) -> list[float]:
@@ -38,7 +42,21 @@ def test_nproc_and_torchrun_match_one_process(tmp_path):
 def test_bf16_autocast_trains_close_to_fp32(tiny_config):
     """bf16 keeps 8 mantissa bits (relative error ~4e-3 per op); the first-step loss of the
     same weights and batch agrees with fp32 to 2e-2, and training still lowers the loss."""
-    fp32 = train(tiny_config, Path(tiny_config.out)).losses
-    bf16 = train(tiny_config.replace(dtype="bf16", out=tiny_config.out + "-bf16"), Path(tiny_config.out + "-bf16")).losses
+    fp32 = run_ranks(1, _train_losses, tiny_config)[0]
+    bf16 = run_ranks(1, _train_losses, tiny_config.replace(dtype="bf16", out=tiny_config.out + "-bf16"))[0]
     assert abs(bf16[0] - fp32[0]) < 2e-2
     assert bf16[-1] < bf16[0] - 0.3
+
+
+def test_plan_auto_picks_a_runnable_plan(tiny_config):
+    """`--plan auto` asks the planner; what it returns must be a plan the trainer accepts on
+    that many processes for this model and batch (validated as a hand-written plan would be)."""
+    from phalanx.launch import choose_auto_plan
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan import plan_from_string
+
+    for world in (1, 2, 4):
+        chosen = choose_auto_plan(tiny_config.replace(plan="auto"), world)
+        plan = plan_from_string(chosen.plan, world)
+        validate_for_model(plan, model_config("tiny"), global_batch=tiny_config.global_batch, seq_len=tiny_config.seq_len)

@@ -33,6 +33,7 @@ def test_extra_keys_for_the_planner():
         ("dp=2,sp=true", 2, "sp=true needs tp > 1"),
         ("pp=2,schedule=fast", 2, "schedule='fast' is not one of"),
         ("pp=2,schedule=interleaved,virtual=1", 2, "needs virtual >= 2"),
+        ("pp=2,schedule=zbv,virtual=3,microbatches=4", 2, "uses exactly virtual=2"),
         ("pp=4,schedule=1f1b,microbatches=2", 4, "needs microbatches >= 4, got 2"),
         ("dp=1,recompute=some", 1, "recompute='some' is not one of"),
     ],

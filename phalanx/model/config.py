@@ -41,6 +41,20 @@ class ModelConfig:
     """Experts every token passes through, besides the routed ones (DeepSeek style)."""
     n_dense_layers: int = 0
     """In an MoE model, the first n_dense_layers layers keep a dense feed-forward."""
+    router: str = "softmax"
+    """'softmax' (top-k of a softmax, weights renormalized) or 'sigmoid' (DeepSeek-V3: top-k of
+    per-expert sigmoid scores, chosen scores normalized to sum to one)."""
+    router_bias_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): each step, every expert's routing bias moves
+    by this much toward balance (down if it got more than the mean, up if less). The bias only
+    changes which experts are chosen, never the combine weights. 0 turns it off."""
+    aux_loss_coef: float = 0.0
+    """Weight of the Switch/GShard balance loss n_experts * sum_e(fraction_e * mean_score_e)."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE), keeping logits small."""
+    capacity_factor: float = 0.0
+    """0: dropless. Otherwise each expert takes at most ceil(factor * tokens * k / n_experts)
+    assignments per forward, the earliest tokens first, and drops the rest."""
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -57,6 +71,11 @@ class ModelConfig:
             problems.append(
                 f"experts_per_token={self.experts_per_token} must be in 1..n_experts={self.n_experts}"
             )
+        if self.router not in ("softmax", "sigmoid"):
+            problems.append(f"router={self.router!r} must be 'softmax' or 'sigmoid'")
+        for name in ("router_bias_rate", "aux_loss_coef", "z_loss_coef", "capacity_factor"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must not be negative")
         if problems:
             raise UserError(f"model {self.name!r}: " + "; ".join(problems))
 
@@ -89,6 +108,7 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig(
             name="small-moe", dim=192, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=512,
             n_experts=8, experts_per_token=2, expert_ffn_dim=256, max_seq_len=1024,
+            router="sigmoid", router_bias_rate=1e-3,
         ),
         # Public shapes, for the planner and meta-device dry runs.
         ModelConfig(

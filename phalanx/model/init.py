@@ -40,7 +40,7 @@ def _full_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> to
     std = 0.02
     # Projections back into the residual stream are scaled down by depth (GPT-2 / Llama practice)
     # so the residual variance does not grow with the number of layers.
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w2")):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.experts.w2")):
         std = 0.02 / math.sqrt(2 * cfg.n_layers)
     return torch.randn(shape, generator=generator) * std
 
@@ -61,11 +61,16 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.de
     """Materialize a meta-device model on `device` and fill it deterministically."""
     model.to_empty(device=device)
     for name, param in model.named_parameters():
-        full = _full_value(canonical_name(name), param.shape, cfg, seed)
+        shard = getattr(model.get_submodule(name.rpartition(".")[0]), "expert_shard", None)
+        if shard is None:
+            full = _full_value(canonical_name(name), param.shape, cfg, seed)
+        else:  # expert parallelism: draw the whole (experts, ...) stack, keep this rank's rows
+            start, stop, total = shard
+            full = _full_value(canonical_name(name), torch.Size([total, *param.shape[1:]]), cfg, seed)[start:stop]
         local = _local_part(full, param).to(param.dtype)
         target = param.to_local() if hasattr(param, "to_local") else param
         target.copy_(local.to(target.device))
     for module in model.modules():
-        if isinstance(module, Transformer):
+        if hasattr(module, "reset_buffers"):  # Transformer's rotary tables, routers' biases
             module.reset_buffers()
     return model

@@ -1,17 +1,24 @@
-"""Mixture-of-experts feed-forward for one device: top-k softmax router and local experts.
+"""Mixture-of-experts feed-forward for one device: router, grouped experts, combine.
 
-Expert weights are stacked into (n_experts, ...) tensors so that expert parallelism can
-shard them along dim 0, and tokens are processed grouped by expert (sorted, then one
-contiguous slice per expert) rather than masked.
+Expert weights are stacked into (n_experts, ...) tensors held by `GroupedExperts`, so that
+expert parallelism can keep a contiguous block of experts per rank, and tokens are processed
+grouped by expert (sorted, then one contiguous slice per expert) rather than masked or padded.
+
+`GroupedExperts.forward(rows, counts)` is the seam that expert parallelism uses: it receives the
+rows sorted by expert and the count per expert, and `phalanx.parallel.expert` wraps that call
+with an all-to-all dispatch and combine. Nothing in this file knows about ranks.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
+from phalanx.model.router import Router
 
 
 def grouped_expert_ffn(
@@ -19,8 +26,14 @@ def grouped_expert_ffn(
 ) -> torch.Tensor:
     """SwiGLU of each contiguous group of rows of x with its own expert's weights.
 
-    x: (tokens, dim) sorted by expert; counts[e] rows belong to expert e;
+    x: (rows, dim) sorted by expert; counts[e] rows belong to expert e;
     w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden).
+
+    One matmul per expert per weight over exactly that expert's rows: no padding, so the cost
+    follows the number of rows, however skewed the routing. (torch's fused `grouped_mm` would
+    remove the loop, but on CPU it rejects some strides and fails in backward on expanded
+    gradients in torch 2.13, and it is absent from older torch; the loop runs n_local_experts
+    iterations, small next to the matmuls.)
     """
     outputs = []
     for expert, rows in enumerate(torch.split(x, counts)):
@@ -29,51 +42,118 @@ def grouped_expert_ffn(
         hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())  # (rows, hidden)
         outputs.append(hidden @ w2[expert].t())  # (rows, dim)
     if not outputs:
-        return x.new_zeros(x.shape) + 0 * (w1.sum() + w2.sum() + w3.sum())
+        # No rows at all (a rank that received nothing): still depend on x and the weights, so
+        # every rank produces (zero) gradients and runs the same backward collectives, even
+        # when autograd is asked for input gradients only (pipeline stages do that) and would
+        # otherwise prune the path through an output that ignores x.
+        return x * 0 + 0 * (w1.sum() + w2.sum() + w3.sum())
     return torch.cat(outputs)
 
 
-class Router(nn.Module):
-    """Softmax over experts, keep the top k and renormalize their weights to sum to one."""
+def in_recompute() -> bool:
+    """True while autograd's backward runs this code: activation checkpointing recomputing a
+    forward. Statistics must count each forward once, not again during recomputation.
+    (torch has no public call for this; `_current_graph_task_id` is -1 outside backward.)"""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
-    def __init__(self, dim: int, n_experts: int, top_k: int):
+
+class GroupedExperts(nn.Module):
+    """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
-        self.top_k = top_k
-        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # (tokens, experts)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # (tokens, k)
-        return weights / weights.sum(dim=-1, keepdim=True), experts
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows: (n, dim) sorted by expert; counts: (experts,) rows per expert -> (n, dim)."""
+        return grouped_expert_ffn(rows, counts.tolist(), self.w1, self.w2, self.w3)
+
+
+def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Mask over assignments sorted (stably) by expert: True for the first `capacity` of each.
+
+    The sort is stable over token order, so an expert keeps its earliest tokens and drops the
+    later ones: the same tokens on every run.
+    """
+    starts = torch.cumsum(counts, 0) - counts  # (experts,) first sorted position of each expert
+    position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
+    return position < capacity
 
 
 class MoE(nn.Module):
+    """Routed experts (+ optional shared experts) in place of a dense feed-forward.
+
+    After each training forward it leaves behind, for the trainer: `aux_loss` (a scalar tensor
+    in the graph, or None when no auxiliary loss is configured), and it adds to the
+    `tokens_per_expert` and `dropped_tokens` counters that `phalanx.train.moe_stats` reads and
+    resets once per optimizer step.
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = cfg.moe_ffn_dim
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_per_token
-        self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token)
-        self.w1 = nn.Parameter(torch.empty(cfg.n_experts, hidden, cfg.dim))
-        self.w2 = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(cfg.n_experts, hidden, cfg.dim))
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.capacity_factor = cfg.capacity_factor
+        self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token, score=cfg.router, bias_rate=cfg.router_bias_rate)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
         self.shared = None
         if cfg.n_shared_experts:
             from phalanx.model.transformer import FeedForward
 
             self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts)
+        self.aux_loss: torch.Tensor | None = None
+        # Plain attributes, not buffers: statistics, never checkpointed or synchronized by DDP.
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.dropped_tokens = 0
+
+    def capacity(self, n_tokens: int) -> int | None:
+        if not self.capacity_factor:
+            return None
+        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])  # (tokens, dim)
-        weights, experts = self.router(tokens)  # (tokens, k) each
-        flat_experts = experts.reshape(-1)  # (tokens * k,)
-        order = flat_experts.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
+        route = self.router(tokens)
+        flat_experts = route.experts.reshape(-1)  # (tokens * k,), assignment a is token a // k
+        order = flat_experts.argsort(stable=True)  # assignments grouped by expert, token order within
+        counts = torch.bincount(flat_experts, minlength=self.n_experts)  # (experts,)
+        dropped = 0
+        capacity = self.capacity(tokens.shape[0])
+        if capacity is not None:
+            keep = capacity_keep(flat_experts[order], counts, capacity)
+            dropped = int((~keep).sum())
+            order, counts = order[keep], counts.clamp(max=capacity)
         source_token = order // self.top_k
-        expert_out = grouped_expert_ffn(tokens[source_token], counts, self.w1, self.w2, self.w3)
-        # Weight each assignment and add it back to its token.
-        expert_out = expert_out * weights.reshape(-1)[order, None].to(expert_out.dtype)
+        expert_out = self.experts(tokens[source_token], counts)  # (kept assignments, dim)
+        # Weight each assignment and add it back to its token; a dropped assignment adds nothing
+        # (its token keeps the residual stream and its other experts).
+        expert_out = expert_out * route.weights.reshape(-1)[order, None].to(expert_out.dtype)
         out = torch.zeros_like(tokens).index_add_(0, source_token, expert_out.to(tokens.dtype))
         if self.shared is not None:
             out = out + self.shared(tokens)
+        self._record(route, counts, dropped)
         return out.reshape(shape)
+
+    def _record(self, route, counts: torch.Tensor, dropped: int) -> None:
+        if not self.training:
+            self.aux_loss = None
+            return
+        terms = []
+        if self.aux_loss_coef:
+            terms.append(self.aux_loss_coef * route.balance_loss())
+        if self.z_loss_coef:
+            terms.append(self.z_loss_coef * route.z_loss())
+        if in_recompute():
+            # Activation checkpointing re-running this forward in backward: the ops above must
+            # still run (it checks that the same tensors are saved), but the loss was already
+            # taken and the tokens already counted.
+            return
+        self.aux_loss = sum(terms) if terms else None
+        counts = counts.detach()
+        self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
+        self.dropped_tokens += dropped

@@ -23,6 +23,7 @@ from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import build_model, init_weights
 from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
+from phalanx.parallel.expert import apply_ep, validate_ep
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank, validate_pp
 from phalanx.parallel.recompute import apply_recompute
@@ -33,6 +34,7 @@ from phalanx.plan import Plan
 
 def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int) -> Plan:
     """Checks that need the model's shape and the batch; raised before any worker starts."""
+    validate_ep(cfg, plan)
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
     micro = plan.dp * plan.num_microbatches
     if global_batch % micro:
@@ -50,6 +52,7 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
     plan = mesh.plan
     if plan.tp > 1:
         apply_tp(model, mesh.tp_mesh(), sp=plan.sp)
+    apply_ep(model, mesh)
     apply_recompute(model, plan.recompute)
     if uses_fsdp(plan):
         apply_fsdp(model, mesh)
@@ -63,8 +66,6 @@ def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int
     `seq_len` and `microbatch_tokens` only inform the pipeline split's cost estimate.
     """
     plan = mesh.plan
-    if plan.ep > 1:
-        raise UserError(f"this build of phalanx has no expert parallelism yet; ep={plan.ep} is not available")
     if plan.pp == 1:
         model = _parallelize_part(build_model(cfg), cfg, mesh, seed)
         if plan.dp > 1 and not uses_fsdp(plan):

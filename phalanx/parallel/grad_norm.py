@@ -5,7 +5,9 @@ sees the whole model. Here a rank may hold plain tensors (replicated), DTensors 
 mesh, DTensors on a (dp, tp) mesh after FSDP, and only one pipeline stage's layers. Each
 gradient's squared norm is summed over the mesh dimensions it is *sharded* on (never over
 those it is replicated on, which would count it twice), then the stages' totals are summed
-over the pp group. Every rank ends with the same global norm and the same clip factor.
+over the pp group. Expert-parallel parameters differ per ep rank (each holds its own
+experts): their squares are also summed over the ep group, once. Every rank ends with the
+same global norm and the same clip factor.
 """
 
 from __future__ import annotations
@@ -40,21 +42,11 @@ def _full_squares(grads: list) -> torch.Tensor:
     return local
 
 
-@torch.no_grad()
-def clip_grad_norm(parameters, max_norm: float, *, pp_group=None) -> float:
-    """Scale every gradient so the global L2 norm is at most `max_norm`; return the norm."""
+def _squares(grads: list, device) -> torch.Tensor:
+    """Sum of squares of `grads` over all their shards: plain tensors as they are, DTensors
+    grouped by mesh and placements, each group reduced over its sharded mesh dims."""
     from torch.distributed.tensor import DTensor
 
-    parameters = [p for p in parameters if p.grad is not None]
-    for param in parameters:
-        # Replicated DTensor parameters used on sequence-sharded activations (the norms under
-        # sp=true) receive partial gradients, one summand per tp rank; sum them now, so the
-        # norm and the optimizer see the real gradient.
-        grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            param.grad = grad.redistribute(grad.device_mesh, param.placements)
-    grads = [p.grad for p in parameters]
-    device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), device=device, dtype=torch.float32)
     # Gradients on the same ranks with the same placements share their collectives. (FSDP
     # builds a mesh object per parameter, so meshes are compared by names and ranks, not id.)
@@ -70,11 +62,38 @@ def clip_grad_norm(parameters, max_norm: float, *, pp_group=None) -> float:
         total += _sum_of_squares(plain)
     for key in sorted(by_layout):  # the same order on every rank of a group
         total += _full_squares(by_layout[key])
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters, max_norm: float, *, pp_group=None, experts=None) -> float:
+    """Scale every gradient so the global L2 norm is at most `max_norm`; return the norm.
+
+    experts: `phalanx.parallel.expert.expert_params(model)`, i.e. (ids of the expert-parallel
+    parameters, ep group), or None without expert parallelism.
+    """
+    from torch.distributed.tensor import DTensor
+
+    parameters = [p for p in parameters if p.grad is not None]
+    for param in parameters:
+        # Replicated DTensor parameters used on sequence-sharded activations (the norms under
+        # sp=true) receive partial gradients, one summand per tp rank; sum them now, so the
+        # norm and the optimizer see the real gradient.
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, param.placements)
+    device = parameters[0].grad.device if parameters else torch.device("cpu")
+    expert_ids, ep_group = experts if experts else (set(), None)
+    total = _squares([p.grad for p in parameters if id(p) not in expert_ids], device)
+    if ep_group is not None:
+        mine = _squares([p.grad for p in parameters if id(p) in expert_ids], device)
+        dist.all_reduce(mine, group=ep_group)  # each ep rank holds different experts
+        total += mine
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)  # each stage holds different parameters
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    local_grads = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
     if local_grads:
         torch._foreach_mul_(local_grads, scale)
     return float(norm)

@@ -89,6 +89,10 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
     for block in model.layers.values():
         # Only the entries whose module exists: a GeLU MLP has no gate matrix w3.
         plan = {name: style for name, style in block_plan(sp).items() if _has_module(block, name)}
+        if hasattr(block.feed_forward, "experts"):
+            # MoE block: tp splits attention only. Every tp rank holds its ep share of whole
+            # experts and routes the (replicated) tokens itself; experts are split by ep.
+            plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward.")}
         parallelize_module(block, tp_mesh, plan)
     plan = root_plan(sp, has_embedding=model.tok_embeddings is not None, has_output=model.output is not None)
     if plan:
@@ -124,8 +128,9 @@ def validate_tp(plan: Plan, cfg: ModelConfig, seq_len: int) -> list[str]:
                         ("vocab_size", cfg.vocab_size)):
         if value % tp:
             problems.append(f"tp={tp} must divide {name}={value} of model {cfg.name!r}")
-    if cfg.n_experts:
-        problems.append(f"tp={tp} with mixture-of-experts model {cfg.name!r} is not supported yet")
+    if cfg.n_experts and plan.sp:
+        problems.append(f"sp=true with mixture-of-experts model {cfg.name!r} is not supported yet "
+                        "(the expert output would need re-sharding along the sequence)")
     if plan.sp and seq_len % tp:
         problems.append(f"sp=true splits the sequence over tp={tp}, which must divide seq_len={seq_len}")
     return problems

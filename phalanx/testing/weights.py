@@ -22,4 +22,9 @@ def gathered_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     else:
         state = model.state_dict()
-    return {canonical_name(k): v.detach().float().cpu().clone() for k, v in state.items()}
+    state = {canonical_name(k): v.detach().float().cpu().clone() for k, v in state.items()}
+    if dist.is_initialized():
+        from phalanx.parallel.expert import gather_experts
+
+        state = gather_experts(model, state)  # expert parallelism: each rank holds some experts
+    return state

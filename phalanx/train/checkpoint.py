@@ -17,6 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from phalanx.parallel.expert_checkpoint import globalize_experts
+
 
 # DCP warns on every save and load without a process group; one process is a supported case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -48,7 +50,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, ra
         shutil.rmtree(staging, ignore_errors=True)
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(staging))
+    state, _ = globalize_experts(model, {"model": model_state, "optim": optim_state})  # all ep ranks' experts
+    dcp.save(state, checkpoint_id=str(staging))
     _barrier()
     if rank == 0:
         (staging / "phalanx.json").write_text(json.dumps({"step": step}))
@@ -64,7 +67,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, ra
 def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
     """Load model and optimizer state in place; return the step it was saved after."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state, restore = globalize_experts(model, {"model": model_state, "optim": optim_state})
     dcp.load(state, checkpoint_id=str(path))
+    state = restore()
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return json.loads((path / "phalanx.json").read_text())["step"]

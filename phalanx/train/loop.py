@@ -17,10 +17,12 @@ from phalanx.errors import UserError
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize, validate_for_model
 from phalanx.parallel.data_parallel import set_gradient_sync
+from phalanx.parallel.expert import expert_params
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
+from phalanx.train import moe_stats
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import MetricsLog, plot_loss
@@ -181,9 +183,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                     rows = slice(i * micro, (i + 1) * micro)
                     with loss_context(plan):  # the backward too: loss_parallel has its own
                         loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
-                        loss.backward()
+                        (loss + moe_stats.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
                     loss_sum += _plain(loss.detach())
-            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"))
+            grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"),
+                                       experts=expert_params(model))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
@@ -198,6 +201,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 record["peak_mem_mb_by_rank"] = peak_memory_by_rank(device)
             if pipeline is not None:
                 record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
+            record.update(moe_stats.end_step(model, mesh))  # expert loads; loss-free bias update
             done = step + 1
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
@@ -214,6 +218,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        moe_stats.plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:
         result.sample = generate(
             model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed,

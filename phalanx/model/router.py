@@ -1,0 +1,78 @@
+"""Token-to-expert routers: softmax top-k, and sigmoid scores with loss-free balancing bias.
+
+The router decides which experts a token visits (`experts`) and with what weights their
+outputs are summed (`weights`). Balancing acts on the choice only:
+  * the DeepSeek-V3 bias is added to the scores before top-k and never to the weights, so it
+    steers tokens without changing what the chosen experts contribute (no gradient, no loss);
+  * the optional auxiliary and z losses are returned for the trainer to add to the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor
+    """(tokens, k) chosen expert ids."""
+    weights: torch.Tensor
+    """(tokens, k) fp32 combine weights of the chosen experts (sum to one per token)."""
+    scores: torch.Tensor
+    """(tokens, experts) fp32 affinities: softmax probabilities or sigmoid scores."""
+    logits: torch.Tensor
+    """(tokens, experts) fp32 gate outputs."""
+
+    def balance_loss(self) -> torch.Tensor:
+        """Switch/GShard loss n_experts * sum_e(f_e * p_e), 1.0 when perfectly balanced.
+
+        f_e is the fraction of assignments that went to expert e (no gradient), p_e the mean
+        normalized score of e (differentiable), over this forward's tokens. Under data
+        parallelism each rank computes it on its own micro-batch, as Megatron-Core and
+        torchtitan do, so it is not the same number as one process's loss on the global batch.
+        """
+        n_experts = self.scores.shape[-1]
+        fraction = torch.bincount(self.experts.reshape(-1), minlength=n_experts).float() / self.experts.numel()
+        probs = self.scores / self.scores.sum(dim=-1, keepdim=True)  # (tokens, experts), rows sum to 1
+        return n_experts * (fraction * probs.mean(dim=0)).sum()
+
+    def z_loss(self) -> torch.Tensor:
+        """ST-MoE router z-loss: mean squared log-partition of the logits."""
+        return torch.logsumexp(self.logits, dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, n_experts: int, top_k: int, *, score: str = "softmax", bias_rate: float = 0.0):
+        super().__init__()
+        self.top_k, self.score, self.bias_rate = top_k, score, bias_rate
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        # Persistent: a resumed run must keep balancing from where it was.
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+
+    def reset_buffers(self) -> None:
+        """Zero the balancing bias (after `to_empty` from the meta device)."""
+        self.expert_bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = self.gate(x).float()  # (tokens, experts)
+        scores = F.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
+        # The bias picks experts; the weights come from the unbiased scores.
+        choice = scores + self.expert_bias if self.bias_rate else scores
+        experts = choice.topk(self.top_k, dim=-1).indices  # (tokens, k)
+        chosen = scores.gather(-1, experts)  # (tokens, k)
+        return Routing(experts=experts, weights=chosen / chosen.sum(dim=-1, keepdim=True), scores=scores, logits=logits)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Move each expert's bias by bias_rate toward balance, from the step's global counts.
+
+        sign(mean - count): an overloaded expert becomes less attractive, an idle one more.
+        Every rank must pass the same (globally reduced) counts so biases stay identical.
+        """
+        if self.bias_rate:
+            load = tokens_per_expert.float()
+            self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)

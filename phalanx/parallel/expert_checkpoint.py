@@ -1,0 +1,84 @@
+"""Checkpoint expert-parallel weights as the full (n_experts, ...) stacks they are.
+
+Each ep rank holds different rows of the same parameter name. DCP takes a plain tensor (or a
+DTensor over one edp mesh) with one name on many ranks to be one replicated value and saves
+only one rank's copy, which would silently lose the other ranks' experts. So before saving
+(and before loading), each expert entry of the model and optimizer state becomes a DTensor
+sharded along dim 0 over "ep", whose global shape is the whole stack: DCP then writes every
+expert once, and can load it into any other ep degree (or none) by rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from phalanx.model.init import canonical_name
+
+
+def _expert_modules(model) -> dict[str, object]:
+    """Canonical parameter name -> its expert-parallel GroupedExperts module."""
+    found = {}
+    for name, module in model.named_modules():
+        if getattr(module, "expert_shard", None) is not None:
+            for weight in ("w1", "w2", "w3"):
+                found[canonical_name(f"{name}.{weight}")] = module
+    return found
+
+
+def _to_global(value: torch.Tensor, module) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Shard
+
+    # Under FSDP the ep block is itself sharded over "edp": gather it first.
+    local = value.full_tensor() if isinstance(value, DTensor) else value
+    return DTensor.from_local(local, module.ep_mesh, [Shard(0)], run_check=False)
+
+
+def _to_local_like(loaded: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    block = loaded.to_local()  # (n_local, ...) this ep rank's experts
+    if not isinstance(original, DTensor):
+        return block
+    # FSDP: keep this edp rank's chunk of the block, the way FSDP shards dim 0.
+    mesh = original.device_mesh
+    chunk = block.chunk(mesh.size())[mesh.get_local_rank()]
+    return DTensor.from_local(chunk, mesh, original.placements, shape=original.shape, stride=original.stride())
+
+
+def globalize_experts(model, state: dict) -> tuple[dict, Callable[[], dict]]:
+    """A copy of {"model": ..., "optim": ...} whose expert entries are full-stack DTensors.
+
+    Containers are copied, never changed in place: the optimizer's state dict shares its
+    per-parameter dicts with the live optimizer. Also returns `restore()`, which gives that
+    copy back with this rank's own form of each entry (call it after `dcp.load` filled the
+    DTensors, before `set_state_dict`). Without expert parallelism `state` is returned as is.
+    """
+    modules = _expert_modules(model)
+    if not modules:
+        return state, lambda: state
+    optim_entries = dict(state["optim"].get("state", {}))
+    out = {"model": dict(state["model"]), "optim": {**state["optim"], "state": optim_entries}}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+
+    def swap(container: dict, key: str, module) -> None:
+        swapped.append((container, key, container[key]))
+        container[key] = _to_global(container[key], module)
+
+    # Sorted: every rank must gather (FSDP) in the same order.
+    for name in sorted(modules):
+        if name in out["model"]:
+            swap(out["model"], name, modules[name])
+        if name in optim_entries:
+            optim_entries[name] = dict(optim_entries[name])
+            for key, value in sorted(optim_entries[name].items()):
+                if torch.is_tensor(value) and value.dim() > 0:  # exp_avg, exp_avg_sq; not "step"
+                    swap(optim_entries[name], key, modules[name])
+
+    def restore() -> dict:
+        for container, key, original in swapped:
+            container[key] = _to_local_like(container[key], original)
+        return out
+
+    return out, restore

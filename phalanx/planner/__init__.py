@@ -1,0 +1,16 @@
+"""The planner: pick a parallel layout from a cluster description and a model's shape.
+
+hardware.py  cluster description (presets, TOML/JSON files)
+model_spec.py  model description (presets, project JSON, Hugging Face config.json)
+layout.py  a candidate: the Plan plus micro-batch size and ZeRO level; the workload
+comm.py  alpha-beta collective times on the two link levels
+memory.py  parameter, optimizer-state and activation bytes
+cost.py  compute, communication and bubble formulas: one candidate's step time and memory
+search.py  enumerate layouts, prune by memory, rank, explain; `auto_plan` for the trainer
+report.py  the plan table and the JSON records
+simulate.py  per-rank timeline of one step as a Chrome trace and a PNG
+calibrate.py  measure this machine and write a cluster file
+cli.py  the `plan`, `simulate` and `calibrate` subcommands
+
+Nothing here needs torch except calibrate.py: planning a 400B model runs on a laptop.
+"""

@@ -1,0 +1,497 @@
+"""Measure this machine and write the cluster file that `--cluster local` reads.
+
+What is measured, and which Cluster field it sets:
+  matrix multiplies over a range of shapes -> peak_tflops and matmul_half_dim (least-squares
+    fit of t = 2mnk / (peak f(m) f(n) f(k)), f(d) = d / (d + half)), matmul_efficiency = 1;
+  causal scaled-dot-product attention forward+backward -> attention_efficiency;
+  a large element-wise add -> hbm_tbs (memory bandwidth);
+  training steps of a model too small for its FLOPs to count, at two depths ->
+    layer_overhead_us (slope) and step_overhead_ms (intercept: loss, clipping, AdamW);
+  FSDP2 on 2 gloo processes, with and without sharding, at two depths ->
+    fsdp_unit_overhead_us (framework cost per sharded layer per micro-batch); the same with
+    column/row-wise tensor parallelism -> tp_layer_overhead_us (DTensor dispatch per pass);
+  all-reduce and all-gather over 2..max_procs processes with the real backend (gloo on CPU,
+    NCCL on GPU) at several sizes -> alpha (latency) and beta (bandwidth) per group size by a
+    linear fit; their medians become intra_latency_us and intra_bw_gbs.
+On a CPU, `cores` concurrent single-threaded matmul workers then measure the share of the
+machine the job really gets over time (the figures above keep their fastest repeat); peak
+and bandwidth are multiplied, the fixed costs divided, by that share.
+Every figure is printed, and the per-group-size fits are saved beside the cluster file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+from phalanx.errors import UserError
+from phalanx.planner.hardware import Cluster, local_cluster_path
+
+
+def _timeit(fn, *, repeats: int, warmup: int = 1, best: bool = False) -> float:
+    """Median (or, for what the hardware can do on a shared machine, fastest) seconds of fn()."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) if best else statistics.median(times)
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_matmuls(device, dtype, *, quick: bool) -> list[tuple[int, int, int, float]]:
+    """(m, n, k, seconds of arithmetic) for square and skinny products.
+
+    The fixed cost of one call (an 8 x 8 product) is subtracted: it belongs to the per-layer
+    overhead, measured separately, not to the throughput.
+    """
+    import torch
+
+    tiny = torch.randn(8, 8, device=device, dtype=dtype)
+    call = _timeit(lambda: (torch.matmul(tiny, tiny), _sync(device)), repeats=10 if quick else 50, warmup=2,
+                   best=True)
+
+    sizes = [32, 64, 128, 256] if quick else [32, 64, 128, 256, 512, 1024, 2048]
+    if device.type == "cuda":
+        sizes = [s * 4 for s in sizes]
+    shapes = [(s, s, s) for s in sizes] + ([] if quick else [(sizes[-1], sizes[-1], s) for s in sizes[:3]])
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        reps = max(5, min(50, int(2e8 / (2 * m * n * k)) + 1)) if not quick else 3
+
+        def run():
+            torch.matmul(a, b)
+            _sync(device)
+
+        t = _timeit(run, repeats=reps, best=True)
+        if t > 3 * call:  # otherwise the call overhead, not the arithmetic, is what was timed
+            out.append((m, n, k, t - call))
+    return out
+
+
+def fit_matmul(samples: list[tuple[int, int, int, float]]) -> tuple[float, float]:
+    """(peak FLOP/s, half_dim) minimising the squared log error of the fill model."""
+    best = None
+    for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 48)]:
+        fills = [(m / (m + half)) * (n / (n + half)) * (k / (k + half)) for m, n, k, _ in samples]
+        # For a fixed half, the best log-peak is the mean of log(achieved / fill).
+        logs = [math.log(2 * m * n * k / t / f) for (m, n, k, t), f in zip(samples, fills)]
+        log_peak = statistics.fmean(logs)
+        err = sum((x - log_peak) ** 2 for x in logs)
+        if best is None or err < best[0]:
+            best = (err, math.exp(log_peak), half)
+    return best[1], best[2]
+
+
+def measure_attention(device, dtype, peak: float, *, quick: bool) -> float:
+    """Fraction of `peak` that causal attention forward+backward adds per extra FLOP.
+
+    Timed at two sequence lengths so that the fixed cost of the call (already inside
+    layer_overhead_us) cancels: efficiency = (FLOPs2 - FLOPs1) / (peak * (t2 - t1)).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    batch, heads, hd = (1, 4, 32) if device.type == "cpu" else (4, 16, 128)
+    seqs = (256, 1024) if device.type == "cpu" else (1024, 4096)
+    points = []
+    for seq in seqs:
+        q, k, v = (torch.randn(batch, heads, seq, hd, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+
+        def run():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+            _sync(device)
+
+        # The cost model's count: forward 0.5 * 4 T s h_q, backward 2.5x that.
+        flops = 3.5 * 0.5 * 4 * batch * seq * seq * heads * hd
+        points.append((flops, _timeit(run, repeats=3 if quick else 10, best=True)))
+    (f1, t1), (f2, t2) = points
+    if t2 <= t1:
+        return 1.0
+    return min(1.0, (f2 - f1) / (t2 - t1) / peak)
+
+
+def measure_bandwidth(device, *, quick: bool) -> float:
+    """Memory bandwidth in TB/s from c = a + b on large float32 tensors (3 x 4 bytes per element)."""
+    import torch
+
+    n = (1 << 20) if quick else (1 << 25)
+    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    c = torch.empty_like(a)
+
+    def run():
+        torch.add(a, b, out=c)
+        _sync(device)
+
+    return 12 * n / _timeit(run, repeats=5 if quick else 20, best=True) / 1e12
+
+
+def measure_overheads(device, *, quick: bool) -> tuple[float, float, float]:
+    """Fixed costs, from whole training steps of a model so small that its FLOPs do not count,
+    at two depths: (us per layer per pass, ms per step, us per recomputed layer).
+
+    The slope over depth is the per-layer cost (three passes: forward, input and weight
+    gradients), the intercept the per-step cost (embedding, loss, clipping, AdamW, zeroing);
+    the same with every block under activation checkpointing gives recompute's own cost.
+    """
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from phalanx.model.config import ModelConfig
+    from phalanx.model.transformer import Transformer
+
+    def timed(layers: int, recompute: bool) -> float:
+        cfg = ModelConfig(name="overhead", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64,
+                          max_seq_len=16)
+        model = Transformer(cfg).to(device)
+        if recompute:
+            for block in model.layers.values():
+                block.forward = (lambda f: lambda x, rope: checkpoint(f, x, rope, use_reentrant=False))(block.forward)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 8), device=device)
+
+        def step():
+            logits = model(tokens)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(device)
+
+        return _timeit(step, repeats=10 if quick else 40, warmup=3, best=True)
+
+    t1, t5 = timed(1, False), timed(5, False)
+    r1, r5 = timed(1, True), timed(5, True)
+    per_layer = max(0.0, (t5 - t1) / 4)
+    recompute = max(0.0, (r5 - r1) / 4 - per_layer)
+    return per_layer / 3 * 1e6, max(0.0, t1 - per_layer) * 1e3, recompute * 1e6
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int,
+                       threads: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    results = {}
+    for op in ("all_reduce", "all_gather"):
+        for nbytes in sizes:
+            numel = max(1, nbytes // 4)
+            x = torch.ones(numel, device=device)
+            outs = [torch.empty_like(x) for _ in range(world)]
+            times = []
+            for i in range(repeats + 1):
+                dist.barrier()
+                start = time.perf_counter()
+                if op == "all_reduce":
+                    dist.all_reduce(x)
+                else:
+                    dist.all_gather(outs, x)
+                _sync(device)
+                if i:
+                    times.append(time.perf_counter() - start)
+            results[f"{op}:{numel * 4}"] = statistics.median(times)
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def _fsdp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    """Per-unit, per-micro-batch cost of FSDP2 beyond its collectives' bytes: tiny models with 1
+    and 5 sharded blocks, timed with and without fully_shard (the slope of the difference)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from phalanx.model.config import ModelConfig
+    from phalanx.model.transformer import Transformer
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    extra = []
+    for layers in (1, 5):
+        cfg = ModelConfig(name="fsdp", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 8))
+        times = []
+        for shard in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            if shard:
+                for block in model.layers.values():
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+
+            def step():
+                model(tokens).sum().backward()
+
+            samples = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            times.append(min(samples))
+        extra.append(times[1] - times[0])
+    if rank == 0:
+        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4) * 1e6})
+    dist.destroy_process_group()
+
+
+def _tp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    """Per-layer, per-pass cost of tensor parallelism beyond its collectives (DTensor dispatch):
+    tiny models with 1 and 5 blocks, timed with and without column/row-wise sharding."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from phalanx.model.config import ModelConfig
+    from phalanx.model.transformer import Transformer
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    extra = []
+    for layers in (1, 5):
+        cfg = ModelConfig(name="tp", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 8))
+        times = []
+        for shard in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            if shard:
+                for block in model.layers.values():
+                    parallelize_module(block, mesh, plan)
+
+            samples = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                model(tokens).sum().backward()
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            times.append(min(samples))
+        extra.append(times[1] - times[0])
+    if rank == 0:
+        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4 / 3) * 1e6})
+    dist.destroy_process_group()
+
+
+def measure_tp_overhead(*, quick: bool) -> float:
+    """Microseconds tensor parallelism adds per layer per pass on 2 gloo processes."""
+    return _two_process(_tp_worker, quick=quick, what="tensor-parallel")
+
+
+def measure_fsdp_overhead(*, quick: bool) -> float:
+    """Microseconds FSDP adds per sharded unit per micro-batch on 2 gloo processes."""
+    return _two_process(_fsdp_worker, quick=quick, what="FSDP")
+
+
+def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) -> float:
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    result = _run_workers(worker, 2, (3 if quick else 10, threads), start_method="fork", timeout_s=timeout_s,
+                          what=f"{what} measurement on 2 gloo processes")
+    return result["overhead_us"]
+
+
+def _run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s: float, what: str) -> dict:
+    """Run worker(rank, world, port, *args, queue) on `world` processes; return what rank 0 puts."""
+    import torch.multiprocessing as mp
+
+    from phalanx.testing.fork_ranks import free_port
+
+    ctx = mp.get_context(start_method)
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=timeout_s)
+    except Exception:
+        result = None
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if result is None:
+        raise UserError(f"{what} did not finish in {timeout_s:.0f} s")
+    return result
+
+
+def _busy_worker(seconds: float, start, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    torch.matmul(a, b)
+    start.wait()
+    count, began = 0, time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        torch.matmul(a, b)
+        count += 1
+    queue.put(count * 2 * 256**3 / (time.perf_counter() - began))
+
+
+def measure_delivered_share(cores: int, single_flops: float, *, quick: bool) -> float:
+    """Share of `cores` x single-thread throughput this machine delivers to `cores` concurrent
+    single-threaded workers, averaged over time rather than at its best moments (the other
+    measurements keep their fastest repeat; on a machine shared with other jobs the job gets
+    only what those jobs leave)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue, start = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_busy_worker, args=(0.5 if quick else 2.0, start, queue)) for _ in range(cores)]
+    for p in procs:
+        p.start()
+    start.set()
+    total = sum(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=10)
+    return max(0.05, min(1.0, total / (cores * single_flops)))
+
+
+def measure_collectives(world: int, backend: str, *, quick: bool, timeout_s: float = 120.0) -> dict[str, float]:
+    """Seconds per (op, bytes) on `world` processes, measured by rank 0."""
+    sizes = [4096, 1 << 16, 1 << 20] if quick else [4096, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
+    repeats = 3 if quick else 10
+    threads = max(1, (os.cpu_count() or 1) // world)
+    return _run_workers(_collective_worker, world, (backend, sizes, repeats, threads),
+                        start_method="fork" if backend == "gloo" else "spawn", timeout_s=timeout_s,
+                        what=f"collective measurement on {world} processes ({backend})")
+
+
+def fit_alpha_beta(samples: dict[str, float], world: int) -> dict[str, float]:
+    """Latency (us per ring step) and bus bandwidth (GB/s) of all-reduce on `world` ranks.
+
+    The smallest message gives alpha (t / 2(n-1)); the largest gives beta after removing
+    alpha. A joint least-squares fit is dominated by the large messages and lets alpha go
+    negative on a noisy shared machine, so the two ends are read separately.
+    """
+    sizes = sorted(int(k.split(":")[1]) for k in samples if k.startswith("all_reduce:"))
+    steps = 2 * (world - 1)
+    alpha = samples[f"all_reduce:{sizes[0]}"] / steps
+    largest = sizes[-1]
+    t = samples[f"all_reduce:{largest}"]
+    volume = 2 * (world - 1) / world * largest
+    return {"latency_us": alpha * 1e6, "bus_bw_gbs": volume / max(t - steps * alpha, 1e-9) / 1e9}
+
+
+def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[Cluster, dict]:
+    import torch
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    gpu = backend == "nccl"
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32  # CPUs train in float32
+    report: dict = {"backend": backend, "device": str(device), "dtype": str(dtype)}
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not gpu:
+        # One thread, scaled by the core count: a multi-threaded tiny op on a busy machine
+        # waits for its slowest (descheduled) thread and measures the neighbours, not the CPU.
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(1)
+    samples = measure_matmuls(device, dtype, quick=quick)
+    peak, half = fit_matmul(samples)
+    peak *= 1 if gpu else cores
+    report["matmul"] = [{"m": m, "n": n, "k": k, "seconds": t, "tflops": 2 * m * n * k / t / 1e12}
+                        for m, n, k, t in samples]
+    for row in report["matmul"]:
+        log(f"matmul {row['m']:>5} x {row['k']:>5} @ {row['k']:>5} x {row['n']:>5}: {row['tflops'] * 1e3:8.2f} GFLOP/s")
+    log(f"fit: peak {peak / 1e12 * 1e3:.2f} GFLOP/s, half-efficiency dimension {half:.1f}")
+    attention = measure_attention(device, dtype, peak / (1 if gpu else cores), quick=quick)
+    bandwidth = measure_bandwidth(device, quick=quick)
+    overhead, step_overhead, recompute_overhead = (0.0, 0.0, 0.0) if gpu else measure_overheads(device, quick=quick)
+    share = 1.0
+    if not gpu:
+        square = torch.randn(256, 256)
+        single = 2 * 256**3 / _timeit(lambda: torch.matmul(square, square), repeats=20, best=True)
+        share = measure_delivered_share(cores, single, quick=quick)
+        log(f"{cores} concurrent single-thread workers get {share:.0%} of {cores} x the best single-thread "
+            "throughput: every CPU figure is scaled by that share")
+        peak, bandwidth = peak * share, bandwidth * share
+        overhead, step_overhead, recompute_overhead = (x / share for x in (overhead, step_overhead, recompute_overhead))
+    if not gpu:
+        torch.set_num_threads(threads_before)
+    log(f"attention at {attention:.2f} of peak; memory bandwidth {bandwidth * 1e3:.1f} GB/s; "
+        f"overhead {overhead:.0f} us per layer per pass, {step_overhead:.2f} ms per step, "
+        f"{recompute_overhead:.0f} us per recomputed layer")
+
+    devices = torch.cuda.device_count() if gpu else cores
+    fits = {}
+    for world in range(2, max(2, max_procs) + 1):
+        if gpu and world > devices:
+            break
+        measured = measure_collectives(world, backend, quick=quick)
+        fits[world] = fit_alpha_beta(measured, world)
+        report.setdefault("collectives", {})[str(world)] = {"samples": measured, **fits[world]}
+        log(f"{backend} {world} processes: latency {fits[world]['latency_us']:.1f} us per step, "
+            f"bus bandwidth {fits[world]['bus_bw_gbs']:.2f} GB/s")
+    fsdp_overhead = 0.0 if gpu else measure_fsdp_overhead(quick=quick) / share
+    tp_overhead = 0.0 if gpu else measure_tp_overhead(quick=quick) / share
+    if not gpu:
+        log(f"FSDP adds {fsdp_overhead:.0f} us per sharded layer per micro-batch, tensor parallelism "
+            f"{tp_overhead:.0f} us per layer per pass, beyond their collectives")
+    bw = statistics.median(f["bus_bw_gbs"] for f in fits.values()) if fits else 1.0
+    latency = statistics.median(f["latency_us"] for f in fits.values()) if fits else 50.0
+
+    if gpu:
+        props = torch.cuda.get_device_properties(0)
+        memory_gib = props.total_memory / 2**30
+    else:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cluster = Cluster(
+        name="local", devices_per_node=devices, fast_domain=devices, peak_tflops=peak / 1e12,
+        memory_gib=round(memory_gib, 2), memory_reserved_gib=round(min(4.0, memory_gib / 4), 2),
+        hbm_tbs=bandwidth, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
+        matmul_efficiency=1.0, matmul_half_dim=half, attention_efficiency=max(attention, 1e-3),
+        layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
+        tp_layer_overhead_us=tp_overhead, recompute_overhead_us=recompute_overhead,
+        shared_compute=not gpu,
+        measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
+    )
+    return cluster, report
+
+
+def calibrate_command(args) -> int:
+    out = Path(args.out) if args.out else local_cluster_path()
+    cluster, report = calibrate(max_procs=args.max_procs, backend=args.backend, quick=args.quick)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dataclasses.asdict(cluster), indent=2) + "\n")
+    side = out.with_suffix(".measurements.json")
+    side.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out} (cluster file) and {side} (raw measurements)")
+    return 0

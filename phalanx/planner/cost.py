@@ -1,0 +1,477 @@
+"""Predicted step time and memory of one layout: compute, communication, bubbles, memory.
+
+Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
+  GEMMs: 2 m n k FLOPs each, at `matmul_efficiency` x f(m) f(n) f(k) of peak, where
+    f(d) = d / (d + matmul_half_dim) charges small dimensions (h/tp, tokens per expert).
+    Backward = input gradients (B, same GEMM time as forward) + weight gradients (W, same).
+  Attention core: 4 T s h_q / tp FLOPs forward, halved for the causal mask (flash kernels
+    skip masked blocks), backward 2.5x forward, at `attention_efficiency` of peak.
+  Element-wise work (norms, activations, residuals, rotary): memory-bound, modelled as
+    reading and writing the layer's stored activations once forward, twice backward.
+  `layer_overhead_us` per pass (launches, Python): zero on the GPU presets, measured on CPU,
+    like the framework costs of tensor parallelism (`tp_layer_overhead_us`, per layer per
+    pass), FSDP (`fsdp_unit_overhead_us`, per unit per micro-batch) and activation
+    checkpointing (`recompute_overhead_us`, per layer per micro-batch).
+Communication per layer per micro-batch (comm.py for the alpha-beta times):
+  TP: 2 all-reduces of T h bf16 forward, 2 backward (with sp: all-gathers + reduce-scatters
+    of the same bandwidth cost); exposed, or pipelined with the GEMMs with `tp_overlap`.
+  EP: dispatch + combine all-to-all of T k h / tp bf16 forward, the same backward; DualPipe
+    (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
+  PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
+  DP: gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1, 2) once
+    per step in 25 MiB buckets, overlapped with the last backward / first forward when
+    `dp_overlap`; zero 3 gathers parameters forward and backward and reduce-scatters
+    gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
+    uses the cores that compute, so nothing overlaps.
+Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
+  exposed DP traffic + the optimizer (memory-bound, about 30 bytes per local parameter) +
+  the cluster's fixed `step_overhead_ms` (measured on CPUs, zero on the GPU presets).
+Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
+  gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
+  zbv (chunks of half a stage): (p-1)(F + B - 2W)/2 clipped at zero;
+  dualpipev: (p/2-1)(FB + B - 3W) at chunk level, FB = F + B + W (overlapped pair).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from phalanx.model.config import ModelConfig
+from phalanx.planner import comm
+from phalanx.planner.hardware import Cluster
+from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.memory import (
+    in_flight_microbatches,
+    layer_activation_bytes,
+    layers_per_stage,
+    param_counts,
+    state_bytes_per_param,
+)
+
+BF16 = 2
+OPTIMIZER_BYTES_PER_PARAM = 30
+"""Adam reads fp32 param, grad and two moments (16 bytes), writes three and a bf16 copy (14)."""
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
+LOGIT_BYTES = 6
+"""Per logit element on the last stage: bf16 logits kept for backward + fp32 for the loss."""
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
+                  "overhead")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """Properties of the training implementation rather than of the layout or the cluster."""
+
+    flash_attention: bool = True
+    """Fused attention: no s x s score matrix is stored."""
+    tp_overlap: bool = False
+    """TP collectives pipelined with their GEMMs (Megatron's tp-comm-overlap); phalanx does not."""
+    dp_overlap: bool = True
+    """Data-parallel traffic overlapped with the last backward and the first forward."""
+    grad_reduce_bytes: int = 4
+    """Gradients are reduced in fp32."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCost:
+    """One layer, one micro-batch, one device: seconds per part, and bytes it communicates."""
+
+    f: float
+    b: float
+    w: float
+    attention_f: float
+    tp_bytes: float
+    ep_bytes: float
+    gemm_f: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTimes:
+    """One micro-batch through the most loaded stage, communication included."""
+
+    f: float
+    b: float
+    w: float
+    r: float
+    """Recompute before backward."""
+    f_comm: float = 0.0
+    """Of f, exposed TP + EP communication (the rest is compute)."""
+    b_comm: float = 0.0
+    r_comm: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    layout: Layout
+    step_time_s: float
+    breakdown: dict[str, float]
+    memory_bytes: float
+    memory_breakdown: dict[str, float]
+    fits: bool
+    model_flops: float
+    """Per step over all devices, Megatron's convention: 3 passes, full attention matrix, no recompute."""
+    hardware_flops: float
+    """model_flops plus the recomputed forward."""
+    world_size: int
+    peak_flops: float
+    tokens: int
+    seq_len: int
+    hidden_size: int
+    stage: StageTimes = field(repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_time_s / self.world_size / 1e12
+
+    @property
+    def hw_tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_time_s / self.world_size / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_time_s * self.world_size * self.peak_flops)
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / 2**30
+
+
+def _by_identity(fn):
+    """Memoise fn(obj, obj2, *args, **kwargs) keyed on the objects' identities and the rest.
+
+    lru_cache would hash the frozen ModelConfig and Cluster on every call, which is most of
+    a search's time; the search passes the very same objects thousands of times.
+    """
+    cache: dict = {}
+
+    def wrapper(a, b, *args, **kwargs):
+        key = (id(a), id(b), args, tuple(kwargs.items()))
+        hit = cache.get(key)
+        if hit is not None and hit[0] is a and hit[1] is b:
+            return hit[2]
+        if len(cache) > 500_000:
+            cache.clear()
+        value = fn(a, b, *args, **kwargs)
+        cache[key] = (a, b, value)
+        return value
+
+    wrapper.__wrapped__ = fn
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+def _fill(d: float, half: float) -> float:
+    return d / (d + half)
+
+
+def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) -> float:
+    """Seconds for an (m x k) @ (k x n) product at the size-dependent efficiency."""
+    half = cluster.matmul_half_dim
+    eff = cluster.matmul_efficiency * _fill(m, half) * _fill(n, half) * _fill(k, half)
+    return 2.0 * m * n * k / (peak * eff)
+
+
+@_by_identity
+def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
+               moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float) -> LayerCost:
+    """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch."""
+    tokens = mbs * seq
+    h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    g = functools.partial(gemm_time, cluster=cluster, peak=peak)
+    gemm = g(tokens, (hq + 2 * hkv) / tp, h) + g(tokens, h, hq / tp)
+    if moe:
+        k, fe = model.experts_per_token, model.moe_ffn_dim
+        gemm += g(tokens, model.n_experts, h)
+        per_expert = tokens * k * ep / model.n_experts  # tokens each local expert sees
+        gemm += (model.n_experts / ep) * (2 * g(per_expert, fe / tp, h) + g(per_expert, h, fe / tp))
+        if model.n_shared_experts:
+            fs = fe * model.n_shared_experts
+            gemm += 2 * g(tokens, fs / tp, h) + g(tokens, h, fs / tp)
+    elif model.mlp == "swiglu":
+        gemm += 2 * g(tokens, model.ffn_dim / tp, h) + g(tokens, h, model.ffn_dim / tp)
+    else:
+        gemm += g(tokens, model.ffn_dim / tp, h) + g(tokens, h, model.ffn_dim / tp)
+    attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+    stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
+    elementwise = 2 * stored / memory_bw
+    return LayerCost(
+        f=gemm + attention + elementwise + overhead,
+        b=gemm + 2.5 * attention + 2 * elementwise + overhead,
+        w=gemm + overhead,
+        attention_f=attention,
+        tp_bytes=tokens * h * BF16,
+        ep_bytes=tokens * model.experts_per_token * h * BF16 / tp if moe else 0.0,
+        gemm_f=gemm,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _param_counts(model: ModelConfig):
+    return param_counts(model)
+
+
+@functools.lru_cache(maxsize=64)
+def _moe_layers(model: ModelConfig) -> int:
+    return sum(model.is_moe_layer(i) for i in range(model.n_layers))
+
+
+def layer_flops(model: ModelConfig, *, seq: int, moe: bool) -> tuple[float, float]:
+    """(GEMM, attention-core) forward FLOPs of one layer for one sequence, Megatron's counting."""
+    h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    params = 2 * h * hq + 2 * h * hkv
+    if moe:
+        fe = model.moe_ffn_dim
+        params += h * model.n_experts + 3 * h * fe * (model.experts_per_token + model.n_shared_experts)
+    else:
+        params += (3 if model.mlp == "swiglu" else 2) * h * model.ffn_dim
+    return 2.0 * seq * params, 4.0 * seq * seq * hq
+
+
+@_by_identity
+def step_flops(model: ModelConfig, workload: Workload, recompute: str) -> tuple[float, float]:
+    """(model, hardware) FLOPs of one step: 3 passes; hardware adds the recomputed forward."""
+    s = workload.seq_len
+    gemm_total = attn_total = 0.0
+    for i in range(model.n_layers):
+        gemm, attn = layer_flops(model, seq=s, moe=model.is_moe_layer(i))
+        gemm_total += gemm
+        attn_total += attn
+    logits = 2.0 * s * model.dim * model.vocab_size
+    model_flops = 3 * workload.global_batch * (gemm_total + attn_total + logits)
+    extra = {"none": 0.0, "selective": attn_total, "full": gemm_total + attn_total}[recompute]
+    return model_flops, model_flops + workload.global_batch * extra
+
+
+def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: Layout, world_size: int) -> list[str]:
+    """Why a layout cannot run this model, or an empty list."""
+    out = []
+    lay = layout
+    if lay.world_size != world_size:
+        out.append(f"dp={lay.dp} x tp={lay.tp} x pp={lay.pp} = {lay.world_size}, not {world_size} GPUs")
+    if model.n_heads % lay.tp or (model.n_kv_heads % lay.tp and lay.tp % model.n_kv_heads):
+        out.append(f"tp={lay.tp} does not split n_heads={model.n_heads} / n_kv_heads={model.n_kv_heads}")
+    if model.ffn_dim % lay.tp or (model.n_experts and model.moe_ffn_dim % lay.tp):
+        out.append(f"tp={lay.tp} does not divide the feed-forward size")
+    if lay.ep > 1 and (not model.n_experts or model.n_experts % lay.ep):
+        out.append(f"ep={lay.ep} must divide n_experts={model.n_experts}")
+    if lay.dp % lay.ep:
+        out.append(f"ep={lay.ep} must divide dp={lay.dp}")
+    if lay.pp * lay.virtual > model.n_layers:
+        out.append(f"pp={lay.pp} x virtual={lay.virtual} exceeds n_layers={model.n_layers}")
+    if workload.global_batch != lay.dp * lay.mbs * lay.microbatches:
+        out.append(f"dp={lay.dp} x mbs={lay.mbs} x microbatches={lay.microbatches} != global batch {workload.global_batch}")
+    if lay.zero not in (0, 1, 2, 3):
+        out.append(f"zero={lay.zero} must be 0, 1, 2 or 3")
+    if lay.replicate > 1 and lay.zero != 3:
+        out.append("replicate (HSDP) needs zero=3 (fsdp=true)")
+    if lay.dp % lay.replicate:
+        out.append(f"replicate={lay.replicate} must divide dp={lay.dp}")
+    try:
+        lay.to_plan().validate()
+    except Exception as exc:  # UserError: reuse the trainer's own rules verbatim
+        out.append(str(exc).removeprefix("invalid plan: "))
+    return out
+
+
+@_by_identity
+def _collective(fn, cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
+    return fn(cluster, nbytes, size=size, stride=stride)
+
+
+@_by_identity
+def _activation(model: ModelConfig, options: "Options", **kw) -> float:
+    return layer_activation_bytes(model, flash=options.flash_attention, **kw)
+
+
+def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
+             options: Options = Options()) -> Estimate:
+    """Predicted step time, breakdown and peak memory of a (valid) layout."""
+    lay = layout
+    seq, m, p, v = workload.seq_len, lay.microbatches, lay.pp, lay.virtual
+    world = lay.world_size
+    peak = cluster.peak_flops_per_rank(world)
+    memory_bw = cluster.memory_bw_per_rank(world)
+    n = layers_per_stage(model.n_layers, p, v)
+    n_moe_total = _moe_layers(model)
+    n_moe = min(n, n_moe_total)  # the most loaded stage holds MoE layers where there are any
+    n_dense = n - n_moe
+    overhead = cluster.overhead_per_rank(world)
+    if lay.tp > 1:
+        overhead += cluster.tp_layer_overhead_us * 1e-6 * cluster.queueing(world)
+    kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=peak, flash=options.flash_attention,
+              memory_bw=memory_bw, overhead=overhead)
+    dense = layer_cost(model, cluster, moe=False, **kw)
+    moe = layer_cost(model, cluster, moe=True, **kw) if n_moe else dense
+
+    # Exposed communication per layer per micro-batch, forward and backward.
+    t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
+    def tp_exposed(gemm: float) -> float:
+        if not options.tp_overlap:
+            return t_tp
+        return max(t_tp - gemm, 0.0) + min(t_tp, gemm) / lay.tp
+    t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
+    if lay.schedule == "dualpipev" and p > 1:
+        t_ep = max(0.0, t_ep - moe.f)  # hidden behind the paired micro-batch's compute
+    tp_f = n_dense * tp_exposed(dense.gemm_f) + n_moe * tp_exposed(moe.gemm_f)
+    ep_f = n_moe * t_ep
+
+    # Logits and loss on the last stage (vocab split over tp).
+    tokens = lay.mbs * seq
+    logit_gemm = gemm_time(tokens, model.vocab_size / lay.tp, model.dim, cluster=cluster, peak=peak)
+    logit_ew = 3 * tokens * model.vocab_size / lay.tp * 4 / memory_bw
+
+    comp_f = n_dense * dense.f + n_moe * moe.f + logit_gemm + logit_ew
+    comp_b = n_dense * dense.b + n_moe * moe.b + logit_gemm + 2 * logit_ew
+    comp_w = n_dense * dense.w + n_moe * moe.w + logit_gemm
+    if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
+        comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
+    else:
+        comp_r_fixed = 0.0
+    if lay.recompute == "full":
+        comp_r, comm_r = n_dense * dense.f + n_moe * moe.f + comp_r_fixed, tp_f + ep_f
+    elif lay.recompute == "selective":
+        comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
+    else:
+        comp_r = comm_r = 0.0
+    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_f + ep_f, w=comp_w, r=comp_r + comm_r,
+                       f_comm=tp_f + ep_f, b_comm=tp_f + ep_f, r_comm=comm_r)
+    per_mb = stage.f + stage.b + stage.w + stage.r
+
+    bubble = _bubble(lay.schedule, p, v, stage)
+    # Pipeline sends on the critical path: each micro-batch (per chunk) each way, plus fill/drain.
+    if p > 1:
+        boundary_bytes = tokens * model.dim * BF16 / (lay.tp if lay.sp else 1)
+        same = lay.tp * lay.dp * 2 <= cluster.fast_domain
+        t_send = comm.send(cluster, boundary_bytes, same_domain=same)
+        pp_comm = 2 * t_send * (m * v + p - 1)
+    else:
+        pp_comm = 0.0
+
+    # Parameters on the most loaded device (first or last stage: embedding or output head).
+    c = _param_counts(model)
+    heads = 2 if (p == 1 and not model.tie_embeddings) else 1
+    shared_params = (n * (c.attention + c.norms) + n_dense * c.dense_mlp + n_moe * c.moe_other
+                     + heads * c.embedding) / lay.tp
+    expert_params = n_moe * c.experts / (lay.tp * lay.ep)
+    dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n)
+    shards = lay.dp // lay.replicate
+    local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
+    optimizer = local_state * OPTIMIZER_BYTES_PER_PARAM / memory_bw
+
+    step_overhead = cluster.step_overhead_per_rank(world)
+    step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
+    breakdown = {
+        "compute": m * (comp_f + comp_b + comp_w),
+        "recompute": m * comp_r,
+        "tp_comm": m * (2 * tp_f + (tp_f if lay.recompute == "full" else 0.0)),
+        "ep_comm": m * (2 * ep_f + (ep_f if lay.recompute == "full" else 0)),
+        "pp_comm": pp_comm,
+        "bubble": bubble,
+        "dp_comm": dp_comm,
+        "optimizer": optimizer,
+        "overhead": step_overhead,
+    }
+
+    memory = _memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)
+    model_flops, hardware_flops = step_flops(model, workload, lay.recompute)
+    return Estimate(
+        layout=lay, step_time_s=step, breakdown=breakdown, memory_bytes=sum(memory.values()),
+        memory_breakdown=memory, fits=sum(memory.values()) <= cluster.usable_bytes,
+        model_flops=model_flops, hardware_flops=hardware_flops, world_size=world, peak_flops=peak,
+        tokens=workload.global_batch * seq, seq_len=seq, hidden_size=model.dim, stage=stage,
+    )
+
+
+def _bubble(schedule: str, p: int, v: int, st: StageTimes) -> float:
+    if p == 1:
+        return 0.0
+    full = st.f + st.b + st.w + st.r
+    if schedule == "interleaved":
+        return (p - 1) * full / v
+    if schedule == "zbv":
+        return (p - 1) * max(0.0, st.f + st.b + st.r - 2 * st.w) / 2
+    if schedule == "dualpipev":
+        return max(0.0, p / 2 - 1) * max(0.0, st.f + 2 * (st.b + st.r) - 2 * st.w) / 2
+    return (p - 1) * full  # gpipe and 1f1b
+
+
+def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, experts: float,
+             st: StageTimes, n_layers: int) -> float:
+    """Exposed data-parallel seconds per step."""
+    if lay.dp == 1:
+        return 0.0
+    g = options.grad_reduce_bytes
+    shard = lay.dp // lay.replicate
+    groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
+    if experts:
+        groups.append((experts, max(1, shard // lay.ep), lay.tp * lay.ep))
+    # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 3, and
+    # per gradient bucket otherwise, so latency counts once per unit or bucket.
+    units = n_layers + 1 if lay.zero == 3 else 0
+    # The phalanx trainer runs replicated dp composed with tp or pp through FSDP2 as HSDP with
+    # shard size 1 (DDP takes neither DTensors nor stages): FSDP's per-unit cost, DDP's bytes.
+    wrapped = n_layers + 1 if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1) else 0
+    wrap_cost = lay.microbatches * wrapped * cluster.fsdp_unit_overhead_us * 1e-6 * cluster.queueing(lay.world_size)
+    rs = ag = ar_replica = 0.0
+    for params, size, stride in groups:
+        pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))
+        if lay.zero == 0:
+            rs += pieces * _collective(comm.all_reduce, cluster, params * g / pieces, size, stride)
+        else:
+            rs += pieces * _collective(comm.reduce_scatter, cluster, params * g / pieces, size, stride)
+            ag += pieces * _collective(comm.all_gather, cluster, params * BF16 / pieces, size, stride)
+        if lay.replicate > 1:
+            ar_replica += pieces * _collective(comm.all_reduce, cluster, params * g / size / pieces,
+                                               lay.replicate, stride * size)
+    # gloo runs collectives on the very cores that compute: nothing overlaps on a CPU.
+    overlap = options.dp_overlap and not cluster.shared_compute
+    one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
+    if lay.zero == 3:
+        # Every micro-batch: gather forward, gather again backward, reduce-scatter gradients.
+        per_mb = (max(ag - st.f, ag * one_layer) + max(ag + rs - (st.b + st.w), (ag + rs) * one_layer)
+                  if overlap else 2 * ag + rs)
+        per_mb += units * cluster.fsdp_unit_overhead_us * 1e-6 * cluster.queueing(lay.world_size)
+        return lay.microbatches * per_mb + ar_replica
+    if not overlap:
+        return rs + ag + ar_replica + wrap_cost
+    window_b = st.b + st.w + st.r
+    exposed = max(rs - window_b, rs * one_layer) + ar_replica
+    if ag:
+        exposed += max(ag - st.f, ag * one_layer)
+    return exposed + wrap_cost
+
+
+def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
+            shared: float, experts: float, c) -> dict[str, float]:
+    """Peak bytes on the most loaded device, by cause."""
+    shard = lay.dp // lay.replicate
+    state = (shared * state_bytes_per_param(lay.zero, shard)
+             + experts * state_bytes_per_param(lay.zero, max(1, shard // lay.ep)))
+    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
+    per_layer = lambda moe, rc: _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
+    stage_act = (n - n_moe) * per_layer(False, lay.recompute) + n_moe * per_layer(True, lay.recompute)
+    in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
+                                       microbatches=lay.microbatches)
+    rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
+    logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * LOGIT_BYTES
+    # The first rank holds the most micro-batches; the loss's logits live on the last stage,
+    # which V-shaped schedules (and pp=1) put on that same first rank.
+    first = stage_act * in_flight + rematerialised
+    if lay.pp == 1 or lay.schedule in ("zbv", "dualpipev"):
+        activations, logits_held = first, logits
+    else:
+        last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
+        last = stage_act * last_in_flight + rematerialised
+        activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
+    out = {"model_state": state, "activations": activations, "logits": logits_held}
+    if lay.zero == 3:  # two layers' unsharded bf16 parameters and fp32 gradients in flight
+        per_layer_params = (c.attention + max(c.dense_mlp, c.moe_other + c.experts / lay.ep)) / lay.tp
+        out["fsdp_buffers"] = 2 * per_layer_params * (BF16 + 4)
+    return out

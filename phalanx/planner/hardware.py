@@ -1,0 +1,230 @@
+"""Cluster description: what one device computes, holds and how fast it talks, per link level.
+
+A cluster has two link levels. Inside a "fast domain" (an NVLink/NVSwitch island: 8 GPUs in a
+DGX, 72 in a GB200 NVL72, 1 on a PCIe box whose GPUs talk through the host) devices reach
+each other at `intra_bw_gbs`; across domains each device has its own NIC at `inter_bw_gbs`.
+Bandwidths are the *achieved* collective bus bandwidth per device (what nccl-tests reports),
+not line rate, so the alpha-beta formulas in cost.py use them directly.
+
+Files are TOML or JSON with the field names of `Cluster`; unknown keys are an error that
+names the valid ones. `phalanx calibrate` writes one for this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """One homogeneous cluster; every figure is per device unless the name says otherwise."""
+
+    name: str = "custom"
+    devices_per_node: int = 8
+    """Devices in one machine (for display and for CPU sharing; links use fast_domain)."""
+    fast_domain: int = 8
+    """Devices that share the fast link (NVLink island); 1 when devices only meet over PCIe/network."""
+    peak_tflops: float = 989.0
+    """Dense bf16 peak of one device, TFLOP/s (the MFU denominator)."""
+    memory_gib: float = 80.0
+    """Device memory."""
+    memory_reserved_gib: float = 4.0
+    """Kept back from planning: runtime context, communication buffers, allocator fragmentation."""
+    hbm_tbs: float = 3.35
+    """Device memory bandwidth, TB/s: sets the time of memory-bound (element-wise, optimizer) work."""
+    intra_bw_gbs: float = 370.0
+    """Achieved bus bandwidth per device inside the fast domain, GB/s per direction."""
+    inter_bw_gbs: float = 47.0
+    """Achieved bandwidth of each device's own network link between domains, GB/s per direction."""
+    intra_latency_us: float = 3.0
+    """Latency of one step of a collective inside the fast domain (the alpha term), microseconds."""
+    inter_latency_us: float = 8.0
+    """Latency of one step of a collective across domains, microseconds."""
+    matmul_efficiency: float = 0.70
+    """Fraction of peak a large matrix multiply sustains in training (clocks under power limits)."""
+    matmul_half_dim: float = 96.0
+    """Matrix dimension at which that efficiency halves: small dims (h/tp, tokens per expert) run slower."""
+    attention_efficiency: float = 0.50
+    """Fraction of peak of fused (flash) attention, forward and backward together."""
+    layer_overhead_us: float = 0.0
+    """Fixed time per layer per micro-batch per pass that no FLOP count explains (launches, Python)."""
+    step_overhead_ms: float = 0.0
+    """Fixed time per optimizer step besides the layers (loss, clipping, optimizer launches)."""
+    fsdp_unit_overhead_us: float = 0.0
+    """Framework time FSDP adds per sharded layer per micro-batch (hooks, copies, waits) beyond
+    its collectives' alpha-beta time: measured on CPUs, hidden by GPU asynchrony (0)."""
+    tp_layer_overhead_us: float = 0.0
+    """Framework time tensor parallelism adds per layer per pass (DTensor dispatch) beyond its
+    collectives: measured on CPUs, hidden by GPU asynchrony (0)."""
+    recompute_overhead_us: float = 0.0
+    """Framework time activation checkpointing adds per layer per micro-batch besides the
+    recomputed forward: measured on CPUs, 0 on GPUs."""
+    shared_compute: bool = False
+    """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
+    measured_groups: tuple[tuple[int, float, float], ...] = ()
+    """(group size, latency us per step, bus GB/s) measured by calibrate; they replace the intra
+    figures for groups of that size inside the fast domain (a CPU's collectives slow down as
+    more processes share its cores)."""
+
+    def intra_link(self, size: int) -> tuple[float, float]:
+        """(latency us, bus GB/s) of a group of `size` ranks inside one fast domain."""
+        for n, latency, bw in self.measured_groups:
+            if n == size:
+                return latency, bw
+        return self.intra_latency_us, self.intra_bw_gbs
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("devices_per_node", "fast_domain"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        for name in ("peak_tflops", "memory_gib", "hbm_tbs", "intra_bw_gbs", "inter_bw_gbs",
+                     "matmul_efficiency", "attention_efficiency"):
+            if not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        for name in ("matmul_efficiency", "attention_efficiency"):
+            if getattr(self, name) > 1:
+                problems.append(f"{name}={getattr(self, name)} is a fraction of peak, at most 1")
+        if self.memory_reserved_gib >= self.memory_gib:
+            problems.append(f"memory_reserved_gib={self.memory_reserved_gib} leaves nothing of memory_gib={self.memory_gib}")
+        if problems:
+            raise UserError(f"cluster {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.memory_gib - self.memory_reserved_gib) * 2**30
+
+    def peak_flops_per_rank(self, world_size: int) -> float:
+        """FLOP/s one rank can reach; on a shared CPU the node's peak splits among all its ranks."""
+        if self.shared_compute:
+            return self.peak_tflops * 1e12 / world_size
+        return self.peak_tflops * 1e12
+
+    def memory_bw_per_rank(self, world_size: int) -> float:
+        """Bytes/s of memory bandwidth one rank gets (shared CPU: split among its ranks)."""
+        return self.hbm_tbs * 1e12 / (world_size if self.shared_compute else 1)
+
+    def overhead_per_rank(self, world_size: int) -> float:
+        """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
+        return self.layer_overhead_us * 1e-6 * self.queueing(world_size)
+
+    def step_overhead_per_rank(self, world_size: int) -> float:
+        return self.step_overhead_ms * 1e-3 * self.queueing(world_size)
+
+    def queueing(self, world_size: int) -> float:
+        return max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
+
+
+# Presets. Link figures are the measured ones of published-figures.md section 2; peak and
+# memory are the vendors' datasheet values. The efficiency fields keep their defaults (one
+# set for every GPU, see docs/planner.md) so that no preset is tuned to a published run.
+PRESETS: dict[str, Cluster] = {
+    c.name: c
+    for c in [
+        # DGX A100 80GB: NVLink3 + NVSwitch (229 GB/s all-reduce bus bw), 8x HDR 200 Gb/s (24 GB/s).
+        Cluster(name="dgx-a100", peak_tflops=312.0, memory_gib=80.0, hbm_tbs=2.04,
+                intra_bw_gbs=229.0, inter_bw_gbs=24.0),
+        # DGX H100: NVLink4 (about 370 GB/s effective), 8x NDR 400 Gb/s (46-48 GB/s).
+        Cluster(name="dgx-h100", peak_tflops=989.0, memory_gib=80.0, hbm_tbs=3.35,
+                intra_bw_gbs=370.0, inter_bw_gbs=47.0),
+        # DGX H200: same NVLink4 (about 475 GB/s all-reduce bus bw measured), 141 GB HBM3e.
+        Cluster(name="dgx-h200", peak_tflops=989.0, memory_gib=141.0, hbm_tbs=4.8,
+                intra_bw_gbs=475.0, inter_bw_gbs=47.0),
+        # GB200 NVL72: 72 GPUs in one NVLink domain (835-847 GB/s at 4-8 GiB), 400 Gb/s NIC each.
+        Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0,
+                memory_gib=186.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0),
+        # 8x H100 PCIe without NVLink bridges: every collective goes through PCIe Gen5 x16
+        # (about 28 GB/s all-reduce bus bw measured on such boxes), so the fast domain is 1.
+        Cluster(name="pcie-h100", fast_domain=1, peak_tflops=756.0, memory_gib=80.0, hbm_tbs=2.0,
+                intra_bw_gbs=28.0, inter_bw_gbs=28.0, inter_latency_us=5.0),
+        # H800 (DeepSeek-V3 report: NVLink about 160 GB/s, IB 50 GB/s per GPU): same core as H100.
+        Cluster(name="hgx-h800", peak_tflops=989.0, memory_gib=80.0, hbm_tbs=3.35,
+                intra_bw_gbs=160.0, inter_bw_gbs=47.0),
+        # This machine before `phalanx calibrate` has measured it: a rough CPU guess.
+        Cluster(name="local", devices_per_node=os.cpu_count() or 1, fast_domain=os.cpu_count() or 1,
+                peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02,
+                intra_bw_gbs=2.0, inter_bw_gbs=2.0, intra_latency_us=50.0, inter_latency_us=50.0,
+                matmul_efficiency=1.0, matmul_half_dim=32.0, attention_efficiency=0.5,
+                layer_overhead_us=300.0, shared_compute=True),
+    ]
+}
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Cluster)}
+
+
+def local_cluster_path() -> Path:
+    """Where `phalanx calibrate` writes, and `--cluster local` reads, this machine's figures."""
+    root = os.environ.get("PHALANX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "phalanx")
+    return Path(root) / "cluster-local.json"
+
+
+def cluster_from_dict(data: dict, *, source: str) -> Cluster:
+    """Build a Cluster from parsed file contents, rejecting unknown keys and bad types."""
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a table of cluster fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise UserError(f"{source}: unknown cluster key {unknown[0]!r}; valid keys: {', '.join(_FIELDS)}")
+    values = {}
+    for key, raw in data.items():
+        kind = type(_FIELDS[key].default)
+        if kind is bool:
+            if not isinstance(raw, bool):
+                raise UserError(f"{source}: {key} must be true or false, got {raw!r}")
+            values[key] = raw
+        elif kind is int:
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                raise UserError(f"{source}: {key} must be an integer, got {raw!r}")
+            values[key] = raw
+        elif key == "measured_groups":
+            try:
+                values[key] = tuple((int(n), float(lat), float(bw)) for n, lat, bw in raw)
+            except (TypeError, ValueError):
+                raise UserError(f"{source}: measured_groups must be a list of [size, latency_us, bus_gbs]") from None
+        elif kind is float:
+            if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+                raise UserError(f"{source}: {key} must be a number, got {raw!r}")
+            values[key] = float(raw)
+        else:
+            values[key] = str(raw)
+    values.setdefault("name", Path(source).stem)
+    return Cluster(**values)
+
+
+def load_cluster_file(path: str | Path) -> Cluster:
+    """Read a .toml or .json cluster file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UserError(f"cannot read cluster file {str(path)!r}: {exc.strerror}") from None
+    try:
+        if path.suffix.lower() == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cluster file {str(path)!r} is not valid {path.suffix[1:].upper() or 'JSON'}: {exc}") from None
+    return cluster_from_dict(data, source=str(path))
+
+
+def cluster_from_name(name: str) -> Cluster:
+    """A preset, `local` (the calibrated file if there is one), or a path to a file."""
+    if name == "local" and local_cluster_path().exists():
+        return load_cluster_file(local_cluster_path())
+    if name in PRESETS:
+        return PRESETS[name]
+    if os.path.sep in name or name.endswith((".toml", ".json")):
+        return load_cluster_file(name)
+    raise UserError(f"unknown cluster {name!r}; choose a file or one of: {', '.join(PRESETS)}")
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    return dataclasses.asdict(cluster)

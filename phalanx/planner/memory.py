@@ -1,0 +1,121 @@
+"""Bytes per device: parameters, gradients, optimizer state, activations.
+
+Model state follows mixed-precision Adam: bf16 parameters (2 bytes), fp32 gradients (4),
+fp32 master weights and two fp32 moments (12): 18 bytes per parameter when nothing is
+sharded. ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3 everything.
+
+Activations follow Korthikanti et al. (published-figures.md section 3), generalised to
+grouped-query attention and gated MLPs by counting each stored tensor:
+  norms: the two norm inputs, 4sbh;  attention: its input 2sbh, q 2sbh, k and v 4 s b h_kv,
+  the output projection's input 2sbh;  plain GeLU MLP: input 2sbh, two 2sbf tensors;
+  SwiGLU: input 2sbh, four 2sbf tensors (w1 out, w3 out, silu out, product);
+  GPT-style (GeLU) models also keep two 1-byte dropout masks, sbh each.
+For MHA + 4h GeLU that is 34 sbh, as published. Without flash attention the softmax adds
+2 a s^2 b (plus 3 a s^2 b of dropout for GPT-style models: the published 5 a s^2 b).
+Under tensor parallelism the norm inputs, the attention and MLP inputs and the dropout masks
+stay replicated unless sequence parallelism splits them too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from phalanx.model.config import ModelConfig
+
+STATE_BYTES = (2, 4, 12)
+"""(parameter, gradient, optimizer) bytes per parameter before sharding."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamCounts:
+    attention: int
+    """Per layer: q, k, v, o projections."""
+    dense_mlp: int
+    """Per dense layer's feed-forward."""
+    experts: int
+    """Per MoE layer: all routed experts (sharded over ep)."""
+    moe_other: int
+    """Per MoE layer: router and shared experts (replicated over ep)."""
+    norms: int
+    embedding: int
+    """One V x h matrix (the input embedding; the output head is another unless tied)."""
+
+
+def param_counts(model: ModelConfig) -> ParamCounts:
+    h, hkv = model.dim, model.n_kv_heads * model.head_dim
+    mlp_mats = 3 if model.mlp == "swiglu" else 2
+    expert_mats = 3  # routed and shared experts are SwiGLU in the model code
+    return ParamCounts(
+        attention=2 * h * h + 2 * h * hkv,
+        dense_mlp=mlp_mats * h * model.ffn_dim,
+        experts=model.n_experts * expert_mats * h * model.moe_ffn_dim,
+        moe_other=h * model.n_experts + model.n_shared_experts * expert_mats * h * model.moe_ffn_dim,
+        norms=2 * h,
+        embedding=model.vocab_size * h,
+    )
+
+
+def total_params(model: ModelConfig) -> int:
+    c = param_counts(model)
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.n_layers))
+    dense_layers = model.n_layers - moe_layers
+    heads = 1 if model.tie_embeddings else 2
+    return (model.n_layers * (c.attention + c.norms) + dense_layers * c.dense_mlp
+            + moe_layers * (c.experts + c.moe_other) + heads * c.embedding + model.dim)
+
+
+def state_bytes_per_param(zero: int, shards: int) -> float:
+    """Bytes of parameter + gradient + optimizer state per parameter under a ZeRO level."""
+    param, grad, optim = STATE_BYTES
+    if zero == 0:
+        return param + grad + optim
+    if zero == 1:
+        return param + grad + optim / shards
+    if zero == 2:
+        return param + (grad + optim) / shards
+    return (param + grad + optim) / shards
+
+
+def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
+                           moe: bool, flash: bool = True) -> float:
+    """Activation bytes one layer keeps for backward for one micro-batch on one device."""
+    s, b, h = seq, mbs, model.dim
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (tp if sp else 1)  # only the layer input is kept
+    hkv = model.n_kv_heads * model.head_dim
+    dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
+    replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
+    split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
+    if moe:
+        k, f = model.experts_per_token, model.moe_ffn_dim
+        # Each device processes s*b*k routed token copies in total (balanced routing).
+        split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
+        split += 8 * s * b * f * model.n_shared_experts
+    elif model.mlp == "swiglu":
+        split += 8 * s * b * model.ffn_dim
+    else:
+        split += 4 * s * b * model.ffn_dim
+    total = replicated / (tp if sp else 1) + split / tp
+    if not flash and recompute == "none":
+        total += (5 if dropout else 2) * model.n_heads * s * s * b / tp
+    return total
+
+
+def in_flight_microbatches(*, schedule: str, pp: int, virtual: int, microbatches: int) -> float:
+    """Micro-batches of a whole stage's activations the first stage holds at its peak."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "interleaved":
+        return min(float(microbatches), pp * (1 + (pp - 1) / (pp * virtual)))
+    if schedule == "dualpipev":
+        return min(float(microbatches), pp + 1.0)
+    return min(float(microbatches), float(pp))  # 1f1b and zbv
+
+
+def layers_per_stage(n_layers: int, pp: int, virtual: int) -> int:
+    """Layers on the most loaded pipeline rank (chunks of ceil(L / (pp * v)) layers)."""
+    return virtual * math.ceil(n_layers / (pp * virtual))

@@ -1,0 +1,42 @@
+"""Turning estimates into the `plan` command's table and JSON (the JSON names are an API)."""
+
+from __future__ import annotations
+
+from phalanx.planner.cost import Estimate
+
+
+def plan_record(est: Estimate) -> dict:
+    """One plan as JSON: scripts depend on these names."""
+    lay = est.layout
+    return {
+        "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "mbs": lay.mbs,
+        "microbatches": lay.microbatches, "schedule": lay.schedule, "virtual": lay.virtual,
+        "recompute": lay.recompute, "fsdp": lay.zero == 3, "zero": lay.zero, "sp": lay.sp,
+        "replicate": lay.replicate, "plan": lay.to_plan().to_string(), "fix": lay.to_string(),
+        "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
+        "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
+        "memory_gib_per_gpu": est.memory_gib,
+        "breakdown": dict(est.breakdown),
+        "memory_breakdown_gib": {k: v / 2**30 for k, v in est.memory_breakdown.items()},
+    }
+
+
+COLUMNS = ("#", "dp", "tp", "pp", "ep", "mbs", "mb", "schedule", "v", "recompute", "zero",
+           "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "GiB/GPU")
+
+
+def table_rows(ranked: list[Estimate]) -> list[list[str]]:
+    rows = []
+    for i, est in enumerate(ranked, start=1):
+        lay = est.layout
+        rows.append([str(i), str(lay.dp), str(lay.tp), str(lay.pp), str(lay.ep), str(lay.mbs),
+                     str(lay.microbatches), lay.schedule if lay.pp > 1 else "-", str(lay.virtual),
+                     lay.recompute, str(lay.zero), f"{est.step_time_s:.4g}", f"{est.tokens_per_s:,.0f}",
+                     f"{est.tflops_per_gpu:.1f}", f"{est.mfu:.1%}", f"{est.memory_gib:.1f}"])
+    return rows
+
+
+def format_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])

@@ -1,0 +1,231 @@
+"""Enumerate every valid layout, prune those that do not fit, rank the rest by step time.
+
+The space: tp over divisors of the world size up to the fast domain (and dividing the heads),
+pp over divisors up to the layer count, dp the rest (dividing the global batch), ep over
+divisors of dp that divide the expert count, every micro-batch size that divides the
+per-rank batch (up to `max_mbs`), each schedule with its virtual stages, each recompute
+mode and each ZeRO level allowed. Knobs this cost model proves dominated are not searched
+(a `--fix` still evaluates them): sp=false when tp > 1 (same bytes as SP, more memory),
+gpipe (1F1B's bubble, more memory) and, with flash attention, selective recompute (flash
+already keeps no s x s scores, so it saves nothing and recomputes the attention core).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
+from phalanx.plan import RECOMPUTE, Plan, parse_plan
+from phalanx.planner import cost
+from phalanx.planner.cost import Estimate, Options, evaluate
+from phalanx.planner.hardware import Cluster, cluster_from_name
+from phalanx.planner.layout import Layout, Workload
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpace:
+    """Which knob values the search may use."""
+
+    zero_levels: tuple[int, ...] = (0, 3)
+    """What the phalanx trainer runs: replicated (fsdp=false) or fully sharded (fsdp=true)."""
+    recompute: tuple[str, ...] = RECOMPUTE
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zbv", "dualpipev")
+    """gpipe is left out: same bubble as 1f1b, more memory (`--fix schedule=gpipe` evaluates it)."""
+    virtual: tuple[int, ...] = (2, 3, 4, 6, 8)
+    """Chunks per rank tried for the interleaved schedule."""
+    max_mbs: int = 16
+    sequence_parallel: bool = True
+    """Use sp with tp > 1; False for implementations that lack it."""
+    phalanx_trainer: bool = True
+    """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
+    padding), sp needs tp to divide seq_len, no tp with experts yet. Off to model other
+    implementations (the published runs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    ranked: list[Estimate]
+    """Layouts that fit in memory, fastest first (at most `keep`)."""
+    considered: int
+    pruned_memory: int
+    fastest_pruned: Estimate | None
+    """The fastest layout that did not fit, if it was faster than the winner."""
+    seconds: float
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_fix(text: str) -> dict[str, object]:
+    """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
+    plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
+    given = {item.partition("=")[0].strip().lower() for item in text.split(",") if item.strip()}
+    fixed: dict[str, object] = {}
+    for key in given - {"mbs", "zero", "fsdp"}:
+        fixed[key] = getattr(plan, key)
+    for key, raw in extras.items():
+        try:
+            fixed[key] = int(raw)
+        except ValueError:
+            raise UserError(f"plan key {key}={raw!r} must be an integer") from None
+    if "fsdp" in given:
+        if "zero" in fixed and (fixed["zero"] == 3) != plan.fsdp:
+            raise UserError(f"fsdp={str(plan.fsdp).lower()} contradicts zero={fixed['zero']}")
+        if plan.fsdp:
+            fixed["zero"] = 3
+        elif "zero" not in fixed:
+            fixed["zero_not3"] = True
+    return fixed
+
+
+def _schedules(space: SearchSpace, pp: int, m: int, n_layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = []
+    for name in space.schedules:
+        if name != "gpipe" and m < pp:
+            continue
+        if name in ("gpipe", "1f1b"):
+            out.append((name, 1))
+        elif name == "interleaved":
+            # Micro-batches run in rounds of about pp; the rounds must split them evenly.
+            if m % max(1, m // pp) == 0:
+                out += [(name, v) for v in space.virtual if pp * v <= n_layers]
+        elif pp * 2 <= n_layers and (name == "zbv" or m >= 2 * pp):  # DualPipe: two per stage
+            out.append((name, 2))
+    return out
+
+
+def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
+               fixed: dict[str, object], space: SearchSpace):
+    """Every layout the space allows, honouring the fixed fields."""
+    f = fixed.get
+    max_tp = max(cluster.fast_domain, min(cluster.devices_per_node, 8))
+    gb = workload.global_batch
+    for tp in divisors(world_size):
+        if f("tp", tp) != tp or (tp > max_tp and "tp" not in fixed):
+            continue
+        if model.n_heads % tp or (model.n_kv_heads % tp and tp % model.n_kv_heads) or model.ffn_dim % tp:
+            continue
+        if model.n_experts and model.moe_ffn_dim % tp:
+            continue
+        if space.phalanx_trainer and tp > 1 and (model.n_kv_heads % tp or model.vocab_size % tp or model.n_experts):
+            continue
+        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and workload.seq_len % tp)
+        for pp in divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp:
+                continue
+            eps = [e for e in divisors(dp) if model.n_experts % e == 0] if model.n_experts else [1]
+            for ep in eps:
+                if f("ep", ep) != ep:
+                    continue
+                per_rank = gb // dp
+                for mbs in divisors(per_rank):
+                    m = per_rank // mbs
+                    if "mbs" in fixed:
+                        if mbs != fixed["mbs"]:
+                            continue
+                    elif mbs > space.max_mbs:
+                        break
+                    if f("microbatches", m) != m:
+                        continue
+                    for schedule, v in _schedules(space, pp, m, model.n_layers):
+                        if f("schedule", schedule) != schedule or f("virtual", v) != v:
+                            continue
+                        for rc in space.recompute if "recompute" not in fixed else (fixed["recompute"],):
+                            zeros = (fixed["zero"],) if "zero" in fixed else space.zero_levels
+                            for zero in zeros:
+                                if fixed.get("zero_not3") and zero == 3:
+                                    continue
+                                sp = fixed.get("sp", tp > 1 and sp_ok)
+                                yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, microbatches=m,
+                                             schedule=schedule, virtual=v, recompute=rc, zero=zero,
+                                             sp=bool(sp), replicate=int(f("replicate", 1)))
+
+
+def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
+           fixed: dict[str, object] | None = None, space: SearchSpace = SearchSpace(),
+           options: Options = Options(), keep: int = 10) -> SearchResult:
+    """Rank every fitting layout by predicted step time; count the ones memory pruned."""
+    start = time.perf_counter()
+    fixed = dict(fixed or {})
+    if "zero" in fixed and fixed["zero"] not in space.zero_levels:
+        space = dataclasses.replace(space, zero_levels=(int(fixed["zero"]),))
+    if "schedule" in fixed and fixed["schedule"] not in space.schedules:
+        space = dataclasses.replace(space, schedules=(str(fixed["schedule"]),))
+    if "virtual" in fixed and fixed["virtual"] not in space.virtual:
+        space = dataclasses.replace(space, virtual=(int(fixed["virtual"]),))
+    if options.flash_attention and "recompute" not in fixed and "selective" in space.recompute:
+        space = dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
+    fitting: list[Estimate] = []
+    considered = pruned = 0
+    fastest_pruned: Estimate | None = None
+    for layout in candidates(model, cluster, workload, world_size=world_size, fixed=fixed, space=space):
+        considered += 1
+        est = evaluate(model, cluster, workload, layout, options)
+        if not est.fits:
+            pruned += 1
+            if fastest_pruned is None or est.step_time_s < fastest_pruned.step_time_s:
+                fastest_pruned = est
+            continue
+        fitting.append(est)
+    fitting.sort(key=lambda e: (e.step_time_s, e.memory_bytes))
+    if fastest_pruned and fitting and fastest_pruned.step_time_s >= fitting[0].step_time_s:
+        fastest_pruned = None
+    return SearchResult(ranked=fitting[:keep], considered=considered, pruned_memory=pruned,
+                        fastest_pruned=fastest_pruned, seconds=time.perf_counter() - start)
+
+
+def explain(result: SearchResult, usable_gib: float) -> list[str]:
+    """One line per runner-up: the cost that makes it slower than the winner."""
+    if not result.ranked:
+        return []
+    best = result.ranked[0]
+    top = max(best.breakdown, key=best.breakdown.get)
+    lines = [f"#1 spends most of its {best.step_time_s:.3g} s step on {top} "
+             f"({best.breakdown[top] / best.step_time_s:.0%}); the others lose to it on:"]
+    for rank, est in enumerate(result.ranked[1:], start=2):
+        diffs = {k: est.breakdown[k] - best.breakdown[k] for k in best.breakdown}
+        cause = max(diffs, key=diffs.get)
+        gap = est.step_time_s - best.step_time_s
+        lines.append(f"#{rank} +{gap:.3g} s: mostly {cause} (+{diffs[cause]:.3g} s)")
+    if result.fastest_pruned:
+        fp = result.fastest_pruned
+        lines.append(f"faster but pruned: {fp.layout.to_string()} would take {fp.step_time_s:.3g} s "
+                     f"but needs {fp.memory_gib:.1f} GiB of {usable_gib:.1f} usable")
+    return lines
+
+
+def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
+              cluster: Cluster | str = "local", fixed: dict[str, object] | None = None,
+              space: SearchSpace = SearchSpace()) -> Plan:
+    """The fastest layout `phalanx train --plan auto` can run on `world_size` processes.
+
+    `fixed` pins knobs (as `parse_fix` returns them) for a trainer that lacks some, e.g.
+    {"tp": 1, "pp": 1} for a data-parallel-only build; `space` narrows the rest.
+    """
+    if isinstance(cluster, str):
+        cluster = cluster_from_name(cluster)
+    workload = Workload(global_batch=global_batch, seq_len=seq_len)
+    result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space, keep=1)
+    if not result.ranked:
+        if result.considered == 0:
+            raise UserError(f"no layout of {model.name!r} on {world_size} processes divides "
+                            f"global batch {global_batch} (dp must divide it)")
+        raise UserError(f"no layout of {model.name!r} on {world_size} processes fits in "
+                        f"{cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB per device "
+                        f"({result.pruned_memory} pruned by memory)")
+    return result.ranked[0].layout.to_plan()
+
+
+def evaluate_fixed(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
+                   options: Options = Options()) -> Estimate:
+    """Evaluate one fully specified layout, with every reason it is invalid in one error."""
+    issues = cost.problems(model, workload, cluster, layout, layout.world_size)
+    if issues:
+        raise UserError(f"layout {layout.to_string()}: " + "; ".join(issues))
+    return evaluate(model, cluster, workload, layout, options)

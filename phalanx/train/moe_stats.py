@@ -1,0 +1,114 @@
+"""What the trainer does for mixture-of-experts layers, once per micro-batch and once per step.
+
+* `aux_loss(model)`: the routers' configured balance and z losses, to add to the loss.
+* `end_step(model, mesh)`: sum the step's per-expert token counts over the data-parallel
+  ranks (one all-reduce for all layers), nudge the loss-free balancing biases with those
+  global counts (so every rank applies the same update), and return the record fields:
+  per MoE layer the tokens each expert and each dp rank received, and their imbalance
+  (max - mean) / mean. "Received" counts token-expert assignments after any capacity drop;
+  a rank receives what its experts computed (under expert parallelism, arrivals from its ep
+  group; otherwise its own tokens' assignments).
+* `plot_expert_load(metrics, png)`: the run's load as heat-maps (layer x expert, layer x rank).
+
+Under pipeline parallelism each stage sees only its own layers, and metrics.jsonl (written by
+rank 0) then holds the first stage's layers only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.model.init import canonical_name
+from phalanx.model.moe import MoE
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """(layer index, MoE) for each MoE feed-forward this rank holds, in layer order."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            found.append((canonical_name(name).split(".")[1], module))  # layers.<i>.feed_forward
+    return found
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """Sum of the auxiliary losses the MoE layers left from the last forward (0 if none)."""
+    terms = [moe.aux_loss for _, moe in moe_layers(model) if moe.aux_loss is not None]
+    return sum(terms) if terms else 0.0
+
+
+def imbalance(load: torch.Tensor) -> float:
+    """(max - mean) / mean: 0 when perfectly even, n - 1 when one of n takes everything."""
+    mean = float(load.float().mean())
+    return (float(load.max()) - mean) / mean if mean > 0 else 0.0
+
+
+@torch.no_grad()
+def end_step(model: nn.Module, mesh) -> dict:
+    """Reduce and reset this step's counters, update balancing biases; every rank calls this."""
+    layers = moe_layers(model)
+    if not layers:
+        return {}
+    dp, dp_rank = mesh.plan.dp, mesh.dp_rank
+    rows = []
+    for _, moe in layers:
+        counts = moe.tokens_per_expert
+        counts = torch.zeros(moe.n_experts, device=mesh.device) if counts is None else counts.float()
+        received = torch.zeros(dp, device=counts.device)
+        received[dp_rank] = float(getattr(moe.experts, "received_tokens", counts.sum()))
+        dropped = torch.tensor([float(moe.dropped_tokens)], device=counts.device)
+        rows.append(torch.cat([counts, received, dropped]))  # (experts + dp + 1,)
+    packed = torch.stack(rows)  # (layers, experts + dp + 1)
+    if mesh.distributed and dp > 1:
+        dist.all_reduce(packed, group=mesh.group("dp"))
+    record = {}
+    for (layer, moe), row in zip(layers, packed.cpu()):
+        experts, ranks = row[: moe.n_experts], row[moe.n_experts : moe.n_experts + dp]
+        moe.router.update_bias(experts.to(moe.router.expert_bias.device))
+        moe.tokens_per_expert, moe.dropped_tokens = None, 0
+        if hasattr(moe.experts, "received_tokens"):
+            moe.experts.received_tokens = 0
+        record[layer] = {
+            "expert_tokens": [int(v) for v in experts], "rank_tokens": [int(v) for v in ranks],
+            "expert_imbalance": imbalance(experts), "rank_imbalance": imbalance(ranks), "dropped": int(row[-1]),
+        }
+    return {"moe": record}
+
+
+def plot_expert_load(metrics_path: Path, png_path: Path) -> bool:
+    """Heat-maps of the whole run's tokens per (layer, expert) and per (layer, dp rank).
+
+    Returns False (and writes nothing) when the run has no MoE records.
+    """
+    from phalanx.train.metrics import read_metrics
+
+    records = [r["moe"] for r in read_metrics(metrics_path) if "moe" in r]
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = list(records[0])
+    experts = torch.tensor([[r[layer]["expert_tokens"] for layer in layers] for r in records]).sum(0)  # (layers, experts)
+    ranks = torch.tensor([[r[layer]["rank_tokens"] for layer in layers] for r in records]).sum(0)  # (layers, dp)
+    figure, axes = plt.subplots(1, 2, figsize=(11, 0.6 * len(layers) + 2.5), gridspec_kw={"width_ratios": [experts.shape[1], max(ranks.shape[1], 2)]})
+    for ax, load, what in ((axes[0], experts, "expert"), (axes[1], ranks, "data-parallel rank")):
+        share = load.float() / load.float().mean(dim=1, keepdim=True).clamp(min=1)  # 1.0 = mean load
+        image = ax.imshow(share.numpy(), cmap="magma", aspect="auto")
+        ax.set_xlabel(what)
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(len(layers)), layers)
+        ax.set_xticks(range(load.shape[1]))
+        ax.set_title(f"tokens per {what} / mean (max-mean)/mean: " + ", ".join(f"{imbalance(row):.2f}" for row in load))
+        ax.title.set_fontsize(8)
+        figure.colorbar(image, ax=ax)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=100)
+    plt.close(figure)
+    return True

@@ -1,0 +1,42 @@
+"""Calibration: the fits recover known figures, and a real gloo run writes a loadable file."""
+
+import json
+
+import pytest
+
+from phalanx.planner import cli
+from phalanx.planner.calibrate import fit_alpha_beta, fit_matmul
+from phalanx.planner.hardware import load_cluster_file
+
+
+def test_fit_matmul_recovers_peak_and_half_dimension():
+    peak, half = 2e11, 64.0
+    fill = lambda d: d / (d + half)  # noqa: E731
+    shapes = [(s, s, s) for s in (32, 64, 128, 512, 2048)] + [(2048, 2048, 32)]
+    samples = [(m, n, k, 2 * m * n * k / (peak * fill(m) * fill(n) * fill(k))) for m, n, k in shapes]
+    got_peak, got_half = fit_matmul(samples)
+    assert got_half == pytest.approx(half, rel=0.1)  # the grid steps by 2^(1/4)
+    assert got_peak == pytest.approx(peak, rel=0.1)
+
+
+def test_fit_alpha_beta_reads_latency_and_bandwidth():
+    # 4 ranks, alpha 100 us per step, 2 GB/s: t = 6 alpha + 1.5 S / 2e9.
+    world, alpha, bw = 4, 100e-6, 2e9
+    samples = {f"all_reduce:{s}": 6 * alpha + 1.5 * s / bw for s in (4096, 1 << 20, 1 << 24)}
+    fit = fit_alpha_beta(samples, world)
+    # The smallest message carries 4096 * 1.5 / 2e9 = 3 us of transfer: alpha is read 0.5% high.
+    assert fit["latency_us"] == pytest.approx(100.5, rel=1e-3)
+    assert fit["bus_bw_gbs"] == pytest.approx(2.0, rel=1e-3)
+
+
+def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys):
+    out = tmp_path / "local.json"
+    assert cli.main(["calibrate", "--quick", "--max-procs", "2", "--backend", "gloo", "--out", str(out)]) == 0
+    cluster = load_cluster_file(out)
+    assert cluster.shared_compute and cluster.peak_tflops > 0
+    assert [g[0] for g in cluster.measured_groups] == [2]
+    latency, bw = cluster.intra_link(2)
+    assert latency > 0 and bw > 0
+    raw = json.loads(out.with_suffix(".measurements.json").read_text())
+    assert raw["backend"] == "gloo" and "2" in raw["collectives"]
+    assert "gloo 2 processes" in capsys.readouterr().out

@@ -1,0 +1,139 @@
+"""Each cost formula against values worked out by hand (the arithmetic is in the comments)."""
+
+
+import pytest
+
+from phalanx.model.config import ModelConfig
+from phalanx.planner import comm
+from phalanx.planner.cost import Estimate, StageTimes, _bubble, evaluate, gemm_time, step_flops
+from phalanx.planner.hardware import PRESETS, Cluster
+from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.memory import in_flight_microbatches, layers_per_stage, state_bytes_per_param, total_params
+
+H100 = PRESETS["dgx-h100"]
+
+
+def gpt(h=2048, layers=24, heads=16, vocab=131072):
+    return ModelConfig(name="gpt", vocab_size=vocab, dim=h, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                       ffn_dim=4 * h, mlp="gelu")
+
+
+def test_all_reduce_inside_nvlink():
+    # 8 GPUs, 1 GB: 2 * 7/8 * 1e9 / 370e9 = 4.7297e-3 s, plus 2 * 7 steps * 3 us = 42 us.
+    t = comm.all_reduce(H100, 1e9, size=8, stride=1)
+    assert t == pytest.approx(1.75e9 / 370e9 + 42e-6, rel=1e-12)
+
+
+def test_reduce_scatter_one_gpu_per_node_uses_its_nic():
+    # dp=48 with tp=8: one member per node, so 47 GB/s: 47/48 * 4.8e9 / 47e9 = 0.1 s,
+    # plus ceil(log2 48) = 6 tree steps of 8 us.
+    t = comm.reduce_scatter(H100, 4.8e9, size=48, stride=8)
+    assert t == pytest.approx(0.1 + 48e-6, rel=1e-12)
+
+
+def test_group_with_several_members_per_node_aggregates_nics():
+    # stride 2 in an 8-GPU domain: 4 members per node -> min(370, 4 * 47) = 188 GB/s.
+    assert comm.per_domain(H100, size=16, stride=2) == 4
+    t = comm.all_gather(H100, 1.88e9, size=16, stride=2)
+    assert t == pytest.approx(15 / 16 * 0.01 + (3 * 3 + 2 * 8) * 1e-6, rel=1e-12)
+
+
+def test_all_to_all_across_two_nodes_is_nic_bound():
+    # ep=16 over two nodes: half of the bytes leave the node at 47 GB/s (10.638 ms),
+    # 7/16 stay on NVLink (1.18 ms); latency 7 * 3 + 1 * 8 us.
+    t = comm.all_to_all(H100, 1e9, size=16, stride=1)
+    assert t == pytest.approx(0.5e9 / 47e9 + 29e-6, rel=1e-12)
+
+
+def test_gemm_time_at_fixed_efficiency():
+    cluster = Cluster(name="flat", matmul_efficiency=0.5, matmul_half_dim=0.0)
+    # 2 * 1000^3 FLOPs at 0.5 * 1 TFLOP/s = 4 ms.
+    assert gemm_time(1000, 1000, 1000, cluster=cluster, peak=1e12) == pytest.approx(4e-3)
+    # A 96-wide dimension on the default cluster runs at half the efficiency of an infinite one.
+    wide = gemm_time(1e9, 1e9, 96, cluster=H100, peak=1e15)
+    assert wide == pytest.approx(2 * 1e18 * 96 / (1e15 * 0.7 * 0.5), rel=1e-6)
+
+
+def test_model_flops_match_megatron_formula():
+    # 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) for MHA with a 4h GeLU MLP.
+    model, B, s = gpt(), 192, 4096
+    h, l, V = 2048, 24, 131072
+    expected = 72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
+    model_flops, hw = step_flops(model, Workload(global_batch=B, seq_len=s), "none")
+    assert model_flops == pytest.approx(expected, rel=1e-12)
+    assert hw == model_flops
+    # Full recompute adds one forward of the layers (not of the logits): 96/72 of the layer part.
+    _, hw_full = step_flops(model, Workload(global_batch=B, seq_len=s), "full")
+    layers = 72 * B * s * l * h**2 * (1 + s / (6 * h))
+    assert hw_full - model_flops == pytest.approx(layers / 3, rel=1e-12)
+
+
+def test_bubbles_per_schedule():
+    st = StageTimes(f=1.0, b=1.0, w=1.0, r=0.0)
+    assert _bubble("1f1b", 4, 1, st) == pytest.approx(9.0)  # (p-1)(F+B+W)
+    assert _bubble("gpipe", 4, 1, st) == pytest.approx(9.0)
+    assert _bubble("interleaved", 4, 2, st) == pytest.approx(4.5)  # divided by v
+    assert _bubble("zbv", 4, 2, st) == pytest.approx(0.0)  # F = B = W: no bubble
+    assert _bubble("zbv", 4, 2, StageTimes(f=2.0, b=1.0, w=1.0, r=0.0)) == pytest.approx(1.5)  # 3 (2+1-2)/2
+    # DualPipe at chunk level (half a stage): (p/2 - 1)(FB + B - 3W) = 3 * (1.5 + 0.5 - 1.5).
+    assert _bubble("dualpipev", 8, 2, st) == pytest.approx(1.5)
+    assert _bubble("1f1b", 1, 1, st) == 0.0
+
+
+def test_state_bytes_per_zero_level():
+    assert state_bytes_per_param(0, 8) == 18  # bf16 param + fp32 grad + fp32 master + 2 moments
+    assert state_bytes_per_param(1, 8) == pytest.approx(2 + 4 + 12 / 8)
+    assert state_bytes_per_param(2, 8) == pytest.approx(2 + 16 / 8)
+    assert state_bytes_per_param(3, 8) == pytest.approx(18 / 8)
+
+
+def test_in_flight_and_stage_layers():
+    assert in_flight_microbatches(schedule="1f1b", pp=4, virtual=1, microbatches=16) == 4
+    assert in_flight_microbatches(schedule="interleaved", pp=4, virtual=2, microbatches=16) == pytest.approx(5.5)
+    assert in_flight_microbatches(schedule="gpipe", pp=4, virtual=1, microbatches=16) == 16
+    assert in_flight_microbatches(schedule="1f1b", pp=1, virtual=1, microbatches=16) == 1
+    assert layers_per_stage(126, 16, 1) == 8 and layers_per_stage(32, 4, 8) == 8
+
+
+def test_param_count_of_llama3_8b():
+    from phalanx.model.config import model_config
+
+    assert total_params(model_config("llama3-8b")) == 8_030_261_248  # the published 8.03B
+
+
+def test_step_time_adds_up_and_tp_traffic_is_counted():
+    # One layer-free check of the assembly: the breakdown sums to the step time.
+    model, work = gpt(), Workload(global_batch=192, seq_len=4096)
+    lay = Layout(dp=48, tp=2, mbs=1, microbatches=4, sp=True, zero=1)
+    est = evaluate(model, H100, work, lay)
+    assert isinstance(est, Estimate)
+    assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s, rel=1e-12)
+    # TP: 4 all-reduces of T h bf16 per layer per micro-batch: 4 * 24 layers * 4 micro-batches.
+    per = comm.all_reduce(H100, 4096 * 2048 * 2, size=2, stride=1)
+    assert est.breakdown["tp_comm"] == pytest.approx(4 * 24 * 4 * per, rel=1e-12)
+    assert est.tflops_per_gpu == pytest.approx(est.model_flops / est.step_time_s / 96 / 1e12)
+    assert est.mfu == pytest.approx(est.tflops_per_gpu / 989.0)
+
+
+def test_cpu_framework_costs_add_per_unit_and_per_pass():
+    from phalanx.model.config import model_config
+
+    tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)
+    cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
+                  memory_reserved_gib=1.0, shared_compute=True)
+    costly = Cluster(**{**cpu.__dict__, "fsdp_unit_overhead_us": 1000.0, "tp_layer_overhead_us": 500.0,
+                        "recompute_overhead_us": 200.0})
+    # FSDP: one unit per layer plus the root, every micro-batch: 2 micro-batches x 5 units x 1 ms.
+    fsdp = Layout(dp=2, mbs=2, microbatches=2, zero=3)
+    gap = evaluate(tiny, costly, work, fsdp).breakdown["dp_comm"] - evaluate(tiny, cpu, work, fsdp).breakdown["dp_comm"]
+    assert gap == pytest.approx(2 * 5 * 1e-3)
+    # TP: three passes per layer: 4 micro-batches x 4 layers x 3 x 0.5 ms (2 ranks on 2 cores: no queueing).
+    tp = Layout(tp=2, mbs=2, microbatches=4, sp=True)
+    gap = evaluate(tiny, costly, work, tp).breakdown["compute"] - evaluate(tiny, cpu, work, tp).breakdown["compute"]
+    assert gap == pytest.approx(4 * 4 * 3 * 0.5e-3)
+    # Recompute: per layer per micro-batch, on top of the recomputed forward.
+    rc = Layout(mbs=2, microbatches=4, recompute="full")
+    gap = evaluate(tiny, costly, work, rc).breakdown["recompute"] - evaluate(tiny, cpu, work, rc).breakdown["recompute"]
+    assert gap == pytest.approx(4 * 4 * 0.2e-3)
+    # Four ranks on two cores: each gets a quarter of the node's peak.
+    assert cpu.peak_flops_per_rank(4) == pytest.approx(0.1e12 / 4)

@@ -1,0 +1,118 @@
+"""The search: --fix, divisibility, the JSON contract, the what-if, speed, auto_plan."""
+
+import json
+import time
+
+import pytest
+
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig, model_config
+from phalanx.plan import Plan
+from phalanx.planner import cli
+from phalanx.planner.hardware import PRESETS
+from phalanx.planner.layout import Workload
+from phalanx.planner.search import auto_plan, parse_fix, search
+
+H100 = PRESETS["dgx-h100"]
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_parse_fix_maps_fsdp_and_mbs():
+    assert parse_fix("tp=8,pp=4,mbs=2") == {"tp": 8, "pp": 4, "mbs": 2}
+    assert parse_fix("fsdp=true,schedule=zbv") == {"zero": 3, "schedule": "zbv"}
+    with pytest.raises(UserError, match="contradicts"):
+        parse_fix("fsdp=true,zero=1")
+    with pytest.raises(UserError, match="unknown plan key 'cp'"):
+        parse_fix("cp=2")
+
+
+def test_fix_pins_knobs_and_searches_the_rest():
+    work = Workload(global_batch=1024, seq_len=4096)
+    result = search(model_config("llama3-70b"), H100, work, world_size=64, fixed={"tp": 8, "pp": 4, "mbs": 1})
+    assert result.ranked
+    for est in result.ranked:
+        assert (est.layout.tp, est.layout.pp, est.layout.mbs, est.layout.dp) == (8, 4, 1, 2)
+    assert result.ranked == sorted(result.ranked, key=lambda e: e.step_time_s)
+
+
+def test_global_batch_divisibility_is_honoured():
+    work = Workload(global_batch=6, seq_len=128)
+    result = search(model_config("tiny"), PRESETS["local"], work, world_size=4, keep=1000)
+    assert result.ranked
+    assert {e.layout.dp for e in result.ranked} <= {1, 2}  # dp=4 does not divide 6
+    for e in result.ranked:
+        assert e.layout.dp * e.layout.mbs * e.layout.microbatches == 6
+
+
+def test_auto_plan_returns_a_runnable_plan():
+    plan = auto_plan(model_config("tiny"), world_size=4, global_batch=8, seq_len=64, cluster=PRESETS["local"])
+    assert isinstance(plan, Plan)
+    plan.validate(4)
+    assert plan.world_size == 4 and 8 % plan.dp == 0
+    dp_only = auto_plan(model_config("tiny"), world_size=4, global_batch=8, seq_len=64, cluster=PRESETS["local"],
+                        fixed={"tp": 1, "pp": 1})
+    assert (dp_only.dp, dp_only.tp, dp_only.pp) == (4, 1, 1)
+    # 64 ranks: tp <= 4 (heads) and pp <= 4 (layers) leave dp >= 4, which never divides 7.
+    with pytest.raises(UserError, match="divides global batch 7"):
+        auto_plan(model_config("tiny"), world_size=64, global_batch=7, seq_len=64, cluster=H100)
+
+
+def test_json_output_keeps_its_names(capsys):
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-70b", "--cluster", "dgx-h100", "--gpus", "64",
+                           "--global-batch", "1024", "--seq-len", "4096", "--json", "--top", "3")
+    assert code == 0
+    data = json.loads(out)
+    assert len(data["plans"]) == 3 and data["pruned_memory"] > 0
+    for key in ("dp", "tp", "pp", "ep", "mbs", "microbatches", "schedule", "virtual", "recompute", "fsdp",
+                "zero", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu", "breakdown"):
+        assert key in data["plans"][0], key
+    first = data["plans"][0]
+    assert sum(first["breakdown"].values()) == pytest.approx(first["step_time_s"])
+    assert first["step_time_s"] <= data["plans"][1]["step_time_s"]
+
+
+def test_table_and_what_if(capsys):
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-70b", "--cluster", "dgx-h100", "--gpus", "64",
+                           "--global-batch", "1024", "--seq-len", "4096", "--fix", "tp=8,pp=4")
+    assert code == 0 and "pruned for memory" in out and "best plan: --plan" in out
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-405b", "--cluster", "gb200-nvl72", "--cluster",
+                           "dgx-h100", "--gpus", "1152", "--global-batch", "1152", "--seq-len", "8192")
+    assert code == 0 and "gb200-nvl72" in out and "dgx-h100" in out and "tflops_per_gpu" in out
+
+
+def test_bad_input_is_a_one_line_error(capsys):
+    code, _, err = run_cli(capsys, "plan", "--model", "tiny", "--gpus", "4", "--global-batch", "8",
+                           "--seq-len", "64", "--fix", "tp=3")
+    assert code == 2 and err.count("\n") == 1 and "no layout of 4 GPUs matches --fix tp=3" in err
+
+
+def test_trillion_parameters_on_3072_gpus_plans_fast():
+    model = ModelConfig(name="1t", vocab_size=131072, dim=25600, n_layers=128, n_heads=160, n_kv_heads=160,
+                        ffn_dim=102400, mlp="gelu")
+    start = time.perf_counter()
+    result = search(model, H100, Workload(global_batch=3072, seq_len=4096), world_size=3072)
+    elapsed = time.perf_counter() - start
+    assert result.ranked and result.considered > 1000
+    # The issue asks for at most a second; the bound is doubled for a loaded shared CI core.
+    assert elapsed < 2.0
+
+
+def test_trainer_rules_for_schedules_and_tp():
+    # DualPipe needs two micro-batches per stage; interleaved rounds of about pp must split evenly.
+    from phalanx.planner.search import SearchSpace, _schedules
+
+    names = lambda pp, m: {s for s, _ in _schedules(SearchSpace(), pp, m, 32)}  # noqa: E731
+    assert "dualpipev" not in names(4, 6) and "dualpipev" in names(4, 8)
+    assert "interleaved" not in names(2, 7) and "interleaved" in names(2, 8)
+    # llama3-8b has 8 KV heads: tp=16 could only run with KV replication, which the trainer lacks.
+    model = ModelConfig(name="kv2", vocab_size=1000, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=512)
+    work = Workload(global_batch=8, seq_len=64)
+    ours = search(model, H100, work, world_size=8, keep=10_000)
+    anywhere = search(model, H100, work, world_size=8, keep=10_000, space=SearchSpace(phalanx_trainer=False))
+    assert max(e.layout.tp for e in ours.ranked) == 2  # divides n_kv_heads=2 and vocab 1000
+    assert max(e.layout.tp for e in anywhere.ranked) == 8
