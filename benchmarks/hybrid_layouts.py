@@ -12,7 +12,8 @@ Part 2 compares phalanx's `tp=2` training step (its `parallelize`, then the func
 same model tensor-parallelized directly with PyTorch (`parallelize_module` with the textbook
 column/row plan, `loss_parallel`, torch's clipping, AdamW with the same two groups). Both live
 on the same 2 ranks and their steps alternate on the same batches, so load from other work on
-shared cores hits both alike; the ratio of median step times should be 1.03 or less. (The
+shared cores hits both alike; the median over step pairs of (phalanx / plain) should be 1.03
+or less. (The
 loop's own per-step bookkeeping - reading the batch, one JSON line - is outside this ratio.)
 
 On CPU with gloo, communication is through loopback TCP and the ranks share cores, so these
@@ -198,10 +199,14 @@ def main() -> None:
     ours, plain = run_ranks(2, _alternate_tp_steps, args.model, args.tp_steps, args.global_batch, args.seq_len,
                             timeout_s=600)[0]
     ours, plain = ours[2:], plain[2:]  # the first steps build DTensor sharding caches
-    ratio = statistics.median(ours) / statistics.median(plain)
+    # Each phalanx step is paired with the plain step run right next to it; the median of the
+    # pairs' ratios cancels slow spells of the shared machine better than a ratio of medians.
+    ratio = statistics.median(a / b for a, b in zip(ours, plain))
     print(f"  median step: phalanx {statistics.median(ours):.3f} s, plain PyTorch {statistics.median(plain):.3f} s "
-          f"over {len(ours)} steps each (fastest {min(ours):.3f} / {min(plain):.3f})")
-    print(f"phalanx tp=2 / plain PyTorch tp=2 = {ratio:.3f} ({'meets' if ratio <= 1.03 else 'misses'} the 1.03 target)")
+          f"over {len(ours)} steps each (fastest {min(ours):.3f} / {min(plain):.3f}; "
+          f"ratio of medians {statistics.median(ours) / statistics.median(plain):.3f})")
+    print(f"phalanx tp=2 / plain PyTorch tp=2 = {ratio:.3f} (median of paired steps; "
+          f"{'meets' if ratio <= 1.03 else 'misses'} the 1.03 target)")
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ from phalanx.errors import UserError
 TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...)"),
     ("--data", "data", str, "text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
-    ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true, or auto to let the planner choose (default: dp over all processes)"),
+    ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
     ("--steps", "steps", int, "optimizer steps"),
     ("--global-batch", "global_batch", int, "sequences per optimizer step, whatever the layout"),

@@ -18,13 +18,19 @@ import torch
 import torch.distributed as dist
 
 
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared elements of plain tensors, one fused kernel per dtype and device."""
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([n.float() for n in norms]).pow(2).sum()
+
+
 def _full_squares(grads: list) -> torch.Tensor:
     """Sum of squares of DTensor gradients that share one mesh and placements."""
     from torch.distributed.tensor import Partial
 
     first = grads[0]
     mesh, placements = first.device_mesh, first.placements
-    local = torch.stack([g.to_local().float().pow(2).sum() for g in grads]).sum()
+    local = _sum_of_squares([g.to_local() for g in grads])
     for dim, placement in enumerate(placements):
         # A partial gradient must be summed before it is squared (done above).
         if isinstance(placement, Partial):
@@ -42,14 +48,19 @@ def _squares(grads: list, device) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     total = torch.zeros((), device=device, dtype=torch.float32)
+    # Gradients on the same ranks with the same placements share their collectives. (FSDP
+    # builds a mesh object per parameter, so meshes are compared by names and ranks, not id.)
     by_layout: dict[tuple, list] = defaultdict(list)
+    plain: list[torch.Tensor] = []
     for grad in grads:
         if isinstance(grad, DTensor):
-            by_layout[(id(grad.device_mesh), grad.placements)].append(grad)
+            mesh = grad.device_mesh
+            by_layout[(mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), str(grad.placements))].append(grad)
         else:
-            total += grad.float().pow(2).sum()
-    # Sorted so every rank issues its collectives in the same order.
-    for key in sorted(by_layout, key=lambda k: (by_layout[k][0].device_mesh.mesh_dim_names, str(k[1]))):
+            plain.append(grad)
+    if plain:
+        total += _sum_of_squares(plain)
+    for key in sorted(by_layout):  # the same order on every rank of a group
         total += _full_squares(by_layout[key])
     return total
 
@@ -82,7 +93,7 @@ def clip_grad_norm(parameters, max_norm: float, *, pp_group=None, experts=None) 
         dist.all_reduce(total, group=pp_group)  # each stage holds different parameters
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for param in parameters:
-        grad = param.grad
-        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale)
+    local_grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+    if local_grads:
+        torch._foreach_mul_(local_grads, scale)
     return float(norm)

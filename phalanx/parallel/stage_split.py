@@ -43,7 +43,9 @@ def unit_costs(cfg: ModelConfig, seq_len: int, tokens_per_microbatch: int) -> li
 
 
 def balanced_layer_counts(costs: list[float], n_stages: int) -> list[int]:
-    """Layers per stage that minimize the most expensive stage (ties: earlier stages lighter).
+    """Layers per stage that minimize the most expensive stage. Of equally good splits, the
+    earliest cuts win (earlier stages lighter): under 1F1B the first stages keep the most
+    micro-batches' activations in flight, so fewer layers there also saves peak memory.
 
     `costs` is [embedding, layers..., output] as from `unit_costs`; every stage gets at least
     one layer. Exact dynamic programme over contiguous cuts, O(stages x layers^2).

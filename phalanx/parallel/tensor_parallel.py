@@ -87,9 +87,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block in model.layers.values():
-        plan = block_plan(sp)
-        if getattr(block.feed_forward, "w3", 1) is None:  # GeLU MLP: no gate matrix
-            del plan["feed_forward.w3"]
+        # Only the entries whose module exists: a GeLU MLP has no gate matrix w3.
+        plan = {name: style for name, style in block_plan(sp).items() if _has_module(block, name)}
         if hasattr(block.feed_forward, "experts"):
             # MoE block: tp splits attention only. Every tp rank holds its ep share of whole
             # experts and routes the (replicated) tokens itself; experts are split by ep.
@@ -99,6 +98,14 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
     if plan:
         parallelize_module(model, tp_mesh, plan)
     return model
+
+
+def _has_module(root: nn.Module, name: str) -> bool:
+    try:
+        root.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def loss_context(plan: Plan):

@@ -27,7 +27,8 @@ from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import MetricsLog, plot_loss
 from phalanx.train.pipeline_step import (
-    WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_step, token_loss,
+    WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_next_logits, pipeline_step,
+    token_loss,
 )
 from phalanx.train.progress import Progress
 from phalanx.train.sample import generate
@@ -75,6 +76,17 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory_by_rank(device: torch.device) -> list[float]:
+    """Every rank's peak memory (MB), in rank order: stages and shards differ in size, and
+    rank 0 alone would hide the fullest one. Collective: every rank calls it."""
+    mine = torch.tensor(peak_memory_mb(device), dtype=torch.float64, device=device)
+    if not dist.is_initialized():
+        return [float(mine)]
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [round(float(value), 1) for value in every]
 
 
 def batch_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
@@ -185,6 +197,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
                 "peak_mem_mb": peak_memory_mb(device),
             }
+            if dist.is_initialized():
+                record["peak_mem_mb_by_rank"] = peak_memory_by_rank(device)
             if pipeline is not None:
                 record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
             record.update(moe_stats.end_step(model, mesh))  # expert loads; loss-free bias update
@@ -205,12 +219,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         moe_stats.plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
-    if cfg.sample_tokens and plan.pp > 1:
-        if rank == 0:
-            print("phalanx: no end-of-run sample under pipeline parallelism (generation is not pipelined)")
-    elif cfg.sample_tokens:
+    if cfg.sample_tokens:
         result.sample = generate(
             model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed,
             pad_to=plan.tp if plan.sp else 1,
+            next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
         )
     return result

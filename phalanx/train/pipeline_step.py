@@ -99,15 +99,15 @@ def bubble_record(wait_s: float, step_time_s: float, plan, mesh: ParallelMesh) -
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@torch.no_grad()
-def pipeline_forward_loss(model, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor, *,
-                          autocast) -> torch.Tensor:
-    """Forward only, the whole batch as one micro-batch, stage after stage; returns the mean
-    loss on every pp rank. For validation: simpler than a schedule's `eval` (which the
-    V-shaped schedules do not support), and the same for every schedule.
+def pipeline_forward(model, mesh: ParallelMesh, inputs: torch.Tensor, *, on_output) -> None:
+    """Forward only, `inputs` as one micro-batch, stage after stage through the pp ranks;
+    calls `on_output(logits)` on the rank holding the last stage. Used for validation and
+    sampling: simpler than a schedule's `eval` (which the V-shaped schedules do not support),
+    and the same for every schedule. Run under `torch.no_grad()`.
 
     Hidden states travel between the pp ranks that hold consecutive stages, preceded by their
     shape and dtype (the receiver does not know the sequence split or the autocast dtype).
+    Each rank visits its stages in increasing order, so the sends form one chain: no cycles.
     """
     plan = mesh.plan
     group = mesh.group("pp")
@@ -115,24 +115,55 @@ def pipeline_forward_loss(model, mesh: ParallelMesh, inputs: torch.Tensor, targe
     owner = {stage: r for r in range(plan.pp) for stage in stages_of_rank(plan, r)}
     chunks = dict(zip(model.stage_indices, model.chunks))
     n_stages = plan.pp * plan.virtual
-    hidden, loss = inputs, torch.zeros((), device=mesh.device)
-    with loss_context(plan), autocast():
-        for stage in range(n_stages):
-            if owner[stage] != me:
-                continue
-            source = owner.get(stage - 1, me)
-            if source != me:
-                header = torch.zeros(4, dtype=torch.int64, device=mesh.device)
-                dist.recv(header, group=group, group_src=source)  # (batch, seq, dim, dtype index)
-                hidden = torch.empty(tuple(header[:3].tolist()), dtype=_DTYPES[int(header[3])], device=mesh.device)
-                dist.recv(hidden, group=group, group_src=source)
-            hidden = chunks[stage](hidden)
-            if stage == n_stages - 1:
-                value = token_loss(hidden, targets)
-                loss = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().float()
-            elif owner[stage + 1] != me:
-                header = torch.tensor([*hidden.shape, _DTYPES.index(hidden.dtype)], dtype=torch.int64, device=mesh.device)
-                dist.send(header, group=group, group_dst=owner[stage + 1])
-                dist.send(hidden.contiguous(), group=group, group_dst=owner[stage + 1])
-    dist.all_reduce(loss, group=group)  # only the last stage's rank adds a value
+    hidden = inputs
+    for stage in range(n_stages):
+        if owner[stage] != me:
+            continue
+        source = owner.get(stage - 1, me)
+        if source != me:
+            header = torch.zeros(4, dtype=torch.int64, device=mesh.device)
+            dist.recv(header, group=group, group_src=source)  # (batch, seq, dim, dtype index)
+            hidden = torch.empty(tuple(header[:3].tolist()), dtype=_DTYPES[int(header[3])], device=mesh.device)
+            dist.recv(hidden, group=group, group_src=source)
+        hidden = chunks[stage](hidden)
+        if stage == n_stages - 1:
+            on_output(hidden)
+        elif owner[stage + 1] != me:
+            header = torch.tensor([*hidden.shape, _DTYPES.index(hidden.dtype)], dtype=torch.int64, device=mesh.device)
+            dist.send(header, group=group, group_dst=owner[stage + 1])
+            dist.send(hidden.contiguous(), group=group, group_dst=owner[stage + 1])
+
+
+@torch.no_grad()
+def pipeline_forward_loss(model, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor, *,
+                          autocast) -> torch.Tensor:
+    """Mean loss of (inputs, targets) through the pipeline, the same on every pp rank."""
+    loss = torch.zeros((), device=mesh.device)
+
+    def keep_loss(logits) -> None:
+        value = token_loss(logits, targets)
+        loss.copy_((value.full_tensor() if hasattr(value, "full_tensor") else value).float())
+
+    with loss_context(mesh.plan), autocast():
+        pipeline_forward(model, mesh, inputs, on_output=keep_loss)
+    dist.all_reduce(loss, group=mesh.group("pp"))  # only the last stage's rank adds a value
     return loss
+
+
+def pipeline_next_logits(model, mesh: ParallelMesh, vocab_size: int):
+    """For sampling: a function from ids (1, seq) to the logits (vocab,) at position `seq - 1`
+    (after right padding, see `generate`), the same on every pp rank."""
+
+    @torch.no_grad()
+    def next_logits(ids: torch.Tensor, position: int) -> torch.Tensor:
+        logits = torch.zeros(vocab_size, device=mesh.device)
+
+        def keep(output) -> None:
+            full = output.full_tensor() if hasattr(output, "full_tensor") else output  # (1, seq, vocab)
+            logits.copy_(full[0, position].float())
+
+        pipeline_forward(model, mesh, ids, on_output=keep)
+        dist.all_reduce(logits, group=mesh.group("pp"))  # only the last stage's rank adds a value
+        return logits
+
+    return next_logits
