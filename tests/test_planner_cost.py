@@ -137,3 +137,17 @@ def test_cpu_framework_costs_add_per_unit_and_per_pass():
     assert gap == pytest.approx(4 * 4 * 0.2e-3)
     # Four ranks on two cores: each gets a quarter of the node's peak.
     assert cpu.peak_flops_per_rank(4) == pytest.approx(0.1e12 / 4)
+
+
+def test_memory_bound_work_runs_at_achieved_not_datasheet_bandwidth():
+    # H100: 3.35 TB/s datasheet x 0.9 achieved (a device copy reaches 4.3 of 4.8 TB/s on an H200).
+    assert H100.memory_bw_per_rank(1) == pytest.approx(3.35e12 * 0.9, rel=1e-12)
+    # Calibrated CPU figures are measured bandwidth already: no further discount.
+    assert PRESETS["local"].memory_bw_per_rank(2) == pytest.approx(0.02e12 / 2, rel=1e-12)
+
+
+def test_calibrated_file_without_hbm_efficiency_keeps_its_measured_bandwidth():
+    from phalanx.planner.hardware import cluster_from_dict
+    measured = cluster_from_dict({"hbm_tbs": 0.01, "measured_groups": [[2, 100.0, 1.0]]}, source="cal.json")
+    assert measured.hbm_efficiency == 1.0
+    assert cluster_from_dict({"hbm_tbs": 3.35}, source="rack.toml").hbm_efficiency == 0.9

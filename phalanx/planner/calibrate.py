@@ -476,7 +476,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     cluster = Cluster(
         name="local", devices_per_node=devices, fast_domain=devices, peak_tflops=peak / 1e12,
         memory_gib=round(memory_gib, 2), memory_reserved_gib=round(min(4.0, memory_gib / 4), 2),
-        hbm_tbs=bandwidth, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
+        hbm_tbs=bandwidth, hbm_efficiency=1.0, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
         matmul_efficiency=1.0, matmul_half_dim=half, attention_efficiency=max(attention, 1e-3),
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
         tp_layer_overhead_us=tp_overhead, recompute_overhead_us=recompute_overhead,

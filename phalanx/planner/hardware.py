@@ -39,6 +39,10 @@ class Cluster:
     """Kept back from planning: runtime context, communication buffers, allocator fragmentation."""
     hbm_tbs: float = 3.35
     """Device memory bandwidth, TB/s: sets the time of memory-bound (element-wise, optimizer) work."""
+    hbm_efficiency: float = 0.9
+    """Fraction of hbm_tbs that streaming kernels reach. Datasheet bandwidth is not reached: a
+    device-to-device copy on an H200 here moved 4.3 of its 4.8 TB/s (0.90). 1.0 where hbm_tbs
+    was itself measured (calibrate)."""
     intra_bw_gbs: float = 370.0
     """Achieved bus bandwidth per device inside the fast domain, GB/s per direction."""
     inter_bw_gbs: float = 47.0
@@ -86,10 +90,10 @@ class Cluster:
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("peak_tflops", "memory_gib", "hbm_tbs", "intra_bw_gbs", "inter_bw_gbs",
-                     "matmul_efficiency", "attention_efficiency"):
+                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in ("matmul_efficiency", "attention_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency"):
             if getattr(self, name) > 1:
                 problems.append(f"{name}={getattr(self, name)} is a fraction of peak, at most 1")
         if self.memory_reserved_gib >= self.memory_gib:
@@ -109,7 +113,7 @@ class Cluster:
 
     def memory_bw_per_rank(self, world_size: int) -> float:
         """Bytes/s of memory bandwidth one rank gets (shared CPU: split among its ranks)."""
-        return self.hbm_tbs * 1e12 / (world_size if self.shared_compute else 1)
+        return self.hbm_tbs * 1e12 * self.hbm_efficiency / (world_size if self.shared_compute else 1)
 
     def overhead_per_rank(self, world_size: int) -> float:
         """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
@@ -149,7 +153,7 @@ PRESETS: dict[str, Cluster] = {
                 intra_bw_gbs=160.0, inter_bw_gbs=47.0),
         # This machine before `phalanx calibrate` has measured it: a rough CPU guess.
         Cluster(name="local", devices_per_node=os.cpu_count() or 1, fast_domain=os.cpu_count() or 1,
-                peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02,
+                peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02, hbm_efficiency=1.0,
                 intra_bw_gbs=2.0, inter_bw_gbs=2.0, intra_latency_us=50.0, inter_latency_us=50.0,
                 matmul_efficiency=1.0, matmul_half_dim=32.0, attention_efficiency=0.5,
                 layer_overhead_us=300.0, shared_compute=True),
@@ -195,6 +199,8 @@ def cluster_from_dict(data: dict, *, source: str) -> Cluster:
         else:
             values[key] = str(raw)
     values.setdefault("name", Path(source).stem)
+    if "measured_groups" in values:  # written by calibrate, before hbm_efficiency existed: measured bandwidth
+        values.setdefault("hbm_efficiency", 1.0)
     return Cluster(**values)
 
 
