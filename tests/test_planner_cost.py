@@ -151,3 +151,19 @@ def test_calibrated_file_without_hbm_efficiency_keeps_its_measured_bandwidth():
     measured = cluster_from_dict({"hbm_tbs": 0.01, "measured_groups": [[2, 100.0, 1.0]]}, source="cal.json")
     assert measured.hbm_efficiency == 1.0
     assert cluster_from_dict({"hbm_tbs": 3.35}, source="rack.toml").hbm_efficiency == 0.9
+
+
+def test_optimizer_step_counts_adam_clipping_and_zeroing_the_gradient_buffer():
+    # GPT 1.7B on 48 H100s, zero 1: the stage holds 24 (12 h^2 + 2h) + 2 V h parameters
+    # (untied input and output embeddings). Adam (30 bytes) and clipping (12) run on the
+    # 1/48 optimizer shard; the fp32 gradient buffer (4 bytes) is zeroed whole.
+    h, V = 2048, 131072
+    params = 24 * (12 * h * h + 2 * h) + 2 * V * h
+    work = Workload(global_batch=192, seq_len=4096)
+    lay = Layout(dp=48, mbs=4, microbatches=1, zero=1)
+    est = evaluate(gpt(), H100, work, lay)
+    expected = (params / 48 * 42 + params * 4) / (3.35e12 * 0.9)
+    assert est.breakdown["optimizer"] == pytest.approx(expected, rel=1e-12)
+    # zero 2 shards the gradient buffer as well.
+    est2 = evaluate(gpt(), H100, work, Layout(dp=48, mbs=4, microbatches=1, zero=2))
+    assert est2.breakdown["optimizer"] == pytest.approx(params / 48 * 46 / (3.35e12 * 0.9), rel=1e-12)

@@ -24,7 +24,8 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
     uses the cores that compute, so nothing overlaps.
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
-  exposed DP traffic + the optimizer (memory-bound, about 30 bytes per local parameter) +
+  exposed DP traffic + the optimizer step (memory-bound: Adam's 30 bytes and clipping's 12 per
+  parameter of the local optimizer shard, 4 to zero each gradient-buffer element) +
   the cluster's fixed `step_overhead_ms` (measured on CPUs, zero on the GPU presets).
 Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
   gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
@@ -53,6 +54,10 @@ from phalanx.planner.memory import (
 BF16 = 2
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam reads fp32 param, grad and two moments (16 bytes), writes three and a bf16 copy (14)."""
+CLIP_BYTES_PER_PARAM = 12
+"""Gradient-norm clipping: read the fp32 gradient for the norm (4), read and write it scaled (8)."""
+GRAD_ZERO_BYTES_PER_PARAM = 4
+"""Zeroing the fp32 gradient-accumulation buffer before the next step (written once)."""
 BUCKET_BYTES = 25 * 2**20
 """Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
 LOGIT_BYTES = 6
@@ -363,7 +368,11 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n)
     shards = lay.dp // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
-    optimizer = local_state * OPTIMIZER_BYTES_PER_PARAM / memory_bw
+    # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,
+    # then reduce-scatters them), sharded like the optimizer state under zero 2 and 3.
+    grad_buffer = local_state if lay.zero >= 2 else shared_params + expert_params
+    optimizer = (local_state * (OPTIMIZER_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
+                 + grad_buffer * GRAD_ZERO_BYTES_PER_PARAM) / memory_bw
 
     step_overhead = cluster.step_overhead_per_rank(world)
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
