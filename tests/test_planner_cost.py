@@ -167,3 +167,22 @@ def test_optimizer_step_counts_adam_clipping_and_zeroing_the_gradient_buffer():
     # zero 2 shards the gradient buffer as well.
     est2 = evaluate(gpt(), H100, work, Layout(dp=48, mbs=4, microbatches=1, zero=2))
     assert est2.breakdown["optimizer"] == pytest.approx(params / 48 * 46 / (3.35e12 * 0.9), rel=1e-12)
+
+
+def test_wave_fill_counts_idle_sms_in_the_last_wave():
+    from phalanx.planner.cost import wave_fill
+    # 16384 x 6144 on 132 SMs: 128 x 24 = 3072 tiles of 128 x 256 -> 24 waves: 3072 / 3168.
+    assert wave_fill(16384, 6144, 132) == pytest.approx(3072 / 3168, rel=1e-12)
+    # 4096 x 1024: 32 x 4 = 128 tiles (or 16 x 8 = 128 transposed) in one wave of 132.
+    assert wave_fill(4096, 1024, 132) == pytest.approx(128 / 132, rel=1e-12)
+    # 1000 x 300: 8 x 2 = 16 tiles one way, 4 x 3 = 12 the other: 16 of 132 SMs busy.
+    assert wave_fill(1000, 300, 132) == pytest.approx(16 / 132, rel=1e-12)
+    assert wave_fill(1000, 300, 0) == 1.0  # CPUs: no waves
+
+
+def test_gemm_time_includes_wave_fill():
+    # 4096 x 1024 output, k = 1e9 (k's fill ~1): 0.7 x f(4096) f(1024) x 128/132 of 989 TFLOP/s.
+    t = gemm_time(4096, 1024, 1e9, cluster=H100, peak=989e12)
+    f = lambda d: d / (d + 96)  # noqa: E731
+    eff = 0.7 * f(4096) * f(1024) * f(1e9) * 128 / 132
+    assert t == pytest.approx(2 * 4096 * 1024 * 1e9 / (989e12 * eff), rel=1e-12)

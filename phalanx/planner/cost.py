@@ -2,8 +2,10 @@
 
 Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
   GEMMs: 2 m n k FLOPs each, at `matmul_efficiency` x f(m) f(n) f(k) of peak, where
-    f(d) = d / (d + matmul_half_dim) charges small dimensions (h/tp, tokens per expert).
-    Backward = input gradients (B, same GEMM time as forward) + weight gradients (W, same).
+    f(d) = d / (d + matmul_half_dim) charges small dimensions (h/tp, tokens per expert),
+    times the wave fill: output tiles of 128 x 256 run `sm_count` at a time (wave_fill).
+    Backward = input gradients (B) + weight gradients (W), each the forward's FLOPs on its own
+    output shape (m x k for B, n x k for W).
   Attention core: 4 T s h_q / tp FLOPs forward, halved for the causal mask (flash kernels
     skip masked blocks), backward 2.5x forward, at `attention_efficiency` of peak.
   Element-wise work (norms, activations, residuals, rotary): memory-bound, modelled as
@@ -176,10 +178,32 @@ def _fill(d: float, half: float) -> float:
     return d / (d + half)
 
 
+GEMM_TILE = (128, 256)
+"""Output tile of the large bf16 GEMM kernels on A100/H100/B200 (cuBLAS, CUTLASS), either way round."""
+
+
+def wave_fill(m: float, n: float, sm_count: int) -> float:
+    """Fraction of the SMs' time an (m x n) output keeps busy when its tiles run in waves.
+
+    ceil(m/128) ceil(n/256) tiles (or the transposed tile, whichever fills better) run
+    sm_count at a time; the last wave leaves SMs idle. E.g. 16384 x 6144 on 132 SMs: 3072
+    tiles in 24 waves of 132, 3072 / 3168 = 0.97. Libraries also pick smaller tiles or
+    split K for shapes that fill badly, so this is the loss of the large-tile kernel.
+    """
+    if sm_count <= 0:
+        return 1.0
+    best = 0.0
+    for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        best = max(best, tiles / (math.ceil(tiles / sm_count) * sm_count))
+    return best
+
+
 def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) -> float:
     """Seconds for an (m x k) @ (k x n) product at the size-dependent efficiency."""
     half = cluster.matmul_half_dim
     eff = cluster.matmul_efficiency * _fill(m, half) * _fill(n, half) * _fill(k, half)
+    eff *= wave_fill(m, n, cluster.sm_count)
     return 2.0 * m * n * k / (peak * eff)
 
 
@@ -189,27 +213,36 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch."""
     tokens = mbs * seq
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-    g = functools.partial(gemm_time, cluster=cluster, peak=peak)
-    gemm = g(tokens, (hq + 2 * hkv) / tp, h) + g(tokens, h, hq / tp)
+    one = functools.partial(gemm_time, cluster=cluster, peak=peak)
+
+    def g(m: float, n: float, k: float) -> tuple[float, float, float]:
+        # Forward (m x k)(k x n); input gradient (m x n)(n x k); weight gradient (n x m)(m x k):
+        # the same FLOPs, different output shapes, hence different wave fill.
+        return one(m, n, k), one(m, k, n), one(n, k, m)
+
+    parts = [g(tokens, (hq + 2 * hkv) / tp, h), g(tokens, h, hq / tp)]
     if moe:
         k, fe = model.experts_per_token, model.moe_ffn_dim
-        gemm += g(tokens, model.n_experts, h)
+        parts.append(g(tokens, model.n_experts, h))
         per_expert = tokens * k * ep / model.n_experts  # tokens each local expert sees
-        gemm += (model.n_experts / ep) * (2 * g(per_expert, fe / tp, h) + g(per_expert, h, fe / tp))
+        local = model.n_experts / ep  # experts on this device, one GEMM each
+        for p in [g(per_expert, fe / tp, h)] * 2 + [g(per_expert, h, fe / tp)]:
+            parts.append(tuple(local * t for t in p))
         if model.n_shared_experts:
             fs = fe * model.n_shared_experts
-            gemm += 2 * g(tokens, fs / tp, h) + g(tokens, h, fs / tp)
+            parts += [g(tokens, fs / tp, h)] * 2 + [g(tokens, h, fs / tp)]
     elif model.mlp == "swiglu":
-        gemm += 2 * g(tokens, model.ffn_dim / tp, h) + g(tokens, h, model.ffn_dim / tp)
+        parts += [g(tokens, model.ffn_dim / tp, h)] * 2 + [g(tokens, h, model.ffn_dim / tp)]
     else:
-        gemm += g(tokens, model.ffn_dim / tp, h) + g(tokens, h, model.ffn_dim / tp)
+        parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
+    gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
     attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
     elementwise = 2 * stored / memory_bw
     return LayerCost(
         f=gemm + attention + elementwise + overhead,
-        b=gemm + 2.5 * attention + 2 * elementwise + overhead,
-        w=gemm + overhead,
+        b=gemm_b + 2.5 * attention + 2 * elementwise + overhead,
+        w=gemm_w + overhead,
         attention_f=attention,
         tp_bytes=tokens * h * BF16,
         ep_bytes=tokens * model.experts_per_token * h * BF16 / tp if moe else 0.0,
@@ -329,12 +362,14 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
 
     # Logits and loss on the last stage (vocab split over tp).
     tokens = lay.mbs * seq
-    logit_gemm = gemm_time(tokens, model.vocab_size / lay.tp, model.dim, cluster=cluster, peak=peak)
+    vocab = model.vocab_size / lay.tp
+    logit_f, logit_b, logit_w = (gemm_time(a, b, c, cluster=cluster, peak=peak) for a, b, c in
+                                 ((tokens, vocab, model.dim), (tokens, model.dim, vocab), (vocab, model.dim, tokens)))
     logit_ew = 3 * tokens * model.vocab_size / lay.tp * 4 / memory_bw
 
-    comp_f = n_dense * dense.f + n_moe * moe.f + logit_gemm + logit_ew
-    comp_b = n_dense * dense.b + n_moe * moe.b + logit_gemm + 2 * logit_ew
-    comp_w = n_dense * dense.w + n_moe * moe.w + logit_gemm
+    comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_ew
+    comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + 2 * logit_ew
+    comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
         comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
