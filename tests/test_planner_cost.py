@@ -186,3 +186,15 @@ def test_gemm_time_includes_wave_fill():
     f = lambda d: d / (d + 96)  # noqa: E731
     eff = 0.7 * f(4096) * f(1024) * f(1e9) * 128 / 132
     assert t == pytest.approx(2 * 4096 * 1024 * 1e9 / (989e12 * eff), rel=1e-12)
+
+
+def test_cross_entropy_is_memory_bound_per_logit():
+    # With effectively infinite FLOP/s only memory-bound work is left; growing the vocabulary
+    # by dV adds tokens * dV logits: 22 bytes each forward, 26 backward, at 1 TB/s x 0.9.
+    fast = Cluster(name="fast", peak_tflops=1e12, hbm_tbs=1.0, matmul_half_dim=0.0)
+    work, lay = Workload(global_batch=2, seq_len=1024), Layout(mbs=1, microbatches=2)
+    small = evaluate(gpt(h=256, layers=2, heads=4, vocab=1000), fast, work, lay)
+    large = evaluate(gpt(h=256, layers=2, heads=4, vocab=9000), fast, work, lay)
+    elements = 1024 * 8000
+    assert large.stage.f - small.stage.f == pytest.approx(elements * 22 / 0.9e12, rel=1e-6)
+    assert large.stage.b - small.stage.b == pytest.approx(elements * 26 / 0.9e12, rel=1e-6)

@@ -63,6 +63,15 @@ GRAD_ZERO_BYTES_PER_PARAM = 4
 BUCKET_BYTES = 25 * 2**20
 """Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
 LOGIT_BYTES = 6
+LOSS_BYTES_F = 22
+"""HBM bytes per logit element of cross-entropy on fp32 logits (the trainer's
+F.cross_entropy(logits.float())), forward: the cast reads bf16 and writes fp32 (2 + 4);
+log-softmax over a row too long for shared memory reads it for the maximum, again for the
+sum of exponentials, and a third time to write the result (3 x 4 + 4)."""
+LOSS_BYTES_B = 26
+"""Backward: the loss gradient is written dense (4); log-softmax backward reads it for its
+sum, then reads it and the saved output and writes the input gradient (4 + 12); the cast
+back to bf16 reads fp32 and writes bf16 (4 + 2)."""
 """Per logit element on the last stage: bf16 logits kept for backward + fp32 for the loss."""
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
                   "overhead")
@@ -365,10 +374,10 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     vocab = model.vocab_size / lay.tp
     logit_f, logit_b, logit_w = (gemm_time(a, b, c, cluster=cluster, peak=peak) for a, b, c in
                                  ((tokens, vocab, model.dim), (tokens, model.dim, vocab), (vocab, model.dim, tokens)))
-    logit_ew = 3 * tokens * model.vocab_size / lay.tp * 4 / memory_bw
+    logit_elements = tokens * vocab
 
-    comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_ew
-    comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + 2 * logit_ew
+    comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw
+    comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
         comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
