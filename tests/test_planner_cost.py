@@ -5,7 +5,7 @@ import pytest
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
-from phalanx.planner.cost import Estimate, StageTimes, _bubble, evaluate, gemm_time, step_flops
+from phalanx.planner.cost import Estimate, Options, StageTimes, _bubble, evaluate, gemm_time, step_flops
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import in_flight_microbatches, layers_per_stage, state_bytes_per_param, total_params
@@ -198,3 +198,29 @@ def test_cross_entropy_is_memory_bound_per_logit():
     elements = 1024 * 8000
     assert large.stage.f - small.stage.f == pytest.approx(elements * 22 / 0.9e12, rel=1e-6)
     assert large.stage.b - small.stage.b == pytest.approx(elements * 26 / 0.9e12, rel=1e-6)
+
+
+def test_unfused_attention_moves_its_scores_through_memory():
+    # 4 heads, s = 1024, b = 1: 4 * 1024^2 scores per layer. GPT-style: softmax 4 + dropout 5
+    # bytes per score forward, 6 + 5 backward, at 0.9 TB/s; two layers. FLOPs cost ~nothing here.
+    fast = Cluster(name="fast", peak_tflops=1e12, hbm_tbs=1.0, matmul_half_dim=0.0)
+    work, lay = Workload(global_batch=1, seq_len=1024), Layout(mbs=1, microbatches=1)
+    model = gpt(h=256, layers=2, heads=4, vocab=1000)
+    fused = evaluate(model, fast, work, lay)
+    unfused = evaluate(model, fast, work, lay, Options(flash_attention=False))
+    scores = 4 * 1024**2
+    assert unfused.stage.f - fused.stage.f == pytest.approx(2 * scores * 9 / 0.9e12, rel=1e-6)
+    assert unfused.stage.b - fused.stage.b == pytest.approx(2 * scores * 11 / 0.9e12, rel=1e-6)
+
+
+def test_unfused_attention_computes_the_masked_half():
+    # Only FLOPs now (infinite bandwidth): the full s x s products cost twice the causal
+    # flash forward; backward 2x forward instead of flash's 2.5x.
+    slow = Cluster(name="slow", hbm_tbs=1e9, matmul_half_dim=0.0)
+    work, lay = Workload(global_batch=1, seq_len=1024), Layout(mbs=1, microbatches=1)
+    model = gpt(h=256, layers=1, heads=4, vocab=8)
+    fused = evaluate(model, slow, work, lay)
+    unfused = evaluate(model, slow, work, lay, Options(flash_attention=False))
+    flash_f = 0.5 * 4 * 1024 * 1024 * 256 / (989e12 * 0.5)
+    assert unfused.stage.f - fused.stage.f == pytest.approx(flash_f, rel=1e-6)
+    assert unfused.stage.b - fused.stage.b == pytest.approx(4 * flash_f - 2.5 * flash_f, rel=1e-6)

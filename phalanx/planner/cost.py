@@ -7,7 +7,9 @@ Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
     Backward = input gradients (B) + weight gradients (W), each the forward's FLOPs on its own
     output shape (m x k for B, n x k for W).
   Attention core: 4 T s h_q / tp FLOPs forward, halved for the causal mask (flash kernels
-    skip masked blocks), backward 2.5x forward, at `attention_efficiency` of peak.
+    skip masked blocks), backward 2.5x forward, at `attention_efficiency` of peak. Without
+    flash attention: the full s x s FLOPs (backward 2x), plus softmax (and GPT-style
+    dropout) passes over the b a s^2 / tp 16-bit scores in HBM.
   Element-wise work (norms, activations, residuals, rotary): memory-bound, modelled as
     reading and writing the layer's stored activations once forward, twice backward.
   `layer_overhead_us` per pass (launches, Python): zero on the GPU presets, measured on CPU,
@@ -245,12 +247,26 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     else:
         parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
     gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
-    attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
     elementwise = 2 * stored / memory_bw
+    if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
+        attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+        attention_b = 2.5 * attention
+    else:
+        # Two batched GEMMs over the whole s x s score matrix (the mask is applied after them),
+        # backward twice the forward's FLOPs; between them the scores go through HBM: fused
+        # scale-mask-softmax reads and writes 16-bit scores (4 bytes per score forward, 6 backward:
+        # gradient and probabilities in, gradient out), GPT-style dropout on the probabilities
+        # 5 more each way (2 in, 2 out, a 1-byte mask).
+        attention = 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+        attention_b = 2 * attention
+        scores = mbs * model.n_heads * seq * seq / tp
+        dropout = 5 if model.mlp == "gelu" else 0
+        attention += scores * (4 + dropout) / memory_bw
+        attention_b += scores * (6 + dropout) / memory_bw
     return LayerCost(
         f=gemm + attention + elementwise + overhead,
-        b=gemm_b + 2.5 * attention + 2 * elementwise + overhead,
+        b=gemm_b + attention_b + 2 * elementwise + overhead,
         w=gemm_w + overhead,
         attention_f=attention,
         tp_bytes=tokens * h * BF16,
