@@ -107,6 +107,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--matmul-efficiency", type=float, default=None,
                         help="sensitivity check only: replace every preset's matmul_efficiency (default: keep 0.70)")
+    parser.add_argument("--mbs", type=int, default=None,
+                        help="sensitivity check only: pin the micro-batch size of the rows whose source does not "
+                             "state it (default: search it like the other unstated knobs)")
     args = parser.parse_args()
     unit = {"model": "TFLOP/s", "hardware": "hw TFLOP/s", "tokens": "tok/s"}
     print(f"{'run':26} {'metric':10} {'published':>9} {'predicted':>9} {'error':>7}  search")
@@ -117,7 +120,10 @@ def main() -> int:
         if args.matmul_efficiency is not None:
             cluster = dataclasses.replace(cluster, matmul_efficiency=args.matmul_efficiency)
         work = Workload(global_batch=row.global_batch, seq_len=row.seq_len)
-        fixed = search(row.model, cluster, work, world_size=row.gpus, fixed=row.fixed, space=row.space,
+        pinned = dict(row.fixed)
+        if args.mbs is not None:
+            pinned.setdefault("mbs", args.mbs)
+        fixed = search(row.model, cluster, work, world_size=row.gpus, fixed=pinned, space=row.space,
                        options=row.options, keep=1)
         full = search(row.model, cluster, work, world_size=row.gpus, space=row.space, options=row.options, keep=1)
         slowest = max(slowest, full.seconds)
