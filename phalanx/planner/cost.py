@@ -18,7 +18,8 @@ Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
     checkpointing (`recompute_overhead_us`, per layer per micro-batch).
 Communication per layer per micro-batch (comm.py for the alpha-beta times):
   TP: 2 all-reduces of T h bf16 forward, 2 backward (with sp: all-gathers + reduce-scatters
-    of the same bandwidth cost); exposed, or pipelined with the GEMMs with `tp_overlap`.
+    of the same bandwidth cost, plus 2 all-gathers in backward to re-gather the inputs SP
+    stores sharded); exposed, or pipelined with the GEMMs with `tp_overlap`.
   EP: dispatch + combine all-to-all of T k h / tp bf16 forward, the same backward; DualPipe
     (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
   PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
@@ -375,14 +376,22 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
 
     # Exposed communication per layer per micro-batch, forward and backward.
     t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
-    def tp_exposed(gemm: float) -> float:
+
+    def exposed(t: float, gemm: float) -> float:
         if not options.tp_overlap:
-            return t_tp
-        return max(t_tp - gemm, 0.0) + min(t_tp, gemm) / lay.tp
+            return t
+        return max(t - gemm, 0.0) + min(t, gemm) / lay.tp
+
+    # With SP the attention and MLP inputs are stored sharded (memory.py, as Korthikanti et
+    # al. count them), so backward gathers them again for the weight gradients: 2 all-gathers
+    # of T h per layer, unless full recompute's re-run forward has just gathered them.
+    regather = lay.sp and lay.tp > 1 and lay.recompute != "full"
+    t_regather = 2 * _collective(comm.reduce_scatter, cluster, dense.tp_bytes, lay.tp, 1) if regather else 0.0
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
         t_ep = max(0.0, t_ep - moe.f)  # hidden behind the paired micro-batch's compute
-    tp_f = n_dense * tp_exposed(dense.gemm_f) + n_moe * tp_exposed(moe.gemm_f)
+    tp_f = n_dense * exposed(t_tp, dense.gemm_f) + n_moe * exposed(t_tp, moe.gemm_f)
+    tp_b = tp_f + n_dense * exposed(t_regather, dense.gemm_f) + n_moe * exposed(t_regather, moe.gemm_f)
     ep_f = n_moe * t_ep
 
     # Logits and loss on the last stage (vocab split over tp).
@@ -405,8 +414,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
     else:
         comp_r = comm_r = 0.0
-    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_f + ep_f, w=comp_w, r=comp_r + comm_r,
-                       f_comm=tp_f + ep_f, b_comm=tp_f + ep_f, r_comm=comm_r)
+    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_b + ep_f, w=comp_w, r=comp_r + comm_r,
+                       f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     per_mb = stage.f + stage.b + stage.w + stage.r
 
     bubble = _bubble(lay.schedule, p, v, stage)
@@ -439,7 +448,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),
         "recompute": m * comp_r,
-        "tp_comm": m * (2 * tp_f + (tp_f if lay.recompute == "full" else 0.0)),
+        "tp_comm": m * (tp_f + tp_b + (tp_f if lay.recompute == "full" else 0.0)),
         "ep_comm": m * (2 * ep_f + (ep_f if lay.recompute == "full" else 0)),
         "pp_comm": pp_comm,
         "bubble": bubble,
