@@ -57,7 +57,7 @@ MEGATRON = [
     ("177B", 96, 12288, 96, 8, 6, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
     ("462B", 144, 18432, 112, 8, 16, 3072, 459.9),
 ]
-MEGATRON_OPTIONS = Options(tp_overlap=True)
+MEGATRON_OPTIONS = Options(tp_overlap=True, sp_regather=True)
 # Megatron-DeepSpeed of 2021-22 (BLOOM, MT-NLG): plain 1F1B, full or no recompute, no SP.
 DEEPSPEED = SearchSpace(zero_levels=(0, 1), schedules=("1f1b",), recompute=("none", "full"),
                         sequence_parallel=False, phalanx_trainer=False)

@@ -108,11 +108,13 @@ def test_step_time_adds_up_and_tp_traffic_is_counted():
     est = evaluate(model, H100, work, lay)
     assert isinstance(est, Estimate)
     assert sum(est.breakdown.values()) == pytest.approx(est.step_time_s, rel=1e-12)
-    # TP: 4 all-reduces of T h bf16 per layer per micro-batch, and with SP 2 all-gathers of the
-    # sharded inputs again in backward: 24 layers * 4 micro-batches of each.
+    # TP: 4 all-reduces of T h bf16 per layer per micro-batch: 4 * 24 layers * 4 micro-batches.
     per = comm.all_reduce(H100, 4096 * 2048 * 2, size=2, stride=1)
+    assert est.breakdown["tp_comm"] == pytest.approx(4 * 24 * 4 * per, rel=1e-12)
+    # Keeping the SP inputs sharded adds 2 all-gathers of them in each layer's backward.
+    regather = evaluate(model, H100, work, lay, Options(sp_regather=True))
     gather = comm.all_gather(H100, 4096 * 2048 * 2, size=2, stride=1)
-    assert est.breakdown["tp_comm"] == pytest.approx(24 * 4 * (4 * per + 2 * gather), rel=1e-12)
+    assert regather.breakdown["tp_comm"] == pytest.approx(24 * 4 * (4 * per + 2 * gather), rel=1e-12)
     assert est.tflops_per_gpu == pytest.approx(est.model_flops / est.step_time_s / 96 / 1e12)
     assert est.mfu == pytest.approx(est.tflops_per_gpu / 989.0)
 
@@ -228,14 +230,14 @@ def test_unfused_attention_computes_the_masked_half():
     assert unfused.stage.b - fused.stage.b == pytest.approx(4 * flash_f - 2.5 * flash_f, rel=1e-6)
 
 
-def test_sequence_parallel_gathers_its_sharded_inputs_again_in_backward():
+def test_sequence_parallel_that_keeps_inputs_sharded_gathers_them_again_in_backward():
     # tp=2 with SP, 24 layers, T = 4096 tokens of h = 2048: each layer's backward re-gathers
     # the attention and MLP inputs, 2 all-gathers of T h bf16 = 16 MiB each:
     # 1/2 * 16777216 / 370e9 + 3 us apiece. Full recompute gathers them in its re-run instead.
     work = Workload(global_batch=1, seq_len=4096)
-    lay = Layout(tp=2, sp=True, mbs=1, microbatches=1)
-    kept = evaluate(gpt(), H100, work, lay)
-    rerun = evaluate(gpt(), H100, work, Layout(tp=2, sp=True, mbs=1, microbatches=1, recompute="full"))
+    lay, opts = Layout(tp=2, sp=True, mbs=1, microbatches=1), Options(sp_regather=True)
+    kept = evaluate(gpt(), H100, work, lay, opts)
+    rerun = evaluate(gpt(), H100, work, Layout(tp=2, sp=True, mbs=1, microbatches=1, recompute="full"), opts)
     gather = 0.5 * 16777216 / 370e9 + 3e-6
     assert kept.stage.b - rerun.stage.b == pytest.approx(24 * 2 * gather, rel=1e-9)
     assert kept.breakdown["tp_comm"] == pytest.approx(kept.stage.f_comm + kept.stage.b_comm, rel=1e-12)

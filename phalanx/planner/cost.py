@@ -18,8 +18,8 @@ Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
     checkpointing (`recompute_overhead_us`, per layer per micro-batch).
 Communication per layer per micro-batch (comm.py for the alpha-beta times):
   TP: 2 all-reduces of T h bf16 forward, 2 backward (with sp: all-gathers + reduce-scatters
-    of the same bandwidth cost, plus 2 all-gathers in backward to re-gather the inputs SP
-    stores sharded); exposed, or pipelined with the GEMMs with `tp_overlap`.
+    of the same bandwidth cost, plus, with `Options.sp_regather`, 2 all-gathers in backward to
+    re-gather the inputs SP stores sharded); exposed, or pipelined with the GEMMs with `tp_overlap`.
   EP: dispatch + combine all-to-all of T k h / tp bf16 forward, the same backward; DualPipe
     (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
   PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
@@ -92,6 +92,11 @@ class Options:
     """Data-parallel traffic overlapped with the last backward and the first forward."""
     grad_reduce_bytes: int = 4
     """Gradients are reduced in fp32."""
+    sp_regather: bool = False
+    """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
+    in backward for the weight gradients (Megatron, and the published activation formula).
+    False: it keeps the gathered inputs whole, more memory and no second gather (phalanx's
+    DTensor sequence parallelism)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,7 +356,7 @@ def _collective(fn, cluster: Cluster, nbytes: float, size: int, stride: int) -> 
 
 @_by_identity
 def _activation(model: ModelConfig, options: "Options", **kw) -> float:
-    return layer_activation_bytes(model, flash=options.flash_attention, **kw)
+    return layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather, **kw)
 
 
 def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
@@ -382,10 +387,10 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
             return t
         return max(t - gemm, 0.0) + min(t, gemm) / lay.tp
 
-    # With SP the attention and MLP inputs are stored sharded (memory.py, as Korthikanti et
-    # al. count them), so backward gathers them again for the weight gradients: 2 all-gathers
+    # Where SP stores the attention and MLP inputs sharded (Options.sp_regather, as Korthikanti
+    # et al. count them), backward gathers them again for the weight gradients: 2 all-gathers
     # of T h per layer, unless full recompute's re-run forward has just gathered them.
-    regather = lay.sp and lay.tp > 1 and lay.recompute != "full"
+    regather = options.sp_regather and lay.sp and lay.tp > 1 and lay.recompute != "full"
     t_regather = 2 * _collective(comm.reduce_scatter, cluster, dense.tp_bytes, lay.tp, 1) if regather else 0.0
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
