@@ -57,7 +57,7 @@ MEGATRON = [
     ("177B", 96, 12288, 96, 8, 6, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
     ("462B", 144, 18432, 112, 8, 16, 3072, 459.9),
 ]
-MEGATRON_OPTIONS = Options(tp_overlap=True)
+MEGATRON_OPTIONS = Options(tp_overlap=True, sp_regather=True)
 # Megatron-DeepSpeed of 2021-22 (BLOOM, MT-NLG): plain 1F1B, full or no recompute, no SP.
 DEEPSPEED = SearchSpace(zero_levels=(0, 1), schedules=("1f1b",), recompute=("none", "full"),
                         sequence_parallel=False, phalanx_trainer=False)
@@ -107,6 +107,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--matmul-efficiency", type=float, default=None,
                         help="sensitivity check only: replace every preset's matmul_efficiency (default: keep 0.70)")
+    parser.add_argument("--mbs", type=int, default=None,
+                        help="sensitivity check only: pin the micro-batch size of the rows whose source does not "
+                             "state it (default: search it like the other unstated knobs)")
     args = parser.parse_args()
     unit = {"model": "TFLOP/s", "hardware": "hw TFLOP/s", "tokens": "tok/s"}
     print(f"{'run':26} {'metric':10} {'published':>9} {'predicted':>9} {'error':>7}  search")
@@ -117,7 +120,10 @@ def main() -> int:
         if args.matmul_efficiency is not None:
             cluster = dataclasses.replace(cluster, matmul_efficiency=args.matmul_efficiency)
         work = Workload(global_batch=row.global_batch, seq_len=row.seq_len)
-        fixed = search(row.model, cluster, work, world_size=row.gpus, fixed=row.fixed, space=row.space,
+        pinned = dict(row.fixed)
+        if args.mbs is not None:
+            pinned.setdefault("mbs", args.mbs)
+        fixed = search(row.model, cluster, work, world_size=row.gpus, fixed=pinned, space=row.space,
                        options=row.options, keep=1)
         full = search(row.model, cluster, work, world_size=row.gpus, space=row.space, options=row.options, keep=1)
         slowest = max(slowest, full.seconds)

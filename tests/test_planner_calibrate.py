@@ -40,3 +40,16 @@ def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys):
     raw = json.loads(out.with_suffix(".measurements.json").read_text())
     assert raw["backend"] == "gloo" and "2" in raw["collectives"]
     assert "gloo 2 processes" in capsys.readouterr().out
+
+
+def test_fit_matmul_divides_out_wave_quantization_on_a_gpu():
+    # Samples made with the wave fill of 132 SMs: 512^2 has 4 x 2 = 8 tiles, 8/132 of the SMs.
+    from phalanx.planner.cost import wave_fill
+    peak, half = 7e14, 96.0
+    fill = lambda d: d / (d + half)  # noqa: E731
+    shapes = [(s, s, s) for s in (256, 512, 1024, 2048, 4096, 8192)] + [(8192, 8192, 256)]
+    samples = [(m, n, k, 2 * m * n * k / (peak * fill(m) * fill(n) * fill(k) * wave_fill(m, n, 132)))
+               for m, n, k in shapes]
+    got_peak, got_half = fit_matmul(samples, 132)
+    assert got_half == pytest.approx(half, rel=0.1)
+    assert got_peak == pytest.approx(peak, rel=0.1)

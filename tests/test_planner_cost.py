@@ -5,7 +5,7 @@ import pytest
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
-from phalanx.planner.cost import Estimate, StageTimes, _bubble, evaluate, gemm_time, step_flops
+from phalanx.planner.cost import Estimate, Options, StageTimes, _bubble, evaluate, gemm_time, step_flops
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import in_flight_microbatches, layers_per_stage, state_bytes_per_param, total_params
@@ -111,6 +111,10 @@ def test_step_time_adds_up_and_tp_traffic_is_counted():
     # TP: 4 all-reduces of T h bf16 per layer per micro-batch: 4 * 24 layers * 4 micro-batches.
     per = comm.all_reduce(H100, 4096 * 2048 * 2, size=2, stride=1)
     assert est.breakdown["tp_comm"] == pytest.approx(4 * 24 * 4 * per, rel=1e-12)
+    # Keeping the SP inputs sharded adds 2 all-gathers of them in each layer's backward.
+    regather = evaluate(model, H100, work, lay, Options(sp_regather=True))
+    gather = comm.all_gather(H100, 4096 * 2048 * 2, size=2, stride=1)
+    assert regather.breakdown["tp_comm"] == pytest.approx(24 * 4 * (4 * per + 2 * gather), rel=1e-12)
     assert est.tflops_per_gpu == pytest.approx(est.model_flops / est.step_time_s / 96 / 1e12)
     assert est.mfu == pytest.approx(est.tflops_per_gpu / 989.0)
 
@@ -137,3 +141,103 @@ def test_cpu_framework_costs_add_per_unit_and_per_pass():
     assert gap == pytest.approx(4 * 4 * 0.2e-3)
     # Four ranks on two cores: each gets a quarter of the node's peak.
     assert cpu.peak_flops_per_rank(4) == pytest.approx(0.1e12 / 4)
+
+
+def test_memory_bound_work_runs_at_achieved_not_datasheet_bandwidth():
+    # H100: 3.35 TB/s datasheet x 0.9 achieved (a device copy reaches 4.3 of 4.8 TB/s on an H200).
+    assert H100.memory_bw_per_rank(1) == pytest.approx(3.35e12 * 0.9, rel=1e-12)
+    # Calibrated CPU figures are measured bandwidth already: no further discount.
+    assert PRESETS["local"].memory_bw_per_rank(2) == pytest.approx(0.02e12 / 2, rel=1e-12)
+
+
+def test_calibrated_file_without_hbm_efficiency_keeps_its_measured_bandwidth():
+    from phalanx.planner.hardware import cluster_from_dict
+    measured = cluster_from_dict({"hbm_tbs": 0.01, "measured_groups": [[2, 100.0, 1.0]]}, source="cal.json")
+    assert measured.hbm_efficiency == 1.0
+    assert cluster_from_dict({"hbm_tbs": 3.35}, source="rack.toml").hbm_efficiency == 0.9
+
+
+def test_optimizer_step_counts_adam_clipping_and_zeroing_the_gradient_buffer():
+    # GPT 1.7B on 48 H100s, zero 1: the stage holds 24 (12 h^2 + 2h) + 2 V h parameters
+    # (untied input and output embeddings). Adam (30 bytes) and clipping (12) run on the
+    # 1/48 optimizer shard; the fp32 gradient buffer (4 bytes) is zeroed whole.
+    h, V = 2048, 131072
+    params = 24 * (12 * h * h + 2 * h) + 2 * V * h
+    work = Workload(global_batch=192, seq_len=4096)
+    lay = Layout(dp=48, mbs=4, microbatches=1, zero=1)
+    est = evaluate(gpt(), H100, work, lay)
+    expected = (params / 48 * 42 + params * 4) / (3.35e12 * 0.9)
+    assert est.breakdown["optimizer"] == pytest.approx(expected, rel=1e-12)
+    # zero 2 shards the gradient buffer as well.
+    est2 = evaluate(gpt(), H100, work, Layout(dp=48, mbs=4, microbatches=1, zero=2))
+    assert est2.breakdown["optimizer"] == pytest.approx(params / 48 * 46 / (3.35e12 * 0.9), rel=1e-12)
+
+
+def test_wave_fill_counts_idle_sms_in_the_last_wave():
+    from phalanx.planner.cost import wave_fill
+    # 16384 x 6144 on 132 SMs: 128 x 24 = 3072 tiles of 128 x 256 -> 24 waves: 3072 / 3168.
+    assert wave_fill(16384, 6144, 132) == pytest.approx(3072 / 3168, rel=1e-12)
+    # 4096 x 1024: 32 x 4 = 128 tiles (or 16 x 8 = 128 transposed) in one wave of 132.
+    assert wave_fill(4096, 1024, 132) == pytest.approx(128 / 132, rel=1e-12)
+    # 1000 x 300: 8 x 2 = 16 tiles one way, 4 x 3 = 12 the other: 16 of 132 SMs busy.
+    assert wave_fill(1000, 300, 132) == pytest.approx(16 / 132, rel=1e-12)
+    assert wave_fill(1000, 300, 0) == 1.0  # CPUs: no waves
+
+
+def test_gemm_time_includes_wave_fill():
+    # 4096 x 1024 output, k = 1e9 (k's fill ~1): 0.7 x f(4096) f(1024) x 128/132 of 989 TFLOP/s.
+    t = gemm_time(4096, 1024, 1e9, cluster=H100, peak=989e12)
+    f = lambda d: d / (d + 96)  # noqa: E731
+    eff = 0.7 * f(4096) * f(1024) * f(1e9) * 128 / 132
+    assert t == pytest.approx(2 * 4096 * 1024 * 1e9 / (989e12 * eff), rel=1e-12)
+
+
+def test_cross_entropy_is_memory_bound_per_logit():
+    # With effectively infinite FLOP/s only memory-bound work is left; growing the vocabulary
+    # by dV adds tokens * dV logits: 22 bytes each forward, 26 backward, at 1 TB/s x 0.9.
+    fast = Cluster(name="fast", peak_tflops=1e12, hbm_tbs=1.0, matmul_half_dim=0.0)
+    work, lay = Workload(global_batch=2, seq_len=1024), Layout(mbs=1, microbatches=2)
+    small = evaluate(gpt(h=256, layers=2, heads=4, vocab=1000), fast, work, lay)
+    large = evaluate(gpt(h=256, layers=2, heads=4, vocab=9000), fast, work, lay)
+    elements = 1024 * 8000
+    assert large.stage.f - small.stage.f == pytest.approx(elements * 22 / 0.9e12, rel=1e-6)
+    assert large.stage.b - small.stage.b == pytest.approx(elements * 26 / 0.9e12, rel=1e-6)
+
+
+def test_unfused_attention_moves_its_scores_through_memory():
+    # 4 heads, s = 1024, b = 1: 4 * 1024^2 scores per layer. GPT-style: softmax 4 + dropout 5
+    # bytes per score forward, 6 + 5 backward, at 0.9 TB/s; two layers. FLOPs cost ~nothing here.
+    fast = Cluster(name="fast", peak_tflops=1e12, hbm_tbs=1.0, matmul_half_dim=0.0)
+    work, lay = Workload(global_batch=1, seq_len=1024), Layout(mbs=1, microbatches=1)
+    model = gpt(h=256, layers=2, heads=4, vocab=1000)
+    fused = evaluate(model, fast, work, lay)
+    unfused = evaluate(model, fast, work, lay, Options(flash_attention=False))
+    scores = 4 * 1024**2
+    assert unfused.stage.f - fused.stage.f == pytest.approx(2 * scores * 9 / 0.9e12, rel=1e-6)
+    assert unfused.stage.b - fused.stage.b == pytest.approx(2 * scores * 11 / 0.9e12, rel=1e-6)
+
+
+def test_unfused_attention_computes_the_masked_half():
+    # Only FLOPs now (infinite bandwidth): the full s x s products cost twice the causal
+    # flash forward; backward 2x forward instead of flash's 2.5x.
+    slow = Cluster(name="slow", hbm_tbs=1e9, matmul_half_dim=0.0)
+    work, lay = Workload(global_batch=1, seq_len=1024), Layout(mbs=1, microbatches=1)
+    model = gpt(h=256, layers=1, heads=4, vocab=8)
+    fused = evaluate(model, slow, work, lay)
+    unfused = evaluate(model, slow, work, lay, Options(flash_attention=False))
+    flash_f = 0.5 * 4 * 1024 * 1024 * 256 / (989e12 * 0.5)
+    assert unfused.stage.f - fused.stage.f == pytest.approx(flash_f, rel=1e-6)
+    assert unfused.stage.b - fused.stage.b == pytest.approx(4 * flash_f - 2.5 * flash_f, rel=1e-6)
+
+
+def test_sequence_parallel_that_keeps_inputs_sharded_gathers_them_again_in_backward():
+    # tp=2 with SP, 24 layers, T = 4096 tokens of h = 2048: each layer's backward re-gathers
+    # the attention and MLP inputs, 2 all-gathers of T h bf16 = 16 MiB each:
+    # 1/2 * 16777216 / 370e9 + 3 us apiece. Full recompute gathers them in its re-run instead.
+    work = Workload(global_batch=1, seq_len=4096)
+    lay, opts = Layout(tp=2, sp=True, mbs=1, microbatches=1), Options(sp_regather=True)
+    kept = evaluate(gpt(), H100, work, lay, opts)
+    rerun = evaluate(gpt(), H100, work, Layout(tp=2, sp=True, mbs=1, microbatches=1, recompute="full"), opts)
+    gather = 0.5 * 16777216 / 370e9 + 3e-6
+    assert kept.stage.b - rerun.stage.b == pytest.approx(24 * 2 * gather, rel=1e-9)
+    assert kept.breakdown["tp_comm"] == pytest.approx(kept.stage.f_comm + kept.stage.b_comm, rel=1e-12)

@@ -36,6 +36,8 @@ def test_cluster_toml_and_json(tmp_path):
     ('peak_tflops = -1\n', "peak_tflops=-1.0 must be positive"),
     ('fast_domain = [\n', "is not valid TOML"),
     ('matmul_efficiency = 1.5\n', "at most 1"),
+    ('hbm_efficiency = 1.2\n', "hbm_efficiency=1.2 is a fraction of peak, at most 1"),
+    ('sm_count = -4\n', "sm_count=-4 must be 0"),
 ])
 def test_bad_cluster_files(tmp_path, text, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[")):

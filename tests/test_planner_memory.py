@@ -31,6 +31,9 @@ def test_activation_formulas_of_the_reference():
     assert act(recompute="full") == pytest.approx(2 * sbh)
     # Flash attention stores no s x s matrix: the selective figure without recomputing.
     assert act(tp=t, sp=True, flash=True) == pytest.approx(34 * sbh / t)
+    # SP that keeps the gathered attention and MLP inputs (2 sbh each) whole instead of
+    # gathering them again in backward: 30 sbh / t + 4 sbh.
+    assert act(tp=t, sp=True, flash=True, sp_regather=False) == pytest.approx(30 * sbh / t + 4 * sbh)
 
 
 def test_memory_of_a_hand_computed_layout():

@@ -2,7 +2,8 @@
 
 What is measured, and which Cluster field it sets:
   matrix multiplies over a range of shapes -> peak_tflops and matmul_half_dim (least-squares
-    fit of t = 2mnk / (peak f(m) f(n) f(k)), f(d) = d / (d + half)), matmul_efficiency = 1;
+    fit of t = 2mnk / (peak f(m) f(n) f(k) wave), f(d) = d / (d + half), wave the SMs' wave
+    fill on a GPU, sm_count read off the device), matmul_efficiency = 1;
   causal scaled-dot-product attention forward+backward -> attention_efficiency;
   a large element-wise add -> hbm_tbs (memory bandwidth);
   training steps of a model too small for its FLOPs to count, at two depths ->
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 from phalanx.errors import UserError
+from phalanx.planner.cost import wave_fill
 from phalanx.planner.hardware import Cluster, local_cluster_path
 
 
@@ -85,11 +87,17 @@ def measure_matmuls(device, dtype, *, quick: bool) -> list[tuple[int, int, int, 
     return out
 
 
-def fit_matmul(samples: list[tuple[int, int, int, float]]) -> tuple[float, float]:
-    """(peak FLOP/s, half_dim) minimising the squared log error of the fill model."""
+def fit_matmul(samples: list[tuple[int, int, int, float]], sm_count: int = 0) -> tuple[float, float]:
+    """(peak FLOP/s, half_dim) minimising the squared log error of the fill model.
+
+    On a GPU the cost model also charges wave quantization over `sm_count` SMs
+    (cost.wave_fill), so the fit divides it out first rather than let half_dim absorb it.
+    """
     best = None
+    waves = [wave_fill(m, n, sm_count) for m, n, _, _ in samples]
     for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 48)]:
-        fills = [(m / (m + half)) * (n / (n + half)) * (k / (k + half)) for m, n, k, _ in samples]
+        fills = [(m / (m + half)) * (n / (n + half)) * (k / (k + half)) * w
+                 for (m, n, k, _), w in zip(samples, waves)]
         # For a fixed half, the best log-peak is the mean of log(achieved / fill).
         logs = [math.log(2 * m * n * k / t / f) for (m, n, k, t), f in zip(samples, fills)]
         log_peak = statistics.fmean(logs)
@@ -424,8 +432,9 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         # waits for its slowest (descheduled) thread and measures the neighbours, not the CPU.
         threads_before = torch.get_num_threads()
         torch.set_num_threads(1)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 0
     samples = measure_matmuls(device, dtype, quick=quick)
-    peak, half = fit_matmul(samples)
+    peak, half = fit_matmul(samples, sm_count)
     peak *= 1 if gpu else cores
     report["matmul"] = [{"m": m, "n": n, "k": k, "seconds": t, "tflops": 2 * m * n * k / t / 1e12}
                         for m, n, k, t in samples]
@@ -476,8 +485,8 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     cluster = Cluster(
         name="local", devices_per_node=devices, fast_domain=devices, peak_tflops=peak / 1e12,
         memory_gib=round(memory_gib, 2), memory_reserved_gib=round(min(4.0, memory_gib / 4), 2),
-        hbm_tbs=bandwidth, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
-        matmul_efficiency=1.0, matmul_half_dim=half, attention_efficiency=max(attention, 1e-3),
+        hbm_tbs=bandwidth, hbm_efficiency=1.0, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
+        matmul_efficiency=1.0, matmul_half_dim=half, sm_count=sm_count, attention_efficiency=max(attention, 1e-3),
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
         tp_layer_overhead_us=tp_overhead, recompute_overhead_us=recompute_overhead,
         shared_compute=not gpu,

@@ -34,6 +34,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--tp-overlap", action="store_true",
                    help="assume TP collectives are pipelined with GEMMs (Megatron's tp-comm-overlap)")
+    p.add_argument("--sp-regather", action="store_true",
+                   help="sequence parallelism keeps its GEMM inputs sharded and gathers them again in backward "
+                        "(Megatron); default: keeps them whole, as the phalanx trainer does")
     p.add_argument("--zero-levels", type=_levels, default=(0, 3),
                    help="ZeRO levels to search (default 0,3: what the phalanx trainer runs)")
     p.add_argument("--any-runtime", action="store_true",
@@ -75,7 +78,7 @@ def run_plan(args) -> int:
         raise UserError(f"--gpus={args.gpus} must be at least 1")
     fixed = parse_fix(args.fix)
     space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
-    options = Options(tp_overlap=args.tp_overlap)
+    options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather)
     results = []
     for cluster in clusters:
         result = search(model, cluster, workload, world_size=args.gpus, fixed=fixed, space=space,

@@ -2,10 +2,14 @@
 
 Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
   GEMMs: 2 m n k FLOPs each, at `matmul_efficiency` x f(m) f(n) f(k) of peak, where
-    f(d) = d / (d + matmul_half_dim) charges small dimensions (h/tp, tokens per expert).
-    Backward = input gradients (B, same GEMM time as forward) + weight gradients (W, same).
+    f(d) = d / (d + matmul_half_dim) charges small dimensions (h/tp, tokens per expert),
+    times the wave fill: output tiles of 128 x 256 run `sm_count` at a time (wave_fill).
+    Backward = input gradients (B) + weight gradients (W), each the forward's FLOPs on its own
+    output shape (m x k for B, n x k for W).
   Attention core: 4 T s h_q / tp FLOPs forward, halved for the causal mask (flash kernels
-    skip masked blocks), backward 2.5x forward, at `attention_efficiency` of peak.
+    skip masked blocks), backward 2.5x forward, at `attention_efficiency` of peak. Without
+    flash attention: the full s x s FLOPs (backward 2x), plus softmax (and GPT-style
+    dropout) passes over the b a s^2 / tp 16-bit scores in HBM.
   Element-wise work (norms, activations, residuals, rotary): memory-bound, modelled as
     reading and writing the layer's stored activations once forward, twice backward.
   `layer_overhead_us` per pass (launches, Python): zero on the GPU presets, measured on CPU,
@@ -14,7 +18,8 @@ Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
     checkpointing (`recompute_overhead_us`, per layer per micro-batch).
 Communication per layer per micro-batch (comm.py for the alpha-beta times):
   TP: 2 all-reduces of T h bf16 forward, 2 backward (with sp: all-gathers + reduce-scatters
-    of the same bandwidth cost); exposed, or pipelined with the GEMMs with `tp_overlap`.
+    of the same bandwidth cost, plus, with `Options.sp_regather`, 2 all-gathers in backward to
+    re-gather the inputs SP stores sharded); exposed, or pipelined with the GEMMs with `tp_overlap`.
   EP: dispatch + combine all-to-all of T k h / tp bf16 forward, the same backward; DualPipe
     (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
   PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
@@ -24,7 +29,8 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
     uses the cores that compute, so nothing overlaps.
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
-  exposed DP traffic + the optimizer (memory-bound, about 30 bytes per local parameter) +
+  exposed DP traffic + the optimizer step (memory-bound: Adam's 30 bytes and clipping's 12 per
+  parameter of the local optimizer shard, 4 to zero each gradient-buffer element) +
   the cluster's fixed `step_overhead_ms` (measured on CPUs, zero on the GPU presets).
 Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
   gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
@@ -53,9 +59,22 @@ from phalanx.planner.memory import (
 BF16 = 2
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam reads fp32 param, grad and two moments (16 bytes), writes three and a bf16 copy (14)."""
+CLIP_BYTES_PER_PARAM = 12
+"""Gradient-norm clipping: read the fp32 gradient for the norm (4), read and write it scaled (8)."""
+GRAD_ZERO_BYTES_PER_PARAM = 4
+"""Zeroing the fp32 gradient-accumulation buffer before the next step (written once)."""
 BUCKET_BYTES = 25 * 2**20
 """Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
 LOGIT_BYTES = 6
+LOSS_BYTES_F = 22
+"""HBM bytes per logit element of cross-entropy on fp32 logits (the trainer's
+F.cross_entropy(logits.float())), forward: the cast reads bf16 and writes fp32 (2 + 4);
+log-softmax over a row too long for shared memory reads it for the maximum, again for the
+sum of exponentials, and a third time to write the result (3 x 4 + 4)."""
+LOSS_BYTES_B = 26
+"""Backward: the loss gradient is written dense (4); log-softmax backward reads it for its
+sum, then reads it and the saved output and writes the input gradient (4 + 12); the cast
+back to bf16 reads fp32 and writes bf16 (4 + 2)."""
 """Per logit element on the last stage: bf16 logits kept for backward + fp32 for the loss."""
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
                   "overhead")
@@ -73,6 +92,11 @@ class Options:
     """Data-parallel traffic overlapped with the last backward and the first forward."""
     grad_reduce_bytes: int = 4
     """Gradients are reduced in fp32."""
+    sp_regather: bool = False
+    """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
+    in backward for the weight gradients (Megatron, and the published activation formula).
+    False: it keeps the gathered inputs whole, more memory and no second gather (phalanx's
+    DTensor sequence parallelism)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,10 +195,32 @@ def _fill(d: float, half: float) -> float:
     return d / (d + half)
 
 
+GEMM_TILE = (128, 256)
+"""Output tile of the large bf16 GEMM kernels on A100/H100/B200 (cuBLAS, CUTLASS), either way round."""
+
+
+def wave_fill(m: float, n: float, sm_count: int) -> float:
+    """Fraction of the SMs' time an (m x n) output keeps busy when its tiles run in waves.
+
+    ceil(m/128) ceil(n/256) tiles (or the transposed tile, whichever fills better) run
+    sm_count at a time; the last wave leaves SMs idle. E.g. 16384 x 6144 on 132 SMs: 3072
+    tiles in 24 waves of 132, 3072 / 3168 = 0.97. Libraries also pick smaller tiles or
+    split K for shapes that fill badly, so this is the loss of the large-tile kernel.
+    """
+    if sm_count <= 0:
+        return 1.0
+    best = 0.0
+    for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        best = max(best, tiles / (math.ceil(tiles / sm_count) * sm_count))
+    return best
+
+
 def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) -> float:
     """Seconds for an (m x k) @ (k x n) product at the size-dependent efficiency."""
     half = cluster.matmul_half_dim
     eff = cluster.matmul_efficiency * _fill(m, half) * _fill(n, half) * _fill(k, half)
+    eff *= wave_fill(m, n, cluster.sm_count)
     return 2.0 * m * n * k / (peak * eff)
 
 
@@ -184,27 +230,50 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch."""
     tokens = mbs * seq
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-    g = functools.partial(gemm_time, cluster=cluster, peak=peak)
-    gemm = g(tokens, (hq + 2 * hkv) / tp, h) + g(tokens, h, hq / tp)
+    one = functools.partial(gemm_time, cluster=cluster, peak=peak)
+
+    def g(m: float, n: float, k: float) -> tuple[float, float, float]:
+        # Forward (m x k)(k x n); input gradient (m x n)(n x k); weight gradient (n x m)(m x k):
+        # the same FLOPs, different output shapes, hence different wave fill.
+        return one(m, n, k), one(m, k, n), one(n, k, m)
+
+    parts = [g(tokens, (hq + 2 * hkv) / tp, h), g(tokens, h, hq / tp)]
     if moe:
         k, fe = model.experts_per_token, model.moe_ffn_dim
-        gemm += g(tokens, model.n_experts, h)
+        parts.append(g(tokens, model.n_experts, h))
         per_expert = tokens * k * ep / model.n_experts  # tokens each local expert sees
-        gemm += (model.n_experts / ep) * (2 * g(per_expert, fe / tp, h) + g(per_expert, h, fe / tp))
+        local = model.n_experts / ep  # experts on this device, one GEMM each
+        for p in [g(per_expert, fe / tp, h)] * 2 + [g(per_expert, h, fe / tp)]:
+            parts.append(tuple(local * t for t in p))
         if model.n_shared_experts:
             fs = fe * model.n_shared_experts
-            gemm += 2 * g(tokens, fs / tp, h) + g(tokens, h, fs / tp)
+            parts += [g(tokens, fs / tp, h)] * 2 + [g(tokens, h, fs / tp)]
     elif model.mlp == "swiglu":
-        gemm += 2 * g(tokens, model.ffn_dim / tp, h) + g(tokens, h, model.ffn_dim / tp)
+        parts += [g(tokens, model.ffn_dim / tp, h)] * 2 + [g(tokens, h, model.ffn_dim / tp)]
     else:
-        gemm += g(tokens, model.ffn_dim / tp, h) + g(tokens, h, model.ffn_dim / tp)
-    attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+        parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
+    gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
     elementwise = 2 * stored / memory_bw
+    if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
+        attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+        attention_b = 2.5 * attention
+    else:
+        # Two batched GEMMs over the whole s x s score matrix (the mask is applied after them),
+        # backward twice the forward's FLOPs; between them the scores go through HBM: fused
+        # scale-mask-softmax reads and writes 16-bit scores (4 bytes per score forward, 6 backward:
+        # gradient and probabilities in, gradient out), GPT-style dropout on the probabilities
+        # 5 more each way (2 in, 2 out, a 1-byte mask).
+        attention = 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+        attention_b = 2 * attention
+        scores = mbs * model.n_heads * seq * seq / tp
+        dropout = 5 if model.mlp == "gelu" else 0
+        attention += scores * (4 + dropout) / memory_bw
+        attention_b += scores * (6 + dropout) / memory_bw
     return LayerCost(
         f=gemm + attention + elementwise + overhead,
-        b=gemm + 2.5 * attention + 2 * elementwise + overhead,
-        w=gemm + overhead,
+        b=gemm_b + attention_b + 2 * elementwise + overhead,
+        w=gemm_w + overhead,
         attention_f=attention,
         tp_bytes=tokens * h * BF16,
         ep_bytes=tokens * model.experts_per_token * h * BF16 / tp if moe else 0.0,
@@ -287,7 +356,7 @@ def _collective(fn, cluster: Cluster, nbytes: float, size: int, stride: int) -> 
 
 @_by_identity
 def _activation(model: ModelConfig, options: "Options", **kw) -> float:
-    return layer_activation_bytes(model, flash=options.flash_attention, **kw)
+    return layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather, **kw)
 
 
 def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
@@ -312,24 +381,34 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
 
     # Exposed communication per layer per micro-batch, forward and backward.
     t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
-    def tp_exposed(gemm: float) -> float:
+
+    def exposed(t: float, gemm: float) -> float:
         if not options.tp_overlap:
-            return t_tp
-        return max(t_tp - gemm, 0.0) + min(t_tp, gemm) / lay.tp
+            return t
+        return max(t - gemm, 0.0) + min(t, gemm) / lay.tp
+
+    # Where SP stores the attention and MLP inputs sharded (Options.sp_regather, as Korthikanti
+    # et al. count them), backward gathers them again for the weight gradients: 2 all-gathers
+    # of T h per layer, unless full recompute's re-run forward has just gathered them.
+    regather = options.sp_regather and lay.sp and lay.tp > 1 and lay.recompute != "full"
+    t_regather = 2 * _collective(comm.reduce_scatter, cluster, dense.tp_bytes, lay.tp, 1) if regather else 0.0
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
         t_ep = max(0.0, t_ep - moe.f)  # hidden behind the paired micro-batch's compute
-    tp_f = n_dense * tp_exposed(dense.gemm_f) + n_moe * tp_exposed(moe.gemm_f)
+    tp_f = n_dense * exposed(t_tp, dense.gemm_f) + n_moe * exposed(t_tp, moe.gemm_f)
+    tp_b = tp_f + n_dense * exposed(t_regather, dense.gemm_f) + n_moe * exposed(t_regather, moe.gemm_f)
     ep_f = n_moe * t_ep
 
     # Logits and loss on the last stage (vocab split over tp).
     tokens = lay.mbs * seq
-    logit_gemm = gemm_time(tokens, model.vocab_size / lay.tp, model.dim, cluster=cluster, peak=peak)
-    logit_ew = 3 * tokens * model.vocab_size / lay.tp * 4 / memory_bw
+    vocab = model.vocab_size / lay.tp
+    logit_f, logit_b, logit_w = (gemm_time(a, b, c, cluster=cluster, peak=peak) for a, b, c in
+                                 ((tokens, vocab, model.dim), (tokens, model.dim, vocab), (vocab, model.dim, tokens)))
+    logit_elements = tokens * vocab
 
-    comp_f = n_dense * dense.f + n_moe * moe.f + logit_gemm + logit_ew
-    comp_b = n_dense * dense.b + n_moe * moe.b + logit_gemm + 2 * logit_ew
-    comp_w = n_dense * dense.w + n_moe * moe.w + logit_gemm
+    comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw
+    comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
+    comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
         comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
@@ -340,8 +419,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
     else:
         comp_r = comm_r = 0.0
-    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_f + ep_f, w=comp_w, r=comp_r + comm_r,
-                       f_comm=tp_f + ep_f, b_comm=tp_f + ep_f, r_comm=comm_r)
+    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_b + ep_f, w=comp_w, r=comp_r + comm_r,
+                       f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     per_mb = stage.f + stage.b + stage.w + stage.r
 
     bubble = _bubble(lay.schedule, p, v, stage)
@@ -363,14 +442,18 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n)
     shards = lay.dp // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
-    optimizer = local_state * OPTIMIZER_BYTES_PER_PARAM / memory_bw
+    # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,
+    # then reduce-scatters them), sharded like the optimizer state under zero 2 and 3.
+    grad_buffer = local_state if lay.zero >= 2 else shared_params + expert_params
+    optimizer = (local_state * (OPTIMIZER_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
+                 + grad_buffer * GRAD_ZERO_BYTES_PER_PARAM) / memory_bw
 
     step_overhead = cluster.step_overhead_per_rank(world)
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),
         "recompute": m * comp_r,
-        "tp_comm": m * (2 * tp_f + (tp_f if lay.recompute == "full" else 0.0)),
+        "tp_comm": m * (tp_f + tp_b + (tp_f if lay.recompute == "full" else 0.0)),
         "ep_comm": m * (2 * ep_f + (ep_f if lay.recompute == "full" else 0)),
         "pp_comm": pp_comm,
         "bubble": bubble,

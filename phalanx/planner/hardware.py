@@ -39,6 +39,10 @@ class Cluster:
     """Kept back from planning: runtime context, communication buffers, allocator fragmentation."""
     hbm_tbs: float = 3.35
     """Device memory bandwidth, TB/s: sets the time of memory-bound (element-wise, optimizer) work."""
+    hbm_efficiency: float = 0.9
+    """Fraction of hbm_tbs that streaming kernels reach. Datasheet bandwidth is not reached: a
+    device-to-device copy on an H200 here moved 4.3 of its 4.8 TB/s (0.90). 1.0 where hbm_tbs
+    was itself measured (calibrate)."""
     intra_bw_gbs: float = 370.0
     """Achieved bus bandwidth per device inside the fast domain, GB/s per direction."""
     inter_bw_gbs: float = 47.0
@@ -51,6 +55,9 @@ class Cluster:
     """Fraction of peak a large matrix multiply sustains in training (clocks under power limits)."""
     matmul_half_dim: float = 96.0
     """Matrix dimension at which that efficiency halves: small dims (h/tp, tokens per expert) run slower."""
+    sm_count: int = 0
+    """Streaming multiprocessors (datasheet): a GEMM's output tiles run in waves of this many,
+    and the last wave may leave some idle. 0 (CPUs) means no wave quantization."""
     attention_efficiency: float = 0.50
     """Fraction of peak of fused (flash) attention, forward and backward together."""
     layer_overhead_us: float = 0.0
@@ -85,11 +92,13 @@ class Cluster:
         for name in ("devices_per_node", "fast_domain"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if self.sm_count < 0:
+            problems.append(f"sm_count={self.sm_count} must be 0 (no wave quantization) or positive")
         for name in ("peak_tflops", "memory_gib", "hbm_tbs", "intra_bw_gbs", "inter_bw_gbs",
-                     "matmul_efficiency", "attention_efficiency"):
+                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in ("matmul_efficiency", "attention_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency"):
             if getattr(self, name) > 1:
                 problems.append(f"{name}={getattr(self, name)} is a fraction of peak, at most 1")
         if self.memory_reserved_gib >= self.memory_gib:
@@ -109,7 +118,7 @@ class Cluster:
 
     def memory_bw_per_rank(self, world_size: int) -> float:
         """Bytes/s of memory bandwidth one rank gets (shared CPU: split among its ranks)."""
-        return self.hbm_tbs * 1e12 / (world_size if self.shared_compute else 1)
+        return self.hbm_tbs * 1e12 * self.hbm_efficiency / (world_size if self.shared_compute else 1)
 
     def overhead_per_rank(self, world_size: int) -> float:
         """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
@@ -129,27 +138,27 @@ PRESETS: dict[str, Cluster] = {
     c.name: c
     for c in [
         # DGX A100 80GB: NVLink3 + NVSwitch (229 GB/s all-reduce bus bw), 8x HDR 200 Gb/s (24 GB/s).
-        Cluster(name="dgx-a100", peak_tflops=312.0, memory_gib=80.0, hbm_tbs=2.04,
+        Cluster(name="dgx-a100", peak_tflops=312.0, sm_count=108, memory_gib=80.0, hbm_tbs=2.04,
                 intra_bw_gbs=229.0, inter_bw_gbs=24.0),
         # DGX H100: NVLink4 (about 370 GB/s effective), 8x NDR 400 Gb/s (46-48 GB/s).
-        Cluster(name="dgx-h100", peak_tflops=989.0, memory_gib=80.0, hbm_tbs=3.35,
+        Cluster(name="dgx-h100", peak_tflops=989.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
                 intra_bw_gbs=370.0, inter_bw_gbs=47.0),
         # DGX H200: same NVLink4 (about 475 GB/s all-reduce bus bw measured), 141 GB HBM3e.
-        Cluster(name="dgx-h200", peak_tflops=989.0, memory_gib=141.0, hbm_tbs=4.8,
+        Cluster(name="dgx-h200", peak_tflops=989.0, sm_count=132, memory_gib=141.0, hbm_tbs=4.8,
                 intra_bw_gbs=475.0, inter_bw_gbs=47.0),
         # GB200 NVL72: 72 GPUs in one NVLink domain (835-847 GB/s at 4-8 GiB), 400 Gb/s NIC each.
-        Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0,
+        Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0, sm_count=148,
                 memory_gib=186.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0),
         # 8x H100 PCIe without NVLink bridges: every collective goes through PCIe Gen5 x16
         # (about 28 GB/s all-reduce bus bw measured on such boxes), so the fast domain is 1.
-        Cluster(name="pcie-h100", fast_domain=1, peak_tflops=756.0, memory_gib=80.0, hbm_tbs=2.0,
+        Cluster(name="pcie-h100", fast_domain=1, peak_tflops=756.0, sm_count=114, memory_gib=80.0, hbm_tbs=2.0,
                 intra_bw_gbs=28.0, inter_bw_gbs=28.0, inter_latency_us=5.0),
         # H800 (DeepSeek-V3 report: NVLink about 160 GB/s, IB 50 GB/s per GPU): same core as H100.
-        Cluster(name="hgx-h800", peak_tflops=989.0, memory_gib=80.0, hbm_tbs=3.35,
+        Cluster(name="hgx-h800", peak_tflops=989.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
                 intra_bw_gbs=160.0, inter_bw_gbs=47.0),
         # This machine before `phalanx calibrate` has measured it: a rough CPU guess.
         Cluster(name="local", devices_per_node=os.cpu_count() or 1, fast_domain=os.cpu_count() or 1,
-                peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02,
+                peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02, hbm_efficiency=1.0,
                 intra_bw_gbs=2.0, inter_bw_gbs=2.0, intra_latency_us=50.0, inter_latency_us=50.0,
                 matmul_efficiency=1.0, matmul_half_dim=32.0, attention_efficiency=0.5,
                 layer_overhead_us=300.0, shared_compute=True),
@@ -195,6 +204,8 @@ def cluster_from_dict(data: dict, *, source: str) -> Cluster:
         else:
             values[key] = str(raw)
     values.setdefault("name", Path(source).stem)
+    if "measured_groups" in values:  # written by calibrate, before hbm_efficiency existed: measured bandwidth
+        values.setdefault("hbm_efficiency", 1.0)
     return Cluster(**values)
 
 

@@ -78,8 +78,13 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
-                           moe: bool, flash: bool = True) -> float:
-    """Activation bytes one layer keeps for backward for one micro-batch on one device."""
+                           moe: bool, flash: bool = True, sp_regather: bool = True) -> float:
+    """Activation bytes one layer keeps for backward for one micro-batch on one device.
+
+    sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
+    backward (Megatron; the published formula). False: the gathered inputs are kept whole
+    (phalanx's DTensor sequence parallelism), 4 s b h bytes not divided by tp.
+    """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
     if recompute == "full":
@@ -88,6 +93,10 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
     replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
+    whole = 0.0
+    if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
+        replicated -= 4 * sbh
+        whole = 4 * sbh
     if moe:
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
@@ -97,7 +106,7 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         split += 8 * s * b * model.ffn_dim
     else:
         split += 4 * s * b * model.ffn_dim
-    total = replicated / (tp if sp else 1) + split / tp
+    total = replicated / (tp if sp else 1) + split / tp + whole
     if not flash and recompute == "none":
         total += (5 if dropout else 2) * model.n_heads * s * s * b / tp
     return total
