@@ -227,57 +227,24 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
 
 
 def _fsdp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
-    """Per-unit, per-micro-batch cost of FSDP2 beyond its collectives' bytes: tiny models with 1
-    and 5 sharded blocks, timed with and without fully_shard (the slope of the difference)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from phalanx.model.config import ModelConfig
-    from phalanx.model.transformer import Transformer
-
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (world,))
-    extra = []
-    for layers in (1, 5):
-        cfg = ModelConfig(name="fsdp", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-        tokens = torch.randint(0, cfg.vocab_size, (1, 8))
-        times = []
-        for shard in (False, True):
-            torch.manual_seed(0)
-            model = Transformer(cfg)
-            if shard:
-                for block in model.layers.values():
-                    fully_shard(block, mesh=mesh)
-                fully_shard(model, mesh=mesh)
-
-            def step():
-                model(tokens).sum().backward()
-
-            samples = []
-            for i in range(repeats + 2):
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                if i >= 2:
-                    samples.append(time.perf_counter() - start)
-            times.append(min(samples))
-        extra.append(times[1] - times[0])
-    if rank == 0:
-        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4) * 1e6})
-    dist.destroy_process_group()
+    """Per-unit, per-micro-batch cost of FSDP2 beyond its collectives' bytes."""
+    _wrapper_overhead_worker(rank, world, port, repeats, threads, queue, kind="fsdp")
 
 
 def _tp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
-    """Per-layer, per-pass cost of tensor parallelism beyond its collectives (DTensor dispatch):
-    tiny models with 1 and 5 blocks, timed with and without column/row-wise sharding."""
+    """Per-layer, per-pass cost of tensor parallelism beyond its collectives (DTensor dispatch)."""
+    _wrapper_overhead_worker(rank, world, port, repeats, threads, queue, kind="tp")
+
+
+def _wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue, *,
+                             kind: str) -> None:
+    """Tiny models with 1 and 5 blocks, timed with and without the wrapping (`kind`: "fsdp" =
+    fully_shard per block and root, "tp" = phalanx's column/row-wise block plan); the slope of
+    the difference over the 4 extra blocks is the cost per block, per pass for tp (forward and
+    two backward products: 3 passes)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
@@ -286,21 +253,32 @@ def _tp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (world,))
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+
+    def wrap(model) -> None:
+        if kind == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            from phalanx.parallel.tensor_parallel import block_plan
+
+            for block in model.layers.values():
+                parallelize_module(block, mesh, block_plan(sp=False))
+
     extra = []
     for layers in (1, 5):
-        cfg = ModelConfig(name="tp", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+        cfg = ModelConfig(name=kind, dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
         tokens = torch.randint(0, cfg.vocab_size, (1, 8))
         times = []
         for shard in (False, True):
             torch.manual_seed(0)
             model = Transformer(cfg)
             if shard:
-                for block in model.layers.values():
-                    parallelize_module(block, mesh, plan)
-
+                wrap(model)
             samples = []
             for i in range(repeats + 2):
                 dist.barrier()
@@ -310,8 +288,9 @@ def _tp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
                     samples.append(time.perf_counter() - start)
             times.append(min(samples))
         extra.append(times[1] - times[0])
+    passes = 3 if kind == "tp" else 1
     if rank == 0:
-        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4 / 3) * 1e6})
+        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4 / passes) * 1e6})
     dist.destroy_process_group()
 
 
