@@ -114,8 +114,23 @@ def _check_load_records(cfg, dp: int) -> None:
 @pytest.mark.parametrize("plan", ["dp=2,ep=2,tp=2", "dp=2,ep=2,pp=2"])
 def test_with_tensor_and_pipeline_parallelism(moe_config, reference, plan):
     """ep inside tp (attention split over tp, experts whole on each tp rank) and inside
-    pipeline stages (each stage routes its own layers over its own ep group)."""
-    _compare(run_ranks(4, _run, moe_config.replace(plan=plan, out=f"{moe_config.out}-{plan}")), reference)
+    pipeline stages (each stage routes its own layers over its own ep group).
+
+    The load records must hold every MoE layer, also under pp where rank 0 holds only the
+    first stage's layers, and each expert's count must equal one process's exactly: routing
+    is the same token by token (that is what the loss/weight comparison relies on), and
+    counts are integers, so there is no tolerance to argue about.
+    """
+    cfg = moe_config.replace(plan=plan, out=f"{moe_config.out}-{plan}")
+    _compare(run_ranks(4, _run, cfg), reference)
+    _check_load_records(cfg, dp=2)
+    assert _expert_counts(cfg.out) == _expert_counts(moe_config.out + "-ref")
+
+
+def _expert_counts(out: str) -> list[dict[str, list[int]]]:
+    """Per step, each MoE layer's tokens per expert, from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [{layer: value["expert_tokens"] for layer, value in r["moe"].items()} for r in records]
 
 
 def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):

@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 record["peak_mem_mb_by_rank"] = peak_memory_by_rank(device)
             if pipeline is not None:
                 record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
-            record.update(moe_stats.end_step(model, mesh))  # expert loads; loss-free bias update
+            record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             done = step + 1
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
