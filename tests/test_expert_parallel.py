@@ -144,3 +144,27 @@ def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):
     assert reference[1]["layers.0.feed_forward.router.expert_bias"].abs().sum() > 0
     cfg = moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=moe_config.out + "-sigmoid")
     _compare(run_ranks(2, _run, cfg), reference)
+
+
+def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, reference):
+    """Balance and z losses on: dp=2,ep=2,pp=2 trains as dp=2,ep=2 with the same micro-batches.
+
+    Both compute each aux loss per rank and per micro-batch (2 of a dp rank's 4 sequences),
+    so the losses are the same numbers; the pipeline puts their gradients into each stage's
+    backward (`moe_stats.aux_losses_in_backward`) where the flat loop adds them to the loss.
+    The micro-batch count is set on both because pp's default is 2 x pp = 4, and the balance
+    loss of 1-sequence micro-batches is another number (f_e * p_e is not linear in the tokens;
+    the z-loss, a plain mean, would still match). Neither is one process's aux loss, which
+    sees all 8 sequences in one forward: hence the comparison with the non-pipelined layout.
+    Same tolerance argument as above. The coefficients are large so that losing the aux
+    gradient of either stage moves the weights far past the tolerance (checked below against
+    the run without aux losses; with the hook removed this test fails at the first norm).
+    """
+    cfg = model_config_module.PRESETS["tiny-moe"].replace(aux_loss_coef=0.1, z_loss_coef=0.01)
+    monkeypatch.setitem(model_config_module.PRESETS, "tiny-moe", cfg)  # forked ranks inherit it
+    flat = run_ranks(2, _run, moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=moe_config.out + "-aux-flat"))
+    piped = run_ranks(4, _run, moe_config.replace(plan="dp=2,ep=2,pp=2,microbatches=2", out=moe_config.out + "-aux-pp"))
+    _compare(piped, flat[0])
+    for layer in range(4):  # each stage's aux gradient matters: both moved the routers
+        name = f"layers.{layer}.feed_forward.router.gate.weight"
+        assert (flat[0][1][name] - reference[1][name]).abs().max() > 10 * TOLERANCE, name

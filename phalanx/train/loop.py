@@ -145,6 +145,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         WaitClock.install()
+        moe_stats.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(

@@ -1,6 +1,8 @@
 """What the trainer does for mixture-of-experts layers, once per micro-batch and once per step.
 
 * `aux_loss(model)`: the routers' configured balance and z losses, to add to the loss.
+* `aux_losses_in_backward(model)`: under pipeline parallelism, where the schedule computes the
+  loss, put those losses' gradients into the backward through each MoE layer's output instead.
 * `end_step(model, mesh)`: sum the step's per-expert token counts over the data-parallel
   ranks (one all-reduce for all layers), nudge the loss-free balancing biases with those
   global counts (so every rank applies the same update), and return the record fields:
@@ -25,7 +27,7 @@ from torch import nn
 
 from phalanx.model.init import canonical_name
 from phalanx.model.config import ModelConfig
-from phalanx.model.moe import MoE
+from phalanx.model.moe import MoE, in_recompute
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -41,6 +43,48 @@ def aux_loss(model: nn.Module) -> torch.Tensor | float:
     """Sum of the auxiliary losses the MoE layers left from the last forward (0 if none)."""
     terms = [moe.aux_loss for _, moe in moe_layers(model) if moe.aux_loss is not None]
     return sum(terms) if terms else 0.0
+
+
+class _AddAuxGradient(torch.autograd.Function):
+    """Identity on a layer's output that, in backward, also seeds its auxiliary loss with
+    gradient 1, as if that loss had been added to the loss being back-propagated.
+
+    Under pipeline parallelism the schedule back-propagates the last stage's loss only; an
+    auxiliary loss made on an earlier stage is in no graph that reaches it. Riding on the
+    layer's output puts its gradient in the backward the stage runs anyway, at the point where
+    that output's gradient arrives. (Megatron-Core's `MoEAuxLossAutoScaler` uses the same idea.)
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+def _aux_into_backward(moe: MoE, args, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: attach the auxiliary loss the layer just made to its output."""
+    if not moe.training or moe.aux_loss is None or in_recompute():
+        return output  # recompute: the first forward already attached this micro-batch's loss
+    aux, moe.aux_loss = moe.aux_loss, None  # consumed here: nobody else may add it again
+    return _AddAuxGradient.apply(output, aux)
+
+
+def aux_losses_in_backward(model: nn.Module) -> None:
+    """Make each MoE layer's auxiliary losses part of the backward through its own output,
+    for pipeline stages, where the trainer cannot add them to the loss it back-propagates.
+
+    The gradient seeded is 1 per micro-batch's aux loss; the schedule then divides every
+    gradient by the number of micro-batches (`scale_grads`), exactly as the non-pipelined
+    loop back-propagates `(loss + aux) / microbatches` per micro-batch.
+    """
+    for _, moe in moe_layers(model):
+        if moe.aux_loss_coef or moe.z_loss_coef:
+            moe.register_forward_hook(_aux_into_backward)
 
 
 def imbalance(load: torch.Tensor) -> float:
