@@ -146,7 +146,8 @@ def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):
     _compare(run_ranks(2, _run, cfg), reference)
 
 
-def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, reference):
+@pytest.mark.parametrize("extra", ["", ",recompute=full"])
+def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, reference, extra):
     """Balance and z losses on: dp=2,ep=2,pp=2 trains as dp=2,ep=2 with the same micro-batches.
 
     Both compute each aux loss per rank and per micro-batch (2 of a dp rank's 4 sequences),
@@ -159,11 +160,13 @@ def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, referenc
     Same tolerance argument as above. The coefficients are large so that losing the aux
     gradient of either stage moves the weights far past the tolerance (checked below against
     the run without aux losses; with the hook removed this test fails at the first norm).
+    With recompute=full the blocks' forwards run again in backward; the aux gradient must
+    enter once (and the recomputation must save the same tensors as the first forward).
     """
     cfg = model_config_module.PRESETS["tiny-moe"].replace(aux_loss_coef=0.1, z_loss_coef=0.01)
     monkeypatch.setitem(model_config_module.PRESETS, "tiny-moe", cfg)  # forked ranks inherit it
-    flat = run_ranks(2, _run, moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=moe_config.out + "-aux-flat"))
-    piped = run_ranks(4, _run, moe_config.replace(plan="dp=2,ep=2,pp=2,microbatches=2", out=moe_config.out + "-aux-pp"))
+    flat = run_ranks(2, _run, moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=f"{moe_config.out}-aux-flat{extra}"))
+    piped = run_ranks(4, _run, moe_config.replace(plan="dp=2,ep=2,pp=2,microbatches=2" + extra, out=f"{moe_config.out}-aux-pp{extra}"))
     _compare(piped, flat[0])
     for layer in range(4):  # each stage's aux gradient matters: both moved the routers
         name = f"layers.{layer}.feed_forward.router.gate.weight"

@@ -57,13 +57,15 @@ class _AddAuxGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux)
+        # Shape, dtype and device only, not a saved tensor: activation checkpointing compares
+        # the number of saved tensors with the recomputation, which skips this function.
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.ones_like(aux)
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
 def _aux_into_backward(moe: MoE, args, output: torch.Tensor) -> torch.Tensor:
