@@ -146,7 +146,7 @@ def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):
     _compare(run_ranks(2, _run, cfg), reference)
 
 
-@pytest.mark.parametrize("extra", ["", ",recompute=full"])
+@pytest.mark.parametrize("extra", ["", ",recompute=full", ",schedule=zbv"])
 def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, reference, extra):
     """Balance and z losses on: dp=2,ep=2,pp=2 trains as dp=2,ep=2 with the same micro-batches.
 
@@ -162,6 +162,9 @@ def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, referenc
     the run without aux losses; with the hook removed this test fails at the first norm).
     With recompute=full the blocks' forwards run again in backward; the aux gradient must
     enter once (and the recomputation must save the same tensors as the first forward).
+    zbv splits backward into an input pass and a later weight pass: the aux gradient must
+    reach the routers' weights through the latter, and the experts' weights must be found
+    by it at all (they were not while FSDP resharded them after forward).
     """
     cfg = model_config_module.PRESETS["tiny-moe"].replace(aux_loss_coef=0.1, z_loss_coef=0.01)
     monkeypatch.setitem(model_config_module.PRESETS, "tiny-moe", cfg)  # forked ranks inherit it
