@@ -219,3 +219,25 @@ def test_grouped_mm_failure_falls_back_to_the_loop(monkeypatch):
     out = experts(inputs[0], counts)
     assert moe._GROUPED_MM_CHECKED == {(inputs[0].device, torch.float32, 32, 48): False}
     torch.testing.assert_close(out, moe.grouped_expert_ffn(inputs[0], counts.tolist(), *inputs[1:]), rtol=0, atol=0)
+
+
+def test_grouped_mm_check_inside_activation_checkpointing(monkeypatch):
+    """The one-time `_grouped_mm` check runs inside the first forward, which may be an
+    activation-checkpointed block: its tensors must stay out of the checkpoint's saved ones,
+    or the recomputation (which finds the answer cached) saves fewer and raises. The result
+    must equal the uncheckpointed layer's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from phalanx.model import moe as moe_module
+
+    torch.manual_seed(0)
+    layer = MoE(model_config("tiny-moe"))
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.05)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    monkeypatch.setattr(moe_module, "_GROUPED_MM_CHECKED", {})  # the check runs in the forward below
+    checkpoint(layer, x, use_reentrant=False).square().sum().backward()
+    checkpointed = x.grad.clone()
+    x.grad = None
+    layer(x).square().sum().backward()
+    torch.testing.assert_close(checkpointed, x.grad, rtol=0, atol=0)

@@ -104,7 +104,11 @@ def _agrees_with_loop(device: torch.device, dtype: torch.dtype, dim: int, hidden
 
         inputs = [draw(16, dim), draw(4, hidden, dim), draw(4, dim, hidden), draw(4, hidden, dim)]
         grad = draw(16, dim)  # a plain gradient: the layer's weighting multiply always makes one
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        # Pass-through saved-tensor hooks: the check runs inside the first forward, possibly
+        # in an activation-checkpointed block, whose hooks must not see its tensors (the
+        # recomputation, which finds the answer cached, would save fewer and fail).
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             for ffn in (grouped_expert_ffn, grouped_mm_expert_ffn):
                 leaves = [t.clone().requires_grad_() for t in inputs]
                 out = ffn(leaves[0], counts.tolist() if ffn is grouped_expert_ffn else counts, *leaves[1:])
