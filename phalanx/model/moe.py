@@ -94,21 +94,24 @@ def grouped_mm_works(x: torch.Tensor, w1: torch.Tensor) -> bool:
 
 
 def _agrees_with_loop(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    # Pass-through saved-tensor hooks: the check runs inside the first forward, possibly in an
+    # activation-checkpointed block, whose hooks must not see its tensors (the recomputation,
+    # which finds the answer cached, would save fewer and fail). inference_mode(False): should
+    # the first call come under inference mode, the check still needs autograd.
     results = []
     try:
-        generator = torch.Generator(device=device).manual_seed(0)
-        counts = torch.tensor([3, 0, 5, 8], device=device)  # uneven groups and an idle expert
+        with (
+            torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        ):
+            generator = torch.Generator(device=device).manual_seed(0)
+            counts = torch.tensor([3, 0, 5, 8], device=device)  # uneven groups and an idle expert
 
-        def draw(*shape: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=generator, device=device) / shape[-1] ** 0.5).to(dtype)
+            def draw(*shape: int) -> torch.Tensor:
+                return (torch.randn(*shape, generator=generator, device=device) / shape[-1] ** 0.5).to(dtype)
 
-        inputs = [draw(16, dim), draw(4, hidden, dim), draw(4, dim, hidden), draw(4, hidden, dim)]
-        grad = draw(16, dim)  # a plain gradient: the layer's weighting multiply always makes one
-        # Pass-through saved-tensor hooks: the check runs inside the first forward, possibly
-        # in an activation-checkpointed block, whose hooks must not see its tensors (the
-        # recomputation, which finds the answer cached, would save fewer and fail).
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            inputs = [draw(16, dim), draw(4, hidden, dim), draw(4, dim, hidden), draw(4, hidden, dim)]
+            grad = draw(16, dim)  # a plain gradient: the layer's weighting multiply always makes one
             for ffn in (grouped_expert_ffn, grouped_mm_expert_ffn):
                 leaves = [t.clone().requires_grad_() for t in inputs]
                 out = ffn(leaves[0], counts.tolist() if ffn is grouped_expert_ffn else counts, *leaves[1:])
