@@ -114,8 +114,23 @@ def _check_load_records(cfg, dp: int) -> None:
 @pytest.mark.parametrize("plan", ["dp=2,ep=2,tp=2", "dp=2,ep=2,pp=2"])
 def test_with_tensor_and_pipeline_parallelism(moe_config, reference, plan):
     """ep inside tp (attention split over tp, experts whole on each tp rank) and inside
-    pipeline stages (each stage routes its own layers over its own ep group)."""
-    _compare(run_ranks(4, _run, moe_config.replace(plan=plan, out=f"{moe_config.out}-{plan}")), reference)
+    pipeline stages (each stage routes its own layers over its own ep group).
+
+    The load records must hold every MoE layer, also under pp where rank 0 holds only the
+    first stage's layers, and each expert's count must equal one process's exactly: routing
+    is the same token by token (that is what the loss/weight comparison relies on), and
+    counts are integers, so there is no tolerance to argue about.
+    """
+    cfg = moe_config.replace(plan=plan, out=f"{moe_config.out}-{plan}")
+    _compare(run_ranks(4, _run, cfg), reference)
+    _check_load_records(cfg, dp=2)
+    assert _expert_counts(cfg.out) == _expert_counts(moe_config.out + "-ref")
+
+
+def _expert_counts(out: str) -> list[dict[str, list[int]]]:
+    """Per step, each MoE layer's tokens per expert, from a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [{layer: value["expert_tokens"] for layer, value in r["moe"].items()} for r in records]
 
 
 def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):
@@ -129,3 +144,33 @@ def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):
     assert reference[1]["layers.0.feed_forward.router.expert_bias"].abs().sum() > 0
     cfg = moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=moe_config.out + "-sigmoid")
     _compare(run_ranks(2, _run, cfg), reference)
+
+
+@pytest.mark.parametrize("extra", ["", ",recompute=full", ",schedule=zbv"])
+def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, reference, extra):
+    """Balance and z losses on: dp=2,ep=2,pp=2 trains as dp=2,ep=2 with the same micro-batches.
+
+    Both compute each aux loss per rank and per micro-batch (2 of a dp rank's 4 sequences),
+    so the losses are the same numbers; the pipeline puts their gradients into each stage's
+    backward (`moe_stats.aux_losses_in_backward`) where the flat loop adds them to the loss.
+    The micro-batch count is set on both because pp's default is 2 x pp = 4, and the balance
+    loss of 1-sequence micro-batches is another number (f_e * p_e is not linear in the tokens;
+    the z-loss, a plain mean, would still match). Neither is one process's aux loss, which
+    sees all 8 sequences in one forward: hence the comparison with the non-pipelined layout.
+    Same tolerance argument as above. The coefficients are large so that losing the aux
+    gradient of either stage moves the weights far past the tolerance (checked below against
+    the run without aux losses; with the hook removed this test fails at the first norm).
+    With recompute=full the blocks' forwards run again in backward; the aux gradient must
+    enter once (and the recomputation must save the same tensors as the first forward).
+    zbv splits backward into an input pass and a later weight pass: the aux gradient must
+    reach the routers' weights through the latter, and the experts' weights must be found
+    by it at all (they were not while FSDP resharded them after forward).
+    """
+    cfg = model_config_module.PRESETS["tiny-moe"].replace(aux_loss_coef=0.1, z_loss_coef=0.01)
+    monkeypatch.setitem(model_config_module.PRESETS, "tiny-moe", cfg)  # forked ranks inherit it
+    flat = run_ranks(2, _run, moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=f"{moe_config.out}-aux-flat{extra}"))
+    piped = run_ranks(4, _run, moe_config.replace(plan="dp=2,ep=2,pp=2,microbatches=2" + extra, out=f"{moe_config.out}-aux-pp{extra}"))
+    _compare(piped, flat[0])
+    for layer in range(4):  # each stage's aux gradient matters: both moved the routers
+        name = f"layers.{layer}.feed_forward.router.gate.weight"
+        assert (flat[0][1][name] - reference[1][name]).abs().max() > 10 * TOLERANCE, name

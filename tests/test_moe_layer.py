@@ -153,3 +153,91 @@ def test_config_and_plan_errors_name_the_numbers():
         validate_ep(model_config("tiny"), Plan(dp=2, ep=2))
     with pytest.raises(UserError, match="ep=4 must divide dp=2"):
         Plan(dp=2, ep=4).validate()
+
+
+def _expert_problem(dtype=torch.float32, device="cpu"):
+    """Rows grouped by expert with uneven groups, two idle experts, and a downstream gradient
+    that is a plain (not expanded) tensor, as the MoE layer's backward delivers."""
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.tensor([7, 0, 19, 1, 0, 12])
+    draw = lambda *shape: (torch.randn(*shape, generator=generator) / shape[-1] ** 0.5).to(device, dtype)
+    return counts.to(device), [draw(39, 32), draw(6, 48, 32), draw(6, 32, 48), draw(6, 48, 32)], draw(39, 32)
+
+
+def _ffn_and_grads(ffn, counts, inputs, grad):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = ffn(leaves[0], counts, *leaves[1:])
+    return [out, *torch.autograd.grad(out, leaves, grad)]
+
+
+def test_grouped_mm_path_matches_the_loop():
+    """One `torch._grouped_mm` per weight gives the loop's output and every gradient (input
+    and the three stacked weights) on CPU fp32. Each row's products are the same dot
+    products in both, so they agree to float rounding (bit-identical on torch 2.13 CPU);
+    1e-5 only allows another kernel's summation order."""
+    from phalanx.model.moe import grouped_expert_ffn, grouped_mm_expert_ffn, grouped_mm_works
+
+    counts, inputs, grad = _expert_problem()
+    if not grouped_mm_works(inputs[0], inputs[1]):
+        pytest.skip("torch._grouped_mm is unavailable or unusable on CPU in this torch; the loop runs")
+    loop = _ffn_and_grads(lambda x, c, *w: grouped_expert_ffn(x, c.tolist(), *w), counts, inputs, grad)
+    fused = _ffn_and_grads(grouped_mm_expert_ffn, counts, inputs, grad)
+    for name, a, b in zip(("out", "x", "w1", "w2", "w3"), loop, fused):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_mm_path_matches_the_loop_on_cuda_bf16():
+    """Where the fused path is meant to run: bf16 on a GPU. bf16 keeps 8 bits of mantissa
+    (~4e-3 relative per rounding) and the two paths round at different points, hence 3e-2."""
+    from phalanx.model.moe import grouped_expert_ffn, grouped_mm_expert_ffn, grouped_mm_works
+
+    counts, inputs, grad = _expert_problem(torch.bfloat16, "cuda")
+    if not grouped_mm_works(inputs[0], inputs[1]):
+        pytest.skip("torch._grouped_mm does not work on this GPU/torch; the loop runs")
+    loop = _ffn_and_grads(lambda x, c, *w: grouped_expert_ffn(x, c.tolist(), *w), counts, inputs, grad)
+    fused = _ffn_and_grads(grouped_mm_expert_ffn, counts, inputs, grad)
+    for name, a, b in zip(("out", "x", "w1", "w2", "w3"), loop, fused):
+        torch.testing.assert_close(b.float(), a.float(), rtol=3e-2, atol=3e-2, msg=name)
+
+
+def test_grouped_mm_failure_falls_back_to_the_loop(monkeypatch):
+    """A `_grouped_mm` that raises (an unsupported device, dtype or torch) is caught by the
+    one-time check, and the layer runs the loop instead, with the loop's result."""
+    from phalanx.model import moe
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    monkeypatch.setattr(moe, "_GROUPED_MM_CHECKED", {})
+    counts, inputs, grad = _expert_problem()
+    experts = moe.GroupedExperts(6, 32, 48)
+    with torch.no_grad():
+        for weight, value in zip((experts.w1, experts.w2, experts.w3), inputs[1:]):
+            weight.copy_(value)
+    out = experts(inputs[0], counts)
+    assert moe._GROUPED_MM_CHECKED == {(inputs[0].device, torch.float32, 32, 48): False}
+    torch.testing.assert_close(out, moe.grouped_expert_ffn(inputs[0], counts.tolist(), *inputs[1:]), rtol=0, atol=0)
+
+
+def test_grouped_mm_check_inside_activation_checkpointing(monkeypatch):
+    """The one-time `_grouped_mm` check runs inside the first forward, which may be an
+    activation-checkpointed block: its tensors must stay out of the checkpoint's saved ones,
+    or the recomputation (which finds the answer cached) saves fewer and raises. The result
+    must equal the uncheckpointed layer's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from phalanx.model import moe as moe_module
+
+    torch.manual_seed(0)
+    layer = MoE(model_config("tiny-moe"))
+    for param in layer.parameters():
+        torch.nn.init.normal_(param, std=0.05)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    monkeypatch.setattr(moe_module, "_GROUPED_MM_CHECKED", {})  # the check runs in the forward below
+    checkpoint(layer, x, use_reentrant=False).square().sum().backward()
+    checkpointed = x.grad.clone()
+    x.grad = None
+    layer(x).square().sum().backward()
+    torch.testing.assert_close(checkpointed, x.grad, rtol=0, atol=0)

@@ -2,7 +2,9 @@
 
 Expert weights are stacked into (n_experts, ...) tensors held by `GroupedExperts`, so that
 expert parallelism can keep a contiguous block of experts per rank, and tokens are processed
-grouped by expert (sorted, then one contiguous slice per expert) rather than masked or padded.
+grouped by expert (sorted, then one contiguous slice per expert) rather than masked or padded:
+one `torch._grouped_mm` per weight where that kernel works (checked once per device and
+dtype), otherwise one matmul per expert.
 
 `GroupedExperts.forward(rows, counts)` is the seam that expert parallelism uses: it receives the
 rows sorted by expert and the count per expert, and `phalanx.parallel.expert` wraps that call
@@ -30,10 +32,9 @@ def grouped_expert_ffn(
     w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden).
 
     One matmul per expert per weight over exactly that expert's rows: no padding, so the cost
-    follows the number of rows, however skewed the routing. (torch's fused `grouped_mm` would
-    remove the loop, but on CPU it rejects some strides and fails in backward on expanded
-    gradients in torch 2.13, and it is absent from older torch; the loop runs n_local_experts
-    iterations, small next to the matmuls.)
+    follows the number of rows, however skewed the routing. The fallback of
+    `grouped_mm_expert_ffn` (and the reference it is checked against): it needs the counts on
+    the host, and a Python loop over the local experts.
     """
     outputs = []
     for expert, rows in enumerate(torch.split(x, counts)):
@@ -48,6 +49,80 @@ def grouped_expert_ffn(
         # otherwise prune the path through an output that ignores x.
         return x * 0 + 0 * (w1.sum() + w2.sum() + w3.sum())
     return torch.cat(outputs)
+
+
+def grouped_mm_expert_ffn(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """The same SwiGLU as `grouped_expert_ffn`, one `torch._grouped_mm` per weight.
+
+    Each call multiplies every expert's contiguous group of rows by that expert's weight in
+    one kernel; the groups end at `offsets`, so there is no loop over experts, no padding, and
+    no host sync on the counts. Under autocast the operands are cast to its dtype, as autocast
+    does for the matmuls of the loop (whether `_grouped_mm` is on autocast's list is not
+    assumed). The gradient arriving at the output must be a plain tensor (torch 2.13's CPU
+    kernel rejects an expanded one); in `MoE.forward` it comes through the multiply by the
+    combine weights, which always makes one.
+    """
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+    offsets = torch.cumsum(counts, 0).to(torch.int32)  # (experts,) end row of each expert's group
+    hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * torch._grouped_mm(
+        x, w3.transpose(-2, -1), offs=offsets
+    )  # (rows, hidden)
+    return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)  # (rows, dim)
+
+
+_GROUPED_MM_CHECKED: dict[tuple, bool] = {}
+
+
+def grouped_mm_works(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether `grouped_mm_expert_ffn` runs here and agrees with the loop, forward and backward.
+
+    `torch._grouped_mm` is private, absent from older torch, and its kernels differ by device,
+    dtype and torch version (torch 2.13's CPU kernel, for one, rejects an expanded output
+    gradient). So it is tried once per (device, dtype, dim, hidden) on a small problem with
+    uneven groups and an empty one, against the loop, and used only if that succeeds; any
+    error or disagreement means the loop. Uses its own random generator: the training's random
+    state is untouched.
+    """
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    key = (x.device, dtype, w1.shape[-1], w1.shape[-2])
+    if key not in _GROUPED_MM_CHECKED:
+        _GROUPED_MM_CHECKED[key] = hasattr(torch, "_grouped_mm") and _agrees_with_loop(x.device, dtype, *key[2:])
+    return _GROUPED_MM_CHECKED[key]
+
+
+def _agrees_with_loop(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    # Pass-through saved-tensor hooks: the check runs inside the first forward, possibly in an
+    # activation-checkpointed block, whose hooks must not see its tensors (the recomputation,
+    # which finds the answer cached, would save fewer and fail). inference_mode(False): should
+    # the first call come under inference mode, the check still needs autograd.
+    results = []
+    try:
+        with (
+            torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        ):
+            generator = torch.Generator(device=device).manual_seed(0)
+            counts = torch.tensor([3, 0, 5, 8], device=device)  # uneven groups and an idle expert
+
+            def draw(*shape: int) -> torch.Tensor:
+                return (torch.randn(*shape, generator=generator, device=device) / shape[-1] ** 0.5).to(dtype)
+
+            inputs = [draw(16, dim), draw(4, hidden, dim), draw(4, dim, hidden), draw(4, hidden, dim)]
+            grad = draw(16, dim)  # a plain gradient: the layer's weighting multiply always makes one
+            for ffn in (grouped_expert_ffn, grouped_mm_expert_ffn):
+                leaves = [t.clone().requires_grad_() for t in inputs]
+                out = ffn(leaves[0], counts.tolist() if ffn is grouped_expert_ffn else counts, *leaves[1:])
+                results.append([out.detach(), *torch.autograd.grad(out, leaves, grad)])
+    except Exception:  # any failure of a private kernel (unsupported dtype, strides, device): the loop
+        return False
+    tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2  # bf16/fp16 round at ~4e-3
+    return all(
+        a.shape == b.shape and float((a.float() - b.float()).abs().max()) <= tolerance * max(1.0, float(a.float().abs().max()))
+        for a, b in zip(*results)
+    )
 
 
 def in_recompute() -> bool:
@@ -69,6 +144,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows: (n, dim) sorted by expert; counts: (experts,) rows per expert -> (n, dim)."""
+        if rows.shape[0] and grouped_mm_works(rows, self.w1):
+            return grouped_mm_expert_ffn(rows, counts, self.w1, self.w2, self.w3)
+        # The loop also serves a rank that received no rows (see its empty case).
         return grouped_expert_ffn(rows, counts.tolist(), self.w1, self.w2, self.w3)
 
 

@@ -222,7 +222,12 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
             from torch.distributed.fsdp import fully_shard
 
             # Before the blocks are wrapped over "dp" (apply_fsdp), so those skip the experts.
-            fully_shard(experts, mesh=ep_mesh["edp"])
+            # Resharding after forward follows apply_fsdp: not under pp, where every
+            # micro-batch would all-gather again, and where the zero-bubble schedules (zbv,
+            # dualpipev) find the weights for their separate weight-gradient pass among the
+            # module's registered parameters: resharded experts were not found there, and
+            # their gradients came out wrong or missing.
+            fully_shard(experts, mesh=ep_mesh["edp"], reshard_after_forward=plan.pp == 1)
             experts.set_gradient_divide_factor(float(plan.dp))
             if mesh.device.type != "cuda" and edp > 1:
                 # A divide factor other than the group size is a PREMUL_SUM reduction, which

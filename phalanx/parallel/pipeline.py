@@ -85,6 +85,37 @@ class Pipeline:
     has_last: bool
 
 
+_METADATA_FORWARDS = ("_forward_metadata_inference", "_shape_inference")
+"""Names torch's PipelineStage has used for the forward that learns the shapes a stage sends
+(torch 2.13, and earlier). Private; where neither exists nothing is wrapped."""
+
+
+def _metadata_forward_in_eval(stage) -> None:
+    """Run the stage's shape-inference forward with its module in eval mode.
+
+    Without input/output shapes given, a stage learns them on the first step by running its
+    module once more, outside the schedule's micro-batches (on the first micro-batch, or on
+    empty tensors of the received shapes). That forward is not training: in train mode it
+    would add a micro-batch of (partly uninitialized) tokens to the MoE load counters and
+    leave an auxiliary loss behind. Eval mode gives the same shapes and dtypes.
+    """
+    for name in _METADATA_FORWARDS:
+        original = getattr(stage, name, None)
+        if original is None:
+            continue
+
+        def in_eval(*args, _original=original, **kwargs):
+            module, was_training = stage.submod, stage.submod.training
+            module.train(False)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                module.train(was_training)
+
+        setattr(stage, name, in_eval)
+        return
+
+
 def min_microbatches(plan: Plan) -> int:
     """Fewest micro-batches each schedule accepts (checked before any worker starts)."""
     if plan.pp == 1 or plan.schedule == "gpipe":
@@ -136,6 +167,8 @@ def build_schedule(plan: Plan, stage_modules: list[nn.Module], stage_indices: li
         pl.PipelineStage(module, index, n_stages, device, group=pp_group)
         for module, index in zip(stage_modules, stage_indices)
     ]
+    for stage in stages:
+        _metadata_forward_in_eval(stage)
     kinds = {
         "gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved": pl.ScheduleInterleaved1F1B,
         "zbv": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV,

@@ -145,6 +145,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         WaitClock.install()
+        moe_stats.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -201,7 +202,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 record["peak_mem_mb_by_rank"] = peak_memory_by_rank(device)
             if pipeline is not None:
                 record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
-            record.update(moe_stats.end_step(model, mesh))  # expert loads; loss-free bias update
+            record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             done = step + 1
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)

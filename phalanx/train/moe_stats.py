@@ -1,6 +1,8 @@
 """What the trainer does for mixture-of-experts layers, once per micro-batch and once per step.
 
 * `aux_loss(model)`: the routers' configured balance and z losses, to add to the loss.
+* `aux_losses_in_backward(model)`: under pipeline parallelism, where the schedule computes the
+  loss, put those losses' gradients into the backward through each MoE layer's output instead.
 * `end_step(model, mesh)`: sum the step's per-expert token counts over the data-parallel
   ranks (one all-reduce for all layers), nudge the loss-free balancing biases with those
   global counts (so every rank applies the same update), and return the record fields:
@@ -10,8 +12,9 @@
   group; otherwise its own tokens' assignments).
 * `plot_expert_load(metrics, png)`: the run's load as heat-maps (layer x expert, layer x rank).
 
-Under pipeline parallelism each stage sees only its own layers, and metrics.jsonl (written by
-rank 0) then holds the first stage's layers only.
+Under pipeline parallelism each stage holds only its own layers; `end_step` sums the table over
+the pp group too, so every rank, rank 0 (which writes metrics.jsonl) included, returns every
+MoE layer of the model.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.model.init import canonical_name
-from phalanx.model.moe import MoE
+from phalanx.model.config import ModelConfig
+from phalanx.model.moe import MoE, in_recompute
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -41,6 +45,50 @@ def aux_loss(model: nn.Module) -> torch.Tensor | float:
     return sum(terms) if terms else 0.0
 
 
+class _AddAuxGradient(torch.autograd.Function):
+    """Identity on a layer's output that, in backward, also seeds its auxiliary loss with
+    gradient 1, as if that loss had been added to the loss being back-propagated.
+
+    Under pipeline parallelism the schedule back-propagates the last stage's loss only; an
+    auxiliary loss made on an earlier stage is in no graph that reaches it. Riding on the
+    layer's output puts its gradient in the backward the stage runs anyway, at the point where
+    that output's gradient arrives. (Megatron-Core's `MoEAuxLossAutoScaler` uses the same idea.)
+    """
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        # Shape, dtype and device only, not a saved tensor: activation checkpointing compares
+        # the number of saved tensors with the recomputation, which skips this function.
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def _aux_into_backward(moe: MoE, args, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: attach the auxiliary loss the layer just made to its output."""
+    if not moe.training or moe.aux_loss is None or in_recompute():
+        return output  # recompute: the first forward already attached this micro-batch's loss
+    aux, moe.aux_loss = moe.aux_loss, None  # consumed here: nobody else may add it again
+    return _AddAuxGradient.apply(output, aux)
+
+
+def aux_losses_in_backward(model: nn.Module) -> None:
+    """Make each MoE layer's auxiliary losses part of the backward through its own output,
+    for pipeline stages, where the trainer cannot add them to the loss it back-propagates.
+
+    The gradient seeded is 1 per micro-batch's aux loss; the schedule then divides every
+    gradient by the number of micro-batches (`scale_grads`), exactly as the non-pipelined
+    loop back-propagates `(loss + aux) / microbatches` per micro-batch.
+    """
+    for _, moe in moe_layers(model):
+        if moe.aux_loss_coef or moe.z_loss_coef:
+            moe.register_forward_hook(_aux_into_backward)
+
+
 def imbalance(load: torch.Tensor) -> float:
     """(max - mean) / mean: 0 when perfectly even, n - 1 when one of n takes everything."""
     mean = float(load.float().mean())
@@ -48,31 +96,45 @@ def imbalance(load: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def end_step(model: nn.Module, mesh) -> dict:
-    """Reduce and reset this step's counters, update balancing biases; every rank calls this."""
-    layers = moe_layers(model)
-    if not layers:
+def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
+    """Reduce and reset this step's counters, update balancing biases; every rank calls this.
+
+    The table has one row per MoE layer of the whole model (from `cfg`), not only this rank's:
+    a rank fills the rows of the layers it holds and leaves zeros elsewhere. Summing over "dp"
+    adds the data-parallel ranks of a stage; summing over "pp" then fills in the other stages'
+    rows (each layer lives on exactly one pp rank, so nothing is counted twice). Every rank
+    issues the same two all-reduces of the same shape, whatever layers it holds, so stages
+    with no MoE layer take part too. tp ranks hold the same layers and the same counts (their
+    tokens are replicated), and are not reduced over.
+    """
+    moe_ids = [layer for layer in range(cfg.n_layers) if cfg.is_moe_layer(layer)]
+    if not moe_ids:
         return {}
-    dp, dp_rank = mesh.plan.dp, mesh.dp_rank
-    rows = []
-    for _, moe in layers:
-        counts = moe.tokens_per_expert
-        counts = torch.zeros(moe.n_experts, device=mesh.device) if counts is None else counts.float()
-        received = torch.zeros(dp, device=counts.device)
-        received[dp_rank] = float(getattr(moe.experts, "received_tokens", counts.sum()))
-        dropped = torch.tensor([float(moe.dropped_tokens)], device=counts.device)
-        rows.append(torch.cat([counts, received, dropped]))  # (experts + dp + 1,)
-    packed = torch.stack(rows)  # (layers, experts + dp + 1)
+    held = dict(moe_layers(model))  # layer index (str) -> MoE, this rank's layers only
+    dp, dp_rank, n_experts = mesh.plan.dp, mesh.dp_rank, cfg.n_experts
+    packed = torch.zeros(len(moe_ids), n_experts + dp + 1, device=mesh.device)  # (layers, experts + dp + 1)
+    for row, layer in zip(packed, moe_ids):
+        moe = held.get(str(layer))
+        if moe is None:
+            continue  # another stage's layer: its owner fills the row
+        if moe.tokens_per_expert is not None:
+            row[:n_experts] = moe.tokens_per_expert.float()
+        row[n_experts + dp_rank] = float(getattr(moe.experts, "received_tokens", row[:n_experts].sum()))
+        row[-1] = float(moe.dropped_tokens)
     if mesh.distributed and dp > 1:
         dist.all_reduce(packed, group=mesh.group("dp"))
+    if mesh.distributed and mesh.plan.pp > 1:
+        dist.all_reduce(packed, group=mesh.group("pp"))
     record = {}
-    for (layer, moe), row in zip(layers, packed.cpu()):
-        experts, ranks = row[: moe.n_experts], row[moe.n_experts : moe.n_experts + dp]
-        moe.router.update_bias(experts.to(moe.router.expert_bias.device))
-        moe.tokens_per_expert, moe.dropped_tokens = None, 0
-        if hasattr(moe.experts, "received_tokens"):
-            moe.experts.received_tokens = 0
-        record[layer] = {
+    for layer, row in zip(moe_ids, packed.cpu()):
+        experts, ranks = row[:n_experts], row[n_experts : n_experts + dp]
+        moe = held.get(str(layer))
+        if moe is not None:
+            moe.router.update_bias(experts.to(moe.router.expert_bias.device))
+            moe.tokens_per_expert, moe.dropped_tokens = None, 0
+            if hasattr(moe.experts, "received_tokens"):
+                moe.experts.received_tokens = 0
+        record[str(layer)] = {
             "expert_tokens": [int(v) for v in experts], "rank_tokens": [int(v) for v in ranks],
             "expert_imbalance": imbalance(experts), "rank_imbalance": imbalance(ranks), "dropped": int(row[-1]),
         }
