@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # TORCH_SPEC picks the torch build to install when none is present, e.g.
-#   make demo TORCH_SPEC="torch==2.11.0 --index-url https://download.pytorch.org/whl/cu128"
+#   make demo TORCH_SPEC="torch==2.11.0 --index-url <the CUDA wheel index you use>"
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
