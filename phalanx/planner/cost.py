@@ -11,7 +11,8 @@ Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
     flash attention: the full s x s FLOPs (backward 2x), plus softmax (and GPT-style
     dropout) passes over the b a s^2 / tp 16-bit scores in HBM.
   Element-wise work (norms, activations, residuals, rotary): memory-bound, modelled as
-    reading and writing the layer's stored activations once forward, twice backward.
+    reading and writing the layer's stored activations once forward, twice backward, at
+    `elementwise_efficiency` of the bandwidth (1 on GPUs, measured on the real layer on CPUs).
   `layer_overhead_us` per pass (launches, Python): zero on the GPU presets, measured on CPU,
     like the framework costs of tensor parallelism (`tp_layer_overhead_us`, per layer per
     pass), FSDP (`fsdp_unit_overhead_us`, per unit per micro-batch) and activation
@@ -254,7 +255,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
     gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
-    elementwise = 2 * stored / memory_bw
+    elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
         attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
         attention_b = 2.5 * attention
