@@ -29,6 +29,8 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     `dp_overlap`; zero 3 gathers parameters forward and backward and reduce-scatters
     gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
     uses the cores that compute, so nothing overlaps.
+Full recompute under zbv re-runs each block's forward once more per weight tensor, in the
+  W slots (Options.split_backward_recompute: PyTorch's split backward).
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
   exposed DP traffic + the optimizer step (memory-bound: Adam's 30 bytes and clipping's 12 per
   parameter of the local optimizer shard, 4 to zero each gradient-buffer element) +
@@ -93,6 +95,14 @@ class Options:
     """Data-parallel traffic overlapped with the last backward and the first forward."""
     grad_reduce_bytes: int = 4
     """Gradients are reduced in fp32."""
+    split_backward_recompute: bool = True
+    """Under zbv (PyTorch's stage_backward_input, then stage_backward_weight) a checkpointed
+    block's forward runs again for the input gradient and once more for each of its weight
+    tensors' gradients: every weight gradient is a separate autograd call and checkpointing
+    frees what it recomputed after each (measured: a dense SwiGLU block, 9 weight tensors, ran
+    its forward 11 times per micro-batch; a tiny-model zbv step went from 62 to 174 ms with
+    recompute=full, 1f1b from 32 to 54 ms). dualpipev runs measured no such cost, so it is
+    charged to zbv only."""
     sp_regather: bool = False
     """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
     in backward for the weight gradients (Megatron, and the published activation formula).
@@ -282,6 +292,15 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     )
 
 
+def weight_tensors(model: ModelConfig, *, moe: bool) -> int:
+    """Parameter tensors of one block (each its own weight-gradient call in a split backward):
+    two norms, four attention projections, and the MLP's (router, grouped experts' three,
+    shared experts' three) or the dense MLP's three (SwiGLU) or two."""
+    if moe:
+        return 2 + 4 + 1 + 3 + (3 if model.n_shared_experts else 0)
+    return 2 + 4 + (3 if model.mlp == "swiglu" else 2)
+
+
 @functools.lru_cache(maxsize=64)
 def _param_counts(model: ModelConfig):
     return param_counts(model)
@@ -414,13 +433,21 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
         comp_r_fixed = 0.0
+    comp_rw = 0.0  # forwards re-run for the weight gradients, in the W slots
     if lay.recompute == "full":
         comp_r, comm_r = n_dense * dense.f + n_moe * moe.f + comp_r_fixed, tp_f + ep_f
+        if options.split_backward_recompute and p > 1 and lay.schedule == "zbv":
+            comp_rw = (n_dense * weight_tensors(model, moe=False) * (dense.f + cluster.recompute_overhead_us * 1e-6
+                                                                    * cluster.queueing(world))
+                       + n_moe * weight_tensors(model, moe=True) * (moe.f + cluster.recompute_overhead_us * 1e-6
+                                                                   * cluster.queueing(world))
+                       + n_dense * weight_tensors(model, moe=False) * exposed(t_tp, dense.gemm_f)
+                       + n_moe * weight_tensors(model, moe=True) * (exposed(t_tp, moe.gemm_f) + t_ep))
     elif lay.recompute == "selective":
         comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
     else:
         comp_r = comm_r = 0.0
-    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_b + ep_f, w=comp_w, r=comp_r + comm_r,
+    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_b + ep_f, w=comp_w + comp_rw, r=comp_r + comm_r,
                        f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     per_mb = stage.f + stage.b + stage.w + stage.r
 
@@ -453,7 +480,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),
-        "recompute": m * comp_r,
+        "recompute": m * (comp_r + comp_rw),
         "tp_comm": m * (tp_f + tp_b + (tp_f if lay.recompute == "full" else 0.0)),
         "ep_comm": m * (2 * ep_f + (ep_f if lay.recompute == "full" else 0)),
         "pp_comm": pp_comm,
