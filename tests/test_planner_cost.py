@@ -258,3 +258,14 @@ def test_zbv_full_recompute_reruns_the_forward_per_weight_tensor():
     assert charged.breakdown["recompute"] > 5 * plain.breakdown["recompute"]
     one_f = evaluate(model, cluster, work, Layout(pp=2, microbatches=8, recompute="full"))
     assert one_f.breakdown["recompute"] == pytest.approx(plain.breakdown["recompute"], rel=0.05)
+
+
+def test_optimizer_layer_overhead_is_per_step_per_stage_layer():
+    model = ModelConfig(name="t", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
+    base = PRESETS["local"]
+    costly = Cluster(**{**base.__dict__, "optimizer_layer_overhead_us": 1000.0})
+    work = Workload(global_batch=8, seq_len=128)
+    for lay, layers in ((Layout(microbatches=8), 4), (Layout(microbatches=1, mbs=8), 4), (Layout(pp=2, microbatches=8), 2)):
+        extra = evaluate(model, costly, work, lay).step_time_s - evaluate(model, base, work, lay).step_time_s
+        world = lay.world_size
+        assert extra == pytest.approx(layers * 1e-3 * base.queueing(world), rel=1e-6), lay

@@ -177,7 +177,7 @@ def measure_overheads(device, *, quick: bool, threads: tuple[int, ...] = (1,)) -
 
     before = torch.get_num_threads()
 
-    def timed(layers: int, mbs: int, seq: int, recompute: bool) -> float:
+    def timed(layers: int, mbs: int, seq: int, recompute: bool, tail_only: bool = False) -> float:
         cfg = overhead_model(layers, seq)
         torch.manual_seed(0)
         model = Transformer(cfg).to(device)
@@ -195,6 +195,17 @@ def measure_overheads(device, *, quick: bool, threads: tuple[int, ...] = (1,)) -
             opt.zero_grad(set_to_none=True)
             _sync(device)
 
+        if tail_only:  # clipping, AdamW and zeroing alone, after a backward each time
+            times = []
+            for i in range(13 if quick else 43):
+                model(tokens).float().sum().backward()
+                start = time.perf_counter()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i >= 3:
+                    times.append(time.perf_counter() - start)
+            return min(times)
         big = mbs * seq > 256
         return _timeit(step, repeats=(5 if quick else 20) if big else (10 if quick else 40), warmup=3, best=True)
 
@@ -209,6 +220,9 @@ def measure_overheads(device, *, quick: bool, threads: tuple[int, ...] = (1,)) -
         mbs, seq = OVERHEAD_TOKENS[0]
         for layers in (1, 5):
             out[f"{layers}:{mbs}:{seq}:{threads[0]}:rc"] = timed(layers, mbs, seq, True)
+            out[f"{layers}:{mbs}:{seq}:{threads[0]}:tail"] = timed(layers, mbs, seq, False, tail_only=True)
+        block = Transformer(overhead_model(1, seq)).layers["0"]
+        out["block_params"] = float(sum(p.numel() for p in block.parameters()))
     finally:
         torch.set_num_threads(before)
     return out
@@ -239,10 +253,18 @@ def fit_overheads(samples: dict, cluster: Cluster, cores: int) -> dict:
     figures (one thread per rank, world = cores: as measured)."""
     from phalanx.planner.cost import layer_cost
 
+    from phalanx.planner.cost import CLIP_BYTES_PER_PARAM, GRAD_ZERO_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+
     (m1, s1), (m2, s2) = OVERHEAD_TOKENS
     slope = lambda mbs, seq, t, rc="": (samples[f"5:{mbs}:{seq}:{t}{rc}"] - samples[f"1:{mbs}:{seq}:{t}{rc}"]) / 4  # noqa: E731
-    d = (slope(m1, s1, 1), slope(m2, s2, 1))
     peak, bw = cluster.peak_flops_per_rank(cores), cluster.memory_bw_per_rank(cores)
+    # Clipping, AdamW and zeroing of one layer's parameters run once per step, not per
+    # micro-batch: take them out of the per-layer slope; beyond their bytes (which the cost
+    # model charges already) they are a fixed cost per layer per step.
+    tail = max(0.0, slope(m1, s1, 1, ":tail")) if f"1:{m1}:{s1}:1:tail" in samples else 0.0
+    tail_bytes = samples.get("block_params", 0.0) * (OPTIMIZER_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM
+                                                     + GRAD_ZERO_BYTES_PER_PARAM) / bw
+    d = (slope(m1, s1, 1) - tail, slope(m2, s2, 1) - tail)
     flops, elementwise = [], []
     for mbs, seq in OVERHEAD_TOKENS:
         kw = dict(seq=seq, mbs=mbs, tp=1, ep=1, sp=False, moe=False, peak=peak, flash=True, overhead=0.0)
@@ -253,7 +275,7 @@ def fit_overheads(samples: dict, cluster: Cluster, cores: int) -> dict:
         flops.append(g)
         elementwise.append(slow.f + slow.b + slow.w - g)
     overhead, efficiency = fit_layer_terms(d, tuple(flops), tuple(elementwise))
-    step = max(0.0, samples[f"1:{m1}:{s1}:1"] - d[0])
+    step = max(0.0, samples[f"1:{m1}:{s1}:1"] - d[0] - tail)
     recompute = max(0.0, slope(m1, s1, 1, ":rc") - d[0])
     speedup = 0.0
     if f"1:{m2}:{s2}:{cores}" in samples and cores > 1:
@@ -262,6 +284,7 @@ def fit_overheads(samples: dict, cluster: Cluster, cores: int) -> dict:
         speedup = min(float(cores), max(1.0, one / many)) if many > 0 and one > 0 else 1.0
     return {"layer_overhead_us": overhead * 1e6, "elementwise_efficiency": efficiency,
             "step_overhead_ms": step * 1e3, "recompute_overhead_us": recompute * 1e6, "thread_speedup": speedup,
+            "optimizer_layer_overhead_us": max(0.0, tail - tail_bytes) * 1e6,
             "per_layer_s": d, "flops_s": flops, "elementwise_s": elementwise}
 
 
@@ -495,7 +518,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     log(f"fit: peak {peak / 1e12 * 1e3:.2f} GFLOP/s, half-efficiency dimension {half:.1f}")
     attention = measure_attention(device, dtype, peak / (1 if gpu else cores), quick=quick)
     bandwidth = measure_bandwidth(device, quick=quick)
-    overhead = step_overhead = recompute_overhead = thread_speedup = 0.0
+    overhead = step_overhead = recompute_overhead = thread_speedup = optimizer_layer = 0.0
     element_efficiency = 1.0
     if not gpu:
         # The real Transformer's training step at one thread (as a rank per core runs) and at
@@ -510,6 +533,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         overhead, step_overhead = fit["layer_overhead_us"], fit["step_overhead_ms"]
         recompute_overhead, element_efficiency = fit["recompute_overhead_us"], fit["elementwise_efficiency"]
         thread_speedup = fit["thread_speedup"]
+        optimizer_layer = fit["optimizer_layer_overhead_us"]
         log(f"real layer, one thread: {fit['per_layer_s'][0] * 1e3:.2f} ms at {OVERHEAD_TOKENS[0][0] * OVERHEAD_TOKENS[0][1]} "
             f"tokens, {fit['per_layer_s'][1] * 1e3:.2f} ms at {OVERHEAD_TOKENS[1][0] * OVERHEAD_TOKENS[1][1]} tokens "
             f"(FLOPs explain {fit['flops_s'][1] * 1e3:.2f} ms): element-wise work at {element_efficiency:.2f} of the "
@@ -522,11 +546,13 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         log(f"{cores} concurrent single-thread workers get {share:.0%} of {cores} x the best single-thread "
             "throughput: every CPU figure is scaled by that share")
         peak, bandwidth = peak * share, bandwidth * share
-        overhead, step_overhead, recompute_overhead = (x / share for x in (overhead, step_overhead, recompute_overhead))
+        overhead, step_overhead, recompute_overhead, optimizer_layer = (
+            x / share for x in (overhead, step_overhead, recompute_overhead, optimizer_layer))
         torch.set_num_threads(threads_before)
     log(f"attention at {attention:.2f} of peak; memory bandwidth {bandwidth * 1e3:.1f} GB/s; "
         f"overhead {overhead:.0f} us per layer per pass, {step_overhead:.2f} ms per step, "
-        f"{recompute_overhead:.0f} us per recomputed layer")
+        f"{recompute_overhead:.0f} us per recomputed layer, {optimizer_layer:.0f} us per layer per step "
+        "(clipping, AdamW, zeroing beyond their bytes)")
 
     devices = torch.cuda.device_count() if gpu else cores
     fits = {}
@@ -558,7 +584,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         matmul_efficiency=1.0, matmul_half_dim=half, sm_count=sm_count, attention_efficiency=max(attention, 1e-3),
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
         tp_layer_overhead_us=tp_overhead, recompute_overhead_us=recompute_overhead,
-        shared_compute=not gpu, thread_speedup=thread_speedup,
+        shared_compute=not gpu, thread_speedup=thread_speedup, optimizer_layer_overhead_us=optimizer_layer,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
     )
     return cluster, report

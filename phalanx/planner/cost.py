@@ -34,7 +34,8 @@ Full recompute under zbv re-runs each block's forward once more per weight tenso
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
   exposed DP traffic + the optimizer step (memory-bound: Adam's 30 bytes and clipping's 12 per
   parameter of the local optimizer shard, 4 to zero each gradient-buffer element) +
-  the cluster's fixed `step_overhead_ms` (measured on CPUs, zero on the GPU presets).
+  the cluster's fixed `step_overhead_ms` and `optimizer_layer_overhead_us` per layer on the
+  stage (measured on CPUs, zero on the GPU presets).
 Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
   gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
   zbv (chunks of half a stage): (p-1)(F + B - 2W)/2 clipped at zero;
@@ -477,6 +478,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
                  + grad_buffer * GRAD_ZERO_BYTES_PER_PARAM) / memory_bw
 
     step_overhead = cluster.step_overhead_per_rank(world)
+    step_overhead += n * cluster.optimizer_layer_overhead_us * 1e-6 * cluster.queueing(world)
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),

@@ -69,6 +69,9 @@ class Cluster:
     """Fixed time per layer per micro-batch per pass that no FLOP count explains (launches, Python)."""
     step_overhead_ms: float = 0.0
     """Fixed time per optimizer step besides the layers (loss, clipping, optimizer launches)."""
+    optimizer_layer_overhead_us: float = 0.0
+    """Fixed time per layer per optimizer step of clipping, AdamW and zeroing beyond their
+    bytes (per-tensor work): measured on CPUs, 0 on the GPU presets."""
     fsdp_unit_overhead_us: float = 0.0
     """Framework time FSDP adds per sharded layer per micro-batch (hooks, copies, waits) beyond
     its collectives' alpha-beta time: measured on CPUs, hidden by GPU asynchrony (0)."""
