@@ -44,7 +44,9 @@ def run_trainer(args, nproc: int, plan: str, out: Path) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "phalanx", "train", "--model", args.model, "--nproc", str(nproc), "--plan", plan,
            "--steps", str(args.steps), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
            "--out", str(out), "--no-progress", "--eval-every", "0", "--sample-tokens", "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    # The trainer's own thread count (all cores for one process), not this script's OMP_NUM_THREADS=1.
+    env = {k: v for k, v in os.environ.items() if not (k == "OMP_NUM_THREADS" and _OMP_SET_HERE)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"`{' '.join(cmd)}` exited {proc.returncode}: {' | '.join(tail)}")
@@ -115,6 +117,9 @@ def main() -> int:
     return 0
 
 
+_OMP_SET_HERE = False
+
 if __name__ == "__main__":
+    _OMP_SET_HERE = "OMP_NUM_THREADS" not in os.environ
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(main())

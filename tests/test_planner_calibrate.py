@@ -53,3 +53,33 @@ def test_fit_matmul_divides_out_wave_quantization_on_a_gpu():
     got_peak, got_half = fit_matmul(samples, 132)
     assert got_half == pytest.approx(half, rel=0.1)
     assert got_peak == pytest.approx(peak, rel=0.1)
+
+
+def test_fit_layer_terms_splits_fixed_and_elementwise_cost():
+    from phalanx.planner.calibrate import fit_layer_terms
+
+    # Truth: 200 us per pass fixed, element-wise work at 0.25 of the bandwidth.
+    overhead, eff = 200e-6, 0.25
+    flops, elementwise = (1e-5, 3e-3), (1e-5, 6e-4)
+    measured = tuple(g + e / eff + 3 * overhead for g, e in zip(flops, elementwise))
+    got_overhead, got_eff = fit_layer_terms(measured, flops, elementwise)
+    assert got_overhead == pytest.approx(overhead, rel=1e-6)
+    assert got_eff == pytest.approx(eff, rel=1e-6)
+    # Nothing beyond the FLOPs grows with size: efficiency 1, the rest is fixed.
+    assert fit_layer_terms((1e-3, 1e-3 + 3e-3 - 1e-5 + 6e-4 - 1e-5), flops, elementwise)[1] == pytest.approx(1.0)
+
+
+def test_thread_speedup_sets_a_lone_process_rate():
+    from phalanx.planner.hardware import Cluster
+
+    base = dict(devices_per_node=4, fast_domain=4, peak_tflops=0.4, shared_compute=True, memory_gib=8.0,
+                memory_reserved_gib=1.0)
+    ideal, measured = Cluster(**base), Cluster(**base, thread_speedup=1.6)
+    # One thread per core or more: each rank a core's 0.1 TFLOP/s, speedup or not.
+    assert measured.peak_flops_per_rank(4) == pytest.approx(0.1e12)
+    assert measured.peak_flops_per_rank(8) == pytest.approx(ideal.peak_flops_per_rank(8))
+    # A lone process: 4 threads at 1.6x one thread, not 4x; 2 processes of 2 threads: 1.2x each.
+    assert ideal.peak_flops_per_rank(1) == pytest.approx(0.4e12)
+    assert measured.peak_flops_per_rank(1) == pytest.approx(0.16e12)
+    assert measured.peak_flops_per_rank(2) == pytest.approx(0.12e12)
+    assert measured.memory_bw_per_rank(1) / ideal.memory_bw_per_rank(1) == pytest.approx(0.4)

@@ -241,3 +241,31 @@ def test_sequence_parallel_that_keeps_inputs_sharded_gathers_them_again_in_backw
     gather = 0.5 * 16777216 / 370e9 + 3e-6
     assert kept.stage.b - rerun.stage.b == pytest.approx(24 * 2 * gather, rel=1e-9)
     assert kept.breakdown["tp_comm"] == pytest.approx(kept.stage.f_comm + kept.stage.b_comm, rel=1e-12)
+
+
+def test_zbv_full_recompute_reruns_the_forward_per_weight_tensor():
+    from phalanx.planner.cost import Options, evaluate, weight_tensors
+    from phalanx.planner.hardware import PRESETS
+    from phalanx.planner.layout import Layout, Workload
+    from phalanx.planner.model_spec import model_from_name
+
+    model, cluster = model_from_name("tiny"), PRESETS["local"]
+    work = Workload(global_batch=8, seq_len=128)
+    lay = Layout(pp=2, virtual=2, schedule="zbv", microbatches=8, recompute="full")
+    charged = evaluate(model, cluster, work, lay)
+    plain = evaluate(model, cluster, work, lay, Options(split_backward_recompute=False))
+    assert weight_tensors(model, moe=False) == 9  # 2 norms, wq wk wv wo, w1 w2 w3
+    assert charged.breakdown["recompute"] > 5 * plain.breakdown["recompute"]
+    one_f = evaluate(model, cluster, work, Layout(pp=2, microbatches=8, recompute="full"))
+    assert one_f.breakdown["recompute"] == pytest.approx(plain.breakdown["recompute"], rel=0.05)
+
+
+def test_optimizer_layer_overhead_is_per_step_per_stage_layer():
+    model = ModelConfig(name="t", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
+    base = PRESETS["local"]
+    costly = Cluster(**{**base.__dict__, "optimizer_layer_overhead_us": 1000.0})
+    work = Workload(global_batch=8, seq_len=128)
+    for lay, layers in ((Layout(microbatches=8), 4), (Layout(microbatches=1, mbs=8), 4), (Layout(pp=2, microbatches=8), 2)):
+        extra = evaluate(model, costly, work, lay).step_time_s - evaluate(model, base, work, lay).step_time_s
+        world = lay.world_size
+        assert extra == pytest.approx(layers * 1e-3 * base.queueing(world), rel=1e-6), lay

@@ -151,45 +151,141 @@ def measure_bandwidth(device, *, quick: bool) -> float:
     return 12 * n / _timeit(run, repeats=5 if quick else 20, best=True) / 1e12
 
 
-def measure_overheads(device, *, quick: bool) -> tuple[float, float, float]:
-    """Fixed costs, from whole training steps of a model so small that its FLOPs do not count,
-    at two depths: (us per layer per pass, ms per step, us per recomputed layer).
+OVERHEAD_MODEL = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+"""The real phalanx Transformer timed for the fixed and size-dependent costs of a layer: small
+enough that fixed costs show, large enough (at OVERHEAD_TOKENS[1]) that per-token work does."""
+OVERHEAD_TOKENS = ((1, 16), (8, 128))
+"""(micro-batch, sequence) of the two sizes the layer is timed at."""
 
-    The slope over depth is the per-layer cost (three passes: forward, input and weight
-    gradients), the intercept the per-step cost (embedding, loss, clipping, AdamW, zeroing);
-    the same with every block under activation checkpointing gives recompute's own cost.
+
+def overhead_model(layers: int, seq: int):
+    from phalanx.model.config import ModelConfig
+
+    return ModelConfig(name="overhead", n_layers=layers, max_seq_len=seq, **OVERHEAD_MODEL)
+
+
+def measure_overheads(device, *, quick: bool, threads: tuple[int, ...] = (1,)) -> dict:
+    """Whole training steps of the real phalanx Transformer (forward, cross-entropy, backward,
+    clipping, AdamW, zeroing: what the trainer's step does) at 1 and 5 layers, at the two sizes
+    of OVERHEAD_TOKENS, for each thread count; and at the small size with every block under
+    activation checkpointing. Seconds, fastest repeat, keyed "layers:mbs:seq:threads[:rc]".
     """
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
 
-    def timed(layers: int, recompute: bool) -> float:
-        cfg = ModelConfig(name="overhead", dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64,
-                          max_seq_len=16)
+    before = torch.get_num_threads()
+
+    def timed(layers: int, mbs: int, seq: int, recompute: bool, tail_only: bool = False) -> float:
+        cfg = overhead_model(layers, seq)
+        torch.manual_seed(0)
         model = Transformer(cfg).to(device)
         if recompute:
             for block in model.layers.values():
                 block.forward = (lambda f: lambda x, rope: checkpoint(f, x, rope, use_reentrant=False))(block.forward)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tokens = torch.randint(0, cfg.vocab_size, (1, 8), device=device)
+        tokens = torch.randint(0, cfg.vocab_size, (mbs, seq), device=device)
 
         def step():
             logits = model(tokens)
-            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
 
-        return _timeit(step, repeats=10 if quick else 40, warmup=3, best=True)
+        if tail_only:  # clipping, AdamW and zeroing alone, after a backward each time
+            times = []
+            for i in range(13 if quick else 43):
+                model(tokens).float().sum().backward()
+                start = time.perf_counter()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i >= 3:
+                    times.append(time.perf_counter() - start)
+            return min(times)
+        big = mbs * seq > 256
+        return _timeit(step, repeats=(5 if quick else 20) if big else (10 if quick else 40), warmup=3, best=True)
 
-    t1, t5 = timed(1, False), timed(5, False)
-    r1, r5 = timed(1, True), timed(5, True)
-    per_layer = max(0.0, (t5 - t1) / 4)
-    recompute = max(0.0, (r5 - r1) / 4 - per_layer)
-    return per_layer / 3 * 1e6, max(0.0, t1 - per_layer) * 1e3, recompute * 1e6
+    out = {}
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            for mbs, seq in OVERHEAD_TOKENS:
+                for layers in (1, 5):
+                    out[f"{layers}:{mbs}:{seq}:{t}"] = timed(layers, mbs, seq, False)
+        torch.set_num_threads(threads[0])
+        mbs, seq = OVERHEAD_TOKENS[0]
+        for layers in (1, 5):
+            out[f"{layers}:{mbs}:{seq}:{threads[0]}:rc"] = timed(layers, mbs, seq, True)
+            out[f"{layers}:{mbs}:{seq}:{threads[0]}:tail"] = timed(layers, mbs, seq, False, tail_only=True)
+        block = Transformer(overhead_model(1, seq)).layers["0"]
+        out["block_params"] = float(sum(p.numel() for p in block.parameters()))
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def fit_layer_terms(per_layer: tuple[float, float], flops_s: tuple[float, float],
+                    elementwise_s: tuple[float, float]) -> tuple[float, float]:
+    """(overhead seconds per layer per pass, fraction of the bandwidth element-wise work reaches)
+    from one layer's measured training-step seconds at two sizes.
+
+    The cost model charges a layer F + B + W = flops_s (GEMMs, attention: calibrated on their
+    own) + elementwise_s / efficiency (memory-bound passes) + 3 x overhead (fixed, per pass).
+    Two sizes give two equations: the growth not explained by the FLOPs is element-wise work,
+    what is left at the small size is fixed cost.
+    """
+    (d1, d2), (g1, g2), (e1, e2) = per_layer, flops_s, elementwise_s
+    rest1, rest2 = d1 - g1, d2 - g2
+    efficiency = 1.0
+    if rest2 > rest1 and e2 > e1:
+        efficiency = min(1.0, max(1e-3, (e2 - e1) / (rest2 - rest1)))
+    overhead = max(0.0, (rest1 - e1 / efficiency) / 3)
+    return overhead, efficiency
+
+
+def fit_overheads(samples: dict, cluster: Cluster, cores: int) -> dict:
+    """Per-layer overhead, element-wise efficiency, step overhead, recompute overhead and the
+    thread speedup from measure_overheads' samples, against `cluster`'s FLOP and bandwidth
+    figures (one thread per rank, world = cores: as measured)."""
+    from phalanx.planner.cost import layer_cost
+
+    from phalanx.planner.cost import CLIP_BYTES_PER_PARAM, GRAD_ZERO_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
+
+    (m1, s1), (m2, s2) = OVERHEAD_TOKENS
+    slope = lambda mbs, seq, t, rc="": (samples[f"5:{mbs}:{seq}:{t}{rc}"] - samples[f"1:{mbs}:{seq}:{t}{rc}"]) / 4  # noqa: E731
+    peak, bw = cluster.peak_flops_per_rank(cores), cluster.memory_bw_per_rank(cores)
+    # Clipping, AdamW and zeroing of one layer's parameters run once per step, not per
+    # micro-batch: take them out of the per-layer slope; beyond their bytes (which the cost
+    # model charges already) they are a fixed cost per layer per step.
+    tail = max(0.0, slope(m1, s1, 1, ":tail")) if f"1:{m1}:{s1}:1:tail" in samples else 0.0
+    tail_bytes = samples.get("block_params", 0.0) * (OPTIMIZER_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM
+                                                     + GRAD_ZERO_BYTES_PER_PARAM) / bw
+    d = (slope(m1, s1, 1) - tail, slope(m2, s2, 1) - tail)
+    flops, elementwise = [], []
+    for mbs, seq in OVERHEAD_TOKENS:
+        kw = dict(seq=seq, mbs=mbs, tp=1, ep=1, sp=False, moe=False, peak=peak, flash=True, overhead=0.0)
+        model = overhead_model(1, seq)
+        fast = layer_cost.__wrapped__(model, cluster, memory_bw=float("inf"), **kw)
+        slow = layer_cost.__wrapped__(model, cluster, memory_bw=bw, **kw)
+        g = fast.f + fast.b + fast.w
+        flops.append(g)
+        elementwise.append(slow.f + slow.b + slow.w - g)
+    overhead, efficiency = fit_layer_terms(d, tuple(flops), tuple(elementwise))
+    step = max(0.0, samples[f"1:{m1}:{s1}:1"] - d[0] - tail)
+    recompute = max(0.0, slope(m1, s1, 1, ":rc") - d[0])
+    speedup = 0.0
+    if f"1:{m2}:{s2}:{cores}" in samples and cores > 1:
+        one = d[1] - d[0]
+        many = slope(m2, s2, cores) - slope(m1, s1, cores)
+        speedup = min(float(cores), max(1.0, one / many)) if many > 0 and one > 0 else 1.0
+    return {"layer_overhead_us": overhead * 1e6, "elementwise_efficiency": efficiency,
+            "step_overhead_ms": step * 1e3, "recompute_overhead_us": recompute * 1e6, "thread_speedup": speedup,
+            "optimizer_layer_overhead_us": max(0.0, tail - tail_bytes) * 1e6,
+            "per_layer_s": d, "flops_s": flops, "elementwise_s": elementwise}
 
 
 def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int,
@@ -422,7 +518,26 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     log(f"fit: peak {peak / 1e12 * 1e3:.2f} GFLOP/s, half-efficiency dimension {half:.1f}")
     attention = measure_attention(device, dtype, peak / (1 if gpu else cores), quick=quick)
     bandwidth = measure_bandwidth(device, quick=quick)
-    overhead, step_overhead, recompute_overhead = (0.0, 0.0, 0.0) if gpu else measure_overheads(device, quick=quick)
+    overhead = step_overhead = recompute_overhead = thread_speedup = optimizer_layer = 0.0
+    element_efficiency = 1.0
+    if not gpu:
+        # The real Transformer's training step at one thread (as a rank per core runs) and at
+        # all cores' threads (as a lone process runs): fixed costs, element-wise efficiency,
+        # and how far the size-dependent work speeds up with threads.
+        raw = measure_overheads(device, quick=quick, threads=(1, cores) if cores > 1 else (1,))
+        provisional = Cluster(name="fit", devices_per_node=cores, fast_domain=cores, peak_tflops=peak / 1e12,
+                              hbm_tbs=bandwidth, hbm_efficiency=1.0, matmul_efficiency=1.0, matmul_half_dim=half,
+                              attention_efficiency=max(attention, 1e-3), shared_compute=True)
+        fit = fit_overheads(raw, provisional, cores)
+        report["overheads"] = {"samples": raw, **fit}
+        overhead, step_overhead = fit["layer_overhead_us"], fit["step_overhead_ms"]
+        recompute_overhead, element_efficiency = fit["recompute_overhead_us"], fit["elementwise_efficiency"]
+        thread_speedup = fit["thread_speedup"]
+        optimizer_layer = fit["optimizer_layer_overhead_us"]
+        log(f"real layer, one thread: {fit['per_layer_s'][0] * 1e3:.2f} ms at {OVERHEAD_TOKENS[0][0] * OVERHEAD_TOKENS[0][1]} "
+            f"tokens, {fit['per_layer_s'][1] * 1e3:.2f} ms at {OVERHEAD_TOKENS[1][0] * OVERHEAD_TOKENS[1][1]} tokens "
+            f"(FLOPs explain {fit['flops_s'][1] * 1e3:.2f} ms): element-wise work at {element_efficiency:.2f} of the "
+            f"measured bandwidth; {cores} threads run it {thread_speedup:.2f}x as fast as one")
     share = 1.0
     if not gpu:
         square = torch.randn(256, 256)
@@ -431,12 +546,13 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         log(f"{cores} concurrent single-thread workers get {share:.0%} of {cores} x the best single-thread "
             "throughput: every CPU figure is scaled by that share")
         peak, bandwidth = peak * share, bandwidth * share
-        overhead, step_overhead, recompute_overhead = (x / share for x in (overhead, step_overhead, recompute_overhead))
-    if not gpu:
+        overhead, step_overhead, recompute_overhead, optimizer_layer = (
+            x / share for x in (overhead, step_overhead, recompute_overhead, optimizer_layer))
         torch.set_num_threads(threads_before)
     log(f"attention at {attention:.2f} of peak; memory bandwidth {bandwidth * 1e3:.1f} GB/s; "
         f"overhead {overhead:.0f} us per layer per pass, {step_overhead:.2f} ms per step, "
-        f"{recompute_overhead:.0f} us per recomputed layer")
+        f"{recompute_overhead:.0f} us per recomputed layer, {optimizer_layer:.0f} us per layer per step "
+        "(clipping, AdamW, zeroing beyond their bytes)")
 
     devices = torch.cuda.device_count() if gpu else cores
     fits = {}
@@ -464,11 +580,11 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     cluster = Cluster(
         name="local", devices_per_node=devices, fast_domain=devices, peak_tflops=peak / 1e12,
         memory_gib=round(memory_gib, 2), memory_reserved_gib=round(min(4.0, memory_gib / 4), 2),
-        hbm_tbs=bandwidth, hbm_efficiency=1.0, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
+        hbm_tbs=bandwidth, hbm_efficiency=1.0, elementwise_efficiency=element_efficiency, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
         matmul_efficiency=1.0, matmul_half_dim=half, sm_count=sm_count, attention_efficiency=max(attention, 1e-3),
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
         tp_layer_overhead_us=tp_overhead, recompute_overhead_us=recompute_overhead,
-        shared_compute=not gpu,
+        shared_compute=not gpu, thread_speedup=thread_speedup, optimizer_layer_overhead_us=optimizer_layer,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
     )
     return cluster, report

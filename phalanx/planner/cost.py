@@ -11,7 +11,8 @@ Time of one micro-batch through one layer, per device (T = mbs * seq tokens):
     flash attention: the full s x s FLOPs (backward 2x), plus softmax (and GPT-style
     dropout) passes over the b a s^2 / tp 16-bit scores in HBM.
   Element-wise work (norms, activations, residuals, rotary): memory-bound, modelled as
-    reading and writing the layer's stored activations once forward, twice backward.
+    reading and writing the layer's stored activations once forward, twice backward, at
+    `elementwise_efficiency` of the bandwidth (1 on GPUs, measured on the real layer on CPUs).
   `layer_overhead_us` per pass (launches, Python): zero on the GPU presets, measured on CPU,
     like the framework costs of tensor parallelism (`tp_layer_overhead_us`, per layer per
     pass), FSDP (`fsdp_unit_overhead_us`, per unit per micro-batch) and activation
@@ -28,10 +29,13 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     `dp_overlap`; zero 3 gathers parameters forward and backward and reduce-scatters
     gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
     uses the cores that compute, so nothing overlaps.
+Full recompute under zbv re-runs each block's forward once more per weight tensor, in the
+  W slots (Options.split_backward_recompute: PyTorch's split backward).
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
   exposed DP traffic + the optimizer step (memory-bound: Adam's 30 bytes and clipping's 12 per
   parameter of the local optimizer shard, 4 to zero each gradient-buffer element) +
-  the cluster's fixed `step_overhead_ms` (measured on CPUs, zero on the GPU presets).
+  the cluster's fixed `step_overhead_ms` and `optimizer_layer_overhead_us` per layer on the
+  stage (measured on CPUs, zero on the GPU presets).
 Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
   gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
   zbv (chunks of half a stage): (p-1)(F + B - 2W)/2 clipped at zero;
@@ -92,6 +96,14 @@ class Options:
     """Data-parallel traffic overlapped with the last backward and the first forward."""
     grad_reduce_bytes: int = 4
     """Gradients are reduced in fp32."""
+    split_backward_recompute: bool = True
+    """Under zbv (PyTorch's stage_backward_input, then stage_backward_weight) a checkpointed
+    block's forward runs again for the input gradient and once more for each of its weight
+    tensors' gradients: every weight gradient is a separate autograd call and checkpointing
+    frees what it recomputed after each (measured: a dense SwiGLU block, 9 weight tensors, ran
+    its forward 11 times per micro-batch; a tiny-model zbv step went from 62 to 174 ms with
+    recompute=full, 1f1b from 32 to 54 ms). dualpipev runs measured no such cost, so it is
+    charged to zbv only."""
     sp_regather: bool = False
     """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
     in backward for the weight gradients (Megatron, and the published activation formula).
@@ -254,7 +266,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
     gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
-    elementwise = 2 * stored / memory_bw
+    elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
         attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
         attention_b = 2.5 * attention
@@ -279,6 +291,15 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         ep_bytes=tokens * model.experts_per_token * h * BF16 / tp if moe else 0.0,
         gemm_f=gemm,
     )
+
+
+def weight_tensors(model: ModelConfig, *, moe: bool) -> int:
+    """Parameter tensors of one block (each its own weight-gradient call in a split backward):
+    two norms, four attention projections, and the MLP's (router, grouped experts' three,
+    shared experts' three) or the dense MLP's three (SwiGLU) or two."""
+    if moe:
+        return 2 + 4 + 1 + 3 + (3 if model.n_shared_experts else 0)
+    return 2 + 4 + (3 if model.mlp == "swiglu" else 2)
 
 
 @functools.lru_cache(maxsize=64)
@@ -413,13 +434,21 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
         comp_r_fixed = 0.0
+    comp_rw = 0.0  # forwards re-run for the weight gradients, in the W slots
     if lay.recompute == "full":
         comp_r, comm_r = n_dense * dense.f + n_moe * moe.f + comp_r_fixed, tp_f + ep_f
+        if options.split_backward_recompute and p > 1 and lay.schedule == "zbv":
+            comp_rw = (n_dense * weight_tensors(model, moe=False) * (dense.f + cluster.recompute_overhead_us * 1e-6
+                                                                    * cluster.queueing(world))
+                       + n_moe * weight_tensors(model, moe=True) * (moe.f + cluster.recompute_overhead_us * 1e-6
+                                                                   * cluster.queueing(world))
+                       + n_dense * weight_tensors(model, moe=False) * exposed(t_tp, dense.gemm_f)
+                       + n_moe * weight_tensors(model, moe=True) * (exposed(t_tp, moe.gemm_f) + t_ep))
     elif lay.recompute == "selective":
         comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
     else:
         comp_r = comm_r = 0.0
-    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_b + ep_f, w=comp_w, r=comp_r + comm_r,
+    stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_b + ep_f, w=comp_w + comp_rw, r=comp_r + comm_r,
                        f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     per_mb = stage.f + stage.b + stage.w + stage.r
 
@@ -449,10 +478,11 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
                  + grad_buffer * GRAD_ZERO_BYTES_PER_PARAM) / memory_bw
 
     step_overhead = cluster.step_overhead_per_rank(world)
+    step_overhead += n * cluster.optimizer_layer_overhead_us * 1e-6 * cluster.queueing(world)
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),
-        "recompute": m * comp_r,
+        "recompute": m * (comp_r + comp_rw),
         "tp_comm": m * (tp_f + tp_b + (tp_f if lay.recompute == "full" else 0.0)),
         "ep_comm": m * (2 * ep_f + (ep_f if lay.recompute == "full" else 0)),
         "pp_comm": pp_comm,

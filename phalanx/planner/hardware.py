@@ -43,6 +43,11 @@ class Cluster:
     """Fraction of hbm_tbs that streaming kernels reach. Datasheet bandwidth is not reached: a
     device-to-device copy on an H200 here moved 4.3 of its 4.8 TB/s (0.90). 1.0 where hbm_tbs
     was itself measured (calibrate)."""
+    elementwise_efficiency: float = 1.0
+    """Fraction of the streaming bandwidth (hbm_tbs x hbm_efficiency) a layer's element-wise
+    passes (norms, activations, residuals, rotary) reach. 1 on GPUs (fused, streaming kernels);
+    calibrate measures it on CPUs from the real Transformer's layer, whose many small ops on
+    cache-sized tensors run far below a large add's bandwidth."""
     intra_bw_gbs: float = 370.0
     """Achieved bus bandwidth per device inside the fast domain, GB/s per direction."""
     inter_bw_gbs: float = 47.0
@@ -64,6 +69,9 @@ class Cluster:
     """Fixed time per layer per micro-batch per pass that no FLOP count explains (launches, Python)."""
     step_overhead_ms: float = 0.0
     """Fixed time per optimizer step besides the layers (loss, clipping, optimizer launches)."""
+    optimizer_layer_overhead_us: float = 0.0
+    """Fixed time per layer per optimizer step of clipping, AdamW and zeroing beyond their
+    bytes (per-tensor work): measured on CPUs, 0 on the GPU presets."""
     fsdp_unit_overhead_us: float = 0.0
     """Framework time FSDP adds per sharded layer per micro-batch (hooks, copies, waits) beyond
     its collectives' alpha-beta time: measured on CPUs, hidden by GPU asynchrony (0)."""
@@ -75,6 +83,11 @@ class Cluster:
     recomputed forward: measured on CPUs, 0 on GPUs."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
+    thread_speedup: float = 0.0
+    """CPUs: how much faster one process's size-dependent work (FLOPs, element-wise passes)
+    runs on all `devices_per_node` threads than on one, measured on a real training step by
+    calibrate (small ops do not scale with threads). A rank with fewer processes than cores
+    runs cores/world threads at a linear interpolation of that speedup. 0: ideal (cores)."""
     measured_groups: tuple[tuple[int, float, float], ...] = ()
     """(group size, latency us per step, bus GB/s) measured by calibrate; they replace the intra
     figures for groups of that size inside the fast domain (a CPU's collectives slow down as
@@ -95,10 +108,10 @@ class Cluster:
         if self.sm_count < 0:
             problems.append(f"sm_count={self.sm_count} must be 0 (no wave quantization) or positive")
         for name in ("peak_tflops", "memory_gib", "hbm_tbs", "intra_bw_gbs", "inter_bw_gbs",
-                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency"):
+                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency"):
             if getattr(self, name) > 1:
                 problems.append(f"{name}={getattr(self, name)} is a fraction of peak, at most 1")
         if self.memory_reserved_gib >= self.memory_gib:
@@ -113,12 +126,28 @@ class Cluster:
     def peak_flops_per_rank(self, world_size: int) -> float:
         """FLOP/s one rank can reach; on a shared CPU the node's peak splits among all its ranks."""
         if self.shared_compute:
-            return self.peak_tflops * 1e12 / world_size
+            return self.peak_tflops * 1e12 / world_size * self.thread_scaling(world_size)
         return self.peak_tflops * 1e12
 
     def memory_bw_per_rank(self, world_size: int) -> float:
         """Bytes/s of memory bandwidth one rank gets (shared CPU: split among its ranks)."""
-        return self.hbm_tbs * 1e12 * self.hbm_efficiency / (world_size if self.shared_compute else 1)
+        if self.shared_compute:
+            return self.hbm_tbs * 1e12 * self.hbm_efficiency / world_size * self.thread_scaling(world_size)
+        return self.hbm_tbs * 1e12 * self.hbm_efficiency
+
+    def thread_scaling(self, world_size: int) -> float:
+        """Shared CPU: the fraction of its 1/world share of the node a rank's threads deliver.
+
+        peak_tflops is cores x one thread's rate; a rank of fewer processes than cores runs
+        t = cores / world threads at 1 + (t - 1)(thread_speedup - 1)/(cores - 1) times one
+        thread's rate, not t times (1 at a rank per core or more, and when not measured).
+        """
+        cores = self.devices_per_node
+        if not self.shared_compute or self.thread_speedup <= 0 or world_size >= cores or cores <= 1:
+            return 1.0
+        threads = cores / world_size
+        rate = 1 + (threads - 1) * (self.thread_speedup - 1) / (cores - 1)
+        return rate / threads
 
     def overhead_per_rank(self, world_size: int) -> float:
         """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
