@@ -153,7 +153,10 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(nproc=nproc, out=str(run_dir))
-    print(f"phalanx: training {cfg.model} on {nproc} process{'es' if nproc > 1 else ''}, "
+    from phalanx.model.init import build_model
+
+    params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
+    print(f"phalanx: training {cfg.model} ({params / 1e6:.2f}M parameters) on {nproc} process{'es' if nproc > 1 else ''}, "
           f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
     if nproc == 1:
         status = worker_main(asdict(cfg), str(run_dir))

@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks forked from this process (tests and benchmarks).
 
-Forking reuses the parent's imported torch, which makes a multi-rank test 3-5x faster than
-a `torchrun` launch that imports torch once per rank. The process-group timeout is short so
+Forking reuses the parent's imported torch, so a multi-rank test does not pay a `torchrun`
+launch that starts an interpreter and imports torch once per rank. The process-group timeout is short so
 a collective mismatch fails the test in seconds instead of hanging it.
 """
 
