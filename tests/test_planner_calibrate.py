@@ -83,3 +83,25 @@ def test_thread_speedup_sets_a_lone_process_rate():
     assert measured.peak_flops_per_rank(1) == pytest.approx(0.16e12)
     assert measured.peak_flops_per_rank(2) == pytest.approx(0.12e12)
     assert measured.memory_bw_per_rank(1) / ideal.memory_bw_per_rank(1) == pytest.approx(0.4)
+
+
+def test_fit_tp_overheads_splits_fixed_per_element_and_sp_costs():
+    from phalanx.planner.calibrate import fit_tp_overheads
+
+    # Truth: 2000 us fixed, 10 ns per element, sp 2700 us more; at 1 GB/s the model's own
+    # bytes term per pass is 4/3 x 2 all-reduces x elements x 2 bytes: 349.525 us at 65536.
+    def bytes_us(elements):
+        return 4 / 3 * 2 * elements * 2 / 1e9 * 1e6
+
+    assert bytes_us(65536) == pytest.approx(349.525, abs=1e-3)
+    small, large = 2000 + 5.12 + bytes_us(512), 2000 + 655.36 + bytes_us(65536)
+    sample = dict(small_us=small, large_us=large, large_sp_us=large + 2700, small_elements=512,
+                  large_elements=65536)
+    got = fit_tp_overheads(sample, 1.0)
+    assert got["tp_element_overhead_ns"] == pytest.approx(10.0, rel=1e-6)
+    assert got["tp_layer_overhead_us"] == pytest.approx(2000, rel=1e-6)
+    assert got["sp_layer_overhead_us"] == pytest.approx(2700, rel=1e-6)
+    # Extra time that shrinks with size: no per-element cost, all of it fixed.
+    flat = fit_tp_overheads(dict(sample, large_us=1900.0, large_sp_us=1800.0), 1.0)
+    assert flat["tp_element_overhead_ns"] == 0.0 and flat["sp_layer_overhead_us"] == 0.0
+    assert flat["tp_layer_overhead_us"] == pytest.approx(1900.0 - 349.525, abs=1e-3)

@@ -269,3 +269,23 @@ def test_optimizer_layer_overhead_is_per_step_per_stage_layer():
         extra = evaluate(model, costly, work, lay).step_time_s - evaluate(model, base, work, lay).step_time_s
         world = lay.world_size
         assert extra == pytest.approx(layers * 1e-3 * base.queueing(world), rel=1e-6), lay
+
+
+def test_tp_framework_costs_are_per_layer_per_pass_and_sp_only_with_sp():
+    model = ModelConfig(name="t", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
+    base = PRESETS["local"]
+    work = Workload(global_batch=8, seq_len=128)
+    sp_cost = Cluster(**{**base.__dict__, "sp_layer_overhead_us": 1000.0})
+    el_cost = Cluster(**{**base.__dict__, "tp_element_overhead_ns": 2.0})
+    q = base.queueing(2)
+    sp_lay, plain_lay = Layout(tp=2, sp=True, microbatches=8), Layout(tp=2, sp=False, microbatches=8)
+
+    def extra(cluster, lay):
+        return evaluate(model, cluster, work, lay).step_time_s - evaluate(model, base, work, lay).step_time_s
+
+    # 8 micro-batches x 4 layers x 3 passes (forward, input and weight gradients) x 1 ms.
+    assert extra(sp_cost, sp_lay) == pytest.approx(8 * 4 * 3 * 1e-3 * q, rel=1e-6)
+    assert extra(sp_cost, plain_lay) == 0.0
+    # 2 ns x (1 sequence x 128 tokens x 64 dims) = 16.384 us per layer per pass; x 96 passes.
+    assert extra(el_cost, plain_lay) == pytest.approx(96 * 16.384e-6 * q, rel=1e-6)
+    assert extra(el_cost, Layout(microbatches=8)) == 0.0  # no tensor parallelism, no charge

@@ -10,7 +10,9 @@ What is measured, and which Cluster field it sets:
     layer_overhead_us (slope) and step_overhead_ms (intercept: loss, clipping, AdamW);
   FSDP2 on 2 gloo processes, with and without sharding, at two depths ->
     fsdp_unit_overhead_us (framework cost per sharded layer per micro-batch); the same with
-    column/row-wise tensor parallelism -> tp_layer_overhead_us (DTensor dispatch per pass);
+    phalanx's own tensor-parallel plan (apply_tp) at 8 tokens and at a real micro-batch, with
+    and without sequence parallelism -> tp_layer_overhead_us (DTensor dispatch per pass),
+    tp_element_overhead_ns (what grows with the activation) and sp_layer_overhead_us;
   all-reduce and all-gather over 2..max_procs processes with the real backend (gloo on CPU,
     NCCL on GPU) at several sizes -> alpha (latency) and beta (bandwidth) per group size by a
     linear fit; their medians become intra_latency_us and intra_bw_gbs.
@@ -334,10 +336,12 @@ def _tp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
 
 def _wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue, *,
                              kind: str) -> None:
-    """Tiny models with 1 and 5 blocks, timed with and without the wrapping (`kind`: "fsdp" =
-    fully_shard per block and root, "tp" = phalanx's column/row-wise block plan); the slope of
-    the difference over the 4 extra blocks is the cost per block, per pass for tp (forward and
-    two backward products: 3 passes)."""
+    """Models with 1 and 5 blocks, timed with and without the wrapping (`kind`: "fsdp" =
+    fully_shard per block and root, "tp" = phalanx's own `apply_tp`, the trainer's code path);
+    the slope of the difference over the 4 extra blocks is the cost per block, per pass for tp
+    (forward and two backward products: 3 passes). FSDP is timed on a tiny model at 8 tokens;
+    tensor parallelism on the overhead model at 8 tokens and at a real micro-batch
+    (OVERHEAD_TOKENS[1]) without sequence parallelism, and at the real micro-batch with it."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -350,7 +354,7 @@ def _wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, thr
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (world,))
 
-    def wrap(model) -> None:
+    def wrap(model, sp: bool) -> None:
         if kind == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -358,41 +362,77 @@ def _wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, thr
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         else:
-            from torch.distributed.tensor.parallel import parallelize_module
+            from phalanx.parallel.tensor_parallel import apply_tp
 
-            from phalanx.parallel.tensor_parallel import block_plan
+            apply_tp(model, mesh, sp=sp)
 
-            for block in model.layers.values():
-                parallelize_module(block, mesh, block_plan(sp=False))
+    def per_block(cfg_kw: dict, shape: tuple[int, int], sp: bool = False) -> float:
+        """Seconds the wrapping adds per block (slope over 1 -> 5 blocks), fastest repeats."""
+        extra = []
+        for layers in (1, 5):
+            cfg = ModelConfig(name=kind, n_layers=layers, **cfg_kw)
+            tokens = torch.randint(0, cfg.vocab_size, shape)
+            times = []
+            for shard in (False, True):
+                torch.manual_seed(0)
+                model = Transformer(cfg)
+                if shard:
+                    wrap(model, sp)
+                samples = []
+                for i in range(repeats + 2):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    out = model(tokens)
+                    # tp leaves the logits a vocabulary-sharded DTensor (for loss_parallel)
+                    (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
+                    if i >= 2:
+                        samples.append(time.perf_counter() - start)
+                times.append(min(samples))
+            extra.append(times[1] - times[0])
+        return (extra[1] - extra[0]) / 4
 
-    extra = []
-    for layers in (1, 5):
-        cfg = ModelConfig(name=kind, dim=32, n_layers=layers, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
-        tokens = torch.randint(0, cfg.vocab_size, (1, 8))
-        times = []
-        for shard in (False, True):
-            torch.manual_seed(0)
-            model = Transformer(cfg)
-            if shard:
-                wrap(model)
-            samples = []
-            for i in range(repeats + 2):
-                dist.barrier()
-                start = time.perf_counter()
-                model(tokens).sum().backward()
-                if i >= 2:
-                    samples.append(time.perf_counter() - start)
-            times.append(min(samples))
-        extra.append(times[1] - times[0])
-    passes = 3 if kind == "tp" else 1
+    if kind == "fsdp":
+        tiny = dict(dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+        result = {"overhead_us": max(0.0, per_block(tiny, (1, 8))) * 1e6}
+    else:
+        passes = 3
+        (b, s) = OVERHEAD_TOKENS[1]
+        cfg = dict(OVERHEAD_MODEL, max_seq_len=s)
+        small = per_block(cfg, (1, 8)) / passes
+        large = per_block(cfg, (b, s)) / passes
+        large_sp = per_block(cfg, (b, s), sp=True) / passes
+        result = {"small_us": small * 1e6, "large_us": large * 1e6, "large_sp_us": large_sp * 1e6,
+                  "small_elements": 8 * OVERHEAD_MODEL["dim"], "large_elements": b * s * OVERHEAD_MODEL["dim"]}
     if rank == 0:
-        queue.put({"overhead_us": max(0.0, (extra[1] - extra[0]) / 4 / passes) * 1e6})
+        queue.put(result)
     dist.destroy_process_group()
 
 
-def measure_tp_overhead(*, quick: bool) -> float:
-    """Microseconds tensor parallelism adds per layer per pass on 2 gloo processes."""
-    return _two_process(_tp_worker, quick=quick, what="tensor-parallel")
+def fit_tp_overheads(sample: dict, bus_bw_gbs: float) -> dict:
+    """Tensor parallelism's framework costs per layer per pass from `_wrapper_overhead_worker`'s
+    tp sample: the growth of the extra time from 8 tokens to a real micro-batch, less what the
+    cost model already charges for its 2 all-reduces per forward and backward of tokens x dim bf16
+    values at `bus_bw_gbs` on 2 processes (2(n-1)/n = 1 x the bytes; 4 all-reduces over 3
+    passes), per element of the activation (`tp_element_overhead_ns`, never negative); the fixed
+    part (`tp_layer_overhead_us`) is what is left of the real micro-batch's extra time after
+    both; sequence
+    parallelism's own fixed cost (`sp_layer_overhead_us`: its DTensor norms, gathers and
+    scatters) is the real micro-batch's extra time with it less that without it."""
+    def bytes_us(elements: float) -> float:
+        return 4 / 3 * 2 * elements * 2 / (bus_bw_gbs * 1e9) * 1e6
+
+    small, large = sample["small_elements"], sample["large_elements"]
+    growth = sample["large_us"] - sample["small_us"] - (bytes_us(large) - bytes_us(small))
+    element_ns = max(0.0, growth / (large - small) * 1e3)
+    fixed_us = max(0.0, sample["large_us"] - element_ns * 1e-3 * large - bytes_us(large))
+    sp_us = max(0.0, sample["large_sp_us"] - sample["large_us"])
+    return {"tp_layer_overhead_us": fixed_us, "tp_element_overhead_ns": element_ns, "sp_layer_overhead_us": sp_us}
+
+
+def measure_tp_overhead(*, quick: bool) -> dict:
+    """Microseconds tensor parallelism adds per layer per pass on 2 gloo processes: the samples
+    `fit_tp_overheads` takes."""
+    return _two_process(_tp_worker, quick=quick, what="tensor-parallel", full=True)
 
 
 def measure_fsdp_overhead(*, quick: bool) -> float:
@@ -400,11 +440,11 @@ def measure_fsdp_overhead(*, quick: bool) -> float:
     return _two_process(_fsdp_worker, quick=quick, what="FSDP")
 
 
-def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) -> float:
+def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0, full: bool = False):
     threads = max(1, (os.cpu_count() or 1) // 2)
     result = _run_workers(worker, 2, (3 if quick else 10, threads), start_method="fork", timeout_s=timeout_s,
                           what=f"{what} measurement on 2 gloo processes")
-    return result["overhead_us"]
+    return result if full else result["overhead_us"]
 
 
 def _run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s: float, what: str) -> dict:
@@ -565,10 +605,18 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         log(f"{backend} {world} processes: latency {fits[world]['latency_us']:.1f} us per step, "
             f"bus bandwidth {fits[world]['bus_bw_gbs']:.2f} GB/s")
     fsdp_overhead = 0.0 if gpu else measure_fsdp_overhead(quick=quick) / share
-    tp_overhead = 0.0 if gpu else measure_tp_overhead(quick=quick) / share
+    tp_overhead = tp_element = sp_overhead = 0.0
     if not gpu:
-        log(f"FSDP adds {fsdp_overhead:.0f} us per sharded layer per micro-batch, tensor parallelism "
-            f"{tp_overhead:.0f} us per layer per pass, beyond their collectives")
+        tp_sample = measure_tp_overhead(quick=quick)
+        tp_fit = fit_tp_overheads(tp_sample, fits[2]["bus_bw_gbs"] if 2 in fits else 1.0)
+        report["tp_overhead"] = {"samples": tp_sample, **tp_fit}
+        tp_overhead, tp_element, sp_overhead = (
+            tp_fit[k] / share for k in ("tp_layer_overhead_us", "tp_element_overhead_ns", "sp_layer_overhead_us"))
+        log(f"FSDP adds {fsdp_overhead:.0f} us per sharded layer per micro-batch; tensor parallelism "
+            f"{tp_overhead:.0f} us per layer per pass plus {tp_element:.3f} ns per activation element "
+            f"({tp_sample['small_us']:.0f} us at 8 tokens, {tp_sample['large_us']:.0f} us at "
+            f"{tp_sample['large_elements'] // OVERHEAD_MODEL['dim']}), sequence parallelism "
+            f"{sp_overhead:.0f} us more per layer per pass; all beyond their collectives")
     bw = statistics.median(f["bus_bw_gbs"] for f in fits.values()) if fits else 1.0
     latency = statistics.median(f["latency_us"] for f in fits.values()) if fits else 50.0
 
@@ -583,7 +631,8 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         hbm_tbs=bandwidth, hbm_efficiency=1.0, elementwise_efficiency=element_efficiency, intra_bw_gbs=bw, inter_bw_gbs=bw, intra_latency_us=latency, inter_latency_us=latency,
         matmul_efficiency=1.0, matmul_half_dim=half, sm_count=sm_count, attention_efficiency=max(attention, 1e-3),
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
-        tp_layer_overhead_us=tp_overhead, recompute_overhead_us=recompute_overhead,
+        tp_layer_overhead_us=tp_overhead, tp_element_overhead_ns=tp_element, sp_layer_overhead_us=sp_overhead,
+        recompute_overhead_us=recompute_overhead,
         shared_compute=not gpu, thread_speedup=thread_speedup, optimizer_layer_overhead_us=optimizer_layer,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
     )

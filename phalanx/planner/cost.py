@@ -394,7 +394,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     n_dense = n - n_moe
     overhead = cluster.overhead_per_rank(world)
     if lay.tp > 1:
-        overhead += cluster.tp_layer_overhead_us * 1e-6 * cluster.queueing(world)
+        overhead += (cluster.tp_layer_overhead_us * 1e-6 + (cluster.sp_layer_overhead_us * 1e-6 if lay.sp else 0.0)
+                     + cluster.tp_element_overhead_ns * 1e-9 * lay.mbs * seq * model.dim) * cluster.queueing(world)
     kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=peak, flash=options.flash_attention,
               memory_bw=memory_bw, overhead=overhead)
     dense = layer_cost(model, cluster, moe=False, **kw)

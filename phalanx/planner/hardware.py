@@ -78,6 +78,15 @@ class Cluster:
     tp_layer_overhead_us: float = 0.0
     """Framework time tensor parallelism adds per layer per pass (DTensor dispatch) beyond its
     collectives: measured on CPUs, hidden by GPU asynchrony (0)."""
+    tp_element_overhead_ns: float = 0.0
+    """Framework time tensor parallelism adds per activation element (tokens x dim of the
+    micro-batch) per layer per pass, beyond its collectives' bytes (DTensor redistribution
+    copies, which grow with the activation): measured on CPUs from 8 tokens to a real
+    micro-batch, 0 on the GPU presets."""
+    sp_layer_overhead_us: float = 0.0
+    """Framework time sequence parallelism adds per layer per pass on top of
+    `tp_layer_overhead_us` (its norms run as DTensors, the gathers and scatters around the
+    column/row-wise regions): measured on CPUs with phalanx's own plan, 0 on the GPU presets."""
     recompute_overhead_us: float = 0.0
     """Framework time activation checkpointing adds per layer per micro-batch besides the
     recomputed forward: measured on CPUs, 0 on GPUs."""
