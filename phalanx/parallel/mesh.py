@@ -24,7 +24,8 @@ class ParallelMesh:
     rank: int = 0
     device_mesh: object | None = None
     """DeviceMesh with axes ("pp", "dp", "tp"), or None for a single process."""
-    _groups: dict = field(default_factory=dict)
+    _split_meshes: dict = field(default_factory=dict)
+    """split_dp's meshes, one per split (creating one makes process groups)."""
 
     @property
     def distributed(self) -> bool:
@@ -53,13 +54,13 @@ class ParallelMesh:
         this (it creates process groups); results are cached per split.
         """
         key = (outer, inner, inner_size)
-        if key not in self._groups:
+        if key not in self._split_meshes:
             from torch.distributed.device_mesh import DeviceMesh
 
             plan = self.plan
             ranks = torch.arange(self.world_size).view(plan.pp, plan.dp // inner_size, inner_size, plan.tp)
-            self._groups[key] = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", outer, inner, "tp"))
-        return self._groups[key]
+            self._split_meshes[key] = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", outer, inner, "tp"))
+        return self._split_meshes[key]
 
     def _dp_split_root(self):
         """The DeviceMesh that FSDP's and TP's sub-meshes are cut from.

@@ -20,7 +20,6 @@ import contextlib
 
 from torch import nn
 
-from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
 

@@ -273,7 +273,3 @@ def cluster_from_name(name: str) -> Cluster:
     if os.path.sep in name or name.endswith((".toml", ".json")):
         return load_cluster_file(name)
     raise UserError(f"unknown cluster {name!r}; choose a file or one of: {', '.join(PRESETS)}")
-
-
-def cluster_to_dict(cluster: Cluster) -> dict:
-    return dataclasses.asdict(cluster)

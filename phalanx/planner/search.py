@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
-from phalanx.planner import cost
 from phalanx.planner.cost import Estimate, Options, evaluate
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
@@ -220,12 +219,3 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
                         f"{cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB per device "
                         f"({result.pruned_memory} pruned by memory)")
     return result.ranked[0].layout.to_plan()
-
-
-def evaluate_fixed(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
-                   options: Options = Options()) -> Estimate:
-    """Evaluate one fully specified layout, with every reason it is invalid in one error."""
-    issues = cost.problems(model, workload, cluster, layout, layout.world_size)
-    if issues:
-        raise UserError(f"layout {layout.to_string()}: " + "; ".join(issues))
-    return evaluate(model, cluster, workload, layout, options)
