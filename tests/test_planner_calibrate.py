@@ -40,6 +40,23 @@ def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys):
     raw = json.loads(out.with_suffix(".measurements.json").read_text())
     assert raw["backend"] == "gloo" and "2" in raw["collectives"]
     assert "gloo 2 processes" in capsys.readouterr().out
+    # The trainer's runtimes, measured on their own code paths: DDP per group size, FSDP under
+    # pp, and the pipeline runtime per schedule.
+    assert [n for n, _ in cluster.ddp_step_overhead_ms] == [2]
+    assert [s for s, _ in cluster.pp_action_overhead_us] == ["1f1b", "interleaved", "zbv", "dualpipev"]
+    assert all(us >= 0 for _, us in cluster.pp_action_overhead_us) and cluster.fsdp_pp_unit_overhead_us >= 0
+    assert set(raw["runtime_overheads"]) >= {"ddp_step_overhead_ms", "pp_action_overhead_us"}
+
+
+def test_fit_fsdp_pp_splits_per_step_and_per_microbatch_costs():
+    from phalanx.planner.calibrate_runtime import fit_fsdp_pp
+
+    # Extra seconds at (blocks:micro-batches): a = 0.7 ms per unit per step, b = 0.3 ms per
+    # unit per micro-batch, plus a root/intercept of 2 ms that the slope over blocks cancels.
+    extra = {f"{n}:{m}": n * (0.7e-3 + 0.3e-3 * m) + 2e-3 for n in (1, 5) for m in (1, 3)}
+    fit = fit_fsdp_pp(extra)
+    assert fit["fsdp_pp_unit_overhead_us"] == pytest.approx(700.0)
+    assert fit["fsdp_pp_microbatch_overhead_us"] == pytest.approx(300.0)
 
 
 def test_fit_matmul_divides_out_wave_quantization_on_a_gpu():

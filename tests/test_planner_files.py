@@ -28,6 +28,11 @@ def test_cluster_toml_and_json(tmp_path):
     js = write(tmp_path, "box.json", json.dumps({"memory_gib": 40, "shared_compute": True}))
     c = cluster_from_name(str(js))
     assert (c.name, c.memory_gib, c.shared_compute) == ("box", 40.0, True)
+    # What calibrate measures of the trainer's runtimes (lists of pairs) reads back as written.
+    measured = {"ddp_step_overhead_ms": [[2, 3.5], [4, 10.0]], "pp_action_overhead_us": [["1f1b", 120.0]]}
+    c = load_cluster_file(write(tmp_path, "cpu.json", json.dumps(measured)))
+    assert c.ddp_step_overhead_ms == ((2, 3.5), (4, 10.0)) and c.pp_action_overhead_us == (("1f1b", 120.0),)
+    assert c.pp_action_s("gpipe") == pytest.approx(120e-6) and c.pp_action_s("zbv") == 0.0
 
 
 @pytest.mark.parametrize("text, message", [
@@ -38,6 +43,8 @@ def test_cluster_toml_and_json(tmp_path):
     ('matmul_efficiency = 1.5\n', "at most 1"),
     ('hbm_efficiency = 1.2\n', "hbm_efficiency=1.2 is a fraction of peak, at most 1"),
     ('sm_count = -4\n', "sm_count=-4 must be 0"),
+    ('ddp_step_overhead_ms = [[2]]\n', "ddp_step_overhead_ms must be a list of [processes, ms]"),
+    ('pp_action_overhead_us = 5\n', "pp_action_overhead_us must be a list of [schedule, us]"),
 ])
 def test_bad_cluster_files(tmp_path, text, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[")):

@@ -13,6 +13,9 @@ What is measured, and which Cluster field it sets:
     phalanx's own tensor-parallel plan (apply_tp) at 8 tokens and at a real micro-batch, with
     and without sequence parallelism -> tp_layer_overhead_us (DTensor dispatch per pass),
     tp_element_overhead_ns (what grows with the activation) and sp_layer_overhead_us;
+  DDP, FSDP under pipeline parallelism and the pipeline runtime on the trainer's own code
+    paths (CPU only; see calibrate_runtime.py) -> ddp_step_overhead_ms per group size,
+    fsdp_pp_unit_overhead_us, fsdp_pp_microbatch_overhead_us, pp_action_overhead_us per schedule;
   all-reduce and all-gather over 2..max_procs processes with the real backend (gloo on CPU,
     NCCL on GPU) at several sizes -> alpha (latency) and beta (bandwidth) per group size by a
     linear fit; their medians become intra_latency_us and intra_bw_gbs.
@@ -318,7 +321,9 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
                 _sync(device)
                 if i:
                     times.append(time.perf_counter() - start)
-            results[f"{op}:{numel * 4}"] = statistics.median(times)
+            # The fastest repeat: a woken gloo thread sometimes waits a scheduler slice (ms) for
+            # a core, which the DDP and pipeline measurements charge where it happens.
+            results[f"{op}:{numel * 4}"] = min(times)
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
@@ -617,6 +622,17 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
             f"({tp_sample['small_us']:.0f} us at 8 tokens, {tp_sample['large_us']:.0f} us at "
             f"{tp_sample['large_elements'] // OVERHEAD_MODEL['dim']}), sequence parallelism "
             f"{sp_overhead:.0f} us more per layer per pass; all beyond their collectives")
+    runtime: dict = {}
+    if not gpu:
+        from phalanx.planner.calibrate_runtime import measure_runtime_overheads
+
+        runtime = measure_runtime_overheads(max_procs=max_procs, collective_fits=fits, quick=quick, log=log)
+        report["runtime_overheads"] = runtime
+        runtime = dict(  # fixed costs, scaled by the machine's delivered share like the others
+            runtime, ddp_step_overhead_ms=tuple((n, ms / share) for n, ms in runtime["ddp_step_overhead_ms"]),
+            pp_action_overhead_us=tuple((s, us / share) for s, us in runtime["pp_action_overhead_us"]),
+            fsdp_pp_unit_overhead_us=runtime["fsdp_pp_unit_overhead_us"] / share,
+            fsdp_pp_microbatch_overhead_us=runtime["fsdp_pp_microbatch_overhead_us"] / share)
     bw = statistics.median(f["bus_bw_gbs"] for f in fits.values()) if fits else 1.0
     latency = statistics.median(f["latency_us"] for f in fits.values()) if fits else 50.0
 
@@ -635,6 +651,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         recompute_overhead_us=recompute_overhead,
         shared_compute=not gpu, thread_speedup=thread_speedup, optimizer_layer_overhead_us=optimizer_layer,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
+        **runtime,
     )
     return cluster, report
 

@@ -460,6 +460,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         same = lay.tp * lay.dp * 2 <= cluster.fast_domain
         t_send = comm.send(cluster, boundary_bytes, same_domain=same)
         pp_comm = 2 * t_send * (m * v + p - 1)
+        # The pipeline runtime's own cost per action beyond compute and bytes (CPUs, measured).
+        pp_comm += m * actions_per_microbatch(lay.schedule, v) * cluster.pp_action_s(lay.schedule) * cluster.queueing(world)
     else:
         pp_comm = 0.0
 
@@ -516,11 +518,19 @@ def _bubble(schedule: str, p: int, v: int, st: StageTimes) -> float:
     return (p - 1) * full  # gpipe and 1f1b
 
 
+def actions_per_microbatch(schedule: str, virtual: int) -> int:
+    """Pipeline actions one rank runs per micro-batch: a forward and a backward per chunk, the
+    V-shaped schedules' backward split in two (input gradient, then weight gradient)."""
+    chunks = virtual if schedule in ("interleaved", "zbv", "dualpipev") else 1
+    return chunks * (3 if schedule in ("zbv", "dualpipev") else 2)
+
+
 def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, experts: float,
              st: StageTimes, n_layers: int) -> float:
     """Exposed data-parallel seconds per step."""
     if lay.dp == 1:
         return 0.0
+    queue = cluster.queueing(lay.world_size)
     g = options.grad_reduce_bytes
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
@@ -532,7 +542,16 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # The phalanx trainer runs replicated dp composed with tp or pp through FSDP2 as HSDP with
     # shard size 1 (DDP takes neither DTensors nor stages): FSDP's per-unit cost, DDP's bytes.
     wrapped = n_layers + 1 if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1) else 0
-    wrap_cost = lay.microbatches * wrapped * cluster.fsdp_unit_overhead_us * 1e-6 * cluster.queueing(lay.world_size)
+    # Under pp the trainer's FSDP keeps the weights gathered and PyTorch's pipeline stage
+    # reduces gradients once, after the last micro-batch: per-step and per-micro-batch costs
+    # measured in that mode; otherwise FSDP reshards and is timed per micro-batch.
+    if lay.pp > 1:
+        fsdp_unit = (cluster.fsdp_pp_unit_overhead_us + lay.microbatches * cluster.fsdp_pp_microbatch_overhead_us) * 1e-6
+    else:
+        fsdp_unit = lay.microbatches * cluster.fsdp_unit_overhead_us * 1e-6
+    wrap_cost = wrapped * fsdp_unit * queue
+    if lay.zero == 0 and not wrapped:  # DDP: its hooks' collective waits for busy cores (CPUs)
+        wrap_cost += cluster.ddp_overhead_s(lay.world_size)
     rs = ag = ar_replica = 0.0
     for params, size, stride in groups:
         pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))
@@ -547,12 +566,18 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # gloo runs collectives on the very cores that compute: nothing overlaps on a CPU.
     overlap = options.dp_overlap and not cluster.shared_compute
     one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
-    if lay.zero == 3:
-        # Every micro-batch: gather forward, gather again backward, reduce-scatter gradients.
-        per_mb = (max(ag - st.f, ag * one_layer) + max(ag + rs - (st.b + st.w), (ag + rs) * one_layer)
-                  if overlap else 2 * ag + rs)
-        per_mb += units * cluster.fsdp_unit_overhead_us * 1e-6 * cluster.queueing(lay.world_size)
-        return lay.microbatches * per_mb + ar_replica
+    if lay.zero == 3 and lay.pp == 1:
+        # Every micro-batch gathers forward and again backward (resharded after forward); the
+        # gradients accumulate unsharded and are reduce-scattered after the last micro-batch.
+        m = lay.microbatches
+        if overlap:
+            gathers = m * (max(ag - st.f, ag * one_layer) + max(ag - (st.b + st.w), ag * one_layer))
+            reduce = max(rs - (st.b + st.w), rs * one_layer)
+        else:
+            gathers, reduce = 2 * m * ag, rs
+        return gathers + reduce + units * fsdp_unit * queue + ar_replica
+    if lay.zero == 3:  # under pp: gathered once, reduced once, like zero 1 and 2 below
+        wrap_cost = units * fsdp_unit * queue
     if not overlap:
         return rs + ag + ar_replica + wrap_cost
     window_b = st.b + st.w + st.r

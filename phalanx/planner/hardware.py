@@ -87,6 +87,20 @@ class Cluster:
     """Framework time sequence parallelism adds per layer per pass on top of
     `tp_layer_overhead_us` (its norms run as DTensors, the gathers and scatters around the
     column/row-wise regions): measured on CPUs with phalanx's own plan, 0 on the GPU presets."""
+    ddp_step_overhead_ms: tuple[tuple[int, float], ...] = ()
+    """(processes, ms per step) DDP's gradient sync costs beyond its all-reduce's alpha-beta
+    time, measured by calibrate on CPUs (the bucket all-reduce waits for cores busy with the
+    backward); () on the GPU presets."""
+    fsdp_pp_unit_overhead_us: float = 0.0
+    """Framework time per FSDP unit per optimizer step under pipeline parallelism, where the
+    trainer keeps the weights gathered and reduces gradients once, after the last micro-batch;
+    measured on CPUs, 0 on GPUs."""
+    fsdp_pp_microbatch_overhead_us: float = 0.0
+    """The same per unit per micro-batch (FSDP's hooks around every forward and backward)."""
+    pp_action_overhead_us: tuple[tuple[str, float], ...] = ()
+    """(schedule, us) the pipeline runtime costs per action (one chunk's forward, backward,
+    input- or weight-gradient of one micro-batch) beyond the stage's compute and its sends'
+    bytes: measured by calibrate on CPUs for 1f1b (gpipe too), interleaved, zbv and dualpipev."""
     recompute_overhead_us: float = 0.0
     """Framework time activation checkpointing adds per layer per micro-batch besides the
     recomputed forward: measured on CPUs, 0 on GPUs."""
@@ -108,6 +122,19 @@ class Cluster:
             if n == size:
                 return latency, bw
         return self.intra_latency_us, self.intra_bw_gbs
+
+    def ddp_overhead_s(self, size: int) -> float:
+        """Seconds per step DDP adds beyond its all-reduce on `size` processes: the measured
+        figure of that size, else the nearest measured one scaled by the size ratio."""
+        if not self.ddp_step_overhead_ms or size < 2:
+            return 0.0
+        n, ms = min(self.ddp_step_overhead_ms, key=lambda row: abs(row[0] - size))
+        return ms * 1e-3 * size / n
+
+    def pp_action_s(self, schedule: str) -> float:
+        """Seconds the pipeline runtime adds per action of `schedule` (gpipe runs 1f1b's)."""
+        name = "1f1b" if schedule == "gpipe" else schedule
+        return next((us * 1e-6 for s, us in self.pp_action_overhead_us if s == name), 0.0)
 
     def __post_init__(self) -> None:
         problems = []
@@ -235,6 +262,16 @@ def cluster_from_dict(data: dict, *, source: str) -> Cluster:
                 values[key] = tuple((int(n), float(lat), float(bw)) for n, lat, bw in raw)
             except (TypeError, ValueError):
                 raise UserError(f"{source}: measured_groups must be a list of [size, latency_us, bus_gbs]") from None
+        elif key == "ddp_step_overhead_ms":
+            try:
+                values[key] = tuple((int(n), float(ms)) for n, ms in raw)
+            except (TypeError, ValueError):
+                raise UserError(f"{source}: ddp_step_overhead_ms must be a list of [processes, ms]") from None
+        elif key == "pp_action_overhead_us":
+            try:
+                values[key] = tuple((str(s), float(us)) for s, us in raw)
+            except (TypeError, ValueError):
+                raise UserError(f"{source}: pp_action_overhead_us must be a list of [schedule, us]") from None
         elif kind is float:
             if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                 raise UserError(f"{source}: {key} must be a number, got {raw!r}")

@@ -1,0 +1,221 @@
+"""Framework costs of the trainer's data-parallel and pipeline runtimes on a CPU, beyond the
+FLOPs, bytes and collectives the cost model already charges (`phalanx calibrate` calls these).
+
+On a CPU the ranks' compute threads keep every core busy, so a collective issued from a hook
+(DDP's bucket all-reduce) or a pipeline send/receive waits for the scheduler as well as for
+the wire; the alpha-beta fits of idle-machine collectives do not see that. Each figure here
+is timed on the trainer's own code path against the same work without it:
+
+  ddp_step_overhead    DDP (`apply_ddp`) against the bare model, forward+backward, per group
+                       size: the median extra per step (the cost is scheduling waits, which
+                       a step pays typically, not at its best), less the gradient all-reduce's
+                       alpha-beta time, which the cost model charges already;
+  fsdp under pp        FSDP2 as the trainer wraps it under pipeline parallelism (HSDP with
+                       shard size 1, `reshard_after_forward=False`, the gradient reduction
+                       and the reshard only after the last micro-batch, as PyTorch's pipeline
+                       stage drives it) at 1 and 5 blocks and 1 and 3 micro-batches: the cost
+                       per unit per step and per unit per micro-batch;
+  pipeline actions     phalanx's pipeline step (`parallelize`, `make_pipeline`,
+                       `pipeline_step`: 2 stages, 1f1b) at 2 and 6 micro-batches of 16
+                       tokens: the growth per micro-batch less the stage's own forward and
+                       backward timed outside the schedule, per action (1f1b runs a forward
+                       and a backward action per micro-batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import statistics
+import time
+
+PP_TOKENS = (1, 16)
+"""(micro-batch, sequence) of the pipeline measurement: small, so the runtime's cost shows."""
+DDP_TOKENS = (4, 128)
+"""(micro-batch, sequence) of the DDP measurement: a real micro-batch, whose backward the
+bucket all-reduce competes with for the cores."""
+
+
+def _init(rank: int, world: int, port: int, threads: int):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    return torch, dist
+
+
+def _ddp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    from phalanx.model.transformer import Transformer
+    from phalanx.planner.calibrate import overhead_model
+
+    torch, dist = _init(rank, world, port, threads)
+    cfg = overhead_model(2, DDP_TOKENS[1])
+    torch.manual_seed(0)
+    bare = Transformer(cfg)
+    torch.manual_seed(0)
+    wrapped = torch.nn.parallel.DistributedDataParallel(Transformer(cfg))
+    tokens = torch.randint(0, cfg.vocab_size, DDP_TOKENS)
+    extra = []
+    for i in range(repeats + 2):  # alternate, so that drift on a shared machine hits both alike
+        times = []
+        for model in (bare, wrapped):
+            dist.barrier()
+            start = time.perf_counter()
+            model(tokens).sum().backward()
+            times.append(time.perf_counter() - start)
+        if i >= 2:
+            extra.append(times[1] - times[0])
+    if rank == 0:
+        queue.put({"extra_s": statistics.median(extra), "grad_bytes": 4.0 * sum(p.numel() for p in bare.parameters())})
+    dist.destroy_process_group()
+
+
+def _fsdp_pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from phalanx.model.config import ModelConfig
+    from phalanx.model.transformer import Transformer
+
+    torch, dist = _init(rank, world, port, threads)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    tiny = dict(dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+
+    def step(model, tokens, microbatches: int, wrapped: bool) -> None:
+        for i in range(microbatches):
+            last = i == microbatches - 1
+            if wrapped:  # what torch.distributed.pipelining's stage sets around each backward
+                model.set_is_last_backward(last)
+                model.set_reshard_after_backward(last)
+                model.set_requires_gradient_sync(last)
+            model(tokens).sum().backward()
+
+    result = {}
+    for layers in (1, 5):
+        cfg = ModelConfig(name="fsdp-pp", n_layers=layers, **tiny)
+        tokens = torch.randint(0, cfg.vocab_size, (1, 8))
+        models = []
+        for wrapped in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(cfg)
+            if wrapped:
+                for block in model.layers.values():
+                    fully_shard(block, mesh=mesh, reshard_after_forward=False)
+                fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            models.append(model)
+        for microbatches in (1, 3):
+            best = []
+            for wrapped, model in zip((False, True), models):
+                samples = []
+                for i in range(repeats + 2):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    step(model, tokens, microbatches, wrapped)
+                    if i >= 2:
+                        samples.append(time.perf_counter() - start)
+                best.append(min(samples))
+            result[f"{layers}:{microbatches}"] = best[1] - best[0]
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def fit_fsdp_pp(sample: dict) -> dict:
+    """Per unit per step and per unit per micro-batch (us) from `_fsdp_pp_worker`'s extra
+    seconds at (blocks, micro-batches) = (1|5, 1|3): the slope over 4 blocks is a + b m."""
+    s1 = (sample["5:1"] - sample["1:1"]) / 4
+    s3 = (sample["5:3"] - sample["1:3"]) / 4
+    per_mb = max(0.0, (s3 - s1) / 2)
+    return {"fsdp_pp_unit_overhead_us": max(0.0, s1 - per_mb) * 1e6, "fsdp_pp_microbatch_overhead_us": per_mb * 1e6}
+
+
+PP_SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev")
+"""The schedules whose runtime cost is measured (gpipe runs 1f1b's actions)."""
+
+
+def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    from phalanx.parallel.apply import parallelize
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.plan import parse_plan
+    from phalanx.planner.calibrate import overhead_model
+    from phalanx.planner.cost import actions_per_microbatch
+    from phalanx.train.pipeline_step import make_pipeline, pipeline_step, token_loss
+
+    torch, dist = _init(rank, world, port, threads)
+    mbs, seq = PP_TOKENS
+    device = torch.device("cpu")
+    result = {}
+    for schedule in PP_SCHEDULES:
+        virtual = 1 if schedule == "1f1b" else 2
+        cfg = overhead_model(world * virtual, seq)
+        steps = {}
+        for microbatches in (2 * world, 4 * world):
+            plan = parse_plan(f"pp={world},schedule={schedule},virtual={virtual},microbatches={microbatches}")[0]
+            mesh = build_mesh(plan, device)
+            model = parallelize(cfg, mesh, seed=0, seq_len=seq, microbatch_tokens=mbs * seq)
+            pipeline = make_pipeline(model, mesh)
+            tokens = torch.randint(0, cfg.vocab_size, (microbatches * mbs, seq))
+            samples = []
+            for i in range(repeats + 2):
+                dist.barrier()
+                start = time.perf_counter()
+                pipeline_step(pipeline, mesh, tokens, tokens, autocast=contextlib.nullcontext)
+                if i >= 2:
+                    samples.append(time.perf_counter() - start)
+            steps[microbatches] = min(samples)
+        # This rank's own forward and backward of one micro-batch through its chunks, outside
+        # the schedule: what the cost model charges as compute.
+        own = 0.0
+        for chunk, index in zip(model.chunks, model.stage_indices):
+            first, last = index == 0, index == world * virtual - 1
+            x = (torch.randint(0, cfg.vocab_size, PP_TOKENS) if first
+                 else torch.randn(mbs, seq, cfg.dim, requires_grad=True))
+            local = []
+            for i in range(repeats + 2):
+                start = time.perf_counter()
+                out = chunk(x)
+                (token_loss(out, torch.zeros(mbs, seq, dtype=torch.long)) if last else out.sum()).backward()
+                if i >= 2:
+                    local.append(time.perf_counter() - start)
+            own += min(local)
+        own_t = torch.tensor([own])
+        dist.all_reduce(own_t, op=dist.ReduceOp.MAX)  # the slowest rank paces the pipeline
+        (small, large) = sorted(steps)
+        per_mb = (steps[large] - steps[small]) / (large - small)
+        result[schedule] = {"step_s": steps, "rank_mb_s": float(own_t), "per_mb_s": per_mb,
+                            "action_us": max(0.0, (per_mb - float(own_t)) / actions_per_microbatch(schedule, virtual)) * 1e6}
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: bool, log=print) -> dict:
+    """The Cluster fields of this module's measurements (us or ms, before the machine-share
+    scaling that `calibrate` applies to every fixed cost)."""
+    from phalanx.planner.calibrate import _run_workers
+
+    repeats = 4 if quick else 12
+    run = lambda worker, world, what: _run_workers(  # noqa: E731
+        worker, world, (repeats, max(1, (os.cpu_count() or 1) // world)), start_method="fork", timeout_s=180.0,
+        what=f"{what} measurement on {world} gloo processes")
+    ddp = []
+    for world in range(2, max(2, max_procs) + 1):
+        sample = run(_ddp_worker, world, "DDP")
+        fit = collective_fits.get(world)
+        wire = 0.0
+        if fit:  # the gradient all-reduce the cost model charges on its own
+            wire = 2 * (world - 1) * fit["latency_us"] * 1e-6 + 2 * (world - 1) / world * sample["grad_bytes"] / (
+                fit["bus_bw_gbs"] * 1e9)
+        ddp.append((world, max(0.0, sample["extra_s"] - wire) * 1e3))
+    fsdp_pp = fit_fsdp_pp(run(_fsdp_pp_worker, 2, "FSDP-under-pipeline"))
+    pp = run(_pp_worker, 2, "pipeline")
+    actions = tuple((schedule, pp[schedule]["action_us"]) for schedule in PP_SCHEDULES)
+    log("DDP adds " + ", ".join(f"{ms:.2f} ms per step at {w} processes" for w, ms in ddp)
+        + f" beyond its all-reduce; FSDP under pp {fsdp_pp['fsdp_pp_unit_overhead_us']:.0f} us per unit per step + "
+        f"{fsdp_pp['fsdp_pp_microbatch_overhead_us']:.0f} us per unit per micro-batch; the pipeline runtime "
+        + ", ".join(f"{us:.0f} us per action under {s}" for s, us in actions))
+    return {"ddp_step_overhead_ms": tuple(ddp), **fsdp_pp, "pp_action_overhead_us": actions}
