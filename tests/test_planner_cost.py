@@ -340,3 +340,23 @@ def test_fsdp_reduces_accumulated_gradients_once_per_step():
     # 2 more micro-batches x 2 gathers; no more reduce-scatters (to 0.1%: the per-stage parameter
     # count leaves out the final norm's 64 weights)
     assert four - two == pytest.approx(2 * 2 * ag, rel=1e-3)
+
+
+def test_hidden_communication_takes_its_sms_from_compute():
+    """A collective hidden behind compute still costs comm_sm_fraction of its duration."""
+    import dataclasses
+
+    model, work = gpt(), Workload(global_batch=64, seq_len=4096)
+    free = dataclasses.replace(H100, comm_sm_fraction=0.0)
+    lay = Layout(dp=8, mbs=8, microbatches=1, zero=1)  # 24 layers; the DP traffic hides behind one backward
+    base, costly = evaluate(model, free, work, lay), evaluate(model, H100, work, lay)
+    # Exposed without contention is the last layer's share of the reduce-scatter and all-gather:
+    # rs + ag = 24 x that; the other 23/24 is hidden and costs 0.15 of itself.
+    hidden = base.breakdown["dp_comm"] * 23
+    assert costly.breakdown["dp_comm"] - base.breakdown["dp_comm"] == pytest.approx(0.15 * hidden, rel=1e-6)
+    # TP pipelined with its GEMMs (--tp-overlap): the hidden part costs the same fraction.
+    tp = Layout(dp=1, tp=8, sp=True, mbs=1, microbatches=8)
+    over = Options(tp_overlap=True)
+    plain = evaluate(model, free, work, tp, over).breakdown["tp_comm"]
+    assert evaluate(model, H100, work, tp, over).breakdown["tp_comm"] > plain
+    assert evaluate(model, H100, work, tp).breakdown["tp_comm"] == evaluate(model, free, work, tp).breakdown["tp_comm"]

@@ -404,10 +404,15 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     # Exposed communication per layer per micro-batch, forward and backward.
     t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
 
+    sm = cluster.comm_sm_fraction
+
     def exposed(t: float, gemm: float) -> float:
+        """Time a TP collective adds to its layer; pipelined with the GEMM (--tp-overlap), the
+        part it hides still takes the SMs it runs on from that GEMM."""
         if not options.tp_overlap:
             return t
-        return max(t - gemm, 0.0) + min(t, gemm) / lay.tp
+        shown = max(t - gemm, 0.0) + min(t, gemm) / lay.tp
+        return shown + sm * (t - shown)
 
     # Where SP stores the attention and MLP inputs sharded (Options.sp_regather, as Korthikanti
     # et al. count them), backward gathers them again for the weight gradients: 2 all-gathers
@@ -416,7 +421,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     t_regather = 2 * _collective(comm.reduce_scatter, cluster, dense.tp_bytes, lay.tp, 1) if regather else 0.0
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
-        t_ep = max(0.0, t_ep - moe.f)  # hidden behind the paired micro-batch's compute
+        t_ep = max(0.0, t_ep - moe.f) + sm * min(t_ep, moe.f)  # hidden behind the paired micro-batch's compute
     tp_f = n_dense * exposed(t_tp, dense.gemm_f) + n_moe * exposed(t_tp, moe.gemm_f)
     tp_b = tp_f + n_dense * exposed(t_regather, dense.gemm_f) + n_moe * exposed(t_regather, moe.gemm_f)
     ep_f = n_moe * t_ep
@@ -566,13 +571,19 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # gloo runs collectives on the very cores that compute: nothing overlaps on a CPU.
     overlap = options.dp_overlap and not cluster.shared_compute
     one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
+    def shown(t: float, window: float) -> float:
+        """What a collective hidden behind `window` of compute adds: the part that sticks out
+        (at least the last layer's share), plus the SMs its hidden part takes from compute."""
+        out = max(t - window, t * one_layer)
+        return out + cluster.comm_sm_fraction * (t - out)
+
     if lay.zero == 3 and lay.pp == 1:
         # Every micro-batch gathers forward and again backward (resharded after forward); the
         # gradients accumulate unsharded and are reduce-scattered after the last micro-batch.
         m = lay.microbatches
         if overlap:
-            gathers = m * (max(ag - st.f, ag * one_layer) + max(ag - (st.b + st.w), ag * one_layer))
-            reduce = max(rs - (st.b + st.w), rs * one_layer)
+            gathers = m * (shown(ag, st.f) + shown(ag, st.b + st.w))
+            reduce = shown(rs, st.b + st.w)
         else:
             gathers, reduce = 2 * m * ag, rs
         return gathers + reduce + units * fsdp_unit * queue + ar_replica
@@ -580,10 +591,9 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
         wrap_cost = units * fsdp_unit * queue
     if not overlap:
         return rs + ag + ar_replica + wrap_cost
-    window_b = st.b + st.w + st.r
-    exposed = max(rs - window_b, rs * one_layer) + ar_replica
+    exposed = shown(rs, st.b + st.w + st.r) + ar_replica
     if ag:
-        exposed += max(ag - st.f, ag * one_layer)
+        exposed += shown(ag, st.f)
     return exposed + wrap_cost
 
 

@@ -43,6 +43,11 @@ class Cluster:
     """Fraction of hbm_tbs that streaming kernels reach. Datasheet bandwidth is not reached: a
     device-to-device copy on an H200 here moved 4.3 of its 4.8 TB/s (0.90). 1.0 where hbm_tbs
     was itself measured (calibrate)."""
+    comm_sm_fraction: float = 0.15
+    """Fraction of the device's compute a collective takes while it runs hidden behind compute
+    (its kernels occupy SMs and memory bandwidth): DeepSeek-V3's report dedicates 20 of an
+    H800's 132 SMs to the communication it overlaps (0.15). Each second of hidden communication
+    costs this many seconds of compute. 0 on CPUs, where nothing overlaps."""
     elementwise_efficiency: float = 1.0
     """Fraction of the streaming bandwidth (hbm_tbs x hbm_efficiency) a layer's element-wise
     passes (norms, activations, residuals, rotary) reach. 1 on GPUs (fused, streaming kernels);
@@ -226,7 +231,7 @@ PRESETS: dict[str, Cluster] = {
                 peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02, hbm_efficiency=1.0,
                 intra_bw_gbs=2.0, inter_bw_gbs=2.0, intra_latency_us=50.0, inter_latency_us=50.0,
                 matmul_efficiency=1.0, matmul_half_dim=32.0, attention_efficiency=0.5,
-                layer_overhead_us=300.0, shared_compute=True),
+                layer_overhead_us=300.0, shared_compute=True, comm_sm_fraction=0.0),
     ]
 }
 
