@@ -46,6 +46,10 @@ class Plan:
     """Micro-batches per optimizer step per data-parallel rank; 0 picks a default (pp, or 1)."""
     recompute: str = "none"
     """Activation checkpointing: none, selective or full."""
+    recompute_layers: int = 0
+    """With recompute: checkpoint only the first this many blocks of each model chunk (of the
+    model without pp), the rest keep their activations; 0 = every block. Between none and
+    full: the fewest recomputed layers that fit in memory."""
     split: str = ""
     """Transformer layers per pipeline stage by hand, `a:b:...` (pp x virtual counts, in stage
     order); empty = balanced by estimated cost (see `phalanx.parallel.stage_split`)."""
@@ -93,6 +97,10 @@ class Plan:
             problems.append(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
             problems.append(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.recompute_layers < 0:
+            problems.append(f"recompute_layers={self.recompute_layers} must be 0 (every block) or more")
+        elif self.recompute_layers and self.recompute == "none":
+            problems.append(f"recompute_layers={self.recompute_layers} needs recompute=full or selective")
         if self.schedule == "interleaved" and self.pp > 1 and self.virtual < 2:
             problems.append("schedule=interleaved needs virtual >= 2")
         if self.schedule in ("zbv", "dualpipev") and self.pp > 1 and self.virtual != 2:

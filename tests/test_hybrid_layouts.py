@@ -50,6 +50,7 @@ LAYOUTS = {
         "pp=2,schedule=zbv,virtual=2",
         "pp=2,schedule=dualpipev,virtual=2",
         "pp=2,split=3:1,recompute=full",
+        "pp=2,recompute=full,recompute_layers=1",  # the first of each stage's 2 blocks only
     ],
     4: [
         "dp=2,tp=2,microbatches=2",

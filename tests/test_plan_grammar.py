@@ -36,9 +36,24 @@ def test_extra_keys_for_the_planner():
         ("pp=2,schedule=zbv,virtual=3,microbatches=4", 2, "uses exactly virtual=2"),
         ("pp=4,schedule=1f1b,microbatches=2", 4, "needs microbatches >= 4, got 2"),
         ("dp=1,recompute=some", 1, "recompute='some' is not one of"),
+        ("dp=1,recompute_layers=2", 1, "recompute_layers=2 needs recompute=full or selective"),
+        ("dp=1,recompute=full,recompute_layers=-1", 1, "recompute_layers=-1 must be 0 (every block) or more"),
     ],
 )
 def test_invalid_plans(text, world, message):
     with pytest.raises(UserError, match=None) as error:
         plan_from_string(text, world)
     assert message in str(error.value)
+
+
+def test_recompute_layers_checkpoints_only_the_first_blocks():
+    from phalanx.model.config import model_config
+    from phalanx.model.transformer import Transformer
+    from phalanx.parallel.recompute import apply_recompute
+
+    plan = plan_from_string("recompute=full,recompute_layers=3", 1)
+    assert (plan.recompute, plan.recompute_layers) == ("full", 3)
+    assert plan_from_string(plan.to_string(), 1) == plan
+    model = apply_recompute(Transformer(model_config("tiny")), plan.recompute, plan.recompute_layers)
+    wrapped = [type(block).__name__ == "CheckpointWrapper" for block in model.layers.values()]
+    assert wrapped == [True, True, True, False]

@@ -116,3 +116,33 @@ def test_trainer_rules_for_schedules_and_tp():
     anywhere = search(model, H100, work, world_size=8, keep=10_000, space=SearchSpace(phalanx_trainer=False))
     assert max(e.layout.tp for e in ours.ranked) == 2  # divides n_kv_heads=2 and vocab 1000
     assert max(e.layout.tp for e in anywhere.ranked) == 8
+
+
+def test_search_recomputes_the_fewest_layers_that_fit():
+    """Between none (too big) and full (fits), the search adds the fewest checkpointed blocks
+    per chunk that fit; memory and recompute time scale with their share."""
+    import dataclasses
+
+    from phalanx.planner.cost import evaluate
+    from phalanx.planner.layout import Layout
+
+    model, work = model_config("llama3-8b"), Workload(global_batch=8, seq_len=8192)
+    lay = Layout(dp=1, tp=8, sp=True, mbs=1, microbatches=8)
+    full, none = (evaluate(model, H100, work, lay.replace(recompute=rc)) for rc in ("full", "none"))
+    half = evaluate(model, H100, work, lay.replace(recompute="full", recompute_layers=16))  # 16 of 32 layers
+    assert half.breakdown["recompute"] == pytest.approx(full.breakdown["recompute"] / 2)
+    act = lambda e: e.memory_breakdown["activations"]  # noqa: E731
+    # Half the layers keep everything, half only their input; both recompute modes hold one
+    # re-run layer's activations (act(none) / 32) while it runs backward.
+    assert act(half) == pytest.approx((act(full) - act(none) / 32 + act(none)) / 2 + act(none) / 32)
+    # A device between the two: none does not fit, full does, so does some share in between.
+    usable = (none.memory_bytes + full.memory_bytes) / 2
+    small = dataclasses.replace(H100, memory_gib=usable / 2**30 + H100.memory_reserved_gib)
+    found = search(model, small, work, world_size=8, fixed={"tp": 8, "mbs": 1}, keep=100).ranked
+    partial = [e for e in found if e.layout.recompute_layers]
+    assert partial and all(e.fits for e in partial)
+    best = min(partial, key=lambda e: e.layout.recompute_layers)
+    assert 0 < best.layout.recompute_layers < 32
+    one_fewer = evaluate(model, small, work, best.layout.replace(recompute_layers=best.layout.recompute_layers - 1))
+    assert not one_fewer.fits
+    assert found[0].layout.recompute_layers  # faster than recomputing every layer

@@ -53,7 +53,7 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
     if plan.tp > 1:
         apply_tp(model, mesh.tp_mesh(), sp=plan.sp)
     apply_ep(model, mesh)
-    apply_recompute(model, plan.recompute)
+    apply_recompute(model, plan.recompute, plan.recompute_layers)
     if uses_fsdp(plan):
         apply_fsdp(model, mesh)
     return init_weights(model, cfg, seed, mesh.device)

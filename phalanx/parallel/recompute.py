@@ -39,14 +39,17 @@ def _selective_context():
     return create_selective_checkpoint_contexts(_policy)
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Wrap each block of `model` (a Transformer or pipeline chunk) for recomputation."""
+def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> nn.Module:
+    """Wrap the blocks of `model` (a Transformer or pipeline chunk) for recomputation: every
+    block, or with `layers` > 0 only its first `layers` (the rest keep their activations:
+    less memory saved, less recomputed, as Megatron's `--recompute-num-layers`)."""
     if mode == "none":
         return model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     extra = {"context_fn": _selective_context} if mode == "selective" else {}
-    for key, block in list(model.layers.items()):
+    blocks = list(model.layers.items())
+    for key, block in blocks[:layers] if layers else blocks:
         # The wrapper's default (non-reentrant) checkpoint is the variant that supports DTensors
         # and selective policies. The model has no dropout, so no RNG state needs preserving.
         model.layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)

@@ -404,7 +404,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     # Exposed communication per layer per micro-batch, forward and backward.
     t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
 
-    sm = cluster.comm_sm_fraction
+    sm = 0.0 if cluster.shared_compute else cluster.comm_sm_fraction  # CPUs overlap nothing
 
     def exposed(t: float, gemm: float) -> float:
         """Time a TP collective adds to its layer; pipelined with the GEMM (--tp-overlap), the
@@ -436,6 +436,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
+    rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
         comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
@@ -454,6 +455,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
     else:
         comp_r = comm_r = 0.0
+    comp_r, comm_r, comp_rw = comp_r * rc_share, comm_r * rc_share, comp_rw * rc_share
     stage = StageTimes(f=comp_f + tp_f + ep_f, b=comp_b + tp_b + ep_f, w=comp_w + comp_rw, r=comp_r + comm_r,
                        f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     per_mb = stage.f + stage.b + stage.w + stage.r
@@ -491,8 +493,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),
         "recompute": m * (comp_r + comp_rw),
-        "tp_comm": m * (tp_f + tp_b + (tp_f if lay.recompute == "full" else 0.0)),
-        "ep_comm": m * (2 * ep_f + (ep_f if lay.recompute == "full" else 0)),
+        "tp_comm": m * (tp_f + tp_b + (tp_f * rc_share if lay.recompute == "full" else 0.0)),
+        "ep_comm": m * (2 * ep_f + (ep_f * rc_share if lay.recompute == "full" else 0)),
         "pp_comm": pp_comm,
         "bubble": bubble,
         "dp_comm": dp_comm,
@@ -508,6 +510,14 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         model_flops=model_flops, hardware_flops=hardware_flops, world_size=world, peak_flops=peak,
         tokens=workload.global_batch * seq, seq_len=seq, hidden_size=model.dim, stage=stage,
     )
+
+
+def recompute_share(model: ModelConfig, lay: Layout) -> float:
+    """Share of a rank's layers that recompute: all, or `recompute_layers` of each chunk's."""
+    if lay.recompute == "none":
+        return 0.0
+    chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
+    return min(lay.recompute_layers, chunk) / chunk if lay.recompute_layers else 1.0
 
 
 def _bubble(schedule: str, p: int, v: int, st: StageTimes) -> float:
@@ -536,6 +546,7 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     if lay.dp == 1:
         return 0.0
     queue = cluster.queueing(lay.world_size)
+    sm = 0.0 if cluster.shared_compute else cluster.comm_sm_fraction
     g = options.grad_reduce_bytes
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
@@ -575,7 +586,7 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
         """What a collective hidden behind `window` of compute adds: the part that sticks out
         (at least the last layer's share), plus the SMs its hidden part takes from compute."""
         out = max(t - window, t * one_layer)
-        return out + cluster.comm_sm_fraction * (t - out)
+        return out + sm * (t - out)
 
     if lay.zero == 3 and lay.pp == 1:
         # Every micro-batch gathers forward and again backward (resharded after forward); the
@@ -605,7 +616,9 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
              + experts * state_bytes_per_param(lay.zero, max(1, shard // lay.ep)))
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
     per_layer = lambda moe, rc: _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
-    stage_act = (n - n_moe) * per_layer(False, lay.recompute) + n_moe * per_layer(True, lay.recompute)
+    share = recompute_share(model, lay)  # the other layers keep all their activations
+    stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))
+                    for count, moe in ((n - n_moe, False), (n_moe, True)))
     in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
                                        microbatches=lay.microbatches)
     rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0

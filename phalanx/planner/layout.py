@@ -44,6 +44,8 @@ class Layout:
     schedule: str = "1f1b"
     virtual: int = 1
     recompute: str = "none"
+    recompute_layers: int = 0
+    """With recompute: blocks checkpointed per model chunk (0 = all)."""
     zero: int = 0
     """0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters (fsdp)."""
     sp: bool = False
@@ -58,7 +60,8 @@ class Layout:
         """The trainer's Plan; zero 1 and 2 have no Plan field and read as fsdp=false."""
         return Plan(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, fsdp=self.zero == 3,
                     replicate=self.replicate, sp=self.sp, schedule=self.schedule, virtual=self.virtual,
-                    microbatches=self.microbatches, recompute=self.recompute)
+                    microbatches=self.microbatches, recompute=self.recompute,
+                    recompute_layers=self.recompute_layers)
 
     def to_string(self) -> str:
         """A `--fix` string that gives back exactly this layout."""

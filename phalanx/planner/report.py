@@ -11,7 +11,7 @@ def plan_record(est: Estimate) -> dict:
     return {
         "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "mbs": lay.mbs,
         "microbatches": lay.microbatches, "schedule": lay.schedule, "virtual": lay.virtual,
-        "recompute": lay.recompute, "fsdp": lay.zero == 3, "zero": lay.zero, "sp": lay.sp,
+        "recompute": lay.recompute, "recompute_layers": lay.recompute_layers, "fsdp": lay.zero == 3, "zero": lay.zero, "sp": lay.sp,
         "replicate": lay.replicate, "plan": lay.to_plan().to_string(), "fix": lay.to_string(),
         "step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s,
         "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
@@ -31,7 +31,7 @@ def table_rows(ranked: list[Estimate]) -> list[list[str]]:
         lay = est.layout
         rows.append([str(i), str(lay.dp), str(lay.tp), str(lay.pp), str(lay.ep), str(lay.mbs),
                      str(lay.microbatches), lay.schedule if lay.pp > 1 else "-", str(lay.virtual),
-                     lay.recompute, str(lay.zero), f"{est.step_time_s:.4g}", f"{est.tokens_per_s:,.0f}",
+                     f"{lay.recompute}:{lay.recompute_layers}" if lay.recompute_layers else lay.recompute, str(lay.zero), f"{est.step_time_s:.4g}", f"{est.tokens_per_s:,.0f}",
                      f"{est.tflops_per_gpu:.1f}", f"{est.mfu:.1%}", f"{est.memory_gib:.1f}"])
     return rows
 

@@ -13,6 +13,7 @@ already keeps no s x s scores, so it saves nothing and recomputes the attention 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -166,6 +167,11 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
     for layout in candidates(model, cluster, workload, world_size=world_size, fixed=fixed, space=space):
         considered += 1
         est = evaluate(model, cluster, workload, layout, options)
+        if "recompute_layers" not in fixed and "recompute" not in fixed:  # a fixed mode means all blocks
+            partial = _fewest_recomputed_layers(model, cluster, workload, est, options)
+            if partial is not None:
+                considered += 1
+                fitting.append(partial)
         if not est.fits:
             pruned += 1
             if fastest_pruned is None or est.step_time_s < fastest_pruned.step_time_s:
@@ -177,6 +183,32 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         fastest_pruned = None
     return SearchResult(ranked=fitting[:keep], considered=considered, pruned_memory=pruned,
                         fastest_pruned=fastest_pruned, seconds=time.perf_counter() - start)
+
+
+def _fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Workload, full: Estimate,
+                              options: Options) -> Estimate | None:
+    """The layout of `full` (every block recomputed) with the fewest checkpointed blocks per
+    chunk that still fits, when that is some but not all (`recompute_layers`); else None.
+
+    Memory falls linearly with the checkpointed blocks, so two evaluations (1 block, all)
+    place the answer; a step or two up covers rounding."""
+    lay = full.layout
+    chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
+    if lay.recompute == "none" or lay.recompute_layers or chunk < 2:
+        return None
+    one = evaluate(model, cluster, workload, lay.replace(recompute_layers=1), options)
+    if one.fits:
+        return one
+    if not full.fits:
+        return None
+    saved_per_layer = (one.memory_bytes - full.memory_bytes) / (chunk - 1)
+    k = 1 + math.ceil((one.memory_bytes - cluster.usable_bytes) / saved_per_layer)
+    while k < chunk:
+        est = evaluate(model, cluster, workload, lay.replace(recompute_layers=k), options)
+        if est.fits:
+            return est
+        k += 1
+    return None
 
 
 def explain(result: SearchResult, usable_gib: float) -> list[str]:
