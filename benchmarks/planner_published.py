@@ -109,6 +109,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--matmul-efficiency", type=float, default=None,
                         help="sensitivity check only: replace every preset's matmul_efficiency (default: keep 0.70)")
+    parser.add_argument("--comm-sm-fraction", type=float, default=None,
+                        help="sensitivity check only: replace every preset's comm_sm_fraction (default: keep 0.15)")
     parser.add_argument("--mbs", type=int, default=None,
                         help="sensitivity check only: pin the micro-batch size of the rows whose source does not "
                              "state it (default: search it like the other unstated knobs)")
@@ -121,6 +123,8 @@ def main() -> int:
         cluster = PRESETS[row.cluster]
         if args.matmul_efficiency is not None:
             cluster = dataclasses.replace(cluster, matmul_efficiency=args.matmul_efficiency)
+        if args.comm_sm_fraction is not None:
+            cluster = dataclasses.replace(cluster, comm_sm_fraction=args.comm_sm_fraction)
         work = Workload(global_batch=row.global_batch, seq_len=row.seq_len)
         pinned = dict(row.fixed)
         if args.mbs is not None:
