@@ -662,7 +662,8 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         layer_overhead_us=overhead, step_overhead_ms=step_overhead, fsdp_unit_overhead_us=fsdp_overhead,
         tp_layer_overhead_us=tp_overhead, tp_element_overhead_ns=tp_element, sp_layer_overhead_us=sp_overhead,
         recompute_overhead_us=recompute_overhead,
-        shared_compute=not gpu, comm_sm_fraction=Cluster.comm_sm_fraction if gpu else 0.0, thread_speedup=thread_speedup, optimizer_layer_overhead_us=optimizer_layer,
+        shared_compute=not gpu, comm_sm_fraction=Cluster.comm_sm_fraction if gpu else 0.0,
+        thread_speedup=thread_speedup, optimizer_layer_overhead_us=optimizer_layer,
         measured_groups=tuple((w, f["latency_us"], f["bus_bw_gbs"]) for w, f in sorted(fits.items())),
         **runtime,
     )

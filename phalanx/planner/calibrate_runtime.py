@@ -6,7 +6,7 @@ On a CPU the ranks' compute threads keep every core busy, so a collective issued
 the wire; the alpha-beta fits of idle-machine collectives do not see that. Each figure here
 is timed on the trainer's own code path against the same work without it:
 
-  ddp_step_overhead    DDP (`apply_ddp`) against the bare model, forward+backward, per group
+  ddp_step_overhead    DDP (as `apply_ddp` wraps it) against the bare model, forward+backward, per group
                        size: the median extra per step (the cost is scheduling waits, which
                        a step pays typically, not at its best), less the gradient all-reduce's
                        alpha-beta time, which the cost model charges already;
@@ -16,10 +16,11 @@ is timed on the trainer's own code path against the same work without it:
                        stage drives it) at 1 and 5 blocks and 1 and 3 micro-batches: the cost
                        per unit per step and per unit per micro-batch;
   pipeline actions     phalanx's pipeline step (`parallelize`, `make_pipeline`,
-                       `pipeline_step`: 2 stages, 1f1b) at 2 and 6 micro-batches of 16
-                       tokens: the growth per micro-batch less the stage's own forward and
-                       backward timed outside the schedule, per action (1f1b runs a forward
-                       and a backward action per micro-batch).
+                       `pipeline_step`) on 2 stages for 1f1b, interleaved, zbv and dualpipev,
+                       at 4 and 8 micro-batches of 16 tokens: the growth per micro-batch less
+                       the rank's own chunks' forward and backward timed outside the schedule,
+                       per action (`cost.actions_per_microbatch`: a forward and a backward per
+                       chunk, the V schedules' backward split in two).
 """
 
 from __future__ import annotations

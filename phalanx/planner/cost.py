@@ -404,7 +404,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     # Exposed communication per layer per micro-batch, forward and backward.
     t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
 
-    sm = 0.0 if cluster.shared_compute else cluster.comm_sm_fraction  # CPUs overlap nothing
+    sm = cluster.hidden_comm_cost
 
     def exposed(t: float, gemm: float) -> float:
         """Time a TP collective adds to its layer; pipelined with the GEMM (--tp-overlap), the
@@ -546,7 +546,6 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     if lay.dp == 1:
         return 0.0
     queue = cluster.queueing(lay.world_size)
-    sm = 0.0 if cluster.shared_compute else cluster.comm_sm_fraction
     g = options.grad_reduce_bytes
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
@@ -582,11 +581,12 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # gloo runs collectives on the very cores that compute: nothing overlaps on a CPU.
     overlap = options.dp_overlap and not cluster.shared_compute
     one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
+
     def shown(t: float, window: float) -> float:
         """What a collective hidden behind `window` of compute adds: the part that sticks out
         (at least the last layer's share), plus the SMs its hidden part takes from compute."""
         out = max(t - window, t * one_layer)
-        return out + sm * (t - out)
+        return out + cluster.hidden_comm_cost * (t - out)
 
     if lay.zero == 3 and lay.pp == 1:
         # Every micro-batch gathers forward and again backward (resharded after forward); the

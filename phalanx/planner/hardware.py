@@ -128,6 +128,12 @@ class Cluster:
                 return latency, bw
         return self.intra_latency_us, self.intra_bw_gbs
 
+    @property
+    def hidden_comm_cost(self) -> float:
+        """Seconds of compute lost per second of communication hidden behind it (none on a
+        CPU, where gloo's collectives run on the computing cores and nothing overlaps)."""
+        return 0.0 if self.shared_compute else self.comm_sm_fraction
+
     def ddp_overhead_s(self, size: int) -> float:
         """Seconds per step DDP adds beyond its all-reduce on `size` processes: the measured
         figure of that size, else the nearest measured one scaled by the size ratio."""
