@@ -315,6 +315,12 @@ def test_runtime_costs_of_ddp_fsdp_under_pp_and_the_pipeline_runtime():
     assert gap(Layout(dp=2, pp=2, mbs=1, microbatches=4), "dp_comm") == pytest.approx(2 * 3 * (0.7e-3 + 4 * 0.3e-3))
     # The same without pp reshards every micro-batch: 5 units x 4 micro-batches x 1 ms x 2.
     assert gap(Layout(dp=2, tp=2, sp=True, mbs=1, microbatches=4), "dp_comm") == pytest.approx(2 * 5 * 4 * 1e-3)
+    # FSDP measured per group size: that size's figure, contention included (no queueing).
+    measured = Cluster(**{**costly.__dict__, "fsdp_unit_overhead_groups": ((2, 1000.0), (4, 5000.0))})
+    fsdp4 = Layout(dp=4, mbs=1, microbatches=2, zero=3)  # 4 layers + root = 5 units
+    assert (evaluate(tiny, measured, work, fsdp4).breakdown["dp_comm"]
+            - evaluate(tiny, cpu, work, fsdp4).breakdown["dp_comm"]) == pytest.approx(2 * 5 * 5e-3)
+    assert gap(fsdp4, "dp_comm") == pytest.approx(2 * 5 * 1e-3 * 2)  # unmeasured: 2-process figure x queueing
     # Pipeline runtime: micro-batches x actions per micro-batch x the schedule's figure.
     assert [actions_per_microbatch(s, v) for s, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 3), ("zbv", 2))] == [2, 2, 6, 6]
     assert gap(Layout(pp=2, mbs=1, microbatches=8), "pp_comm") == pytest.approx(8 * 2 * 100e-6)

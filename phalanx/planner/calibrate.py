@@ -450,19 +450,13 @@ def fit_tp_overheads(sample: dict, bus_bw_gbs: float) -> dict:
 def measure_tp_overhead(*, quick: bool) -> dict:
     """Microseconds tensor parallelism adds per layer per pass on 2 gloo processes: the samples
     `fit_tp_overheads` takes."""
-    return _two_process(_tp_worker, quick=quick, what="tensor-parallel", full=True)
+    return _two_process(_tp_worker, quick=quick, what="tensor-parallel")
 
 
-def measure_fsdp_overhead(*, quick: bool) -> float:
-    """Microseconds FSDP adds per sharded unit per micro-batch on 2 gloo processes."""
-    return _two_process(_fsdp_worker, quick=quick, what="FSDP")
-
-
-def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0, full: bool = False):
+def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) -> dict:
     threads = max(1, (os.cpu_count() or 1) // 2)
-    result = _run_workers(worker, 2, (3 if quick else 10, threads), start_method="fork", timeout_s=timeout_s,
-                          what=f"{what} measurement on 2 gloo processes")
-    return result if full else result["overhead_us"]
+    return _run_workers(worker, 2, (3 if quick else 10, threads), start_method="fork", timeout_s=timeout_s,
+                        what=f"{what} measurement on 2 gloo processes")
 
 
 def _run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s: float, what: str) -> dict:
@@ -622,7 +616,6 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         report.setdefault("collectives", {})[str(world)] = {"samples": measured, **fits[world]}
         log(f"{backend} {world} processes: latency {fits[world]['latency_us']:.1f} us per step, "
             f"bus bandwidth {fits[world]['bus_bw_gbs']:.2f} GB/s")
-    fsdp_overhead = 0.0 if gpu else measure_fsdp_overhead(quick=quick) / share
     tp_overhead = tp_element = sp_overhead = 0.0
     if not gpu:
         tp_sample = measure_tp_overhead(quick=quick)
@@ -630,12 +623,13 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         report["tp_overhead"] = {"samples": tp_sample, **tp_fit}
         tp_overhead, tp_element, sp_overhead = (
             tp_fit[k] / share for k in ("tp_layer_overhead_us", "tp_element_overhead_ns", "sp_layer_overhead_us"))
-        log(f"FSDP adds {fsdp_overhead:.0f} us per sharded layer per micro-batch; tensor parallelism "
+        log(f"tensor parallelism "
             f"{tp_overhead:.0f} us per layer per pass plus {tp_element:.3f} ns per activation element "
             f"({tp_sample['small_us']:.0f} us at 8 tokens, {tp_sample['large_us']:.0f} us at "
             f"{tp_sample['large_elements'] // OVERHEAD_MODEL['dim']}), sequence parallelism "
             f"{sp_overhead:.0f} us more per layer per pass; all beyond their collectives")
     runtime: dict = {}
+    fsdp_overhead = 0.0
     if not gpu:
         from phalanx.planner.calibrate_runtime import measure_runtime_overheads
 
@@ -644,8 +638,10 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
         runtime = dict(  # fixed costs, scaled by the machine's delivered share like the others
             runtime, ddp_step_overhead_ms=tuple((n, ms / share) for n, ms in runtime["ddp_step_overhead_ms"]),
             pp_action_overhead_us=tuple((s, us / share) for s, us in runtime["pp_action_overhead_us"]),
+            fsdp_unit_overhead_groups=tuple((n, us / share) for n, us in runtime["fsdp_unit_overhead_groups"]),
             fsdp_pp_unit_overhead_us=runtime["fsdp_pp_unit_overhead_us"] / share,
             fsdp_pp_microbatch_overhead_us=runtime["fsdp_pp_microbatch_overhead_us"] / share)
+        fsdp_overhead = dict(runtime["fsdp_unit_overhead_groups"]).get(2, 0.0)  # the 2-process figure
     bw = statistics.median(f["bus_bw_gbs"] for f in fits.values()) if fits else 1.0
     latency = statistics.median(f["latency_us"] for f in fits.values()) if fits else 50.0
 

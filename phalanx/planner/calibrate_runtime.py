@@ -6,6 +6,7 @@ On a CPU the ranks' compute threads keep every core busy, so a collective issued
 the wire; the alpha-beta fits of idle-machine collectives do not see that. Each figure here
 is timed on the trainer's own code path against the same work without it:
 
+  fsdp per group size  FSDP2 per block (calibrate's `_fsdp_worker`) at every group size;
   ddp_step_overhead    DDP (as `apply_ddp` wraps it) against the bare model, forward+backward, per group
                        size: the median extra per step (the cost is scheduling waits, which
                        a step pays typically, not at its best), less the gradient all-reduce's
@@ -203,8 +204,14 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
     run = lambda worker, world, what: _run_workers(  # noqa: E731
         worker, world, (repeats, max(1, (os.cpu_count() or 1) // world)), start_method="fork", timeout_s=180.0,
         what=f"{what} measurement on {world} gloo processes")
-    ddp = []
+    from phalanx.planner.calibrate import _fsdp_worker
+
+    ddp, fsdp = [], []
     for world in range(2, max(2, max_procs) + 1):
+        # FSDP per group size too: its three collectives per unit wait for busy cores, more so
+        # with more processes than cores (15 ms per unit at 4 processes on 2 cores here,
+        # 3-5 ms at 2: more than the 2x of sharing the cores).
+        fsdp.append((world, run(_fsdp_worker, world, "FSDP")["overhead_us"]))
         sample = run(_ddp_worker, world, "DDP")
         fit = collective_fits.get(world)
         wire = 0.0
@@ -215,8 +222,10 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
     fsdp_pp = fit_fsdp_pp(run(_fsdp_pp_worker, 2, "FSDP-under-pipeline"))
     pp = run(_pp_worker, 2, "pipeline")
     actions = tuple((schedule, pp[schedule]["action_us"]) for schedule in PP_SCHEDULES)
-    log("DDP adds " + ", ".join(f"{ms:.2f} ms per step at {w} processes" for w, ms in ddp)
+    log("FSDP adds " + ", ".join(f"{us:.0f} us per unit per micro-batch at {w} processes" for w, us in fsdp)
+        + "; DDP adds " + ", ".join(f"{ms:.2f} ms per step at {w} processes" for w, ms in ddp)
         + f" beyond its all-reduce; FSDP under pp {fsdp_pp['fsdp_pp_unit_overhead_us']:.0f} us per unit per step + "
         f"{fsdp_pp['fsdp_pp_microbatch_overhead_us']:.0f} us per unit per micro-batch; the pipeline runtime "
         + ", ".join(f"{us:.0f} us per action under {s}" for s, us in actions))
-    return {"ddp_step_overhead_ms": tuple(ddp), **fsdp_pp, "pp_action_overhead_us": actions}
+    return {"ddp_step_overhead_ms": tuple(ddp), "fsdp_unit_overhead_groups": tuple(fsdp), **fsdp_pp,
+            "pp_action_overhead_us": actions}

@@ -545,7 +545,6 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     """Exposed data-parallel seconds per step."""
     if lay.dp == 1:
         return 0.0
-    queue = cluster.queueing(lay.world_size)
     g = options.grad_reduce_bytes
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
@@ -561,10 +560,10 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # reduces gradients once, after the last micro-batch: per-step and per-micro-batch costs
     # measured in that mode; otherwise FSDP reshards and is timed per micro-batch.
     if lay.pp > 1:
-        fsdp_unit = (cluster.fsdp_pp_unit_overhead_us + lay.microbatches * cluster.fsdp_pp_microbatch_overhead_us) * 1e-6
+        fsdp_unit = (cluster.fsdp_pp_unit_overhead_us + lay.microbatches * cluster.fsdp_pp_microbatch_overhead_us) * 1e-6 * cluster.queueing(lay.world_size)
     else:
-        fsdp_unit = lay.microbatches * cluster.fsdp_unit_overhead_us * 1e-6
-    wrap_cost = wrapped * fsdp_unit * queue
+        fsdp_unit = lay.microbatches * cluster.fsdp_unit_s(lay.world_size)
+    wrap_cost = wrapped * fsdp_unit
     if lay.zero == 0 and not wrapped:  # DDP: its hooks' collective waits for busy cores (CPUs)
         wrap_cost += cluster.ddp_overhead_s(lay.world_size)
     rs = ag = ar_replica = 0.0
@@ -597,9 +596,9 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
             reduce = shown(rs, st.b + st.w)
         else:
             gathers, reduce = 2 * m * ag, rs
-        return gathers + reduce + units * fsdp_unit * queue + ar_replica
+        return gathers + reduce + units * fsdp_unit + ar_replica
     if lay.zero == 3:  # under pp: gathered once, reduced once, like zero 1 and 2 below
-        wrap_cost = units * fsdp_unit * queue
+        wrap_cost = units * fsdp_unit
     if not overlap:
         return rs + ag + ar_replica + wrap_cost
     exposed = shown(rs, st.b + st.w + st.r) + ar_replica

@@ -96,6 +96,9 @@ class Cluster:
     """(processes, ms per step) DDP's gradient sync costs beyond its all-reduce's alpha-beta
     time, measured by calibrate on CPUs (the bucket all-reduce waits for cores busy with the
     backward); () on the GPU presets."""
+    fsdp_unit_overhead_groups: tuple[tuple[int, float], ...] = ()
+    """(processes, us) `fsdp_unit_overhead_us` measured by calibrate at each group size, the
+    contention of that many processes on the cores included; () on the GPU presets."""
     fsdp_pp_unit_overhead_us: float = 0.0
     """Framework time per FSDP unit per optimizer step under pipeline parallelism, where the
     trainer keeps the weights gathered and reduces gradients once, after the last micro-batch;
@@ -135,12 +138,15 @@ class Cluster:
         return 0.0 if self.shared_compute else self.comm_sm_fraction
 
     def ddp_overhead_s(self, size: int) -> float:
-        """Seconds per step DDP adds beyond its all-reduce on `size` processes: the measured
-        figure of that size, else the nearest measured one scaled by the size ratio."""
-        if not self.ddp_step_overhead_ms or size < 2:
-            return 0.0
-        n, ms = min(self.ddp_step_overhead_ms, key=lambda row: abs(row[0] - size))
-        return ms * 1e-3 * size / n
+        """Seconds per step DDP adds beyond its all-reduce on `size` processes."""
+        return _by_size(self.ddp_step_overhead_ms, size) * 1e-3
+
+    def fsdp_unit_s(self, size: int) -> float:
+        """Seconds FSDP adds per unit per micro-batch on `size` processes: measured at that
+        size, or the 2-process figure shared out like other fixed costs (queueing)."""
+        if self.fsdp_unit_overhead_groups:
+            return _by_size(self.fsdp_unit_overhead_groups, size) * 1e-6
+        return self.fsdp_unit_overhead_us * 1e-6 * self.queueing(size)
 
     def pp_action_s(self, schedule: str) -> float:
         """Seconds the pipeline runtime adds per action of `schedule` (gpipe runs 1f1b's)."""
@@ -205,6 +211,15 @@ class Cluster:
 
     def queueing(self, world_size: int) -> float:
         return max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
+
+
+def _by_size(rows: tuple[tuple[int, float], ...], size: int) -> float:
+    """A figure measured per group size: that size's, else the nearest measured one scaled by
+    the size ratio (0 with no measurement)."""
+    if not rows or size < 2:
+        return 0.0
+    n, value = min(rows, key=lambda row: abs(row[0] - size))
+    return value * size / n
 
 
 # Presets. Link figures are the measured ones of published-figures.md section 2; peak and
@@ -273,11 +288,12 @@ def cluster_from_dict(data: dict, *, source: str) -> Cluster:
                 values[key] = tuple((int(n), float(lat), float(bw)) for n, lat, bw in raw)
             except (TypeError, ValueError):
                 raise UserError(f"{source}: measured_groups must be a list of [size, latency_us, bus_gbs]") from None
-        elif key == "ddp_step_overhead_ms":
+        elif key in ("ddp_step_overhead_ms", "fsdp_unit_overhead_groups"):
             try:
-                values[key] = tuple((int(n), float(ms)) for n, ms in raw)
+                values[key] = tuple((int(n), float(x)) for n, x in raw)
             except (TypeError, ValueError):
-                raise UserError(f"{source}: ddp_step_overhead_ms must be a list of [processes, ms]") from None
+                unit = "ms" if key == "ddp_step_overhead_ms" else "us"
+                raise UserError(f"{source}: {key} must be a list of [processes, {unit}]") from None
         elif key == "pp_action_overhead_us":
             try:
                 values[key] = tuple((str(s), float(us)) for s, us in raw)
