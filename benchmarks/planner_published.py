@@ -69,7 +69,7 @@ ROWS = [
     for name, a, h, l, tp, pp, gb, tflops in MEGATRON
 ] + [
     Row(label=f"Llama3-405B {gpus} GPUs", model=model_config("llama3-405b"), cluster="dgx-h100", gpus=gpus,
-        global_batch=2048, seq_len=8192, fixed=dict(tp=8, pp=16, dp=gpus // 128, recompute="none"), published=tflops,
+        global_batch=2048, seq_len=8192, fixed=dict(tp=8, pp=16, dp=gpus // 128, recompute="none", zero=2), published=tflops,
         options=Options(sp_regather=True),  # the paper's TP is Korthikanti et al.'s, with sequence parallelism
         note="no activation checkpointing at 8K tokens (paper, section 3.3.2)",
         space=SearchSpace(zero_levels=(1, 2, 3), schedules=("1f1b", "interleaved"), phalanx_trainer=False))
