@@ -124,3 +124,36 @@ def test_fit_tp_overheads_splits_fixed_per_element_and_sp_costs():
     flat = fit_tp_overheads(dict(sample, large_us=1900.0, large_sp_us=1800.0), 1.0)
     assert flat["tp_element_overhead_ns"] == 0.0 and flat["sp_layer_overhead_us"] == 0.0
     assert flat["tp_layer_overhead_us"] == pytest.approx(1900.0 - 349.525, abs=1e-3)
+
+
+def test_fit_overheads_charges_recompute_only_its_framework_cost():
+    """Synthetic timings built from known truths: the fit recovers the per-layer overhead and
+    the checkpointing cost beyond the re-run forward and the per-step optimizer work (which the
+    cost model charges on their own)."""
+    from phalanx.planner.calibrate import OVERHEAD_TOKENS, fit_overheads, overhead_model
+    from phalanx.planner.cost import layer_cost
+    from phalanx.planner.hardware import Cluster
+
+    cluster = Cluster(name="cpu", devices_per_node=1, fast_domain=1, peak_tflops=0.1, memory_gib=8.0,
+                      memory_reserved_gib=1.0, hbm_tbs=0.03, hbm_efficiency=1.0, matmul_efficiency=1.0,
+                      matmul_half_dim=0.0, shared_compute=True)
+    overhead, eff, recompute, tail, step = 150e-6, 0.25, 900e-6, 200e-6, 5e-4
+    peak, bw = cluster.peak_flops_per_rank(1), cluster.memory_bw_per_rank(1)
+    samples = {}
+    for i, (mbs, seq) in enumerate(OVERHEAD_TOKENS):
+        kw = dict(seq=seq, mbs=mbs, tp=1, ep=1, sp=False, moe=False, peak=peak, flash=True, overhead=0.0)
+        fast = layer_cost.__wrapped__(overhead_model(1, seq), cluster, memory_bw=float("inf"), **kw)
+        slow = layer_cost.__wrapped__(overhead_model(1, seq), cluster, memory_bw=bw, **kw)
+        gemm = fast.f + fast.b + fast.w
+        layer = gemm + (slow.f + slow.b + slow.w - gemm) / eff + 3 * overhead
+        forward = fast.f + (slow.f - fast.f) / eff + overhead
+        for n in (1, 5):
+            samples[f"{n}:{mbs}:{seq}:1"] = step + n * (layer + tail)
+            if i == 0:
+                samples[f"{n}:{mbs}:{seq}:1:rc"] = step + n * (layer + tail + forward + recompute)
+                samples[f"{n}:{mbs}:{seq}:1:tail"] = n * tail
+    fit = fit_overheads(samples, cluster, cores=1)
+    assert fit["layer_overhead_us"] == pytest.approx(overhead * 1e6, rel=1e-6)
+    assert fit["elementwise_efficiency"] == pytest.approx(eff, rel=1e-6)
+    assert fit["recompute_overhead_us"] == pytest.approx(recompute * 1e6, rel=1e-6)
+    assert fit["step_overhead_ms"] == pytest.approx(step * 1e3, rel=1e-6)

@@ -275,7 +275,7 @@ def fit_overheads(samples: dict, cluster: Cluster, cores: int) -> dict:
     tail_bytes = samples.get("block_params", 0.0) * (OPTIMIZER_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM
                                                      + GRAD_ZERO_BYTES_PER_PARAM) / bw
     d = (slope(m1, s1, 1) - tail, slope(m2, s2, 1) - tail)
-    flops, elementwise = [], []
+    flops, elementwise, forward = [], [], []
     for mbs, seq in OVERHEAD_TOKENS:
         kw = dict(seq=seq, mbs=mbs, tp=1, ep=1, sp=False, moe=False, peak=peak, flash=True, overhead=0.0)
         model = overhead_model(1, seq)
@@ -284,9 +284,14 @@ def fit_overheads(samples: dict, cluster: Cluster, cores: int) -> dict:
         g = fast.f + fast.b + fast.w
         flops.append(g)
         elementwise.append(slow.f + slow.b + slow.w - g)
+        forward.append((fast.f, slow.f - fast.f))  # (FLOP, element-wise) seconds of the forward
     overhead, efficiency = fit_layer_terms(d, tuple(flops), tuple(elementwise))
     step = max(0.0, samples[f"1:{m1}:{s1}:1"] - d[0] - tail)
-    recompute = max(0.0, slope(m1, s1, 1, ":rc") - d[0])
+    # The checkpointed step's extra per layer, less the re-run forward the cost model charges
+    # on its own (FLOPs, element-wise passes, one pass's fixed cost) and the once-per-step
+    # optimizer work that the checkpointed timings include as well.
+    rerun = forward[0][0] + forward[0][1] / efficiency + overhead
+    recompute = max(0.0, slope(m1, s1, 1, ":rc") - tail - d[0] - rerun)
     speedup = 0.0
     if f"1:{m2}:{s2}:{cores}" in samples and cores > 1:
         one = d[1] - d[0]
