@@ -47,7 +47,15 @@ def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys):
     assert cluster.fsdp_unit_overhead_us == cluster.fsdp_unit_overhead_groups[0][1]
     assert [s for s, _ in cluster.pp_action_overhead_us] == ["1f1b", "interleaved", "zbv", "dualpipev"]
     assert all(us >= 0 for _, us in cluster.pp_action_overhead_us) and cluster.fsdp_pp_unit_overhead_us >= 0
-    assert set(raw["runtime_overheads"]) >= {"ddp_step_overhead_ms", "pp_action_overhead_us"}
+    assert set(raw["runtime_overheads"]) >= {"ddp_step_overhead_ms", "pp_action_overhead_us", "split_rerun_overhead_us"}
+
+
+def test_fit_split_rerun_shares_the_recompute_among_reruns_less_the_forward():
+    from phalanx.planner.calibrate_runtime import fit_split_rerun
+
+    # 20 re-runs per micro-batch of 0.5 ms each, of which 0.2 ms is the block's forward.
+    sample = {"recompute_per_mb_s": 20 * 0.5e-3, "reruns_per_mb": 20, "block_forward_s": 0.2e-3}
+    assert fit_split_rerun(sample) == pytest.approx(300.0)
 
 
 def test_fit_fsdp_pp_splits_per_step_and_per_microbatch_costs():

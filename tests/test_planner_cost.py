@@ -258,6 +258,14 @@ def test_zbv_full_recompute_reruns_the_forward_per_weight_tensor():
     assert charged.breakdown["recompute"] > 5 * plain.breakdown["recompute"]
     one_f = evaluate(model, cluster, work, Layout(pp=2, microbatches=8, recompute="full"))
     assert one_f.breakdown["recompute"] == pytest.approx(plain.breakdown["recompute"], rel=0.05)
+    # Each re-run's own framework cost (split_rerun_overhead_us): 8 micro-batches x 2 layers
+    # on the rank x 9 weight tensors x 0.5 ms (2 processes on the preset's cores: no queueing).
+    import dataclasses
+
+    costly = dataclasses.replace(cluster, split_rerun_overhead_us=500.0, devices_per_node=2, fast_domain=2)
+    base = dataclasses.replace(cluster, devices_per_node=2, fast_domain=2)
+    gap = evaluate(model, costly, work, lay).breakdown["recompute"] - evaluate(model, base, work, lay).breakdown["recompute"]
+    assert gap == pytest.approx(8 * 2 * 9 * 0.5e-3)
 
 
 def test_optimizer_layer_overhead_is_per_step_per_stage_layer():

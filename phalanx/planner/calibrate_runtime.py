@@ -144,19 +144,18 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import parse_plan
     from phalanx.planner.calibrate import overhead_model
-    from phalanx.planner.cost import actions_per_microbatch
+    from phalanx.planner.cost import actions_per_microbatch, weight_tensors
     from phalanx.train.pipeline_step import make_pipeline, pipeline_step, token_loss
 
     torch, dist = _init(rank, world, port, threads)
     mbs, seq = PP_TOKENS
     device = torch.device("cpu")
-    result = {}
-    for schedule in PP_SCHEDULES:
-        virtual = 1 if schedule == "1f1b" else 2
-        cfg = overhead_model(world * virtual, seq)
+
+    def per_microbatch(plan_text: str, cfg) -> tuple[float, object]:
+        """Growth of the fastest step per micro-batch, from 2 to 4 per stage; and the model."""
         steps = {}
         for microbatches in (2 * world, 4 * world):
-            plan = parse_plan(f"pp={world},schedule={schedule},virtual={virtual},microbatches={microbatches}")[0]
+            plan = parse_plan(f"{plan_text},microbatches={microbatches}")[0]
             mesh = build_mesh(plan, device)
             model = parallelize(cfg, mesh, seed=0, seq_len=seq, microbatch_tokens=mbs * seq)
             pipeline = make_pipeline(model, mesh)
@@ -169,6 +168,14 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
                 if i >= 2:
                     samples.append(time.perf_counter() - start)
             steps[microbatches] = min(samples)
+        (small, large) = sorted(steps)
+        return (steps[large] - steps[small]) / (large - small), model
+
+    result = {}
+    for schedule in PP_SCHEDULES:
+        virtual = 1 if schedule == "1f1b" else 2
+        cfg = overhead_model(world * virtual, seq)
+        per_mb, model = per_microbatch(f"pp={world},schedule={schedule},virtual={virtual}", cfg)
         # This rank's own forward and backward of one micro-batch through its chunks, outside
         # the schedule: what the cost model charges as compute.
         own = 0.0
@@ -186,13 +193,34 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
             own += min(local)
         own_t = torch.tensor([own])
         dist.all_reduce(own_t, op=dist.ReduceOp.MAX)  # the slowest rank paces the pipeline
-        (small, large) = sorted(steps)
-        per_mb = (steps[large] - steps[small]) / (large - small)
-        result[schedule] = {"step_s": steps, "rank_mb_s": float(own_t), "per_mb_s": per_mb,
+        result[schedule] = {"rank_mb_s": float(own_t), "per_mb_s": per_mb,
                             "action_us": max(0.0, (per_mb - float(own_t)) / actions_per_microbatch(schedule, virtual)) * 1e6}
+        if schedule == "zbv":
+            # Full recompute under the split backward: on a rank of middle stages (one block
+            # each) every block re-runs its forward once for the input gradient and once per
+            # weight tensor (PyTorch takes each weight's gradient in its own autograd call).
+            full, _ = per_microbatch(f"pp={world},schedule=zbv,virtual=2,recompute=full", cfg)
+            block = model.chunks[-1].layers[next(iter(model.chunks[-1].layers))]
+            h = torch.randn(mbs, seq, cfg.dim)
+            times = []
+            for i in range(repeats + 2):
+                start = time.perf_counter()
+                block(h, model.chunks[-1].rope)
+                if i >= 2:
+                    times.append(time.perf_counter() - start)
+            result[schedule].update(recompute_per_mb_s=full - per_mb, block_forward_s=min(times),
+                                    reruns_per_mb=virtual * (1 + weight_tensors(cfg, moe=False)))
     if rank == 0:
         queue.put(result)
     dist.destroy_process_group()
+
+
+def fit_split_rerun(sample: dict) -> float:
+    """Microseconds each forward re-run of a checkpointed block costs under the split backward
+    beyond the block's forward itself: the recompute's extra per micro-batch on the rank,
+    shared among its re-runs, less one forward (timed alone at the same size)."""
+    per_rerun = sample["recompute_per_mb_s"] / sample["reruns_per_mb"]
+    return max(0.0, per_rerun - sample["block_forward_s"]) * 1e6
 
 
 def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: bool, log=print) -> dict:
@@ -222,10 +250,12 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
     fsdp_pp = fit_fsdp_pp(run(_fsdp_pp_worker, 2, "FSDP-under-pipeline"))
     pp = run(_pp_worker, 2, "pipeline")
     actions = tuple((schedule, pp[schedule]["action_us"]) for schedule in PP_SCHEDULES)
+    split_rerun = fit_split_rerun(pp["zbv"])
     log("FSDP adds " + ", ".join(f"{us:.0f} us per unit per micro-batch at {w} processes" for w, us in fsdp)
         + "; DDP adds " + ", ".join(f"{ms:.2f} ms per step at {w} processes" for w, ms in ddp)
         + f" beyond its all-reduce; FSDP under pp {fsdp_pp['fsdp_pp_unit_overhead_us']:.0f} us per unit per step + "
         f"{fsdp_pp['fsdp_pp_microbatch_overhead_us']:.0f} us per unit per micro-batch; the pipeline runtime "
-        + ", ".join(f"{us:.0f} us per action under {s}" for s, us in actions))
+        + ", ".join(f"{us:.0f} us per action under {s}" for s, us in actions)
+        + f"; a split-backward recompute costs {split_rerun:.0f} us per re-run beyond its forward")
     return {"ddp_step_overhead_ms": tuple(ddp), "fsdp_unit_overhead_groups": tuple(fsdp), **fsdp_pp,
-            "pp_action_overhead_us": actions}
+            "pp_action_overhead_us": actions, "split_rerun_overhead_us": split_rerun}

@@ -445,10 +445,9 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     if lay.recompute == "full":
         comp_r, comm_r = n_dense * dense.f + n_moe * moe.f + comp_r_fixed, tp_f + ep_f
         if options.split_backward_recompute and p > 1 and lay.schedule == "zbv":
-            comp_rw = (n_dense * weight_tensors(model, moe=False) * (dense.f + cluster.recompute_overhead_us * 1e-6
-                                                                    * cluster.queueing(world))
-                       + n_moe * weight_tensors(model, moe=True) * (moe.f + cluster.recompute_overhead_us * 1e-6
-                                                                   * cluster.queueing(world))
+            rerun = cluster.split_rerun_overhead_us * 1e-6 * cluster.queueing(world)
+            comp_rw = (n_dense * weight_tensors(model, moe=False) * (dense.f + rerun)
+                       + n_moe * weight_tensors(model, moe=True) * (moe.f + rerun)
                        + n_dense * weight_tensors(model, moe=False) * exposed(t_tp, dense.gemm_f)
                        + n_moe * weight_tensors(model, moe=True) * (exposed(t_tp, moe.gemm_f) + t_ep))
     elif lay.recompute == "selective":

@@ -112,6 +112,9 @@ class Cluster:
     recompute_overhead_us: float = 0.0
     """Framework time activation checkpointing adds per layer per micro-batch besides the
     recomputed forward: measured on CPUs, 0 on GPUs."""
+    split_rerun_overhead_us: float = 0.0
+    """The same for each of the forward re-runs a checkpointed block makes under a split
+    backward (zbv: one per weight tensor): measured on phalanx's zbv pipeline on CPUs, 0 on GPUs."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
     thread_speedup: float = 0.0
