@@ -58,6 +58,20 @@ def test_fit_split_rerun_shares_the_recompute_among_reruns_less_the_forward():
     assert fit_split_rerun(sample) == pytest.approx(300.0)
 
 
+def test_fit_tp_step_reads_the_root_cost_and_the_optimizer_slope():
+    from phalanx.planner.calibrate_runtime import fit_tp_step
+
+    # Truth: 6 ms per micro-batch for the root under tp, 1.5 ms per layer per step of DTensor
+    # optimizer work; layers cost 15 ms each under tp, 7 ms plain (cancelled by the fit).
+    sample = {}
+    for n in (0, 1, 9):
+        sample[f"step:{n}:0"], sample[f"step:{n}:1"] = 2e-3 + 7e-3 * n, 8e-3 + 15e-3 * n
+        sample[f"tail:{n}:0"], sample[f"tail:{n}:1"] = 0.3e-3 + 0.3e-3 * n, 1.8e-3 + 1.8e-3 * n
+    fit = fit_tp_step(sample)
+    assert fit["tp_microbatch_overhead_us"] == pytest.approx(6000.0)
+    assert fit["tp_optimizer_layer_overhead_us"] == pytest.approx(1500.0)
+
+
 def test_fit_fsdp_pp_splits_per_step_and_per_microbatch_costs():
     from phalanx.planner.calibrate_runtime import fit_fsdp_pp
 

@@ -374,3 +374,18 @@ def test_hidden_communication_takes_its_sms_from_compute():
     plain = evaluate(model, free, work, tp, over).breakdown["tp_comm"]
     assert evaluate(model, H100, work, tp, over).breakdown["tp_comm"] > plain
     assert evaluate(model, H100, work, tp).breakdown["tp_comm"] == evaluate(model, free, work, tp).breakdown["tp_comm"]
+
+
+def test_tp_costs_beyond_the_layers_per_microbatch_and_per_layer_per_step():
+    from phalanx.model.config import model_config
+
+    tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)  # 4 layers
+    cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
+                  memory_reserved_gib=1.0, shared_compute=True)
+    costly = Cluster(**{**cpu.__dict__, "tp_microbatch_overhead_us": 5000.0, "tp_optimizer_layer_overhead_us": 1500.0})
+    tp = Layout(tp=2, sp=True, mbs=2, microbatches=4)
+    a, b = evaluate(tiny, cpu, work, tp), evaluate(tiny, costly, work, tp)
+    assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(4 * 5e-3)  # per micro-batch
+    assert b.breakdown["overhead"] - a.breakdown["overhead"] == pytest.approx(4 * 1.5e-3)  # per layer, once
+    plain = Layout(dp=2, mbs=2, microbatches=2)  # no tp: neither applies
+    assert evaluate(tiny, costly, work, plain).step_time_s == evaluate(tiny, cpu, work, plain).step_time_s

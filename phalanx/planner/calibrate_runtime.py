@@ -6,6 +6,10 @@ On a CPU the ranks' compute threads keep every core busy, so a collective issued
 the wire; the alpha-beta fits of idle-machine collectives do not see that. Each figure here
 is timed on the trainer's own code path against the same work without it:
 
+  tp step             phalanx's apply_tp with sp against the bare model, with the trainer's
+                       vocabulary-parallel loss, clipping and AdamW, at 0, 1 and 9 blocks: the
+                       per-micro-batch cost beyond the layers (0 blocks) and the optimizer's
+                       per-layer cost on DTensors (slope over 1 -> 9);
   fsdp per group size  FSDP2 per block (calibrate's `_fsdp_worker`) at every group size;
   ddp_step_overhead    DDP (as `apply_ddp` wraps it) against the bare model, forward+backward, per group
                        size: the median extra per step (the cost is scheduling waits, which
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import statistics
 import time
@@ -124,6 +129,61 @@ def _fsdp_pp_worker(rank: int, world: int, port: int, repeats: int, threads: int
     if rank == 0:
         queue.put(result)
     dist.destroy_process_group()
+
+
+def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from phalanx.model.config import ModelConfig
+    from phalanx.model.transformer import Transformer
+    from phalanx.parallel.grad_norm import clip_grad_norm
+    from phalanx.parallel.tensor_parallel import apply_tp, loss_context
+    from phalanx.plan import Plan
+    from phalanx.planner.calibrate import OVERHEAD_MODEL, OVERHEAD_TOKENS
+    from phalanx.train.pipeline_step import token_loss
+
+    torch, dist = _init(rank, world, port, threads)
+    mesh = init_device_mesh("cpu", (world,))
+    (b, s) = OVERHEAD_TOKENS[1]
+    tokens = torch.randint(0, OVERHEAD_MODEL.get("vocab_size", 256), (b, s))
+    best: dict = {}
+    for _ in range(2):  # two rounds, each timing's best (see calibrate.measure_overheads)
+        for layers in (0, 1, 9):  # 0: embedding, output and loss alone
+            for tp in (False, True):
+                torch.manual_seed(0)
+                model = Transformer(ModelConfig(name="tp-step", n_layers=layers, max_seq_len=s, **OVERHEAD_MODEL))
+                if tp:
+                    apply_tp(model, mesh, sp=True)
+                plan = Plan(tp=world, sp=True) if tp else Plan()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                steps, tails = [], []
+                for i in range(repeats + 2):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    with loss_context(plan):  # the trainer's vocabulary-parallel loss under tp
+                        token_loss(model(tokens), tokens).backward()
+                    middle = time.perf_counter()
+                    clip_grad_norm(model.parameters(), 1.0)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    if i >= 2:
+                        steps.append(middle - start)
+                        tails.append(time.perf_counter() - middle)
+                for key, samples in (("step", steps), ("tail", tails)):
+                    best[(key, layers, tp)] = min(best.get((key, layers, tp), math.inf), *samples)
+    if rank == 0:
+        queue.put({f"{key}:{layers}:{int(tp)}": t for (key, layers, tp), t in best.items()})
+    dist.destroy_process_group()
+
+
+def fit_tp_step(sample: dict) -> dict:
+    """What tensor parallelism (with sp) adds beyond its layers: per micro-batch, the extra
+    forward+backward time of the model without blocks (embedding, output, the
+    vocabulary-parallel loss); per layer per step, the slope over 1 -> 9 blocks of the extra
+    clipping, AdamW and zeroing time (their per-tensor DTensor dispatch)."""
+    extra = {(key, n): sample[f"{key}:{n}:1"] - sample[f"{key}:{n}:0"] for key in ("step", "tail") for n in (0, 1, 9)}
+    return {"tp_microbatch_overhead_us": max(0.0, extra[("step", 0)]) * 1e6,
+            "tp_optimizer_layer_overhead_us": max(0.0, (extra[("tail", 9)] - extra[("tail", 1)]) / 8) * 1e6}
 
 
 def fit_fsdp_pp(sample: dict) -> dict:
@@ -248,6 +308,7 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
                 fit["bus_bw_gbs"] * 1e9)
         ddp.append((world, max(0.0, sample["extra_s"] - wire) * 1e3))
     fsdp_pp = fit_fsdp_pp(run(_fsdp_pp_worker, 2, "FSDP-under-pipeline"))
+    tp_step = fit_tp_step(run(_tp_step_worker, 2, "tensor-parallel step"))
     pp = run(_pp_worker, 2, "pipeline")
     actions = tuple((schedule, pp[schedule]["action_us"]) for schedule in PP_SCHEDULES)
     split_rerun = fit_split_rerun(pp["zbv"])
@@ -256,6 +317,9 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
         + f" beyond its all-reduce; FSDP under pp {fsdp_pp['fsdp_pp_unit_overhead_us']:.0f} us per unit per step + "
         f"{fsdp_pp['fsdp_pp_microbatch_overhead_us']:.0f} us per unit per micro-batch; the pipeline runtime "
         + ", ".join(f"{us:.0f} us per action under {s}" for s, us in actions)
-        + f"; a split-backward recompute costs {split_rerun:.0f} us per re-run beyond its forward")
+        + f"; a split-backward recompute costs {split_rerun:.0f} us per re-run beyond its forward; tensor "
+        f"parallelism {tp_step['tp_microbatch_overhead_us']:.0f} us per micro-batch (embedding, output, "
+        f"vocabulary-parallel loss) and {tp_step['tp_optimizer_layer_overhead_us']:.0f} us per layer per step "
+        "(clipping, AdamW, zeroing on DTensors)")
     return {"ddp_step_overhead_ms": tuple(ddp), "fsdp_unit_overhead_groups": tuple(fsdp), **fsdp_pp,
-            "pp_action_overhead_us": actions, "split_rerun_overhead_us": split_rerun}
+            "pp_action_overhead_us": actions, "split_rerun_overhead_us": split_rerun, **tp_step}

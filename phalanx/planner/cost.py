@@ -433,7 +433,9 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
                                  ((tokens, vocab, model.dim), (tokens, model.dim, vocab), (vocab, model.dim, tokens)))
     logit_elements = tokens * vocab
 
-    comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw
+    # Tensor parallelism's cost beyond the layers (DTensor embedding, output and loss; CPUs).
+    tp_root = cluster.tp_microbatch_overhead_us * 1e-6 * cluster.queueing(world) if lay.tp > 1 else 0.0
+    comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw + tp_root
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
     rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
@@ -487,7 +489,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
                  + grad_buffer * GRAD_ZERO_BYTES_PER_PARAM) / memory_bw
 
     step_overhead = cluster.step_overhead_per_rank(world)
-    step_overhead += n * cluster.optimizer_layer_overhead_us * 1e-6 * cluster.queueing(world)
+    optimizer_layer = cluster.optimizer_layer_overhead_us + (cluster.tp_optimizer_layer_overhead_us if lay.tp > 1 else 0.0)
+    step_overhead += n * optimizer_layer * 1e-6 * cluster.queueing(world)
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
         "compute": m * (comp_f + comp_b + comp_w),

@@ -92,6 +92,12 @@ class Cluster:
     """Framework time sequence parallelism adds per layer per pass on top of
     `tp_layer_overhead_us` (its norms run as DTensors, the gathers and scatters around the
     column/row-wise regions): measured on CPUs with phalanx's own plan, 0 on the GPU presets."""
+    tp_microbatch_overhead_us: float = 0.0
+    """Framework time tensor parallelism (with sp) adds per micro-batch beyond its layers: the
+    embedding, output and vocabulary-parallel loss as DTensors; measured on CPUs, 0 on GPUs."""
+    tp_optimizer_layer_overhead_us: float = 0.0
+    """Framework time per layer per optimizer step that clipping, AdamW and zeroing add on
+    tensor-parallel (DTensor) parameters; measured on CPUs, 0 on GPUs."""
     ddp_step_overhead_ms: tuple[tuple[int, float], ...] = ()
     """(processes, ms per step) DDP's gradient sync costs beyond its all-reduce's alpha-beta
     time, measured by calibrate on CPUs (the bucket all-reduce waits for cores busy with the
