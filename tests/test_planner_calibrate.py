@@ -179,3 +179,36 @@ def test_fit_overheads_charges_recompute_only_its_framework_cost():
     assert fit["elementwise_efficiency"] == pytest.approx(eff, rel=1e-6)
     assert fit["recompute_overhead_us"] == pytest.approx(recompute * 1e6, rel=1e-6)
     assert fit["step_overhead_ms"] == pytest.approx(step * 1e3, rel=1e-6)
+
+
+def _flaky_worker(rank, world, port, marker, queue):
+    """Dies on its first run (no marker file yet), reports on the second."""
+    import os
+    import sys
+
+    if not os.path.exists(marker):
+        if rank == 0:
+            open(marker, "w").close()
+        sys.exit(3)
+    if rank == 0:
+        queue.put({"ok": world})
+
+
+def _dying_worker(rank, world, port, queue):
+    import sys
+
+    sys.exit(5)
+
+
+def test_run_workers_retries_a_failed_group_and_reports_a_lost_one(tmp_path):
+    import time
+
+    from phalanx.errors import UserError
+    from phalanx.planner.calibrate import _run_workers
+
+    marker = str(tmp_path / "first-run")
+    assert _run_workers(_flaky_worker, 2, (marker,), start_method="fork", timeout_s=30, what="flaky") == {"ok": 2}
+    began = time.monotonic()
+    with pytest.raises(UserError, match="dying measurement failed 2 times: a worker exited with status 5"):
+        _run_workers(_dying_worker, 2, (), start_method="fork", timeout_s=30, what="dying measurement")
+    assert time.monotonic() - began < 20  # a dead worker is noticed, not waited for

@@ -464,29 +464,44 @@ def _two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) ->
                         what=f"{what} measurement on 2 gloo processes")
 
 
-def _run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s: float, what: str) -> dict:
-    """Run worker(rank, world, port, *args, queue) on `world` processes; return what rank 0 puts."""
+def _run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s: float, what: str,
+                 attempts: int = 2) -> dict:
+    """Run worker(rank, world, port, *args, queue) on `world` processes; return what rank 0 puts.
+
+    A group that hangs or loses a worker is killed and started again on a fresh port (once by
+    default): one 4-process gloo group in some twenty calibrations never reported, and a
+    whole calibration should not be lost to that."""
+    import queue as queue_module
+
     import torch.multiprocessing as mp
 
     from phalanx.testing.fork_ranks import free_port
 
     ctx = mp.get_context(start_method)
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get(timeout=timeout_s)
-    except Exception:
-        result = None
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    if result is None:
-        raise UserError(f"{what} did not finish in {timeout_s:.0f} s")
-    return result
+    problem = ""
+    for _ in range(attempts):
+        queue = ctx.Queue()
+        port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        result, deadline = None, time.monotonic() + timeout_s
+        while result is None and time.monotonic() < deadline:
+            try:
+                result = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # a worker died: the others would wait for it until the deadline
+        crashed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if result is not None:
+            return result
+        problem = f"a worker exited with status {crashed[0]}" if crashed else f"it did not finish in {timeout_s:.0f} s"
+    raise UserError(f"{what} failed {attempts} times: {problem}")
 
 
 def _busy_worker(seconds: float, start, queue) -> None:
