@@ -44,6 +44,7 @@ def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys):
     # pp, and the pipeline runtime per schedule.
     assert [n for n, _ in cluster.ddp_step_overhead_ms] == [2]
     assert [n for n, _ in cluster.fsdp_unit_overhead_groups] == [2]
+    assert [g[0] for g in cluster.fsdp_pp_overhead_groups] == [2]
     assert cluster.fsdp_unit_overhead_us == cluster.fsdp_unit_overhead_groups[0][1]
     assert [s for s, _ in cluster.pp_action_overhead_us] == ["1f1b", "interleaved", "zbv", "dualpipev"]
     assert all(us >= 0 for _, us in cluster.pp_action_overhead_us) and cluster.fsdp_pp_unit_overhead_us >= 0

@@ -329,6 +329,11 @@ def test_runtime_costs_of_ddp_fsdp_under_pp_and_the_pipeline_runtime():
     assert (evaluate(tiny, measured, work, fsdp4).breakdown["dp_comm"]
             - evaluate(tiny, cpu, work, fsdp4).breakdown["dp_comm"]) == pytest.approx(2 * 5 * 5e-3)
     assert gap(fsdp4, "dp_comm") == pytest.approx(2 * 5 * 1e-3 * 2)  # unmeasured: 2-process figure x queueing
+    # FSDP under pp measured per group size: (per unit per step, per unit per micro-batch) at 4.
+    measured_pp = Cluster(**{**costly.__dict__, "fsdp_pp_overhead_groups": ((2, 700.0, 300.0), (4, 2000.0, 1500.0))})
+    dp_pp = Layout(dp=2, pp=2, mbs=1, microbatches=4)
+    assert (evaluate(tiny, measured_pp, work, dp_pp).breakdown["dp_comm"]
+            - evaluate(tiny, cpu, work, dp_pp).breakdown["dp_comm"]) == pytest.approx(3 * (2e-3 + 4 * 1.5e-3))
     # Pipeline runtime: micro-batches x actions per micro-batch x the schedule's figure.
     assert [actions_per_microbatch(s, v) for s, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 3), ("zbv", 2))] == [2, 2, 6, 6]
     assert gap(Layout(pp=2, mbs=1, microbatches=8), "pp_comm") == pytest.approx(8 * 2 * 100e-6)

@@ -45,6 +45,7 @@ def test_cluster_toml_and_json(tmp_path):
     ('sm_count = -4\n', "sm_count=-4 must be 0"),
     ('ddp_step_overhead_ms = [[2]]\n', "ddp_step_overhead_ms must be a list of [processes, ms]"),
     ('pp_action_overhead_us = 5\n', "pp_action_overhead_us must be a list of [schedule, us]"),
+    ('fsdp_pp_overhead_groups = [[2, 1.0]]\n', "fsdp_pp_overhead_groups must be a list of [processes, us per step"),
 ])
 def test_bad_cluster_files(tmp_path, text, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[")):

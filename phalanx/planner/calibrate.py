@@ -659,6 +659,7 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
             runtime, ddp_step_overhead_ms=tuple((n, ms / share) for n, ms in runtime["ddp_step_overhead_ms"]),
             pp_action_overhead_us=tuple((s, us / share) for s, us in runtime["pp_action_overhead_us"]),
             fsdp_unit_overhead_groups=tuple((n, us / share) for n, us in runtime["fsdp_unit_overhead_groups"]),
+            fsdp_pp_overhead_groups=tuple((n, a / share, b / share) for n, a, b in runtime["fsdp_pp_overhead_groups"]),
             fsdp_pp_unit_overhead_us=runtime["fsdp_pp_unit_overhead_us"] / share,
             fsdp_pp_microbatch_overhead_us=runtime["fsdp_pp_microbatch_overhead_us"] / share,
             split_rerun_overhead_us=runtime["split_rerun_overhead_us"] / share,

@@ -15,7 +15,7 @@ is timed on the trainer's own code path against the same work without it:
                        size: the median extra per step (the cost is scheduling waits, which
                        a step pays typically, not at its best), less the gradient all-reduce's
                        alpha-beta time, which the cost model charges already;
-  fsdp under pp        FSDP2 as the trainer wraps it under pipeline parallelism (HSDP with
+  fsdp under pp        FSDP2 as the trainer wraps it under pipeline parallelism, per group size (HSDP with
                        shard size 1, `reshard_after_forward=False`, the gradient reduction
                        and the reshard only after the last micro-batch, as PyTorch's pipeline
                        stage drives it) at 1 and 5 blocks and 1 and 3 micro-batches: the cost
@@ -294,12 +294,14 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
         what=f"{what} measurement on {world} gloo processes")
     from phalanx.planner.calibrate import _fsdp_worker
 
-    ddp, fsdp = [], []
+    ddp, fsdp, fsdp_pp = [], [], []
     for world in range(2, max(2, max_procs) + 1):
         # FSDP per group size too: its three collectives per unit wait for busy cores, more so
         # with more processes than cores (15 ms per unit at 4 processes on 2 cores here,
         # 3-5 ms at 2: more than the 2x of sharing the cores).
         fsdp.append((world, run(_fsdp_worker, world, "FSDP")["overhead_us"]))
+        under_pp = fit_fsdp_pp(run(_fsdp_pp_worker, world, "FSDP-under-pipeline"))
+        fsdp_pp.append((world, under_pp["fsdp_pp_unit_overhead_us"], under_pp["fsdp_pp_microbatch_overhead_us"]))
         sample = run(_ddp_worker, world, "DDP")
         fit = collective_fits.get(world)
         wire = 0.0
@@ -307,19 +309,21 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
             wire = 2 * (world - 1) * fit["latency_us"] * 1e-6 + 2 * (world - 1) / world * sample["grad_bytes"] / (
                 fit["bus_bw_gbs"] * 1e9)
         ddp.append((world, max(0.0, sample["extra_s"] - wire) * 1e3))
-    fsdp_pp = fit_fsdp_pp(run(_fsdp_pp_worker, 2, "FSDP-under-pipeline"))
     tp_step = fit_tp_step(run(_tp_step_worker, 2, "tensor-parallel step"))
     pp = run(_pp_worker, 2, "pipeline")
     actions = tuple((schedule, pp[schedule]["action_us"]) for schedule in PP_SCHEDULES)
     split_rerun = fit_split_rerun(pp["zbv"])
     log("FSDP adds " + ", ".join(f"{us:.0f} us per unit per micro-batch at {w} processes" for w, us in fsdp)
         + "; DDP adds " + ", ".join(f"{ms:.2f} ms per step at {w} processes" for w, ms in ddp)
-        + f" beyond its all-reduce; FSDP under pp {fsdp_pp['fsdp_pp_unit_overhead_us']:.0f} us per unit per step + "
-        f"{fsdp_pp['fsdp_pp_microbatch_overhead_us']:.0f} us per unit per micro-batch; the pipeline runtime "
+        + " beyond its all-reduce; FSDP under pp " + ", ".join(
+            f"{unit:.0f} us per unit per step + {mb:.0f} us per unit per micro-batch at {w} processes"
+            for w, unit, mb in fsdp_pp) + "; the pipeline runtime "
         + ", ".join(f"{us:.0f} us per action under {s}" for s, us in actions)
         + f"; a split-backward recompute costs {split_rerun:.0f} us per re-run beyond its forward; tensor "
         f"parallelism {tp_step['tp_microbatch_overhead_us']:.0f} us per micro-batch (embedding, output, "
         f"vocabulary-parallel loss) and {tp_step['tp_optimizer_layer_overhead_us']:.0f} us per layer per step "
         "(clipping, AdamW, zeroing on DTensors)")
-    return {"ddp_step_overhead_ms": tuple(ddp), "fsdp_unit_overhead_groups": tuple(fsdp), **fsdp_pp,
+    return {"ddp_step_overhead_ms": tuple(ddp), "fsdp_unit_overhead_groups": tuple(fsdp),
+            "fsdp_pp_overhead_groups": tuple(fsdp_pp),
+            "fsdp_pp_unit_overhead_us": fsdp_pp[0][1], "fsdp_pp_microbatch_overhead_us": fsdp_pp[0][2],
             "pp_action_overhead_us": actions, "split_rerun_overhead_us": split_rerun, **tp_step}

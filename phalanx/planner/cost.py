@@ -562,7 +562,7 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # reduces gradients once, after the last micro-batch: per-step and per-micro-batch costs
     # measured in that mode; otherwise FSDP reshards and is timed per micro-batch.
     if lay.pp > 1:
-        fsdp_unit = (cluster.fsdp_pp_unit_overhead_us + lay.microbatches * cluster.fsdp_pp_microbatch_overhead_us) * 1e-6 * cluster.queueing(lay.world_size)
+        fsdp_unit = cluster.fsdp_pp_unit_s(lay.world_size, lay.microbatches)
     else:
         fsdp_unit = lay.microbatches * cluster.fsdp_unit_s(lay.world_size)
     wrap_cost = wrapped * fsdp_unit

@@ -111,6 +111,9 @@ class Cluster:
     measured on CPUs, 0 on GPUs."""
     fsdp_pp_microbatch_overhead_us: float = 0.0
     """The same per unit per micro-batch (FSDP's hooks around every forward and backward)."""
+    fsdp_pp_overhead_groups: tuple[tuple[int, float, float], ...] = ()
+    """(processes, us per unit per step, us per unit per micro-batch): the two above measured
+    at each group size, contention included (CPUs)."""
     pp_action_overhead_us: tuple[tuple[str, float], ...] = ()
     """(schedule, us) the pipeline runtime costs per action (one chunk's forward, backward,
     input- or weight-gradient of one micro-batch) beyond the stage's compute and its sends'
@@ -145,6 +148,16 @@ class Cluster:
         """Seconds of compute lost per second of communication hidden behind it (none on a
         CPU, where gloo's collectives run on the computing cores and nothing overlaps)."""
         return 0.0 if self.shared_compute else self.comm_sm_fraction
+
+    def fsdp_pp_unit_s(self, size: int, microbatches: int) -> float:
+        """Seconds FSDP adds per unit per step under pp on `size` processes: measured at that
+        size, or the 2-process figures shared out like other fixed costs (queueing)."""
+        if self.fsdp_pp_overhead_groups:
+            step = _by_size(tuple((n, a) for n, a, _ in self.fsdp_pp_overhead_groups), size)
+            per_mb = _by_size(tuple((n, b) for n, _, b in self.fsdp_pp_overhead_groups), size)
+            return (step + microbatches * per_mb) * 1e-6
+        return ((self.fsdp_pp_unit_overhead_us + microbatches * self.fsdp_pp_microbatch_overhead_us) * 1e-6
+                * self.queueing(size))
 
     def ddp_overhead_s(self, size: int) -> float:
         """Seconds per step DDP adds beyond its all-reduce on `size` processes."""
@@ -297,6 +310,11 @@ def cluster_from_dict(data: dict, *, source: str) -> Cluster:
                 values[key] = tuple((int(n), float(lat), float(bw)) for n, lat, bw in raw)
             except (TypeError, ValueError):
                 raise UserError(f"{source}: measured_groups must be a list of [size, latency_us, bus_gbs]") from None
+        elif key == "fsdp_pp_overhead_groups":
+            try:
+                values[key] = tuple((int(n), float(a), float(b)) for n, a, b in raw)
+            except (TypeError, ValueError):
+                raise UserError(f"{source}: {key} must be a list of [processes, us per step, us per micro-batch]") from None
         elif key in ("ddp_step_overhead_ms", "fsdp_unit_overhead_groups"):
             try:
                 values[key] = tuple((int(n), float(x)) for n, x in raw)
