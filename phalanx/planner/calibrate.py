@@ -303,14 +303,22 @@ def fit_overheads(samples: dict, cluster: Cluster, cores: int) -> dict:
             "per_layer_s": d, "flops_s": flops, "elementwise_s": elementwise}
 
 
-def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int,
-                       threads: int, queue) -> None:
+def init_worker(rank: int, world: int, port: int, threads: int, backend: str = "gloo"):
+    """A measurement worker's start: its thread count, the environment the trainer's code
+    reads (RANK, WORLD_SIZE, ...), a process group with a short timeout. Returns torch, dist."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    return torch, dist
+
+
+def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int,
+                       threads: int, queue) -> None:
+    torch, dist = init_worker(rank, world, port, threads, backend)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
@@ -357,16 +365,12 @@ def _wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, thr
     (forward and two backward products: 3 passes). FSDP is timed on a tiny model at 8 tokens;
     tensor parallelism on the overhead model at 8 tokens and at a real micro-batch
     (OVERHEAD_TOKENS[1]) without sequence parallelism, and at the real micro-batch with it."""
-    import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
 
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch, dist = init_worker(rank, world, port, threads)
     mesh = init_device_mesh("cpu", (world,))
 
     def wrap(model, sp: bool) -> None:
@@ -545,6 +549,11 @@ def measure_collectives(world: int, backend: str, *, quick: bool, timeout_s: flo
     return _run_workers(_collective_worker, world, (backend, sizes, repeats, threads),
                         start_method="fork" if backend == "gloo" else "spawn", timeout_s=timeout_s,
                         what=f"collective measurement on {world} processes ({backend})")
+
+
+def all_reduce_s(fit: dict[str, float], world: int, nbytes: float) -> float:
+    """Seconds of a ring all-reduce of `nbytes` on `world` ranks under `fit_alpha_beta`'s fit."""
+    return 2 * (world - 1) * fit["latency_us"] * 1e-6 + 2 * (world - 1) / world * nbytes / (fit["bus_bw_gbs"] * 1e9)
 
 
 def fit_alpha_beta(samples: dict[str, float], world: int) -> dict[str, float]:

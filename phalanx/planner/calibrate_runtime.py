@@ -31,11 +31,12 @@ is timed on the trainer's own code path against the same work without it:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import os
 import statistics
 import time
+
+from phalanx.planner.calibrate import init_worker  # calibrate imports this module only inside calibrate()
 
 PP_TOKENS = (1, 16)
 """(micro-batch, sequence) of the pipeline measurement: small, so the runtime's cost shows."""
@@ -44,22 +45,11 @@ DDP_TOKENS = (4, 128)
 bucket all-reduce competes with for the cores."""
 
 
-def _init(rank: int, world: int, port: int, threads: int):
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    return torch, dist
-
-
 def _ddp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
     from phalanx.model.transformer import Transformer
     from phalanx.planner.calibrate import overhead_model
 
-    torch, dist = _init(rank, world, port, threads)
+    torch, dist = init_worker(rank, world, port, threads)
     cfg = overhead_model(2, DDP_TOKENS[1])
     torch.manual_seed(0)
     bare = Transformer(cfg)
@@ -88,7 +78,7 @@ def _fsdp_pp_worker(rank: int, world: int, port: int, repeats: int, threads: int
     from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
 
-    torch, dist = _init(rank, world, port, threads)
+    torch, dist = init_worker(rank, world, port, threads)
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     tiny = dict(dim=32, n_heads=2, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 
@@ -142,7 +132,7 @@ def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int
     from phalanx.planner.calibrate import OVERHEAD_MODEL, OVERHEAD_TOKENS
     from phalanx.train.pipeline_step import token_loss
 
-    torch, dist = _init(rank, world, port, threads)
+    torch, dist = init_worker(rank, world, port, threads)
     mesh = init_device_mesh("cpu", (world,))
     (b, s) = OVERHEAD_TOKENS[1]
     tokens = torch.randint(0, OVERHEAD_MODEL.get("vocab_size", 256), (b, s))
@@ -207,7 +197,7 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
     from phalanx.planner.cost import actions_per_microbatch, weight_tensors
     from phalanx.train.pipeline_step import make_pipeline, pipeline_step, token_loss
 
-    torch, dist = _init(rank, world, port, threads)
+    torch, dist = init_worker(rank, world, port, threads)
     mbs, seq = PP_TOKENS
     device = torch.device("cpu")
 
@@ -286,28 +276,24 @@ def fit_split_rerun(sample: dict) -> float:
 def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: bool, log=print) -> dict:
     """The Cluster fields of this module's measurements (us or ms, before the machine-share
     scaling that `calibrate` applies to every fixed cost)."""
-    from phalanx.planner.calibrate import _run_workers
+    from phalanx.planner.calibrate import _fsdp_worker, _run_workers, all_reduce_s
 
     repeats = 4 if quick else 12
     run = lambda worker, world, what: _run_workers(  # noqa: E731
         worker, world, (repeats, max(1, (os.cpu_count() or 1) // world)), start_method="fork", timeout_s=180.0,
         what=f"{what} measurement on {world} gloo processes")
-    from phalanx.planner.calibrate import _fsdp_worker
 
     ddp, fsdp, fsdp_pp = [], [], []
     for world in range(2, max(2, max_procs) + 1):
         # FSDP per group size too: its three collectives per unit wait for busy cores, more so
-        # with more processes than cores (15 ms per unit at 4 processes on 2 cores here,
-        # 3-5 ms at 2: more than the 2x of sharing the cores).
+        # with more processes than cores (about 5x from 2 to 4 processes on 2 cores here, not
+        # the 2x of sharing the cores; docs/planner.md has a run's figures).
         fsdp.append((world, run(_fsdp_worker, world, "FSDP")["overhead_us"]))
         under_pp = fit_fsdp_pp(run(_fsdp_pp_worker, world, "FSDP-under-pipeline"))
         fsdp_pp.append((world, under_pp["fsdp_pp_unit_overhead_us"], under_pp["fsdp_pp_microbatch_overhead_us"]))
         sample = run(_ddp_worker, world, "DDP")
-        fit = collective_fits.get(world)
-        wire = 0.0
-        if fit:  # the gradient all-reduce the cost model charges on its own
-            wire = 2 * (world - 1) * fit["latency_us"] * 1e-6 + 2 * (world - 1) / world * sample["grad_bytes"] / (
-                fit["bus_bw_gbs"] * 1e9)
+        fit = collective_fits.get(world)  # the gradient all-reduce the cost model charges on its own
+        wire = all_reduce_s(fit, world, sample["grad_bytes"]) if fit else 0.0
         ddp.append((world, max(0.0, sample["extra_s"] - wire) * 1e3))
     tp_step = fit_tp_step(run(_tp_step_worker, 2, "tensor-parallel step"))
     pp = run(_pp_worker, 2, "pipeline")
