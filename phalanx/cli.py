@@ -9,7 +9,8 @@ from phalanx.errors import UserError
 
 # Flags of `phalanx train` that override TrainConfig fields (flag name -> field, type).
 TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...)"),
+    ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...), or a Hugging Face model directory or config.json"),
+    ("--init", "init", str, "auto (the model directory's weights when it has them) or random"),
     ("--data", "data", str, "text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
     ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="Train transformers across many devices.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
+    from phalanx.hf.export_run import register as register_export
+
+    register_export(subparsers)
     try:
         from phalanx.planner.cli import register
     except ImportError:
