@@ -24,7 +24,8 @@ from phalanx.model.config import ModelConfig
 from phalanx.model.init import canonical_name
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
-"""Largest shard file, as transformers' default `max_shard_size="5GB"`."""
+"""Largest shard file: 5 GiB, transformers 4's default `max_shard_size` (5 adds little file
+count over 50 and keeps each file small enough for hub uploads and partial downloads)."""
 
 
 def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, family: str) -> dict[str, torch.Tensor]:

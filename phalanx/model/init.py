@@ -79,16 +79,17 @@ def local_index(param: torch.Tensor) -> list[torch.Tensor | None]:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    def on_dim0(placement):  # the same split, of a 1-D tensor of row numbers
-        if isinstance(placement, _StridedShard):
+    def on_dim0(placement, dim: int):  # the same split of `dim`, on a 1-D tensor of row numbers
+        # (FSDP over a tp-sharded dim is a _StridedShard, which is not a Shard in every torch)
+        if isinstance(placement, _StridedShard) and placement.dim == dim:
             return _StridedShard(0, split_factor=placement.split_factor)
-        return Shard(0)
+        return Shard(0) if placement.is_shard(dim) else Replicate()
 
     if not isinstance(param, DTensor):
         return [None] * param.ndim
     index: list[torch.Tensor | None] = []
     for dim, size in enumerate(param.shape):
-        placements = [on_dim0(p) if p.is_shard(dim) else Replicate() for p in param.placements]
+        placements = [on_dim0(p, dim) for p in param.placements]
         if all(isinstance(p, Replicate) for p in placements):
             index.append(None)
             continue
