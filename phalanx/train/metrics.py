@@ -1,4 +1,7 @@
-"""The run's record: one JSON line per step in metrics.jsonl, and a loss-curve PNG."""
+"""The run's record: one JSON line per step in metrics.jsonl, and a loss-curve PNG.
+
+Step records carry `loss`; rows without it (event rows such as `{"event": "restart", "step": 5}`)
+are not steps, and every reader here skips them."""
 
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+    """The step records of a metrics.jsonl, in order; event rows (no `loss`) are skipped."""
+    rows = (json.loads(line) for line in Path(path).read_text().splitlines() if line)
+    return [row for row in rows if "loss" in row]
 
 
 def plot_loss(metrics_path: Path, png_path: Path) -> None:
