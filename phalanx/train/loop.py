@@ -220,6 +220,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         result.interrupted = True
         progress.close()
         return result
+    finally:
+        if metrics:
+            metrics.close()  # flushes the TensorBoard event file
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
