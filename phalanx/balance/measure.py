@@ -53,7 +53,7 @@ def moved_slots(phy2log: np.ndarray, previous: np.ndarray) -> int:
     return int((phy2log != previous).sum())
 
 
-def two_replicas_on_one_gpu(phy2log: np.ndarray, gpus: int) -> int:
-    """How many (layer, GPU) pairs hold some expert twice."""
+def two_replicas_on_one_gpu(phy2log: np.ndarray, gpus: int) -> np.ndarray:
+    """Per layer, the number of GPUs that hold some expert twice, (layers,)."""
     per_gpu = np.sort(phy2log.reshape(phy2log.shape[0], gpus, -1), axis=2)
-    return int((per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).any(axis=2).sum())
+    return (per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).any(axis=2).sum(axis=1)
