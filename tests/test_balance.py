@@ -78,7 +78,8 @@ def test_rules_and_never_worse_than_reference(case, kind, policy):
     assert (valid.sum(axis=2) == count).all()  # with sum(count) == replicas: every slot listed once
     held = np.take_along_axis(phy2log, np.where(valid, log2phy, 0).reshape(layers, -1), axis=1).reshape(log2phy.shape)
     assert (held[valid] == np.broadcast_to(np.arange(experts)[:, None], log2phy.shape[1:])[None].repeat(layers, 0)[valid]).all()
-    assert (np.diff(np.where(valid, log2phy, replicas), axis=2) > 0).all()  # ascending, padding last
+    assert (np.diff(log2phy, axis=2)[valid[:, :, 1:]] > 0).all()  # ascending
+    assert (valid[:, :, :-1] >= valid[:, :, 1:]).all()  # padding only at the end
     # Never two replicas of one expert on one GPU.
     assert measure.two_replicas_on_one_gpu(phy2log, gpus).sum() == 0
     if policy == "hierarchical":  # node locality: each group's replicas all on one node
