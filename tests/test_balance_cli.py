@@ -152,4 +152,4 @@ def test_balance_imports_no_torch(golden, tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["policy"] == "global"
+    assert json.loads(done.stdout)["policy"] == "hierarchical"  # one node, one group
