@@ -3,12 +3,13 @@
 The greedy packing (heaviest replica first into the lightest GPU) can leave the last GPUs
 uneven; a swap of a heavier replica on the most loaded GPU for a lighter one elsewhere moves
 their difference `d` across. Each round, in every row (a layer, or a layer's node) at once:
-take the row's most loaded GPU `a`, try every (replica on `a`, replica on another GPU `b`) pair,
-keep those where neither expert is then on one GPU twice and both GPUs end below `a`'s old
-load, and take the pair whose larger new load is lowest (the first such pair on a tie). A row
-stops when no swap lowers its most loaded GPU; every accepted swap lowers the row's sorted
-loads lexicographically, so this ends. Swaps stay within a row, so node locality holds, and
-replica counts do not change.
+take the row's most loaded GPU `a`; try every (replica on `a`, replica on the least loaded GPU)
+pair, and only where none helps, every (replica on `a`, replica on any GPU) pair; keep the pairs
+where neither expert is then on one GPU twice and both GPUs end below `a`'s old load, and take
+the pair whose larger new load is lowest (the first such pair on a tie). A row stops when no
+swap lowers its most loaded GPU; every accepted swap lowers the row's sorted loads
+lexicographically, so this ends. Swaps stay within a row, so node locality holds, and replica
+counts do not change.
 
 The rows' GPU loads can only fall at the top, so balancedness never drops below the greedy
 construction it starts from.
