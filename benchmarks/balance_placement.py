@@ -98,7 +98,9 @@ def main() -> None:
     if args.run:
         load = read_load(args.run)
         layers, experts = load.shape
-        print(f"phalanx train run {args.run}: {layers} MoE layers x {experts} experts, tokens summed over its steps")
+        metrics = Path(args.run) / "metrics.jsonl" if Path(args.run).is_dir() else Path(args.run)
+        steps = sum('"moe"' in line for line in metrics.read_text().splitlines())
+        print(f"phalanx train run {args.run}: {layers} MoE layers x {experts} experts, tokens summed over its {steps} steps")
         for replicas, groups, nodes, gpus, policy in ((experts * 3 // 2, 2, 2, 4, "hierarchical"), (experts * 3 // 2, 2, 2, 4, "global")):
             compare(f"run {layers}x{experts} -> {replicas} on {gpus}/{nodes} {policy[:4]}", load, replicas, groups, nodes, gpus, policy)
     else:
