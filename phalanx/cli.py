@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register(subparsers)
+    from phalanx.balance.cli import register as register_balance  # argparse only; the command imports numpy when run
+
+    register_balance(subparsers)
     return parser
 
 
