@@ -1,4 +1,4 @@
-"""`phalanx` command line: train (and, from the planner, plan / simulate / calibrate)."""
+"""`phalanx` command line: train, prepare (and, from the planner, plan / simulate / calibrate)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from phalanx.errors import UserError
 # Flags of `phalanx train` that override TrainConfig fields (flag name -> field, type).
 TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...)"),
-    ("--data", "data", str, "text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
+    ("--data", "data", str, "prepared directory (phalanx prepare), text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
+    ("--tokenizer", "tokenizer", str, "tokenizer.json (or a folder holding one) or bytes (default: the model directory's tokenizer.json, else bytes)"),
     ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
     ("--steps", "steps", int, "optimizer steps"),
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="Train transformers across many devices.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
+    from phalanx.data.cli import register as register_prepare
+
+    register_prepare(subparsers)
     try:
         from phalanx.planner.cli import register
     except ImportError:

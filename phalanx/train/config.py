@@ -20,7 +20,11 @@ class TrainConfig:
     model: str = "small"
     """Model preset name (see `phalanx.model.config.PRESETS`)."""
     data: str = ""
-    """Text file, folder of text files, or `.bin` of uint16 tokens; empty = Python's stdlib."""
+    """Prepared directory (`phalanx prepare`), text file, folder of text files, or `.bin` of
+    uint16 tokens; empty = Python's stdlib."""
+    tokenizer: str = ""
+    """`tokenizer.json` (or a folder holding one) or 'bytes'; empty = the model directory's
+    tokenizer.json, else the one a prepared --data was made with, else bytes."""
     plan: str = ""
     """Parallel layout in the `--plan` grammar; empty = data parallel over all processes."""
     nproc: int = 0
