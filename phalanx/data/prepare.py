@@ -121,15 +121,16 @@ def _ranges(shards: list[dict], start: int, stop: int) -> list[list]:
 
 def _split_record(train: _ShardWriter, val: _ShardWriter, counts: dict, val_fraction: float) -> tuple[dict, dict, str]:
     """The train and val records of data.json, and how the split was made."""
-    if val.tokens or val_fraction == 0:
+    if (train.tokens and val.tokens) or val_fraction == 0:
         return ({"documents": counts["train"], "tokens": train.tokens, "ranges": _ranges(train.shards, 0, train.tokens)},
                 {"documents": counts["val"], "tokens": val.tokens, "ranges": _ranges(val.shards, 0, val.tokens)},
                 "documents")
-    # Too few documents for any to be held out (one text file is one document): hold out the
-    # last val_fraction of the tokens instead, so that evaluation has data.
-    cut = train.tokens - math.ceil(train.tokens * val_fraction)
-    return ({"documents": counts["train"], "tokens": cut, "ranges": _ranges(train.shards, 0, cut)},
-            {"documents": 0, "tokens": train.tokens - cut, "ranges": _ranges(train.shards, cut, train.tokens)},
+    # Too few documents to split (one text file is one document), so all fell on one side:
+    # hold out the last val_fraction of the tokens instead, so that both splits have data.
+    whole = train if train.tokens else val
+    cut = whole.tokens - math.ceil(whole.tokens * val_fraction)
+    return ({"documents": counts["train"] + counts["val"], "tokens": cut, "ranges": _ranges(whole.shards, 0, cut)},
+            {"documents": 0, "tokens": whole.tokens - cut, "ranges": _ranges(whole.shards, cut, whole.tokens)},
             "tail")
 
 
@@ -178,8 +179,6 @@ def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text"
             writer.close()
         if not counts["train"] + counts["val"]:
             raise UserError(f"no documents found in {', '.join(sources)} (empty files or field {field!r} always empty)")
-        if not writers["train"].tokens:
-            raise UserError(f"all {counts['val']} documents went to validation; lower --val-fraction {val_fraction}")
         train, val, how = _split_record(writers["train"], writers["val"], counts, val_fraction)
         manifest = {
             "format": FORMAT,
