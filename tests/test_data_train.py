@@ -114,6 +114,9 @@ def test_validation_split_too_short(tmp_path, bpe, capsys):
     _fails(["train", *TINY, "--seq-len", "64", "--data", str(tmp_path / "p"), "--out", str(tmp_path / "r")], capsys,
            f"the validation split holds {val_tokens:,} tokens (train {train_tokens:,}, validation {val_tokens:,}), "
            "fewer than seq_len + 2 = 66", tmp_path / "r")
+    (tmp_path / "short.txt").write_text("x" * 300)  # bytes: the last 15 of 300 tokens are validation
+    _fails(["train", *TINY, "--data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "r")], capsys,
+           "the validation split holds 15 tokens (train 285, validation 15), fewer than seq_len + 2 = 18", tmp_path / "r")
     # Without evaluation the validation split is not needed: the same data trains.
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *TINY, "--seq-len", "64", "--eval-every", "0", "--data", str(tmp_path / "p"), "--out", str(tmp_path / "r")])

@@ -42,7 +42,9 @@ class TokenRanges:
             if begin >= stop:
                 break
             pieces.append(self.parts[i][max(start - begin, 0) : stop - begin])
-        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.zeros(0, self.parts[0].dtype if self.parts else np.uint16)
 
 
 @dataclass(frozen=True)
