@@ -9,7 +9,8 @@ from phalanx.errors import UserError
 
 # Flags of `phalanx train` that override TrainConfig fields (flag name -> field, type).
 TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
-    ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...)"),
+    ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...), or a Hugging Face model directory or config.json"),
+    ("--init", "init", str, "auto (the model directory's weights when it has them) or random"),
     ("--data", "data", str, "prepared directory (phalanx prepare), text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
     ("--tokenizer", "tokenizer", str, "tokenizer.json (or a folder holding one) or bytes (default: the model directory's tokenizer.json, else bytes)"),
     ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="Train transformers across many devices.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
+    from phalanx.hf.export_run import register as register_export
+
+    register_export(subparsers)
     from phalanx.data.cli import register as register_prepare
 
     register_prepare(subparsers)
@@ -61,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register(subparsers)
+    from phalanx.balance.cli import register as register_balance  # argparse only; the command imports numpy when run
+
+    register_balance(subparsers)
     return parser
 
 

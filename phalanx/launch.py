@@ -76,8 +76,10 @@ def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
+    from phalanx.model.config import model_config
+
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.model}-{stamp}"
+    return Path("runs") / f"{model_config(cfg.model).name}-{stamp}"
 
 
 def _summary(result, cfg: TrainConfig, seconds: float) -> str:
@@ -145,6 +147,9 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
     validate_for_model(resolve_plan(cfg.plan, nproc), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len)
+    from phalanx.hf.weights import initial_weights
+
+    weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model
     # The data too: a missing or short split, a tokenizer larger than the model, bad UTF-8.
     check_corpus(open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model), model=cfg.model,
                  model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
@@ -159,7 +164,8 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     from phalanx.model.init import build_model
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
-    print(f"phalanx: training {cfg.model} ({params / 1e6:.2f}M parameters) on {nproc} process{'es' if nproc > 1 else ''}, "
+    source = f" from {weights.folder}" if weights else ""
+    print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {nproc} process{'es' if nproc > 1 else ''}, "
           f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
     if nproc == 1:
         status = worker_main(asdict(cfg), str(run_dir))

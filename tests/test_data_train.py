@@ -156,3 +156,24 @@ def test_failed_worker_leaves_no_run_folder(tmp_path, tiny_config, monkeypatch):
     Path(cfg.out).mkdir()
     assert launch.launch_train(cfg) == 2
     assert Path(cfg.out).is_dir()  # the user's folder stays
+
+
+def _model_dir(folder: Path, tokenizer_vocab: int) -> Path:
+    """A Hugging Face model directory (config.json, no weights: random init) with a tokenizer.json."""
+    import transformers
+
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64).save_pretrained(folder)
+    train_bpe(folder / "tokenizer.json", vocab_size=tokenizer_vocab, byte_alphabet=tokenizer_vocab > 256)
+    return folder
+
+
+def test_model_directory_tokenizer_is_the_default(tmp_path, capsys):
+    model = _model_dir(tmp_path / "model", 200)
+    (tmp_path / "t.txt").write_text(sample_text(2000, seed=3))
+    corpus = open_training_data(data=str(tmp_path / "t.txt"), tokenizer="", model=str(model))
+    assert corpus.tokenizer.source == model / "tokenizer.json"
+    assert open_training_data(data=str(tmp_path / "t.txt"), tokenizer="bytes", model=str(model)).tokenizer.name == "bytes"
+    big = _model_dir(tmp_path / "big", 300)
+    _fails(["train", *TINY[2:], "--model", str(big), "--data", str(tmp_path / "t.txt"), "--out", str(tmp_path / "r")],
+           capsys, f"more than model {str(big)!r}'s 256", tmp_path / "r")

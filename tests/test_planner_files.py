@@ -71,7 +71,8 @@ def test_project_model_json(tmp_path):
     ({"dim": "big"}, "dim must be a number"),
     ({"dim": 64, "n_heads": 5}, "not divisible by n_heads"),
     ({"model_type": "bert"}, "model_type 'bert' is not supported"),
-    ({"model_type": "llama", "hidden_size": 64}, "has no 'num_attention_heads'"),
+    ({"model_type": "llama", "hidden_size": 64, "vocab_size": 100, "num_hidden_layers": 2,
+          "intermediate_size": 128}, "has no 'num_attention_heads'"),
 ])
 def test_bad_model_files(tmp_path, data, message):
     with pytest.raises(UserError, match=message):

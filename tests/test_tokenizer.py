@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from phalanx.data.tokenizer import (
-    ByteTokenizer, HFTokenizer, decode, encode, load_tokenizer, model_directory, token_dtype,
+    ByteTokenizer, HFTokenizer, decode, encode, load_tokenizer, token_dtype,
 )
 from phalanx.errors import UserError
 from phalanx.testing.tokenizers import sample_text, train_bpe
@@ -56,9 +56,6 @@ def test_resolution_order(tmp_path):
     assert isinstance(load_tokenizer("", model), HFTokenizer)  # the model directory's
     assert isinstance(load_tokenizer("bytes", model), ByteTokenizer)  # --tokenizer bytes overrides
     assert load_tokenizer(str(model)).source == model / "tokenizer.json"  # a folder holding one
-    assert model_directory(str(model)) == model
-    assert model_directory(str(model / "config.json")) == model
-    assert model_directory("tiny") is None
 
 
 def test_bad_tokenizer_paths(tmp_path):

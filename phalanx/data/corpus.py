@@ -22,7 +22,7 @@ import numpy as np
 from phalanx.data.prepared import TokenRanges, is_prepared, open_prepared
 from phalanx.data.sources import TEXT_SUFFIXES, read_text, text_files
 from phalanx.data.tokenizer import (
-    ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, model_directory, token_dtype,
+    ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, token_dtype,
 )
 from phalanx.errors import UserError
 
@@ -150,8 +150,11 @@ def load_corpus(path: str | None, tokenizer: Tokenizer | None = None) -> Corpus:
 def run_tokenizer(spec: str, *, model: str, data: str) -> Tokenizer:
     """The tokenizer of a run: `--tokenizer` when given; else the model directory's
     tokenizer.json; else, for a prepared directory, the one it was made with; else bytes."""
-    if spec or (model_directory(model) and (model_directory(model) / "tokenizer.json").is_file()):
-        return load_tokenizer(spec, model_directory(model))
+    from phalanx.model.hf_config import model_directory  # torch-free: the one reading of --model PATH
+
+    folder = model_directory(model)
+    if spec or (folder is not None and (folder / "tokenizer.json").is_file()):
+        return load_tokenizer(spec, folder)
     target = Path(data).expanduser() if data else None
     if target is not None and is_prepared(target):
         made_with = open_prepared(target).tokenizer_file

@@ -33,8 +33,9 @@ from phalanx.errors import UserError
 
 SHARD_TOKENS = 2**28
 """A shard file closes once it holds this many tokens (512 MiB of uint16)."""
-CHUNK_BYTES = 1 << 20
-"""About this much text goes to a worker at a time: large enough to amortize the pickling."""
+CHUNK_BYTES = 1 << 18
+"""About this much text goes to a worker at a time: large enough to amortize the pickling,
+small enough that the workers finish together (a last big chunk would keep one busy alone)."""
 
 _worker_tokenizer: Tokenizer | None = None
 

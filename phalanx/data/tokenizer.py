@@ -146,17 +146,6 @@ def save_tokenizer_files(tok: Tokenizer, folder: Path) -> str | None:
     return "tokenizer.json"
 
 
-def model_directory(model: str) -> Path | None:
-    """The directory a `--model` value points at: a folder is itself, a `.json` file its
-    folder, a preset name None. (One place, so `--model PATH` has one reading of it.)"""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.suffix == ".json" and path.is_file():
-        return path.parent
-    return None
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds every id: uint16 up to 65,536 tokens, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)

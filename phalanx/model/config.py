@@ -25,11 +25,27 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int = 4
     """Grouped-query attention: each key/value head serves n_heads / n_kv_heads query heads."""
+    head_dim: int = 0
+    """Channels per attention head; 0 means dim // n_heads (Qwen3 sets it explicitly)."""
+    attention_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    attention_out_bias: bool = False
+    """A bias on the attention output projection (Llama's `attention_bias` sets both)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's channels of queries and keys, before the rotation (Qwen3)."""
+    sliding_window: int = 0
+    """Each position attends to at most this many positions, itself included (Mistral); 0: all."""
     ffn_dim: int = 128
     """Inner size of the dense SwiGLU feed-forward."""
     mlp: str = "swiglu"
     """'swiglu' (gated, three matrices) or 'gelu' (plain 4h MLP, two matrices)."""
     rope_theta: float = 10000.0
+    rope_type: str = "default"
+    """'default', or 'llama3' (Llama 3.1's frequency-dependent scaling, the rope_* fields below)."""
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 0
     norm_eps: float = 1e-5
     max_seq_len: int = 2048
     n_experts: int = 0
@@ -41,6 +57,14 @@ class ModelConfig:
     """Experts every token passes through, besides the routed ones (DeepSeek style)."""
     n_dense_layers: int = 0
     """In an MoE model, the first n_dense_layers layers keep a dense feed-forward."""
+    moe_every: int = 1
+    """In an MoE model, only layers with (layer + 1) % moe_every == 0 have experts (Qwen's
+    `decoder_sparse_step`)."""
+    dense_layers: tuple[int, ...] = ()
+    """More layers that keep a dense feed-forward in an MoE model (Qwen's `mlp_only_layers`)."""
+    norm_topk_prob: bool = True
+    """Renormalize the chosen experts' scores to sum to one per token (Mixtral: yes; Qwen3-MoE:
+    its config says)."""
     router: str = "softmax"
     """'softmax' (top-k of a softmax, weights renormalized) or 'sigmoid' (DeepSeek-V3: top-k of
     per-expert sigmoid scores, chosen scores normalized to sum to one)."""
@@ -56,15 +80,31 @@ class ModelConfig:
     """0: dropless. Otherwise each expert takes at most ceil(factor * tokens * k / n_experts)
     assignments per forward, the earliest tokens first, and drops the rest."""
     tie_embeddings: bool = False
+    """The output projection shares the embedding's weight."""
 
     def __post_init__(self) -> None:
         problems = []
-        if self.dim % self.n_heads:
-            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe_every"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be at least 1")
+        if problems:  # the checks below divide by these
+            raise UserError(f"model {self.name!r}: " + "; ".join(problems))
+        if not self.head_dim:
+            if self.dim % self.n_heads:
+                problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            problems.append(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.rope_type not in ("default", "llama3"):
+            problems.append(f"rope_type={self.rope_type!r} must be 'default' or 'llama3'")
+        if self.rope_type == "llama3" and not (self.rope_original_max_seq_len > 0 and self.rope_factor > 0
+                                               and self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
+            problems.append("rope_type='llama3' needs rope_original_max_seq_len > 0, rope_factor > 0 and "
+                            "rope_high_freq_factor > rope_low_freq_factor > 0")
+        if self.sliding_window < 0:
+            problems.append(f"sliding_window={self.sliding_window} must not be negative")
         if self.mlp not in ("swiglu", "gelu"):
             problems.append(f"mlp={self.mlp!r} must be 'swiglu' or 'gelu'")
         if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
@@ -80,18 +120,29 @@ class ModelConfig:
             raise UserError(f"model {self.name!r}: " + "; ".join(problems))
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def moe_ffn_dim(self) -> int:
         return self.expert_ffn_dim or self.ffn_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.n_experts > 0 and layer >= self.n_dense_layers
+        return (self.n_experts > 0 and layer >= self.n_dense_layers and layer not in self.dense_layers
+                and (layer + 1) % self.moe_every == 0)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(layer) for layer in range(self.n_layers))
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able values (checkpoints record the model they hold)."""
+        return {**dataclasses.asdict(self), "dense_layers": list(self.dense_layers)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        known = {field.name for field in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        return cls(**{**values, "dense_layers": tuple(values.get("dense_layers", ()))})
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -140,8 +191,13 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def model_config(name: str) -> ModelConfig:
-    """The preset called `name`, or a UserError listing the valid names."""
-    try:
+    """The preset called `name`, or the model a Hugging Face directory or config.json describes
+    (`phalanx.model.hf_config`); else a UserError listing the valid names."""
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise UserError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}") from None
+    from phalanx.model.hf_config import is_model_path, read_model_config
+
+    if is_model_path(name):
+        return read_model_config(name)
+    raise UserError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}, "
+                    "or a Hugging Face model directory or config.json")

@@ -21,7 +21,8 @@ class Routing:
     experts: torch.Tensor
     """(tokens, k) chosen expert ids."""
     weights: torch.Tensor
-    """(tokens, k) fp32 combine weights of the chosen experts (sum to one per token)."""
+    """(tokens, k) fp32 combine weights of the chosen experts (summing to one per token when
+    the router normalizes them)."""
     scores: torch.Tensor
     """(tokens, experts) fp32 affinities: softmax probabilities or sigmoid scores."""
     logits: torch.Tensor
@@ -46,9 +47,10 @@ class Routing:
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, n_experts: int, top_k: int, *, score: str = "softmax", bias_rate: float = 0.0):
+    def __init__(self, dim: int, n_experts: int, top_k: int, *, score: str = "softmax", bias_rate: float = 0.0,
+                 normalize: bool = True):
         super().__init__()
-        self.top_k, self.score, self.bias_rate = top_k, score, bias_rate
+        self.top_k, self.score, self.bias_rate, self.normalize = top_k, score, bias_rate, normalize
         self.gate = nn.Linear(dim, n_experts, bias=False)
         # Persistent: a resumed run must keep balancing from where it was.
         self.register_buffer("expert_bias", torch.zeros(n_experts))
@@ -64,7 +66,9 @@ class Router(nn.Module):
         choice = scores + self.expert_bias if self.bias_rate else scores
         experts = choice.topk(self.top_k, dim=-1).indices  # (tokens, k)
         chosen = scores.gather(-1, experts)  # (tokens, k)
-        return Routing(experts=experts, weights=chosen / chosen.sum(dim=-1, keepdim=True), scores=scores, logits=logits)
+        if self.normalize:
+            chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+        return Routing(experts=experts, weights=chosen, scores=scores, logits=logits)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:

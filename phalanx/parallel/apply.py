@@ -21,7 +21,7 @@ from torch import nn
 
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.model.init import build_model, init_weights
+from phalanx.model.init import WeightSource, build_model, init_weights
 from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
 from phalanx.parallel.expert import apply_ep, validate_ep
 from phalanx.parallel.mesh import ParallelMesh
@@ -36,6 +36,9 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
     """Checks that need the model's shape and the batch; raised before any worker starts."""
     validate_ep(cfg, plan)
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
+    if cfg.tie_embeddings and plan.pp > 1:
+        problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
+                        "would place on different stages; use tp or dp instead")
     micro = plan.dp * plan.num_microbatches
     if global_batch % micro:
         problems.append(
@@ -47,7 +50,8 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
     return plan
 
 
-def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int) -> nn.Module:
+def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,
+                      weights: WeightSource | None) -> nn.Module:
     """Steps 2-6 for one model or pipeline chunk."""
     plan = mesh.plan
     if plan.tp > 1:
@@ -56,18 +60,20 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
     apply_recompute(model, plan.recompute, plan.recompute_layers)
     if uses_fsdp(plan):
         apply_fsdp(model, mesh)
-    return init_weights(model, cfg, seed, mesh.device)
+    return init_weights(model, cfg, seed, mesh.device, weights)
 
 
 def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int = 0,
-                microbatch_tokens: int = 0) -> nn.Module:
+                microbatch_tokens: int = 0, weights: WeightSource | None = None) -> nn.Module:
     """This rank's model: a Transformer, or with pp > 1 a `StageModules` of its chunks.
 
-    `seq_len` and `microbatch_tokens` only inform the pipeline split's cost estimate.
+    `weights`: where initial weights come from (a checkpoint, `phalanx.hf.weights`); default:
+    drawn from `seed`. `seq_len` and `microbatch_tokens` only inform the pipeline split's cost
+    estimate.
     """
     plan = mesh.plan
     if plan.pp == 1:
-        model = _parallelize_part(build_model(cfg), cfg, mesh, seed)
+        model = _parallelize_part(build_model(cfg), cfg, mesh, seed, weights)
         if plan.dp > 1 and not uses_fsdp(plan):
             model = apply_ddp(model, mesh)
         return model
@@ -78,5 +84,5 @@ def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int
     chunks, stages = [], stages_of_rank(plan, mesh.axis_rank("pp"))
     for stage in stages:
         chunk = keep_only(build_model(cfg), split[stage])
-        chunks.append(_parallelize_part(chunk, cfg, mesh, seed))
+        chunks.append(_parallelize_part(chunk, cfg, mesh, seed, weights))
     return StageModules(chunks, stages)

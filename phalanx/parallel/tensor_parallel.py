@@ -96,6 +96,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
     plan = root_plan(sp, has_embedding=model.tok_embeddings is not None, has_output=model.output is not None)
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    model.tie_weights()  # both now vocabulary-row-sharded DTensors: one parameter again
     return model
 
 

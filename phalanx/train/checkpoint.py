@@ -42,8 +42,10 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, rank: int, keep: int) -> Path:
-    """Save the state after `step` completed steps (all ranks call this)."""
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, rank: int, keep: int,
+                    meta: dict | None = None) -> Path:
+    """Save the state after `step` completed steps (all ranks call this). `meta` goes into
+    phalanx.json beside the step (the model's config and the run's settings, for export)."""
     final = checkpoint_dir(run_dir, step)
     staging = final.with_suffix(".tmp")
     if rank == 0:
@@ -54,7 +56,7 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, ra
     dcp.save(state, checkpoint_id=str(staging))
     _barrier()
     if rank == 0:
-        (staging / "phalanx.json").write_text(json.dumps({"step": step}))
+        (staging / "phalanx.json").write_text(json.dumps({"step": step, **(meta or {})}))
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
         for old in sorted((run_dir / "checkpoints").glob("step_*"))[:-keep]:

@@ -18,7 +18,11 @@ from phalanx.errors import UserError
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: str = "small"
-    """Model preset name (see `phalanx.model.config.PRESETS`)."""
+    """Model preset name (see `phalanx.model.config.PRESETS`), or a Hugging Face model
+    directory or config.json (`phalanx.model.hf_config`)."""
+    init: str = "auto"
+    """'auto': the model directory's weights when it has them, else drawn from the seed;
+    'random': drawn from the seed."""
     data: str = ""
     """Prepared directory (`phalanx prepare`), text file, folder of text files, or `.bin` of
     uint16 tokens; empty = Python's stdlib."""
@@ -70,6 +74,8 @@ class TrainConfig:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.dtype not in ("fp32", "bf16"):
             problems.append(f"dtype={self.dtype!r} must be 'fp32' or 'bf16'")
+        if self.init not in ("auto", "random"):
+            problems.append(f"init={self.init!r} must be 'auto' or 'random'")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
         if self.lr <= 0 or self.min_lr < 0:

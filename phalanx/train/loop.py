@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from phalanx.data.batches import rank_batch
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.data.tokenizer import save_tokenizer_files
 from phalanx.errors import UserError
+from phalanx.hf.weights import initial_weights
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize, validate_for_model
 from phalanx.parallel.data_parallel import set_gradient_sync
@@ -141,7 +143,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
 
     per_rank = cfg.global_batch // plan.dp
     micro = per_rank // accum
-    model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len)
+    model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
+                        weights=initial_weights(cfg.model, cfg.init, model_cfg))
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         WaitClock.install()
@@ -212,12 +215,16 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 metrics.write(record)
             progress.update(record)
             if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-                save_checkpoint(run_dir, done, model, optimizer, rank=rank, keep=cfg.keep_checkpoints)
+                save_checkpoint(run_dir, done, model, optimizer, rank=rank, keep=cfg.keep_checkpoints,
+                                meta={"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg)})
             result.steps_done = done
     except KeyboardInterrupt:  # the launcher reports where the last checkpoint is
         result.interrupted = True
         progress.close()
         return result
+    finally:
+        if metrics:
+            metrics.close()  # flushes the TensorBoard event file
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")

@@ -1,4 +1,8 @@
-"""The run's record: one JSON line per step in metrics.jsonl, and a loss-curve PNG."""
+"""The run's record: one JSON line per step in metrics.jsonl, the same scalars as a TensorBoard
+event file beside it, and a loss-curve PNG.
+
+Step records carry `loss`; rows without it (event rows such as `{"event": "restart", "step": 5}`)
+are not steps, and every reader here skips them."""
 
 from __future__ import annotations
 
@@ -8,24 +12,35 @@ from typing import Any
 
 
 class MetricsLog:
-    """Appends step records; on resume, first drops records past the checkpoint's step so
-    the file reads as one continuous run."""
+    """Appends step records, and writes them to TensorBoard too (phalanx/train/tensorboard_log.py);
+    on resume, first drops records past the checkpoint's step so the file reads as one
+    continuous run. Call `close` at the end of the run (it flushes the event file)."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
+        from phalanx.train.tensorboard_log import TensorBoardLog
+
         self.path = path
         if resume_step is not None and path.exists():
             kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
         elif resume_step is None:
             path.write_text("")
+        # The first record written is resume_step + 1: TensorBoard hides older events from there on.
+        self.tensorboard = TensorBoardLog(path.parent, purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as file:
             file.write(json.dumps(record) + "\n")
+        self.tensorboard.write(record)
+
+    def close(self) -> None:
+        self.tensorboard.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+    """The step records of a metrics.jsonl, in order; event rows (no `loss`) are skipped."""
+    rows = (json.loads(line) for line in Path(path).read_text().splitlines() if line)
+    return [row for row in rows if "loss" in row]
 
 
 def plot_loss(metrics_path: Path, png_path: Path) -> None:

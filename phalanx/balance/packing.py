@@ -1,0 +1,118 @@
+"""The two greedy steps of a placement, each solved for many rows (layers, or layer x node) at once.
+
+* `replicate(load, slots, cap)`: give `slots - experts` extra replicas, one at a time, each to
+  the expert whose load per replica is the highest (the lowest index on a tie), skipping the
+  experts that already have `cap` replicas.
+* `pack(weight, packs, expert)`: put items into packs of equal size, heaviest item first
+  (a stable sort: the lower index first on a tie), each into the lightest pack that still has
+  room (the lower pack on a tie). With `expert` given, a pack never takes two items of one
+  expert; where every pack with room already holds the item's expert, a repair swap makes room
+  (see `_repair`).
+
+These are the steps DeepSeek's EPLB describes (its README and docstrings); with `cap` unbounded
+and no `expert`, they are that reference's greedy algorithm, tie-breaking included. The loop runs
+over items (tens), never over rows: every step is one numpy operation across all rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def replicate(load: np.ndarray, slots: int, cap: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Replicas for `slots` slots: (slot -> expert (rows, slots), replicas per expert (rows, experts)).
+
+    Slot e < experts holds expert e; the extra slots follow in the order they were handed out.
+    `load` is (rows, experts), non-negative. The caller ensures `slots <= experts * cap`.
+    """
+    rows, experts = load.shape
+    count = np.ones((rows, experts), dtype=np.int64)
+    slot_expert = np.empty((rows, slots), dtype=np.int64)
+    slot_expert[:, :experts] = np.arange(experts)
+    every_row = np.arange(rows)
+    for slot in range(experts, slots):
+        per_replica = load / count
+        if cap is not None:
+            per_replica[count >= cap] = -np.inf
+        hottest = per_replica.argmax(axis=1)  # first maximum: the lower index on a tie
+        slot_expert[:, slot] = hottest
+        count[every_row, hottest] += 1
+    return slot_expert, count
+
+
+def pack(weight: np.ndarray, packs: int, expert: np.ndarray | None = None, experts: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Items into `packs` equal packs: (pack of each item, its position in the pack), both (rows, items).
+
+    `weight` is (rows, items) with items divisible by packs. `expert` (rows, items) names each
+    item's expert (ids below `experts`); when given, no pack holds two items of one expert
+    (the caller ensures no expert has more items in a row than there are packs).
+    """
+    rows, items = weight.shape
+    size = items // packs
+    if size == 1:  # one item per pack: item i in pack i, as the reference does
+        return np.broadcast_to(np.arange(items), (rows, items)).copy(), np.zeros((rows, items), dtype=np.int64)
+    order = np.argsort(-weight, axis=1, kind="stable")  # (rows, items), heaviest first
+    every_row = np.arange(rows)
+    pack_load = np.zeros((rows, packs))
+    pack_count = np.zeros((rows, packs), dtype=np.int64)
+    item_pack = np.full((rows, items), -1, dtype=np.int64)
+    item_rank = np.full((rows, items), -1, dtype=np.int64)
+    holds = np.zeros((rows, packs, experts), dtype=bool) if expert is not None else None
+    for step in range(items):
+        item = order[:, step]  # (rows,)
+        cost = np.where(pack_count < size, pack_load, np.inf)  # (rows, packs)
+        if holds is not None:
+            item_expert = expert[every_row, item]
+            cost[holds[every_row, :, item_expert]] = np.inf
+        choice = cost.argmin(axis=1)
+        stuck = np.isinf(cost[every_row, choice])
+        for row in np.flatnonzero(stuck):
+            choice[row] = _repair(row, int(item[row]), weight, expert, size, item_pack, item_rank, pack_load, pack_count, holds)
+        rank = pack_count[every_row, choice]
+        item_pack[every_row, item] = choice
+        item_rank[every_row, item] = rank
+        pack_load[every_row, choice] += weight[every_row, item]
+        pack_count[every_row, choice] += 1
+        if holds is not None:
+            holds[every_row, choice, item_expert] = True
+    return item_pack, item_rank
+
+
+def _repair(row, item, weight, expert, size, item_pack, item_rank, pack_load, pack_count, holds) -> int:
+    """Make room for `item` in one row where every pack with room already holds its expert.
+
+    Such a pack `open_` exists, and some full pack lacks the expert (it has fewer items placed
+    than there are packs). That full pack holds `size` distinct experts while `open_` holds
+    fewer than `size`, so one of them, `moved`, is not in `open_`: move it there and give its
+    place to `item`. Of all such moves, take the one that leaves the lower of the two packs'
+    larger load (the lowest indices on a tie). Returns the pack freed for `item`; that pack's
+    count is lowered by one, so the caller's bookkeeping adds the item as usual.
+    """
+    e = expert[row, item]
+    has_room = np.flatnonzero(pack_count[row] < size)
+    open_ = int(has_room[np.argmin(pack_load[row, has_room])])
+    best = None
+    for full in np.flatnonzero((pack_count[row] == size) & ~holds[row, :, e]):
+        for moved in np.flatnonzero(item_pack[row] == full):
+            if holds[row, open_, expert[row, moved]]:
+                continue
+            w = weight[row, moved]
+            worse = max(pack_load[row, full] - w + weight[row, item], pack_load[row, open_] + w)
+            if best is None or worse < best[0]:
+                best = (worse, int(full), int(moved))
+    _, full, moved = best
+    w, moved_expert = weight[row, moved], expert[row, moved]
+    freed_rank = item_rank[row, moved]
+    item_pack[row, moved], item_rank[row, moved] = open_, pack_count[row, open_]
+    pack_load[row, open_] += w
+    pack_count[row, open_] += 1
+    holds[row, open_, moved_expert] = True
+    pack_load[row, full] -= w
+    holds[row, full, moved_expert] = False
+    # The caller gives the item the last position of `full` (its count after the decrement);
+    # the item that held that position takes the freed one, so positions stay 0..size-1.
+    last = np.flatnonzero((item_pack[row] == full) & (item_rank[row] == size - 1))
+    if last.size:
+        item_rank[row, last[0]] = freed_rank
+    pack_count[row, full] -= 1
+    return full

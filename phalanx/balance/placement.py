@@ -1,0 +1,133 @@
+"""Where each expert's replicas go: the problem's rules, and the greedy construction.
+
+Hierarchical policy (the reference's, DeepSeek EPLB): pack expert groups onto nodes (equal
+numbers of groups per node, heaviest group first into the lightest node), so a token's experts
+sit on one node; replicate within each node; pack each node's replicas onto its GPUs. Global
+policy: one node holding every group, all GPUs its own. `auto` takes hierarchical when the groups
+split evenly over the nodes, as the reference does.
+
+phalanx adds one rule: no GPU holds two replicas of one expert (a second copy on the same GPU
+serves no token the first could not, and takes a slot another expert could use). So an expert
+gets at most as many replicas as there are GPUs it may use: the GPUs of its node. Where that
+rule does not bite, `greedy` is the reference's algorithm exactly (`distinct=False` is the
+reference itself, for comparison).
+
+All of it runs in the node frame: one row per (layer, node), holding that node's experts under
+node-local ids 0..m-1 (`local2log` names them), its GPUs and their slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from phalanx.balance.packing import pack, replicate
+from phalanx.errors import UserError
+
+POLICIES = ("auto", "hierarchical", "global")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The flags of a placement, checked once; every message shows the numbers involved."""
+
+    layers: int
+    experts: int
+    replicas: int  # physical slots per layer
+    groups: int
+    nodes: int
+    gpus: int
+    policy: str  # "hierarchical" or "global" (auto resolved)
+
+    @property
+    def frame_nodes(self) -> int:
+        """Nodes the construction sees: the real ones, or one under the global policy."""
+        return self.nodes if self.policy == "hierarchical" else 1
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return self.replicas // self.gpus
+
+
+def check_problem(layers: int, experts: int, replicas: int, groups: int, nodes: int, gpus: int, policy: str = "auto") -> Problem:
+    """Validate the flags against the load's shape (layers x experts); resolve `auto`."""
+    shape = f"the load has {layers} layers x {experts} experts"
+    for name, value in (("--replicas", replicas), ("--groups", groups), ("--nodes", nodes), ("--gpus", gpus)):
+        if value < 1:
+            raise UserError(f"{name}={value} must be at least 1")
+    if policy not in POLICIES:
+        raise UserError(f"--policy={policy!r} is not one of {', '.join(POLICIES)}")
+    if layers < 1 or experts < 1:
+        raise UserError(f"{shape}; it needs at least one of each")
+    if experts % groups:
+        raise UserError(f"--groups={groups} does not divide the {experts} experts ({shape})")
+    if gpus % nodes:
+        raise UserError(f"--gpus={gpus} is not divisible by --nodes={nodes}")
+    if replicas % gpus:
+        raise UserError(f"--replicas={replicas} slots do not split evenly over --gpus={gpus}")
+    if replicas < experts:
+        raise UserError(f"--replicas={replicas} is fewer slots than the {experts} experts ({shape})")
+    if policy == "auto":
+        policy = "hierarchical" if groups % nodes == 0 else "global"
+    if policy == "hierarchical" and groups % nodes:
+        raise UserError(f"the hierarchical policy needs --groups={groups} divisible by --nodes={nodes}")
+    problem = Problem(layers, experts, replicas, groups, nodes, gpus, policy)
+    n = problem.frame_nodes
+    node_slots, node_experts, node_gpus = replicas // n, experts // n, gpus // n
+    if node_slots > node_experts * node_gpus:
+        where = f"{n} nodes" if n > 1 else "1 node (global policy)"
+        raise UserError(
+            f"{node_slots} slots per node is more than its {node_experts} experts x {node_gpus} GPUs = "
+            f"{node_experts * node_gpus} ({replicas} slots, {experts} experts, {gpus} GPUs over {where}): "
+            "the rest could only be filled with two replicas of one expert on one GPU"
+        )
+    return problem
+
+
+@dataclass
+class NodeFrame:
+    """A placement in the node frame (rows = layers x frame nodes, layer-major)."""
+
+    local2log: np.ndarray  # (layers, nodes, m): the expert behind each node-local id
+    slots: np.ndarray  # (rows, gpus per node, slots per GPU): node-local id in each slot
+    count: np.ndarray  # (rows, m): replicas of each node-local expert
+
+    def phy2log(self) -> np.ndarray:
+        """(layers, replicas): the expert each slot holds; node k's slots follow node k-1's."""
+        layers, nodes, m = self.local2log.shape
+        local = self.slots.reshape(layers * nodes, -1)
+        return np.take_along_axis(self.local2log.reshape(layers * nodes, m), local, axis=1).reshape(layers, -1)
+
+
+def greedy(load: np.ndarray, problem: Problem, *, distinct: bool = True) -> NodeFrame:
+    """The construction: groups onto nodes, replicas within nodes, replicas onto GPUs.
+
+    `distinct=True` caps each expert's replicas at its node's GPUs and never packs two on one
+    GPU; `distinct=False` is the reference, which does neither.
+    """
+    layers, experts = load.shape
+    n = problem.frame_nodes
+    groups = problem.groups if n > 1 else 1
+    group_size, node_gpus = experts // groups, problem.gpus // n
+    m = experts // n  # experts per node
+
+    # 1. groups onto nodes: node-local id = position of the group on its node * group_size + k
+    group_load = load.reshape(layers, groups, group_size).sum(axis=2)  # (layers, groups)
+    node, position = pack(group_load, n)
+    log2local = (node * m + position * group_size)[:, :, None] + np.arange(group_size)  # (layers, groups, group_size)
+    local2log = np.empty((layers, experts), dtype=np.int64)
+    np.put_along_axis(local2log, log2local.reshape(layers, experts), np.arange(experts)[None, :], axis=1)
+    local2log = local2log.reshape(layers, n, m)
+
+    # 2. replicas within each node, (rows, m) with rows = layers * n
+    node_load = np.take_along_axis(load, local2log.reshape(layers, experts), axis=1).reshape(layers * n, m)
+    replica_expert, count = replicate(node_load, problem.replicas // n, node_gpus if distinct else None)
+
+    # 3. replicas onto the node's GPUs; a slot's place is gpu * slots_per_gpu + position
+    per_replica = np.take_along_axis(node_load / count, replica_expert, axis=1)  # (rows, node slots)
+    gpu, position = pack(per_replica, node_gpus, replica_expert if distinct else None, m)
+    c = problem.slots_per_gpu
+    slots = np.empty_like(replica_expert)
+    np.put_along_axis(slots, gpu * c + position, replica_expert, axis=1)
+    return NodeFrame(local2log, slots.reshape(layers * n, node_gpus, c), count)

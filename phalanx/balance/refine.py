@@ -1,0 +1,104 @@
+"""Refinement: swap replicas between the most loaded GPU and the others while that lowers it.
+
+The greedy packing (heaviest replica first into the lightest GPU) can leave the last GPUs
+uneven; a swap of a heavier replica on the most loaded GPU for a lighter one elsewhere moves
+their difference `d` across. Each round, in every row (a layer, or a layer's node) at once:
+take the row's most loaded GPU `a`; try every (replica on `a`, replica on the least loaded GPU)
+pair, and only where none helps, every (replica on `a`, replica on any GPU) pair; keep the pairs
+where neither expert is then on one GPU twice and both GPUs end below `a`'s old load, and take
+the pair whose larger new load is lowest (the first such pair on a tie). A row stops when no
+swap lowers its most loaded GPU; every accepted swap lowers the row's sorted loads
+lexicographically, so this ends. Swaps stay within a row, so node locality holds, and replica
+counts do not change.
+
+The rows' GPU loads can only fall at the top, so balancedness never drops below the greedy
+construction it starts from.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# A swap must lower the top load by more than rounding noise (relative), or it is not taken.
+_RELATIVE_GAIN = 1e-12
+
+
+def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
+           good_enough: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """Improved slots (rows, gpus, slots per GPU) and the number of swaps made.
+
+    `slots` holds row-local expert ids, no id twice on one GPU; `unit` (rows, ids) is the
+    load one replica of each id carries (the expert's load / its replicas). A row whose top
+    load is at most `good_enough` (rows,) stops there (each swap moves two slots' weights).
+    """
+    rows, gpus, c = slots.shape
+    slots = slots.copy()
+    every_gpu = np.arange(gpus)
+    item = np.take_along_axis(unit, slots.reshape(rows, -1), axis=1).reshape(rows, gpus, c)
+    load = item.sum(axis=2)  # (rows, gpus)
+    holds = np.zeros((rows, gpus, unit.shape[1]), dtype=bool)
+    holds[np.arange(rows)[:, None, None], every_gpu[None, :, None], slots] = True
+    active = np.arange(rows)
+    swaps = 0
+    for _ in range(max_rounds if max_rounds is not None else 4 * gpus * c * c):
+        if good_enough is not None:
+            active = active[load[active].max(axis=1) > good_enough[active]]
+        if not active.size:
+            break
+        # Most rounds find their swap with the least loaded GPU; only rows where it has none
+        # search all GPUs (8-32x the work), and rows where that fails too are done.
+        row, a, i, b, j = _best_swaps(active, slots, item, load, holds, least_loaded_only=True)
+        stuck = np.setdiff1d(active, row, assume_unique=True)
+        if stuck.size:
+            more = _best_swaps(stuck, slots, item, load, holds, least_loaded_only=False)
+            row, a, i, b, j = (np.concatenate(pair) for pair in zip((row, a, i, b, j), more))
+        if not row.size:
+            break
+        x, y = slots[row, a, i], slots[row, b, j]
+        delta = item[row, a, i] - item[row, b, j]
+        slots[row, a, i], slots[row, b, j] = y, x
+        item[row, a, i], item[row, b, j] = item[row, b, j], item[row, a, i]
+        load[row, a] -= delta
+        load[row, b] += delta
+        holds[row, a, x], holds[row, b, y] = False, False
+        holds[row, a, y], holds[row, b, x] = True, True
+        swaps += len(row)
+        active = np.sort(row)
+    return slots, swaps
+
+
+def _best_swaps(active, slots, item, load, holds, least_loaded_only: bool):
+    """For each row in `active`, the best swap off its most loaded GPU, if one lowers it.
+
+    Returns (row, top GPU, position there, other GPU, position there), one entry per row
+    that has such a swap.
+    """
+    n, (_, gpus, c) = len(active), slots.shape
+    here = np.arange(n)
+    row_load = load[active]  # (n, gpus)
+    top = row_load.argmax(axis=1)
+    top_load = row_load[here, top]
+    if least_loaded_only:
+        partner = row_load.argmin(axis=1)[:, None]  # (n, 1)
+    else:
+        partner = np.broadcast_to(np.arange(gpus), (n, gpus))  # (n, gpus)
+    k = partner.shape[1]
+    top_item, top_expert = item[active, top], slots[active, top]  # (n, c)
+    other_item = item[active[:, None], partner].reshape(n, k * c)  # (n, k*c): partner GPUs' slots
+    other_expert = slots[active[:, None], partner]  # (n, k, c)
+    other_load = np.repeat(row_load[here[:, None], partner], c, axis=1)  # (n, k*c)
+    # Searched in float32 (half the memory traffic); the chosen swap is checked in float64.
+    # A pair with d <= 0, or on the top GPU itself, leaves a load >= top_load: never chosen.
+    d = top_item.astype(np.float32)[:, :, None] - other_item.astype(np.float32)[:, None, :]  # (n, c, k*c): load moved off the top GPU
+    worst = np.maximum(top_load.astype(np.float32)[:, None, None] - d, other_load.astype(np.float32)[:, None, :] + d)
+    # Gathered per GPU, then widened to its slots: far fewer lookups than per slot pair.
+    top_expert_there = holds[active[:, None, None], partner[:, None, :], top_expert[:, :, None]]  # (n, c, k)
+    other_expert_on_top = holds[active[:, None, None], top[:, None, None], other_expert].reshape(n, k * c)
+    np.putmask(worst, np.repeat(top_expert_there, c, axis=2) | other_expert_on_top[:, None, :], np.inf)
+    best = worst.reshape(n, -1).argmin(axis=1)
+    i, slot = np.unravel_index(best, (c, k * c))
+    moved = top_item[here, i] - other_item[here, slot]
+    exact = np.maximum(top_load - moved, other_load[here, slot] + moved)
+    allowed = ~(top_expert_there[here, i, slot // c] | other_expert_on_top[here, slot])
+    gains = allowed & (moved > 0) & (exact < top_load * (1 - _RELATIVE_GAIN))
+    return active[gains], top[gains], i[gains], partner[here, slot // c][gains], slot[gains] % c

@@ -1,0 +1,109 @@
+"""`rebalance`: the whole placement for all layers, torch-free, and its report.
+
+Order: check the input; greedy construction (placement.py); refinement (refine.py); with a
+previous placement, the cheaper-to-move choice per layer (incremental.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from phalanx.balance import incremental, measure
+from phalanx.balance.placement import Problem, check_problem, greedy
+from phalanx.balance.refine import refine as refine_swaps
+from phalanx.errors import UserError
+
+
+@dataclass
+class Result:
+    """A placement and how it was made."""
+
+    phy2log: np.ndarray  # (layers, slots): the expert each slot holds
+    problem: Problem
+    seconds: float  # the algorithm alone, input checks included
+    previous: np.ndarray | None = None  # the placement it was planned from, if any
+
+    @property
+    def logcnt(self) -> np.ndarray:
+        """Replicas per expert, (layers, experts)."""
+        return measure.replica_counts(self.phy2log, self.problem.experts)
+
+    def log2phy(self) -> np.ndarray:
+        """(layers, experts, most replicas): each expert's slots in increasing order, padded with -1."""
+        layers, slots = self.phy2log.shape
+        count = self.logcnt
+        order = np.argsort(self.phy2log, axis=1, kind="stable")  # slots grouped by expert, each group ascending
+        first = np.cumsum(count, axis=1) - count  # (layers, experts): where each expert's group starts
+        width = int(count.max())
+        pick = first[:, :, None] + np.arange(width)  # (layers, experts, width)
+        valid = np.arange(width) < count[:, :, None]
+        taken = np.take_along_axis(order, np.minimum(pick, slots - 1).reshape(layers, -1), axis=1).reshape(pick.shape)
+        return np.where(valid, taken, -1)
+
+    def report(self, load: np.ndarray) -> dict:
+        """The `--json` record (docs/balance.md)."""
+        gpus = self.problem.gpus
+        after = measure.gpu_loads(load, self.phy2log, gpus)
+        before = measure.unreplicated_loads(load, gpus)
+        balanced, uneven = measure.balancedness(after), measure.imbalance(after)
+        record = {
+            "phy2log": self.phy2log.tolist(),
+            "log2phy": self.log2phy().tolist(),
+            "logcnt": self.logcnt.tolist(),
+            "balancedness": {"per_layer": balanced.tolist(), "overall": float(balanced.mean())},
+            "imbalance": {"per_layer": uneven.tolist(), "overall": float(uneven.mean())},
+            "before": {"balancedness": float(measure.balancedness(before).mean()), "imbalance": float(measure.imbalance(before).mean())},
+            "policy": self.problem.policy,
+            "seconds": self.seconds,
+        }
+        if self.previous is not None:
+            record["moved_slots"] = measure.moved_slots(self.phy2log, self.previous)
+        return record
+
+
+def check_load(load) -> np.ndarray:
+    """Loads as a float (layers, experts) array: finite and non-negative."""
+    try:
+        array = np.asarray(load, dtype=float)
+    except (TypeError, ValueError):
+        raise UserError("the load must be a rectangular [layers][experts] table of numbers") from None
+    if array.ndim != 2:
+        raise UserError(f"the load must be a [layers][experts] table, got {array.ndim} dimension(s) of shape {array.shape}")
+    if not np.all(np.isfinite(array)):
+        raise UserError("the load holds non-finite values (nan or inf)")
+    if np.any(array < 0):
+        layer, expert = map(int, np.argwhere(array < 0)[0])
+        raise UserError(f"the load holds negative values (layer {layer}, expert {expert}: {array[layer, expert]:g})")
+    return array
+
+
+def rebalance(load, replicas: int, groups: int, nodes: int, gpus: int, *, policy: str = "auto",
+              refine: bool = True, previous=None) -> Result:
+    """Place `replicas` slots per layer over `gpus` GPUs on `nodes` nodes (see placement.py)."""
+    start = time.perf_counter()
+    load = check_load(load)
+    problem = check_problem(*load.shape, replicas, groups, nodes, gpus, policy)
+    if previous is not None:
+        previous = incremental.check_previous(previous, problem)
+    frame = greedy(load, problem)
+    if refine:
+        layers, experts = load.shape
+        node_load = np.take_along_axis(load, frame.local2log.reshape(layers, experts), axis=1)
+        unit = node_load.reshape(frame.count.shape) / frame.count  # (rows, node experts): one replica's load
+        frame.slots = refine_swaps(frame.slots, unit)[0]
+    phy2log = frame.phy2log()
+    if previous is not None:
+        phy2log = _closer_to(previous, phy2log, load, problem, refine)
+    return Result(phy2log, problem, time.perf_counter() - start, previous)
+
+
+def _closer_to(previous: np.ndarray, fresh: np.ndarray, load: np.ndarray, problem: Problem, refined: bool) -> np.ndarray:
+    """Per layer, the previous placement (refined) if nearly as balanced as `fresh`, else `fresh` aligned to it."""
+    kept, usable = incremental.keep(load, problem, previous, fresh if refined else None)
+    aligned = incremental.align(fresh, previous, problem)
+    score = lambda p: measure.balancedness(measure.gpu_loads(load, p, problem.gpus))  # noqa: E731
+    take_kept = usable & (score(kept) >= score(fresh) - incremental.KEEP_WITHIN)
+    return np.where(take_kept[:, None], kept, aligned)

@@ -1,0 +1,37 @@
+"""Hugging Face models in and out: `load(path)` builds a phalanx model from a model directory
+(config.json + safetensors), `save(model, path)` writes one that `transformers` loads.
+
+Importing this package needs no torch; `load` and `save` import it when called.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["load", "save"]
+
+
+def load(path: str | Path, dtype=None):
+    """A phalanx Transformer (one process, CPU) with the directory's weights, in `dtype`
+    (default torch.float32): `forward(tokens[B, S]) -> logits[B, S, V]`."""
+    import torch
+
+    from phalanx.errors import UserError
+    from phalanx.hf.safetensors_files import has_weights
+    from phalanx.hf.weights import CheckpointWeights
+    from phalanx.model.hf_config import config_path, read_model_config
+    from phalanx.model.init import build_model, init_weights
+
+    cfg = read_model_config(path)
+    folder = config_path(path).parent
+    if not has_weights(folder):
+        raise UserError(f"{folder}: no *.safetensors weights to load")
+    model = init_weights(build_model(cfg), cfg, seed=0, device="cpu", source=CheckpointWeights(folder, cfg))
+    return model.to(dtype or torch.float32).eval()
+
+
+def save(model, path: str | Path, **options) -> Path:
+    """Write `model` (one process) as a Hugging Face directory; see `phalanx.hf.writer.save`."""
+    from phalanx.hf.writer import save as save_model
+
+    return save_model(model, path, **options)

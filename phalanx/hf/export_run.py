@@ -1,0 +1,108 @@
+"""`phalanx export RUN_DIR OUT_DIR [--step N]`: a training checkpoint as a Hugging Face directory.
+
+The checkpoint's phalanx.json records the model's config and the run's settings; the DCP
+shards, written by any layout, are read back into one process (DCP reshards on load) and
+written by `phalanx.hf.writer` with the tokenizer files the run used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
+    """The checkpoint of `step` (default: the newest) and its phalanx.json."""
+    found = {}
+    for path in (run_dir / "checkpoints").glob("step_*"):
+        meta_file = path / "phalanx.json"
+        if path.suffix == ".tmp" or not meta_file.exists():
+            continue
+        try:
+            meta = json.loads(meta_file.read_text())
+            found[int(meta["step"])] = (path, meta)
+        except (ValueError, KeyError, TypeError):
+            continue  # a damaged record: not a checkpoint export can trust
+    if not found:
+        raise UserError(f"{run_dir} holds no checkpoint (looked in {run_dir / 'checkpoints'})")
+    if step is None:
+        step = max(found)
+    if step not in found:
+        raise UserError(f"{run_dir} has no checkpoint of step {step}; it has steps {', '.join(map(str, sorted(found)))}")
+    path, meta = found[step]
+    if "model" not in meta:
+        raise UserError(f"{path} does not record its model's config (written by an older phalanx); cannot export it")
+    return path, meta
+
+
+def _tokenizer_files(train: dict) -> list[Path]:
+    """The tokenizer files of the run: its --tokenizer, else its model directory's."""
+    from phalanx.model.hf_config import model_directory
+
+    spec = train.get("tokenizer", "")
+    if spec == "bytes":
+        return []
+    if spec:
+        folder = Path(spec) if Path(spec).is_dir() else Path(spec).parent
+    else:
+        try:
+            folder = model_directory(train.get("model", ""))
+        except UserError:
+            folder = None  # the model directory has moved since: export the weights anyway
+    if folder is None:
+        return []
+    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+
+
+def load_checkpoint_model(path: Path, cfg: ModelConfig):
+    """A one-process model holding the checkpoint's weights."""
+    import torch.distributed.checkpoint as dcp
+
+    import phalanx.train.checkpoint  # noqa: F401  (quiets DCP's one-process warning)
+    from phalanx.model.init import build_model
+
+    model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.reset_buffers()
+    state = {k: v for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "output.weight")}
+    dcp.load({"model": state}, checkpoint_id=str(path))
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+    from phalanx.hf.writer import write_hf_directory
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {str(run_dir)!r} does not exist")
+    path, meta = find_checkpoint(run_dir, step)
+    cfg = ModelConfig.from_dict(meta["model"])
+    from phalanx.hf.hf_export_config import export_family
+
+    export_family(cfg)  # refuse before reading any weights
+    model = load_checkpoint_model(path, cfg)
+    return write_hf_directory(model.state_dict(), cfg, out_dir, tokenizer_files=_tokenizer_files(meta.get("train", {})))
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model directory",
+        description="Write a training checkpoint as a Hugging Face directory (config.json, sharded "
+                    "safetensors, tokenizer files) that transformers.AutoModelForCausalLM loads.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory written by phalanx train")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="new folder to write")
+    parser.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    parser.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    out = export_run(args.run_dir, args.out_dir, args.step)
+    print(f"phalanx: wrote {out}")
+    return 0

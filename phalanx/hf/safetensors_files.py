@@ -1,0 +1,90 @@
+"""Reading slices of the tensors of a Hugging Face checkpoint folder (one `model.safetensors`,
+or shards listed by `model.safetensors.index.json`, or any `*.safetensors`).
+
+Only the requested rows and columns are read (safetensors slicing maps the file and copies
+just that box), so a rank that keeps a shard of a tensor never holds the whole of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from phalanx.errors import UserError
+from phalanx.model.hf_config import read_json
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def has_weights(folder: Path) -> bool:
+    return (folder / INDEX_FILE).is_file() or any(folder.glob("*.safetensors"))
+
+
+class SafetensorsFiles:
+    """Tensor name -> file, and slices read on demand. Files are opened once each."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = folder
+        index = folder / INDEX_FILE
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise UserError(f"{index}: no 'weight_map' of tensor names to files")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+            if not files:
+                raise UserError(f"{folder}: no *.safetensors weights")
+            weight_map = None
+        self.handles = {}
+        for name in files:
+            path = folder / name
+            if not path.is_file():
+                raise UserError(f"{index}: lists {name}, which is not in {folder}")
+            try:
+                self.handles[name] = safe_open(str(path), framework="pt")
+            except Exception as error:  # safetensors raises its own error types for a damaged header
+                raise UserError(f"{path}: not a readable safetensors file ({error})") from None
+        self.where: dict[str, str] = {}
+        for name, handle in self.handles.items():
+            for key in handle.keys():
+                self.where[key] = name
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if self.where.get(key) != name:
+                    raise UserError(f"{index}: lists {key} in {name}, but that file does not hold it")
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def _slice(self, name: str):
+        if name not in self.where:
+            raise UserError(f"{self.folder}: the checkpoint has no tensor {name!r}")
+        return self.handles[self.where[name]].get_slice(name)
+
+    def read(self, name: str, expected: tuple[int, ...], index: list[torch.Tensor | None]) -> torch.Tensor:
+        """Tensor `name` restricted to `index` (per dim: the rows to keep, or None for all)."""
+        found = self.shape(name)
+        if found != tuple(expected):
+            raise UserError(f"{self.where[name]}: tensor {name!r} has shape {list(found)}, the model needs {list(expected)}")
+        box, picks = [], []
+        for dim, rows in enumerate(index):
+            if rows is None or rows.numel() == 0:
+                box.append(slice(None) if rows is None else slice(0, 0))
+                picks.append(None)
+                continue
+            low, high = int(rows.min()), int(rows.max()) + 1
+            box.append(slice(low, high))
+            contiguous = rows.numel() == high - low and bool((rows == torch.arange(low, high)).all())
+            picks.append(None if contiguous else rows - low)
+        tensor = self._slice(name)[tuple(box)]
+        for dim, pick in enumerate(picks):
+            if pick is not None:
+                tensor = tensor.index_select(dim, pick)
+        return tensor
