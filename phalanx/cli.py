@@ -1,4 +1,4 @@
-"""`phalanx` command line: train (and, from the planner, plan / simulate / calibrate)."""
+"""`phalanx` command line: train, prepare (and, from the planner, plan / simulate / calibrate)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from phalanx.errors import UserError
 TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...), or a Hugging Face model directory or config.json"),
     ("--init", "init", str, "auto (the model directory's weights when it has them) or random"),
-    ("--data", "data", str, "text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
+    ("--data", "data", str, "prepared directory (phalanx prepare), text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
+    ("--tokenizer", "tokenizer", str, "tokenizer.json (or a folder holding one) or bytes (default: the model directory's tokenizer.json, else bytes)"),
     ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
     ("--steps", "steps", int, "optimizer steps"),
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     from phalanx.hf.export_run import register as register_export
 
     register_export(subparsers)
+    from phalanx.data.cli import register as register_prepare
+
+    register_prepare(subparsers)
     try:
         from phalanx.planner.cli import register
     except ImportError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from phalanx.data.corpus import check_data_path
+from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
 from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
@@ -149,13 +150,15 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     from phalanx.hf.weights import initial_weights
 
     weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model
-    if cfg.data:
-        check_data_path(cfg.data)
+    # The data too: a missing or short split, a tokenizer larger than the model, bad UTF-8.
+    check_corpus(open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model), model=cfg.model,
+                 model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
     run_dir = resolve_run_dir(cfg)
     if cfg.resume and latest_checkpoint(run_dir) is None:
         raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'}")
     if not cfg.resume and latest_checkpoint(run_dir) is not None:
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = cfg.replace(nproc=nproc, out=str(run_dir))
     from phalanx.model.init import build_model
@@ -170,7 +173,16 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         status = _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
     if status == 130:
         print(interrupted_message(run_dir), file=sys.stderr)
+    if status and created:
+        remove_if_empty(run_dir)
     return status
+
+
+def remove_if_empty(run_dir: Path) -> None:
+    """Remove a run directory that this launch created when the run wrote no file into it
+    (a worker failed first): no empty run folder is left behind, and no user's run is touched."""
+    if run_dir.is_dir() and not any(p.is_file() for p in run_dir.rglob("*")):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def interrupted_message(run_dir: Path) -> str:

@@ -24,7 +24,11 @@ class TrainConfig:
     """'auto': the model directory's weights when it has them, else drawn from the seed;
     'random': drawn from the seed."""
     data: str = ""
-    """Text file, folder of text files, or `.bin` of uint16 tokens; empty = Python's stdlib."""
+    """Prepared directory (`phalanx prepare`), text file, folder of text files, or `.bin` of
+    uint16 tokens; empty = Python's stdlib."""
+    tokenizer: str = ""
+    """`tokenizer.json` (or a folder holding one) or 'bytes'; empty = the model directory's
+    tokenizer.json, else the one a prepared --data was made with, else bytes."""
     plan: str = ""
     """Parallel layout in the `--plan` grammar; empty = data parallel over all processes."""
     nproc: int = 0

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.data.batches import rank_batch
-from phalanx.data.corpus import load_corpus
+from phalanx.data.corpus import check_corpus, open_training_data
+from phalanx.data.tokenizer import save_tokenizer_files
 from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
 from phalanx.model.config import model_config
@@ -133,10 +134,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
-    corpus = load_corpus(cfg.data)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if int(corpus.train.max()) >= model_cfg.vocab_size:
-        raise UserError(f"the data holds token ids up to {int(corpus.train.max())}, beyond the vocabulary of {cfg.model!r} ({model_cfg.vocab_size})")
+    corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
+    check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
+    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16" else contextlib.nullcontext
     )
@@ -165,6 +165,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
     tokens_per_step = cfg.global_batch * cfg.seq_len
+    if rank == 0:
+        save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
     try:
         for step in range(start_step, cfg.steps):
@@ -232,5 +234,6 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
             model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed,
             pad_to=plan.tp if plan.sp else 1,
             next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
+            tokenizer=corpus.tokenizer,
         )
     return result

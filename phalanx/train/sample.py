@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.data.tokenizer import decode, encode
+from phalanx.data.tokenizer import ByteTokenizer
 
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: str, *, tokens: int, max_seq_len: int, device, seed: int = 0,
-             temperature: float = 0.8, top_k: int = 40, pad_to: int = 1, next_logits=None) -> str:
-    """Sample `tokens` bytes after `prompt`. Every rank must call this (FSDP forwards are
+             temperature: float = 0.8, top_k: int = 40, pad_to: int = 1, next_logits=None, tokenizer=None) -> str:
+    """Sample `tokens` tokens after `prompt`. Every rank must call this (FSDP forwards are
     collective); the seeded generator makes all ranks draw the same tokens.
 
     `pad_to`: sequence parallelism splits the sequence evenly over tp ranks, so the context is
@@ -19,9 +19,12 @@ def generate(model: nn.Module, prompt: str, *, tokens: int, max_seq_len: int, de
     the logits at the last real position, which are the ones read.
 
     `next_logits(ids, position)`: how to get the logits at `position` when the model is not
-    one callable module (a pipeline stage's rank); default: call `model`."""
+    one callable module (a pipeline stage's rank); default: call `model`.
+
+    `tokenizer`: the run's (default: bytes)."""
+    tokenizer = tokenizer or ByteTokenizer()
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.tensor(encode(prompt).tolist(), dtype=torch.long)[None].to(device)  # (1, seq)
+    ids = torch.tensor(tokenizer.encode(prompt).tolist(), dtype=torch.long)[None].to(device)  # (1, seq)
     was_training = model.training
     model.eval()
     for _ in range(tokens):
@@ -39,4 +42,4 @@ def generate(model: nn.Module, prompt: str, *, tokens: int, max_seq_len: int, de
         pick = choices[torch.multinomial(values.softmax(-1), 1, generator=generator)]
         ids = torch.cat([ids, pick.to(device)[None]], dim=1)
     model.train(was_training)
-    return decode(ids[0].tolist())
+    return tokenizer.decode(ids[0].tolist())

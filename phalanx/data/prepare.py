@@ -1,0 +1,245 @@
+"""`phalanx prepare`: tokenize text, folders, JSONL and parquet once, into a prepared directory
+that training memory-maps (format: docs/data.md).
+
+Worker processes encode chunks of documents; the parent writes their tokens in document order,
+so the result does not depend on the number of workers. Each document is followed by the
+tokenizer's end-of-text token where it has one. A document goes to validation when a hash of
+its position in the input falls below `val_fraction`: deterministic, streaming (no count needed
+up front) and spread over the whole input. Everything is written into a temporary folder
+beside the target and renamed into place at the end, so an error leaves nothing half written.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from phalanx.data.prepared import FORMAT, MANIFEST
+from phalanx.data.sources import documents, source_files
+from phalanx.data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer_files, token_dtype
+from phalanx.errors import UserError
+
+SHARD_TOKENS = 2**28
+"""A shard file closes once it holds this many tokens (512 MiB of uint16)."""
+CHUNK_BYTES = 1 << 18
+"""About this much text goes to a worker at a time: large enough to amortize the pickling,
+small enough that the workers finish together (a last big chunk would keep one busy alone)."""
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def is_validation(position: int, val_fraction: float) -> bool:
+    """Whether the document at `position` (0-based, over all sources) is held out."""
+    digest = hashlib.blake2b(position.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < val_fraction * 2**64
+
+
+def _chunks(files: list[Path], *, field: str, any_bytes: bool) -> Iterator[tuple[int, list, int]]:
+    """(position of the first document, documents, source bytes) in order; empty documents skipped."""
+    position, batch, text_bytes, source_bytes = 0, [], 0, 0
+    for path in files:
+        for text, used in documents(path, field=field, any_bytes=any_bytes):
+            source_bytes += used
+            if not text:
+                continue
+            batch.append(text)
+            text_bytes += len(text)
+            if text_bytes >= CHUNK_BYTES:
+                yield position, batch, source_bytes
+                position, batch, text_bytes, source_bytes = position + len(batch), [], 0, 0
+    if batch or source_bytes:
+        yield position, batch, source_bytes
+
+
+def _init_worker(spec: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(spec)
+
+
+def _encode_chunk(task: tuple[int, list, int, float, str]) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    """(train tokens, val tokens, train documents, val documents, source bytes) of one chunk."""
+    position, texts, source_bytes, val_fraction, dtype = task
+    tok = _worker_tokenizer
+    eos = [] if tok.eos_id is None else [tok.eos_id]
+    train, val = [], []
+    for i, ids in enumerate(tok.encode_batch(texts)):
+        split = val if is_validation(position + i, val_fraction) else train
+        split += [ids, eos]
+    join = lambda parts: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
+    return join(train), join(val), len(train) // 2, len(val) // 2, source_bytes
+
+
+class _ShardWriter:
+    """Appends one split's tokens to `<split>_NNNNN.bin` files of about SHARD_TOKENS each."""
+
+    def __init__(self, folder: Path, split: str):
+        self.folder, self.split = folder, split
+        self.shards: list[dict] = []
+        self._file = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        if not len(tokens):
+            return
+        if self._file is None or self.shards[-1]["tokens"] >= SHARD_TOKENS:
+            self.close()
+            self.shards.append({"file": f"{self.split}_{len(self.shards):05d}.bin", "tokens": 0})
+            self._file = open(self.folder / self.shards[-1]["file"], "wb")
+        tokens.tofile(self._file)
+        self.shards[-1]["tokens"] += len(tokens)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.shards)
+
+
+def _ranges(shards: list[dict], start: int, stop: int) -> list[list]:
+    """[file, start, stop] pieces covering tokens start..stop of the shards laid end to end."""
+    pieces, offset = [], 0
+    for shard in shards:
+        lo, hi = max(start - offset, 0), min(stop - offset, shard["tokens"])
+        if lo < hi:
+            pieces.append([shard["file"], lo, hi])
+        offset += shard["tokens"]
+    return pieces
+
+
+def _split_record(train: _ShardWriter, val: _ShardWriter, counts: dict, val_fraction: float) -> tuple[dict, dict, str]:
+    """The train and val records of data.json, and how the split was made."""
+    if (train.tokens and val.tokens) or val_fraction == 0:
+        return ({"documents": counts["train"], "tokens": train.tokens, "ranges": _ranges(train.shards, 0, train.tokens)},
+                {"documents": counts["val"], "tokens": val.tokens, "ranges": _ranges(val.shards, 0, val.tokens)},
+                "documents")
+    # Too few documents to split (one text file is one document), so all fell on one side:
+    # hold out the last val_fraction of the tokens instead, so that both splits have data.
+    whole = train if train.tokens else val
+    cut = whole.tokens - math.ceil(whole.tokens * val_fraction)
+    return ({"documents": counts["train"] + counts["val"], "tokens": cut, "ranges": _ranges(whole.shards, 0, cut)},
+            {"documents": 0, "tokens": whole.tokens - cut, "ranges": _ranges(whole.shards, cut, whole.tokens)},
+            "tail")
+
+
+def _target(out: str) -> Path:
+    target = Path(out).expanduser()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise UserError(f"--out {out!r} already exists and is not an empty folder; choose another or remove it")
+    return target
+
+
+def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text", val_fraction: float = 0.01,
+            workers: int = 0, progress: bool = True) -> dict:
+    """Write the prepared directory `out`; returns its data.json record."""
+    from tqdm import tqdm
+
+    if not 0 <= val_fraction < 1:
+        raise UserError(f"--val-fraction {val_fraction} must be at least 0 and below 1")
+    if not sources:
+        raise UserError("give at least one source (text file, folder, .jsonl or .parquet)")
+    target = _target(out)
+    files = source_files(sources)
+    tok = load_tokenizer(tokenizer or "bytes")
+    dtype = token_dtype(tok.vocab_size)
+    workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    began = time.perf_counter()
+    try:
+        writers = {"train": _ShardWriter(staging, "train"), "val": _ShardWriter(staging, "val")}
+        counts = {"train": 0, "val": 0}
+        tasks = ((p, texts, b, val_fraction, dtype.str) for p, texts, b in _chunks(files, field=field, any_bytes=tok.reads_any_bytes))
+        bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="prepare",
+                   disable=not progress, smoothing=0.1)
+        with _encoder(tokenizer or "bytes", workers) as encode:
+            for train_ids, val_ids, n_train, n_val, used in encode(tasks):
+                writers["train"].write(train_ids)
+                writers["val"].write(val_ids)
+                counts["train"] += n_train
+                counts["val"] += n_val
+                bar.update(used)
+                bar.set_postfix(tokens=f"{writers['train'].tokens + writers['val'].tokens:,}", refresh=False)
+        bar.close()
+        for writer in writers.values():
+            writer.close()
+        if not counts["train"] + counts["val"]:
+            raise UserError(f"no documents found in {', '.join(sources)} (empty files or field {field!r} always empty)")
+        train, val, how = _split_record(writers["train"], writers["val"], counts, val_fraction)
+        manifest = {
+            "format": FORMAT,
+            "tokenizer": {"name": tok.name, "file": save_tokenizer_files(tok, staging), "fingerprint": tok.fingerprint,
+                          "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+            "dtype": dtype.name, "vocab_size": tok.vocab_size,
+            "documents": counts["train"] + counts["val"],
+            "tokens": writers["train"].tokens + writers["val"].tokens,
+            "sources": [str(f) for f in files], "field": field, "val_fraction": val_fraction, "split_by": how,
+            "shards": writers["train"].shards + writers["val"].shards,
+            "train": train, "val": val,
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if target.exists():
+            target.rmdir()  # empty, checked above; rename cannot replace it on every platform
+        os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    manifest["seconds"] = time.perf_counter() - began
+    return manifest
+
+
+class _encoder:
+    """`with _encoder(spec, workers) as encode:` maps tasks to results in order, in this process
+    (one worker) or a pool of forked ones."""
+
+    def __init__(self, spec: str, workers: int):
+        self.spec, self.workers, self.pool = spec, workers, None
+
+    def __enter__(self):
+        if self.workers == 1:
+            _init_worker(self.spec)
+            return lambda tasks: map(_encode_chunk, tasks)
+        # Each worker is one core: the tokenizers library's own threads would oversubscribe.
+        # The workers inherit the variable when they fork; this process keeps its setting.
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.spec,))
+        finally:
+            if before is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM")
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
+        return self._in_order
+
+    def _in_order(self, tasks):
+        # Not Pool.imap: it reads its input as fast as it can, which would hold a whole
+        # corpus in memory; here at most two chunks per worker are in flight.
+        pending = collections.deque()
+        for task in tasks:
+            pending.append(self.pool.apply_async(_encode_chunk, (task,)))
+            if len(pending) >= 2 * self.workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+    def __exit__(self, *exc):
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+        return False
