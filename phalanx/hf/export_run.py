@@ -2,12 +2,14 @@
 
 The checkpoint's phalanx.json records the model's config and the run's settings; the DCP
 shards, written by any layout, are read back into one process (DCP reshards on load) and
-written by `phalanx.hf.writer` with the tokenizer files the run used.
+written by `phalanx.hf.writer` with the tokenizer files the run used (the copy in the run
+directory; a byte-level run gets a tokenizer.json that maps byte i to id i).
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from phalanx.errors import UserError
@@ -40,23 +42,15 @@ def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     return path, meta
 
 
-def _tokenizer_files(train: dict) -> list[Path]:
-    """The tokenizer files of the run: its --tokenizer, else its model directory's."""
-    from phalanx.model.hf_config import model_directory
+def _tokenizer_files(run_dir: Path, scratch: Path) -> list[Path]:
+    """The tokenizer the run used: the copy `phalanx train` keeps in the run directory, or for
+    a byte-level run a tokenizer.json that maps byte i to id i."""
+    found = [run_dir / name for name in TOKENIZER_FILES if (run_dir / name).is_file()]
+    if found:
+        return found
+    from phalanx.hf.byte_tokenizer import write_byte_tokenizer
 
-    spec = train.get("tokenizer", "")
-    if spec == "bytes":
-        return []
-    if spec:
-        folder = Path(spec) if Path(spec).is_dir() else Path(spec).parent
-    else:
-        try:
-            folder = model_directory(train.get("model", ""))
-        except UserError:
-            folder = None  # the model directory has moved since: export the weights anyway
-    if folder is None:
-        return []
-    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    return write_byte_tokenizer(scratch)
 
 
 def load_checkpoint_model(path: Path, cfg: ModelConfig):
@@ -88,7 +82,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
 
     export_family(cfg)  # refuse before reading any weights
     model = load_checkpoint_model(path, cfg)
-    return write_hf_directory(model.state_dict(), cfg, out_dir, tokenizer_files=_tokenizer_files(meta.get("train", {})))
+    with tempfile.TemporaryDirectory() as scratch:
+        files = _tokenizer_files(run_dir, Path(scratch))
+        return write_hf_directory(model.state_dict(), cfg, out_dir, tokenizer_files=files, eos_id=_eos_id(files))
+
+
+def _eos_id(files: list[Path]) -> int | None:
+    from phalanx.data.tokenizer import HFTokenizer
+
+    tokenizer_json = next((f for f in files if f.name == "tokenizer.json"), None)
+    return HFTokenizer(tokenizer_json).eos_id if tokenizer_json else None
 
 
 def register(subparsers) -> None:
