@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         register(subparsers)
+    from phalanx.kernels.cli import register as register_kernels  # match, blur: no torch until run
+
+    register_kernels(subparsers)
     return parser
 
 
