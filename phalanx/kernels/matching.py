@@ -92,13 +92,19 @@ def match(patterns: list[bytes], data: list[bytes], *, algorithm: str = "auto", 
     patterns = [bytes(p) for p in patterns]
     chosen = choose_algorithm(patterns, algorithm)
     starts = [0]
-    for item in data:
+    for index, item in enumerate(data):
+        if not isinstance(item, (bytes, bytearray)):
+            raise UserError(f"input {index} is {type(item).__name__}, not bytes")
         starts.append(starts[-1] + len(item))
     job = MatchJob(patterns, b"".join(data), tuple(starts), chosen, device, positions)
-    results = run_sharded(match_rank, job, nproc, device)
+    return merge_results(run_sharded(match_rank, job, nproc, device), starts[-1], positions)
+
+
+def merge_results(results: list[dict], total_bytes: int, positions: bool) -> dict:
+    """One answer from the ranks' results (in any order)."""
     merging = time.perf_counter()
     per_pattern = np.sum([r["per_pattern"] for r in results], axis=0)
-    answer = {"matches": int(per_pattern.sum()), "per_pattern": per_pattern.tolist(), "bytes": starts[-1]}
+    answer = {"matches": int(per_pattern.sum()), "per_pattern": per_pattern.tolist(), "bytes": total_bytes}
     if positions:
         inputs, offsets, pattern = (np.concatenate(column) for column in zip(*(r["positions"] for r in results)))
         order = np.lexsort((pattern, offsets, inputs))
