@@ -4,7 +4,7 @@ Equal to scipy.ndimage.gaussian_filter(x, sigma, mode="reflect", truncate=4.0) p
 the same sampled kernel (radius int(4 sigma + 0.5), normalized to sum 1), the same border
 (half-sample symmetric reflection). Each tile gathers its pixels plus a halo of one radius on
 every side (reflected at the image's borders, the neighbours' pixels inside), then two 1-D
-"valid" convolutions, rows then columns, give exactly its part of the whole image's result,
+"valid" correlations, rows then columns, give exactly its part of the whole image's result,
 however small the tile is against the halo.
 """
 
@@ -41,21 +41,27 @@ def check_blur_args(shape: tuple[int, ...], sigma: float, tiles: int) -> None:
         raise UserError(f"an image of shape {shape}: expected (height, width) or (height, width, channels), none empty")
 
 
-def blur_tile(image: torch.Tensor, tile: Tile, kernel: torch.Tensor) -> torch.Tensor:
+def _valid_along(x: torch.Tensor, weights: list[float], dim: int) -> torch.Tensor:
+    """'Valid' correlation with `weights` along `dim`, as a weighted sum of shifted slices
+    (one fused multiply-add over the tile per tap: faster than conv1d over millions of
+    one-channel lines, and the same on every device)."""
+    size = x.shape[dim] - len(weights) + 1
+    out = x.narrow(dim, 0, size) * weights[0]
+    for tap, weight in enumerate(weights[1:], start=1):
+        out.add_(x.narrow(dim, tap, size), alpha=weight)
+    return out
+
+
+def blur_tile(image: torch.Tensor, tile: Tile, weights: list[float]) -> torch.Tensor:
     """image (C, H, W) float32 on the device -> the blurred (C, h, w) of this tile."""
     channels, height, width = image.shape
-    radius = (kernel.numel() - 1) // 2
+    radius = (len(weights) - 1) // 2
     device = image.device
     rows = torch.tensor(reflect_index(tile.rows[0] - radius, tile.rows[1] + radius, height), device=device)
     cols = torch.tensor(reflect_index(tile.cols[0] - radius, tile.cols[1] + radius, width), device=device)
     region = image.index_select(1, rows).index_select(2, cols)  # (C, h + 2r, w + 2r)
-    weight = kernel.view(1, 1, -1)
-    h, w = tile.rows[1] - tile.rows[0], tile.cols[1] - tile.cols[0]
-    # Rows first, as scipy filters axis 0 first: along H on (C * (w + 2r), 1, h + 2r) lines.
-    lines = region.transpose(1, 2).reshape(-1, 1, h + 2 * radius)
-    region = torch.nn.functional.conv1d(lines, weight).reshape(channels, w + 2 * radius, h).transpose(1, 2)
-    lines = region.reshape(-1, 1, w + 2 * radius)  # (C * h, 1, w + 2r)
-    return torch.nn.functional.conv1d(lines, weight).reshape(channels, h, w)
+    # Rows first (axis 0), as scipy filters: (C, h, w + 2r), then columns: (C, h, w).
+    return _valid_along(_valid_along(region, weights, 1), weights, 2)
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,8 @@ def blur_rank(rank: int, world_size: int, job: BlurJob) -> dict:
     began = time.perf_counter()
     device = worker_device(job.device)
     image = torch.from_numpy(job.image).to(device)
-    kernel = torch.from_numpy(gaussian_kernel(job.sigma)).to(device, torch.float32)
-    done = {i: blur_tile(image, job.tiles[i], kernel) for i in range(rank, len(job.tiles), world_size)}
+    weights = gaussian_kernel(job.sigma).tolist()
+    done = {i: blur_tile(image, job.tiles[i], weights) for i in range(rank, len(job.tiles), world_size)}
     done = {i: out.cpu().numpy() for i, out in done.items()}
     return {"tiles": done, "seconds": time.perf_counter() - began}
 
