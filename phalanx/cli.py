@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     from phalanx.balance.cli import register as register_balance  # argparse only; the command imports numpy when run
 
     register_balance(subparsers)
+    from phalanx.kernels.cli import register as register_kernels  # match, blur: no torch until run
+
+    register_kernels(subparsers)
     return parser
 
 

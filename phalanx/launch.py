@@ -191,9 +191,10 @@ def interrupted_message(run_dir: Path) -> str:
     return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume"
 
 
-def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "") -> dict:
+    """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
+    WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
+    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.testing.fork_ranks import free_port
@@ -207,10 +208,17 @@ def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: s
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
         # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
         # not be initialized before a fork, so GPU runs spawn fresh interpreters instead.
-        start_method="spawn" if torch.cuda.is_available() and cfg.device != "cpu" else "fork",
+        start_method="spawn" if torch.cuda.is_available() and device != "cpu" else "fork",
     )
+    return elastic_launch(config, entry)(*args)
+
+
+def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     try:
-        elastic_launch(config, _elastic_entry)(asdict(cfg), run_dir)
+        start_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, cfg.device, rdzv_endpoint)
     except (SignalException, KeyboardInterrupt):
         return 130  # the agent has already stopped the workers
     except ChildFailedError as error:

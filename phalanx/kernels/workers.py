@@ -1,0 +1,61 @@
+"""Running one piece of work per process: rank r of N computes its share and returns it.
+
+`--nproc 1` runs in this process. `--nproc N` starts N local workers through PyTorch's elastic
+launcher, as `phalanx train` does (`phalanx.launch.start_elastic`); each finds its share from
+RANK and WORLD_SIZE and hands its result back through the launcher's return values, so the
+workers need no process group (they never talk to each other, only to the parent).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+from phalanx.errors import UserError
+
+
+def worker_device(device: str) -> torch.device:
+    """This worker's device: cuda:(LOCAL_RANK mod GPUs), or the CPU."""
+    if device == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def check_device(device: str, nproc: int) -> None:
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: this machine has no usable CUDA device")
+    if nproc < 1:
+        raise UserError(f"--nproc {nproc} must be at least 1")
+
+
+def _entry(work: Callable, payload: Any, device: str) -> Any:
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device == "cpu":  # ranks share the cores; more threads each would only contend
+        from phalanx.launch import usable_cores
+
+        torch.set_num_threads(max(1, usable_cores() // world_size))
+    return work(int(os.environ["RANK"]), world_size, payload)
+
+
+def run_sharded(work: Callable[[int, int, Any], Any], payload: Any, nproc: int, device: str) -> list[Any]:
+    """[work(rank, nproc, payload) for each rank], each rank in its own process when nproc > 1.
+    `work` must be a module-level function (GPU runs spawn workers, which import it by name)."""
+    check_device(device, nproc)
+    if nproc == 1:
+        return [work(0, 1, payload)]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from phalanx.launch import start_elastic
+
+    try:
+        results = start_elastic(_entry, (work, payload, device), nproc, device)
+    except ChildFailedError as error:
+        print(f"phalanx: a worker failed: {error.get_first_failure()[1].message}", file=sys.stderr)
+        raise
+    return [results[rank] for rank in range(nproc)]
