@@ -1,4 +1,4 @@
-"""`phalanx` command line: train (and, from the planner, plan / simulate / calibrate)."""
+"""`phalanx` command line: train, export, generate (and, from the planner, plan / simulate / calibrate)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     from phalanx.hf.export_run import register as register_export
 
     register_export(subparsers)
+    from phalanx.generate.cli import register as register_generate
+
+    register_generate(subparsers)
     try:
         from phalanx.planner.cli import register
     except ImportError:

@@ -94,18 +94,23 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def init_worker_group(device: str) -> None:
+    """Join the process group of a launched worker (nothing in a single process)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        use_cuda = device != "cpu" and torch.cuda.is_available()
+        if not use_cuda:
+            torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+
+
 def worker_main(cfg_fields: dict, run_dir: str) -> int:
     """Entry point of every worker process; returns its exit status."""
     from phalanx.train.loop import train
 
     cfg = TrainConfig(**cfg_fields)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world_size > 1 and not dist.is_initialized():
-        use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
-        if not use_cuda:
-            torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    init_worker_group(cfg.device)
     began = time.perf_counter()
     try:
         result = train(cfg, Path(run_dir))
@@ -180,6 +185,12 @@ def interrupted_message(run_dir: Path) -> str:
 
 
 def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
+    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint)
+
+
+def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
+    """Run `entry(*args)` on `nproc` local workers; the exit status (2: a user error that rank 0
+    has printed, 130: interrupted). `entry` exits non-zero to report a failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -195,10 +206,10 @@ def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: s
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
         # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
         # not be initialized before a fork, so GPU runs spawn fresh interpreters instead.
-        start_method="spawn" if torch.cuda.is_available() and cfg.device != "cpu" else "fork",
+        start_method="spawn" if torch.cuda.is_available() and device != "cpu" else "fork",
     )
     try:
-        elastic_launch(config, _elastic_entry)(asdict(cfg), run_dir)
+        elastic_launch(config, entry)(*args)
     except (SignalException, KeyboardInterrupt):
         return 130  # the agent has already stopped the workers
     except ChildFailedError as error:
