@@ -24,6 +24,19 @@ GREEDY = Sampling(greedy=True)
 NEW = 24
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """One tiny checkpoint per family, written on first use and shared by this module's tests."""
+    written: dict = {}
+
+    def get(family: str):
+        if family not in written:
+            written[family] = write_checkpoint(tmp_path_factory.mktemp(family) / "hf", family)
+        return written[family]
+
+    return get
+
+
 def _prompt(length: int = 16) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -42,9 +55,9 @@ def _transformers_greedy(folder, prompt: list[int], new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_greedy_equals_transformers_generate(tmp_path, family):
+def test_greedy_equals_transformers_generate(checkpoint, family):
     """Prompt 16 + 24 new tokens: positions up to 40 reach every band of the llama3 rope scaling."""
-    folder = write_checkpoint(tmp_path / "hf", family)
+    folder = checkpoint(family)
     prompt = _prompt()
     ours = generate_ids(hf.load(folder), prompt, max_new_tokens=NEW, max_len=128, sampling=GREEDY).new_ids
     assert ours == _transformers_greedy(folder, prompt, NEW)
@@ -52,10 +65,10 @@ def test_greedy_equals_transformers_generate(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_moe"])
-def test_kv_cache_equals_recomputing_the_prefix(tmp_path, family):
+def test_kv_cache_equals_recomputing_the_prefix(checkpoint, family):
     """Every step's logits, cached vs the whole context recomputed; mistral's sliding window of 8
     is shorter than the 40 positions, so the cached mask must drop old keys too."""
-    model = hf.load(write_checkpoint(tmp_path / "hf", family))
+    model = hf.load(checkpoint(family))
     runs = {}
     for use_cache in (True, False):
         seen: list[torch.Tensor] = []
@@ -87,10 +100,10 @@ def _one_process(model_arg: str, sampling: Sampling) -> list[int]:
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_tp2_equals_one_process(tmp_path, family):
+def test_tp2_equals_one_process(checkpoint, family):
     """Each rank caches its own heads; the gathered logits pick the same tokens as one process,
     greedy and sampled (every rank draws from identical full logits with the same seed)."""
-    folder = str(write_checkpoint(tmp_path / "hf", family))
+    folder = str(checkpoint(family))
     sampled = Sampling(seed=11, temperature=1.0, top_k=20, top_p=0.9)
     expected = {"greedy": _one_process(folder, GREEDY), "sampled": _one_process(folder, sampled)}
 
@@ -101,13 +114,12 @@ def test_tp2_equals_one_process(tmp_path, family):
         assert rank_result == expected
 
 
-def test_run_directory_under_tp2_equals_the_model_it_holds(tmp_path):
+def test_run_directory_under_tp2_equals_the_model_it_holds(tmp_path, checkpoint):
     """A run's DCP checkpoint loads into one process and into tp=2 and generates what the
     Hugging Face directory it was saved from generates."""
     from phalanx.train.checkpoint import save_checkpoint
 
-    folder = write_checkpoint(tmp_path / "hf", "llama")
-    model = hf.load(folder)
+    model = hf.load(checkpoint("llama"))
     optimizer = torch.optim.AdamW(model.parameters())
     save_checkpoint(tmp_path / "run", 5, model, optimizer, rank=0, keep=1, meta={"model": model.cfg.to_dict(), "train": {}})
     expected = generate_ids(model, _prompt(), max_new_tokens=NEW, max_len=128, sampling=GREEDY).new_ids

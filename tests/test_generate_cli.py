@@ -90,7 +90,8 @@ def test_run_directory(capsys, tmp_path, checkpoint):
     (["--prompt-ids", "1", "--top-p", "2"], "--top-p must be in (0, 1]"),
     (["--prompt-ids", "1", "--greedy", "--top-k", "5"], "cannot be combined with --top-k"),
     (["--prompt-ids", "1", "--step", "3"], "--step is for run directories"),
-    (["--prompt-ids", "1", "--nproc", "2", "--plan", "pp=2"], "does not run pipeline layouts (pp=2)"),
+    (["--prompt-ids", "1", "--nproc", "2", "--plan", "pp=2"], "runs tensor-parallel layouts (tp=N, optionally sp=true); plan pp=2 has dp=1, pp=2"),
+    (["--prompt-ids", "1", "--nproc", "2", "--plan", "dp=2"], "has dp=2, pp=1"),
     (["--prompt-ids", "1", "--nproc", "2", "--plan", "tp=3"], None),
 ])
 def test_bad_input_is_a_one_line_error(capsys, checkpoint, argv, message):
@@ -113,3 +114,22 @@ def test_models_without_weights(capsys, tmp_path):
 def test_cli_start_imports_no_torch():
     code = "import sys, phalanx.cli; phalanx.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tokenizer_json_encodes_the_prompt_and_its_eos_stops(capsys, tmp_path):
+    """A model directory's tokenizer.json encodes --prompt, decodes the new ids, and the
+    eos_token of its tokenizer_config.json ends generation (kept as the last new id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = write_checkpoint(tmp_path / "hf", "llama")
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    free_run = generate_ids(hf.load(folder), [3, 1, 4], max_new_tokens=12, max_len=128, sampling=Sampling(greedy=True)).new_ids
+    eos = free_run[4]
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{eos}"}))
+    code, out, _ = _cli(capsys, "--model", folder, "--prompt", "w3 w1 w4", "--greedy", "--max-new-tokens", 12, "--json")
+    record = json.loads(out)
+    assert code == 0
+    assert record["new_ids"] == free_run[:free_run.index(eos) + 1]
+    assert record["text"] == " ".join(f"w{i}" for i in record["new_ids"])

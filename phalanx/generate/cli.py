@@ -80,8 +80,9 @@ def prepare_job(args) -> dict:
     check_context(len(prompt), args.max_new_tokens, source.cfg.max_seq_len)
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
-    if plan.pp > 1:
-        raise UserError(f"phalanx generate does not run pipeline layouts (pp={plan.pp}) yet; use tp or dp")
+    if plan.world_size != plan.tp:  # dp would only repeat the work; pp and ep: not built yet
+        raise UserError(f"phalanx generate runs tensor-parallel layouts (tp=N, optionally sp=true); "
+                        f"plan {plan.to_string()} has dp={plan.dp}, pp={plan.pp}")
     from phalanx.parallel.apply import validate_for_model
 
     validate_for_model(plan, source.cfg, global_batch=plan.dp * plan.num_microbatches, seq_len=len(prompt))
