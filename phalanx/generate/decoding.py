@@ -96,7 +96,7 @@ def generate_ids(model: nn.Module | None, prompt: list[int], *, max_new_tokens: 
             else:
                 logits = _last_logits(model(padded), seq - 1)
         else:
-            logits = _last_logits(model(feed, cache), -1)  # (vocab,)
+            logits = _last_logits(model(feed, cache, last_only=True), -1)  # (vocab,)
         if on_logits is not None:
             on_logits(logits)
         token = pick_token(logits, sampling, generator)  # reads the logits: waits for the device
