@@ -1,4 +1,5 @@
-"""`phalanx` command line: train, prepare (and, from the planner, plan / simulate / calibrate)."""
+"""`phalanx` command line: train, prepare, export, generate (and, from the planner, plan /
+simulate / calibrate; balance, match, blur). Subcommands import their heavy modules when run."""
 
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     from phalanx.data.cli import register as register_prepare
 
     register_prepare(subparsers)
+    from phalanx.generate.cli import register as register_generate
+
+    register_generate(subparsers)
     try:
         from phalanx.planner.cli import register
     except ImportError:

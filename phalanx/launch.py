@@ -95,18 +95,23 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def init_worker_group(device: str) -> None:
+    """Join the process group of a launched worker (nothing in a single process)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not dist.is_initialized():
+        use_cuda = device != "cpu" and torch.cuda.is_available()
+        if not use_cuda:
+            torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+
+
 def worker_main(cfg_fields: dict, run_dir: str) -> int:
     """Entry point of every worker process; returns its exit status."""
     from phalanx.train.loop import train
 
     cfg = TrainConfig(**cfg_fields)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    if world_size > 1 and not dist.is_initialized():
-        use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
-        if not use_cuda:
-            torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+    init_worker_group(cfg.device)
     began = time.perf_counter()
     try:
         result = train(cfg, Path(run_dir))
@@ -214,11 +219,17 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
 
 
 def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
+    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint)
+
+
+def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
+    """`start_elastic` for commands whose workers report by exit status: 0, 2 (a user error
+    that rank 0 has printed), 130 (interrupted) or 1 (a failure, printed here)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        start_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, cfg.device, rdzv_endpoint)
+        start_elastic(entry, args, nproc, device, rdzv_endpoint)
     except (SignalException, KeyboardInterrupt):
         return 130  # the agent has already stopped the workers
     except ChildFailedError as error:

@@ -130,7 +130,6 @@ def _rope(fields: _Fields) -> dict:
 
 
 def _attention(fields: _Fields, family: str) -> dict:
-    data = fields.data
     heads = fields.need("num_attention_heads")
     dim = fields.need("hidden_size")
     head_dim = fields.get("head_dim", 0)  # null or absent: hidden size over heads

@@ -183,15 +183,18 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab). With a `cache`, the tokens follow
-        the positions it holds, and their keys and values are added to it."""
+        the positions it holds, and their keys and values are added to it. `last_only`: the
+        logits of the last position only (batch, 1, vocab), all generation reads of a prefill."""
         # A pipeline stage without the embedding receives hidden states instead of ids.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope, cache) if cache is not None else layer(h, self.rope)
         if cache is not None:
             cache.length += tokens.shape[1]
+        if last_only:
+            h = h[:, -1:]  # (batch, 1, dim)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -231,7 +231,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         moe_stats.plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:
         result.sample = generate(
-            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=cfg.seq_len, device=device, seed=cfg.seed,
+            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=model_cfg.max_seq_len, device=device, seed=cfg.seed,
             pad_to=plan.tp if plan.sp else 1,
             next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
             tokenizer=corpus.tokenizer,

@@ -1,0 +1,162 @@
+"""`phalanx generate`: text from a Hugging Face model directory or a training run, with a KV
+cache, in one process or in a tensor-parallel layout over local workers.
+
+Importing this module does not import torch (the CLI starts without it); the command does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+
+from phalanx.errors import UserError
+
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 1.0}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate text from a model directory or a run",
+        description="Prefill the prompt once, then one token per step through a KV cache. Stops after "
+                    "--max-new-tokens or the tokenizer's end-of-text token.")
+    parser.add_argument("--model", required=True, help="Hugging Face model directory (with weights), or a run directory of phalanx train")
+    parser.add_argument("--step", type=int, default=None, help="with a run directory: the checkpoint of this step (default: the newest)")
+    parser.add_argument("--prompt", default=None, help="prompt text")
+    parser.add_argument("--prompt-ids", default=None, help="prompt as token ids, e.g. 1,2,3 (no tokenizer needed)")
+    parser.add_argument("--tokenizer", default="", help="tokenizer.json or 'bytes' (default: the model directory's tokenizer.json, else bytes)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="most new tokens (default 64)")
+    parser.add_argument("--greedy", action="store_true", help="always the most likely token (the first maximum)")
+    parser.add_argument("--temperature", type=float, default=None, help=f"sampling temperature (default {DEFAULTS['temperature']})")
+    parser.add_argument("--top-k", type=int, default=None, help=f"draw among the k most likely tokens, 0: all (default {DEFAULTS['top_k']})")
+    parser.add_argument("--top-p", type=float, default=None, help=f"then among the most likely whose probabilities add up to p (default {DEFAULTS['top_p']})")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--nproc", type=int, default=1, help="local worker processes (default 1)")
+    parser.add_argument("--plan", default="", help="parallel layout, e.g. tp=2 (default: tp over all processes)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--json", action="store_true", help='print {"new_ids", "text", "prefill_s", "decode_tokens_per_s"}')
+    parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
+    parser.set_defaults(func=_run)
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--prompt-ids takes comma-separated token ids like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise UserError("--prompt-ids is empty")
+    return ids
+
+
+def sampling_fields(args) -> dict:
+    chosen = {name: getattr(args, name) for name in DEFAULTS if getattr(args, name) is not None}
+    if args.greedy and chosen:
+        flags = ", ".join("--" + name.replace("_", "-") for name in chosen)
+        raise UserError(f"--greedy takes the most likely token; it cannot be combined with {flags}")
+    return {"greedy": args.greedy, **DEFAULTS, **chosen, "seed": args.seed}
+
+
+def prepare_job(args) -> dict:
+    """Everything checked before any weights are read or workers started, as plain data."""
+    from phalanx.generate.decoding import check_context
+    from phalanx.generate.model_source import resolve_model, text_codec
+    from phalanx.generate.sampling import Sampling
+    from phalanx.plan import plan_from_string
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise UserError("give exactly one of --prompt TEXT and --prompt-ids 1,2,3")
+    sampling = Sampling(**sampling_fields(args)).validate()
+    if args.nproc < 1:
+        raise UserError(f"--nproc must be >= 1, got {args.nproc}")
+    source = resolve_model(args.model, args.step)
+    codec = text_codec(source.tokenizer_dir, args.tokenizer or source.tokenizer)
+    prompt = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else codec.encode(args.prompt)
+    vocab = source.cfg.vocab_size
+    outside = [i for i in prompt if not 0 <= i < vocab]
+    if outside:
+        raise UserError(f"prompt token id {outside[0]} is outside the model's vocabulary (0 to {vocab - 1})")
+    check_context(len(prompt), args.max_new_tokens, source.cfg.max_seq_len)
+    world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
+    plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
+    if plan.world_size != plan.tp:  # dp would only repeat the work; pp and ep: not built yet
+        raise UserError(f"phalanx generate runs tensor-parallel layouts (tp=N, optionally sp=true); "
+                        f"plan {plan.to_string()} has dp={plan.dp}, pp={plan.pp}")
+    from phalanx.parallel.apply import validate_for_model
+
+    validate_for_model(plan, source.cfg, global_batch=plan.dp * plan.num_microbatches, seq_len=len(prompt))
+    return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "prompt": prompt,
+            "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling), "plan": plan.to_string(),
+            "device": args.device, "json": args.json}
+
+
+def run_job(job: dict):
+    """On every rank: load this rank's part of the model and generate. Returns (Generated, codec)."""
+    from phalanx.generate.decoding import generate_ids
+    from phalanx.generate.model_source import load_model, resolve_model, text_codec
+    from phalanx.generate.sampling import Sampling
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.plan import plan_from_string
+    from phalanx.train.loop import pick_device
+
+    source = resolve_model(job["model"], job["step"])
+    codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
+    device = pick_device(job["device"])
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = build_mesh(plan_from_string(job["plan"], world_size), device)
+    model = load_model(source, mesh)
+    result = generate_ids(model, job["prompt"], max_new_tokens=job["max_new_tokens"], max_len=source.cfg.max_seq_len,
+                          sampling=Sampling(**job["sampling"]), device=device, eos_id=codec.eos_id,
+                          pad_to=mesh.plan.tp if mesh.plan.sp else 1)
+    return result, codec
+
+
+def output(result, codec, as_json: bool) -> str:
+    text = codec.decode(result.new_ids)
+    if as_json:
+        return json.dumps({"new_ids": result.new_ids, "text": text, "prefill_s": result.prefill_s,
+                           "decode_tokens_per_s": result.decode_tokens_per_s})
+    return text
+
+
+def worker_main(job: dict) -> int:
+    """Entry point of every worker; rank 0 prints."""
+    import torch.distributed as dist
+
+    from phalanx.launch import init_worker_group
+
+    rank = int(os.environ.get("RANK", "0"))
+    init_worker_group(job["device"])
+    try:
+        result, codec = run_job(job)
+    except UserError as error:
+        if rank == 0:
+            print(f"phalanx: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        print(output(result, codec, job["json"]), flush=True)
+    return 0
+
+
+def _elastic_entry(job: dict) -> None:
+    status = worker_main(job)
+    if status:
+        sys.exit(status)
+
+
+def _run(args) -> int:
+    job = prepare_job(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
+        return worker_main(job)
+    if args.nproc == 1:
+        return worker_main(job)
+    from phalanx.launch import check_nproc, run_elastic
+
+    check_nproc(args.nproc, args.device)
+    return run_elastic(_elastic_entry, (job,), args.nproc, device=args.device, rdzv_endpoint=args.rdzv_endpoint)

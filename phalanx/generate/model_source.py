@@ -1,0 +1,111 @@
+"""What `phalanx generate --model` names, and how each rank gets its part of that model.
+
+- A Hugging Face model directory (config.json and safetensors weights): each rank reads only
+  the slices it keeps (`phalanx.hf.weights.CheckpointWeights`).
+- A run directory of `phalanx train` (it has a `checkpoints/` folder): the newest checkpoint,
+  or `--step`; each rank loads its shards from the DCP checkpoint, which reshards on load, so
+  a run trained in any layout generates in any other.
+
+Also the text seam: how prompt text becomes ids and new ids become text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    cfg: ModelConfig
+    weights_dir: Path
+    """The Hugging Face directory, or the checkpoint folder of a run."""
+    is_run: bool
+    tokenizer_dir: Path | None
+    """Where a tokenizer.json may be: the model directory (of a run: the one it trained from)."""
+    tokenizer: str = ""
+    """A run's --tokenizer setting, if it had one."""
+
+
+def is_run_dir(path: str | Path) -> bool:
+    return (Path(path) / "checkpoints").is_dir()
+
+
+def resolve_model(arg: str, step: int | None = None) -> ModelSource:
+    """The model `--model` names, checked before any weights are read or workers started."""
+    from phalanx.model.config import PRESETS
+    from phalanx.model.hf_config import config_path, model_directory, read_model_config
+
+    if is_run_dir(arg):
+        from phalanx.hf.export_run import find_checkpoint
+
+        path, meta = find_checkpoint(Path(arg), step)
+        train = meta.get("train", {})
+        try:
+            tokenizer_dir = model_directory(train.get("model", ""))
+        except UserError:
+            tokenizer_dir = None  # the model directory has moved since the run
+        return ModelSource(ModelConfig.from_dict(meta["model"]), path, True, tokenizer_dir, train.get("tokenizer", ""))
+    if step is not None:
+        raise UserError(f"--step is for run directories (with a checkpoints/ folder); {arg!r} is not one")
+    if arg in PRESETS:
+        raise UserError(f"{arg!r} is a preset without weights; pass a Hugging Face model directory or a run directory")
+    from phalanx.hf.safetensors_files import has_weights
+
+    folder = config_path(arg).parent
+    if Path(arg).is_file() or not has_weights(folder):
+        raise UserError(f"{arg}: no *.safetensors weights to generate with (a model directory or a run directory is needed)")
+    return ModelSource(read_model_config(arg), folder, False, folder)
+
+
+def load_model(source: ModelSource, mesh):
+    """This rank's part of the model in the mesh's layout, with the source's weights."""
+    from phalanx.parallel.apply import parallelize
+
+    weights = None
+    if not source.is_run:
+        from phalanx.hf.weights import CheckpointWeights
+
+        weights = CheckpointWeights(source.weights_dir, source.cfg)
+    model = parallelize(source.cfg, mesh, seed=0, weights=weights)
+    if source.is_run:
+        _load_run_checkpoint(model, source)
+    return model.eval()
+
+
+def _load_run_checkpoint(model, source: ModelSource) -> None:
+    """The model part of a training checkpoint (its optimizer state is not read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    import phalanx.train.checkpoint  # noqa: F401  (quiets DCP's one-process warning)
+    from phalanx.parallel.expert_checkpoint import globalize_experts
+
+    state = get_model_state_dict(model)
+    if source.cfg.tie_embeddings:
+        state.pop("output.weight", None)  # the embedding's matrix, loaded once under its own name
+    wrapped, restore = globalize_experts(model, {"model": state, "optim": {}})  # all ep ranks' experts
+    dcp.load({"model": wrapped["model"]}, checkpoint_id=str(source.weights_dir))
+    set_model_state_dict(model, restore()["model"], options=StateDictOptions(strict=False))
+
+
+@dataclass(frozen=True)
+class TextCodec:
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos_id: int | None
+    """Generation stops after this id; None: the tokenizer has no end-of-text token (bytes)."""
+
+
+def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
+    """Prompt text <-> ids: `tokenizer` ("bytes", or a tokenizer.json or its folder), else the
+    model (or run) directory's tokenizer.json, else bytes (`phalanx.data.tokenizer`, as in
+    training)."""
+    from phalanx.data.tokenizer import load_tokenizer
+
+    loaded = load_tokenizer(tokenizer, model_dir)
+    return TextCodec(lambda text: [int(t) for t in loaded.encode(text)], loaded.decode, loaded.eos_id)
