@@ -1,7 +1,6 @@
 """The search: --fix, divisibility, the JSON contract, the what-if, speed, auto_plan."""
 
 import json
-import time
 
 import pytest
 
@@ -91,15 +90,12 @@ def test_bad_input_is_a_one_line_error(capsys):
     assert code == 2 and err.count("\n") == 1 and "no layout of 4 GPUs matches --fix tp=3" in err
 
 
-def test_trillion_parameters_on_3072_gpus_plans_fast():
+def test_trillion_parameters_on_3072_gpus_finds_plans():
     model = ModelConfig(name="1t", vocab_size=131072, dim=25600, n_layers=128, n_heads=160, n_kv_heads=160,
                         ffn_dim=102400, mlp="gelu")
-    start = time.perf_counter()
     result = search(model, H100, Workload(global_batch=3072, seq_len=4096), world_size=3072)
-    elapsed = time.perf_counter() - start
+    # Its wall time is benchmarks/planner_speed.py's (no timed tests): here, that it finds plans.
     assert result.ranked and result.considered > 1000
-    # The issue asks for at most a second; the bound is doubled for a loaded shared CI core.
-    assert elapsed < 2.0
 
 
 def test_trainer_rules_for_schedules_and_tp():
@@ -146,3 +142,28 @@ def test_search_recomputes_the_fewest_layers_that_fit():
     one_fewer = evaluate(model, small, work, best.layout.replace(recompute_layers=best.layout.recompute_layers - 1))
     assert not one_fewer.fits
     assert found[0].layout.recompute_layers  # faster than recomputing every layer
+
+
+def test_plan_and_simulate_import_no_torch(tmp_path):
+    """`phalanx plan` and `phalanx simulate` run in a fresh interpreter without loading torch
+    (planning a 400B model runs on a laptop; torch's import is most of a plan's wall time)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from phalanx.cli import main
+for argv in (["plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16",
+              "--seq-len", "128", "--top", "1", "--json"],
+             ["simulate", "--model", "tiny", "--cluster", "dgx-h100", "--global-batch", "16", "--seq-len", "128",
+              "--plan", "pp=2,dp=2", "--out", {str(tmp_path)!r}]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code == 0, (argv[0], exit.code)
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("ok")

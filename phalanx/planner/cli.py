@@ -76,6 +76,8 @@ def run_plan(args) -> int:
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]
     if args.gpus < 1:
         raise UserError(f"--gpus={args.gpus} must be at least 1")
+    for cluster in clusters:
+        cluster.check_device_count(args.gpus)
     fixed = parse_fix(args.fix)
     space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
     options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather)
@@ -146,7 +148,7 @@ def run_simulate(args) -> int:
 
 
 def run_calibrate(args) -> int:
-    from phalanx.planner.calibrate import calibrate_command
+    from phalanx.calibrate.command import calibrate_command
 
     return calibrate_command(args)
 

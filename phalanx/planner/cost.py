@@ -48,6 +48,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from phalanx import layout_rules as rules
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
@@ -345,16 +346,15 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
     lay = layout
     if lay.world_size != world_size:
         out.append(f"dp={lay.dp} x tp={lay.tp} x pp={lay.pp} = {lay.world_size}, not {world_size} GPUs")
-    if model.n_heads % lay.tp or (model.n_kv_heads % lay.tp and lay.tp % model.n_kv_heads):
-        out.append(f"tp={lay.tp} does not split n_heads={model.n_heads} / n_kv_heads={model.n_kv_heads}")
-    if model.ffn_dim % lay.tp or (model.n_experts and model.moe_ffn_dim % lay.tp):
-        out.append(f"tp={lay.tp} does not divide the feed-forward size")
-    if lay.ep > 1 and (not model.n_experts or model.n_experts % lay.ep):
-        out.append(f"ep={lay.ep} must divide n_experts={model.n_experts}")
-    if lay.dp % lay.ep:
-        out.append(f"ep={lay.ep} must divide dp={lay.dp}")
-    if lay.pp * lay.virtual > model.n_layers:
-        out.append(f"pp={lay.pp} x virtual={lay.virtual} exceeds n_layers={model.n_layers}")
+    for problem in (
+            rules.tp_problem(lay.tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
+                             vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
+                             n_experts=model.n_experts, padded=True),
+            rules.ep_problem(lay.ep, dp=lay.dp, n_experts=model.n_experts),
+            rules.pipeline_problem(lay.schedule, pp=lay.pp, virtual=lay.virtual, microbatches=lay.microbatches,
+                                   n_layers=model.n_layers)):
+        if problem:
+            out.append(problem)
     if workload.global_batch != lay.dp * lay.mbs * lay.microbatches:
         out.append(f"dp={lay.dp} x mbs={lay.mbs} x microbatches={lay.microbatches} != global batch {workload.global_batch}")
     if lay.zero not in (0, 1, 2, 3):
@@ -392,10 +392,11 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     n_moe_total = _moe_layers(model)
     n_moe = min(n, n_moe_total)  # the most loaded stage holds MoE layers where there are any
     n_dense = n - n_moe
-    overhead = cluster.overhead_per_rank(world)
+    fw, queue = cluster.framework, cluster.queueing(world)
+    overhead = fw.layer_overhead_us * 1e-6 * queue
     if lay.tp > 1:
-        overhead += (cluster.tp_layer_overhead_us * 1e-6 + (cluster.sp_layer_overhead_us * 1e-6 if lay.sp else 0.0)
-                     + cluster.tp_element_overhead_ns * 1e-9 * lay.mbs * seq * model.dim) * cluster.queueing(world)
+        overhead += (cluster.framework.tp_layer_overhead_us * 1e-6 + (cluster.framework.sp_layer_overhead_us * 1e-6 if lay.sp else 0.0)
+                     + cluster.framework.tp_element_overhead_ns * 1e-9 * lay.mbs * seq * model.dim) * cluster.queueing(world)
     kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=peak, flash=options.flash_attention,
               memory_bw=memory_bw, overhead=overhead)
     dense = layer_cost(model, cluster, moe=False, **kw)
@@ -434,20 +435,20 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     logit_elements = tokens * vocab
 
     # Tensor parallelism's cost beyond the layers (DTensor embedding, output and loss; CPUs).
-    tp_root = cluster.tp_microbatch_overhead_us * 1e-6 * cluster.queueing(world) if lay.tp > 1 else 0.0
+    tp_root = cluster.framework.tp_microbatch_overhead_us * 1e-6 * cluster.queueing(world) if lay.tp > 1 else 0.0
     comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw + tp_root
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
     rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
-        comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
+        comp_r_fixed = n * cluster.framework.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
         comp_r_fixed = 0.0
     comp_rw = 0.0  # forwards re-run for the weight gradients, in the W slots
     if lay.recompute == "full":
         comp_r, comm_r = n_dense * dense.f + n_moe * moe.f + comp_r_fixed, tp_f + ep_f
         if options.split_backward_recompute and p > 1 and lay.schedule == "zbv":
-            rerun = cluster.split_rerun_overhead_us * 1e-6 * cluster.queueing(world)
+            rerun = cluster.framework.split_rerun_overhead_us * 1e-6 * cluster.queueing(world)
             comp_rw = (n_dense * weight_tensors(model, moe=False) * (dense.f + rerun)
                        + n_moe * weight_tensors(model, moe=True) * (moe.f + rerun)
                        + n_dense * weight_tensors(model, moe=False) * exposed(t_tp, dense.gemm_f)
@@ -469,7 +470,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         t_send = comm.send(cluster, boundary_bytes, same_domain=same)
         pp_comm = 2 * t_send * (m * v + p - 1)
         # The pipeline runtime's own cost per action beyond compute and bytes (CPUs, measured).
-        pp_comm += m * actions_per_microbatch(lay.schedule, v) * cluster.pp_action_s(lay.schedule) * cluster.queueing(world)
+        pp_comm += m * actions_per_microbatch(lay.schedule, v) * cluster.framework.pp_action_s(lay.schedule) * cluster.queueing(world)
     else:
         pp_comm = 0.0
 
@@ -488,8 +489,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     optimizer = (local_state * (OPTIMIZER_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
                  + grad_buffer * GRAD_ZERO_BYTES_PER_PARAM) / memory_bw
 
-    step_overhead = cluster.step_overhead_per_rank(world)
-    optimizer_layer = cluster.optimizer_layer_overhead_us + (cluster.tp_optimizer_layer_overhead_us if lay.tp > 1 else 0.0)
+    step_overhead = fw.step_overhead_ms * 1e-3 * queue
+    optimizer_layer = cluster.framework.optimizer_layer_overhead_us + (cluster.framework.tp_optimizer_layer_overhead_us if lay.tp > 1 else 0.0)
     step_overhead += n * optimizer_layer * 1e-6 * cluster.queueing(world)
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
@@ -547,6 +548,7 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     """Exposed data-parallel seconds per step."""
     if lay.dp == 1:
         return 0.0
+    fw, queue = cluster.framework, cluster.queueing(lay.world_size)
     g = options.grad_reduce_bytes
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
@@ -562,12 +564,12 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # reduces gradients once, after the last micro-batch: per-step and per-micro-batch costs
     # measured in that mode; otherwise FSDP reshards and is timed per micro-batch.
     if lay.pp > 1:
-        fsdp_unit = cluster.fsdp_pp_unit_s(lay.world_size, lay.microbatches)
+        fsdp_unit = fw.fsdp_pp_unit_s(lay.world_size, lay.microbatches, queue)
     else:
-        fsdp_unit = lay.microbatches * cluster.fsdp_unit_s(lay.world_size)
+        fsdp_unit = lay.microbatches * fw.fsdp_unit_s(lay.world_size, queue)
     wrap_cost = wrapped * fsdp_unit
     if lay.zero == 0 and not wrapped:  # DDP: its hooks' collective waits for busy cores (CPUs)
-        wrap_cost += cluster.ddp_overhead_s(lay.world_size)
+        wrap_cost += fw.ddp_overhead_s(lay.world_size)
     rs = ag = ar_replica = 0.0
     for params, size, stride in groups:
         pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))

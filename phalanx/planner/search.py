@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
@@ -86,17 +87,20 @@ def _schedules(space: SearchSpace, pp: int, m: int, n_layers: int) -> list[tuple
         return [("1f1b", 1)]
     out = []
     for name in space.schedules:
-        if name != "gpipe" and m < pp:
-            continue
-        if name in ("gpipe", "1f1b"):
-            out.append((name, 1))
-        elif name == "interleaved":
-            # Micro-batches run in rounds of about pp; the rounds must split them evenly.
-            if m % max(1, m // pp) == 0:
-                out += [(name, v) for v in space.virtual if pp * v <= n_layers]
-        elif pp * 2 <= n_layers and (name == "zbv" or m >= 2 * pp):  # DualPipe: two per stage
-            out.append((name, 2))
+        virtuals = space.virtual if name == "interleaved" else (2,) if name in rules.V_SCHEDULES else (1,)
+        out += [(name, v) for v in virtuals
+                if not rules.pipeline_problem(name, pp=pp, virtual=v, microbatches=m, n_layers=n_layers)]
     return out
+
+
+def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
+    """Why tp cannot split this model in the implementations the search covers."""
+    problem = rules.tp_problem(tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
+                               vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
+                               n_experts=model.n_experts, padded=not space.phalanx_trainer)
+    if not problem and space.phalanx_trainer and tp > 1 and model.n_experts:
+        problem = f"tp={tp} with experts: the phalanx trainer does not run tp with MoE layers yet (--any-runtime)"
+    return problem
 
 
 def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -108,11 +112,7 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
     for tp in divisors(world_size):
         if f("tp", tp) != tp or (tp > max_tp and "tp" not in fixed):
             continue
-        if model.n_heads % tp or (model.n_kv_heads % tp and tp % model.n_kv_heads) or model.ffn_dim % tp:
-            continue
-        if model.n_experts and model.moe_ffn_dim % tp:
-            continue
-        if space.phalanx_trainer and tp > 1 and (model.n_kv_heads % tp or model.vocab_size % tp or model.n_experts):
+        if _tp_problem(model, tp, space):
             continue
         sp_ok = space.sequence_parallel and not (space.phalanx_trainer and workload.seq_len % tp)
         for pp in divisors(world_size // tp):
