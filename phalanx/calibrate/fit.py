@@ -138,11 +138,13 @@ def fit_tp_overheads(sample: dict, bus_bw_gbs: float) -> dict:
 
 def fit_tp_step(sample: dict) -> dict:
     """What tensor parallelism (with sp) adds beyond its layers: per micro-batch, the extra
-    forward+backward time of the model without blocks (embedding, output, the
-    vocabulary-parallel loss); per layer per step, the slope over 1 -> 9 blocks of the extra
-    clipping, AdamW and zeroing time (their per-tensor DTensor dispatch)."""
-    extra = {(key, n): sample[f"{key}:{n}:1"] - sample[f"{key}:{n}:0"] for key in ("step", "tail") for n in (0, 1, 9)}
-    return {"tp_microbatch_overhead_us": max(0.0, extra[("step", 0)]) * 1e6,
+    forward+backward time of the model at 0 blocks (embedding, output, the vocabulary-parallel
+    loss), read as the intercept of the line through 1 and 9 blocks (a model needs a block);
+    per layer per step, the slope over 1 -> 9 blocks of the extra clipping, AdamW and zeroing
+    time (their per-tensor DTensor dispatch)."""
+    extra = {(key, n): sample[f"{key}:{n}:1"] - sample[f"{key}:{n}:0"] for key in ("step", "tail") for n in (1, 9)}
+    root = extra[("step", 1)] - (extra[("step", 9)] - extra[("step", 1)]) / 8
+    return {"tp_microbatch_overhead_us": max(0.0, root) * 1e6,
             "tp_optimizer_layer_overhead_us": max(0.0, (extra[("tail", 9)] - extra[("tail", 1)]) / 8) * 1e6}
 
 

@@ -58,7 +58,8 @@ from phalanx.planner.memory import (
     layer_activation_bytes,
     layers_per_stage,
     param_counts,
-    state_bytes_per_param,
+    state_bytes,
+    weight_gradient_input_bytes,
 )
 
 BF16 = 2
@@ -615,8 +616,13 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
             shared: float, experts: float, c) -> dict[str, float]:
     """Peak bytes on the most loaded device, by cause."""
     shard = lay.dp // lay.replicate
-    state = (shared * state_bytes_per_param(lay.zero, shard)
-             + experts * state_bytes_per_param(lay.zero, max(1, shard // lay.ep)))
+    layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
+    state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
+                        microbatches=lay.microbatches, pp=lay.pp)
+    if experts:
+        expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
+                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp)
+        state = {k: v + expert_state[k] for k, v in state.items()}
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
     per_layer = lambda moe, rc: _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
     share = recompute_share(model, lay)  # the other layers keep all their activations
@@ -635,8 +641,22 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
         last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
         last = stage_act * last_in_flight + rematerialised
         activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
-    out = {"model_state": state, "activations": activations, "logits": logits_held}
-    if lay.zero == 3:  # two layers' unsharded bf16 parameters and fp32 gradients in flight
-        per_layer_params = (c.attention + max(c.dense_mlp, c.moe_other + c.experts / lay.ep)) / lay.tp
-        out["fsdp_buffers"] = 2 * per_layer_params * (BF16 + 4)
+    if lay.schedule == "zbv" and lay.pp > 1:
+        # Deferred weight gradients: after a chunk's B, its W still needs the inputs of the
+        # chunk's linear layers; zbv runs W late (in the cool-down at the latest), up to pp
+        # micro-batches of one chunk (half the stage) on the first rank. Layers under full
+        # recompute re-run their forward for W (split_backward_recompute) and hold nothing.
+        held_share = 1 - share if lay.recompute == "full" else 1.0
+        w_inputs = sum(count * weight_gradient_input_bytes(model, moe=moe, **kw)
+                       for count, moe in ((n - n_moe, False), (n_moe, True)))
+        activations += min(lay.microbatches, lay.pp) * held_share * w_inputs / 2
+    tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
+    buffers = 0.0
+    if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
+        buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
+    if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
+        buffers += 2 * tokens_bytes
+    if lay.pp > 1:  # send and receive buffers, both directions
+        buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
+    out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
     return out
