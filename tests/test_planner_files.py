@@ -70,11 +70,13 @@ def test_json_infinity_is_refused(tmp_path):
 
 def test_gpu_counts_fill_whole_nodes_or_fit_in_one():
     h100 = PRESETS["dgx-h100"]
-    for ok in (1, 2, 7, 8, 16, 3072):
+    for ok in (1, 2, 4, 8, 16, 3072):
         h100.check_device_count(ok)
     with pytest.raises(UserError, match=r"15 GPUs on 'dgx-h100' \(8 per node\): a GPU count must fill whole nodes "
-                                        r"or fit in one \(e.g. 8 or 16\)"):
+                                        r"or divide one \(e.g. 8 or 16\)"):
         h100.check_device_count(15)
+    with pytest.raises(UserError, match=r"7 GPUs .* \(e.g. 4 or 8\)"):
+        h100.check_device_count(7)
     PRESETS["local"].check_device_count(7)  # processes on a CPU: any count
 
 
@@ -162,3 +164,17 @@ def test_qwen_shared_expert_must_be_whole_experts(tmp_path):
     data = dict(HF["qwen2_moe"][0], shared_expert_intermediate_size=2000)
     with pytest.raises(UserError, match="not a multiple of moe_intermediate_size"):
         load_model_file(write(tmp_path, "config.json", json.dumps(data)))
+
+
+def test_this_machine_prefers_a_calibration_then_the_gpus_preset(tmp_path, monkeypatch):
+    from phalanx.planner.hardware import this_machine
+
+    monkeypatch.setenv("PHALANX_HOME", str(tmp_path))
+    assert this_machine("") == "local"
+    assert this_machine("NVIDIA H100 80GB HBM3") == "dgx-h100"
+    assert this_machine("NVIDIA H100 PCIe") == "pcie-h100"
+    assert this_machine("NVIDIA A100-SXM4-80GB") == "dgx-a100"
+    assert this_machine("NVIDIA H200") == "dgx-h200"
+    assert this_machine("Tesla T4") == "local"
+    (tmp_path / "cluster-local.json").write_text("{}")
+    assert this_machine("NVIDIA H100 80GB HBM3") == "local"

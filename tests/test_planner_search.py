@@ -167,3 +167,52 @@ print("ok")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith("ok")
+
+
+def test_adversarial_plan_inputs_are_one_line_errors(capsys, tmp_path):
+    import json
+
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"n_layers": 0, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+                                 "vocab_size": 256}))
+    for argv, message in (
+            (("--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "7"), "7 GPUs on 'dgx-h100' (8 per node)"),
+            (("--model", str(model), "--cluster", "dgx-h100", "--gpus", "8"), "n_layers=0 must be at least 1"),
+            (("--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--fix", "tp=3"),
+             "tp=3 x pp=1 = 3 does not divide 8 GPUs")):
+        code, _, err = run_cli(capsys, "plan", *argv, "--global-batch", "64", "--seq-len", "128")
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_rejected_fix_shows_its_memory_and_what_fits(capsys):
+    code, _, err = run_cli(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                           "--global-batch", "64", "--seq-len", "2048", "--fix", "dp=8,recompute=full,mbs=1,zero=0")
+    assert code == 1
+    assert "dp=8,microbatches=8,recompute=full,mbs=1,zero=0 on dgx-h100 needs" in err and "optimizer_state" in err
+    assert "fits with" in err and "zero=3" in err
+
+
+def test_every_row_has_a_step_time_band(capsys):
+    import json
+
+    from phalanx.planner.validation import figures
+
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                           "--global-batch", "64", "--seq-len", "2048", "--json", "--top", "2")
+    plans = json.loads(out)["plans"]
+    assert code == 0 and all(p["step_time_band"] == figures()["published"]["median_abs_error"] for p in plans)
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                           "--global-batch", "64", "--seq-len", "2048", "--top", "1")
+    assert f"±{figures()['published']['median_abs_error']:.0%}" in out
+
+
+def test_train_plan_auto_plans_for_a_named_cluster():
+    from phalanx.launch import choose_auto_plan
+    from phalanx.model.config import model_config
+    from phalanx.train.config import TrainConfig
+
+    cfg = TrainConfig(model="llama3-8b", plan="auto", cluster="dgx-h100", device="cpu", global_batch=64, seq_len=2048)
+    chosen = choose_auto_plan(cfg, 8).plan
+    # The plan the planner ranks first for that cluster, not for this CPU.
+    expected = auto_plan(model_config("llama3-8b"), world_size=8, global_batch=64, seq_len=2048, cluster="dgx-h100")
+    assert chosen == expected.to_string()

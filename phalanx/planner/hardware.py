@@ -135,17 +135,20 @@ class Cluster:
             raise UserError(f"cluster {self.name!r}: " + "; ".join(problems))
 
     def check_device_count(self, devices: int) -> None:
-        """A job takes whole nodes, or part of one: 7 GPUs of 8-GPU nodes leave a node part-used
-        and the layouts (pp=7) would not be the ones a real allocation runs. CPUs (shared_compute,
-        `local`) run any count of processes."""
+        """A job takes whole nodes, or an even share of one (1, 2, 4 of 8): 7 GPUs of an 8-GPU
+        node is no allocation a scheduler hands out, and its layouts (pp=7) would not be the
+        ones a real job runs. CPUs (shared_compute, `local`) run any count of processes."""
         if devices < 1:
             raise UserError(f"{devices} devices: must be at least 1")
         per_node = self.devices_per_node
-        if self.shared_compute or self.name == "local" or devices <= per_node or devices % per_node == 0:
+        if self.shared_compute or self.name == "local" or per_node % devices == 0 or devices % per_node == 0:
             return
+        near = sorted({d for d in range(1, per_node + 1) if per_node % d == 0}
+                      | {per_node * k for k in (devices // per_node, devices // per_node + 1) if k})
+        lower = max((d for d in near if d < devices), default=near[0])
+        upper = min(d for d in near if d > devices)
         raise UserError(f"{devices} GPUs on {self.name!r} ({per_node} per node): a GPU count must fill whole "
-                        f"nodes or fit in one (e.g. {devices // per_node * per_node} or "
-                        f"{(devices // per_node + 1) * per_node})")
+                        f"nodes or divide one (e.g. {lower} or {upper})")
 
     @property
     def usable_bytes(self) -> float:
@@ -300,6 +303,23 @@ def load_cluster_file(path: str | Path) -> Cluster:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cluster file {str(path)!r} is not valid {path.suffix[1:].upper() or 'JSON'}: {exc}") from None
     return cluster_from_dict(data, source=str(path))
+
+
+GPU_PRESETS = (("GB200", "gb200-nvl72"), ("H800", "hgx-h800"), ("H200", "dgx-h200"), ("H100", "dgx-h100"),
+               ("A100", "dgx-a100"))
+"""A GPU's name (as CUDA reports it) -> the preset of the machines it comes in."""
+
+
+def this_machine(gpu_name: str = "") -> str:
+    """The cluster `--plan auto` plans for when none is named: this machine's calibration if
+    there is one; else, on a GPU, the preset of its kind (a datasheet beats the CPU guess);
+    else `local`."""
+    if local_cluster_path().exists() or not gpu_name:
+        return "local"
+    upper = gpu_name.upper()
+    if "PCIE" in upper and "H100" in upper:
+        return "pcie-h100"
+    return next((preset for key, preset in GPU_PRESETS if key in upper), "local")
 
 
 def cluster_from_name(name: str) -> Cluster:

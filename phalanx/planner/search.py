@@ -251,3 +251,52 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
                         f"{cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB per device "
                         f"({result.pruned_memory} pruned by memory)")
     return result.ranked[0].layout.to_plan()
+
+
+def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed: dict[str, object],
+                 space: SearchSpace) -> list[str]:
+    """Why no layout of `world_size` devices matches a `--fix`: the pinned knobs' own rules."""
+    f = fixed.get
+    tp, pp = int(f("tp", 1)), int(f("pp", 1))
+    out = []
+    if world_size % (tp * pp):
+        out.append(f"tp={tp} x pp={pp} = {tp * pp} does not divide {world_size} GPUs")
+    dp = int(f("dp", world_size // (tp * pp) if world_size % (tp * pp) == 0 else 0))
+    if "dp" in fixed and dp * tp * pp != world_size:
+        out.append(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp}, not {world_size} GPUs")
+    if dp and workload.global_batch % dp:
+        out.append(f"dp={dp} does not divide global batch {workload.global_batch}")
+    if dp and "mbs" in fixed and (workload.global_batch // dp) % int(fixed["mbs"]):
+        out.append(f"mbs={fixed['mbs']} does not divide the {workload.global_batch // dp} sequences per dp rank")
+    if problem := _tp_problem(model, tp, space):
+        out.append(problem + ("" if space.phalanx_trainer is False else " (in the phalanx trainer; --any-runtime "
+                                                                         "models implementations that pad)"))
+    if "ep" in fixed and dp and (problem := rules.ep_problem(int(fixed["ep"]), dp=dp, n_experts=model.n_experts)):
+        out.append(problem)
+    if pp > model.n_layers:
+        out.append(f"pp={pp} exceeds n_layers={model.n_layers}")
+    elif pp > 1 and dp and "schedule" in fixed:
+        m = int(f("microbatches", 0)) or workload.global_batch // dp // int(f("mbs", 1))
+        virtual = int(f("virtual", 2 if fixed["schedule"] in rules.V_SCHEDULES else 1))
+        if problem := rules.pipeline_problem(str(fixed["schedule"]), pp=pp, virtual=virtual, microbatches=m,
+                                             n_layers=model.n_layers):
+            out.append(problem)
+    return out
+
+
+def fit_hints(model: ModelConfig, cluster: Cluster, workload: Workload, est: Estimate,
+              options: Options = Options()) -> list[str]:
+    """For a layout that does not fit: single changes that make it fit, with their GiB and time."""
+    lay = est.layout
+    tries = []
+    if lay.recompute != "full" or lay.recompute_layers:
+        tries.append(lay.replace(recompute="full", recompute_layers=0))
+    tries += [lay.replace(zero=z) for z in (2, 3) if z > lay.zero]
+    if lay.mbs > 1:
+        tries.append(lay.replace(mbs=1, microbatches=lay.microbatches * lay.mbs))
+    out = []
+    for alt in tries:
+        other = evaluate(model, cluster, workload, alt, options)
+        if other.fits:
+            out.append(f"{alt.to_string()} ({other.memory_gib:.1f} GiB, {other.step_time_s:.4g} s)")
+    return out
