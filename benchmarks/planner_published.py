@@ -114,6 +114,8 @@ def main() -> int:
     parser.add_argument("--mbs", type=int, default=None,
                         help="sensitivity check only: pin the micro-batch size of the rows whose source does not "
                              "state it (default: search it like the other unstated knobs)")
+    parser.add_argument("--record", action="store_true",
+                        help="write the median into phalanx/planner/validation.json (the plan table's error band)")
     args = parser.parse_args()
     unit = {"model": "TFLOP/s", "hardware": "hw TFLOP/s", "tokens": "tok/s"}
     print(f"{'run':26} {'metric':10} {'published':>9} {'predicted':>9} {'error':>7}  search")
@@ -162,6 +164,13 @@ def main() -> int:
         print(f"{'':26} as evaluated: {pub.layout.to_string()}  ({pub.memory_gib:.1f} GiB{over})"
               + (f"  [{row.note}]" if row.note else ""))
     print(f"median |error| over {len(errors)} comparable rows: {statistics.median(errors):.1%}")
+    from phalanx.planner.validation import figures, record
+
+    stored = figures()["published"]["median_abs_error"]
+    print(f"validation.json holds {stored:.1%} as the presets' step-time band"
+          + (" (rewritten with this run's figure)" if args.record else " (--record rewrites it)"))
+    if args.record:
+        record("published", statistics.median(errors), len(errors))
     print(f"slowest full search: {slowest:.2f} s")
     # The issue's speed target: a full search for a 1T-parameter model on 3,072 GPUs in at most 1 s.
     trillion = gpt("1T", 160, 25600, 128, 131072, 4096)

@@ -29,7 +29,7 @@ def _per_block(world: int, repeats: int) -> dict:
     from phalanx.model.transformer import Transformer
     from phalanx.parallel.tensor_parallel import apply_tp, loss_context
     from phalanx.plan import Plan
-    from phalanx.planner.calibrate import OVERHEAD_MODEL, OVERHEAD_TOKENS
+    from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS
     from phalanx.train.pipeline_step import token_loss
 
     tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]

@@ -58,16 +58,22 @@ def check_nproc(nproc: int, device: str) -> None:
 
 
 def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    """Replace `--plan auto` by the planner's fastest layout for this machine (the cluster file
-    `phalanx calibrate` wrote, else the `local` preset). Deterministic, so every rank of an
-    external torchrun launch picks the same plan."""
+    """Replace `--plan auto` by the planner's fastest layout for `--cluster`, or this machine
+    (the cluster file `phalanx calibrate` wrote, else the preset of its GPUs, else `local`).
+    Deterministic, so every rank of an external torchrun launch picks the same plan."""
     if cfg.plan != "auto":
         return cfg
     from phalanx.model.config import model_config
+    from phalanx.planner.hardware import this_machine
     from phalanx.planner.search import auto_plan
 
+    gpu = ""
+    if cfg.device != "cpu":
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     plan = auto_plan(model_config(cfg.model), world_size=world_size, global_batch=cfg.global_batch,
-                     seq_len=cfg.seq_len, cluster="local")
+                     seq_len=cfg.seq_len, cluster=cfg.cluster or this_machine(gpu))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"phalanx: --plan auto chose {plan} for {world_size} process{'es' if world_size > 1 else ''}", file=sys.stderr)
     return cfg.replace(plan=plan.to_string())

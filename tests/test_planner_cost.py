@@ -125,8 +125,8 @@ def test_cpu_framework_costs_add_per_unit_and_per_pass():
     tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)
     cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
                   memory_reserved_gib=1.0, shared_compute=True)
-    costly = Cluster(**{**cpu.__dict__, "fsdp_unit_overhead_us": 1000.0, "tp_layer_overhead_us": 500.0,
-                        "recompute_overhead_us": 200.0})
+    costly = _with_framework(cpu, fsdp_unit_overhead_us=1000.0, tp_layer_overhead_us=500.0,
+                             recompute_overhead_us=200.0)
     # FSDP: one unit per layer plus the root, every micro-batch: 2 micro-batches x 5 units x 1 ms.
     fsdp = Layout(dp=2, mbs=2, microbatches=2, zero=3)
     gap = evaluate(tiny, costly, work, fsdp).breakdown["dp_comm"] - evaluate(tiny, cpu, work, fsdp).breakdown["dp_comm"]
@@ -262,7 +262,7 @@ def test_zbv_full_recompute_reruns_the_forward_per_weight_tensor():
     # on the rank x 9 weight tensors x 0.5 ms (2 processes on the preset's cores: no queueing).
     import dataclasses
 
-    costly = dataclasses.replace(cluster, split_rerun_overhead_us=500.0, devices_per_node=2, fast_domain=2)
+    costly = _with_framework(dataclasses.replace(cluster, devices_per_node=2, fast_domain=2), split_rerun_overhead_us=500.0)
     base = dataclasses.replace(cluster, devices_per_node=2, fast_domain=2)
     gap = evaluate(model, costly, work, lay).breakdown["recompute"] - evaluate(model, base, work, lay).breakdown["recompute"]
     assert gap == pytest.approx(8 * 2 * 9 * 0.5e-3)
@@ -271,7 +271,7 @@ def test_zbv_full_recompute_reruns_the_forward_per_weight_tensor():
 def test_optimizer_layer_overhead_is_per_step_per_stage_layer():
     model = ModelConfig(name="t", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
     base = PRESETS["local"]
-    costly = Cluster(**{**base.__dict__, "optimizer_layer_overhead_us": 1000.0})
+    costly = _with_framework(base, optimizer_layer_overhead_us=1000.0)
     work = Workload(global_batch=8, seq_len=128)
     for lay, layers in ((Layout(microbatches=8), 4), (Layout(microbatches=1, mbs=8), 4), (Layout(pp=2, microbatches=8), 2)):
         extra = evaluate(model, costly, work, lay).step_time_s - evaluate(model, base, work, lay).step_time_s
@@ -283,8 +283,8 @@ def test_tp_framework_costs_are_per_layer_per_pass_and_sp_only_with_sp():
     model = ModelConfig(name="t", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128)
     base = PRESETS["local"]
     work = Workload(global_batch=8, seq_len=128)
-    sp_cost = Cluster(**{**base.__dict__, "sp_layer_overhead_us": 1000.0})
-    el_cost = Cluster(**{**base.__dict__, "tp_element_overhead_ns": 2.0})
+    sp_cost = _with_framework(base, sp_layer_overhead_us=1000.0)
+    el_cost = _with_framework(base, tp_element_overhead_ns=2.0)
     q = base.queueing(2)
     sp_lay, plain_lay = Layout(tp=2, sp=True, microbatches=8), Layout(tp=2, sp=False, microbatches=8)
 
@@ -306,10 +306,9 @@ def test_runtime_costs_of_ddp_fsdp_under_pp_and_the_pipeline_runtime():
     tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)  # 4 layers
     cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
                   memory_reserved_gib=1.0, shared_compute=True)
-    costly = Cluster(**{**cpu.__dict__, "ddp_step_overhead_ms": ((2, 3.0), (4, 10.0)),
-                        "fsdp_unit_overhead_us": 1000.0, "fsdp_pp_unit_overhead_us": 700.0,
-                        "fsdp_pp_microbatch_overhead_us": 300.0,
-                        "pp_action_overhead_us": (("1f1b", 100.0), ("interleaved", 400.0), ("zbv", 250.0))})
+    costly = _with_framework(cpu, ddp_step_overhead_ms=((2, 3.0), (4, 10.0)), fsdp_unit_overhead_us=1000.0,
+                             fsdp_pp_unit_overhead_us=700.0, fsdp_pp_microbatch_overhead_us=300.0,
+                             pp_action_overhead_us=(("1f1b", 100.0), ("interleaved", 400.0), ("zbv", 250.0)))
 
     def gap(layout, key):
         return evaluate(tiny, costly, work, layout).breakdown[key] - evaluate(tiny, cpu, work, layout).breakdown[key]
@@ -317,20 +316,20 @@ def test_runtime_costs_of_ddp_fsdp_under_pp_and_the_pipeline_runtime():
     # DDP: once per step at the measured group size; 3 processes take the nearest (2) scaled 3/2.
     assert gap(Layout(dp=2, mbs=2, microbatches=2), "dp_comm") == pytest.approx(3e-3)
     assert gap(Layout(dp=4, mbs=1, microbatches=2), "dp_comm") == pytest.approx(10e-3)  # measured at 4: queueing included
-    assert costly.ddp_overhead_s(3) == pytest.approx(3e-3 * 3 / 2)
+    assert costly.framework.ddp_overhead_s(3) == pytest.approx(3e-3 * 3 / 2)
     # Replicated dp under pp runs as FSDP that stays gathered: per unit (2 layers + root = 3)
     # 0.7 ms per step + 0.3 ms per micro-batch (4), x2 for 4 ranks on 2 cores; no DDP cost.
     assert gap(Layout(dp=2, pp=2, mbs=1, microbatches=4), "dp_comm") == pytest.approx(2 * 3 * (0.7e-3 + 4 * 0.3e-3))
     # The same without pp reshards every micro-batch: 5 units x 4 micro-batches x 1 ms x 2.
     assert gap(Layout(dp=2, tp=2, sp=True, mbs=1, microbatches=4), "dp_comm") == pytest.approx(2 * 5 * 4 * 1e-3)
     # FSDP measured per group size: that size's figure, contention included (no queueing).
-    measured = Cluster(**{**costly.__dict__, "fsdp_unit_overhead_groups": ((2, 1000.0), (4, 5000.0))})
+    measured = _with_framework(costly, fsdp_unit_overhead_groups=((2, 1000.0), (4, 5000.0)))
     fsdp4 = Layout(dp=4, mbs=1, microbatches=2, zero=3)  # 4 layers + root = 5 units
     assert (evaluate(tiny, measured, work, fsdp4).breakdown["dp_comm"]
             - evaluate(tiny, cpu, work, fsdp4).breakdown["dp_comm"]) == pytest.approx(2 * 5 * 5e-3)
     assert gap(fsdp4, "dp_comm") == pytest.approx(2 * 5 * 1e-3 * 2)  # unmeasured: 2-process figure x queueing
     # FSDP under pp measured per group size: (per unit per step, per unit per micro-batch) at 4.
-    measured_pp = Cluster(**{**costly.__dict__, "fsdp_pp_overhead_groups": ((2, 700.0, 300.0), (4, 2000.0, 1500.0))})
+    measured_pp = _with_framework(costly, fsdp_pp_overhead_groups=((2, 700.0, 300.0), (4, 2000.0, 1500.0)))
     dp_pp = Layout(dp=2, pp=2, mbs=1, microbatches=4)
     assert (evaluate(tiny, measured_pp, work, dp_pp).breakdown["dp_comm"]
             - evaluate(tiny, cpu, work, dp_pp).breakdown["dp_comm"]) == pytest.approx(3 * (2e-3 + 4 * 1.5e-3))
@@ -387,10 +386,17 @@ def test_tp_costs_beyond_the_layers_per_microbatch_and_per_layer_per_step():
     tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)  # 4 layers
     cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
                   memory_reserved_gib=1.0, shared_compute=True)
-    costly = Cluster(**{**cpu.__dict__, "tp_microbatch_overhead_us": 5000.0, "tp_optimizer_layer_overhead_us": 1500.0})
+    costly = _with_framework(cpu, tp_microbatch_overhead_us=5000.0, tp_optimizer_layer_overhead_us=1500.0)
     tp = Layout(tp=2, sp=True, mbs=2, microbatches=4)
     a, b = evaluate(tiny, cpu, work, tp), evaluate(tiny, costly, work, tp)
     assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(4 * 5e-3)  # per micro-batch
     assert b.breakdown["overhead"] - a.breakdown["overhead"] == pytest.approx(4 * 1.5e-3)  # per layer, once
     plain = Layout(dp=2, mbs=2, microbatches=2)  # no tp: neither applies
     assert evaluate(tiny, costly, work, plain).step_time_s == evaluate(tiny, cpu, work, plain).step_time_s
+
+
+def _with_framework(cluster: Cluster, **costs) -> Cluster:
+    """`cluster` with some measured framework costs set."""
+    import dataclasses
+
+    return dataclasses.replace(cluster, framework=dataclasses.replace(cluster.framework, **costs))

@@ -31,8 +31,8 @@ def test_cluster_toml_and_json(tmp_path):
     # What calibrate measures of the trainer's runtimes (lists of pairs) reads back as written.
     measured = {"ddp_step_overhead_ms": [[2, 3.5], [4, 10.0]], "pp_action_overhead_us": [["1f1b", 120.0]]}
     c = load_cluster_file(write(tmp_path, "cpu.json", json.dumps(measured)))
-    assert c.ddp_step_overhead_ms == ((2, 3.5), (4, 10.0)) and c.pp_action_overhead_us == (("1f1b", 120.0),)
-    assert c.pp_action_s("gpipe") == pytest.approx(120e-6) and c.pp_action_s("zbv") == 0.0
+    assert c.framework.ddp_step_overhead_ms == ((2, 3.5), (4, 10.0)) and c.framework.pp_action_overhead_us == (("1f1b", 120.0),)
+    assert c.framework.pp_action_s("gpipe") == pytest.approx(120e-6) and c.framework.pp_action_s("zbv") == 0.0
 
 
 @pytest.mark.parametrize("text, message", [
@@ -46,10 +46,38 @@ def test_cluster_toml_and_json(tmp_path):
     ('ddp_step_overhead_ms = [[2]]\n', "ddp_step_overhead_ms must be a list of [processes, ms]"),
     ('pp_action_overhead_us = 5\n', "pp_action_overhead_us must be a list of [schedule, us]"),
     ('fsdp_pp_overhead_groups = [[2, 1.0]]\n', "fsdp_pp_overhead_groups must be a list of [processes, us per step"),
+    # Adversarial numbers: each ranked plans by nonsense (a negative latency gave a -140 s step).
+    ('measured_groups = [[2, -50000.0, 1.0]]\n', "measured_groups row [2, -50000.0, 1.0] needs"),
+    ('measured_groups = [[0, 5.0, 1.0]]\n', "needs a group size of at least 1"),
+    ('peak_tflops = 1e400\n', "peak_tflops=inf must be a finite number"),
+    ('hbm_tbs = nan\n', "hbm_tbs=nan must be a finite number"),
+    ('intra_latency_us = -3\n', "intra_latency_us=-3.0 must not be negative"),
+    ('memory_gib = 0\n', "memory_gib=0.0 must be positive"),
+    ('layer_overhead_us = -1\n', "layer_overhead_us=-1.0 must be finite and not negative"),
+    ('ddp_step_overhead_ms = [[2, -3.0]]\n', "ddp_step_overhead_ms=[[2, -3.0]] must be finite and not negative"),
+    ('pp_action_overhead_us = [["1f1b", inf]]\n', "pp_action_overhead_us=[['1f1b', inf]] must be finite"),
 ])
 def test_bad_cluster_files(tmp_path, text, message):
     with pytest.raises(UserError, match=message.replace("[", r"\[")):
         load_cluster_file(write(tmp_path, "bad.toml", text))
+
+
+def test_json_infinity_is_refused(tmp_path):
+    # JSON has no infinity, but Python's reader turns 1e400 into one.
+    with pytest.raises(UserError, match="peak_tflops=inf must be a finite number"):
+        load_cluster_file(write(tmp_path, "big.json", '{"peak_tflops": 1e400}'))
+
+
+def test_gpu_counts_fill_whole_nodes_or_fit_in_one():
+    h100 = PRESETS["dgx-h100"]
+    for ok in (1, 2, 4, 8, 16, 3072):
+        h100.check_device_count(ok)
+    with pytest.raises(UserError, match=r"15 GPUs on 'dgx-h100' \(8 per node\): a GPU count must fill whole nodes "
+                                        r"or divide one \(e.g. 8 or 16\)"):
+        h100.check_device_count(15)
+    with pytest.raises(UserError, match=r"7 GPUs .* \(e.g. 4 or 8\)"):
+        h100.check_device_count(7)
+    PRESETS["local"].check_device_count(7)  # processes on a CPU: any count
 
 
 def test_unknown_cluster_name_lists_presets():
@@ -66,10 +94,20 @@ def test_project_model_json(tmp_path):
     assert (m.name, m.n_layers, m.n_kv_heads, m.n_experts, m.n_dense_layers) == ("mine", 12, 4, 8, 1)
 
 
+SHAPE = {"n_layers": 2, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 256}
+
+
 @pytest.mark.parametrize("data, message", [
     ({"layers": 2}, "unknown model key 'layers'; valid keys: name, vocab_size"),
     ({"dim": "big"}, "dim must be a number"),
-    ({"dim": 64, "n_heads": 5}, "not divisible by n_heads"),
+    ({**SHAPE, "dim": 64, "n_heads": 5, "n_kv_heads": 5}, "not divisible by n_heads"),
+    # A file with only some of the shape would plan with a toy model's defaults for the rest.
+    ({"n_layers": 80}, "missing model keys dim, n_heads, n_kv_heads, ffn_dim, vocab_size"),
+    ({**SHAPE, "n_layers": 0}, "n_layers=0 must be at least 1"),
+    ({**SHAPE, "n_heads": 0}, "n_heads=0 must be at least 1"),
+    ({**SHAPE, "n_kv_heads": 0}, "n_kv_heads=0 must be at least 1"),
+    ({**SHAPE, "vocab_size": 0}, "vocab_size=0 must be at least 1"),
+    ({**SHAPE, "ffn_dim": 0}, "ffn_dim=0 must be at least 1"),
     ({"model_type": "bert"}, "model_type 'bert' is not supported"),
     ({"model_type": "llama", "hidden_size": 64, "vocab_size": 100, "num_hidden_layers": 2,
           "intermediate_size": 128}, "has no 'num_attention_heads'"),
@@ -126,3 +164,17 @@ def test_qwen_shared_expert_must_be_whole_experts(tmp_path):
     data = dict(HF["qwen2_moe"][0], shared_expert_intermediate_size=2000)
     with pytest.raises(UserError, match="not a multiple of moe_intermediate_size"):
         load_model_file(write(tmp_path, "config.json", json.dumps(data)))
+
+
+def test_this_machine_prefers_a_calibration_then_the_gpus_preset(tmp_path, monkeypatch):
+    from phalanx.planner.hardware import this_machine
+
+    monkeypatch.setenv("PHALANX_HOME", str(tmp_path))
+    assert this_machine("") == "local"
+    assert this_machine("NVIDIA H100 80GB HBM3") == "dgx-h100"
+    assert this_machine("NVIDIA H100 PCIe") == "pcie-h100"
+    assert this_machine("NVIDIA A100-SXM4-80GB") == "dgx-a100"
+    assert this_machine("NVIDIA H200") == "dgx-h200"
+    assert this_machine("Tesla T4") == "local"
+    (tmp_path / "cluster-local.json").write_text("{}")
+    assert this_machine("NVIDIA H100 80GB HBM3") == "local"

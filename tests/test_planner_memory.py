@@ -7,7 +7,7 @@ from phalanx.model.config import ModelConfig, model_config
 from phalanx.planner.cost import evaluate
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
-from phalanx.planner.memory import layer_activation_bytes
+from phalanx.planner.memory import layer_activation_bytes, state_bytes, weight_gradient_input_bytes
 from phalanx.planner.search import auto_plan, search
 
 # MHA + 4h GeLU, the model of Korthikanti et al.: s=2048, b=2, h=4096, a=32.
@@ -42,7 +42,9 @@ def test_memory_of_a_hand_computed_layout():
     work = Workload(global_batch=4, seq_len=S)
     est = evaluate(GPT, PRESETS["dgx-h100"], work, Layout(dp=2, mbs=2, microbatches=1))
     params = 8 * (4 * H * H + 2 * H * 16384 + 2 * H) + 2 * 50000 * H
-    assert est.memory_breakdown["model_state"] == pytest.approx(18 * params)
+    state = sum(est.memory_breakdown[k] for k in ("parameters", "gradients", "optimizer_state"))
+    assert state == pytest.approx(18 * params)
+    assert est.memory_breakdown["comm_buffers"] == 2 * 25 * 2**20  # two 25 MiB gradient buckets
     assert est.memory_breakdown["activations"] == pytest.approx(8 * 34 * S * B * H)
     assert est.memory_breakdown["logits"] == pytest.approx(S * B * 50000 * 6)
 
@@ -62,3 +64,44 @@ def test_auto_plan_says_when_nothing_fits():
     tiny_gpu = Cluster(name="tiny", memory_gib=2.0, memory_reserved_gib=1.0)
     with pytest.raises(UserError, match="fits in 1.0 GiB"):
         auto_plan(model_config("llama3-70b"), world_size=2, global_batch=8, seq_len=4096, cluster=tiny_gpu)
+
+
+@pytest.mark.parametrize("zero, microbatches, pp, expected", [
+    # 1000 parameters on the rank, 100 per layer, sharded 4 ways; (parameters, gradients, optimizer).
+    (0, 4, 1, (2000, 4000, 12000)),      # replicated: 2 + 4 + 12 bytes each
+    (1, 4, 1, (2000, 4000, 3000)),       # optimizer state sharded
+    (2, 1, 1, (2500, 1800, 3000)),       # shard + the stage gathered; one micro-batch: gradients
+                                         # reduce-scattered in backward (shard + 2 layers in flight)
+    (2, 4, 1, (2500, 4000, 3000)),       # several: fp32 gradients accumulate whole, reduced once
+    (3, 1, 1, (900, 1800, 3000)),        # shard + 2 layers gathered (running, prefetched)
+    (3, 4, 1, (900, 4000, 3000)),
+    (3, 4, 2, (2500, 4000, 3000)),       # under pp: gathered once, kept for the whole step
+])
+def test_state_bytes_per_zero_level(zero, microbatches, pp, expected):
+    got = state_bytes(zero=zero, shards=4, params=1000, layer_params=100, microbatches=microbatches, pp=pp)
+    assert (got["parameters"], got["gradients"], got["optimizer_state"]) == pytest.approx(expected)
+
+
+def test_fsdp_under_pp_counts_the_gathered_weights_and_accumulated_gradients():
+    # The old model charged zero 3 under pp 18/dp bytes per parameter plus two layers; the
+    # time model gathers once per step there, so the stage is resident whole (2 bytes) with its
+    # fp32 gradients accumulating over the micro-batches (4 bytes).
+    work = Workload(global_batch=16, seq_len=S)
+    lay = Layout(dp=4, pp=2, mbs=1, microbatches=4, zero=3)
+    est = evaluate(GPT, PRESETS["dgx-h100"], work, lay)
+    stage = 4 * (4 * H * H + 2 * H * 16384 + 2 * H) + 50000 * H  # 4 layers + one embedding
+    assert est.memory_breakdown["parameters"] == pytest.approx(2 * stage / 4 + 2 * stage)
+    assert est.memory_breakdown["gradients"] == pytest.approx(4 * stage)
+    assert est.memory_breakdown["optimizer_state"] == pytest.approx(12 * stage / 4)
+
+
+def test_zbv_holds_deferred_weight_gradient_inputs():
+    # pp=2, 8 layers: each rank holds 2 chunks of 2 layers; 1F1B and zbv both keep pp=2
+    # micro-batches of the stage's activations, and zbv also the linear layers' inputs of up
+    # to pp deferred W's, one chunk (2 layers) each.
+    work = Workload(global_batch=4, seq_len=S)
+    zbv = evaluate(GPT, PRESETS["dgx-h100"], work, Layout(pp=2, mbs=1, microbatches=4, schedule="zbv", virtual=2))
+    per_layer = layer_activation_bytes(GPT, seq=S, mbs=1, tp=1, sp=False, recompute="none", moe=False)
+    w_in = weight_gradient_input_bytes(GPT, seq=S, mbs=1, tp=1, sp=False, moe=False)
+    assert w_in == 2 * S * H * 3 + 2 * S * 16384  # attention, output-projection, MLP inputs; down projection's
+    assert zbv.memory_breakdown["activations"] == pytest.approx(2 * 4 * per_layer + 2 * 2 * w_in)

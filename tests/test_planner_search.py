@@ -1,7 +1,6 @@
 """The search: --fix, divisibility, the JSON contract, the what-if, speed, auto_plan."""
 
 import json
-import time
 
 import pytest
 
@@ -91,15 +90,12 @@ def test_bad_input_is_a_one_line_error(capsys):
     assert code == 2 and err.count("\n") == 1 and "no layout of 4 GPUs matches --fix tp=3" in err
 
 
-def test_trillion_parameters_on_3072_gpus_plans_fast():
+def test_trillion_parameters_on_3072_gpus_finds_plans():
     model = ModelConfig(name="1t", vocab_size=131072, dim=25600, n_layers=128, n_heads=160, n_kv_heads=160,
                         ffn_dim=102400, mlp="gelu")
-    start = time.perf_counter()
     result = search(model, H100, Workload(global_batch=3072, seq_len=4096), world_size=3072)
-    elapsed = time.perf_counter() - start
+    # Its wall time is benchmarks/planner_speed.py's (no timed tests): here, that it finds plans.
     assert result.ranked and result.considered > 1000
-    # The issue asks for at most a second; the bound is doubled for a loaded shared CI core.
-    assert elapsed < 2.0
 
 
 def test_trainer_rules_for_schedules_and_tp():
@@ -146,3 +142,77 @@ def test_search_recomputes_the_fewest_layers_that_fit():
     one_fewer = evaluate(model, small, work, best.layout.replace(recompute_layers=best.layout.recompute_layers - 1))
     assert not one_fewer.fits
     assert found[0].layout.recompute_layers  # faster than recomputing every layer
+
+
+def test_plan_and_simulate_import_no_torch(tmp_path):
+    """`phalanx plan` and `phalanx simulate` run in a fresh interpreter without loading torch
+    (planning a 400B model runs on a laptop; torch's import is most of a plan's wall time)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from phalanx.cli import main
+for argv in (["plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16",
+              "--seq-len", "128", "--top", "1", "--json"],
+             ["simulate", "--model", "tiny", "--cluster", "dgx-h100", "--global-batch", "16", "--seq-len", "128",
+              "--plan", "pp=2,dp=2", "--out", {str(tmp_path)!r}]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code == 0, (argv[0], exit.code)
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith("ok")
+
+
+def test_adversarial_plan_inputs_are_one_line_errors(capsys, tmp_path):
+    import json
+
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"n_layers": 0, "dim": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128,
+                                 "vocab_size": 256}))
+    for argv, message in (
+            (("--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "7"), "7 GPUs on 'dgx-h100' (8 per node)"),
+            (("--model", str(model), "--cluster", "dgx-h100", "--gpus", "8"), "n_layers=0 must be at least 1"),
+            (("--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--fix", "tp=3"),
+             "tp=3 x pp=1 = 3 does not divide 8 GPUs")):
+        code, _, err = run_cli(capsys, "plan", *argv, "--global-batch", "64", "--seq-len", "128")
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_rejected_fix_shows_its_memory_and_what_fits(capsys):
+    code, _, err = run_cli(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                           "--global-batch", "64", "--seq-len", "2048", "--fix", "dp=8,recompute=full,mbs=1,zero=0")
+    assert code == 1
+    assert "dp=8,microbatches=8,recompute=full,mbs=1,zero=0 on dgx-h100 needs" in err and "optimizer_state" in err
+    assert "fits with" in err and "zero=3" in err
+
+
+def test_every_row_has_a_step_time_band(capsys):
+    import json
+
+    from phalanx.planner.validation import figures
+
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                           "--global-batch", "64", "--seq-len", "2048", "--json", "--top", "2")
+    plans = json.loads(out)["plans"]
+    assert code == 0 and all(p["step_time_band"] == figures()["published"]["median_abs_error"] for p in plans)
+    code, out, _ = run_cli(capsys, "plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8",
+                           "--global-batch", "64", "--seq-len", "2048", "--top", "1")
+    assert f"±{figures()['published']['median_abs_error']:.0%}" in out
+
+
+def test_train_plan_auto_plans_for_a_named_cluster():
+    from phalanx.launch import choose_auto_plan
+    from phalanx.model.config import model_config
+    from phalanx.train.config import TrainConfig
+
+    cfg = TrainConfig(model="llama3-8b", plan="auto", cluster="dgx-h100", device="cpu", global_batch=64, seq_len=2048)
+    chosen = choose_auto_plan(cfg, 8).plan
+    # The plan the planner ranks first for that cluster, not for this CPU.
+    expected = auto_plan(model_config("llama3-8b"), world_size=8, global_batch=64, seq_len=2048, cluster="dgx-h100")
+    assert chosen == expected.to_string()

@@ -84,11 +84,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        # n_layers may be 0 (calibration times the embedding and loss alone); a model file
-        # that asks for no layers is refused where model files are read.
-        if self.n_layers < 0:
-            problems.append(f"n_layers={self.n_layers} must not be negative")
-        for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "ffn_dim", "moe_every"):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         if problems:  # the checks below divide by these

@@ -1,6 +1,7 @@
 """The planner: pick a parallel layout from a cluster description and a model's shape.
 
-hardware.py  cluster description (presets, TOML/JSON files)
+hardware.py  cluster description: the hardware (presets, TOML/JSON files)
+framework_costs.py  the measured framework overheads a cluster file may carry
 model_spec.py  model description (presets, project JSON, Hugging Face config.json)
 layout.py  a candidate: the Plan plus micro-batch size and ZeRO level; the workload
 comm.py  alpha-beta collective times on the two link levels
@@ -9,8 +10,9 @@ cost.py  compute, communication and bubble formulas: one candidate's step time a
 search.py  enumerate layouts, prune by memory, rank, explain; `auto_plan` for the trainer
 report.py  the plan table and the JSON records
 simulate.py  per-rank timeline of one step as a Chrome trace and a PNG
-calibrate.py  measure this machine and write a cluster file
 cli.py  the `plan`, `simulate` and `calibrate` subcommands
 
-Nothing here needs torch except calibrate.py: planning a 400B model runs on a laptop.
+Nothing here needs torch: planning a 400B model runs on a laptop. Measuring a machine is
+`phalanx.calibrate`'s job; the planner only reads the cluster files it writes. The rules of a
+layout (tp divides heads, micro-batches per schedule, ...) are in `phalanx.layout_rules`.
 """

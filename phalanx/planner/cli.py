@@ -15,7 +15,8 @@ from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.report import COLUMNS, format_table, plan_record, table_rows
-from phalanx.planner.search import SearchSpace, explain, parse_fix, search
+from phalanx.planner.search import SearchSpace, explain, fit_hints, fix_problems, parse_fix, search
+from phalanx.planner.validation import step_time_band
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -76,6 +77,8 @@ def run_plan(args) -> int:
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]
     if args.gpus < 1:
         raise UserError(f"--gpus={args.gpus} must be at least 1")
+    for cluster in clusters:
+        cluster.check_device_count(args.gpus)
     fixed = parse_fix(args.fix)
     space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
     options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather)
@@ -84,11 +87,11 @@ def run_plan(args) -> int:
         result = search(model, cluster, workload, world_size=args.gpus, fixed=fixed, space=space,
                         options=options, keep=args.top)
         if not result.ranked and result.considered == 0:
-            raise UserError(_why_empty(args, fixed))
+            raise UserError(_why_empty(args, fixed, fix_problems(model, workload, args.gpus, fixed, space)))
         results.append((cluster, result))
     if args.json:
         out = [{"cluster": c.name, "considered": r.considered, "pruned_memory": r.pruned_memory,
-                "search_seconds": r.seconds, "plans": [plan_record(e) for e in r.ranked]} for c, r in results]
+                "search_seconds": r.seconds, "plans": [plan_record(e, step_time_band(c)) for e in r.ranked]} for c, r in results]
         print(json.dumps(out[0] if len(out) == 1 else {"clusters": out}, indent=2))
         return 0 if all(r.ranked for _, r in results) else 1
     if len(results) > 1:
@@ -97,7 +100,7 @@ def run_plan(args) -> int:
         cluster, result = results[0]
         print(f"{model.name} on {args.gpus} x {cluster.name}, global batch {args.global_batch} x {args.seq_len} tokens")
         if result.ranked:
-            print(format_table(COLUMNS, table_rows(result.ranked)))
+            print(format_table(COLUMNS, table_rows(result.ranked, step_time_band(cluster))))
             print()
             print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
             print(f"best plan: --plan {result.ranked[0].layout.to_plan().to_string()}"
@@ -106,27 +109,42 @@ def run_plan(args) -> int:
               f"(> {cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB usable), "
               f"search took {result.seconds:.2f} s")
     if not all(r.ranked for _, r in results):
+        for cluster, result in results:
+            if not result.ranked and result.fastest_pruned and args.fix:
+                print(_rejected(model, cluster, workload, result.fastest_pruned, options), file=sys.stderr)
         print("no layout fits in memory; try more GPUs, recompute=full or fsdp", file=sys.stderr)
         return 1
     return 0
 
 
-def _why_empty(args, fixed: dict) -> str:
+def _why_empty(args, fixed: dict, reasons: list[str]) -> str:
     text = f"no layout of {args.gpus} GPUs matches"
     if args.fix:
         text += f" --fix {args.fix}"
+    if reasons:
+        return f"{text}: {'; '.join(reasons)}"
     return text + (f" with global batch {args.global_batch} (dp x mbs x microbatches must equal it, "
                    "tp must divide the heads and feed-forward size, pp at most the layer count; the phalanx "
                    "trainer also needs tp to divide the KV heads and vocabulary: --any-runtime lifts that)")
+
+
+def _rejected(model, cluster, workload, est, options) -> str:
+    """A --fix layout that does not fit: its GiB per category, and single changes that fit."""
+    usable = cluster.memory_gib - cluster.memory_reserved_gib
+    parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in est.memory_breakdown.items())
+    hints = fit_hints(model, cluster, workload, est, options)
+    fix = ("; fits with " + " or ".join(hints)) if hints else "; no single change of recompute, zero or mbs fits it"
+    return (f"{est.layout.to_string()} on {cluster.name} needs {est.memory_gib:.1f} GiB of {usable:.1f} usable "
+            f"({parts} GiB){fix}")
 
 
 def _print_side_by_side(model_name: str, args, results) -> None:
     print(f"best plan for {model_name} on {args.gpus} GPUs, global batch {args.global_batch} x {args.seq_len}")
     names = [c.name for c, _ in results]
     fields = ["dp", "tp", "pp", "ep", "mbs", "microbatches", "schedule", "virtual", "recompute", "zero",
-              "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu"]
+              "step_time_s", "step_time_band", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu"]
     rows = []
-    records = [plan_record(r.ranked[0]) if r.ranked else None for _, r in results]
+    records = [plan_record(r.ranked[0], step_time_band(c)) if r.ranked else None for c, r in results]
     for f in fields:
         row = [f]
         for rec in records:
@@ -146,7 +164,7 @@ def run_simulate(args) -> int:
 
 
 def run_calibrate(args) -> int:
-    from phalanx.planner.calibrate import calibrate_command
+    from phalanx.calibrate.command import calibrate_command
 
     return calibrate_command(args)
 

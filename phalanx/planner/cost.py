@@ -48,6 +48,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from phalanx import layout_rules as rules
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
@@ -57,7 +58,8 @@ from phalanx.planner.memory import (
     layer_activation_bytes,
     layers_per_stage,
     param_counts,
-    state_bytes_per_param,
+    state_bytes,
+    weight_gradient_input_bytes,
 )
 
 BF16 = 2
@@ -345,16 +347,15 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
     lay = layout
     if lay.world_size != world_size:
         out.append(f"dp={lay.dp} x tp={lay.tp} x pp={lay.pp} = {lay.world_size}, not {world_size} GPUs")
-    if model.n_heads % lay.tp or (model.n_kv_heads % lay.tp and lay.tp % model.n_kv_heads):
-        out.append(f"tp={lay.tp} does not split n_heads={model.n_heads} / n_kv_heads={model.n_kv_heads}")
-    if model.ffn_dim % lay.tp or (model.n_experts and model.moe_ffn_dim % lay.tp):
-        out.append(f"tp={lay.tp} does not divide the feed-forward size")
-    if lay.ep > 1 and (not model.n_experts or model.n_experts % lay.ep):
-        out.append(f"ep={lay.ep} must divide n_experts={model.n_experts}")
-    if lay.dp % lay.ep:
-        out.append(f"ep={lay.ep} must divide dp={lay.dp}")
-    if lay.pp * lay.virtual > model.n_layers:
-        out.append(f"pp={lay.pp} x virtual={lay.virtual} exceeds n_layers={model.n_layers}")
+    for problem in (
+            rules.tp_problem(lay.tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
+                             vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
+                             n_experts=model.n_experts, padded=True),
+            rules.ep_problem(lay.ep, dp=lay.dp, n_experts=model.n_experts),
+            rules.pipeline_problem(lay.schedule, pp=lay.pp, virtual=lay.virtual, microbatches=lay.microbatches,
+                                   n_layers=model.n_layers)):
+        if problem:
+            out.append(problem)
     if workload.global_batch != lay.dp * lay.mbs * lay.microbatches:
         out.append(f"dp={lay.dp} x mbs={lay.mbs} x microbatches={lay.microbatches} != global batch {workload.global_batch}")
     if lay.zero not in (0, 1, 2, 3):
@@ -392,10 +393,11 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     n_moe_total = _moe_layers(model)
     n_moe = min(n, n_moe_total)  # the most loaded stage holds MoE layers where there are any
     n_dense = n - n_moe
-    overhead = cluster.overhead_per_rank(world)
+    fw, queue = cluster.framework, cluster.queueing(world)
+    overhead = fw.layer_overhead_us * 1e-6 * queue
     if lay.tp > 1:
-        overhead += (cluster.tp_layer_overhead_us * 1e-6 + (cluster.sp_layer_overhead_us * 1e-6 if lay.sp else 0.0)
-                     + cluster.tp_element_overhead_ns * 1e-9 * lay.mbs * seq * model.dim) * cluster.queueing(world)
+        overhead += (cluster.framework.tp_layer_overhead_us * 1e-6 + (cluster.framework.sp_layer_overhead_us * 1e-6 if lay.sp else 0.0)
+                     + cluster.framework.tp_element_overhead_ns * 1e-9 * lay.mbs * seq * model.dim) * cluster.queueing(world)
     kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=peak, flash=options.flash_attention,
               memory_bw=memory_bw, overhead=overhead)
     dense = layer_cost(model, cluster, moe=False, **kw)
@@ -434,20 +436,20 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     logit_elements = tokens * vocab
 
     # Tensor parallelism's cost beyond the layers (DTensor embedding, output and loss; CPUs).
-    tp_root = cluster.tp_microbatch_overhead_us * 1e-6 * cluster.queueing(world) if lay.tp > 1 else 0.0
+    tp_root = cluster.framework.tp_microbatch_overhead_us * 1e-6 * cluster.queueing(world) if lay.tp > 1 else 0.0
     comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw + tp_root
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
     rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
-        comp_r_fixed = n * cluster.recompute_overhead_us * 1e-6 * cluster.queueing(world)
+        comp_r_fixed = n * cluster.framework.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
         comp_r_fixed = 0.0
     comp_rw = 0.0  # forwards re-run for the weight gradients, in the W slots
     if lay.recompute == "full":
         comp_r, comm_r = n_dense * dense.f + n_moe * moe.f + comp_r_fixed, tp_f + ep_f
         if options.split_backward_recompute and p > 1 and lay.schedule == "zbv":
-            rerun = cluster.split_rerun_overhead_us * 1e-6 * cluster.queueing(world)
+            rerun = cluster.framework.split_rerun_overhead_us * 1e-6 * cluster.queueing(world)
             comp_rw = (n_dense * weight_tensors(model, moe=False) * (dense.f + rerun)
                        + n_moe * weight_tensors(model, moe=True) * (moe.f + rerun)
                        + n_dense * weight_tensors(model, moe=False) * exposed(t_tp, dense.gemm_f)
@@ -469,7 +471,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         t_send = comm.send(cluster, boundary_bytes, same_domain=same)
         pp_comm = 2 * t_send * (m * v + p - 1)
         # The pipeline runtime's own cost per action beyond compute and bytes (CPUs, measured).
-        pp_comm += m * actions_per_microbatch(lay.schedule, v) * cluster.pp_action_s(lay.schedule) * cluster.queueing(world)
+        pp_comm += m * actions_per_microbatch(lay.schedule, v) * cluster.framework.pp_action_s(lay.schedule) * cluster.queueing(world)
     else:
         pp_comm = 0.0
 
@@ -488,8 +490,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     optimizer = (local_state * (OPTIMIZER_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
                  + grad_buffer * GRAD_ZERO_BYTES_PER_PARAM) / memory_bw
 
-    step_overhead = cluster.step_overhead_per_rank(world)
-    optimizer_layer = cluster.optimizer_layer_overhead_us + (cluster.tp_optimizer_layer_overhead_us if lay.tp > 1 else 0.0)
+    step_overhead = fw.step_overhead_ms * 1e-3 * queue
+    optimizer_layer = cluster.framework.optimizer_layer_overhead_us + (cluster.framework.tp_optimizer_layer_overhead_us if lay.tp > 1 else 0.0)
     step_overhead += n * optimizer_layer * 1e-6 * cluster.queueing(world)
     step = m * per_mb + bubble + pp_comm + dp_comm + optimizer + step_overhead
     breakdown = {
@@ -547,6 +549,7 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     """Exposed data-parallel seconds per step."""
     if lay.dp == 1:
         return 0.0
+    fw, queue = cluster.framework, cluster.queueing(lay.world_size)
     g = options.grad_reduce_bytes
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
@@ -562,12 +565,12 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     # reduces gradients once, after the last micro-batch: per-step and per-micro-batch costs
     # measured in that mode; otherwise FSDP reshards and is timed per micro-batch.
     if lay.pp > 1:
-        fsdp_unit = cluster.fsdp_pp_unit_s(lay.world_size, lay.microbatches)
+        fsdp_unit = fw.fsdp_pp_unit_s(lay.world_size, lay.microbatches, queue)
     else:
-        fsdp_unit = lay.microbatches * cluster.fsdp_unit_s(lay.world_size)
+        fsdp_unit = lay.microbatches * fw.fsdp_unit_s(lay.world_size, queue)
     wrap_cost = wrapped * fsdp_unit
     if lay.zero == 0 and not wrapped:  # DDP: its hooks' collective waits for busy cores (CPUs)
-        wrap_cost += cluster.ddp_overhead_s(lay.world_size)
+        wrap_cost += fw.ddp_overhead_s(lay.world_size)
     rs = ag = ar_replica = 0.0
     for params, size, stride in groups:
         pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))
@@ -613,8 +616,13 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
             shared: float, experts: float, c) -> dict[str, float]:
     """Peak bytes on the most loaded device, by cause."""
     shard = lay.dp // lay.replicate
-    state = (shared * state_bytes_per_param(lay.zero, shard)
-             + experts * state_bytes_per_param(lay.zero, max(1, shard // lay.ep)))
+    layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
+    state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
+                        microbatches=lay.microbatches, pp=lay.pp)
+    if experts:
+        expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
+                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp)
+        state = {k: v + expert_state[k] for k, v in state.items()}
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
     per_layer = lambda moe, rc: _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
     share = recompute_share(model, lay)  # the other layers keep all their activations
@@ -633,8 +641,22 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
         last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
         last = stage_act * last_in_flight + rematerialised
         activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
-    out = {"model_state": state, "activations": activations, "logits": logits_held}
-    if lay.zero == 3:  # two layers' unsharded bf16 parameters and fp32 gradients in flight
-        per_layer_params = (c.attention + max(c.dense_mlp, c.moe_other + c.experts / lay.ep)) / lay.tp
-        out["fsdp_buffers"] = 2 * per_layer_params * (BF16 + 4)
+    if lay.schedule == "zbv" and lay.pp > 1:
+        # Deferred weight gradients: after a chunk's B, its W still needs the inputs of the
+        # chunk's linear layers; zbv runs W late (in the cool-down at the latest), up to pp
+        # micro-batches of one chunk (half the stage) on the first rank. Layers under full
+        # recompute re-run their forward for W (split_backward_recompute) and hold nothing.
+        held_share = 1 - share if lay.recompute == "full" else 1.0
+        w_inputs = sum(count * weight_gradient_input_bytes(model, moe=moe, **kw)
+                       for count, moe in ((n - n_moe, False), (n_moe, True)))
+        activations += min(lay.microbatches, lay.pp) * held_share * w_inputs / 2
+    tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
+    buffers = 0.0
+    if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
+        buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
+    if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
+        buffers += 2 * tokens_bytes
+    if lay.pp > 1:  # send and receive buffers, both directions
+        buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
+    out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
     return out

@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.errors import UserError
+from phalanx.planner.framework_costs import FIELD_NAMES as FRAMEWORK_FIELDS
+from phalanx.planner.framework_costs import FrameworkCosts
 
 
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """One homogeneous cluster; every figure is per device unless the name says otherwise."""
-
     name: str = "custom"
     devices_per_node: int = 8
     """Devices in one machine (for display and for CPU sharing; links use fast_domain)."""
@@ -70,60 +72,6 @@ class Cluster:
     and the last wave may leave some idle. 0 (CPUs) means no wave quantization."""
     attention_efficiency: float = 0.50
     """Fraction of peak of fused (flash) attention, forward and backward together."""
-    layer_overhead_us: float = 0.0
-    """Fixed time per layer per micro-batch per pass that no FLOP count explains (launches, Python)."""
-    step_overhead_ms: float = 0.0
-    """Fixed time per optimizer step besides the layers (loss, clipping, optimizer launches)."""
-    optimizer_layer_overhead_us: float = 0.0
-    """Fixed time per layer per optimizer step of clipping, AdamW and zeroing beyond their
-    bytes (per-tensor work): measured on CPUs, 0 on the GPU presets."""
-    fsdp_unit_overhead_us: float = 0.0
-    """Framework time FSDP adds per sharded layer per micro-batch (hooks, copies, waits) beyond
-    its collectives' alpha-beta time: measured on CPUs, hidden by GPU asynchrony (0)."""
-    tp_layer_overhead_us: float = 0.0
-    """Framework time tensor parallelism adds per layer per pass (DTensor dispatch) beyond its
-    collectives: measured on CPUs, hidden by GPU asynchrony (0)."""
-    tp_element_overhead_ns: float = 0.0
-    """Framework time tensor parallelism adds per activation element (tokens x dim of the
-    micro-batch) per layer per pass, beyond its collectives' bytes (DTensor redistribution
-    copies, which grow with the activation): measured on CPUs from 8 tokens to a real
-    micro-batch, 0 on the GPU presets."""
-    sp_layer_overhead_us: float = 0.0
-    """Framework time sequence parallelism adds per layer per pass on top of
-    `tp_layer_overhead_us` (its norms run as DTensors, the gathers and scatters around the
-    column/row-wise regions): measured on CPUs with phalanx's own plan, 0 on the GPU presets."""
-    tp_microbatch_overhead_us: float = 0.0
-    """Framework time tensor parallelism (with sp) adds per micro-batch beyond its layers: the
-    embedding, output and vocabulary-parallel loss as DTensors; measured on CPUs, 0 on GPUs."""
-    tp_optimizer_layer_overhead_us: float = 0.0
-    """Framework time per layer per optimizer step that clipping, AdamW and zeroing add on
-    tensor-parallel (DTensor) parameters; measured on CPUs, 0 on GPUs."""
-    ddp_step_overhead_ms: tuple[tuple[int, float], ...] = ()
-    """(processes, ms per step) DDP's gradient sync costs beyond its all-reduce's alpha-beta
-    time, measured by calibrate on CPUs (the bucket all-reduce waits for cores busy with the
-    backward); () on the GPU presets."""
-    fsdp_unit_overhead_groups: tuple[tuple[int, float], ...] = ()
-    """(processes, us) `fsdp_unit_overhead_us` measured by calibrate at each group size, the
-    contention of that many processes on the cores included; () on the GPU presets."""
-    fsdp_pp_unit_overhead_us: float = 0.0
-    """Framework time per FSDP unit per optimizer step under pipeline parallelism, where the
-    trainer keeps the weights gathered and reduces gradients once, after the last micro-batch;
-    measured on CPUs, 0 on GPUs."""
-    fsdp_pp_microbatch_overhead_us: float = 0.0
-    """The same per unit per micro-batch (FSDP's hooks around every forward and backward)."""
-    fsdp_pp_overhead_groups: tuple[tuple[int, float, float], ...] = ()
-    """(processes, us per unit per step, us per unit per micro-batch): the two above measured
-    at each group size, contention included (CPUs)."""
-    pp_action_overhead_us: tuple[tuple[str, float], ...] = ()
-    """(schedule, us) the pipeline runtime costs per action (one chunk's forward, backward,
-    input- or weight-gradient of one micro-batch) beyond the stage's compute and its sends'
-    bytes: measured by calibrate on CPUs for 1f1b (gpipe too), interleaved, zbv and dualpipev."""
-    recompute_overhead_us: float = 0.0
-    """Framework time activation checkpointing adds per layer per micro-batch besides the
-    recomputed forward: measured on CPUs, 0 on GPUs."""
-    split_rerun_overhead_us: float = 0.0
-    """The same for each of the forward re-runs a checkpointed block makes under a split
-    backward (zbv: one per weight tensor): measured on phalanx's zbv pipeline on CPUs, 0 on GPUs."""
     shared_compute: bool = False
     """True for CPUs: peak_tflops is the whole node's, shared by the ranks placed on it."""
     thread_speedup: float = 0.0
@@ -135,6 +83,9 @@ class Cluster:
     """(group size, latency us per step, bus GB/s) measured by calibrate; they replace the intra
     figures for groups of that size inside the fast domain (a CPU's collectives slow down as
     more processes share its cores)."""
+    framework: FrameworkCosts = FrameworkCosts()
+    """What the training framework costs beyond FLOPs, bytes and collectives (measured by
+    `phalanx calibrate` on CPUs; none on the GPU presets)."""
 
     def intra_link(self, size: int) -> tuple[float, float]:
         """(latency us, bus GB/s) of a group of `size` ranks inside one fast domain."""
@@ -149,34 +100,12 @@ class Cluster:
         CPU, where gloo's collectives run on the computing cores and nothing overlaps)."""
         return 0.0 if self.shared_compute else self.comm_sm_fraction
 
-    def fsdp_pp_unit_s(self, size: int, microbatches: int) -> float:
-        """Seconds FSDP adds per unit per step under pp on `size` processes: measured at that
-        size, or the 2-process figures shared out like other fixed costs (queueing)."""
-        if self.fsdp_pp_overhead_groups:
-            step = _by_size(tuple((n, a) for n, a, _ in self.fsdp_pp_overhead_groups), size)
-            per_mb = _by_size(tuple((n, b) for n, _, b in self.fsdp_pp_overhead_groups), size)
-            return (step + microbatches * per_mb) * 1e-6
-        return ((self.fsdp_pp_unit_overhead_us + microbatches * self.fsdp_pp_microbatch_overhead_us) * 1e-6
-                * self.queueing(size))
-
-    def ddp_overhead_s(self, size: int) -> float:
-        """Seconds per step DDP adds beyond its all-reduce on `size` processes."""
-        return _by_size(self.ddp_step_overhead_ms, size) * 1e-3
-
-    def fsdp_unit_s(self, size: int) -> float:
-        """Seconds FSDP adds per unit per micro-batch on `size` processes: measured at that
-        size, or the 2-process figure shared out like other fixed costs (queueing)."""
-        if self.fsdp_unit_overhead_groups:
-            return _by_size(self.fsdp_unit_overhead_groups, size) * 1e-6
-        return self.fsdp_unit_overhead_us * 1e-6 * self.queueing(size)
-
-    def pp_action_s(self, schedule: str) -> float:
-        """Seconds the pipeline runtime adds per action of `schedule` (gpipe runs 1f1b's)."""
-        name = "1f1b" if schedule == "gpipe" else schedule
-        return next((us * 1e-6 for s, us in self.pp_action_overhead_us if s == name), 0.0)
-
     def __post_init__(self) -> None:
         problems = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                problems.append(f"{f.name}={value} must be a finite number")
         for name in ("devices_per_node", "fast_domain"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
@@ -186,13 +115,40 @@ class Cluster:
                      "matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
-        for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency"):
+        for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency",
+                     "comm_sm_fraction"):
             if getattr(self, name) > 1:
                 problems.append(f"{name}={getattr(self, name)} is a fraction of peak, at most 1")
+        for name in ("memory_reserved_gib", "intra_latency_us", "inter_latency_us", "matmul_half_dim",
+                     "comm_sm_fraction", "thread_speedup"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.memory_reserved_gib >= self.memory_gib:
             problems.append(f"memory_reserved_gib={self.memory_reserved_gib} leaves nothing of memory_gib={self.memory_gib}")
+        for size, latency, bw in self.measured_groups:
+            if size < 1 or not (math.isfinite(latency) and latency >= 0) or not (math.isfinite(bw) and bw > 0):
+                problems.append(f"measured_groups row [{size}, {latency}, {bw}] needs a group size of at least 1, "
+                                "a latency >= 0 and a bandwidth > 0")
+                break
+        problems += self.framework.problems()
         if problems:
             raise UserError(f"cluster {self.name!r}: " + "; ".join(problems))
+
+    def check_device_count(self, devices: int) -> None:
+        """A job takes whole nodes, or an even share of one (1, 2, 4 of 8): 7 GPUs of an 8-GPU
+        node is no allocation a scheduler hands out, and its layouts (pp=7) would not be the
+        ones a real job runs. CPUs (shared_compute, `local`) run any count of processes."""
+        if devices < 1:
+            raise UserError(f"{devices} devices: must be at least 1")
+        per_node = self.devices_per_node
+        if self.shared_compute or self.name == "local" or per_node % devices == 0 or devices % per_node == 0:
+            return
+        near = sorted({d for d in range(1, per_node + 1) if per_node % d == 0}
+                      | {per_node * k for k in (devices // per_node, devices // per_node + 1) if k})
+        lower = max((d for d in near if d < devices), default=near[0])
+        upper = min(d for d in near if d > devices)
+        raise UserError(f"{devices} GPUs on {self.name!r} ({per_node} per node): a GPU count must fill whole "
+                        f"nodes or divide one (e.g. {lower} or {upper})")
 
     @property
     def usable_bytes(self) -> float:
@@ -224,24 +180,8 @@ class Cluster:
         rate = 1 + (threads - 1) * (self.thread_speedup - 1) / (cores - 1)
         return rate / threads
 
-    def overhead_per_rank(self, world_size: int) -> float:
-        """Seconds of fixed per-layer cost; on a CPU, ranks beyond the cores queue for them."""
-        return self.layer_overhead_us * 1e-6 * self.queueing(world_size)
-
-    def step_overhead_per_rank(self, world_size: int) -> float:
-        return self.step_overhead_ms * 1e-3 * self.queueing(world_size)
-
     def queueing(self, world_size: int) -> float:
         return max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
-
-
-def _by_size(rows: tuple[tuple[int, float], ...], size: int) -> float:
-    """A figure measured per group size: that size's, else the nearest measured one scaled by
-    the size ratio (0 with no measurement)."""
-    if not rows or size < 2:
-        return 0.0
-    n, value = min(rows, key=lambda row: abs(row[0] - size))
-    return value * size / n
 
 
 # Presets. Link figures are the measured ones of published-figures.md section 2; peak and
@@ -274,11 +214,20 @@ PRESETS: dict[str, Cluster] = {
                 peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02, hbm_efficiency=1.0,
                 intra_bw_gbs=2.0, inter_bw_gbs=2.0, intra_latency_us=50.0, inter_latency_us=50.0,
                 matmul_efficiency=1.0, matmul_half_dim=32.0, attention_efficiency=0.5,
-                layer_overhead_us=300.0, shared_compute=True, comm_sm_fraction=0.0),
+                framework=FrameworkCosts(layer_overhead_us=300.0), shared_compute=True, comm_sm_fraction=0.0),
     ]
 }
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Cluster)}
+_FIELDS = {f.name: f for f in (*dataclasses.fields(Cluster), *dataclasses.fields(FrameworkCosts))
+           if f.name != "framework"}
+"""A cluster file's keys: the hardware's and the framework costs', side by side."""
+
+
+def cluster_to_dict(cluster: Cluster) -> dict:
+    """The flat table a cluster file holds (what `cluster_from_dict` reads back)."""
+    out = dataclasses.asdict(cluster)
+    out.update(out.pop("framework"))
+    return out
 
 
 def local_cluster_path() -> Path:
@@ -335,7 +284,8 @@ def cluster_from_dict(data: dict, *, source: str) -> Cluster:
     values.setdefault("name", Path(source).stem)
     if "measured_groups" in values:  # written by calibrate, before hbm_efficiency existed: measured bandwidth
         values.setdefault("hbm_efficiency", 1.0)
-    return Cluster(**values)
+    framework = FrameworkCosts(**{k: values.pop(k) for k in FRAMEWORK_FIELDS if k in values})
+    return Cluster(framework=framework, **values)
 
 
 def load_cluster_file(path: str | Path) -> Cluster:
@@ -353,6 +303,23 @@ def load_cluster_file(path: str | Path) -> Cluster:
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cluster file {str(path)!r} is not valid {path.suffix[1:].upper() or 'JSON'}: {exc}") from None
     return cluster_from_dict(data, source=str(path))
+
+
+GPU_PRESETS = (("GB200", "gb200-nvl72"), ("H800", "hgx-h800"), ("H200", "dgx-h200"), ("H100", "dgx-h100"),
+               ("A100", "dgx-a100"))
+"""A GPU's name (as CUDA reports it) -> the preset of the machines it comes in."""
+
+
+def this_machine(gpu_name: str = "") -> str:
+    """The cluster `--plan auto` plans for when none is named: this machine's calibration if
+    there is one; else, on a GPU, the preset of its kind (a datasheet beats the CPU guess);
+    else `local`."""
+    if local_cluster_path().exists() or not gpu_name:
+        return "local"
+    upper = gpu_name.upper()
+    if "PCIE" in upper and "H100" in upper:
+        return "pcie-h100"
+    return next((preset for key, preset in GPU_PRESETS if key in upper), "local")
 
 
 def cluster_from_name(name: str) -> Cluster:

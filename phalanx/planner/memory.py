@@ -128,3 +128,51 @@ def in_flight_microbatches(*, schedule: str, pp: int, virtual: int, microbatches
 def layers_per_stage(n_layers: int, pp: int, virtual: int) -> int:
     """Layers on the most loaded pipeline rank (chunks of ceil(L / (pp * v)) layers)."""
     return virtual * math.ceil(n_layers / (pp * virtual))
+
+
+GATHERED_LAYERS = 2
+"""Layers whose parameters FSDP (zero 3) holds gathered at once outside pp: the one running and
+the next, prefetched (FSDP2's default forward and backward prefetch of one unit)."""
+
+
+def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, microbatches: int,
+                pp: int) -> dict[str, float]:
+    """Parameter, gradient and optimizer bytes of `params` parameters (a rank's stage, over tp)
+    sharded `shards` ways at a ZeRO level, as the time model's collectives run them.
+
+    The time model reduces gradients once per step after the last micro-batch (zero 0 and 1
+    always; zero 2 and 3 whenever there is more than one micro-batch: the trainer turns
+    gradient sync off for all but the last), so the fp32 gradients of the whole stage
+    accumulate unsharded for the step. With one micro-batch, zero 2 and 3 reduce-scatter
+    during backward: sharded gradients plus the layers in flight.
+    Parameters: zero 0 and 1 hold them whole; zero 2 gathers them once and keeps them through
+    backward (whole at the peak, beside the shard); zero 3 gathers `GATHERED_LAYERS` layers at a
+    time, except under pp, where the trainer keeps the stage gathered for the whole step
+    (gathered once per step, the time model's charge).
+    """
+    param, grad, optim = STATE_BYTES
+    n = max(1, shards)
+    if zero == 0:
+        return {"parameters": param * params, "gradients": grad * params, "optimizer_state": optim * params}
+    accumulate = zero <= 1 or microbatches > 1
+    gradients = grad * params if accumulate else grad * (params / n + GATHERED_LAYERS * layer_params)
+    if zero == 1:
+        parameters = param * params
+    elif zero == 2 or pp > 1:
+        parameters = param * (params / n + params)
+    else:
+        parameters = param * (params / n + GATHERED_LAYERS * layer_params)
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optim * params / n}
+
+
+def weight_gradient_input_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, moe: bool) -> float:
+    """Bytes of one layer's activations a deferred weight gradient (W) still needs after the
+    input gradient (B) ran: the inputs of its linear layers (16-bit): the attention input
+    (q, k, v), the output projection's input, the MLP input and the down projection's input.
+    zbv runs W late; these stay until it does."""
+    s, b, h = seq, mbs, model.dim
+    f = model.moe_ffn_dim * (model.experts_per_token + model.n_shared_experts) if moe else model.ffn_dim
+    tokens_in = (2 * s * b * h) * (2 if moe else 1)  # routed copies of the MLP input under MoE
+    replicated = 2 * s * b * h + tokens_in  # attention and MLP inputs: whole under tp, split by sp
+    split = 2 * s * b * h + 2 * s * b * f  # output projection's and down projection's inputs
+    return replicated / (tp if sp else 1) + split / tp

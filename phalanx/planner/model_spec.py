@@ -18,6 +18,9 @@ from phalanx.model.config import PRESETS, ModelConfig
 from phalanx.model.hf_config import config_path, from_hf_dict
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+"""What a project model file must give: ModelConfig's defaults are a toy model's, and planning
+a large model with a few of them left in would be silently wrong."""
 
 
 def model_from_dict(data: dict, *, source: str) -> ModelConfig:
@@ -37,6 +40,10 @@ def model_from_dict(data: dict, *, source: str) -> ModelConfig:
         if kind is int and raw != int(raw):
             raise UserError(f"{source}: {key} must be an integer, got {raw!r}")
         values[key] = kind(raw) if kind in (int, float) else raw
+    missing = [key for key in SHAPE_KEYS if key not in data]
+    if missing:
+        raise UserError(f"{source}: missing model key{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                        f"(a project model file gives the whole shape: {', '.join(SHAPE_KEYS)})")
     values.setdefault("name", Path(source).stem)
     return ModelConfig(**values)
 

@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
@@ -86,17 +87,20 @@ def _schedules(space: SearchSpace, pp: int, m: int, n_layers: int) -> list[tuple
         return [("1f1b", 1)]
     out = []
     for name in space.schedules:
-        if name != "gpipe" and m < pp:
-            continue
-        if name in ("gpipe", "1f1b"):
-            out.append((name, 1))
-        elif name == "interleaved":
-            # Micro-batches run in rounds of about pp; the rounds must split them evenly.
-            if m % max(1, m // pp) == 0:
-                out += [(name, v) for v in space.virtual if pp * v <= n_layers]
-        elif pp * 2 <= n_layers and (name == "zbv" or m >= 2 * pp):  # DualPipe: two per stage
-            out.append((name, 2))
+        virtuals = space.virtual if name == "interleaved" else (2,) if name in rules.V_SCHEDULES else (1,)
+        out += [(name, v) for v in virtuals
+                if not rules.pipeline_problem(name, pp=pp, virtual=v, microbatches=m, n_layers=n_layers)]
     return out
+
+
+def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
+    """Why tp cannot split this model in the implementations the search covers."""
+    problem = rules.tp_problem(tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
+                               vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
+                               n_experts=model.n_experts, padded=not space.phalanx_trainer)
+    if not problem and space.phalanx_trainer and tp > 1 and model.n_experts:
+        problem = f"tp={tp} with experts: the phalanx trainer does not run tp with MoE layers yet (--any-runtime)"
+    return problem
 
 
 def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -108,11 +112,7 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
     for tp in divisors(world_size):
         if f("tp", tp) != tp or (tp > max_tp and "tp" not in fixed):
             continue
-        if model.n_heads % tp or (model.n_kv_heads % tp and tp % model.n_kv_heads) or model.ffn_dim % tp:
-            continue
-        if model.n_experts and model.moe_ffn_dim % tp:
-            continue
-        if space.phalanx_trainer and tp > 1 and (model.n_kv_heads % tp or model.vocab_size % tp or model.n_experts):
+        if _tp_problem(model, tp, space):
             continue
         sp_ok = space.sequence_parallel and not (space.phalanx_trainer and workload.seq_len % tp)
         for pp in divisors(world_size // tp):
@@ -251,3 +251,52 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
                         f"{cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB per device "
                         f"({result.pruned_memory} pruned by memory)")
     return result.ranked[0].layout.to_plan()
+
+
+def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed: dict[str, object],
+                 space: SearchSpace) -> list[str]:
+    """Why no layout of `world_size` devices matches a `--fix`: the pinned knobs' own rules."""
+    f = fixed.get
+    tp, pp = int(f("tp", 1)), int(f("pp", 1))
+    out = []
+    if world_size % (tp * pp):
+        out.append(f"tp={tp} x pp={pp} = {tp * pp} does not divide {world_size} GPUs")
+    dp = int(f("dp", world_size // (tp * pp) if world_size % (tp * pp) == 0 else 0))
+    if "dp" in fixed and dp * tp * pp != world_size:
+        out.append(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp}, not {world_size} GPUs")
+    if dp and workload.global_batch % dp:
+        out.append(f"dp={dp} does not divide global batch {workload.global_batch}")
+    if dp and "mbs" in fixed and (workload.global_batch // dp) % int(fixed["mbs"]):
+        out.append(f"mbs={fixed['mbs']} does not divide the {workload.global_batch // dp} sequences per dp rank")
+    if problem := _tp_problem(model, tp, space):
+        out.append(problem + ("" if space.phalanx_trainer is False else " (in the phalanx trainer; --any-runtime "
+                                                                         "models implementations that pad)"))
+    if "ep" in fixed and dp and (problem := rules.ep_problem(int(fixed["ep"]), dp=dp, n_experts=model.n_experts)):
+        out.append(problem)
+    if pp > model.n_layers:
+        out.append(f"pp={pp} exceeds n_layers={model.n_layers}")
+    elif pp > 1 and dp and "schedule" in fixed:
+        m = int(f("microbatches", 0)) or workload.global_batch // dp // int(f("mbs", 1))
+        virtual = int(f("virtual", 2 if fixed["schedule"] in rules.V_SCHEDULES else 1))
+        if problem := rules.pipeline_problem(str(fixed["schedule"]), pp=pp, virtual=virtual, microbatches=m,
+                                             n_layers=model.n_layers):
+            out.append(problem)
+    return out
+
+
+def fit_hints(model: ModelConfig, cluster: Cluster, workload: Workload, est: Estimate,
+              options: Options = Options()) -> list[str]:
+    """For a layout that does not fit: single changes that make it fit, with their GiB and time."""
+    lay = est.layout
+    tries = []
+    if lay.recompute != "full" or lay.recompute_layers:
+        tries.append(lay.replace(recompute="full", recompute_layers=0))
+    tries += [lay.replace(zero=z) for z in (2, 3) if z > lay.zero]
+    if lay.mbs > 1:
+        tries.append(lay.replace(mbs=1, microbatches=lay.microbatches * lay.mbs))
+    out = []
+    for alt in tries:
+        other = evaluate(model, cluster, workload, alt, options)
+        if other.fits:
+            out.append(f"{alt.to_string()} ({other.memory_gib:.1f} GiB, {other.step_time_s:.4g} s)")
+    return out

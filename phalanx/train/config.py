@@ -31,6 +31,9 @@ class TrainConfig:
     tokenizer.json, else the one a prepared --data was made with, else bytes."""
     plan: str = ""
     """Parallel layout in the `--plan` grammar; empty = data parallel over all processes."""
+    cluster: str = ""
+    """What `--plan auto` plans for: a preset name or a cluster file; empty = this machine (its
+    calibration if `phalanx calibrate` wrote one, else the preset matching its GPUs, else `local`)."""
     nproc: int = 0
     """Local worker processes; 0 = as many as the plan names, else one per GPU, else one per
     CPU core (at most 8, and dividing global_batch)."""

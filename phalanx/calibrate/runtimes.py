@@ -36,10 +36,15 @@ import os
 import statistics
 import time
 
-from phalanx.planner.calibrate import init_worker  # calibrate imports this module only inside calibrate()
+from phalanx.calibrate.fit import all_reduce_s, fit_fsdp_pp, fit_split_rerun, fit_tp_step
+from phalanx.calibrate.workers import init_worker, run_workers
+from phalanx.calibrate.wrappers import fsdp_worker
+
 
 PP_TOKENS = (1, 16)
 """(micro-batch, sequence) of the pipeline measurement: small, so the runtime's cost shows."""
+
+
 DDP_TOKENS = (4, 128)
 """(micro-batch, sequence) of the DDP measurement: a real micro-batch, whose backward the
 bucket all-reduce competes with for the cores."""
@@ -47,7 +52,7 @@ bucket all-reduce competes with for the cores."""
 
 def _ddp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
     from phalanx.model.transformer import Transformer
-    from phalanx.planner.calibrate import overhead_model
+    from phalanx.calibrate.compute import overhead_model
 
     torch, dist = init_worker(rank, world, port, threads)
     cfg = overhead_model(2, DDP_TOKENS[1])
@@ -129,7 +134,7 @@ def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int
     from phalanx.parallel.grad_norm import clip_grad_norm
     from phalanx.parallel.tensor_parallel import apply_tp, loss_context
     from phalanx.plan import Plan
-    from phalanx.planner.calibrate import OVERHEAD_MODEL, OVERHEAD_TOKENS
+    from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS
     from phalanx.train.pipeline_step import token_loss
 
     torch, dist = init_worker(rank, world, port, threads)
@@ -138,7 +143,7 @@ def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int
     tokens = torch.randint(0, OVERHEAD_MODEL.get("vocab_size", 256), (b, s))
     best: dict = {}
     for _ in range(2):  # two rounds, each timing's best (see calibrate.measure_overheads)
-        for layers in (0, 1, 9):  # 0: embedding, output and loss alone
+        for layers in (1, 9):  # the intercept at 0: embedding, output and loss alone
             for tp in (False, True):
                 torch.manual_seed(0)
                 model = Transformer(ModelConfig(name="tp-step", n_layers=layers, max_seq_len=s, **OVERHEAD_MODEL))
@@ -166,25 +171,6 @@ def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int
     dist.destroy_process_group()
 
 
-def fit_tp_step(sample: dict) -> dict:
-    """What tensor parallelism (with sp) adds beyond its layers: per micro-batch, the extra
-    forward+backward time of the model without blocks (embedding, output, the
-    vocabulary-parallel loss); per layer per step, the slope over 1 -> 9 blocks of the extra
-    clipping, AdamW and zeroing time (their per-tensor DTensor dispatch)."""
-    extra = {(key, n): sample[f"{key}:{n}:1"] - sample[f"{key}:{n}:0"] for key in ("step", "tail") for n in (0, 1, 9)}
-    return {"tp_microbatch_overhead_us": max(0.0, extra[("step", 0)]) * 1e6,
-            "tp_optimizer_layer_overhead_us": max(0.0, (extra[("tail", 9)] - extra[("tail", 1)]) / 8) * 1e6}
-
-
-def fit_fsdp_pp(sample: dict) -> dict:
-    """Per unit per step and per unit per micro-batch (us) from `_fsdp_pp_worker`'s extra
-    seconds at (blocks, micro-batches) = (1|5, 1|3): the slope over 4 blocks is a + b m."""
-    s1 = (sample["5:1"] - sample["1:1"]) / 4
-    s3 = (sample["5:3"] - sample["1:3"]) / 4
-    per_mb = max(0.0, (s3 - s1) / 2)
-    return {"fsdp_pp_unit_overhead_us": max(0.0, s1 - per_mb) * 1e6, "fsdp_pp_microbatch_overhead_us": per_mb * 1e6}
-
-
 PP_SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev")
 """The schedules whose runtime cost is measured (gpipe runs 1f1b's actions)."""
 
@@ -193,7 +179,7 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
     from phalanx.parallel.apply import parallelize
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import parse_plan
-    from phalanx.planner.calibrate import overhead_model
+    from phalanx.calibrate.compute import overhead_model
     from phalanx.planner.cost import actions_per_microbatch, weight_tensors
     from phalanx.train.pipeline_step import make_pipeline, pipeline_step, token_loss
 
@@ -265,21 +251,11 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
     dist.destroy_process_group()
 
 
-def fit_split_rerun(sample: dict) -> float:
-    """Microseconds each forward re-run of a checkpointed block costs under the split backward
-    beyond the block's forward itself: the recompute's extra per micro-batch on the rank,
-    shared among its re-runs, less one forward (timed alone at the same size)."""
-    per_rerun = sample["recompute_per_mb_s"] / sample["reruns_per_mb"]
-    return max(0.0, per_rerun - sample["block_forward_s"]) * 1e6
-
-
 def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: bool, log=print) -> dict:
     """The Cluster fields of this module's measurements (us or ms, before the machine-share
     scaling that `calibrate` applies to every fixed cost)."""
-    from phalanx.planner.calibrate import _fsdp_worker, _run_workers, all_reduce_s
-
     repeats = 4 if quick else 12
-    run = lambda worker, world, what: _run_workers(  # noqa: E731
+    run = lambda worker, world, what: run_workers(  # noqa: E731
         worker, world, (repeats, max(1, (os.cpu_count() or 1) // world)), start_method="fork", timeout_s=180.0,
         what=f"{what} measurement on {world} gloo processes")
 
@@ -288,7 +264,7 @@ def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: b
         # FSDP per group size too: its three collectives per unit wait for busy cores, more so
         # with more processes than cores (about 5x from 2 to 4 processes on 2 cores here, not
         # the 2x of sharing the cores; docs/planner.md has a run's figures).
-        fsdp.append((world, run(_fsdp_worker, world, "FSDP")["overhead_us"]))
+        fsdp.append((world, run(fsdp_worker, world, "FSDP")["overhead_us"]))
         under_pp = fit_fsdp_pp(run(_fsdp_pp_worker, world, "FSDP-under-pipeline"))
         fsdp_pp.append((world, under_pp["fsdp_pp_unit_overhead_us"], under_pp["fsdp_pp_microbatch_overhead_us"]))
         sample = run(_ddp_worker, world, "DDP")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from phalanx.planner import cli
-from phalanx.planner.calibrate import fit_alpha_beta, fit_matmul
+from phalanx.calibrate.fit import fit_alpha_beta, fit_matmul
 from phalanx.planner.hardware import load_cluster_file
 
 
@@ -42,17 +42,17 @@ def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys):
     assert "gloo 2 processes" in capsys.readouterr().out
     # The trainer's runtimes, measured on their own code paths: DDP per group size, FSDP under
     # pp, and the pipeline runtime per schedule.
-    assert [n for n, _ in cluster.ddp_step_overhead_ms] == [2]
-    assert [n for n, _ in cluster.fsdp_unit_overhead_groups] == [2]
-    assert [g[0] for g in cluster.fsdp_pp_overhead_groups] == [2]
-    assert cluster.fsdp_unit_overhead_us == cluster.fsdp_unit_overhead_groups[0][1]
-    assert [s for s, _ in cluster.pp_action_overhead_us] == ["1f1b", "interleaved", "zbv", "dualpipev"]
-    assert all(us >= 0 for _, us in cluster.pp_action_overhead_us) and cluster.fsdp_pp_unit_overhead_us >= 0
+    assert [n for n, _ in cluster.framework.ddp_step_overhead_ms] == [2]
+    assert [n for n, _ in cluster.framework.fsdp_unit_overhead_groups] == [2]
+    assert [g[0] for g in cluster.framework.fsdp_pp_overhead_groups] == [2]
+    assert cluster.framework.fsdp_unit_overhead_us == cluster.framework.fsdp_unit_overhead_groups[0][1]
+    assert [s for s, _ in cluster.framework.pp_action_overhead_us] == ["1f1b", "interleaved", "zbv", "dualpipev"]
+    assert all(us >= 0 for _, us in cluster.framework.pp_action_overhead_us) and cluster.framework.fsdp_pp_unit_overhead_us >= 0
     assert set(raw["runtime_overheads"]) >= {"ddp_step_overhead_ms", "pp_action_overhead_us", "split_rerun_overhead_us"}
 
 
 def test_fit_split_rerun_shares_the_recompute_among_reruns_less_the_forward():
-    from phalanx.planner.calibrate_runtime import fit_split_rerun
+    from phalanx.calibrate.fit import fit_split_rerun
 
     # 20 re-runs per micro-batch of 0.5 ms each, of which 0.2 ms is the block's forward.
     sample = {"recompute_per_mb_s": 20 * 0.5e-3, "reruns_per_mb": 20, "block_forward_s": 0.2e-3}
@@ -60,12 +60,12 @@ def test_fit_split_rerun_shares_the_recompute_among_reruns_less_the_forward():
 
 
 def test_fit_tp_step_reads_the_root_cost_and_the_optimizer_slope():
-    from phalanx.planner.calibrate_runtime import fit_tp_step
+    from phalanx.calibrate.fit import fit_tp_step
 
     # Truth: 6 ms per micro-batch for the root under tp, 1.5 ms per layer per step of DTensor
     # optimizer work; layers cost 15 ms each under tp, 7 ms plain (cancelled by the fit).
     sample = {}
-    for n in (0, 1, 9):
+    for n in (1, 9):  # the 0-block figure is the line's intercept
         sample[f"step:{n}:0"], sample[f"step:{n}:1"] = 2e-3 + 7e-3 * n, 8e-3 + 15e-3 * n
         sample[f"tail:{n}:0"], sample[f"tail:{n}:1"] = 0.3e-3 + 0.3e-3 * n, 1.8e-3 + 1.8e-3 * n
     fit = fit_tp_step(sample)
@@ -74,7 +74,7 @@ def test_fit_tp_step_reads_the_root_cost_and_the_optimizer_slope():
 
 
 def test_fit_fsdp_pp_splits_per_step_and_per_microbatch_costs():
-    from phalanx.planner.calibrate_runtime import fit_fsdp_pp
+    from phalanx.calibrate.fit import fit_fsdp_pp
 
     # Extra seconds at (blocks:micro-batches): a = 0.7 ms per unit per step, b = 0.3 ms per
     # unit per micro-batch, plus a root/intercept of 2 ms that the slope over blocks cancels.
@@ -98,7 +98,7 @@ def test_fit_matmul_divides_out_wave_quantization_on_a_gpu():
 
 
 def test_fit_layer_terms_splits_fixed_and_elementwise_cost():
-    from phalanx.planner.calibrate import fit_layer_terms
+    from phalanx.calibrate.fit import fit_layer_terms
 
     # Truth: 200 us per pass fixed, element-wise work at 0.25 of the bandwidth.
     overhead, eff = 200e-6, 0.25
@@ -128,7 +128,7 @@ def test_thread_speedup_sets_a_lone_process_rate():
 
 
 def test_fit_tp_overheads_splits_fixed_per_element_and_sp_costs():
-    from phalanx.planner.calibrate import fit_tp_overheads
+    from phalanx.calibrate.fit import fit_tp_overheads
 
     # Truth: 2000 us fixed, 10 ns per element, sp 2700 us more; at 1 GB/s the model's own
     # bytes term per pass is 4/3 x 2 all-reduces x elements x 2 bytes: 349.525 us at 65536.
@@ -153,7 +153,8 @@ def test_fit_overheads_charges_recompute_only_its_framework_cost():
     """Synthetic timings built from known truths: the fit recovers the per-layer overhead and
     the checkpointing cost beyond the re-run forward and the per-step optimizer work (which the
     cost model charges on their own)."""
-    from phalanx.planner.calibrate import OVERHEAD_TOKENS, fit_overheads, overhead_model
+    from phalanx.calibrate.compute import OVERHEAD_TOKENS, overhead_model
+    from phalanx.calibrate.fit import fit_overheads
     from phalanx.planner.cost import layer_cost
     from phalanx.planner.hardware import Cluster
 
@@ -205,11 +206,11 @@ def test_run_workers_retries_a_failed_group_and_reports_a_lost_one(tmp_path):
     import time
 
     from phalanx.errors import UserError
-    from phalanx.planner.calibrate import _run_workers
+    from phalanx.calibrate.workers import run_workers
 
     marker = str(tmp_path / "first-run")
-    assert _run_workers(_flaky_worker, 2, (marker,), start_method="fork", timeout_s=30, what="flaky") == {"ok": 2}
+    assert run_workers(_flaky_worker, 2, (marker,), start_method="fork", timeout_s=30, what="flaky") == {"ok": 2}
     began = time.monotonic()
     with pytest.raises(UserError, match="dying measurement failed 2 times: a worker exited with status 5"):
-        _run_workers(_dying_worker, 2, (), start_method="fork", timeout_s=30, what="dying measurement")
+        run_workers(_dying_worker, 2, (), start_method="fork", timeout_s=30, what="dying measurement")
     assert time.monotonic() - began < 20  # a dead worker is noticed, not waited for

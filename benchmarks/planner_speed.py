@@ -1,0 +1,64 @@
+"""Wall time of a whole `phalanx plan` command for the 1T-parameter GPT on 3,072 GPUs.
+
+The issue's target: a full search for a GPT of 128 layers, hidden 25,600, 160 heads,
+sequence 2,048, vocabulary 51,200 on 3,072 `dgx-a100` GPUs at global batch 3,072, whole
+command (interpreter start, imports, search, printing) <= 1 s on this machine. Each repeat
+runs the command in a fresh interpreter; a bare `python -c pass` is timed beside it in the
+same run (the machine is shared, so the fixed cost of starting Python moves with the load).
+
+    PYTHONPATH=. python benchmarks/planner_speed.py [--repeats 5] [--zero-levels 0,1,2,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = {"name": "gpt-1t", "n_layers": 128, "dim": 25600, "n_heads": 160, "n_kv_heads": 160, "ffn_dim": 102400,
+         "mlp": "gelu", "vocab_size": 51200, "max_seq_len": 2048}
+TARGET_S = 1.0
+
+
+def timed(argv: list[str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    run = subprocess.run(argv, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if run.returncode != 0:
+        sys.exit(f"command failed ({run.returncode}): {' '.join(argv)}\n{run.stderr}")
+    return elapsed, run.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--zero-levels", default="0,1,2,3", help="the search space's ZeRO levels (default: all)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "gpt-1t.json"
+        model.write_text(json.dumps(MODEL))
+        plan = [sys.executable, "-m", "phalanx", "plan", "--model", str(model), "--cluster", "dgx-a100",
+                "--gpus", "3072", "--global-batch", "3072", "--seq-len", "2048", "--zero-levels", args.zero_levels]
+        bare = [sys.executable, "-c", "pass"]
+        timed(plan)  # warm the file cache and the bytecode
+        plans, bares, out = [], [], ""
+        for _ in range(args.repeats):
+            t, out = timed(plan)
+            plans.append(t)
+            bares.append(timed(bare)[0])
+    summary = out.strip().splitlines()[-1]
+    best, median = min(plans), statistics.median(plans)
+    print(summary)
+    print(f"whole `phalanx plan` command: fastest {best:.2f} s, median {median:.2f} s over {args.repeats} runs "
+          f"(bare interpreter start {min(bares):.2f} s in the same runs)")
+    print(f"against the {TARGET_S:.0f} s target: fastest {best / TARGET_S:.2f}x, median {median / TARGET_S:.2f}x "
+          f"({'within' if best <= TARGET_S else 'over'} the target at the fastest run)")
+
+
+if __name__ == "__main__":
+    main()

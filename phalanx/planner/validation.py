@@ -1,0 +1,35 @@
+"""How far the planner's step times have been off, by the validation that applies to a cluster.
+
+A preset's predictions are checked against published runs on such clusters
+(benchmarks/planner_published.py); a calibrated or described cluster's against runs on this
+machine (benchmarks/planner_local.py). Each benchmark writes its median |error| into
+validation.json (`--record`) beside the source it came from; the plan table shows it as the
+step time's band (`12.4 s ±7%`) and the JSON as `step_time_band`, a fraction.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from phalanx.planner.hardware import PRESETS, Cluster
+
+FILE = Path(__file__).with_name("validation.json")
+
+
+def figures() -> dict:
+    return json.loads(FILE.read_text())
+
+
+def step_time_band(cluster: Cluster) -> float:
+    """The median |error| of the validation that applies: published runs for a GPU preset,
+    this machine's runs for anything else (a calibrated `local`, a file)."""
+    kind = "published" if PRESETS.get(cluster.name) is cluster and cluster.name != "local" else "local"
+    return float(figures()[kind]["median_abs_error"])
+
+
+def record(kind: str, median: float, rows: int) -> None:
+    """Write a benchmark's median into validation.json, keeping its source line."""
+    data = figures()
+    data[kind].update(median_abs_error=round(median, 4), rows=rows)
+    FILE.write_text(json.dumps(data, indent=2) + "\n")
