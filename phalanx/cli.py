@@ -12,7 +12,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "model preset (tiny, small, small-moe, llama3-8b, ...), or a Hugging Face model directory or config.json"),
     ("--init", "init", str, "auto (the model directory's weights when it has them) or random"),
     ("--data", "data", str, "text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
-    ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
+    ("--plan", "plan", str, "parallel layout, e.g. dp=2,zero=3 or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
     ("--steps", "steps", int, "optimizer steps"),
     ("--global-batch", "global_batch", int, "sequences per optimizer step, whatever the layout"),
