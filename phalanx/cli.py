@@ -14,7 +14,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--init", "init", str, "auto (the model directory's weights when it has them) or random"),
     ("--data", "data", str, "prepared directory (phalanx prepare), text file, folder of text files, or .bin of uint16 tokens (default: Python's stdlib)"),
     ("--tokenizer", "tokenizer", str, "tokenizer.json (or a folder holding one) or bytes (default: the model directory's tokenizer.json, else bytes)"),
-    ("--plan", "plan", str, "parallel layout, e.g. dp=2,fsdp=true or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
+    ("--plan", "plan", str, "parallel layout, e.g. dp=2,zero=3 or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--cluster", "cluster", str, "with --plan auto: the cluster to plan for, a preset (dgx-h100, ...) or a cluster file (default: this machine)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
     ("--steps", "steps", int, "optimizer steps"),

@@ -1,7 +1,8 @@
 """A parallel layout as plain data, and the `--plan` string grammar that writes it.
 
-    dp=2,tp=2,pp=2,ep=2,fsdp=true,sp=true,schedule=interleaved,virtual=2,microbatches=8
+    dp=2,tp=2,pp=2,ep=2,zero=3,sp=true,schedule=interleaved,virtual=2,microbatches=8
     pp=2,split=3:1        (hand-given layers per pipeline stage)
+    dp=4,zero=3,offload=true,param_dtype=bf16,reduce_dtype=fp32
 
 The planner emits this same dataclass, so a chosen plan can be printed, saved, edited and run.
 Rank order (documented in docs/layout.md): tp is innermost (fastest links), then dp, then pp
@@ -11,12 +12,14 @@ outermost; ep is carved out of the dp ranks.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 from phalanx.errors import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
+ZERO_LEVELS = (0, 2, 3)
+DTYPES = ("bf16", "fp32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,17 +27,29 @@ class Plan:
     """How one training job is spread over `dp * tp * pp` processes."""
 
     dp: int = 1
-    """Data-parallel degree: copies (or shards, with fsdp) of the model, each on its batch slice."""
+    """Data-parallel degree: copies (or shards, with zero) of the model, each on its batch slice."""
     tp: int = 1
     """Tensor-parallel degree: each layer's matrices split across this many ranks."""
     pp: int = 1
     """Pipeline-parallel degree: number of stages."""
     ep: int = 1
     """Expert-parallel degree, carved out of the dp ranks (must divide dp)."""
-    fsdp: bool = False
-    """Shard parameters, gradients and optimizer state over dp (FSDP2) instead of replicating."""
+    zero: int = 0
+    """What data parallelism shards over dp (FSDP2): 0 nothing (replicated, DDP); 2 gradients and
+    optimizer state, parameters gathered in forward and kept through backward
+    (`reshard_after_forward=False`); 3 parameters too, re-gathered in backward. ZeRO-1 is not
+    offered: PyTorch's `ZeroRedundancyOptimizer` checkpoints do not reshard through DCP."""
+    offload: bool = False
+    """With zero=3: parameters, gradients and optimizer state live on the host (FSDP2
+    `CPUOffloadPolicy`); the optimizer steps on the CPU."""
+    param_dtype: str = ""
+    """bf16 or fp32: the dtype FSDP2 gathers parameters in and the forward sees them in
+    (`MixedPrecisionPolicy`); empty = follow `--dtype`. See `phalanx.parallel.precision`."""
+    reduce_dtype: str = ""
+    """fp32 or bf16: the dtype gradients are reduced in over dp (FSDP2 `MixedPrecisionPolicy`,
+    DDP's `bf16_compress_hook`); empty = fp32."""
     replicate: int = 1
-    """With fsdp: HSDP, replicate over this many groups and shard within each (divides dp)."""
+    """With zero=2 or 3: HSDP, replicate over this many groups and shard within each (divides dp)."""
     sp: bool = False
     """Sequence parallelism for the norm regions (needs tp > 1)."""
     schedule: str = "1f1b"
@@ -53,6 +68,24 @@ class Plan:
     split: str = ""
     """Transformer layers per pipeline stage by hand, `a:b:...` (pp x virtual counts, in stage
     order); empty = balanced by estimated cost (see `phalanx.parallel.stage_split`)."""
+    fsdp: InitVar[bool] = False
+    """The older spelling of zero=3: `Plan(fsdp=True)` is `Plan(zero=3)`. Not a field: read
+    `plan.fsdp` (zero == 3), and change a plan with `Plan.replace`, not `dataclasses.replace`."""
+
+    def __post_init__(self, fsdp: bool) -> None:
+        if fsdp and self.zero not in (0, 3):
+            raise UserError(f"invalid plan: fsdp=true means zero=3, which contradicts zero={self.zero}")
+        if fsdp:
+            object.__setattr__(self, "zero", 3)
+
+    def replace(self, **changes) -> "Plan":
+        # dataclasses.replace would pass fsdp=self.fsdp and turn zero=0 back into 3.
+        return dataclasses.replace(self, **{"fsdp": False, **changes})
+
+    @property
+    def shards_dp(self) -> bool:
+        """Whether data parallelism shards anything (zero 2 or 3) over dp."""
+        return self.zero >= 2
 
     @property
     def world_size(self) -> int:
@@ -87,8 +120,22 @@ class Plan:
             raise UserError("invalid plan: " + "; ".join(problems))
         if self.dp % self.ep:
             problems.append(f"ep={self.ep} must divide dp={self.dp} (experts are spread over data-parallel ranks)")
-        if self.replicate > 1 and not self.fsdp:
-            problems.append(f"replicate={self.replicate} (HSDP) needs fsdp=true")
+        if self.zero == 1:
+            problems.append("zero=1 (optimizer state only) is not offered: PyTorch's ZeroRedundancyOptimizer "
+                            "checkpoints do not reshard through DCP; use zero=2 (gradients and optimizer state)")
+        elif self.zero not in ZERO_LEVELS:
+            problems.append(f"zero={self.zero} must be 0, 2 or 3")
+        if self.offload and self.zero != 3:
+            problems.append(f"offload=true needs zero=3 (FSDP2 offloads sharded parameters), got zero={self.zero}")
+        elif self.offload and self.dp == 1:
+            problems.append("offload=true needs dp > 1 (FSDP2 over the data-parallel ranks offloads), got dp=1")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in ("", *DTYPES):
+                problems.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(DTYPES)}")
+        if self.reduce_dtype == "bf16" and self.dp == 1:
+            problems.append("reduce_dtype=bf16 needs dp > 1 (with dp=1 no gradient is reduced)")
+        if self.replicate > 1 and not self.shards_dp:
+            problems.append(f"replicate={self.replicate} (HSDP) needs zero=2 or 3 (fsdp=true), got zero={self.zero}")
         if self.dp % self.replicate:
             problems.append(f"replicate={self.replicate} must divide dp={self.dp}")
         if self.sp and self.tp == 1:
@@ -123,11 +170,16 @@ class Plan:
         return self
 
 
+# The InitVar default above became a class attribute; `plan.fsdp` reads the zero level instead.
+Plan.fsdp = property(lambda self: self.zero == 3, doc="zero=3 (the older `fsdp=true`).")
+
 _FIELDS = {f.name: f for f in dataclasses.fields(Plan)}
+ALIASES = {"fsdp": "zero"}
+"""Older keys still read: fsdp=true is zero=3 (fsdp=false: zero=0)."""
 
 
 def _convert(key: str, raw: str):
-    kind = type(getattr(Plan(), key))
+    kind = bool if key == "fsdp" else type(getattr(Plan(), key))
     if kind is bool:
         if raw.lower() in ("true", "1", "yes", "on"):
             return True
@@ -158,11 +210,16 @@ def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, di
             raise UserError(f"plan key {key!r} is given twice")
         if key in extra_keys:
             extras[key] = raw.strip()
-        elif key in _FIELDS:
+        elif key in _FIELDS or key in ALIASES:
             values[key] = _convert(key, raw.strip())
         else:
-            valid = ", ".join([*_FIELDS, *extra_keys])
+            valid = ", ".join([*_FIELDS, *ALIASES, *extra_keys])
             raise UserError(f"unknown plan key {key!r}; valid keys: {valid}")
+    if "fsdp" in values:
+        fsdp = values.pop("fsdp")
+        if "zero" in values and (values["zero"] == 3) != fsdp:
+            raise UserError(f"plan key fsdp={str(fsdp).lower()} contradicts zero={values['zero']}")
+        values["zero"] = 3 if fsdp else values.get("zero", 0)
     if values.get("schedule") in ("interleaved", "zbv", "dualpipev") and "virtual" not in values:
         values["virtual"] = 2  # the multi-chunk schedules' usual (and for zbv/dualpipev only) value
     return Plan(**values), extras

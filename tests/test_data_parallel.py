@@ -1,16 +1,25 @@
-"""Data parallelism computes what one process computes.
+"""Data parallelism computes what one process computes, at every zero level and precision.
 
 Every layout reads the same global batch per step (the batch is a function of seed and step),
 starts from the same weights (drawn per parameter name), and averages gradients over equal
-shares of the batch, so losses and weights match the single-process run up to float
-reassociation: summing per-rank partial gradients in another order changes the last bits of
-fp32 values (~1e-7 relative per op). Over 4 AdamW steps this stays far below 1e-4, which is
-the tolerance used; a real bug (wrong batch slice, missing reduction, double-counted rank)
-moves the loss by >1e-2 at the first step.
+shares of the batch, so losses, gradient norms and every rank's weights match the
+single-process run up to float reassociation: summing per-rank partial gradients in another
+order changes the last bits of fp32 values (~1e-7 relative per op). Over 4 AdamW steps this
+stays far below 1e-4, which is the tolerance used; a real bug (wrong batch slice, missing
+reduction, double-counted rank) moves the loss by >1e-2 at the first step. zero=2 and
+offload=true change where tensors live and when they are gathered, not the arithmetic, so they
+are held to the same 1e-4.
+
+bf16 layouts are compared with the bf16 single-process run (autocast), within BF16_LOSS and
+BF16_GRAD_NORM (see `test_bf16_matches_single_process`).
+
+Layouts are grouped by world size: one launch of forked gloo ranks trains a group's layouts
+one after another.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,34 +30,113 @@ from phalanx.testing.weights import gathered_weights
 from phalanx.train.loop import train
 
 TOLERANCE = 1e-4
+BF16_LOSS = 5e-3
+BF16_GRAD_NORM = 2e-2
+BF16_WEIGHT_MEAN = 5e-4
+
+FP32 = {
+    2: ["dp=2", "dp=2,fsdp=true", "dp=2,microbatches=2", "dp=2,zero=2", "dp=2,zero=2,microbatches=2",
+        "dp=2,zero=3,offload=true"],
+    4: ["dp=4,fsdp=true,microbatches=2"],
+}
+BF16 = [  # (plan, --dtype); with --dtype fp32, param_dtype=bf16 asks FSDP alone to compute in bf16
+    ("dp=2", "bf16"),  # DDP, autocast
+    ("dp=2,reduce_dtype=bf16", "bf16"),  # DDP's bf16_compress_hook
+    ("dp=2,zero=3", "bf16"),  # FSDP2 MixedPrecisionPolicy(bf16, fp32)
+    ("dp=2,zero=2,reduce_dtype=bf16", "bf16"),
+    ("dp=2,zero=3,param_dtype=bf16", "fp32"),
+]
 
 
-def _run(cfg):
-    result = train(cfg, Path(cfg.out))
-    return result.losses, gathered_weights(result.model)
+def _dir(plan: str, dtype: str) -> str:
+    return f"{plan.replace(',', '_').replace('=', '-') or 'one'}-{dtype}"
 
 
-@pytest.fixture
-def reference(tiny_config):
-    return run_ranks(1, _run, tiny_config.replace(out=tiny_config.out + "-ref"))[0]
+def _train_all(cfg, runs: list[tuple[str, str]]) -> dict:
+    """On every rank: train each (plan, dtype); return losses and this rank's full weights."""
+    out = {}
+    for plan, dtype in runs:
+        run_dir = Path(cfg.out) / _dir(plan, dtype)
+        result = train(cfg.replace(plan=plan, dtype=dtype, out=str(run_dir)), run_dir)
+        out[plan, dtype] = (result.losses, gathered_weights(result.model))
+    return out
 
 
-@pytest.mark.parametrize("plan", ["dp=2", "dp=2,fsdp=true", "dp=4,fsdp=true,microbatches=2", "dp=2,microbatches=2"])
-def test_matches_single_process(tiny_config, reference, plan):
-    world = int(plan.split(",")[0].split("=")[1])
-    results = run_ranks(world, _run, tiny_config.replace(plan=plan))
-    ref_losses, ref_weights = reference
-    for losses, weights in results:
+def _grad_norms(cfg, plan: str, dtype: str) -> list[float]:
+    lines = (Path(cfg.out) / _dir(plan, dtype) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["grad_norm"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    from phalanx.train.config import TrainConfig
+
+    return TrainConfig(
+        model="tiny", steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
+        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(tmp_path_factory.mktemp("dp")),
+    )
+
+
+@pytest.fixture(scope="module")
+def groups(config):
+    """Results per (world size, precision), each launched once on first use."""
+    cache: dict = {}
+
+    def get(world: int, bf16: bool = False) -> list[dict]:
+        if (world, bf16) not in cache:
+            if world == 1:  # the references, fp32 and bf16
+                runs = [("", "fp32"), ("", "bf16")]
+            else:
+                runs = BF16 if bf16 else [(plan, "fp32") for plan in FP32[world]]
+            cache[world, bf16] = run_ranks(world, _train_all, config, runs, timeout_s=300)
+        return cache[world, bf16]
+
+    return get
+
+
+@pytest.mark.parametrize("world, plan", [(w, p) for w, plans in FP32.items() for p in plans])
+def test_matches_single_process(config, groups, world, plan):
+    ref_losses, ref_weights = groups(1)[0]["", "fp32"]
+    for rank_results in groups(world):  # every rank's copy, not one
+        losses, weights = rank_results[plan, "fp32"]
         assert len(losses) == len(ref_losses)
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOLERANCE, (losses, ref_losses)
         assert weights.keys() == ref_weights.keys()
         for name, value in weights.items():
             torch.testing.assert_close(value, ref_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+    # Clipping is active (norms ~3-4 > 1): the norm must be the whole batch's, over all shards.
+    for norm, ref in zip(_grad_norms(config, plan, "fp32"), _grad_norms(config, "", "fp32")):
+        assert abs(norm - ref) < TOLERANCE * ref, (plan, norm, ref)
+
+
+@pytest.mark.parametrize("plan, dtype", BF16)
+def test_bf16_matches_single_process(config, groups, plan, dtype):
+    """bf16 keeps 8 significant bits: each rounding moves a value by up to 2^-9 = 2e-3
+    relative. The one-process reference autocasts too (bf16 run) or not at all (param_dtype=bf16
+    with --dtype fp32, against the fp32 run); what differs is where values are rounded: FSDP2
+    gathers bf16 weights and casts each block's input to bf16 (autocast keeps the residual
+    stream fp32), and bf16 reduction rounds each rank's gradient before the sum. Those roundings
+    are ~2e-3 relative on single values but averaged over 256 tokens per step, so the losses of
+    4 steps stay within BF16_LOSS = 5e-3 (measured <= 1.3e-3) and the gradient norms within 2%
+    (measured <= 0.6%). AdamW moves each weight by about lr per step whatever the gradient's
+    size, so a weight whose gradient is near zero may step either way in two runs: weights are
+    compared by their mean absolute difference (BF16_WEIGHT_MEAN = 5e-4, a tenth of one step's
+    move; measured <= 1.5e-4). A missing or doubled gradient reduction changes the norm by far
+    more than 2% (a half batch's gradient is not the whole batch's) and moves every weight."""
+    ref_losses, ref_weights = groups(1)[0]["", dtype]
+    for rank_results in groups(2, bf16=True):
+        losses, weights = rank_results[plan, dtype]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < BF16_LOSS, (losses, ref_losses)
+        assert weights.keys() == ref_weights.keys()
+        diff = sum(float((w - ref_weights[k]).abs().sum()) for k, w in weights.items())
+        assert diff / sum(w.numel() for w in weights.values()) < BF16_WEIGHT_MEAN
+    for norm, ref in zip(_grad_norms(config, plan, dtype), _grad_norms(config, "", dtype)):
+        assert abs(norm - ref) < BF16_GRAD_NORM * ref, (plan, norm, ref)
 
 
 def test_single_process_training_lowers_loss(tiny_config):
     cfg = tiny_config.replace(steps=30, lr=1e-2, warmup_steps=3)
-    losses = run_ranks(1, _run, cfg)[0][0]
+    losses = run_ranks(1, _train_all, cfg, [("", "fp32")])[0]["", "fp32"][0]
     # Bytes start at ln(256) = 5.55 nats; 30 steps on Python source reach well under 4.
     assert losses[0] > 5.0
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5

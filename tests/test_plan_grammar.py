@@ -13,6 +13,47 @@ def test_round_trip():
     assert plan_from_string(plan.to_string(), 8) == plan
 
 
+def test_zero_levels_and_the_older_fsdp_key():
+    """fsdp=true is zero=3 and prints as zero=3; Plan(fsdp=True) (the planner's spelling) too."""
+    assert plan_from_string("dp=2,fsdp=true", 2) == Plan(dp=2, zero=3) == Plan(dp=2, fsdp=True)
+    assert str(Plan(dp=2, fsdp=True)) == "dp=2,zero=3" and Plan(dp=2, zero=3).fsdp
+    assert plan_from_string("dp=2,fsdp=false", 2).zero == 0
+    assert not Plan(dp=2, zero=2).fsdp and Plan(dp=2, zero=2).shards_dp
+    assert Plan(dp=2, zero=3).replace(zero=0).zero == 0  # replace must not read fsdp back
+    text = "dp=4,zero=3,offload=true,param_dtype=bf16,reduce_dtype=fp32,replicate=2"
+    assert plan_from_string(plan_from_string(text, 4).to_string(), 4) == plan_from_string(text, 4)
+
+
+@pytest.mark.parametrize(
+    "text, dtype, message",
+    [
+        ("dp=1,param_dtype=bf16", "fp32", "param_dtype=bf16 with --dtype fp32 needs FSDP (zero=2 or 3): with one data-parallel rank"),
+        ("dp=2,param_dtype=fp32", "bf16", "param_dtype=fp32 with --dtype bf16 needs FSDP (zero=2 or 3): with replicated data parallelism (dp=2, zero=0, DDP)"),
+    ],
+)
+def test_param_dtype_refused_where_nothing_casts_parameters(text, dtype, message):
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import validate_for_model
+
+    plan = plan_from_string(text, None)
+    with pytest.raises(UserError) as error:
+        validate_for_model(plan, model_config("tiny"), global_batch=8, seq_len=32, dtype=dtype)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "text, dtype, param, reduce",
+    [("dp=2", "bf16", "bf16", "fp32"), ("dp=2", "fp32", "fp32", "fp32"), ("dp=2,zero=3,param_dtype=bf16", "fp32", "bf16", "fp32"),
+     ("dp=2,tp=2,reduce_dtype=bf16", "bf16", "bf16", "bf16"), ("dp=2,zero=2,param_dtype=fp32", "bf16", "fp32", "fp32")],
+)
+def test_precision_defaults_follow_dtype(text, dtype, param, reduce):
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import validate_for_model
+
+    plan = validate_for_model(plan_from_string(text, None), model_config("tiny"), global_batch=8, seq_len=32, dtype=dtype)
+    assert (plan.param_dtype, plan.reduce_dtype) == (param, reduce)
+
+
 def test_extra_keys_for_the_planner():
     plan, extras = parse_plan("tp=8,mbs=2", extra_keys=("mbs",))
     assert plan.tp == 8 and extras == {"mbs": "2"}
@@ -29,7 +70,14 @@ def test_extra_keys_for_the_planner():
         ("dp", 1, "not of the form key=value"),
         ("dp=0", 0, "dp=0 must be at least 1"),
         ("dp=4,ep=3", 4, "ep=3 must divide dp=4"),
-        ("dp=2,replicate=2", 2, "needs fsdp=true"),
+        ("dp=2,replicate=2", 2, "replicate=2 (HSDP) needs zero=2 or 3 (fsdp=true), got zero=0"),
+        ("dp=2,zero=1", 2, "zero=1 (optimizer state only) is not offered"),
+        ("dp=2,zero=4", 2, "zero=4 must be 0, 2 or 3"),
+        ("dp=2,fsdp=true,zero=2", 2, "fsdp=true contradicts zero=2"),
+        ("dp=2,zero=2,offload=true", 2, "offload=true needs zero=3 (FSDP2 offloads sharded parameters), got zero=2"),
+        ("tp=2,zero=3,offload=true", 2, "offload=true needs dp > 1"),
+        ("dp=2,param_dtype=fp16", 2, "param_dtype='fp16' is not one of bf16, fp32"),
+        ("tp=2,reduce_dtype=bf16", 2, "reduce_dtype=bf16 needs dp > 1"),
         ("dp=2,sp=true", 2, "sp=true needs tp > 1"),
         ("pp=2,schedule=fast", 2, "schedule='fast' is not one of"),
         ("pp=2,schedule=interleaved,virtual=1", 2, "needs virtual >= 2"),

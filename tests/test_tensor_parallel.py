@@ -14,7 +14,11 @@ from phalanx.model.config import model_config
 from phalanx.testing.fork_ranks import run_ranks
 
 
-def _shapes_on_rank(plan_text: str) -> dict:
+def _shapes_on_rank(plan_texts: list[str]) -> dict:
+    return {text: _shapes_of_plan(text) for text in plan_texts}
+
+
+def _shapes_of_plan(plan_text: str) -> dict:
     import torch.distributed as dist
 
     from phalanx.parallel.apply import parallelize
@@ -26,20 +30,31 @@ def _shapes_on_rank(plan_text: str) -> dict:
     cfg = model_config("tiny")
     mesh = build_mesh(plan_from_string(plan_text, dist.get_world_size()), torch.device("cpu"))
     model = parallelize(cfg, mesh, seed=0)
+    seen = {}  # the local shape of what the first norm receives: sp splits it along the sequence
+
+    def record(module, args):
+        seen["norm_input"] = tuple(args[0].to_local().shape if hasattr(args[0], "to_local") else args[0].shape)
+
+    model.layers["0"].attention_norm.register_forward_pre_hook(record)
     tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with loss_context(mesh.plan):
         logits = model(tokens)
         loss = token_loss(logits, tokens)
         loss.backward()
     local = {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if hasattr(p, "to_local")}
-    return {"params": local, "logits": tuple(logits.to_local().shape), "loss": float(loss.full_tensor())}
+    return {"params": local, "logits": tuple(logits.to_local().shape), "loss": float(loss.full_tensor()), **seen}
 
 
-@pytest.mark.parametrize("plan", ["tp=2,sp=true"])
-def test_each_rank_holds_its_slice(plan):
+@pytest.fixture(scope="module")
+def tp2_ranks():
+    return run_ranks(2, _shapes_on_rank, ["tp=2,sp=true", "tp=2"])
+
+
+@pytest.mark.parametrize("plan", ["tp=2,sp=true", "tp=2"])
+def test_each_rank_holds_its_slice(plan, tp2_ranks):
     """tiny: dim 64, 4 heads of 16, 2 kv heads, ffn 128, vocab 256; tp=2 halves each split dim."""
     cfg = model_config("tiny")
-    ranks = run_ranks(2, _shapes_on_rank, plan)
+    ranks = [result[plan] for result in tp2_ranks]
     for result in ranks:
         params = result["params"]
         assert params["layers.0.attention.wq.weight"] == (cfg.n_heads * cfg.head_dim // 2, cfg.dim)
@@ -52,6 +67,23 @@ def test_each_rank_holds_its_slice(plan):
         # No rank ever holds full-vocabulary logits: (batch, seq, vocab / tp).
         assert result["logits"] == (2, 32, cfg.vocab_size // 2)
     assert ranks[0]["loss"] == ranks[1]["loss"]
+
+
+def test_sequence_parallel_shards_the_norm_regions(tp2_ranks):
+    """sp=true changes what is sharded, not only the plan table: each rank's norm receives its
+    half of the sequence (batch 2, seq 32 / 2, dim 64) instead of the whole (replicated) one;
+    the matrices are sharded the same way, every norm's weight becomes a replicated DTensor (whole,
+    (64,)), and the loss stays the same."""
+    for result in tp2_ranks:
+        sp, plain = result["tp=2,sp=true"], result["tp=2"]
+        assert sp["norm_input"] == (2, 16, 64)
+        assert plain["norm_input"] == (2, 32, 64)
+        assert {name: sp["params"][name] for name in plain["params"]} == plain["params"]
+        assert {name: shape for name, shape in sp["params"].items() if name not in plain["params"]} == {
+            **{f"layers.{i}.{norm}.weight": (64,) for i in range(4) for norm in ("attention_norm", "ffn_norm")},
+            "norm.weight": (64,),
+        }
+    assert abs(tp2_ranks[0]["tp=2,sp=true"]["loss"] - tp2_ranks[0]["tp=2"]["loss"]) < 1e-5
 
 
 def test_plan_table_is_data():

@@ -150,6 +150,8 @@ PRESETS: dict[str, ModelConfig] = {
     for cfg in [
         # Tests: four layers so that pipelines of 2 stages x 2 virtual chunks exist.
         ModelConfig(name="tiny", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256),
+        # Tests: 4 KV heads for tp=4, six layers for the README's pp=4,split=1:2:2:1.
+        ModelConfig(name="tiny-kv4", dim=64, n_layers=6, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=256),
         ModelConfig(
             name="tiny-moe", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
             n_experts=8, experts_per_token=2, expert_ffn_dim=64, max_seq_len=256,

@@ -7,8 +7,9 @@ The order is fixed, and each step relies on the ones before it:
                        (`parallelize_module` needs the plain modules, before any wrapper);
   3. expert parallel - keep only this rank's experts, route tokens by all-to-all over "ep";
   4. recompute       - activation checkpointing wraps whole (already parallel) blocks;
-  5. FSDP            - shard what is left over "dp" (wraps DTensors, so it comes after TP,
-                       and wraps the checkpointed block, so recompute re-gathers its weights);
+  5. FSDP            - shard what is left over "dp" at the plan's zero level, precision and
+                       offload (wraps DTensors, so it comes after TP, and wraps the
+                       checkpointed block, so recompute re-gathers its weights);
   6. materialize     - allocate and fill weights from the seed, each rank only its shard;
   7. DDP             - replicated data parallelism wraps real weights, so it comes last
                        (only for pure data parallelism: with tp or pp, FSDP2 replicates).
@@ -22,7 +23,7 @@ from torch import nn
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import WeightSource, build_model, init_weights
-from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
+from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_precision, uses_fsdp
 from phalanx.parallel.expert import apply_ep, validate_ep
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank, validate_pp
@@ -32,8 +33,9 @@ from phalanx.parallel.tensor_parallel import apply_tp, validate_tp
 from phalanx.plan import Plan
 
 
-def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int) -> Plan:
-    """Checks that need the model's shape and the batch; raised before any worker starts."""
+def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32") -> Plan:
+    """Checks that need the model's shape, the batch and `--dtype`; raised before any worker
+    starts. Returns the plan with its precision filled in from `dtype` (`resolve_precision`)."""
     validate_ep(cfg, plan)
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
     if cfg.tie_embeddings and plan.pp > 1:
@@ -47,7 +49,7 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
         )
     if problems:
         raise UserError("invalid plan for this model: " + "; ".join(problems))
-    return plan
+    return resolve_precision(plan, dtype)
 
 
 def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,

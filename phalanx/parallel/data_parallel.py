@@ -1,46 +1,108 @@
-"""Data parallelism: replicated (DDP) or sharded (FSDP2 `fully_shard`).
+"""Data parallelism: replicated (DDP) or sharded (FSDP2 `fully_shard`), in the plan's precision.
 
 FSDP is applied on the meta device, before weights exist, so that no rank ever allocates the
 full model; DDP needs real weights and is applied after materialization.
+
+The zero level (`Plan.zero`) maps onto FSDP2 as follows:
+  zero=3  `reshard_after_forward=True`: parameters sharded, gathered per block in forward and
+          again in backward;
+  zero=2  `reshard_after_forward=False`: gathered in forward and kept until the block's backward;
+          gradients and optimizer state stay sharded;
+  zero=0  DDP (pure data parallelism), or FSDP2 as HSDP with shard size 1 under tp or pp.
+Under pp the weights stay gathered between forward and backward whatever the level: every
+micro-batch would pay the all-gather again, and the zero-bubble schedules look for the weights of
+their separate weight-gradient pass among the module's registered parameters.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from phalanx.errors import UserError
 from phalanx.parallel.mesh import ParallelMesh
+from phalanx.plan import Plan
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def uses_fsdp(plan) -> bool:
-    """FSDP2 runs data parallelism when asked (fsdp=true, HSDP), and also for replicated data
+def uses_fsdp(plan: Plan) -> bool:
+    """FSDP2 runs data parallelism when asked (zero 2 or 3, HSDP), and also for replicated data
     parallelism composed with tp or pp: as HSDP with shard size 1 it all-reduces gradients like
     DDP, but it accepts DTensor parameters and pipeline stages, which DDP does not."""
-    return plan.dp > 1 and (plan.fsdp or plan.tp > 1 or plan.pp > 1)
+    return plan.dp > 1 and (plan.shards_dp or plan.tp > 1 or plan.pp > 1)
+
+
+def resolve_precision(plan: Plan, dtype: str) -> Plan:
+    """`plan` with param_dtype and reduce_dtype filled in from `--dtype` (bf16 -> bf16 and fp32,
+    fp32 -> fp32 and fp32); refuses a param_dtype that nothing would apply.
+
+    Only FSDP2 casts parameters (its `MixedPrecisionPolicy` gathers them in param_dtype). Without
+    it (one process, or DDP) the weights stay fp32 and `--dtype bf16` autocasts each operation,
+    so there param_dtype must be what `--dtype` already gives.
+    """
+    param = plan.param_dtype or dtype
+    reduce = plan.reduce_dtype or "fp32"
+    if param != dtype and not uses_fsdp(plan):
+        where = "one data-parallel rank" if plan.dp == 1 else f"replicated data parallelism (dp={plan.dp}, zero=0, DDP)"
+        raise UserError(
+            f"invalid plan: param_dtype={param} with --dtype {dtype} needs FSDP (zero=2 or 3): with {where} "
+            f"nothing gathers parameters, and --dtype alone sets the compute precision"
+        )
+    return plan.replace(param_dtype=param, reduce_dtype=reduce)
+
+
+def fsdp_options(plan: Plan, device: torch.device) -> dict:
+    """Keyword arguments for every `fully_shard` call of this plan (blocks, root, experts)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    mixed = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPES[plan.param_dtype or "fp32"], reduce_dtype=TORCH_DTYPES[plan.reduce_dtype or "fp32"]
+    )
+    # Pinned host memory speeds up copies to a GPU; without one there is nothing to pin for.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.offload else OffloadPolicy()
+    return {"reshard_after_forward": plan.zero == 3 and plan.pp == 1, "mp_policy": mixed, "offload_policy": offload}
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     """Shard each transformer block, then the rest (embedding, norm, output) at the root.
 
-    Per-block units let FSDP gather one block's weights at a time and free them after use;
-    resharding after forward trades an extra all-gather in backward for memory. Under pipeline
-    parallelism every micro-batch would pay that all-gather again, so weights stay gathered
-    between forward and backward there. `model` may be a pipeline chunk (some parts deleted).
+    Per-block units let FSDP gather one block's weights at a time; whether they are freed after
+    forward follows the zero level (see the module docstring). `model` may be a pipeline chunk
+    (some parts deleted).
     """
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.fsdp_mesh()
-    reshard = mesh.plan.pp == 1
+    options = fsdp_options(mesh.plan, mesh.device)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, **options)
+    fully_shard(model, mesh=dp_mesh, **options)
     return model
 
 
 def apply_ddp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+    """Replicated data parallelism; with reduce_dtype=bf16 gradients travel as bf16 (PyTorch's
+    `bf16_compress_hook`: cast, all-reduce, divide, cast back into the fp32 gradient)."""
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.group("dp"))
+    ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.group("dp"))
+    if mesh.plan.reduce_dtype == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        hook = bf16_compress_hook if mesh.device.type == "cuda" else _bf16_compress_hook_off_cuda
+        ddp.register_comm_hook(mesh.group("dp"), hook)
+    return ddp
+
+
+def _bf16_compress_hook_off_cuda(state, bucket):
+    """PyTorch's `bf16_compress_hook` under another name. DDP refuses that hook by name unless
+    CUDA with NCCL >= 2.10 (the first NCCL with bf16 all-reduce) is present, but gloo all-reduces
+    bf16 too, so the hook itself runs unchanged on CPU."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    return bf16_compress_hook(state, bucket)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.moe import GroupedExperts, in_recompute
+from phalanx.parallel.data_parallel import fsdp_options, uses_fsdp
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
 
@@ -159,17 +160,6 @@ def _hook_gradients_each_forward(reduce: _ReduceOverEdp):
     return attach
 
 
-def _fsdp_carries_dp(plan: Plan) -> bool:
-    """Whether FSDP2, not DDP, runs data parallelism: when asked, and whenever tp or pp > 1.
-
-    The same rule as `uses_fsdp` in the tensor/pipeline branch (DDP takes neither DTensor
-    parameters nor pipeline stages); at the merge, import that one instead. Experts must
-    follow the layout's choice: under FSDP they are sharded over edp before the blocks are
-    wrapped over dp, otherwise the dp wrapping would average different ranks' experts.
-    """
-    return plan.dp > 1 and (plan.fsdp or plan.tp > 1 or plan.pp > 1)
-
-
 def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
     """The model-dependent rules for ep (Plan.validate already checks that ep divides dp)."""
     if plan.ep > 1 and not cfg.n_experts:
@@ -218,16 +208,16 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         shard_experts(experts, ep_group, ep_rank, plan.ep)
         experts.ep_mesh = ep_mesh["ep"]  # checkpoints save the experts as DTensors over it
         ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]
-        if _fsdp_carries_dp(plan):
+        if uses_fsdp(plan):
             from torch.distributed.fsdp import fully_shard
 
             # Before the blocks are wrapped over "dp" (apply_fsdp), so those skip the experts.
-            # Resharding after forward follows apply_fsdp: not under pp, where every
-            # micro-batch would all-gather again, and where the zero-bubble schedules (zbv,
-            # dualpipev) find the weights for their separate weight-gradient pass among the
-            # module's registered parameters: resharded experts were not found there, and
+            # Zero level, precision and offload follow apply_fsdp (`fsdp_options`): in
+            # particular no resharding after forward under pp, where the zero-bubble schedules
+            # (zbv, dualpipev) find the weights for their separate weight-gradient pass among
+            # the module's registered parameters: resharded experts were not found there, and
             # their gradients came out wrong or missing.
-            fully_shard(experts, mesh=ep_mesh["edp"], reshard_after_forward=plan.pp == 1)
+            fully_shard(experts, mesh=ep_mesh["edp"], **fsdp_options(plan, mesh.device))
             experts.set_gradient_divide_factor(float(plan.dp))
             if mesh.device.type != "cuda" and edp > 1:
                 # A divide factor other than the group size is a PREMUL_SUM reduction, which
@@ -237,7 +227,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         else:
             reduce = _ReduceOverEdp(ep_mesh["edp"].get_group() if edp > 1 else None, edp, plan.dp)
             experts.register_forward_pre_hook(_hook_gradients_each_forward(reduce))
-    if not _fsdp_carries_dp(plan):
+    if not uses_fsdp(plan):
         # DDP must neither broadcast nor average expert weights over dp: they differ per ep rank.
         model._ddp_params_and_buffers_to_ignore = ignored
     return model

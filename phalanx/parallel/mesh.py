@@ -72,9 +72,9 @@ class ParallelMesh:
         DTensor parameters and pipeline stages, which DDP does not).
         """
         plan = self.plan
-        if plan.fsdp and plan.replicate == 1:
+        if plan.shards_dp and plan.replicate == 1:
             return self.device_mesh
-        shard = plan.dp // plan.replicate if plan.fsdp else 1
+        shard = plan.dp // plan.replicate if plan.shards_dp else 1
         return self.split_dp("replicate", "shard", shard)
 
     def fsdp_mesh(self):

@@ -38,8 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp-regather", action="store_true",
                    help="sequence parallelism keeps its GEMM inputs sharded and gathers them again in backward "
                         "(Megatron); default: keeps them whole, as the phalanx trainer does")
-    p.add_argument("--zero-levels", type=_levels, default=(0, 3),
-                   help="ZeRO levels to search (default 0,3: what the phalanx trainer runs)")
+    p.add_argument("--zero-levels", type=_levels, default=(0, 2, 3),
+                   help="ZeRO levels to search (default 0,2,3: what the phalanx trainer runs; 1 for other runtimes)")
     p.add_argument("--any-runtime", action="store_true",
                    help="also layouts the phalanx trainer does not run (tp not dividing the KV heads or the "
                         "vocabulary, tp with experts), as other implementations with padding would")

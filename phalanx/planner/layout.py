@@ -57,15 +57,18 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     def to_plan(self) -> Plan:
-        """The trainer's Plan; zero 1 and 2 have no Plan field and read as fsdp=false."""
-        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, fsdp=self.zero == 3,
+        """The trainer's Plan. zero=1 (the published runs' distributed optimizer) has no trainer
+        equivalent and reads as zero=0 here; `to_string` keeps it, and the search offers the
+        trainer only the levels it runs (0, 2, 3)."""
+        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero=self.zero if self.zero != 1 else 0,
                     replicate=self.replicate, sp=self.sp, schedule=self.schedule, virtual=self.virtual,
                     microbatches=self.microbatches, recompute=self.recompute,
                     recompute_layers=self.recompute_layers)
 
     def to_string(self) -> str:
-        """A `--fix` string that gives back exactly this layout."""
-        return f"{self.to_plan().to_string()},mbs={self.mbs},zero={self.zero}"
+        """A `--fix` string that gives back exactly this layout (the zero level always named)."""
+        keys = [part for part in self.to_plan().to_string().split(",") if not part.startswith("zero=")]
+        return ",".join([*keys, f"mbs={self.mbs}", f"zero={self.zero}"])
 
     def replace(self, **changes) -> "Layout":
         return dataclasses.replace(self, **changes)

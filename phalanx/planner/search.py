@@ -29,8 +29,8 @@ from phalanx.planner.layout import Layout, Workload
 class SearchSpace:
     """Which knob values the search may use."""
 
-    zero_levels: tuple[int, ...] = (0, 3)
-    """What the phalanx trainer runs: replicated (fsdp=false) or fully sharded (fsdp=true)."""
+    zero_levels: tuple[int, ...] = (0, 2, 3)
+    """What the phalanx trainer runs: replicated, gradients and optimizer state sharded, or all sharded."""
     recompute: tuple[str, ...] = RECOMPUTE
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zbv", "dualpipev")
     """gpipe is left out: same bubble as 1f1b, more memory (`--fix schedule=gpipe` evaluates it)."""

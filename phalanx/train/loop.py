@@ -130,7 +130,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     model_cfg = model_config(cfg.model)
     plan = resolve_plan(cfg.plan, world_size)
     check_sequence_length(cfg, model_cfg)
-    validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len)
+    plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
     accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
