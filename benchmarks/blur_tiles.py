@@ -7,8 +7,9 @@ difference from scipy is printed too. Ratio: scipy's time over phalanx's (above 
 
     .venv/bin/python benchmarks/blur_tiles.py [--size 4096] [--device cuda] [--threads N]
 
---threads sets torch's threads in this process (the 1-process run; worker processes take
-cores / processes each); scipy uses one thread.
+--threads sets torch's threads in this process; phalanx's CPU ranks run on one thread each
+whatever it says (phalanx/kernels/workers.py), so it no longer changes phalanx's times; scipy
+uses one thread.
 
 --device cuda also reports the blur alone on the GPU (image already there) and end to end.
 """

@@ -10,8 +10,8 @@ phalanx is faster).
 
     .venv/bin/python benchmarks/match_throughput.py [--quick] [--device cuda] [--nproc N] [--threads N]
 
---threads sets torch's threads in this process (used by --nproc 1; worker processes take
-cores / processes each). The other tools run on one thread.
+--threads sets torch's threads in this process; phalanx's CPU ranks run on one thread each
+whatever it says (phalanx/kernels/workers.py), so it no longer changes phalanx's times. The other tools run on one thread.
 
 --device cuda also reports phalanx's kernel alone (tables and text already on the GPU) and
 end to end (including the host-to-device copy of the text).
