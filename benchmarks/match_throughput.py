@@ -8,7 +8,10 @@ DNA with 100 and 1,000 random patterns of length 8. Each tool's time is its matc
 all tools must agree on the count. Ratios: the other tool's time over phalanx's (above 1:
 phalanx is faster).
 
-    .venv/bin/python benchmarks/match_throughput.py [--quick] [--device cuda] [--nproc N]
+    .venv/bin/python benchmarks/match_throughput.py [--quick] [--device cuda] [--nproc N] [--threads N]
+
+--threads sets torch's threads in this process; phalanx's CPU ranks run on one thread each
+whatever it says (phalanx/kernels/workers.py), so it no longer changes phalanx's times. The other tools run on one thread.
 
 --device cuda also reports phalanx's kernel alone (tables and text already on the GPU) and
 end to end (including the host-to-device copy of the text).
@@ -121,14 +124,20 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="phalanx worker processes")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--skip-serial", action="store_true", help="leave out the (slow) serial Wu-Manber")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads here (0: torch's default)")
     args = parser.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rng = random.Random(0)
     source = stdlib_text(1 << 20 if args.quick else 5 << 20)
     dna = bytes(rng.choice(b"ACGT") for _ in range(1 << 20 if args.quick else 8 << 20))
     cases = [(f"stdlib {len(source) / 2**20:.1f} MB", source, drawn_patterns(source, k, rng)) for k in (100, 1000, 10000)]
     cases += [(f"DNA {len(dna) / 2**20:.1f} MB", dna, sorted({bytes(rng.choice(b"ACGT") for _ in range(8)) for _ in range(k * 2)})[:k])
               for k in (100, 1000)]
-    print(f"phalanx: --device {args.device} --nproc {args.nproc}; times are the best of {args.repeats}; "
+    print(f"phalanx: --device {args.device} --nproc {args.nproc}, {torch.get_num_threads()} torch threads in-process; "
+          f"times are the best of {args.repeats}; "
           "ratio = other tool's time / phalanx's")
     for name, text, patterns in cases:
         runs = {}

@@ -2,10 +2,10 @@
 
 Equal to scipy.ndimage.gaussian_filter(x, sigma, mode="reflect", truncate=4.0) per channel:
 the same sampled kernel (radius int(4 sigma + 0.5), normalized to sum 1), the same border
-(half-sample symmetric reflection). Each tile gathers its pixels plus a halo of one radius on
-every side (reflected at the image's borders, the neighbours' pixels inside), then two 1-D
-"valid" correlations, rows then columns, give exactly its part of the whole image's result,
-however small the tile is against the halo.
+(half-sample symmetric reflection). Each rank extends the image once by the radius (reflected
+at its borders); a tile then reads its pixels plus a halo of one radius on every side (the
+neighbours' pixels inside) as a view, and two 1-D "valid" correlations, rows then columns,
+give exactly its part of the whole image's result, however small the tile is against the halo.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def check_blur_args(shape: tuple[int, ...], sigma: float, tiles: int) -> None:
         raise UserError(f"an image of shape {shape}: expected (height, width) or (height, width, channels), none empty")
 
 
+# Rows of a tile filtered together on the CPU: about 512 KB of float32 per strip (half of this
+# machine's 1 MB L2), so the 2 x (2 r + 1) passes over a strip run in the core's cache instead
+# of main memory; at least 32 rows, so a wide halo is not re-read for every few rows.
+STRIP_BYTES = 512 << 10
+
+
 def _valid_along(x: torch.Tensor, weights: list[float], dim: int) -> torch.Tensor:
     """'Valid' correlation with `weights` along `dim`, as a weighted sum of shifted slices
     (one fused multiply-add over the tile per tap: faster than conv1d over millions of
@@ -52,16 +58,35 @@ def _valid_along(x: torch.Tensor, weights: list[float], dim: int) -> torch.Tenso
     return out
 
 
-def blur_tile(image: torch.Tensor, tile: Tile, weights: list[float]) -> torch.Tensor:
-    """image (C, H, W) float32 on the device -> the blurred (C, h, w) of this tile."""
-    channels, height, width = image.shape
+def pad_reflect(image: torch.Tensor, radius: int) -> torch.Tensor:
+    """(C, H, W) -> (C, H + 2 r, W + 2 r), extended as scipy's "reflect" (half-sample
+    symmetric, repeated for halos longer than the image): only the halo strips are gathered,
+    the rest is copied whole."""
+    for dim in (1, 2):
+        size = image.shape[dim]
+        before = torch.tensor(reflect_index(-radius, 0, size), device=image.device, dtype=torch.int64)
+        after = torch.tensor(reflect_index(size, size + radius, size), device=image.device, dtype=torch.int64)
+        image = torch.cat([image.index_select(dim, before), image, image.index_select(dim, after)], dim=dim)
+    return image
+
+
+def blur_tile(padded: torch.Tensor, tile: Tile, weights: list[float]) -> torch.Tensor:
+    """padded (C, H + 2 r, W + 2 r) float32 on the device (pad_reflect of the image) -> the
+    blurred (C, h, w) of this tile: its pixels plus a halo of r on every side, filtered rows
+    then columns (as scipy filters: axis 0 first)."""
     radius = (len(weights) - 1) // 2
-    device = image.device
-    rows = torch.tensor(reflect_index(tile.rows[0] - radius, tile.rows[1] + radius, height), device=device)
-    cols = torch.tensor(reflect_index(tile.cols[0] - radius, tile.cols[1] + radius, width), device=device)
-    region = image.index_select(1, rows).index_select(2, cols)  # (C, h + 2r, w + 2r)
-    # Rows first (axis 0), as scipy filters: (C, h, w + 2r), then columns: (C, h, w).
-    return _valid_along(_valid_along(region, weights, 1), weights, 2)
+    (top, bottom), (left, right) = tile.rows, tile.cols
+    region = padded[:, top : bottom + 2 * radius, left : right + 2 * radius]  # a view: the tile and its halo
+    height = bottom - top
+    if padded.device.type != "cpu":  # one launch per tap over the whole tile
+        return _valid_along(_valid_along(region, weights, 1), weights, 2)
+    out = torch.empty((padded.shape[0], height, right - left), dtype=padded.dtype)
+    strip = max(32, STRIP_BYTES // (4 * region.shape[0] * region.shape[2]) - 2 * radius)
+    for row in range(0, height, strip):
+        rows = min(strip, height - row)
+        band = region[:, row : row + rows + 2 * radius]
+        out[:, row : row + rows] = _valid_along(_valid_along(band, weights, 1), weights, 2)
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,9 +101,9 @@ def blur_rank(rank: int, world_size: int, job: BlurJob) -> dict:
     """Tiles rank, rank + N, rank + 2N, ... of the job: {"tiles": {index: (C, h, w) array}, "seconds"}."""
     began = time.perf_counter()
     device = worker_device(job.device)
-    image = torch.from_numpy(job.image).to(device)
     weights = gaussian_kernel(job.sigma).tolist()
-    done = {i: blur_tile(image, job.tiles[i], weights) for i in range(rank, len(job.tiles), world_size)}
+    padded = pad_reflect(torch.from_numpy(job.image).to(device), (len(weights) - 1) // 2)
+    done = {i: blur_tile(padded, job.tiles[i], weights) for i in range(rank, len(job.tiles), world_size)}
     done = {i: out.cpu().numpy() for i, out in done.items()}
     return {"tiles": done, "seconds": time.perf_counter() - began}
 

@@ -21,8 +21,9 @@ from phalanx.kernels.shards import rank_chunks
 from phalanx.kernels.workers import run_sharded, worker_device
 
 ALGORITHMS = ("auto", "wu-manber", "pfac")
-# Bytes of text per scan on one device: every byte is a lane holding a few int64 values, so a
-# CPU chunk costs ~40x its size in memory; a GPU's memory and parallelism take bigger ones.
+# Bytes of text per scan on one device: every byte is a lane holding a few int32 values (codes,
+# block hashes), so a CPU chunk costs ~15x its size in memory, and 4 MB amortizes each op's
+# fixed cost; a GPU's memory and parallelism take bigger ones.
 CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
 
 

@@ -34,13 +34,23 @@ def check_device(device: str, nproc: int) -> None:
         raise UserError(f"--nproc {nproc} must be at least 1")
 
 
-def _entry(work: Callable, payload: Any, device: str) -> Any:
-    world_size = int(os.environ["WORLD_SIZE"])
-    if device == "cpu":  # ranks share the cores; more threads each would only contend
-        from phalanx.launch import usable_cores
+def _one_thread_on_cpu(work: Callable, rank: int, world_size: int, payload: Any, device: str) -> Any:
+    """work(...) with one torch thread per CPU rank, the caller's setting restored after: the
+    ranks (--nproc) are the parallelism. These kernels are many short ops, and splitting each
+    over threads stalled whenever another process held a core: on the shared 2-core machine two
+    threads ran the matcher 2x to 10x and the blur 4x slower than one (docs/kernels.md)."""
+    if device != "cpu":
+        return work(rank, world_size, payload)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return work(rank, world_size, payload)
+    finally:
+        torch.set_num_threads(before)
 
-        torch.set_num_threads(max(1, usable_cores() // world_size))
-    return work(int(os.environ["RANK"]), world_size, payload)
+
+def _entry(work: Callable, payload: Any, device: str) -> Any:
+    return _one_thread_on_cpu(work, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), payload, device)
 
 
 def run_sharded(work: Callable[[int, int, Any], Any], payload: Any, nproc: int, device: str) -> list[Any]:
@@ -48,7 +58,7 @@ def run_sharded(work: Callable[[int, int, Any], Any], payload: Any, nproc: int, 
     `work` must be a module-level function (GPU runs spawn workers, which import it by name)."""
     check_device(device, nproc)
     if nproc == 1:
-        return [work(0, 1, payload)]
+        return [_one_thread_on_cpu(work, 0, 1, payload, device)]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from phalanx.launch import start_elastic
