@@ -7,8 +7,14 @@ from phalanx.model.config import ModelConfig, model_config
 from phalanx.planner.cost import evaluate
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
-from phalanx.planner.memory import layer_activation_bytes, state_bytes, weight_gradient_input_bytes
-from phalanx.planner.search import auto_plan, search
+from phalanx.planner.memory import (
+    TRAINER_PRECISION,
+    layer_activation_bytes,
+    offloaded_bytes,
+    state_bytes,
+    weight_gradient_input_bytes,
+)
+from phalanx.planner.search import auto_plan, explain, search
 
 # MHA + 4h GeLU, the model of Korthikanti et al.: s=2048, b=2, h=4096, a=32.
 GPT = ModelConfig(name="gpt", vocab_size=50000, dim=4096, n_layers=8, n_heads=32, n_kv_heads=32,
@@ -105,3 +111,56 @@ def test_zbv_holds_deferred_weight_gradient_inputs():
     w_in = weight_gradient_input_bytes(GPT, seq=S, mbs=1, tp=1, sp=False, moe=False)
     assert w_in == 2 * S * H * 3 + 2 * S * 16384  # attention, output-projection, MLP inputs; down projection's
     assert zbv.memory_breakdown["activations"] == pytest.approx(2 * 4 * per_layer + 2 * 2 * w_in)
+
+
+def test_state_bytes_with_offload_and_the_trainers_precision():
+    # zero 3 over 4 shards, one micro-batch, offload: the device keeps 2 gathered layers of
+    # weights (2 bytes, bf16 param_dtype) and their unsharded fp32 gradients; the shards of
+    # weights (4 bytes, the trainer's fp32), gradients (4) and AdamW's two moments (8) are on the host.
+    bf16 = TRAINER_PRECISION["bf16"]
+    got = state_bytes(zero=3, shards=4, params=1000, layer_params=100, microbatches=1, pp=1, precision=bf16,
+                      offload=True)
+    assert got == pytest.approx({"parameters": 2 * 200, "gradients": 4 * 200, "optimizer_state": 0})
+    assert offloaded_bytes(shards=4, params=1000, precision=bf16) == pytest.approx(
+        {"parameters": 4 * 250, "gradients": 4 * 250, "optimizer_state": 8 * 250})
+    # The trainer without offload: fp32 weights and moments, no master copy (16 bytes, not 18).
+    fp32 = TRAINER_PRECISION["fp32"]
+    got = state_bytes(zero=0, shards=4, params=1000, layer_params=100, microbatches=1, pp=1, precision=fp32)
+    assert got == pytest.approx({"parameters": 4000, "gradients": 4000, "optimizer_state": 8000})
+    # zero 2 in bf16: the fp32 shard beside the whole bf16 gathered copy.
+    got = state_bytes(zero=2, shards=4, params=1000, layer_params=100, microbatches=4, pp=1, precision=bf16)
+    assert got == pytest.approx({"parameters": 4 * 250 + 2 * 1000, "gradients": 4000, "optimizer_state": 8 * 250})
+
+
+def test_offload_layout_keeps_its_shards_off_the_device():
+    work = Workload(global_batch=8, seq_len=S)
+    lay = Layout(dp=8, mbs=1, microbatches=1, zero=3, recompute="full")
+    plain = evaluate(GPT, PRESETS["dgx-h100"], work, lay)
+    off = evaluate(GPT, PRESETS["dgx-h100"], work, lay.replace(offload=True))
+    params = 8 * (4 * H * H + 2 * H * 16384 + 2 * H) + 2 * 50000 * H
+    assert off.host_breakdown["optimizer_state"] == pytest.approx(12 * params / 8)
+    assert off.memory_breakdown["optimizer_state"] == 0
+    moved = sum(off.host_breakdown.values())
+    assert plain.memory_bytes - off.memory_bytes == pytest.approx(moved)
+    assert lay.replace(offload=True).to_plan().offload
+
+
+def _offload_search(memory_gib: float):
+    cluster = Cluster(name="c", memory_gib=memory_gib, memory_reserved_gib=2.0)
+    # llama3-8b's 18 bytes per parameter over 8 GPUs is 16.8 GiB on each however it is split.
+    return search(model_config("llama3-8b"), cluster, Workload(global_batch=8, seq_len=4096), world_size=8), cluster
+
+
+def test_search_picks_offload_only_when_nothing_else_fits():
+    result, cluster = _offload_search(14.0)
+    assert result.offload_only and result.ranked
+    assert all(e.layout.offload and e.layout.zero == 3 for e in result.ranked)
+    assert any("offload=true" in line for line in explain(result, cluster.usable_bytes / 2**30))
+    assert "offload=true" in result.ranked[0].layout.to_plan().to_string()
+
+
+def test_search_does_not_offload_when_something_fits():
+    result, cluster = _offload_search(80.0)
+    assert result.ranked and not result.offload_only
+    assert not any(e.layout.offload for e in result.ranked)
+    assert not any("offload" in line for line in explain(result, cluster.usable_bytes / 2**30))

@@ -55,7 +55,10 @@ from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import (
     in_flight_microbatches,
+    MIXED_ADAM,
+    Precision,
     layer_activation_bytes,
+    offloaded_bytes,
     layers_per_stage,
     param_counts,
     state_bytes,
@@ -111,6 +114,9 @@ class Options:
     in backward for the weight gradients (Megatron, and the published activation formula).
     False: it keeps the gathered inputs whole, more memory and no second gather (phalanx's
     DTensor sequence parallelism)."""
+    precision: Precision = MIXED_ADAM
+    """Bytes of weights, gradients, optimizer state, activations and logits
+    (`memory.TRAINER_PRECISION[dtype]` for the phalanx trainer)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +154,8 @@ class Estimate:
     breakdown: dict[str, float]
     memory_bytes: float
     memory_breakdown: dict[str, float]
+    host_breakdown: dict[str, float] = field(default_factory=dict)
+    """Bytes offload=true keeps on the host (not in memory_bytes)."""
     fits: bool
     model_flops: float
     """Per step over all devices, Megatron's convention: 3 passes, full attention matrix, no recompute."""
@@ -506,11 +514,11 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         "overhead": step_overhead,
     }
 
-    memory = _memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)
+    memory, host = _memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)
     model_flops, hardware_flops = step_flops(model, workload, lay.recompute)
     return Estimate(
         layout=lay, step_time_s=step, breakdown=breakdown, memory_bytes=sum(memory.values()),
-        memory_breakdown=memory, fits=sum(memory.values()) <= cluster.usable_bytes,
+        memory_breakdown=memory, host_breakdown=host, fits=sum(memory.values()) <= cluster.usable_bytes,
         model_flops=model_flops, hardware_flops=hardware_flops, world_size=world, peak_flops=peak,
         tokens=workload.global_batch * seq, seq_len=seq, hidden_size=model.dim, stage=stage,
     )
@@ -613,25 +621,31 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
 
 
 def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
-            shared: float, experts: float, c) -> dict[str, float]:
-    """Peak bytes on the most loaded device, by cause."""
+            shared: float, experts: float, c) -> tuple[dict[str, float], dict[str, float]]:
+    """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
     shard = lay.dp // lay.replicate
     layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
     state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
-                        microbatches=lay.microbatches, pp=lay.pp)
+                        microbatches=lay.microbatches, pp=lay.pp, precision=options.precision, offload=lay.offload)
+    host = offloaded_bytes(shards=shard, params=shared, precision=options.precision) if lay.offload else {}
     if experts:
         expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
-                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp)
+                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
+                                   precision=options.precision, offload=lay.offload)
         state = {k: v + expert_state[k] for k, v in state.items()}
+        if lay.offload:
+            extra = offloaded_bytes(shards=max(1, shard // lay.ep), params=experts, precision=options.precision)
+            host = {k: v + extra[k] for k, v in host.items()}
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
-    per_layer = lambda moe, rc: _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
+    scale = options.precision.activation / 2  # the formulas count 16-bit elements
+    per_layer = lambda moe, rc: scale * _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
     share = recompute_share(model, lay)  # the other layers keep all their activations
     stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))
                     for count, moe in ((n - n_moe, False), (n_moe, True)))
     in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
                                        microbatches=lay.microbatches)
     rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
-    logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * LOGIT_BYTES
+    logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * options.precision.logit
     # The first rank holds the most micro-batches; the loss's logits live on the last stage,
     # which V-shaped schedules (and pp=1) put on that same first rank.
     first = stage_act * in_flight + rematerialised
@@ -647,7 +661,7 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
         # micro-batches of one chunk (half the stage) on the first rank. Layers under full
         # recompute re-run their forward for W (split_backward_recompute) and hold nothing.
         held_share = 1 - share if lay.recompute == "full" else 1.0
-        w_inputs = sum(count * weight_gradient_input_bytes(model, moe=moe, **kw)
+        w_inputs = sum(count * scale * weight_gradient_input_bytes(model, moe=moe, **kw)
                        for count, moe in ((n - n_moe, False), (n_moe, True)))
         activations += min(lay.microbatches, lay.pp) * held_share * w_inputs / 2
     tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
@@ -659,4 +673,4 @@ def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Option
     if lay.pp > 1:  # send and receive buffers, both directions
         buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
     out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
-    return out
+    return out, host

@@ -51,6 +51,9 @@ class Layout:
     sp: bool = False
     replicate: int = 1
     """With zero=3: HSDP, shard within dp / replicate ranks and all-reduce across replicas."""
+    offload: bool = False
+    """With zero=3 and dp > 1: weights, gradients and optimizer state on the host (FSDP2's
+    CPUOffloadPolicy). The search offers it only where nothing else fits."""
 
     @property
     def world_size(self) -> int:
@@ -63,7 +66,7 @@ class Layout:
         return Plan(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero=self.zero if self.zero != 1 else 0,
                     replicate=self.replicate, sp=self.sp, schedule=self.schedule, virtual=self.virtual,
                     microbatches=self.microbatches, recompute=self.recompute,
-                    recompute_layers=self.recompute_layers)
+                    recompute_layers=self.recompute_layers, offload=self.offload)
 
     def to_string(self) -> str:
         """A `--fix` string that gives back exactly this layout (the zero level always named)."""

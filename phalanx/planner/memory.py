@@ -24,7 +24,36 @@ from dataclasses import dataclass
 from phalanx.model.config import ModelConfig
 
 STATE_BYTES = (2, 4, 12)
-"""(parameter, gradient, optimizer) bytes per parameter before sharding."""
+"""(parameter, gradient, optimizer) bytes per parameter before sharding (`MIXED_ADAM`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per element of what a training implementation keeps."""
+
+    param: int
+    """Resident weights, the copy the optimizer updates (whole, or its shard)."""
+    gathered: int
+    """A weight gathered by FSDP (its param_dtype) or kept beside an fp32 master copy."""
+    grad: int
+    optim: int
+    """Optimizer state per parameter (Adam's two moments, and a master copy if any)."""
+    activation: int
+    """A stored activation element; `layer_activation_bytes` counts 16-bit ones."""
+    logit: int
+    """Per logit element held on the last stage for the loss."""
+
+
+MIXED_ADAM = Precision(param=2, gathered=2, grad=4, optim=12, activation=2, logit=6)
+"""Megatron-style mixed precision: bf16 weights, fp32 gradients, fp32 master weights and moments;
+bf16 logits kept beside the fp32 copy the loss reads."""
+TRAINER_PRECISION = {
+    # phalanx's trainer keeps fp32 weights and AdamW's two fp32 moments (no master copy), fp32
+    # gradients; FSDP2 gathers in param_dtype. fp32: every activation and the fp32 log-softmax
+    # output the loss saves for backward, 4 bytes each.
+    "fp32": Precision(param=4, gathered=4, grad=4, optim=8, activation=4, logit=4),
+    "bf16": Precision(param=4, gathered=2, grad=4, optim=8, activation=2, logit=6),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +165,7 @@ the next, prefetched (FSDP2's default forward and backward prefetch of one unit)
 
 
 def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, microbatches: int,
-                pp: int) -> dict[str, float]:
+                pp: int, precision: Precision = MIXED_ADAM, offload: bool = False) -> dict[str, float]:
     """Parameter, gradient and optimizer bytes of `params` parameters (a rank's stage, over tp)
     sharded `shards` ways at a ZeRO level, as the time model's collectives run them.
 
@@ -148,21 +177,32 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
     Parameters: zero 0 and 1 hold them whole; zero 2 gathers them once and keeps them through
     backward (whole at the peak, beside the shard); zero 3 gathers `GATHERED_LAYERS` layers at a
     time, except under pp, where the trainer keeps the stage gathered for the whole step
-    (gathered once per step, the time model's charge).
+    (gathered once per step, the time model's charge). Gathered copies are in
+    `precision.gathered`. offload (zero 3): the shards of all three live on the host
+    (`offloaded_bytes`); the device keeps the gathered weights and the unsharded gradients.
     """
-    param, grad, optim = STATE_BYTES
+    param, gathered, grad, optim = precision.param, precision.gathered, precision.grad, precision.optim
     n = max(1, shards)
     if zero == 0:
         return {"parameters": param * params, "gradients": grad * params, "optimizer_state": optim * params}
     accumulate = zero <= 1 or microbatches > 1
-    gradients = grad * params if accumulate else grad * (params / n + GATHERED_LAYERS * layer_params)
+    sharded = 0.0 if offload else 1.0
+    gradients = grad * params if accumulate else grad * (sharded * params / n + GATHERED_LAYERS * layer_params)
     if zero == 1:
         parameters = param * params
     elif zero == 2 or pp > 1:
-        parameters = param * (params / n + params)
+        parameters = sharded * param * params / n + gathered * params
     else:
-        parameters = param * (params / n + GATHERED_LAYERS * layer_params)
-    return {"parameters": parameters, "gradients": gradients, "optimizer_state": optim * params / n}
+        parameters = sharded * param * params / n + gathered * GATHERED_LAYERS * layer_params
+    return {"parameters": parameters, "gradients": gradients, "optimizer_state": sharded * optim * params / n}
+
+
+def offloaded_bytes(*, shards: int, params: float, precision: Precision = MIXED_ADAM) -> dict[str, float]:
+    """Host bytes under offload=true (zero 3): the shards of the weights, gradients and optimizer
+    state (FSDP2's CPUOffloadPolicy; the optimizer steps on the host)."""
+    n = max(1, shards)
+    return {"parameters": precision.param * params / n, "gradients": precision.grad * params / n,
+            "optimizer_state": precision.optim * params / n}
 
 
 def weight_gradient_input_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, moe: bool) -> float:

@@ -54,6 +54,9 @@ class SearchResult:
     fastest_pruned: Estimate | None
     """The fastest layout that did not fit, if it was faster than the winner."""
     seconds: float
+    offload_only: bool = False
+    """Nothing fitted on the device, so the ranked layouts keep their weights, gradients and
+    optimizer state on the host (offload=true, zero 3): slower, picked only then."""
 
 
 def divisors(n: int) -> list[int]:
@@ -142,9 +145,12 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                                 if fixed.get("zero_not3") and zero == 3:
                                     continue
                                 sp = fixed.get("sp", tp > 1 and sp_ok)
+                                offload = bool(f("offload", False))
+                                if offload and (zero != 3 or dp == 1):
+                                    continue  # FSDP2 offloads the shards of zero 3 over dp > 1
                                 yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, microbatches=m,
                                              schedule=schedule, virtual=v, recompute=rc, zero=zero,
-                                             sp=bool(sp), replicate=int(f("replicate", 1)))
+                                             sp=bool(sp), replicate=int(f("replicate", 1)), offload=offload)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -178,11 +184,23 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
                 fastest_pruned = est
             continue
         fitting.append(est)
+    offload_only = False
+    if not fitting and "offload" not in fixed and fixed.get("zero", 3) == 3:
+        # Last resort: offload moves the shards off the device. The time model does not charge
+        # the host transfers yet, so it is never weighed against a layout that fits without it.
+        for layout in candidates(model, cluster, workload, world_size=world_size, fixed={**fixed, "offload": True},
+                                 space=dataclasses.replace(space, zero_levels=(3,))):
+            considered += 1
+            est = evaluate(model, cluster, workload, layout, options)
+            if est.fits:
+                fitting.append(est)
+        offload_only = bool(fitting)
     fitting.sort(key=lambda e: (e.step_time_s, e.memory_bytes))
     if fastest_pruned and fitting and fastest_pruned.step_time_s >= fitting[0].step_time_s:
         fastest_pruned = None
     return SearchResult(ranked=fitting[:keep], considered=considered, pruned_memory=pruned,
-                        fastest_pruned=fastest_pruned, seconds=time.perf_counter() - start)
+                        fastest_pruned=fastest_pruned, seconds=time.perf_counter() - start,
+                        offload_only=offload_only)
 
 
 def _fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Workload, full: Estimate,
@@ -224,6 +242,9 @@ def explain(result: SearchResult, usable_gib: float) -> list[str]:
         cause = max(diffs, key=diffs.get)
         gap = est.step_time_s - best.step_time_s
         lines.append(f"#{rank} +{gap:.3g} s: mostly {cause} (+{diffs[cause]:.3g} s)")
+    if result.offload_only:
+        lines.append(f"offload=true: no layout fits in {usable_gib:.1f} GiB per device with its weights, gradients "
+                     "and optimizer state there, so these keep their shards on the host (zero=3)")
     if result.fastest_pruned:
         fp = result.fastest_pruned
         lines.append(f"faster but pruned: {fp.layout.to_string()} would take {fp.step_time_s:.3g} s "

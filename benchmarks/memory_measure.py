@@ -1,0 +1,143 @@
+"""Tensor memory by category of the trainer's own step, per rank (used by planner_memory.py).
+
+The model is built as `phalanx train` builds it (`build_mesh`, `parallelize`, the pipeline
+schedule, AdamW in the loop's two groups) and stepped as the loop steps it (micro-batches with
+gradient sync only on the last, or the pipeline schedule; clipping; AdamW; zero_grad). PyTorch's
+trackers classify every tensor storage as it is created: `FSDPMemTracker` where the rank's model
+is one FSDP2 module (it tells sharded from gathered parameters and names FSDP's communication
+buffers), `MemTracker` otherwise. Both only report the total at its peak, so each category's own
+peak is read from the tracker's running snapshot after every operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
+
+# Tracker category names -> the planner's categories; the rest (temporaries of backward, buffers,
+# FSDP's all-gather and reduce-scatter buffers, inputs) count in the total only.
+_TRACKER_CATEGORY = {
+    "Parameter": "parameters", "Sharded Param": "parameters", "Unsharded Param": "parameters",
+    "Gradient": "gradients", "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+    "Optstate": "optimizer_state", "OptState": "optimizer_state",
+    "Activation": "activations",
+}
+
+
+def _step_fn(model, mesh, plan, cfg_model, *, global_batch: int, seq_len: int, dtype: str, device):
+    """One optimizer step of the training loop (phalanx/train/loop.py), as a function."""
+    from phalanx.parallel.data_parallel import set_gradient_sync
+    from phalanx.parallel.expert import expert_params
+    from phalanx.parallel.grad_norm import clip_grad_norm
+    from phalanx.parallel.tensor_parallel import loss_context
+    from phalanx.train import moe_stats
+    from phalanx.train.loop import batch_loss
+    from phalanx.train.pipeline_step import make_pipeline, pipeline_step
+
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+    pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
+    if pipeline is not None:
+        moe_stats.aux_losses_in_backward(model)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    accum = plan.num_microbatches
+    per_rank = global_batch // plan.dp
+    micro = per_rank // accum
+    generator = torch.Generator().manual_seed(1234 + mesh.dp_rank)
+
+    def step() -> None:
+        tokens = torch.randint(0, cfg_model.vocab_size, (per_rank, seq_len + 1), generator=generator).to(device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]  # (per_rank, seq)
+        if pipeline is not None:
+            pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast)
+        else:
+            for i in range(accum):
+                set_gradient_sync(model, i == accum - 1)
+                rows = slice(i * micro, (i + 1) * micro)
+                with loss_context(plan):
+                    loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
+                    (loss + moe_stats.aux_loss(model) / accum).backward()
+        clip_grad_norm(model.parameters(), 1.0, pp_group=mesh.group("pp"), experts=expert_params(model))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, optimizer
+
+
+def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: int, dtype: str, device_name: str,
+                 steps: int = 1) -> dict:
+    """On one rank of a started process group: each category's peak bytes and the total's peak
+    over `steps` optimizer steps after a first, untracked one."""
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import parallelize, validate_for_model
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.train.loop import pick_device, resolve_plan
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = model_config(model_name)
+    plan = validate_for_model(resolve_plan(plan_text, world), cfg, global_batch=global_batch, seq_len=seq_len,
+                              dtype=dtype)
+    device = pick_device(device_name)
+    mesh = build_mesh(plan, device)
+    micro = global_batch // plan.dp // plan.num_microbatches
+    model = parallelize(cfg, mesh, seed=0, seq_len=seq_len, microbatch_tokens=micro * seq_len)
+    step, optimizer = _step_fn(model, mesh, plan, cfg, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                               device=device)
+    step()  # outside the trackers: the pipeline's first step infers shapes with autograd.grad,
+    # which their hooks refuse; after it the optimizer state exists, as in every later step
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer)
+    else:
+        tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+
+    peaks = dict.fromkeys(CATEGORIES, 0)
+    original = tracker._update_peak_stats
+
+    def update_peaks(state) -> None:  # after every operation: each category's running maximum
+        original(state)
+        for snap in tracker._curr_mem_snap.values():
+            now = dict.fromkeys(CATEGORIES, 0)
+            for key, value in snap.items():
+                name = _TRACKER_CATEGORY.get(getattr(key, "value", key))
+                if name:
+                    now[name] += value
+            for name in CATEGORIES:
+                peaks[name] = max(peaks[name], now[name])
+
+    tracker._update_peak_stats = update_peaks
+    roots = {id(model), *(id(chunk) for chunk in getattr(model, "chunks", ()))}
+
+    class ForgetRootCalls(WeakIdKeyDictionary):
+        # The trackers refuse a root module's second forward (the next micro-batch or step, or a
+        # pipeline chunk's next micro-batch) as "multiple iterative calls"; a root reads as new
+        # in forward, so only its per-module statistics, which this script does not read, start
+        # over. Tracked storages stay.
+        def __contains__(self, key) -> bool:
+            if id(key) in roots and not tracker._mod_tracker.is_bw:
+                return False
+            return super().__contains__(key)
+
+    tracker.memory_tracking = ForgetRootCalls()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    with tracker:
+        for _ in range(steps):
+            step()
+    total = max((snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("peak").values()), default=0)
+    result = {**peaks, "total": total}
+    if device.type == "cuda":
+        result["allocator_total"] = torch.cuda.max_memory_allocated(device)
+    return result
