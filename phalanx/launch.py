@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -222,7 +223,14 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
         # not be initialized before a fork, so GPU runs spawn fresh interpreters instead.
         start_method="spawn" if torch.cuda.is_available() and device != "cpu" else "fork",
     )
-    return elastic_launch(config, entry)(*args)
+    # The agent installs handlers that turn SIGTERM/SIGINT into exceptions and never restores
+    # them; put back the caller's, so a later fork (a prepare pool, a test) is not left with them.
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return elastic_launch(config, entry)(*args)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:

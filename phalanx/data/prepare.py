@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,8 +64,14 @@ def _chunks(files: list[Path], *, field: str, any_bytes: bool) -> Iterator[tuple
         yield position, batch, source_bytes
 
 
-def _init_worker(spec: str) -> None:
+def _init_worker(spec: str, forked: bool = False) -> None:
     global _worker_tokenizer
+    if forked:
+        # A forked worker inherits the parent's signal handlers: after PyTorch's elastic agent
+        # ran in this process (a test session, a notebook), SIGTERM raises an exception that the
+        # pool's task loop swallows, so Pool.terminate() would wait for it forever.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _worker_tokenizer = load_tokenizer(spec)
 
 
@@ -219,7 +226,7 @@ class _encoder:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         try:
             context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.spec,))
+            self.pool = context.Pool(self.workers, initializer=_init_worker, initargs=(self.spec, True))
         finally:
             if before is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM")
