@@ -145,7 +145,12 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
         if not cfg.out:
             raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
-        return worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
+        # Rank 0 holds the run directory's lock; if it is refused, torchrun stops the other ranks.
+        lock = lock_run_dir(Path(cfg.out)) if os.environ["RANK"] == "0" else None
+        status = worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
+        if lock:
+            lock.close()
+        return status
 
     from phalanx.model.config import model_config
     from phalanx.parallel.apply import validate_for_model

@@ -152,11 +152,11 @@ def skip_step(metrics, step: int, reason: str, bad_steps: BadStepCounter, cfg: T
     stop = bad_steps.bad()
     if stop or step == cfg.steps:
         last_good = step - bad_steps.in_a_row
-        save(last_good)
+        saved = save(last_good)[1]
     if stop:
+        where = f"the last good state, step {last_good}, is checkpointed" if saved else "its weights are not finite, so no checkpoint was written"
         raise UserError(f"stopped at step {step}: {bad_steps.in_a_row} steps in a row had a non-finite loss or "
-                        f"gradient norm (last: {reason}; --max-bad-steps {cfg.max_bad_steps}); the last good state, "
-                        f"step {last_good}, is checkpointed in {cfg.out or 'the run directory'}; try a lower --lr")
+                        f"gradient norm (last: {reason}; --max-bad-steps {cfg.max_bad_steps}); {where}; try a lower --lr")
 
 
 def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
@@ -205,14 +205,15 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
     meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
 
-    def save(step: int) -> float:
-        """Checkpoint the state after `step` steps unless it is not finite; the seconds it took."""
+    def save(step: int) -> tuple[float, bool]:
+        """Checkpoint the state after `step` steps unless it is not finite: (seconds, saved)."""
         began = time.perf_counter()
-        if weights_finite(model, device):
+        finite = weights_finite(model, device)
+        if finite:
             save_checkpoint(run_dir, step, model, optimizer, rank=rank, keep=cfg.keep_checkpoints, meta=meta)
         elif rank == 0:
             print(f"phalanx: warning: not checkpointing step {step}: the weights are not finite", file=sys.stderr)
-        return time.perf_counter() - began
+        return time.perf_counter() - began, finite
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
@@ -270,7 +271,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
             # Saved before the row is written, so the row can say how long the loop waited on it.
-            record["ckpt_wait_s"] = save(done) if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) else 0.0
+            record["ckpt_wait_s"] = save(done)[0] if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) else 0.0
             if metrics:
                 metrics.write(record)
             progress.update(record)
