@@ -36,7 +36,11 @@ def _add_train(subparsers) -> None:
     parser.add_argument("--config", help="TOML file of settings (keys: the long flag names with _)")
     for flag, field, kind, text in TRAIN_FLAGS:
         parser.add_argument(flag, dest=field, type=kind, default=None, help=text)
-    parser.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint in --out")
+    parser.add_argument("--resume", nargs="?", const="must", choices=("must", "auto"), default=None,
+                        help="continue from the newest complete checkpoint in --out; 'auto': start fresh when there is none "
+                             "(default with the flag alone: must)")
+    parser.add_argument("--max-bad-steps", dest="max_bad_steps", type=int, default=None,
+                        help="stop after this many steps in a row with a non-finite loss or gradient norm (default 5)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
     parser.set_defaults(func=_run_train)
@@ -47,7 +51,7 @@ def _run_train(args) -> int:
     from phalanx.train.config import load_config
 
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
-    overrides.update(resume=args.resume, progress=args.progress)
+    overrides.update(resume=args.resume, progress=args.progress, max_bad_steps=args.max_bad_steps)
     return launch_train(load_config(args.config, overrides), rdzv_endpoint=args.rdzv_endpoint)
 
 

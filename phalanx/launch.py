@@ -146,7 +146,12 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
         if not cfg.out:
             raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
-        return worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
+        # Rank 0 holds the run directory's lock; if it is refused, torchrun stops the other ranks.
+        lock = lock_run_dir(Path(cfg.out)) if os.environ["RANK"] == "0" else None
+        status = worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
+        if lock:
+            lock.close()
+        return status
 
     from phalanx.model.config import model_config
     from phalanx.parallel.apply import validate_for_model
@@ -167,12 +172,25 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     check_corpus(open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model), model=cfg.model,
                  model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
     run_dir = resolve_run_dir(cfg)
-    if cfg.resume and latest_checkpoint(run_dir) is None:
-        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'}")
-    if not cfg.resume and latest_checkpoint(run_dir) is not None:
-        raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
     created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = lock_run_dir(run_dir)  # held until this process exits; the workers inherit it
+    try:
+        if cfg.resume == "must" and latest_checkpoint(run_dir) is None:
+            raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
+        found = latest_checkpoint(run_dir)
+        if not cfg.resume and found is not None:
+            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
+        if cfg.resume and found is not None:  # refused here in one line; the workers log what changed
+            from phalanx.train.checkpoint_manifest import read_meta
+            from phalanx.train.resume_settings import check_resume
+
+            check_resume(read_meta(found[1]), model=model_cfg.to_dict(), where=str(run_dir),
+                         settings={**asdict(cfg), "world_size": nproc})
+    except UserError:
+        lock.close()
+        if created:
+            remove_if_empty(run_dir)
+        raise
     cfg = cfg.replace(nproc=nproc, out=str(run_dir))
     from phalanx.model.init import build_model
 
@@ -188,20 +206,52 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         print(interrupted_message(run_dir), file=sys.stderr)
     if status and created:
         remove_if_empty(run_dir)
+    lock.close()
     return status
+
+
+LOCK_FILE = "phalanx.lock"
+
+
+def lock_run_dir(run_dir: Path):
+    """Create the run directory if needed and hold an exclusive lock on a file in it, so a
+    second run on the same --out is refused instead of interleaving metrics and checkpoints.
+    flock's lock goes away with the last process holding the file, so a crash releases it."""
+    import fcntl
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--out {run_dir} is a file, not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / LOCK_FILE, "a+")
+    except OSError as error:
+        raise UserError(f"--out {run_dir}: cannot write a run directory there ({error.strerror})") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise UserError(f"{run_dir} is in use by another phalanx train ({holder}); wait for it to end, or pass another --out") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def remove_if_empty(run_dir: Path) -> None:
     """Remove a run directory that this launch created when the run wrote no file into it
-    (a worker failed first): no empty run folder is left behind, and no user's run is touched."""
-    if run_dir.is_dir() and not any(p.is_file() for p in run_dir.rglob("*")):
+    but its lock (a worker failed first): no empty run folder is left behind, and no user's
+    run is touched."""
+    if run_dir.is_dir() and not any(p.is_file() and p.name != LOCK_FILE for p in run_dir.rglob("*")):
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def interrupted_message(run_dir: Path) -> str:
     found = latest_checkpoint(run_dir)
     where = f"step {found[0]} in {found[1]}" if found else "none was written yet"
-    return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume"
+    return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume auto"
 
 
 def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "") -> dict:

@@ -1,14 +1,18 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): each rank writes its own shards.
 
-A checkpoint is written to `step_NNNNNN.tmp/` and renamed when every rank has finished, so an
-interrupted save never hides the previous good checkpoint. DCP reshards on load, so a run may
-resume with another layout (for example, saved with fsdp on 4 ranks, loaded on 2).
+A checkpoint is written to `step_NNNNNN.tmp/`; when every rank has finished, rank 0 writes
+phalanx.json with the manifest of the files (checkpoint_manifest.py) and renames the folder,
+so an interrupted save never hides the previous good checkpoint. Loading takes the newest
+checkpoint whose files match their manifest and says which damaged ones it passed over. DCP
+reshards on load, so a run may resume with another layout (saved with fsdp on 4 ranks,
+loaded on 2).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from phalanx.parallel.expert_checkpoint import globalize_experts
+from phalanx.train.checkpoint_manifest import META_FILE, build_manifest, damage, read_meta
 
 
 # DCP warns on every save and load without a process group; one process is a supported case.
@@ -33,13 +38,49 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint (step, path) under run_dir, if any."""
-    found = []
+def _candidates(run_dir: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """Finished checkpoint folders as (step, path), newest first (by the step in phalanx.json:
+    names sort wrongly past step 999,999), and the folders whose phalanx.json is unreadable."""
+    found, unreadable = [], []
     for path in (run_dir / "checkpoints").glob("step_*"):
-        if path.suffix != ".tmp" and (path / "phalanx.json").exists():
-            found.append((json.loads((path / "phalanx.json").read_text())["step"], path))
-    return max(found) if found else None
+        if path.suffix == ".tmp" or not path.is_dir():
+            continue
+        try:
+            found.append((read_meta(path)["step"], path))
+        except ValueError as error:
+            unreadable.append((path, str(error)))
+    return sorted(found, reverse=True), unreadable
+
+
+def latest_checkpoint(run_dir: Path, *, report: bool = False) -> tuple[int, Path] | None:
+    """The newest complete checkpoint (step, path) under run_dir whose files match their
+    manifest, if any; with `report`, each damaged one passed over is named on stderr."""
+    found, unreadable = _candidates(run_dir)
+    passed = list(unreadable)
+    chosen = None
+    for step, path in found:
+        problem = damage(path, read_meta(path))
+        if problem is None:
+            chosen = (step, path)
+            break
+        passed.append((path, problem))
+    if report:
+        newer = [(path, why) for path, why in passed if chosen is None or path != chosen[1]]
+        for path, why in newer:
+            instead = f"using {chosen[1].name} instead" if chosen else "no complete checkpoint is left"
+            print(f"phalanx: warning: checkpoint {path} is damaged ({why}); {instead}", file=sys.stderr)
+    return chosen
+
+
+def _prune(run_dir: Path, keep: int, newest: Path) -> None:
+    """Keep the `keep` newest complete checkpoints by step. Only `newest` (just written and
+    checked finite) and checkpoints whose files match their manifest count as good, so a good
+    checkpoint is never deleted to make room for one not known good; damaged folders are left
+    for a person to look at."""
+    found, _ = _candidates(run_dir)
+    good = [(step, path) for step, path in found if path == newest or damage(path, read_meta(path)) is None]
+    for _, old in good[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, rank: int, keep: int,
@@ -56,12 +97,12 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, ra
     dcp.save(state, checkpoint_id=str(staging))
     _barrier()
     if rank == 0:
-        (staging / "phalanx.json").write_text(json.dumps({"step": step, **(meta or {})}))
+        # Written last, after every shard is complete: a folder without a valid manifest is unfinished.
+        record = {"step": step, **(meta or {}), "manifest": build_manifest(staging)}
+        (staging / META_FILE).write_text(json.dumps(record))
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
-        for old in sorted((run_dir / "checkpoints").glob("step_*"))[:-keep]:
-            if old.suffix != ".tmp":
-                shutil.rmtree(old, ignore_errors=True)
+        _prune(run_dir, keep, final)
     _barrier()
     return final
 
@@ -73,4 +114,4 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
     dcp.load(state, checkpoint_id=str(path))
     state = restore()
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return json.loads((path / "phalanx.json").read_text())["step"]
+    return read_meta(path)["step"]

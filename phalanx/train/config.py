@@ -7,6 +7,7 @@ TOML file is a field name below; an unknown key is an error that names the valid
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,20 +57,29 @@ class TrainConfig:
     ckpt_every: int = 100
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
-    resume: bool = False
-    """Continue from the newest checkpoint in `out`."""
+    resume: str = ""
+    """'' = a fresh run (refused if `out` already holds one); 'must' = continue from the newest
+    complete checkpoint in `out` (an error if there is none); 'auto' = continue when there is
+    one, else start fresh (what a restarted job wants). The boolean true means 'must'."""
+    max_bad_steps: int = 5
+    """Stop after this many steps in a row whose loss or gradient norm is not finite (each is
+    skipped: no update); the last good state is checkpointed."""
     sample_tokens: int = 200
     sample_prompt: str = "def "
     device: str = "auto"
     """'auto' (CUDA if present), 'cpu' or 'cuda'."""
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.resume, bool):  # TOML `resume = true` and older callers
+            object.__setattr__(self, "resume", "must" if self.resume else "")
+
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> "TrainConfig":
         problems = []
-        for name in ("steps", "global_batch", "seq_len", "eval_batches", "keep_checkpoints"):
+        for name in ("steps", "global_batch", "seq_len", "eval_batches", "keep_checkpoints", "max_bad_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("nproc", "warmup_steps", "ckpt_every", "eval_every", "sample_tokens"):
@@ -81,6 +91,11 @@ class TrainConfig:
             problems.append(f"init={self.init!r} must be 'auto' or 'random'")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
+        if self.resume not in ("", "must", "auto"):
+            problems.append(f"resume={self.resume!r} must be 'must' or 'auto'")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if not math.isfinite(getattr(self, name)):
+                problems.append(f"{name}={getattr(self, name)} must be a finite number")
         if self.lr <= 0 or self.min_lr < 0:
             problems.append("lr must be positive and min_lr not negative")
         if problems:
@@ -93,6 +108,8 @@ FIELDS = {field.name: field for field in dataclasses.fields(TrainConfig)}
 
 def _check_type(key: str, value: Any, source: str) -> Any:
     expected = type(getattr(TrainConfig(), key))
+    if key == "resume" and isinstance(value, bool):
+        return value  # true = 'must', false = a fresh run (TrainConfig.__post_init__)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not expected:

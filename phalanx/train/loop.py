@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,9 @@ from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_stats
+from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, weights_finite, why_bad
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import MetricsLog, plot_loss
 from phalanx.train.pipeline_step import (
@@ -34,6 +37,7 @@ from phalanx.train.pipeline_step import (
     token_loss,
 )
 from phalanx.train.progress import Progress
+from phalanx.train.resume_settings import check_resume
 from phalanx.train.sample import generate
 from phalanx.train.schedule import lr_at
 
@@ -123,6 +127,38 @@ def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipe
     return float(mesh.all_reduce_mean(total / cfg.eval_batches))
 
 
+def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path, model_cfg, world_size: int, rank: int):
+    """The (step, path) to resume from, or None for a fresh run; refuses a missing checkpoint
+    under resume='must' and settings that cannot change, and logs the ones that did."""
+    found = latest_checkpoint(run_dir, report=rank == 0) if cfg.resume else None
+    if cfg.resume == "must" and found is None:
+        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
+    if found:
+        notes = check_resume(read_meta(found[1]), model=model_cfg.to_dict(), where=str(run_dir),
+                             settings={**dataclasses.asdict(cfg), "world_size": world_size})
+        for line in notes if rank == 0 else ():
+            print(line, file=sys.stderr)
+    return found
+
+
+def skip_step(metrics, step: int, reason: str, bad_steps: BadStepCounter, cfg: TrainConfig, save, rank: int) -> None:
+    """Report a skipped step; past --max-bad-steps in a row, checkpoint the last good state
+    (the weights have not moved since it) and stop. A skipped step is not checkpointed: its
+    state is the last good step's, saved under that step when the run stops or ends."""
+    if metrics:
+        metrics.write({"event": "skipped", "step": step, "reason": reason})
+    if rank == 0:
+        print(f"phalanx: warning: step {step} skipped: {reason}", file=sys.stderr)
+    stop = bad_steps.bad()
+    if stop or step == cfg.steps:
+        last_good = step - bad_steps.in_a_row
+        saved = save(last_good)[1]
+    if stop:
+        where = f"the last good state, step {last_good}, is checkpointed" if saved else "its weights are not finite, so no checkpoint was written"
+        raise UserError(f"stopped at step {step}: {bad_steps.in_a_row} steps in a row had a non-finite loss or "
+                        f"gradient norm (last: {reason}; --max-bad-steps {cfg.max_bad_steps}); {where}; try a lower --lr")
+
+
 def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -136,7 +172,11 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
     check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
-    run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
+    found = find_resume_checkpoint(cfg, run_dir, model_cfg, world_size, rank)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
+    except OSError as error:
+        raise UserError(f"--out {run_dir}: cannot create the run directory ({error.strerror})") from None
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16" else contextlib.nullcontext
     )
@@ -157,14 +197,23 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     )
 
     start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
-    found = latest_checkpoint(run_dir) if cfg.resume else None
-    if cfg.resume and found is None:
-        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'}")
     if found:
         start_step = load_checkpoint(found[1], model, optimizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
     tokens_per_step = cfg.global_batch * cfg.seq_len
+    nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
+    meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
+
+    def save(step: int) -> tuple[float, bool]:
+        """Checkpoint the state after `step` steps unless it is not finite: (seconds, saved)."""
+        began = time.perf_counter()
+        finite = weights_finite(model, device)
+        if finite:
+            save_checkpoint(run_dir, step, model, optimizer, rank=rank, keep=cfg.keep_checkpoints, meta=meta)
+        elif rank == 0:
+            print(f"phalanx: warning: not checkpointing step {step}: the weights are not finite", file=sys.stderr)
+        return time.perf_counter() - began, finite
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
@@ -193,11 +242,22 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                     loss_sum += _plain(loss.detach())
             grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"),
                                        experts=expert_params(model))
+            done = step + 1
+            if done in nan_steps:
+                loss_sum = loss_sum * float("nan")  # test hook: bad_steps.NAN_STEPS_ENV
+            loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
+            result.losses.append(loss_value)
+            reason = why_bad(loss_value, grad_norm)  # both reduced over all ranks: every rank agrees
+            if reason:
+                optimizer.zero_grad(set_to_none=True)  # skipped: no update
+                moe_stats.end_step(model, mesh, model_cfg)  # its counters restart with the next step
+                skip_step(metrics, done, reason, bad_steps, cfg, save, rank)
+                result.steps_done = done
+                continue
+            bad_steps.good()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
             step_time = time.perf_counter() - began
-            result.losses.append(loss_value)
             record = {
                 "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
                 "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
@@ -208,15 +268,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
             if pipeline is not None:
                 record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
-            done = step + 1
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
+            # Saved before the row is written, so the row can say how long the loop waited on it.
+            record["ckpt_wait_s"] = save(done)[0] if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) else 0.0
             if metrics:
                 metrics.write(record)
             progress.update(record)
-            if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
-                save_checkpoint(run_dir, done, model, optimizer, rank=rank, keep=cfg.keep_checkpoints,
-                                meta={"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg)})
             result.steps_done = done
     except KeyboardInterrupt:  # the launcher reports where the last checkpoint is
         result.interrupted = True

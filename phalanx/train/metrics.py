@@ -1,28 +1,35 @@
 """The run's record: one JSON line per step in metrics.jsonl, the same scalars as a TensorBoard
 event file beside it, and a loss-curve PNG.
 
-Step records carry `loss`; rows without it (event rows such as `{"event": "restart", "step": 5}`)
-are not steps, and every reader here skips them."""
+Every row has `step`. Step records carry `loss`, one per step; rows without it (event rows such
+as `{"event": "skipped", "step": 5, "reason": "loss is nan"}`) are not steps, and every reader
+here skips them."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 
 class MetricsLog:
     """Appends step records, and writes them to TensorBoard too (phalanx/train/tensorboard_log.py);
-    on resume, first drops records past the checkpoint's step so the file reads as one
-    continuous run. Call `close` at the end of the run (it flushes the event file)."""
+    on resume, first drops records past the checkpoint's step (the resumed run writes them
+    again) and a line a crash left half-written, so the file reads as one continuous run with
+    one row per step. Call `close` at the end of the run (it flushes the event file)."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
         from phalanx.train.tensorboard_log import TensorBoardLog
 
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            rows, broken = parse_lines(path.read_text())
+            if broken:
+                print(f"phalanx: warning: {path}: dropped {broken} unreadable line(s) (a write cut short by a crash)",
+                      file=sys.stderr)
+            kept = [row for row in rows if row["step"] <= resume_step]
+            path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         elif resume_step is None:
             path.write_text("")
         # The first record written is resume_step + 1: TensorBoard hides older events from there on.
@@ -37,10 +44,28 @@ class MetricsLog:
         self.tensorboard.close()
 
 
+def parse_lines(text: str) -> tuple[list[dict[str, Any]], int]:
+    """The rows of a metrics.jsonl's text, and how many lines were not a JSON object with a
+    step (a crash mid-write leaves a partial last line)."""
+    rows, broken = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        else:
+            broken += 1
+    return rows, broken
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The step records of a metrics.jsonl, in order; event rows (no `loss`) are skipped."""
-    rows = (json.loads(line) for line in Path(path).read_text().splitlines() if line)
-    return [row for row in rows if "loss" in row]
+    """The step records of a metrics.jsonl, in order; event rows (no `loss`) and unreadable
+    lines are skipped."""
+    return [row for row in parse_lines(Path(path).read_text())[0] if "loss" in row]
 
 
 def plot_loss(metrics_path: Path, png_path: Path) -> None:
