@@ -12,17 +12,13 @@ import pytest
 
 from phalanx.cli import main
 from phalanx.errors import UserError
+from phalanx.testing.cli_errors import assert_cli_error
 
 TINY = ["--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--sample-tokens", "0"]
 
 
 def _fails(argv, capsys, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2
-    assert len(err) == 1 and err[0].startswith("phalanx: error:"), err
-    assert message in err[0], err[0]
+    assert_cli_error(argv, capsys, message)
 
 
 def test_missing_data_path(tmp_path, capsys):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from phalanx.cli import main
+from phalanx.testing.cli_errors import assert_cli_error
 
 EPLB_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
                [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
@@ -33,12 +34,7 @@ def _json(argv, capsys):
 
 
 def _fails(argv, capsys, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2
-    assert len(err) == 1 and err[0].startswith("phalanx: error:"), err
-    assert message in err[0], err[0]
+    assert_cli_error(argv, capsys, message)
 
 
 @pytest.fixture

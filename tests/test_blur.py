@@ -15,6 +15,7 @@ from scipy.ndimage import gaussian_filter
 from phalanx.cli import main
 from phalanx.errors import UserError
 from phalanx.kernels import blur
+from phalanx.testing.cli_errors import assert_cli_error
 
 
 def reference(x: np.ndarray, sigma: float) -> np.ndarray:
@@ -70,11 +71,7 @@ def test_png_and_npy_files(tmp_path):
 
 
 def _fails(argv, capsys, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["blur", *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2
-    assert err[-1].startswith("phalanx: error:") and message in err[-1], err
+    assert_cli_error(["blur", *argv], capsys, message, one_line=False)
 
 
 def test_bad_input(tmp_path, capsys):

@@ -19,6 +19,7 @@ from phalanx.data.tokenizer import load_tokenizer
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.tokenizers import sample_text, train_bpe
 from phalanx.train.loop import train
+from phalanx.testing.cli_errors import assert_cli_error
 
 TINY = ["--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress",
         "--sample-tokens", "0", "--nproc", "1"]
@@ -89,12 +90,7 @@ def test_text_file_with_text_tokenizer(tmp_path, bpe):
 
 
 def _fails(argv, capsys, message, run):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2
-    assert len(err) == 1 and err[0].startswith("phalanx: error:"), err
-    assert message in err[0], err[0]
+    assert_cli_error(argv, capsys, message)
     assert not run.exists()  # found before the run folder was made
 
 

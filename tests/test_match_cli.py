@@ -9,6 +9,7 @@ import pytest
 
 from phalanx.cli import main
 from phalanx.kernels.patterns import parse_patterns
+from phalanx.testing.cli_errors import assert_cli_error
 
 
 def _run(argv, capsys) -> dict:
@@ -19,12 +20,7 @@ def _run(argv, capsys) -> dict:
 
 
 def _fails(argv, capsys, message):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["match", *argv])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2
-    assert err[-1].startswith("phalanx: error:") and message in err[-1], err
-    assert not any("Traceback" in line for line in err)
+    assert_cli_error(["match", *argv], capsys, message, one_line=False)
 
 
 def test_pattern_file_rules():

@@ -17,6 +17,7 @@ from phalanx.data.prepare import prepare
 from phalanx.data.prepared import TokenRanges, open_prepared
 from phalanx.data.tokenizer import load_tokenizer
 from phalanx.testing.tokenizers import sample_text, train_bpe
+from phalanx.testing.cli_errors import assert_cli_error
 
 
 @pytest.fixture
@@ -146,12 +147,7 @@ def test_bytes_tokenizer_takes_any_file(tmp_path):
 
 
 def _fails(argv, capsys, message, out):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("prepare:")]
-    assert exit_info.value.code == 2
-    assert len(err) == 1 and err[0].startswith("phalanx: error:"), err
-    assert message in err[0], err[0]
+    assert_cli_error(argv, capsys, message, ignore=("prepare:",))
     assert not out.exists() and not list(out.parent.glob(f".{out.name}.tmp-*"))  # nothing half written
 
 
