@@ -416,11 +416,15 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         shown = max(t - gemm, 0.0) + min(t, gemm) / lay.tp
         return shown + sm * (t - shown)
 
+    rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
     # Where SP stores the attention and MLP inputs sharded (Options.sp_regather, as Korthikanti
     # et al. count them), backward gathers them again for the weight gradients: 2 all-gathers
-    # of T h per layer, unless full recompute's re-run forward has just gathered them.
-    regather = options.sp_regather and lay.sp and lay.tp > 1 and lay.recompute != "full"
+    # of T h per layer, except in the layers whose full recompute has just gathered them (only
+    # those: with recompute_layers=k the other layers still regather).
+    regather = options.sp_regather and lay.sp and lay.tp > 1
     t_regather = 2 * _collective(comm.reduce_scatter, cluster, dense.tp_bytes, lay.tp, 1) if regather else 0.0
+    if lay.recompute == "full":
+        t_regather *= 1 - rc_share
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
         t_ep = max(0.0, t_ep - moe.f) + sm * min(t_ep, moe.f)  # hidden behind the paired micro-batch's compute
@@ -440,7 +444,6 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw + tp_root
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
-    rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
         comp_r_fixed = n * cluster.framework.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
@@ -481,7 +484,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     shared_params = (n * (c.attention + c.norms) + n_dense * c.dense_mlp + n_moe * c.moe_other
                      + heads * c.embedding) / lay.tp
     expert_params = n_moe * c.experts / (lay.tp * lay.ep)
-    dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n)
+    dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n,
+                       rc_share if lay.recompute == "full" else 0.0)
     shards = lay.dp // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
     # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,
@@ -545,8 +549,9 @@ def actions_per_microbatch(schedule: str, virtual: int) -> int:
 
 
 def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, experts: float,
-             st: StageTimes, n_layers: int) -> float:
-    """Exposed data-parallel seconds per step."""
+             st: StageTimes, n_layers: int, regathered: float = 0.0) -> float:
+    """Exposed data-parallel seconds per step. `regathered`: the share of layers whose full
+    recompute re-runs the forward under zero 3, gathering their parameters once more."""
     if lay.dp == 1:
         return 0.0
     fw, queue = cluster.framework, cluster.queueing(lay.world_size)
@@ -593,14 +598,19 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
         return out + cluster.hidden_comm_cost * (t - out)
 
     if lay.zero == 3 and lay.pp == 1:
-        # Every micro-batch gathers forward and again backward (resharded after forward); the
+        # Every micro-batch gathers every parameter forward, again in the recompute forward of
+        # the checkpointed layers (the trainer wraps the checkpointed block in its FSDP unit,
+        # parallel/apply.py) and again backward (resharded after forward), whatever dp is: at
+        # fixed global batch, compute per micro-batch stays and the micro-batches per rank
+        # fall, while each gather's ring latency grows with dp (comm.py), so once these
+        # gathers no longer hide under compute, more dp lowers throughput per GPU. The
         # gradients accumulate unsharded and are reduce-scattered after the last micro-batch.
         m = lay.microbatches
         if overlap:
-            gathers = m * (shown(ag, st.f) + shown(ag, st.b + st.w))
+            gathers = m * (shown(ag, st.f) + shown(ag * regathered, st.r) + shown(ag, st.b + st.w))
             reduce = shown(rs, st.b + st.w)
         else:
-            gathers, reduce = 2 * m * ag, rs
+            gathers, reduce = (2 + regathered) * m * ag, rs
         return gathers + reduce + units * fsdp_unit + ar_replica
     if lay.zero == 3:  # under pp: gathered once, reduced once, like zero 1 and 2 below
         wrap_cost = units * fsdp_unit
