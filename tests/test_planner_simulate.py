@@ -55,3 +55,40 @@ def test_simulate_command_writes_trace_and_png(tmp_path, capsys):
     printed = capsys.readouterr().out
     simulated, model = (float(x.split()[0]) for x in printed.split("simulated step ")[1].split("; cost model "))
     assert simulated == pytest.approx(model, rel=0.02)  # 1F1B: the timeline and the formula agree
+
+
+def test_dualpipev_runs_its_own_order_every_operation_once():
+    from phalanx.planner.dualpipev import dualpipev_order
+
+    p, m = 4, 8
+    events, end = timeline_end("dualpipev", p, 2, m)
+    # Every rank forwards and backs up each of its two chunks for every micro-batch, and runs
+    # as many deferred weight gradients as input-only backwards.
+    assert sum(e.kind == "F" for e in events) == 2 * p * m
+    assert sum(e.kind == "B" for e in events) == 2 * p * m
+    orders = [dualpipev_order(r, p, m) for r in range(p)]
+    assert all(sum(k == "W" for k, _, _ in o) == sum(k == "I" for k, _, _ in o) for o in orders)
+    # Rank 0 starts with 2(p-1) = 6 forwards of chunk 0, then its chunk 1 (stage 7) at once.
+    assert [k for k, _, _ in orders[0][:8]] == ["F"] * 8 and orders[0][7][2] == 2 * p - 1
+    # The last rank (the V's turn) has no warm-up of its own: F chunk 0, F chunk 1 (stage p).
+    assert orders[-1][:2] == [("F", 0, p - 1), ("F", 0, p)]
+    # DualPipeV keeps a bubble of its own, more than ideal, less than 1F1B's (p-1)(F+B+W) = 9:
+    # at F = B = W its p - 1 chunk-sized forwards of ramp, 3 x 0.5.
+    _, end_1f1b = timeline_end("1f1b", p, 1, m)
+    assert end == pytest.approx(m * 3.0 + 1.5) and end < end_1f1b
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_more_pipeline_stages_at_fixed_microbatches_raise_the_bubble(schedule, v):
+    # Stage times held fixed (F=1, B=1.5, W=1), 16 micro-batches: the simulated bubble (end
+    # minus the ideal 16 x 3.5) grows with every doubling of pp, and so does the cost model's.
+    from phalanx.planner.cost import _bubble
+
+    st = StageTimes(f=1.0, b=1.5, w=1.0, r=0.0)
+    sims, model = [], []
+    for p in (2, 4, 8):
+        _, end = timeline_end(schedule, p, v, 16, f=1.0, b=1.5, w=1.0)
+        sims.append(end - 16 * 3.5)
+        model.append(_bubble(schedule, p, v, st))
+    assert sims[0] < sims[1] < sims[2], sims
+    assert model[0] <= model[1] <= model[2] and model[0] < model[2], model

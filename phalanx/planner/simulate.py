@@ -23,6 +23,7 @@ from pathlib import Path
 
 from phalanx.planner import comm
 from phalanx.planner.cost import BF16, Estimate
+from phalanx.planner.dualpipev import dualpipev_order, run_fixed_orders
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "R": "#8172B2", "idle": "#DDDDDD",
           "tp/ep comm": "#C44E52", "send": "#937860", "dp comm": "#DA8BC3", "optimizer": "#8C8C8C"}
@@ -87,8 +88,10 @@ def pipeline_timeline(est: Estimate, send_s: float) -> tuple[list[Event], float]
     """Place every F/B (and W) of one step in time; return the events and when the last ends."""
     lay = est.layout
     p, m = lay.pp, lay.microbatches
-    v = 2 if lay.schedule in ("zbv", "dualpipev") and p > 1 else lay.virtual
-    split_w = lay.schedule in ("zbv", "dualpipev") and p > 1
+    if lay.schedule == "dualpipev" and p > 1:
+        return _dualpipev_timeline(est, send_s)
+    v = 2 if lay.schedule == "zbv" and p > 1 else lay.virtual
+    split_w = lay.schedule == "zbv" and p > 1
     st = est.stage
     dur = {"F": st.f / v, "B": (st.b + st.r + (0 if split_w else st.w)) / v, "W": st.w / v}
     comm_share = {"F": st.f_comm / v, "B": (st.b_comm + st.r_comm) / v, "W": 0.0}
@@ -165,6 +168,30 @@ def pipeline_timeline(est: Estimate, send_s: float) -> tuple[list[Event], float]
                                 end=end + send_s))
     if split_w:
         events = _pack_weight_gradients(events, done, place, m, dur["W"])
+    return events, max(e.end for e in events if e.track == "compute")
+
+
+def _dualpipev_timeline(est: Estimate, send_s: float) -> tuple[list[Event], float]:
+    """DualPipeV in its own order (dualpipev.py): chunks of half a stage, W deferred where it says."""
+    lay, st = est.layout, est.stage
+    p, m = lay.pp, lay.microbatches
+    dur = {"F": st.f / 2, "B": (st.b + st.r + st.w) / 2, "I": (st.b + st.r) / 2, "W": st.w / 2}
+    comm_share = {"F": st.f_comm / 2, "B": (st.b_comm + st.r_comm) / 2, "I": (st.b_comm + st.r_comm) / 2, "W": 0.0}
+    place = _placement("dualpipev", p, 2)
+    ops = run_fixed_orders([dualpipev_order(r, p, m) for r in range(p)], place, dur, send_s)
+    events = []
+    for rank, kind, mb, j, start, end in ops:
+        shown = "B" if kind == "I" else kind
+        events.append(Event(rank=rank, track="compute", name=f"{kind} mb{mb} chunk{place[j][1]}", kind=shown,
+                            start=start, end=end))
+        if comm_share[kind] > 0:
+            events.append(Event(rank=rank, track="comm", name="tp/ep comm", kind="tp/ep comm",
+                                start=end - comm_share[kind], end=end))
+        neighbour = j + 1 if kind == "F" else j - 1
+        if kind != "W" and 0 <= neighbour < len(place) and place[neighbour][0] != rank and send_s > 0:
+            what = "act" if kind == "F" else "grad"
+            events.append(Event(rank=rank, track="comm", name=f"send {what} mb{mb}", kind="send", start=end,
+                                end=end + send_s))
     return events, max(e.end for e in events if e.track == "compute")
 
 
