@@ -58,7 +58,7 @@ def test_simulate_command_writes_trace_and_png(tmp_path, capsys):
 
 
 def test_dualpipev_runs_its_own_order_every_operation_once():
-    from phalanx.planner.dualpipev import dualpipev_order
+    from phalanx.planner.pipeline_orders import dualpipev_order
 
     p, m = 4, 8
     events, end = timeline_end("dualpipev", p, 2, m)
@@ -89,6 +89,23 @@ def test_more_pipeline_stages_at_fixed_microbatches_raise_the_bubble(schedule, v
     for p in (2, 4, 8):
         _, end = timeline_end(schedule, p, v, 16, f=1.0, b=1.5, w=1.0)
         sims.append(end - 16 * 3.5)
-        model.append(_bubble(schedule, p, v, st))
+        model.append(_bubble(schedule, p, v, st, 16))
     assert sims[0] < sims[1] < sims[2], sims
     assert model[0] <= model[1] <= model[2] and model[0] < model[2], model
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_cost_model_bubble_is_the_timelines(schedule):
+    # The cost model times the V schedules' bubble on a few small timelines (pipeline_orders.
+    # v_bubble: independent of m from 2p micro-batches on, scaled by F, linear in p past a few
+    # ranks); here against the whole timeline at the real p and m, over stage-time ratios from
+    # a light input gradient to a recompute-heavy one.
+    from phalanx.planner.cost import _bubble
+
+    for p in (2, 3, 5, 8, 13):
+        for m in sorted({p if schedule == "zbv" else 2 * p, 2 * p, 3 * p + 1}):
+            for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 0.6, 1.3), (2.0, 5.0, 1.5), (1.0, 3.0, 0.5)):
+                _, end = timeline_end(schedule, p, 2, m, f=f, b=b, w=w)
+                st = StageTimes(f=f, b=b, w=w, r=0.0)
+                assert _bubble(schedule, p, 2, st, m) == pytest.approx(end - m * (f + b + w), rel=1e-3, abs=1e-9), \
+                    (p, m, f, b, w)

@@ -53,25 +53,24 @@ from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
-from phalanx.planner.memory import (
-    in_flight_microbatches,
-    layer_activation_bytes,
-    layers_per_stage,
-    param_counts,
-    state_bytes,
-    weight_gradient_input_bytes,
+from phalanx.planner.pipeline_orders import v_bubble
+from phalanx.planner.peak_memory import (  # noqa: F401 (memory_breakdown, recompute_share: re-exported)
+    BF16,
+    BUCKET_BYTES,
+    memory_breakdown,
+    moe_layer_count,
+    peak_memory,
+    recompute_share,
+    stage_params,
 )
+from phalanx.planner.memory import layer_activation_bytes, layers_per_stage
 
-BF16 = 2
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam reads fp32 param, grad and two moments (16 bytes), writes three and a bf16 copy (14)."""
 CLIP_BYTES_PER_PARAM = 12
 """Gradient-norm clipping: read the fp32 gradient for the norm (4), read and write it scaled (8)."""
 GRAD_ZERO_BYTES_PER_PARAM = 4
 """Zeroing the fp32 gradient-accumulation buffer before the next step (written once)."""
-BUCKET_BYTES = 25 * 2**20
-"""Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
-LOGIT_BYTES = 6
 LOSS_BYTES_F = 22
 """HBM bytes per logit element of cross-entropy on fp32 logits (the trainer's
 F.cross_entropy(logits.float())), forward: the cast reads bf16 and writes fp32 (2 + 4);
@@ -81,7 +80,6 @@ LOSS_BYTES_B = 26
 """Backward: the loss gradient is written dense (4); log-softmax backward reads it for its
 sum, then reads it and the saved output and writes the input gradient (4 + 12); the cast
 back to bf16 reads fp32 and writes bf16 (4 + 2)."""
-"""Per logit element on the last stage: bf16 logits kept for backward + fp32 for the loss."""
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
                   "overhead")
 
@@ -304,16 +302,6 @@ def weight_tensors(model: ModelConfig, *, moe: bool) -> int:
     return 2 + 4 + (3 if model.mlp == "swiglu" else 2)
 
 
-@functools.lru_cache(maxsize=64)
-def _param_counts(model: ModelConfig):
-    return param_counts(model)
-
-
-@functools.lru_cache(maxsize=64)
-def _moe_layers(model: ModelConfig) -> int:
-    return sum(model.is_moe_layer(i) for i in range(model.n_layers))
-
-
 def layer_flops(model: ModelConfig, *, seq: int, moe: bool) -> tuple[float, float]:
     """(GEMM, attention-core) forward FLOPs of one layer for one sequence, Megatron's counting."""
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
@@ -376,11 +364,6 @@ def _collective(fn, cluster: Cluster, nbytes: float, size: int, stride: int) -> 
     return fn(cluster, nbytes, size=size, stride=stride)
 
 
-@_by_identity
-def _activation(model: ModelConfig, options: "Options", **kw) -> float:
-    return layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather, **kw)
-
-
 def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
              options: Options = Options()) -> Estimate:
     """Predicted step time, breakdown and peak memory of a (valid) layout."""
@@ -390,7 +373,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     peak = cluster.peak_flops_per_rank(world)
     memory_bw = cluster.memory_bw_per_rank(world)
     n = layers_per_stage(model.n_layers, p, v)
-    n_moe_total = _moe_layers(model)
+    n_moe_total = moe_layer_count(model)
     n_moe = min(n, n_moe_total)  # the most loaded stage holds MoE layers where there are any
     n_dense = n - n_moe
     fw, queue = cluster.framework, cluster.queueing(world)
@@ -466,7 +449,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
                        f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     per_mb = stage.f + stage.b + stage.w + stage.r
 
-    bubble = _bubble(lay.schedule, p, v, stage)
+    bubble = _bubble(lay.schedule, p, v, stage, m)
     # Pipeline sends on the critical path: each micro-batch (per chunk) each way, plus fill/drain.
     if p > 1:
         boundary_bytes = tokens * model.dim * BF16 / (lay.tp if lay.sp else 1)
@@ -478,12 +461,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     else:
         pp_comm = 0.0
 
-    # Parameters on the most loaded device (first or last stage: embedding or output head).
-    c = _param_counts(model)
-    heads = 2 if (p == 1 and not model.tie_embeddings) else 1
-    shared_params = (n * (c.attention + c.norms) + n_dense * c.dense_mlp + n_moe * c.moe_other
-                     + heads * c.embedding) / lay.tp
-    expert_params = n_moe * c.experts / (lay.tp * lay.ep)
+    c, shared_params, expert_params = stage_params(model, lay, n, n_moe)
     dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n,
                        rc_share if lay.recompute == "full" else 0.0)
     shards = lay.dp // lay.replicate
@@ -510,7 +488,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         "overhead": step_overhead,
     }
 
-    memory = _memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)
+    memory = peak_memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)
     model_flops, hardware_flops = step_flops(model, workload, lay.recompute)
     return Estimate(
         layout=lay, step_time_s=step, breakdown=breakdown, memory_bytes=sum(memory.values()),
@@ -520,24 +498,39 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     )
 
 
-def recompute_share(model: ModelConfig, lay: Layout) -> float:
-    """Share of a rank's layers that recompute: all, or `recompute_layers` of each chunk's."""
-    if lay.recompute == "none":
-        return 0.0
-    chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
-    return min(lay.recompute_layers, chunk) / chunk if lay.recompute_layers else 1.0
+def step_time_lower_bound(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
+                          options: Options = Options()) -> float:
+    """Seconds no step of this layout can beat: the most loaded stage's layer compute (forward,
+    input and weight gradients, and the recomputed forward) over its micro-batches, plus the
+    bubble of the schedules whose bubble grows with that compute (gpipe, 1f1b, interleaved:
+    (p-1)/v stage times), each a part of what `evaluate` sums, every other part being at
+    least 0. Lets a search skip pricing layouts that cannot win."""
+    lay, seq = layout, workload.seq_len
+    world = lay.world_size
+    n = layers_per_stage(model.n_layers, lay.pp, lay.virtual)
+    n_moe = min(n, moe_layer_count(model))
+    kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=cluster.peak_flops_per_rank(world),
+              flash=options.flash_attention, memory_bw=cluster.memory_bw_per_rank(world), overhead=0.0)
+    dense = layer_cost(model, cluster, moe=False, **kw)
+    moe = layer_cost(model, cluster, moe=True, **kw) if n_moe else dense
+    per_mb = (n - n_moe) * (dense.f + dense.b + dense.w) + n_moe * (moe.f + moe.b + moe.w)
+    if lay.recompute == "full":
+        per_mb += recompute_share(model, lay) * ((n - n_moe) * dense.f + n_moe * moe.f)
+    bubble = 0.0
+    if lay.pp > 1 and lay.schedule not in rules.V_SCHEDULES:
+        bubble = (lay.pp - 1) * per_mb / (lay.virtual if lay.schedule == "interleaved" else 1)
+    return lay.microbatches * per_mb + bubble
 
 
-def _bubble(schedule: str, p: int, v: int, st: StageTimes) -> float:
+def _bubble(schedule: str, p: int, v: int, st: StageTimes, m: int = 0) -> float:
+    """Idle seconds of a step beyond m x the stage time (m: micro-batches, needed by the V schedules)."""
     if p == 1:
         return 0.0
     full = st.f + st.b + st.w + st.r
     if schedule == "interleaved":
         return (p - 1) * full / v
-    if schedule == "zbv":
-        return (p - 1) * max(0.0, st.f + st.b + st.r - 2 * st.w) / 2
-    if schedule == "dualpipev":
-        return max(0.0, p / 2 - 1) * max(0.0, st.f + 2 * (st.b + st.r) - 2 * st.w) / 2
+    if schedule in rules.V_SCHEDULES:  # their own order of operations, timed (pipeline_orders.py)
+        return v_bubble(schedule, p, m, st.f, st.b + st.r, st.w)
     return (p - 1) * full  # gpipe and 1f1b
 
 
@@ -620,53 +613,3 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     if ag:
         exposed += shown(ag, st.f)
     return exposed + wrap_cost
-
-
-def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
-            shared: float, experts: float, c) -> dict[str, float]:
-    """Peak bytes on the most loaded device, by cause."""
-    shard = lay.dp // lay.replicate
-    layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
-    state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
-                        microbatches=lay.microbatches, pp=lay.pp)
-    if experts:
-        expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
-                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp)
-        state = {k: v + expert_state[k] for k, v in state.items()}
-    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
-    per_layer = lambda moe, rc: _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
-    share = recompute_share(model, lay)  # the other layers keep all their activations
-    stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))
-                    for count, moe in ((n - n_moe, False), (n_moe, True)))
-    in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
-                                       microbatches=lay.microbatches)
-    rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
-    logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * LOGIT_BYTES
-    # The first rank holds the most micro-batches; the loss's logits live on the last stage,
-    # which V-shaped schedules (and pp=1) put on that same first rank.
-    first = stage_act * in_flight + rematerialised
-    if lay.pp == 1 or lay.schedule in ("zbv", "dualpipev"):
-        activations, logits_held = first, logits
-    else:
-        last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
-        last = stage_act * last_in_flight + rematerialised
-        activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
-    if lay.schedule == "zbv" and lay.pp > 1:
-        # Deferred weight gradients: after a chunk's B, its W still needs the inputs of the
-        # chunk's linear layers; zbv runs W late (in the cool-down at the latest), up to pp
-        # micro-batches of one chunk (half the stage) on the first rank. Layers under full
-        # recompute re-run their forward for W (split_backward_recompute) and hold nothing.
-        held_share = 1 - share if lay.recompute == "full" else 1.0
-        w_inputs = sum(count * weight_gradient_input_bytes(model, moe=moe, **kw)
-                       for count, moe in ((n - n_moe, False), (n_moe, True)))
-        activations += min(lay.microbatches, lay.pp) * held_share * w_inputs / 2
-    tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
-    buffers = 0.0
-    if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
-        buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
-    if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
-        buffers += 2 * tokens_bytes
-    if lay.pp > 1:  # send and receive buffers, both directions
-        buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
-    out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
-    return out
