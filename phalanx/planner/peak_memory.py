@@ -19,7 +19,6 @@ from phalanx.planner.memory import (
     layers_per_stage,
     param_counts,
     state_bytes,
-    weight_gradient_input_bytes,
 )
 
 if TYPE_CHECKING:
@@ -121,15 +120,10 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
         last = stage_act * last_in_flight + rematerialised
         activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
-    if lay.schedule == "zbv" and lay.pp > 1:
-        # Deferred weight gradients: after a chunk's B, its W still needs the inputs of the
-        # chunk's linear layers; zbv runs W late (in the cool-down at the latest), up to pp
-        # micro-batches of one chunk (half the stage) on the first rank. Layers under full
-        # recompute re-run their forward for W (split_backward_recompute) and hold nothing.
-        held_share = 1 - share if lay.recompute == "full" else 1.0
-        w_inputs = sum(count * weight_gradient_input_bytes(model, moe=moe, **kw)
-                       for count, moe in ((n - n_moe, False), (n_moe, True)))
-        activations += min(lay.microbatches, lay.pp) * held_share * w_inputs / 2
+    # Deferred weight gradients (zbv, dualpipev) hold their linear layers' inputs until W runs,
+    # but never at the activation peak: in both schedules' orders each steady-state W follows
+    # its input gradient at once, and the deferred ones wait in the cool-down, after the last
+    # forward, while activations only fall (tests/test_planner_memory.py counts it on the orders).
     tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
     buffers = 0.0
     if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
