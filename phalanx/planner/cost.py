@@ -553,9 +553,11 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
     if experts:
         groups.append((experts, max(1, shard // lay.ep), lay.tp * lay.ep))
-    # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 3, and
-    # per gradient bucket otherwise, so latency counts once per unit or bucket.
+    # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 2 and 3
+    # (FSDP2, with and without resharding after forward), and per gradient bucket otherwise,
+    # so latency, which grows with dp in a ring, counts once per unit or bucket.
     units = n_layers + 1 if lay.zero == 3 else 0
+    collectives = n_layers + 1 if lay.zero >= 2 else 0
     # The phalanx trainer runs replicated dp composed with tp or pp through FSDP2 as HSDP with
     # shard size 1 (DDP takes neither DTensors nor stages): FSDP's per-unit cost, DDP's bytes.
     wrapped = n_layers + 1 if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1) else 0
@@ -571,7 +573,7 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
         wrap_cost += fw.ddp_overhead_s(lay.world_size)
     rs = ag = ar_replica = 0.0
     for params, size, stride in groups:
-        pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))
+        pieces = collectives or max(1, math.ceil(params * g / BUCKET_BYTES))
         if lay.zero == 0:
             rs += pieces * _collective(comm.all_reduce, cluster, params * g / pieces, size, stride)
         else:
