@@ -102,10 +102,11 @@ def zbv_order(rank: int, p: int, m: int) -> list[tuple[str, int, int]]:
     n = max(m, 2 * p - 1)  # PyTorch's order assumes this many; those past m are left out
     stage = (rank, 2 * p - 1 - rank)
     f, b, w = [0, 0], [0, 0], [0, 0]
+    counters = {"F": f, "I": b, "W": w}
     ops: list[tuple[str, int, int]] = []
 
     def op(kind: str, chunk: int) -> None:
-        counter = {"F": f, "I": b, "W": w}[kind]
+        counter = counters[kind]
         ops.append((kind, counter[chunk], stage[chunk]))
         counter[chunk] += 1
 
@@ -221,6 +222,9 @@ def v_bubble(schedule: str, p: int, m: int, f: float, b: float, w: float) -> flo
     return scale * (high + (p - start - 1) * (high - low))
 
 
+KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled(schedule: str, p: int, m: int) -> tuple[tuple[int, int, int], ...]:
     """The step's operations in an order where each comes after what it waits for, as
@@ -250,8 +254,9 @@ def _compiled(schedule: str, p: int, m: int) -> tuple[tuple[int, int, int], ...]
                     dep = placed[(n_virtual + j + 1) * m + mb]
                 if dep == -1:
                     break
-                placed[((n_virtual if kind in "BI" else 0) + j) * m + mb] = len(out)
-                out.append(("FBIW".index(kind), last[rank], max(dep, -1)))
+                code = KIND_CODE[kind]
+                placed[((n_virtual if code in (1, 2) else 0) + j) * m + mb] = len(out)
+                out.append((code, last[rank], dep if dep >= 0 else -1))
                 last[rank] = len(out) - 1
                 i += 1
             remaining -= i - position[rank]
@@ -263,9 +268,10 @@ def _compiled(schedule: str, p: int, m: int) -> tuple[tuple[int, int, int], ...]
 
 @functools.lru_cache(maxsize=4096)
 def _timed_bubble(schedule: str, p: int, m: int, f: float, b: float, w: float) -> float:
+    ops = _compiled(schedule, p, m)
     durations = (f / 2, (b + w) / 2, b / 2, w / 2)
-    end = []
-    for kind, previous, dep in _compiled(schedule, p, m):
-        start = max(end[previous] if previous >= 0 else 0.0, end[dep] if dep >= 0 else 0.0)
-        end.append(start + durations[kind])
+    end = [0.0] * (len(ops) + 1)  # the last slot stays 0: what index -1 (nothing to wait for) reads
+    for i, (kind, previous, dep) in enumerate(ops):
+        a, c = end[previous], end[dep]
+        end[i] = (a if a > c else c) + durations[kind]
     return max(end) - m * (f + b + w)
