@@ -25,10 +25,12 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
   PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
   DP: gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1, 2) once
-    per step in 25 MiB buckets, overlapped with the last backward / first forward when
-    `dp_overlap`; zero 3 gathers parameters forward and backward and reduce-scatters
-    gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
-    uses the cores that compute, so nothing overlaps.
+    per step in 25 MiB buckets (zero 2: one collective per FSDP unit), overlapped with the
+    last backward / first forward when `dp_overlap`; zero 3 gathers parameters forward, in
+    the recompute forward and backward every micro-batch and reduce-scatters the gradients
+    once per step, one collective per layer. Reduce-scatter and all-gather are rings, their
+    latency one hop per member (comm.py). On a CPU (shared_compute) gloo uses the cores that
+    compute, so nothing overlaps.
 Full recompute under zbv re-runs each block's forward once more per weight tensor, in the
   W slots (Options.split_backward_recompute: PyTorch's split backward).
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
@@ -36,10 +38,9 @@ Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed s
   parameter of the local optimizer shard, 4 to zero each gradient-buffer element) +
   the cluster's fixed `step_overhead_ms` and `optimizer_layer_overhead_us` per layer on the
   stage (measured on CPUs, zero on the GPU presets).
-Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
-  gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
-  zbv (chunks of half a stage): (p-1)(F + B - 2W)/2 clipped at zero;
-  dualpipev: (p/2-1)(FB + B - 3W) at chunk level, FB = F + B + W (overlapped pair).
+Bubbles, with stage times F, B, W of one micro-batch: gpipe, 1f1b (p-1)(F+B+W); interleaved
+  (p-1)(F+B+W)/v (published-figures.md section 3); zbv and dualpipev timed on their own
+  orders of operations (pipeline_orders.v_bubble), the simulator's timeline without sends.
 """
 
 from __future__ import annotations
