@@ -22,35 +22,47 @@ def per_gpu_tokens_per_s(est):
     return est.tokens_per_s / est.world_size
 
 
-@pytest.mark.parametrize("cluster, recompute", [(H100, "none"), (H100, "full"), (A100, "full")])
-def test_zero3_more_dp_at_fixed_batch_never_raises_per_gpu_throughput_once_comm_bound(cluster, recompute):
+@pytest.mark.parametrize("cluster, recompute, regathers", [(H100, "none", False), (H100, "full", False),
+                                                           (A100, "full", False), (A100, "full", True)])
+def test_zero3_more_dp_at_fixed_batch_never_raises_per_gpu_throughput_once_comm_bound(cluster, recompute, regathers):
     # A 6.7B GPT at sequence 512 on one sequence per micro-batch: each micro-batch's compute is
-    # small beside gathering 13 GB of bf16 weights twice (three times with recompute), so the
-    # step is bound by ZeRO-3's traffic from the first node on. Global batch 1,024 sequences.
+    # small beside gathering 13 GB of bf16 weights twice (three times where recompute
+    # regathers), so the step is bound by ZeRO-3's traffic from the first node on. Global
+    # batch 1,024 sequences.
     model, work = gpt(4096, 32, 32), Workload(global_batch=1024, seq_len=512)
-    rates = []
+    rates, bound = [], []
     for dp in (16, 32, 64, 128, 256, 512, 1024):
         lay = Layout(dp=dp, mbs=1, microbatches=1024 // dp, zero=3, recompute=recompute)
-        est = evaluate(model, cluster, work, lay)
-        assert est.breakdown["dp_comm"] > 0.2 * est.step_time_s  # communication-bound indeed
+        est = evaluate(model, cluster, work, lay, Options(recompute_regathers=regathers))
+        bound.append(est.breakdown["dp_comm"] > 0.2 * est.step_time_s)  # communication-bound
         rates.append(per_gpu_tokens_per_s(est))
+    first = bound.index(True)  # from here on the traffic no longer hides, and stays so
+    assert first <= 3 and all(bound[first:]), bound  # at least four points (128 to 1,024 GPUs)
+    rates = rates[first:]
     assert all(later <= earlier * (1 + 1e-9) for earlier, later in zip(rates, rates[1:])), rates
     # Not a flat line either: each gather's ring latency grows with dp (1,023 hops at 1,024).
     assert rates[-1] < 0.8 * rates[0], rates
 
 
-def test_zero3_recompute_gathers_the_parameters_again():
-    # Without overlap the three gathers show whole: recompute adds one all-gather per micro-batch.
+def test_zero3_recompute_gathers_again_only_where_the_runtime_does():
+    # Without overlap the gathers show whole. FSDP2 around the checkpointed block (the
+    # trainer; tests/test_planner_fsdp_gathers.py) gathers nothing more for recompute;
+    # per-submodule hooks (Options.recompute_regathers, DeepSpeed ZeRO-3) gather once more per
+    # micro-batch, only for the layers that recompute.
     model, work = gpt(4096, 32, 32), Workload(global_batch=256, seq_len=512)
-    no_overlap = Options(dp_overlap=False)
     base = Layout(dp=64, mbs=1, microbatches=4, zero=3)
-    none = evaluate(model, H100, work, base, no_overlap).breakdown["dp_comm"]
-    full = evaluate(model, H100, work, base.replace(recompute="full"), no_overlap).breakdown["dp_comm"]
-    one = evaluate(model, H100, work, base.replace(recompute="full", recompute_layers=8), no_overlap)
-    # dp_comm = m (2 + share) AG + RS + fixed; the difference full - none is m AG, and a
-    # quarter of the layers recomputed (8 of 32) gives a quarter of it.
-    assert full > none
-    assert one.breakdown["dp_comm"] - none == pytest.approx((full - none) / 4, rel=1e-9)
+
+    def dp_comm(lay, regathers):
+        return evaluate(model, H100, work, lay, Options(dp_overlap=False, recompute_regathers=regathers)).breakdown["dp_comm"]
+
+    none = dp_comm(base, True)
+    full = base.replace(recompute="full")
+    assert dp_comm(full, False) == pytest.approx(dp_comm(base, False), rel=1e-12)
+    # dp_comm = m (2 + share) AG + RS + fixed: full - none is m AG, and a quarter of the layers
+    # recomputed (8 of 32) a quarter of it.
+    assert dp_comm(full, True) > none
+    quarter = dp_comm(full.replace(recompute_layers=8), True)
+    assert quarter - none == pytest.approx((dp_comm(full, True) - none) / 4, rel=1e-9)
 
 
 LAYOUTS = [

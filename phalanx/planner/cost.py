@@ -26,8 +26,8 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
   PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
   DP: gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1, 2) once
     per step in 25 MiB buckets (zero 2: one collective per FSDP unit), overlapped with the
-    last backward / first forward when `dp_overlap`; zero 3 gathers parameters forward, in
-    the recompute forward and backward every micro-batch and reduce-scatters the gradients
+    last backward / first forward when `dp_overlap`; zero 3 gathers parameters forward and
+    backward every micro-batch and reduce-scatters the gradients
     once per step, one collective per layer. Reduce-scatter and all-gather are rings, their
     latency one hop per member (comm.py). On a CPU (shared_compute) gloo uses the cores that
     compute, so nothing overlaps.
@@ -105,6 +105,13 @@ class Options:
     its forward 11 times per micro-batch; a tiny-model zbv step went from 62 to 174 ms with
     recompute=full, 1f1b from 32 to 54 ms). dualpipev runs measured no such cost, so it is
     charged to zbv only."""
+    recompute_regathers: bool = False
+    """Under zero 3, the recompute forward all-gathers the checkpointed layers' parameters once
+    more (DeepSpeed ZeRO-3, whose hooks sit on every submodule). False: FSDP2 around the
+    checkpointed block (phalanx's order, parallel/apply.py; torchtitan's) re-runs the forward
+    inside the unit's backward, after its gather: with torch 2.13, 3 checkpointed blocks on 2
+    processes gather 6 times per step with recompute as without
+    (tests/test_planner_fsdp_gathers.py counts them)."""
     sp_regather: bool = False
     """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
     in backward for the weight gradients (Megatron, and the published activation formula).
@@ -463,8 +470,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         pp_comm = 0.0
 
     c, shared_params, expert_params = stage_params(model, lay, n, n_moe)
-    dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n,
-                       rc_share if lay.recompute == "full" else 0.0)
+    regathered = rc_share if lay.recompute == "full" and options.recompute_regathers else 0.0
+    dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n, regathered)
     shards = lay.dp // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
     # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,
@@ -594,9 +601,9 @@ def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, exp
         return out + cluster.hidden_comm_cost * (t - out)
 
     if lay.zero == 3 and lay.pp == 1:
-        # Every micro-batch gathers every parameter forward, again in the recompute forward of
-        # the checkpointed layers (the trainer wraps the checkpointed block in its FSDP unit,
-        # parallel/apply.py) and again backward (resharded after forward), whatever dp is: at
+        # Every micro-batch gathers every parameter forward and again backward (resharded after
+        # forward; with Options.recompute_regathers also in the recompute forward of the
+        # checkpointed layers), whatever dp is: at
         # fixed global batch, compute per micro-batch stays and the micro-batches per rank
         # fall, while each gather's ring latency grows with dp (comm.py), so once these
         # gathers no longer hide under compute, more dp lowers throughput per GPU. The
