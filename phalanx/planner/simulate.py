@@ -6,9 +6,10 @@ under the schedule's rules and a list scheduler places them in time:
 
   an operation starts when its rank is free and its input has arrived (the previous virtual
   stage's F, the next one's B, plus the point-to-point send when ranks differ);
-  among ready operations a rank prefers B, then F, then W, and starts a new forward only
-  while it holds fewer micro-batches than the schedule allows (1F1B: p - rank; interleaved:
-  Megatron's warm-up count; zbv and dualpipev: V-shaped chunk placement, W deferred).
+  among ready operations a rank prefers B, then F, and starts a new forward only while it
+  holds fewer micro-batches than the schedule allows (1F1B: p - rank); interleaved runs
+  Megatron's op order, zbv PyTorch's ZB-V order and dualpipev DeepSeek's DualPipeV order
+  (pipeline_orders.py), each rank its own order, with W where the order puts it.
 
 Ranks that differ only in their dp or tp index do the same thing at the same time, so one
 row is drawn per pipeline rank. TP/EP traffic sits inside F and B (on the comm track),
@@ -52,8 +53,7 @@ def _forward_limit(schedule: str, rank: int, p: int, v: int, m: int) -> int:
     """Micro-batches a rank may have started (first chunk's F) but not finished (first chunk's B).
 
     1F1B: p - rank. Interleaved: Megatron's warm-up of (p - rank - 1) * 2 + (v - 1) * p chunk
-    forwards, in micro-batches. zbv/dualpipev: p on every rank, the V shape's even memory
-    (the cost model's in-flight count); fewer starves the short turn at the bottom of the V.
+    forwards, in micro-batches. (zbv and dualpipev run fixed orders, `_v_timeline`.)
     """
     if p == 1:
         return 1
@@ -64,8 +64,6 @@ def _forward_limit(schedule: str, rank: int, p: int, v: int, m: int) -> int:
         # chunk-0 (new micro-batch) forwards among the warm-up ones plus the first steady one.
         n = min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
         return (n // (p * v)) * p + min(n % (p * v), p)
-    if schedule in ("zbv", "dualpipev"):
-        return p
     return p - rank
 
 
