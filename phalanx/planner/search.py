@@ -168,7 +168,7 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
     for layout in candidates(model, cluster, workload, world_size=world_size, fixed=fixed, space=space):
         considered += 1
         # Memory first: it is a fraction of the time model's cost, and most layouts of a big
-        # model fail it (6,105 of 6,809 for the 1T GPT on 3,072 GPUs).
+        # model fail it (6,104 of 6,809 for the 1T GPT on 3,072 GPUs).
         if sum(memory_breakdown(model, workload, layout, options).values()) > usable:
             too_big.append(layout)
             continue
