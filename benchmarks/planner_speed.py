@@ -6,13 +6,18 @@ command (interpreter start, imports, search, printing) <= 1 s on this machine. E
 runs the command in a fresh interpreter; a bare `python -c pass` is timed beside it in the
 same run (the machine is shared, so the fixed cost of starting Python moves with the load).
 
-    PYTHONPATH=. python benchmarks/planner_speed.py [--repeats 5] [--zero-levels 0,1,2,3]
+    PYTHONPATH=. python benchmarks/planner_speed.py [--repeats 5] [--zero-levels 0,1,2,3] [--against DIR]
+
+--against DIR times the same command from another source tree (say `git archive <commit> |
+tar -x -C DIR`), alternating with this one's runs, and prints the ratio of the two: a
+before/after figure whose two sides saw the same load.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,9 +30,11 @@ MODEL = {"name": "gpt-1t", "n_layers": 128, "dim": 25600, "n_heads": 160, "n_kv_
 TARGET_S = 1.0
 
 
-def timed(argv: list[str]) -> tuple[float, str]:
+def timed(argv: list[str], pythonpath: str | None = None) -> tuple[float, str]:
+    # `python -m` puts the working directory first on sys.path: run the other tree from inside it.
+    env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
     start = time.perf_counter()
-    run = subprocess.run(argv, capture_output=True, text=True)
+    run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=pythonpath)
     elapsed = time.perf_counter() - start
     if run.returncode != 0:
         sys.exit(f"command failed ({run.returncode}): {' '.join(argv)}\n{run.stderr}")
@@ -38,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--zero-levels", default="0,1,2,3", help="the search space's ZeRO levels (default: all)")
+    parser.add_argument("--against", default="", help="another source tree to time the same command from")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "gpt-1t.json"
@@ -46,11 +54,15 @@ def main() -> None:
                 "--gpus", "3072", "--global-batch", "3072", "--seq-len", "2048", "--zero-levels", args.zero_levels]
         bare = [sys.executable, "-c", "pass"]
         timed(plan)  # warm the file cache and the bytecode
-        plans, bares, out = [], [], ""
+        if args.against:
+            timed(plan, args.against)
+        plans, bares, others, out = [], [], [], ""
         for _ in range(args.repeats):
             t, out = timed(plan)
             plans.append(t)
             bares.append(timed(bare)[0])
+            if args.against:
+                others.append(timed(plan, args.against)[0])
     summary = out.strip().splitlines()[-1]
     best, median = min(plans), statistics.median(plans)
     print(summary)
@@ -58,6 +70,10 @@ def main() -> None:
           f"(bare interpreter start {min(bares):.2f} s in the same runs)")
     print(f"against the {TARGET_S:.0f} s target: fastest {best / TARGET_S:.2f}x, median {median / TARGET_S:.2f}x "
           f"({'within' if best <= TARGET_S else 'over'} the target at the fastest run)")
+    if others:
+        print(f"the same command from {args.against}: fastest {min(others):.2f} s, median "
+              f"{statistics.median(others):.2f} s; this tree takes {best / min(others):.2f}x of it at the fastest, "
+              f"{median / statistics.median(others):.2f}x at the median")
 
 
 if __name__ == "__main__":

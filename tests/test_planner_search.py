@@ -216,3 +216,36 @@ def test_train_plan_auto_plans_for_a_named_cluster():
     # The plan the planner ranks first for that cluster, not for this CPU.
     expected = auto_plan(model_config("llama3-8b"), world_size=8, global_batch=64, seq_len=2048, cluster="dgx-h100")
     assert chosen == expected.to_string()
+
+
+def test_pruning_by_memory_and_bounds_changes_no_answer():
+    # The search prices only what fits and finds the fastest rejected layout by branch and
+    # bound; priced one by one, every candidate gives the same winner, the same fastest
+    # rejected layout, the same counts, and no step below its lower bound.
+    from phalanx.planner.cost import Options, evaluate, step_time_lower_bound
+    from phalanx.planner.search import SearchSpace, candidates
+
+    model, work = model_config("llama3-70b"), Workload(global_batch=256, seq_len=4096)
+    space = SearchSpace(zero_levels=(0, 1, 2, 3))
+    result = search(model, H100, work, world_size=64, space=space, keep=1000)
+    every = [evaluate(model, H100, work, lay) for lay in
+             candidates(model, H100, work, world_size=64, fixed={}, space=without_selective(space))]
+    fits = [e for e in every if e.fits]
+    rejected = [e for e in every if not e.fits]
+    assert result.pruned_memory == len(rejected) > 0 and fits
+    assert result.ranked[0].step_time_s == min(e.step_time_s for e in result.ranked)
+    assert min(e.step_time_s for e in fits) >= result.ranked[0].step_time_s * (1 - 1e-12)
+    fastest_rejected = min(rejected, key=lambda e: e.step_time_s)
+    if fastest_rejected.step_time_s < result.ranked[0].step_time_s:
+        assert result.fastest_pruned.step_time_s == pytest.approx(fastest_rejected.step_time_s, rel=1e-12)
+    else:
+        assert result.fastest_pruned is None
+    for est in every:
+        assert step_time_lower_bound(model, H100, work, est.layout, Options()) <= est.step_time_s * (1 + 1e-12)
+
+
+def without_selective(space):
+    """The search leaves selective recompute out when flash attention makes it pointless."""
+    import dataclasses
+
+    return dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))

@@ -6,6 +6,9 @@ model_spec.py  model description (presets, project JSON, Hugging Face config.jso
 layout.py  a candidate: the Plan plus micro-batch size and ZeRO level; the workload
 comm.py  alpha-beta collective times on the two link levels
 memory.py  parameter, optimizer-state and activation bytes
+peak_memory.py  a candidate's peak bytes per device by cause (priced before its time)
+pipeline_orders.py  zbv's and dualpipev's order of operations per rank, timed
+dp_traffic.py  data-parallel collectives per ZeRO level, and how much of them compute hides
 cost.py  compute, communication and bubble formulas: one candidate's step time and memory
 search.py  enumerate layouts, prune by memory, rank, explain; `auto_plan` for the trainer
 report.py  the plan table and the JSON records

@@ -34,11 +34,27 @@ def _bus_bw(cluster: Cluster, size: int, local: int) -> float:
 
 
 def _latency(cluster: Cluster, size: int, local: int, steps_per_level: float) -> float:
-    """Alpha term: ring steps inside a domain, tree depth (log2) across domains."""
+    """Alpha term of an all-reduce: ring steps inside a domain, tree depth (log2) across
+    domains (NCCL's Tree algorithm, which it uses for all-reduce at scale)."""
     alpha = steps_per_level * (local - 1) * cluster.intra_link(local)[0]
     if size > local:
         alpha += steps_per_level * math.ceil(math.log2(size / local)) * cluster.inter_latency_us
     return alpha * 1e-6
+
+
+def _ring_latency(cluster: Cluster, size: int, local: int) -> float:
+    """Alpha term of a ring reduce-scatter or all-gather: size - 1 hops, one per step.
+
+    NCCL runs these two only as rings (Jeaugey, "PAT: a new algorithm for all-gather and
+    reduce-scatter operations at scale", 2025: the ring's linear latency is what PAT, for one
+    GPU per node, addresses), so latency grows with the group, not its logarithm. Of the
+    hops, one per domain boundary crossed (size/local - 1) runs at the inter-domain latency,
+    the rest inside a domain.
+    """
+    domains = max(1, size // local)
+    hops_across = domains - 1
+    hops_inside = size - 1 - hops_across
+    return (hops_inside * cluster.intra_link(local)[0] + hops_across * cluster.inter_latency_us) * 1e-6
 
 
 def all_reduce(cluster: Cluster, nbytes: float, *, size: int, stride: int) -> float:
@@ -54,7 +70,7 @@ def reduce_scatter(cluster: Cluster, nbytes: float, *, size: int, stride: int) -
     if size <= 1:
         return 0.0
     local = per_domain(cluster, size=size, stride=stride)
-    return (size - 1) / size * nbytes / _bus_bw(cluster, size, local) + _latency(cluster, size, local, 1)
+    return (size - 1) / size * nbytes / _bus_bw(cluster, size, local) + _ring_latency(cluster, size, local)
 
 
 all_gather = reduce_scatter

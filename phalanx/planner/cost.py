@@ -25,10 +25,12 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
   PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
   DP: gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1, 2) once
-    per step in 25 MiB buckets, overlapped with the last backward / first forward when
-    `dp_overlap`; zero 3 gathers parameters forward and backward and reduce-scatters
-    gradients every micro-batch, one collective per layer. On a CPU (shared_compute) gloo
-    uses the cores that compute, so nothing overlaps.
+    per step in 25 MiB buckets (zero 2: one collective per FSDP unit), overlapped with the
+    last backward / first forward when `dp_overlap`; zero 3 gathers parameters forward and
+    backward every micro-batch and reduce-scatters the gradients
+    once per step, one collective per layer. Reduce-scatter and all-gather are rings, their
+    latency one hop per member (comm.py). On a CPU (shared_compute) gloo uses the cores that
+    compute, so nothing overlaps.
 Full recompute under zbv re-runs each block's forward once more per weight tensor, in the
   W slots (Options.split_backward_recompute: PyTorch's split backward).
 Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed sends +
@@ -36,10 +38,9 @@ Step = m x (F + B + W + recompute) on the most loaded stage + bubble + exposed s
   parameter of the local optimizer shard, 4 to zero each gradient-buffer element) +
   the cluster's fixed `step_overhead_ms` and `optimizer_layer_overhead_us` per layer on the
   stage (measured on CPUs, zero on the GPU presets).
-Bubbles (published-figures.md section 3), with stage times F, B, W of one micro-batch:
-  gpipe, 1f1b: (p-1)(F+B+W);  interleaved: (p-1)(F+B+W)/v;
-  zbv (chunks of half a stage): (p-1)(F + B - 2W)/2 clipped at zero;
-  dualpipev: (p/2-1)(FB + B - 3W) at chunk level, FB = F + B + W (overlapped pair).
+Bubbles, with stage times F, B, W of one micro-batch: gpipe, 1f1b (p-1)(F+B+W); interleaved
+  (p-1)(F+B+W)/v (published-figures.md section 3); zbv and dualpipev timed on their own
+  orders of operations (pipeline_orders.v_bubble), the simulator's timeline without sends.
 """
 
 from __future__ import annotations
@@ -51,30 +52,28 @@ from dataclasses import dataclass, field
 from phalanx import layout_rules as rules
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
+from phalanx.planner.dp_traffic import by_identity as _by_identity
+from phalanx.planner.dp_traffic import collective_time as _collective
+from phalanx.planner.dp_traffic import dp_time
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
-from phalanx.planner.memory import (
-    in_flight_microbatches,
-    MIXED_ADAM,
-    Precision,
-    layer_activation_bytes,
-    offloaded_bytes,
-    layers_per_stage,
-    param_counts,
-    state_bytes,
-    weight_gradient_input_bytes,
+from phalanx.planner.memory import MIXED_ADAM, Precision, layer_activation_bytes, layers_per_stage
+from phalanx.planner.peak_memory import (  # noqa: F401 (BF16, memory_breakdown: re-exported)
+    BF16,
+    memory_breakdown,
+    moe_layer_count,
+    peak_memory,
+    recompute_share,
+    stage_params,
 )
+from phalanx.planner.pipeline_orders import v_bubble
 
-BF16 = 2
 OPTIMIZER_BYTES_PER_PARAM = 30
 """Adam reads fp32 param, grad and two moments (16 bytes), writes three and a bf16 copy (14)."""
 CLIP_BYTES_PER_PARAM = 12
 """Gradient-norm clipping: read the fp32 gradient for the norm (4), read and write it scaled (8)."""
 GRAD_ZERO_BYTES_PER_PARAM = 4
 """Zeroing the fp32 gradient-accumulation buffer before the next step (written once)."""
-BUCKET_BYTES = 25 * 2**20
-"""Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
-LOGIT_BYTES = 6
 LOSS_BYTES_F = 22
 """HBM bytes per logit element of cross-entropy on fp32 logits (the trainer's
 F.cross_entropy(logits.float())), forward: the cast reads bf16 and writes fp32 (2 + 4);
@@ -84,7 +83,6 @@ LOSS_BYTES_B = 26
 """Backward: the loss gradient is written dense (4); log-softmax backward reads it for its
 sum, then reads it and the saved output and writes the input gradient (4 + 12); the cast
 back to bf16 reads fp32 and writes bf16 (4 + 2)."""
-"""Per logit element on the last stage: bf16 logits kept for backward + fp32 for the loss."""
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
                   "overhead")
 
@@ -109,6 +107,13 @@ class Options:
     its forward 11 times per micro-batch; a tiny-model zbv step went from 62 to 174 ms with
     recompute=full, 1f1b from 32 to 54 ms). dualpipev runs measured no such cost, so it is
     charged to zbv only."""
+    recompute_regathers: bool = False
+    """Under zero 3, the recompute forward all-gathers the checkpointed layers' parameters once
+    more (DeepSpeed ZeRO-3, whose hooks sit on every submodule). False: FSDP2 around the
+    checkpointed block (phalanx's order, parallel/apply.py; torchtitan's) re-runs the forward
+    inside the unit's backward, after its gather: with torch 2.13, 3 checkpointed blocks on 2
+    processes gather 6 times per step with recompute as without
+    (tests/test_planner_fsdp_gathers.py counts them)."""
     sp_regather: bool = False
     """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
     in backward for the weight gradients (Megatron, and the published activation formula).
@@ -187,30 +192,6 @@ class Estimate:
     @property
     def memory_gib(self) -> float:
         return self.memory_bytes / 2**30
-
-
-def _by_identity(fn):
-    """Memoise fn(obj, obj2, *args, **kwargs) keyed on the objects' identities and the rest.
-
-    lru_cache would hash the frozen ModelConfig and Cluster on every call, which is most of
-    a search's time; the search passes the very same objects thousands of times.
-    """
-    cache: dict = {}
-
-    def wrapper(a, b, *args, **kwargs):
-        key = (id(a), id(b), args, tuple(kwargs.items()))
-        hit = cache.get(key)
-        if hit is not None and hit[0] is a and hit[1] is b:
-            return hit[2]
-        if len(cache) > 500_000:
-            cache.clear()
-        value = fn(a, b, *args, **kwargs)
-        cache[key] = (a, b, value)
-        return value
-
-    wrapper.__wrapped__ = fn
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
 
 
 def _fill(d: float, half: float) -> float:
@@ -312,16 +293,6 @@ def weight_tensors(model: ModelConfig, *, moe: bool) -> int:
     return 2 + 4 + (3 if model.mlp == "swiglu" else 2)
 
 
-@functools.lru_cache(maxsize=64)
-def _param_counts(model: ModelConfig):
-    return param_counts(model)
-
-
-@functools.lru_cache(maxsize=64)
-def _moe_layers(model: ModelConfig) -> int:
-    return sum(model.is_moe_layer(i) for i in range(model.n_layers))
-
-
 def layer_flops(model: ModelConfig, *, seq: int, moe: bool) -> tuple[float, float]:
     """(GEMM, attention-core) forward FLOPs of one layer for one sequence, Megatron's counting."""
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
@@ -379,16 +350,6 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
     return out
 
 
-@_by_identity
-def _collective(fn, cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
-    return fn(cluster, nbytes, size=size, stride=stride)
-
-
-@_by_identity
-def _activation(model: ModelConfig, options: "Options", **kw) -> float:
-    return layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather, **kw)
-
-
 def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
              options: Options = Options()) -> Estimate:
     """Predicted step time, breakdown and peak memory of a (valid) layout."""
@@ -398,7 +359,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     peak = cluster.peak_flops_per_rank(world)
     memory_bw = cluster.memory_bw_per_rank(world)
     n = layers_per_stage(model.n_layers, p, v)
-    n_moe_total = _moe_layers(model)
+    n_moe_total = moe_layer_count(model)
     n_moe = min(n, n_moe_total)  # the most loaded stage holds MoE layers where there are any
     n_dense = n - n_moe
     fw, queue = cluster.framework, cluster.queueing(world)
@@ -424,11 +385,15 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         shown = max(t - gemm, 0.0) + min(t, gemm) / lay.tp
         return shown + sm * (t - shown)
 
+    rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
     # Where SP stores the attention and MLP inputs sharded (Options.sp_regather, as Korthikanti
     # et al. count them), backward gathers them again for the weight gradients: 2 all-gathers
-    # of T h per layer, unless full recompute's re-run forward has just gathered them.
-    regather = options.sp_regather and lay.sp and lay.tp > 1 and lay.recompute != "full"
+    # of T h per layer, except in the layers whose full recompute has just gathered them (only
+    # those: with recompute_layers=k the other layers still regather).
+    regather = options.sp_regather and lay.sp and lay.tp > 1
     t_regather = 2 * _collective(comm.reduce_scatter, cluster, dense.tp_bytes, lay.tp, 1) if regather else 0.0
+    if lay.recompute == "full":
+        t_regather *= 1 - rc_share
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
         t_ep = max(0.0, t_ep - moe.f) + sm * min(t_ep, moe.f)  # hidden behind the paired micro-batch's compute
@@ -448,7 +413,6 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     comp_f = n_dense * dense.f + n_moe * moe.f + logit_f + logit_elements * LOSS_BYTES_F / memory_bw + tp_root
     comp_b = n_dense * dense.b + n_moe * moe.b + logit_b + logit_elements * LOSS_BYTES_B / memory_bw
     comp_w = n_dense * dense.w + n_moe * moe.w + logit_w
-    rc_share = recompute_share(model, lay)  # of the stage's layers, those checkpointed
     if lay.recompute != "none":  # checkpointing's own framework cost (measured on CPUs)
         comp_r_fixed = n * cluster.framework.recompute_overhead_us * 1e-6 * cluster.queueing(world)
     else:
@@ -471,7 +435,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
                        f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     per_mb = stage.f + stage.b + stage.w + stage.r
 
-    bubble = _bubble(lay.schedule, p, v, stage)
+    bubble = _bubble(lay.schedule, p, v, stage, m)
     # Pipeline sends on the critical path: each micro-batch (per chunk) each way, plus fill/drain.
     if p > 1:
         boundary_bytes = tokens * model.dim * BF16 / (lay.tp if lay.sp else 1)
@@ -483,13 +447,9 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     else:
         pp_comm = 0.0
 
-    # Parameters on the most loaded device (first or last stage: embedding or output head).
-    c = _param_counts(model)
-    heads = 2 if (p == 1 and not model.tie_embeddings) else 1
-    shared_params = (n * (c.attention + c.norms) + n_dense * c.dense_mlp + n_moe * c.moe_other
-                     + heads * c.embedding) / lay.tp
-    expert_params = n_moe * c.experts / (lay.tp * lay.ep)
-    dp_comm = _dp_time(cluster, lay, options, shared_params, expert_params, stage, n)
+    c, shared_params, expert_params = stage_params(model, lay, n, n_moe)
+    regathered = rc_share if lay.recompute == "full" and options.recompute_regathers else 0.0
+    dp_comm = dp_time(cluster, lay, options, shared_params, expert_params, stage, n, regathered)
     shards = lay.dp // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
     # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,
@@ -514,7 +474,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         "overhead": step_overhead,
     }
 
-    memory, host = _memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)
+    memory, host = peak_memory(model, workload, lay, options, n, n_moe, shared_params, expert_params, c)
     model_flops, hardware_flops = step_flops(model, workload, lay.recompute)
     return Estimate(
         layout=lay, step_time_s=step, breakdown=breakdown, memory_bytes=sum(memory.values()),
@@ -524,24 +484,39 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     )
 
 
-def recompute_share(model: ModelConfig, lay: Layout) -> float:
-    """Share of a rank's layers that recompute: all, or `recompute_layers` of each chunk's."""
-    if lay.recompute == "none":
-        return 0.0
-    chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
-    return min(lay.recompute_layers, chunk) / chunk if lay.recompute_layers else 1.0
+def step_time_lower_bound(model: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout,
+                          options: Options = Options()) -> float:
+    """Seconds no step of this layout can beat: the most loaded stage's layer compute (forward,
+    input and weight gradients, and the recomputed forward) over its micro-batches, plus the
+    bubble of the schedules whose bubble grows with that compute (gpipe, 1f1b, interleaved:
+    (p-1)/v stage times), each a part of what `evaluate` sums, every other part being at
+    least 0. Lets a search skip pricing layouts that cannot win."""
+    lay, seq = layout, workload.seq_len
+    world = lay.world_size
+    n = layers_per_stage(model.n_layers, lay.pp, lay.virtual)
+    n_moe = min(n, moe_layer_count(model))
+    kw = dict(seq=seq, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp, peak=cluster.peak_flops_per_rank(world),
+              flash=options.flash_attention, memory_bw=cluster.memory_bw_per_rank(world), overhead=0.0)
+    dense = layer_cost(model, cluster, moe=False, **kw)
+    moe = layer_cost(model, cluster, moe=True, **kw) if n_moe else dense
+    per_mb = (n - n_moe) * (dense.f + dense.b + dense.w) + n_moe * (moe.f + moe.b + moe.w)
+    if lay.recompute == "full":
+        per_mb += recompute_share(model, lay) * ((n - n_moe) * dense.f + n_moe * moe.f)
+    bubble = 0.0
+    if lay.pp > 1 and lay.schedule not in rules.V_SCHEDULES:
+        bubble = (lay.pp - 1) * per_mb / (lay.virtual if lay.schedule == "interleaved" else 1)
+    return lay.microbatches * per_mb + bubble
 
 
-def _bubble(schedule: str, p: int, v: int, st: StageTimes) -> float:
+def _bubble(schedule: str, p: int, v: int, st: StageTimes, m: int = 0) -> float:
+    """Idle seconds of a step beyond m x the stage time (m: micro-batches, needed by the V schedules)."""
     if p == 1:
         return 0.0
     full = st.f + st.b + st.w + st.r
     if schedule == "interleaved":
         return (p - 1) * full / v
-    if schedule == "zbv":
-        return (p - 1) * max(0.0, st.f + st.b + st.r - 2 * st.w) / 2
-    if schedule == "dualpipev":
-        return max(0.0, p / 2 - 1) * max(0.0, st.f + 2 * (st.b + st.r) - 2 * st.w) / 2
+    if schedule in rules.V_SCHEDULES:  # their own order of operations, timed (pipeline_orders.py)
+        return v_bubble(schedule, p, m, st.f, st.b + st.r, st.w)
     return (p - 1) * full  # gpipe and 1f1b
 
 
@@ -550,127 +525,3 @@ def actions_per_microbatch(schedule: str, virtual: int) -> int:
     V-shaped schedules' backward split in two (input gradient, then weight gradient)."""
     chunks = virtual if schedule in ("interleaved", "zbv", "dualpipev") else 1
     return chunks * (3 if schedule in ("zbv", "dualpipev") else 2)
-
-
-def _dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, experts: float,
-             st: StageTimes, n_layers: int) -> float:
-    """Exposed data-parallel seconds per step."""
-    if lay.dp == 1:
-        return 0.0
-    fw, queue = cluster.framework, cluster.queueing(lay.world_size)
-    g = options.grad_reduce_bytes
-    shard = lay.dp // lay.replicate
-    groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
-    if experts:
-        groups.append((experts, max(1, shard // lay.ep), lay.tp * lay.ep))
-    # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 3, and
-    # per gradient bucket otherwise, so latency counts once per unit or bucket.
-    units = n_layers + 1 if lay.zero == 3 else 0
-    # The phalanx trainer runs replicated dp composed with tp or pp through FSDP2 as HSDP with
-    # shard size 1 (DDP takes neither DTensors nor stages): FSDP's per-unit cost, DDP's bytes.
-    wrapped = n_layers + 1 if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1) else 0
-    # Under pp the trainer's FSDP keeps the weights gathered and PyTorch's pipeline stage
-    # reduces gradients once, after the last micro-batch: per-step and per-micro-batch costs
-    # measured in that mode; otherwise FSDP reshards and is timed per micro-batch.
-    if lay.pp > 1:
-        fsdp_unit = fw.fsdp_pp_unit_s(lay.world_size, lay.microbatches, queue)
-    else:
-        fsdp_unit = lay.microbatches * fw.fsdp_unit_s(lay.world_size, queue)
-    wrap_cost = wrapped * fsdp_unit
-    if lay.zero == 0 and not wrapped:  # DDP: its hooks' collective waits for busy cores (CPUs)
-        wrap_cost += fw.ddp_overhead_s(lay.world_size)
-    rs = ag = ar_replica = 0.0
-    for params, size, stride in groups:
-        pieces = units or max(1, math.ceil(params * g / BUCKET_BYTES))
-        if lay.zero == 0:
-            rs += pieces * _collective(comm.all_reduce, cluster, params * g / pieces, size, stride)
-        else:
-            rs += pieces * _collective(comm.reduce_scatter, cluster, params * g / pieces, size, stride)
-            ag += pieces * _collective(comm.all_gather, cluster, params * BF16 / pieces, size, stride)
-        if lay.replicate > 1:
-            ar_replica += pieces * _collective(comm.all_reduce, cluster, params * g / size / pieces,
-                                               lay.replicate, stride * size)
-    # gloo runs collectives on the very cores that compute: nothing overlaps on a CPU.
-    overlap = options.dp_overlap and not cluster.shared_compute
-    one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
-
-    def shown(t: float, window: float) -> float:
-        """What a collective hidden behind `window` of compute adds: the part that sticks out
-        (at least the last layer's share), plus the SMs its hidden part takes from compute."""
-        out = max(t - window, t * one_layer)
-        return out + cluster.hidden_comm_cost * (t - out)
-
-    if lay.zero == 3 and lay.pp == 1:
-        # Every micro-batch gathers forward and again backward (resharded after forward); the
-        # gradients accumulate unsharded and are reduce-scattered after the last micro-batch.
-        m = lay.microbatches
-        if overlap:
-            gathers = m * (shown(ag, st.f) + shown(ag, st.b + st.w))
-            reduce = shown(rs, st.b + st.w)
-        else:
-            gathers, reduce = 2 * m * ag, rs
-        return gathers + reduce + units * fsdp_unit + ar_replica
-    if lay.zero == 3:  # under pp: gathered once, reduced once, like zero 1 and 2 below
-        wrap_cost = units * fsdp_unit
-    if not overlap:
-        return rs + ag + ar_replica + wrap_cost
-    exposed = shown(rs, st.b + st.w + st.r) + ar_replica
-    if ag:
-        exposed += shown(ag, st.f)
-    return exposed + wrap_cost
-
-
-def _memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
-            shared: float, experts: float, c) -> tuple[dict[str, float], dict[str, float]]:
-    """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
-    shard = lay.dp // lay.replicate
-    layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
-    state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
-                        microbatches=lay.microbatches, pp=lay.pp, precision=options.precision, offload=lay.offload)
-    host = offloaded_bytes(shards=shard, params=shared, precision=options.precision) if lay.offload else {}
-    if experts:
-        expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
-                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
-                                   precision=options.precision, offload=lay.offload)
-        state = {k: v + expert_state[k] for k, v in state.items()}
-        if lay.offload:
-            extra = offloaded_bytes(shards=max(1, shard // lay.ep), params=experts, precision=options.precision)
-            host = {k: v + extra[k] for k, v in host.items()}
-    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
-    scale = options.precision.activation / 2  # the formulas count 16-bit elements
-    per_layer = lambda moe, rc: scale * _activation(model, options, moe=moe, recompute=rc, **kw)  # noqa: E731
-    share = recompute_share(model, lay)  # the other layers keep all their activations
-    stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))
-                    for count, moe in ((n - n_moe, False), (n_moe, True)))
-    in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
-                                       microbatches=lay.microbatches)
-    rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
-    logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * options.precision.logit
-    # The first rank holds the most micro-batches; the loss's logits live on the last stage,
-    # which V-shaped schedules (and pp=1) put on that same first rank.
-    first = stage_act * in_flight + rematerialised
-    if lay.pp == 1 or lay.schedule in ("zbv", "dualpipev"):
-        activations, logits_held = first, logits
-    else:
-        last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
-        last = stage_act * last_in_flight + rematerialised
-        activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
-    if lay.schedule == "zbv" and lay.pp > 1:
-        # Deferred weight gradients: after a chunk's B, its W still needs the inputs of the
-        # chunk's linear layers; zbv runs W late (in the cool-down at the latest), up to pp
-        # micro-batches of one chunk (half the stage) on the first rank. Layers under full
-        # recompute re-run their forward for W (split_backward_recompute) and hold nothing.
-        held_share = 1 - share if lay.recompute == "full" else 1.0
-        w_inputs = sum(count * scale * weight_gradient_input_bytes(model, moe=moe, **kw)
-                       for count, moe in ((n - n_moe, False), (n_moe, True)))
-        activations += min(lay.microbatches, lay.pp) * held_share * w_inputs / 2
-    tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
-    buffers = 0.0
-    if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
-        buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
-    if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
-        buffers += 2 * tokens_bytes
-    if lay.pp > 1:  # send and receive buffers, both directions
-        buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
-    out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
-    return out, host

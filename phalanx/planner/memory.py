@@ -150,8 +150,10 @@ def in_flight_microbatches(*, schedule: str, pp: int, virtual: int, microbatches
     if schedule == "interleaved":
         return min(float(microbatches), pp * (1 + (pp - 1) / (pp * virtual)))
     if schedule == "dualpipev":
-        return min(float(microbatches), pp + 1.0)
-    return min(float(microbatches), float(pp))  # 1f1b and zbv
+        # DualPipeV's order (pipeline_orders.py) peaks at 2p + 1 half-stage chunks on every rank.
+        return min(float(microbatches), pp + 0.5)
+    # 1f1b: p on the first rank; zbv in PyTorch's order: 2p half-stage chunks on every rank.
+    return min(float(microbatches), float(pp))
 
 
 def layers_per_stage(n_layers: int, pp: int, virtual: int) -> int:
@@ -204,15 +206,3 @@ def offloaded_bytes(*, shards: int, params: float, precision: Precision = MIXED_
     return {"parameters": precision.param * params / n, "gradients": precision.grad * params / n,
             "optimizer_state": precision.optim * params / n}
 
-
-def weight_gradient_input_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, moe: bool) -> float:
-    """Bytes of one layer's activations a deferred weight gradient (W) still needs after the
-    input gradient (B) ran: the inputs of its linear layers (16-bit): the attention input
-    (q, k, v), the output projection's input, the MLP input and the down projection's input.
-    zbv runs W late; these stay until it does."""
-    s, b, h = seq, mbs, model.dim
-    f = model.moe_ffn_dim * (model.experts_per_token + model.n_shared_experts) if moe else model.ffn_dim
-    tokens_in = (2 * s * b * h) * (2 if moe else 1)  # routed copies of the MLP input under MoE
-    replicated = 2 * s * b * h + tokens_in  # attention and MLP inputs: whole under tp, split by sp
-    split = 2 * s * b * h + 2 * s * b * f  # output projection's and down projection's inputs
-    return replicated / (tp if sp else 1) + split / tp

@@ -21,7 +21,7 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
-from phalanx.planner.cost import Estimate, Options, evaluate
+from phalanx.planner.cost import Estimate, Options, evaluate, memory_breakdown, step_time_lower_bound
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
 
@@ -29,8 +29,8 @@ from phalanx.planner.layout import Layout, Workload
 class SearchSpace:
     """Which knob values the search may use."""
 
-    zero_levels: tuple[int, ...] = (0, 2, 3)
-    """What the phalanx trainer runs: replicated, gradients and optimizer state sharded, or all sharded."""
+    zero_levels: tuple[int, ...] = (0, 3)
+    """What the phalanx trainer runs: replicated (fsdp=false) or fully sharded (fsdp=true)."""
     recompute: tuple[str, ...] = RECOMPUTE
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zbv", "dualpipev")
     """gpipe is left out: same bubble as 1f1b, more memory (`--fix schedule=gpipe` evaluates it)."""
@@ -168,22 +168,23 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
     if options.flash_attention and "recompute" not in fixed and "selective" in space.recompute:
         space = dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
     fitting: list[Estimate] = []
-    considered = pruned = 0
-    fastest_pruned: Estimate | None = None
+    considered = 0
+    too_big: list[Layout] = []
+    usable = cluster.usable_bytes
     for layout in candidates(model, cluster, workload, world_size=world_size, fixed=fixed, space=space):
         considered += 1
+        # Memory first: it is a fraction of the time model's cost, and most layouts of a big
+        # model fail it (6,104 of 6,809 for the 1T GPT on 3,072 GPUs).
+        if sum(memory_breakdown(model, workload, layout, options).values()) > usable:
+            too_big.append(layout)
+            continue
         est = evaluate(model, cluster, workload, layout, options)
+        fitting.append(est)
         if "recompute_layers" not in fixed and "recompute" not in fixed:  # a fixed mode means all blocks
             partial = _fewest_recomputed_layers(model, cluster, workload, est, options)
             if partial is not None:
                 considered += 1
                 fitting.append(partial)
-        if not est.fits:
-            pruned += 1
-            if fastest_pruned is None or est.step_time_s < fastest_pruned.step_time_s:
-                fastest_pruned = est
-            continue
-        fitting.append(est)
     offload_only = False
     if not fitting and "offload" not in fixed and fixed.get("zero", 3) == 3:
         # Last resort: offload moves the shards off the device. The time model does not charge
@@ -191,40 +192,62 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         for layout in candidates(model, cluster, workload, world_size=world_size, fixed={**fixed, "offload": True},
                                  space=dataclasses.replace(space, zero_levels=(3,))):
             considered += 1
-            est = evaluate(model, cluster, workload, layout, options)
-            if est.fits:
-                fitting.append(est)
+            if sum(memory_breakdown(model, workload, layout, options).values()) <= usable:
+                fitting.append(evaluate(model, cluster, workload, layout, options))
         offload_only = bool(fitting)
     fitting.sort(key=lambda e: (e.step_time_s, e.memory_bytes))
-    if fastest_pruned and fitting and fastest_pruned.step_time_s >= fitting[0].step_time_s:
-        fastest_pruned = None
-    return SearchResult(ranked=fitting[:keep], considered=considered, pruned_memory=pruned,
-                        fastest_pruned=fastest_pruned, seconds=time.perf_counter() - start,
-                        offload_only=offload_only)
+    best = fitting[0].step_time_s if fitting else math.inf
+    return SearchResult(ranked=fitting[:keep], considered=considered, pruned_memory=len(too_big),
+                        fastest_pruned=_fastest(model, cluster, workload, too_big, options, best),
+                        seconds=time.perf_counter() - start, offload_only=offload_only)
+
+
+def _fastest(model: ModelConfig, cluster: Cluster, workload: Workload, layouts: list[Layout],
+             options: Options, below: float) -> Estimate | None:
+    """The fastest of `layouts` if it beats `below`, else None: priced in the order of their
+    lower bounds, stopping at the first bound no faster than the best found (branch and bound)."""
+    bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO level: one per rest
+    bounded = []
+    for i, lay in enumerate(layouts):
+        key = (lay.tp, lay.pp, lay.ep, lay.mbs, lay.microbatches, lay.sp, lay.schedule, lay.virtual, lay.recompute,
+               lay.recompute_layers)
+        if key not in bounds:
+            bounds[key] = step_time_lower_bound(model, cluster, workload, lay, options)
+        bounded.append((bounds[key], i))
+    bounded.sort()
+    found: Estimate | None = None
+    for bound, i in bounded:
+        if bound >= min(below, found.step_time_s if found else math.inf):
+            break
+        est = evaluate(model, cluster, workload, layouts[i], options)
+        if est.step_time_s < below and (found is None or est.step_time_s < found.step_time_s):
+            found = est
+    return found
 
 
 def _fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Workload, full: Estimate,
                               options: Options) -> Estimate | None:
-    """The layout of `full` (every block recomputed) with the fewest checkpointed blocks per
-    chunk that still fits, when that is some but not all (`recompute_layers`); else None.
+    """The layout of `full` (every block recomputed, fitting) with the fewest checkpointed
+    blocks per chunk that still fits (`recompute_layers`), when that is some but not all; else None.
 
-    Memory falls linearly with the checkpointed blocks, so two evaluations (1 block, all)
-    place the answer; a step or two up covers rounding."""
+    Memory falls linearly with the checkpointed blocks, so two memory figures (1 block, all)
+    place the answer; a step or two up covers rounding. Only the answer is priced."""
     lay = full.layout
     chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
     if lay.recompute == "none" or lay.recompute_layers or chunk < 2:
         return None
-    one = evaluate(model, cluster, workload, lay.replace(recompute_layers=1), options)
-    if one.fits:
-        return one
-    if not full.fits:
-        return None
-    saved_per_layer = (one.memory_bytes - full.memory_bytes) / (chunk - 1)
-    k = 1 + math.ceil((one.memory_bytes - cluster.usable_bytes) / saved_per_layer)
+    usable = cluster.usable_bytes
+
+    def memory(k: int) -> float:
+        return sum(memory_breakdown(model, workload, lay.replace(recompute_layers=k), options).values())
+
+    one = memory(1)
+    if one <= usable:
+        return evaluate(model, cluster, workload, lay.replace(recompute_layers=1), options)
+    k = 1 + math.ceil((one - usable) / ((one - full.memory_bytes) / (chunk - 1)))
     while k < chunk:
-        est = evaluate(model, cluster, workload, lay.replace(recompute_layers=k), options)
-        if est.fits:
-            return est
+        if memory(k) <= usable:
+            return evaluate(model, cluster, workload, lay.replace(recompute_layers=k), options)
         k += 1
     return None
 

@@ -6,9 +6,10 @@ under the schedule's rules and a list scheduler places them in time:
 
   an operation starts when its rank is free and its input has arrived (the previous virtual
   stage's F, the next one's B, plus the point-to-point send when ranks differ);
-  among ready operations a rank prefers B, then F, then W, and starts a new forward only
-  while it holds fewer micro-batches than the schedule allows (1F1B: p - rank; interleaved:
-  Megatron's warm-up count; zbv and dualpipev: V-shaped chunk placement, W deferred).
+  among ready operations a rank prefers B, then F, and starts a new forward only while it
+  holds fewer micro-batches than the schedule allows (1F1B: p - rank); interleaved runs
+  Megatron's op order, zbv PyTorch's ZB-V order and dualpipev DeepSeek's DualPipeV order
+  (pipeline_orders.py), each rank its own order, with W where the order puts it.
 
 Ranks that differ only in their dp or tp index do the same thing at the same time, so one
 row is drawn per pipeline rank. TP/EP traffic sits inside F and B (on the comm track),
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from phalanx.planner import comm
 from phalanx.planner.cost import BF16, Estimate
+from phalanx.planner.pipeline_orders import dualpipev_order, run_fixed_orders, zbv_order
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "R": "#8172B2", "idle": "#DDDDDD",
           "tp/ep comm": "#C44E52", "send": "#937860", "dp comm": "#DA8BC3", "optimizer": "#8C8C8C"}
@@ -51,8 +53,7 @@ def _forward_limit(schedule: str, rank: int, p: int, v: int, m: int) -> int:
     """Micro-batches a rank may have started (first chunk's F) but not finished (first chunk's B).
 
     1F1B: p - rank. Interleaved: Megatron's warm-up of (p - rank - 1) * 2 + (v - 1) * p chunk
-    forwards, in micro-batches. zbv/dualpipev: p on every rank, the V shape's even memory
-    (the cost model's in-flight count); fewer starves the short turn at the bottom of the V.
+    forwards, in micro-batches. (zbv and dualpipev run fixed orders, `_v_timeline`.)
     """
     if p == 1:
         return 1
@@ -63,8 +64,6 @@ def _forward_limit(schedule: str, rank: int, p: int, v: int, m: int) -> int:
         # chunk-0 (new micro-batch) forwards among the warm-up ones plus the first steady one.
         n = min(m * v, (p - rank - 1) * 2 + (v - 1) * p + 1)
         return (n // (p * v)) * p + min(n % (p * v), p)
-    if schedule in ("zbv", "dualpipev"):
-        return p
     return p - rank
 
 
@@ -87,10 +86,11 @@ def pipeline_timeline(est: Estimate, send_s: float) -> tuple[list[Event], float]
     """Place every F/B (and W) of one step in time; return the events and when the last ends."""
     lay = est.layout
     p, m = lay.pp, lay.microbatches
-    v = 2 if lay.schedule in ("zbv", "dualpipev") and p > 1 else lay.virtual
-    split_w = lay.schedule in ("zbv", "dualpipev") and p > 1
+    if lay.schedule in ("zbv", "dualpipev") and p > 1:
+        return _v_timeline(est, send_s)
+    v = lay.virtual
     st = est.stage
-    dur = {"F": st.f / v, "B": (st.b + st.r + (0 if split_w else st.w)) / v, "W": st.w / v}
+    dur = {"F": st.f / v, "B": (st.b + st.r + st.w) / v}
     comm_share = {"F": st.f_comm / v, "B": (st.b_comm + st.r_comm) / v, "W": 0.0}
     place = _placement(lay.schedule if p > 1 else "1f1b", p, v)
     n_virtual = len(place)
@@ -163,33 +163,33 @@ def pipeline_timeline(est: Estimate, send_s: float) -> tuple[list[Event], float]
             what = "act" if kind == "F" else "grad"
             events.append(Event(rank=rank, track="comm", name=f"send {what} mb{mb}", kind="send", start=end,
                                 end=end + send_s))
-    if split_w:
-        events = _pack_weight_gradients(events, done, place, m, dur["W"])
     return events, max(e.end for e in events if e.track == "compute")
 
 
-def _pack_weight_gradients(events: list[Event], done: dict, place, m: int, w: float) -> list[Event]:
-    """Zero-bubble idea: each W (after its B) goes into the first idle gap it fits, else at the end."""
-    out = list(events)
-    for rank in sorted({r for r, _ in place}):
-        spans = sorted((e.start, e.end) for e in events if e.rank == rank and e.track == "compute")
-        gaps, cursor = [], 0.0
-        for start, end in spans:
-            if start > cursor:
-                gaps.append([cursor, start])
-            cursor = max(cursor, end)
-        gaps.append([cursor, float("inf")])
-        pending = sorted((done[("B", mb, j)], mb, j) for j, (r, _) in enumerate(place) if r == rank
-                         for mb in range(m))
-        for ready, mb, j in pending:
-            for gap in gaps:
-                start = max(gap[0], ready)
-                if start + w <= gap[1]:
-                    out.append(Event(rank=rank, track="compute", name=f"W mb{mb} chunk{place[j][1]}", kind="W",
-                                     start=start, end=start + w))
-                    gap[0] = start + w
-                    break
-    return out
+def _v_timeline(est: Estimate, send_s: float) -> tuple[list[Event], float]:
+    """zbv and dualpipev, each in its own order (pipeline_orders.py): chunks of half a stage,
+    weight gradients where the schedule puts them."""
+    lay, st = est.layout, est.stage
+    p, m = lay.pp, lay.microbatches
+    order = zbv_order if lay.schedule == "zbv" else dualpipev_order
+    dur = {"F": st.f / 2, "B": (st.b + st.r + st.w) / 2, "I": (st.b + st.r) / 2, "W": st.w / 2}
+    comm_share = {"F": st.f_comm / 2, "B": (st.b_comm + st.r_comm) / 2, "I": (st.b_comm + st.r_comm) / 2, "W": 0.0}
+    place = _placement(lay.schedule, p, 2)
+    ops = run_fixed_orders([order(r, p, m) for r in range(p)], place, dur, send_s)
+    events = []
+    for rank, kind, mb, j, start, end in ops:
+        shown = "B" if kind == "I" else kind
+        events.append(Event(rank=rank, track="compute", name=f"{kind} mb{mb} chunk{place[j][1]}", kind=shown,
+                            start=start, end=end))
+        if comm_share[kind] > 0:
+            events.append(Event(rank=rank, track="comm", name="tp/ep comm", kind="tp/ep comm",
+                                start=end - comm_share[kind], end=end))
+        neighbour = j + 1 if kind == "F" else j - 1
+        if kind != "W" and 0 <= neighbour < len(place) and place[neighbour][0] != rank and send_s > 0:
+            what = "act" if kind == "F" else "grad"
+            events.append(Event(rank=rank, track="comm", name=f"send {what} mb{mb}", kind="send", start=end,
+                                end=end + send_s))
+    return events, max(e.end for e in events if e.track == "compute")
 
 
 def simulate(est: Estimate, cluster) -> tuple[list[Event], float]:

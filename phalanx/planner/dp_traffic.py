@@ -1,0 +1,122 @@
+"""Data-parallel traffic per step: what each ZeRO level's collectives cost, and how much of it
+compute hides. Also the identity-keyed memo and the cached collective time the cost model
+shares (cost.py): a search passes the very same model and cluster objects thousands of times.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from phalanx.planner import comm
+from phalanx.planner.hardware import Cluster
+from phalanx.planner.layout import Layout
+from phalanx.planner.peak_memory import BF16, BUCKET_BYTES
+
+if TYPE_CHECKING:
+    from phalanx.planner.cost import Options, StageTimes
+
+
+def by_identity(fn):
+    """Memoise fn(obj, obj2, *args, **kwargs) keyed on the objects' identities and the rest.
+
+    lru_cache would hash the frozen ModelConfig and Cluster on every call, which is most of
+    a search's time; the search passes the very same objects thousands of times.
+    """
+    cache: dict = {}
+
+    def wrapper(a, b, *args, **kwargs):
+        key = (id(a), id(b), args, tuple(kwargs.items()))
+        hit = cache.get(key)
+        if hit is not None and hit[0] is a and hit[1] is b:
+            return hit[2]
+        if len(cache) > 500_000:
+            cache.clear()
+        value = fn(a, b, *args, **kwargs)
+        cache[key] = (a, b, value)
+        return value
+
+    wrapper.__wrapped__ = fn
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+@by_identity
+def collective_time(fn, cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
+    return fn(cluster, nbytes, size=size, stride=stride)
+
+
+def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, experts: float,
+             st: StageTimes, n_layers: int, regathered: float = 0.0) -> float:
+    """Exposed data-parallel seconds per step. `regathered`: the share of layers whose full
+    recompute re-runs the forward under zero 3, gathering their parameters once more."""
+    if lay.dp == 1:
+        return 0.0
+    fw, queue = cluster.framework, cluster.queueing(lay.world_size)
+    g = options.grad_reduce_bytes
+    shard = lay.dp // lay.replicate
+    groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
+    if experts:
+        groups.append((experts, max(1, shard // lay.ep), lay.tp * lay.ep))
+    # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 2 and 3
+    # (FSDP2, with and without resharding after forward), and per gradient bucket otherwise,
+    # so latency, which grows with dp in a ring, counts once per unit or bucket.
+    units = n_layers + 1 if lay.zero == 3 else 0
+    collectives = n_layers + 1 if lay.zero >= 2 else 0
+    # The phalanx trainer runs replicated dp composed with tp or pp through FSDP2 as HSDP with
+    # shard size 1 (DDP takes neither DTensors nor stages): FSDP's per-unit cost, DDP's bytes.
+    wrapped = n_layers + 1 if lay.zero == 0 and (lay.tp > 1 or lay.pp > 1) else 0
+    # Under pp the trainer's FSDP keeps the weights gathered and PyTorch's pipeline stage
+    # reduces gradients once, after the last micro-batch: per-step and per-micro-batch costs
+    # measured in that mode; otherwise FSDP reshards and is timed per micro-batch.
+    if lay.pp > 1:
+        fsdp_unit = fw.fsdp_pp_unit_s(lay.world_size, lay.microbatches, queue)
+    else:
+        fsdp_unit = lay.microbatches * fw.fsdp_unit_s(lay.world_size, queue)
+    wrap_cost = wrapped * fsdp_unit
+    if lay.zero == 0 and not wrapped:  # DDP: its hooks' collective waits for busy cores (CPUs)
+        wrap_cost += fw.ddp_overhead_s(lay.world_size)
+    rs = ag = ar_replica = 0.0
+    for params, size, stride in groups:
+        pieces = collectives or max(1, math.ceil(params * g / BUCKET_BYTES))
+        if lay.zero == 0:
+            rs += pieces * collective_time(comm.all_reduce, cluster, params * g / pieces, size, stride)
+        else:
+            rs += pieces * collective_time(comm.reduce_scatter, cluster, params * g / pieces, size, stride)
+            ag += pieces * collective_time(comm.all_gather, cluster, params * BF16 / pieces, size, stride)
+        if lay.replicate > 1:
+            ar_replica += pieces * collective_time(comm.all_reduce, cluster, params * g / size / pieces,
+                                               lay.replicate, stride * size)
+    # gloo runs collectives on the very cores that compute: nothing overlaps on a CPU.
+    overlap = options.dp_overlap and not cluster.shared_compute
+    one_layer = 1.0 / max(1, n_layers)  # the last bucket (first layer) can never be hidden
+
+    def shown(t: float, window: float) -> float:
+        """What a collective hidden behind `window` of compute adds: the part that sticks out
+        (at least the last layer's share), plus the SMs its hidden part takes from compute."""
+        out = max(t - window, t * one_layer)
+        return out + cluster.hidden_comm_cost * (t - out)
+
+    if lay.zero == 3 and lay.pp == 1:
+        # Every micro-batch gathers every parameter forward and again backward (resharded after
+        # forward; with Options.recompute_regathers also in the recompute forward of the
+        # checkpointed layers), whatever dp is: at
+        # fixed global batch, compute per micro-batch stays and the micro-batches per rank
+        # fall, while each gather's ring latency grows with dp (comm.py), so once these
+        # gathers no longer hide under compute, more dp lowers throughput per GPU. The
+        # gradients accumulate unsharded and are reduce-scattered after the last micro-batch.
+        m = lay.microbatches
+        if overlap:
+            gathers = m * (shown(ag, st.f) + shown(ag * regathered, st.r) + shown(ag, st.b + st.w))
+            reduce = shown(rs, st.b + st.w)
+        else:
+            gathers, reduce = (2 + regathered) * m * ag, rs
+        return gathers + reduce + units * fsdp_unit + ar_replica
+    if lay.zero == 3:  # under pp: gathered once, reduced once, like zero 1 and 2 below
+        wrap_cost = units * fsdp_unit
+    if not overlap:
+        return rs + ag + ar_replica + wrap_cost
+    exposed = shown(rs, st.b + st.w + st.r) + ar_replica
+    if ag:
+        exposed += shown(ag, st.f)
+    return exposed + wrap_cost

@@ -1,0 +1,142 @@
+"""Peak bytes per device of one layout, by cause: the memory half of the cost model.
+
+`evaluate` (cost.py) reports these beside the step time; a search calls `memory_breakdown`
+first and prices only the layouts that fit. The formulas per tensor are in memory.py; this
+assembles them for the most loaded rank of a layout (its stage, schedule and ZeRO level).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from phalanx.model.config import ModelConfig
+from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.memory import (
+    ParamCounts,
+    in_flight_microbatches,
+    layer_activation_bytes,
+    layers_per_stage,
+    offloaded_bytes,
+    param_counts,
+    state_bytes,
+)
+
+if TYPE_CHECKING:
+    from phalanx.planner.cost import Options
+
+BF16 = 2
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket of DDP (bucket_cap_mb=25) and similar: one collective each."""
+
+_COUNTS: dict[int, tuple[ModelConfig, ParamCounts, int]] = {}
+_ACTIVATIONS: dict[tuple, tuple] = {}
+"""Caches keyed on the model's identity (hashing a frozen ModelConfig costs more than the
+formulas): a search passes the very same objects thousands of times."""
+
+
+def _counts(model: ModelConfig) -> tuple[ParamCounts, int]:
+    hit = _COUNTS.get(id(model))
+    if hit is None or hit[0] is not model:
+        moe = sum(model.is_moe_layer(i) for i in range(model.n_layers))
+        hit = _COUNTS[id(model)] = (model, param_counts(model), moe)
+    return hit[1], hit[2]
+
+
+def param_counts_of(model: ModelConfig) -> ParamCounts:
+    return _counts(model)[0]
+
+
+def moe_layer_count(model: ModelConfig) -> int:
+    return _counts(model)[1]
+
+
+def recompute_share(model: ModelConfig, lay: Layout) -> float:
+    """Share of a rank's layers that recompute: all, or `recompute_layers` of each chunk's."""
+    if lay.recompute == "none":
+        return 0.0
+    chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
+    return min(lay.recompute_layers, chunk) / chunk if lay.recompute_layers else 1.0
+
+
+def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int):
+    """Parameters on the most loaded device (first or last stage: embedding or output head):
+    (counts, shared over tp, experts over tp x ep)."""
+    c = param_counts_of(model)
+    heads = 2 if (lay.pp == 1 and not model.tie_embeddings) else 1
+    shared = (n * (c.attention + c.norms) + (n - n_moe) * c.dense_mlp + n_moe * c.moe_other
+              + heads * c.embedding) / lay.tp
+    return c, shared, n_moe * c.experts / (lay.tp * lay.ep)
+
+
+def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
+                     options: Options) -> dict[str, float]:
+    """The peak bytes by cause that `evaluate` reports, without the time model: a search
+    prunes the layouts that do not fit with this before it prices any of them."""
+    n = layers_per_stage(model.n_layers, layout.pp, layout.virtual)
+    n_moe = min(n, moe_layer_count(model))
+    c, shared, experts = stage_params(model, layout, n, n_moe)
+    return peak_memory(model, workload, layout, options, n, n_moe, shared, experts, c)[0]
+
+
+
+
+def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
+                shared: float, experts: float, c) -> tuple[dict[str, float], dict[str, float]]:
+    """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
+    shard = lay.dp // lay.replicate
+    precision = options.precision
+    layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
+    state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
+                        microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload)
+    host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
+    if experts:
+        expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
+                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
+                                   precision=precision, offload=lay.offload)
+        state = {k: v + expert_state[k] for k, v in state.items()}
+        if lay.offload:
+            extra = offloaded_bytes(shards=max(1, shard // lay.ep), params=experts, precision=precision)
+            host = {k: v + extra[k] for k, v in host.items()}
+    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
+    scale = precision.activation / 2  # the formulas count 16-bit elements
+
+    def per_layer(moe: bool, recompute: str) -> float:
+        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute)
+        hit = _ACTIVATIONS.get(key)
+        if hit is None or hit[0] is not model or hit[1] is not options:
+            value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
+                                           moe=moe, recompute=recompute, **kw)
+            hit = _ACTIVATIONS[key] = (model, options, value)
+        return scale * hit[2]
+
+    share = recompute_share(model, lay)  # the other layers keep all their activations
+    stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))
+                    for count, moe in ((n - n_moe, False), (n_moe, True)))
+    in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
+                                       microbatches=lay.microbatches)
+    rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
+    logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * precision.logit
+    # The first rank holds the most micro-batches; the loss's logits live on the last stage,
+    # which V-shaped schedules (and pp=1) put on that same first rank.
+    first = stage_act * in_flight + rematerialised
+    if lay.pp == 1 or lay.schedule in ("zbv", "dualpipev"):
+        activations, logits_held = first, logits
+    else:
+        last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
+        last = stage_act * last_in_flight + rematerialised
+        activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
+    # Deferred weight gradients (zbv, dualpipev) hold their linear layers' inputs until W runs,
+    # but never at the activation peak: in both schedules' orders each steady-state W follows
+    # its input gradient at once, and the deferred ones wait in the cool-down, after the last
+    # forward, while activations only fall (tests/test_planner_memory.py counts it on the orders).
+    tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
+    buffers = 0.0
+    if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
+        buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
+    if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
+        buffers += 2 * tokens_bytes
+    if lay.pp > 1:  # send and receive buffers, both directions
+        buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
+    out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
+    return out, host
