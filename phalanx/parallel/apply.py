@@ -9,8 +9,11 @@ The order is fixed, and each step relies on the ones before it:
   4. recompute       - activation checkpointing wraps whole (already parallel) blocks;
   5. FSDP            - shard what is left over "dp" at the plan's zero level, precision and
                        offload (wraps DTensors, so it comes after TP, and wraps the
-                       checkpointed block, so recompute re-gathers its weights);
-  6. materialize     - allocate and fill weights from the seed, each rank only its shard;
+                       checkpointed block, whose recompute then runs inside the unit's
+                       backward, after its one all-gather: counted in
+                       tests/test_planner_fsdp_gathers.py);
+  6. materialize     - allocate and fill weights from the seed or a checkpoint, each rank
+                       reading only its shard;
   7. DDP             - replicated data parallelism wraps real weights, so it comes last
                        (only for pure data parallelism: with tp or pp, FSDP2 replicates).
 With pipeline parallelism steps 2-6 run once per chunk this rank holds.
