@@ -112,23 +112,32 @@ def init_worker_group(device: str) -> None:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
 
 
+def run_in_group(device: str, body):
+    """`body()` on this worker with its process group up, and torn down after. A UserError is
+    printed once (by rank 0) and gives None, for the caller's exit status 2."""
+    rank = int(os.environ.get("RANK", "0"))
+    init_worker_group(device)
+    try:
+        return body()
+    except UserError as error:
+        if rank == 0:
+            print(f"phalanx: error: {error}", file=sys.stderr)
+        return None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def worker_main(cfg_fields: dict, run_dir: str) -> int:
     """Entry point of every worker process; returns its exit status."""
     from phalanx.train.loop import train
 
     cfg = TrainConfig(**cfg_fields)
     rank = int(os.environ.get("RANK", "0"))
-    init_worker_group(cfg.device)
     began = time.perf_counter()
-    try:
-        result = train(cfg, Path(run_dir))
-    except UserError as error:
-        if rank == 0:
-            print(f"phalanx: error: {error}", file=sys.stderr)
+    result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir)))
+    if result is None:
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     if result.interrupted:
         return 130
     if rank == 0:

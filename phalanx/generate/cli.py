@@ -124,21 +124,13 @@ def output(result, codec, as_json: bool) -> str:
 
 def worker_main(job: dict) -> int:
     """Entry point of every worker; rank 0 prints."""
-    import torch.distributed as dist
-
-    from phalanx.launch import init_worker_group
+    from phalanx.launch import run_in_group
 
     rank = int(os.environ.get("RANK", "0"))
-    init_worker_group(job["device"])
-    try:
-        result, codec = run_job(job)
-    except UserError as error:
-        if rank == 0:
-            print(f"phalanx: error: {error}", file=sys.stderr)
+    done = run_in_group(job["device"], lambda: run_job(job))
+    if done is None:
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    result, codec = done
     if rank == 0:
         print(output(result, codec, job["json"]), flush=True)
     return 0
