@@ -79,18 +79,9 @@ def load_model(source: ModelSource, mesh):
 
 def _load_run_checkpoint(model, source: ModelSource) -> None:
     """The model part of a training checkpoint (its optimizer state is not read)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from phalanx.train.checkpoint import load_model_weights
 
-    import phalanx.train.checkpoint  # noqa: F401  (quiets DCP's one-process warning)
-    from phalanx.parallel.expert_checkpoint import globalize_experts
-
-    state = get_model_state_dict(model)
-    if source.cfg.tie_embeddings:
-        state.pop("output.weight", None)  # the embedding's matrix, loaded once under its own name
-    wrapped, restore = globalize_experts(model, {"model": state, "optim": {}})  # all ep ranks' experts
-    dcp.load({"model": wrapped["model"]}, checkpoint_id=str(source.weights_dir))
-    set_model_state_dict(model, restore()["model"], options=StateDictOptions(strict=False))
+    load_model_weights(source.weights_dir, model, tied=source.cfg.tie_embeddings)
 
 
 @dataclass(frozen=True)

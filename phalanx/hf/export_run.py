@@ -55,18 +55,14 @@ def _tokenizer_files(run_dir: Path, scratch: Path) -> list[Path]:
 
 def load_checkpoint_model(path: Path, cfg: ModelConfig):
     """A one-process model holding the checkpoint's weights."""
-    import torch.distributed.checkpoint as dcp
-
-    import phalanx.train.checkpoint  # noqa: F401  (quiets DCP's one-process warning)
     from phalanx.model.init import build_model
+    from phalanx.train.checkpoint import load_model_weights
 
     model = build_model(cfg)
     model.to_empty(device="cpu")
     model.tie_weights()
     model.reset_buffers()
-    state = {k: v for k, v in model.state_dict().items() if not (cfg.tie_embeddings and k == "output.weight")}
-    dcp.load({"model": state}, checkpoint_id=str(path))
-    model.load_state_dict(state, strict=False)
+    load_model_weights(path, model, tied=cfg.tie_embeddings)
     return model.eval()
 
 

@@ -115,3 +115,17 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
     state = restore()
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return read_meta(path)["step"]
+
+
+def load_model_weights(path: Path, model: nn.Module, *, tied: bool = False) -> None:
+    """Only the model part of the checkpoint at `path`, into `model` of any layout (export and
+    generation; the optimizer state is not read). `tied`: the output projection shares the
+    embedding's matrix, which the checkpoint holds once, under the embedding's name."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    if tied:
+        state.pop("output.weight", None)
+    wrapped, restore = globalize_experts(model, {"model": state, "optim": {}})  # all ep ranks' experts
+    dcp.load({"model": wrapped["model"]}, checkpoint_id=str(path))
+    set_model_state_dict(model, restore()["model"], options=StateDictOptions(strict=False))
