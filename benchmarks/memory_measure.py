@@ -33,14 +33,14 @@ def _step_fn(model, mesh, plan, cfg_model, *, global_batch: int, seq_len: int, d
     from phalanx.parallel.expert import expert_params
     from phalanx.parallel.grad_norm import clip_grad_norm
     from phalanx.parallel.tensor_parallel import loss_context
-    from phalanx.train import moe_stats
+    from phalanx.train import moe_aux_loss
     from phalanx.train.loop import batch_loss
     from phalanx.train.pipeline_step import make_pipeline, pipeline_step
 
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
-        moe_stats.aux_losses_in_backward(model)
+        moe_aux_loss.aux_losses_in_backward(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -61,7 +61,7 @@ def _step_fn(model, mesh, plan, cfg_model, *, global_batch: int, seq_len: int, d
                 rows = slice(i * micro, (i + 1) * micro)
                 with loss_context(plan):
                     loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
-                    (loss + moe_stats.aux_loss(model) / accum).backward()
+                    (loss + moe_aux_loss.aux_loss(model) / accum).backward()
         clip_grad_norm(model.parameters(), 1.0, pp_group=mesh.group("pp"), experts=expert_params(model))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

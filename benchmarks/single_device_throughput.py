@@ -43,7 +43,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def nccl_check() -> str:
     import torch.distributed as dist
 
-    from phalanx.testing.fork_ranks import free_port
+    from phalanx.ports import free_port
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))

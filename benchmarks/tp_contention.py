@@ -30,7 +30,7 @@ def _per_block(world: int, repeats: int) -> dict:
     from phalanx.parallel.tensor_parallel import apply_tp, loss_context
     from phalanx.plan import Plan
     from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS
-    from phalanx.train.pipeline_step import token_loss
+    from phalanx.train.loss import token_loss
 
     tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
     (b, s) = OVERHEAD_TOKENS[1]

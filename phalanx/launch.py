@@ -269,7 +269,7 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from phalanx.testing.fork_ranks import free_port
+    from phalanx.ports import free_port
 
     # The agent's loggers each carry their own level; quiet them all, errors still show.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:

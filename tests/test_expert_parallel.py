@@ -152,7 +152,7 @@ def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, referenc
 
     Both compute each aux loss per rank and per micro-batch (2 of a dp rank's 4 sequences),
     so the losses are the same numbers; the pipeline puts their gradients into each stage's
-    backward (`moe_stats.aux_losses_in_backward`) where the flat loop adds them to the loss.
+    backward (`moe_aux_loss.aux_losses_in_backward`) where the flat loop adds them to the loss.
     The micro-batch count is set on both because pp's default is 2 x pp = 4, and the balance
     loss of 1-sequence micro-batches is another number (f_e * p_e is not linear in the tokens;
     the z-loss, a plain mean, would still match). Neither is one process's aux loss, which

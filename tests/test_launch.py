@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from phalanx.testing.fork_ranks import free_port, run_ranks
+from phalanx.ports import free_port
+from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.loop import train
 from phalanx.train.metrics import read_metrics
 

@@ -4,7 +4,6 @@ change on resume. Each user mistake is one line, exit status 2."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -70,7 +69,7 @@ def test_settings_that_cannot_change_on_resume(tmp_path, capsys):
 def test_second_run_on_a_locked_directory_is_refused(tmp_path, capsys):
     lock = lock_run_dir(tmp_path / "r")  # what a running launcher holds
     try:
-        _fails([*TINY, "--steps", "2", "--out", str(tmp_path / "r")], capsys, "is in use by another phalanx train", f"pid ")
+        _fails([*TINY, "--steps", "2", "--out", str(tmp_path / "r")], capsys, "is in use by another phalanx train", "pid ")
     finally:
         lock.close()
     assert _run([*TINY, "--steps", "2", "--out", str(tmp_path / "r")], capsys)[0] == 0  # released: runs

@@ -25,7 +25,7 @@ def _shapes_of_plan(plan_text: str) -> dict:
     from phalanx.parallel.mesh import build_mesh
     from phalanx.parallel.tensor_parallel import loss_context
     from phalanx.plan import plan_from_string
-    from phalanx.train.pipeline_step import token_loss
+    from phalanx.train.loss import token_loss
 
     cfg = model_config("tiny")
     mesh = build_mesh(plan_from_string(plan_text, dist.get_world_size()), torch.device("cpu"))

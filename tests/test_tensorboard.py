@@ -20,7 +20,7 @@ import pytest
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.loop import train
 from phalanx.train.metrics import MetricsLog, plot_loss, read_metrics
-from phalanx.train.moe_stats import plot_expert_load
+from phalanx.train.expert_load_plot import plot_expert_load
 
 
 def _train(cfg) -> None:

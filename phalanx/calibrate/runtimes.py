@@ -135,7 +135,7 @@ def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int
     from phalanx.parallel.tensor_parallel import apply_tp, loss_context
     from phalanx.plan import Plan
     from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS
-    from phalanx.train.pipeline_step import token_loss
+    from phalanx.train.loss import token_loss
 
     torch, dist = init_worker(rank, world, port, threads)
     mesh = init_device_mesh("cpu", (world,))
@@ -181,7 +181,8 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
     from phalanx.plan import parse_plan
     from phalanx.calibrate.compute import overhead_model
     from phalanx.planner.cost import actions_per_microbatch, weight_tensors
-    from phalanx.train.pipeline_step import make_pipeline, pipeline_step, token_loss
+    from phalanx.train.loss import token_loss
+    from phalanx.train.pipeline_step import make_pipeline, pipeline_step
 
     torch, dist = init_worker(rank, world, port, threads)
     mbs, seq = PP_TOKENS

@@ -55,7 +55,7 @@ def run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s
 
     import torch.multiprocessing as mp
 
-    from phalanx.testing.fork_ranks import free_port
+    from phalanx.ports import free_port
 
     ctx = mp.get_context(start_method)
     problem = ""

@@ -12,16 +12,11 @@ import time
 import multiprocessing
 import os
 import pickle
-import socket
 import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from phalanx.ports import free_port
 
 
 def _child(rank: int, world_size: int, port: int, timeout_s: float, fn, args, conn) -> None:

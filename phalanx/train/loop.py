@@ -26,20 +26,21 @@ from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
-from phalanx.train import moe_stats
+from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, weights_finite, why_bad
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.config import TrainConfig
+from phalanx.train.expert_load_plot import plot_expert_load
 from phalanx.train.metrics import MetricsLog, plot_loss
 from phalanx.train.pipeline_step import (
     WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_next_logits, pipeline_step,
-    token_loss,
 )
+from phalanx.train.loss import token_loss
+from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
 from phalanx.train.resume_settings import check_resume
 from phalanx.train.sample import generate
-from phalanx.train.schedule import lr_at
 
 EVAL_SEED = 7919
 """Validation windows use their own seed, the same for every run and every step."""
@@ -188,7 +189,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         WaitClock.install()
-        moe_stats.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
+        moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -238,7 +239,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                     rows = slice(i * micro, (i + 1) * micro)
                     with loss_context(plan):  # the backward too: loss_parallel has its own
                         loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
-                        (loss + moe_stats.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
+                        (loss + moe_aux_loss.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
                     loss_sum += _plain(loss.detach())
             grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"),
                                        experts=expert_params(model))
@@ -286,7 +287,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        moe_stats.plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
+        plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:
         result.sample = generate(
             model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=model_cfg.max_seq_len, device=device, seed=cfg.seed,

@@ -12,16 +12,11 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.pipeline import Pipeline, build_schedule, stages_of_rank
 from phalanx.parallel.tensor_parallel import loss_context
-
-
-def token_loss(logits, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of one micro-batch (logits may be vocab-sharded)."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+from phalanx.train.loss import token_loss
 
 
 def make_pipeline(model, mesh: ParallelMesh) -> Pipeline:
