@@ -5,7 +5,8 @@ import pytest
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
-from phalanx.planner.cost import Estimate, Options, StageTimes, _bubble, evaluate, gemm_time, step_flops
+from phalanx.planner.cost import Estimate, Options, _bubble, evaluate, step_flops
+from phalanx.planner.stage_time import StageTimes, gemm_time
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import in_flight_microbatches, layers_per_stage, state_bytes_per_param, total_params
@@ -178,7 +179,7 @@ def test_optimizer_step_counts_adam_clipping_and_zeroing_the_gradient_buffer():
 
 
 def test_wave_fill_counts_idle_sms_in_the_last_wave():
-    from phalanx.planner.cost import wave_fill
+    from phalanx.planner.stage_time import wave_fill
     # 16384 x 6144 on 132 SMs: 128 x 24 = 3072 tiles of 128 x 256 -> 24 waves: 3072 / 3168.
     assert wave_fill(16384, 6144, 132) == pytest.approx(3072 / 3168, rel=1e-12)
     # 4096 x 1024: 32 x 4 = 128 tiles (or 16 x 8 = 128 transposed) in one wave of 132.
@@ -248,7 +249,8 @@ def test_sequence_parallel_that_keeps_inputs_sharded_gathers_them_again_in_backw
 
 
 def test_zbv_full_recompute_reruns_the_forward_per_weight_tensor():
-    from phalanx.planner.cost import Options, evaluate, weight_tensors
+    from phalanx.planner.cost import Options, evaluate
+    from phalanx.planner.stage_time import weight_tensors
     from phalanx.planner.hardware import PRESETS
     from phalanx.planner.layout import Layout, Workload
     from phalanx.planner.model_spec import model_from_name
