@@ -3,7 +3,7 @@
 hardware.py  cluster description: the hardware (presets, TOML/JSON files)
 framework_costs.py  the measured framework overheads a cluster file may carry
 model_spec.py  model description (presets, project JSON, Hugging Face config.json)
-layout.py  a candidate: the Plan plus micro-batch size and ZeRO level; the workload
+layout.py  a candidate: the trainer's Plan plus the micro-batch size and the planner-only ZeRO-1; the workload
 comm.py  alpha-beta collective times on the two link levels
 memory.py  parameter, optimizer-state and activation bytes
 peak_memory.py  a candidate's peak bytes per device by cause (priced before its time)

@@ -103,7 +103,7 @@ def run_plan(args) -> int:
             print(format_table(COLUMNS, table_rows(result.ranked, step_time_band(cluster))))
             print()
             print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
-            print(f"best plan: --plan {result.ranked[0].layout.to_plan().to_string()}"
+            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}"
                   f"  (mbs={result.ranked[0].layout.mbs}, zero={result.ranked[0].layout.zero})")
         print(f"{result.considered} layouts considered, {result.pruned_memory} pruned for memory "
               f"(> {cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB usable), "

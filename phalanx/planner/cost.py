@@ -184,7 +184,7 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
     if lay.dp % lay.replicate:
         out.append(f"replicate={lay.replicate} must divide dp={lay.dp}")
     try:
-        lay.to_plan().validate()
+        lay.plan.validate()
     except Exception as exc:  # UserError: reuse the trainer's own rules verbatim
         out.append(str(exc).removeprefix("invalid plan: "))
     return out

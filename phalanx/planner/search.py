@@ -148,9 +148,10 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                                 offload = bool(f("offload", False))
                                 if offload and (zero != 3 or dp == 1):
                                     continue  # FSDP2 offloads the shards of zero 3 over dp > 1
-                                yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, microbatches=m,
-                                             schedule=schedule, virtual=v, recompute=rc, zero=zero,
-                                             sp=bool(sp), replicate=int(f("replicate", 1)), offload=offload)
+                                plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m, schedule=schedule,
+                                            virtual=v, recompute=rc, zero=0 if zero == 1 else zero, sp=bool(sp),
+                                            replicate=int(f("replicate", 1)), offload=offload)
+                                yield Layout(plan, mbs=mbs, zero1=zero == 1)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -294,7 +295,7 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
         raise UserError(f"no layout of {model.name!r} on {world_size} processes fits in "
                         f"{cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB per device "
                         f"({result.pruned_memory} pruned by memory)")
-    return result.ranked[0].layout.to_plan()
+    return result.ranked[0].layout.plan
 
 
 def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed: dict[str, object],
