@@ -117,7 +117,8 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
             continue
         if _tp_problem(model, tp, space):
             continue
-        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and workload.seq_len % tp)
+        sp_problem = rules.sp_problem(tp, seq_len=workload.seq_len)
+        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and sp_problem)
         for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp:
