@@ -199,9 +199,10 @@ def main() -> int:
         err = (pred - row.published) / row.published
         if row.in_median:
             errors[row.group].append(abs(err))
-        best = full.ranked[0]
-        same = all(getattr(best.layout, k) == getattr(pub.layout, k) for k in ("tp", "pp", "dp", "ep"))
-        if same:
+        best = full.ranked[0] if full.ranked else None
+        if best is None:
+            verdict = "no layout of the space fits the memory model"
+        elif all(getattr(best.layout, k) == getattr(pub.layout, k) for k in ("tp", "pp", "dp", "ep")):
             verdict = "finds it"
         else:
             gain = pub.step_time_s / best.step_time_s - 1
