@@ -104,9 +104,10 @@ ROWS = [
 ] + [
     Row(label="Mixtral-8x7B", model=model_config("mixtral-8x7b"), cluster="dgx-h100", gpus=64, global_batch=256,
         seq_len=4096, fixed=dict(tp=1, ep=8, pp=4, dp=16, schedule="interleaved", virtual=8, mbs=1, zero=1),
-        published=468.0),
+        published=468.0, options=Options(tp_splits_experts=True)),  # Megatron-Core splits experts over tp
     Row(label="DeepSeek-V3", model=model_config("deepseek-v3"), cluster="hgx-h800", gpus=2048, global_batch=15360,
         seq_len=4096, fixed=dict(tp=1, pp=16, ep=64, dp=128, schedule="dualpipev", zero=1), published=1540.0,
+        options=Options(tp_splits_experts=True),
         metric="tokens", space=SearchSpace(zero_levels=(1,), schedules=("1f1b", "interleaved", "dualpipev"),
                                            phalanx_trainer=False),
         in_median=False, note="trained in FP8 with MLA attention; predicted in BF16 with MHA: not comparable"),

@@ -81,7 +81,8 @@ def run_plan(args) -> int:
         cluster.check_device_count(args.gpus)
     fixed = parse_fix(args.fix)
     space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
-    options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather)
+    # Other runtimes (--any-runtime) split experts over tp, as Megatron does; the phalanx trainer does not.
+    options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather, tp_splits_experts=args.any_runtime)
     results = []
     for cluster in clusters:
         result = search(model, cluster, workload, world_size=args.gpus, fixed=fixed, space=space,

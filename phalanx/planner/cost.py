@@ -86,6 +86,10 @@ class Options:
     in backward for the weight gradients (Megatron, and the published activation formula).
     False: it keeps the gathered inputs whole, more memory and no second gather (phalanx's
     DTensor sequence parallelism)."""
+    tp_splits_experts: bool = False
+    """Tensor parallelism splits each expert's matrices too (Megatron). False: the MoE block stays
+    out of tp, so every tp rank runs the same experts on the same tokens (the phalanx trainer
+    until the expert-parallel training issue; the time model charges that duplicated work)."""
     precision: Precision = MIXED_ADAM
     """Bytes of weights, gradients, optimizer state, activations and logits
     (`memory.TRAINER_PRECISION[dtype]` for the phalanx trainer)."""

@@ -41,8 +41,9 @@ class SearchSpace:
     """Use sp with tp > 1; False for implementations that lack it."""
     phalanx_trainer: bool = True
     """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
-    padding), sp needs tp to divide seq_len, no tp with experts yet. Off to model other
-    implementations (the published runs)."""
+    padding), sp needs tp to divide seq_len, no tp with experts yet (the memory model does not
+    count the experts the trainer replicates over tp). Off to model other implementations (the
+    published runs), which split experts over tp."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +103,11 @@ def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
                                vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
                                n_experts=model.n_experts, padded=not space.phalanx_trainer)
     if not problem and space.phalanx_trainer and tp > 1 and model.n_experts:
-        problem = f"tp={tp} with experts: the phalanx trainer does not run tp with MoE layers yet (--any-runtime)"
+        # The trainer runs it (MoE blocks stay out of tp) and the time model charges the duplicated
+        # expert work (Options.tp_splits_experts), but the memory model still divides the experts
+        # by tp, so such a layout would be planned with too little memory.
+        problem = (f"tp={tp} with experts: the planner's memory model does not yet count the experts the phalanx "
+                   "trainer replicates over tp (--any-runtime models a runtime that splits them)")
     return problem
 
 

@@ -124,8 +124,14 @@ def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) ->
 
 @_by_identity
 def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
-               moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float) -> LayerCost:
-    """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch."""
+               moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float,
+               tp_splits_experts: bool = True) -> LayerCost:
+    """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch.
+
+    `tp_splits_experts`: False where the MoE block stays out of tensor parallelism (the phalanx
+    trainer today): every tp rank then runs its ep share of whole experts, router and shared
+    experts on all the micro-batch's tokens, and dispatches all of them, tp times the work and
+    the bytes of a split MoE block per device."""
     tokens = mbs * seq
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     one = functools.partial(gemm_time, cluster=cluster, peak=peak)
@@ -136,16 +142,17 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         return one(m, n, k), one(m, k, n), one(n, k, m)
 
     parts = [g(tokens, (hq + 2 * hkv) / tp, h), g(tokens, h, hq / tp)]
+    expert_tp = tp if tp_splits_experts else 1  # how many ways each expert's matrices are split
     if moe:
         k, fe = model.experts_per_token, model.moe_ffn_dim
         parts.append(g(tokens, model.n_experts, h))
         per_expert = tokens * k * ep / model.n_experts  # tokens each local expert sees
         local = model.n_experts / ep  # experts on this device, one GEMM each
-        for p in [g(per_expert, fe / tp, h)] * 2 + [g(per_expert, h, fe / tp)]:
+        for p in [g(per_expert, fe / expert_tp, h)] * 2 + [g(per_expert, h, fe / expert_tp)]:
             parts.append(tuple(local * t for t in p))
         if model.n_shared_experts:
             fs = fe * model.n_shared_experts
-            parts += [g(tokens, fs / tp, h)] * 2 + [g(tokens, h, fs / tp)]
+            parts += [g(tokens, fs / expert_tp, h)] * 2 + [g(tokens, h, fs / expert_tp)]
     elif model.mlp == "swiglu":
         parts += [g(tokens, model.ffn_dim / tp, h)] * 2 + [g(tokens, h, model.ffn_dim / tp)]
     else:
@@ -174,7 +181,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         w=gemm_w + overhead,
         attention_f=attention,
         tp_bytes=tokens * h * BF16,
-        ep_bytes=tokens * model.experts_per_token * h * BF16 / tp if moe else 0.0,
+        ep_bytes=tokens * model.experts_per_token * h * BF16 / expert_tp if moe else 0.0,
         gemm_f=gemm,
     )
 
@@ -195,7 +202,8 @@ def layer_costs(model: ModelConfig, cluster: Cluster, workload: Workload, lay: L
     world = lay.world_size
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp,
               peak=cluster.peak_flops_per_rank(world), flash=options.flash_attention,
-              memory_bw=cluster.memory_bw_per_rank(world), overhead=overhead)
+              memory_bw=cluster.memory_bw_per_rank(world), overhead=overhead,
+              tp_splits_experts=options.tp_splits_experts)
     dense = layer_cost(model, cluster, moe=False, **kw)
     return dense, layer_cost(model, cluster, moe=True, **kw) if moe else dense
 
@@ -238,8 +246,10 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
                      + cluster.framework.tp_element_overhead_ns * 1e-9 * lay.mbs * seq * model.dim) * cluster.queueing(world)
     dense, moe = layer_costs(model, cluster, workload, lay, options, overhead=overhead, moe=n_moe > 0)
 
-    # Exposed communication per layer per micro-batch, forward and backward.
+    # Exposed communication per layer per micro-batch, forward and backward: two all-reduces
+    # (attention, MLP), one in an MoE layer whose MoE block stays out of tp.
     t_tp = _collective(comm.all_reduce, cluster, dense.tp_bytes, lay.tp, 1) * 2
+    t_tp_moe = t_tp if options.tp_splits_experts else t_tp / 2
 
     sm = cluster.hidden_comm_cost
 
@@ -263,7 +273,7 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if lay.schedule == "dualpipev" and p > 1:
         t_ep = max(0.0, t_ep - moe.f) + sm * min(t_ep, moe.f)  # hidden behind the paired micro-batch's compute
-    tp_f = n_dense * exposed(t_tp, dense.gemm_f) + n_moe * exposed(t_tp, moe.gemm_f)
+    tp_f = n_dense * exposed(t_tp, dense.gemm_f) + n_moe * exposed(t_tp_moe, moe.gemm_f)
     tp_b = tp_f + n_dense * exposed(t_regather, dense.gemm_f) + n_moe * exposed(t_regather, moe.gemm_f)
     ep_f = n_moe * t_ep
 
@@ -291,7 +301,7 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
             comp_rw = (n_dense * weight_tensors(model, moe=False) * (dense.f + rerun)
                        + n_moe * weight_tensors(model, moe=True) * (moe.f + rerun)
                        + n_dense * weight_tensors(model, moe=False) * exposed(t_tp, dense.gemm_f)
-                       + n_moe * weight_tensors(model, moe=True) * (exposed(t_tp, moe.gemm_f) + t_ep))
+                       + n_moe * weight_tensors(model, moe=True) * (exposed(t_tp_moe, moe.gemm_f) + t_ep))
     elif lay.recompute == "selective":
         comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
     else:
