@@ -88,7 +88,7 @@ def main() -> int:
             ranked = search(model, cluster, work, world_size=nproc, fixed=parse_fix(args.fix), keep=10_000).ranked
             measured = []
             for rank, est in enumerate(pick(ranked, count)):
-                plan = est.layout.to_plan().to_string()
+                plan = est.layout.plan.to_string()
                 try:
                     t, t_min = run_trainer(args, nproc, plan, Path(tmp) / f"n{nproc}-{rank}")
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:

@@ -1,9 +1,10 @@
 """The rules of a parallel layout, in one torch-free place.
 
 Each function answers one question about a layout against a model's shape and returns the
-reason it fails ("" when it does not), so that the planner's search, its `--fix` messages and
-(later) `parallel/` and the launcher say the same thing in the same words. Shapes are passed
-as plain integers: importing this needs neither torch nor the model code.
+reason it fails ("" when it does not), so that the planner's search, its `--fix` messages, the
+`Plan` checks and `parallel/` (run by the launcher before any worker starts) say the same thing
+in the same words. Shapes are passed as plain integers: importing this needs neither torch nor
+the model code. `model`, where given, names the model in the message.
 """
 
 from __future__ import annotations
@@ -12,46 +13,69 @@ import math
 
 V_SCHEDULES = ("zbv", "dualpipev")
 """Schedules that place two chunks per rank in a V (the last stage's chunk on the first rank)."""
+MULTI_CHUNK_SCHEDULES = ("interleaved", *V_SCHEDULES)
+"""Schedules that hold more than one model chunk per rank (`virtual` of them)."""
+
+
+def _of(model: str) -> str:
+    return f" of model {model!r}" if model else ""
 
 
 def tp_problem(tp: int, *, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int,
-               expert_ffn_dim: int = 0, n_experts: int = 0, padded: bool = False) -> str:
+               expert_ffn_dim: int = 0, n_experts: int = 0, padded: bool = False, model: str = "") -> str:
     """Why tensor parallelism of degree `tp` cannot split this shape.
 
-    tp splits the attention heads, the feed-forward (and each expert's) hidden size and, in
-    the phalanx trainer, the KV heads and the vocabulary evenly. `padded`: an implementation
-    that replicates KV heads when tp exceeds them, and pads the vocabulary (Megatron), needs
-    only that tp is a multiple of n_kv_heads or divides them, and nothing of the vocabulary.
+    tp splits the attention heads, the feed-forward (and each expert's, where experts are
+    split; pass n_experts=0 where they are not) hidden size and, in the phalanx trainer, the KV
+    heads and the vocabulary evenly. `padded`: an implementation that replicates KV heads when
+    tp exceeds them, and pads the vocabulary (Megatron), needs only that tp is a multiple of
+    n_kv_heads or divides them, and nothing of the vocabulary.
     """
     if tp < 1:
         return f"tp={tp} must be at least 1"
     if tp == 1:
         return ""
+    of = _of(model)
     if n_heads % tp:
-        return f"tp={tp} does not divide n_heads={n_heads}"
+        return f"tp={tp} must divide n_heads={n_heads}{of}"
     if padded:
         if n_kv_heads % tp and tp % n_kv_heads:
-            return f"tp={tp} neither divides nor is a multiple of n_kv_heads={n_kv_heads}"
+            return f"tp={tp} must divide n_kv_heads={n_kv_heads}{of} or be a multiple of it"
     elif n_kv_heads % tp:
-        return f"tp={tp} does not divide n_kv_heads={n_kv_heads}"
+        return f"tp={tp} must divide n_kv_heads={n_kv_heads}{of}"
     if ffn_dim % tp:
-        return f"tp={tp} does not divide ffn_dim={ffn_dim}"
+        return f"tp={tp} must divide ffn_dim={ffn_dim}{of}"
     if n_experts and expert_ffn_dim % tp:
-        return f"tp={tp} does not divide the experts' ffn_dim={expert_ffn_dim}"
+        return f"tp={tp} must divide the experts' ffn_dim={expert_ffn_dim}{of}"
     if not padded and vocab_size % tp:
-        return f"tp={tp} does not divide vocab_size={vocab_size}"
+        return f"tp={tp} must divide vocab_size={vocab_size}{of}"
     return ""
 
 
-def ep_problem(ep: int, *, dp: int, n_experts: int) -> str:
-    """Expert parallelism spreads whole experts over data-parallel ranks."""
-    if ep == 1:
-        return ""
-    if not n_experts or n_experts % ep:
-        return f"ep={ep} must divide n_experts={n_experts}"
+def sp_problem(tp: int, *, seq_len: int) -> str:
+    """Sequence parallelism splits each sequence over the tp ranks."""
+    if seq_len % tp:
+        return f"sp=true splits the sequence over tp={tp}, which must divide seq_len={seq_len}"
+    return ""
+
+
+def ep_dp_problem(ep: int, *, dp: int) -> str:
+    """Expert parallelism is carved out of the data-parallel ranks."""
     if dp % ep:
         return f"ep={ep} must divide dp={dp} (experts are spread over data-parallel ranks)"
     return ""
+
+
+def ep_problem(ep: int, *, dp: int, n_experts: int, model: str = "") -> str:
+    """Expert parallelism spreads whole experts over data-parallel ranks."""
+    if ep == 1:
+        return ""
+    if not n_experts:
+        return f"ep={ep} needs a mixture-of-experts model; {repr(model) if model else 'this one'} has no experts"
+    if n_experts % ep:
+        return (f"ep={ep} must divide the number of experts, n_experts={n_experts}{_of(model)} "
+                f"({n_experts} / {ep} is not a whole number of experts per rank)")
+    return ep_dp_problem(ep, dp=dp)
 
 
 def chunks_per_rank(schedule: str, pp: int, virtual: int) -> int:
@@ -74,6 +98,18 @@ def stages_of_rank(schedule: str, rank: int, pp: int, virtual: int) -> list[int]
     return [rank + c * pp for c in range(chunks_per_rank(schedule, pp, virtual))]
 
 
+def virtual_problem(schedule: str, *, pp: int, virtual: int) -> str:
+    """Chunks per rank each schedule takes: interleaved at least 2, the V schedules exactly 2,
+    gpipe and 1f1b one."""
+    if schedule == "interleaved" and pp > 1 and virtual < 2:
+        return "schedule=interleaved needs virtual >= 2"
+    if schedule in V_SCHEDULES and pp > 1 and virtual != 2:
+        return f"schedule={schedule} uses exactly virtual=2 (two chunks per rank, V shape)"
+    if schedule in ("gpipe", "1f1b") and virtual != 1:
+        return f"schedule={schedule} runs one chunk per rank; virtual={virtual} needs interleaved"
+    return ""
+
+
 def min_microbatches(schedule: str, pp: int) -> int:
     """The fewest micro-batches a schedule runs: every stage busy once (pp), DualPipe two per
     stage (its two directions), gpipe any number."""
@@ -82,24 +118,35 @@ def min_microbatches(schedule: str, pp: int) -> int:
     return 2 * pp if schedule == "dualpipev" else pp
 
 
+def microbatches_problem(schedule: str, *, pp: int, microbatches: int) -> str:
+    """Too few micro-batches for the schedule to keep every stage busy."""
+    need = min_microbatches(schedule, pp)
+    if microbatches < need:
+        return f"schedule={schedule} with pp={pp} needs microbatches >= {need}, got {microbatches}"
+    return ""
+
+
 def interleaved_rounds_problem(microbatches: int, pp: int) -> str:
     """Interleaved 1F1B runs micro-batches in rounds of about pp; the rounds must split them evenly."""
     rounds = max(1, microbatches // pp)
     if microbatches % rounds:
-        return f"microbatches={microbatches} do not split into {rounds} even rounds of about pp={pp}"
+        return (f"schedule=interleaved runs microbatches={microbatches} in {rounds} rounds of about pp={pp}; "
+                f"use a count that splits evenly ({rounds * pp} or {(rounds + 1) * pp})")
     return ""
 
 
-def pipeline_problem(schedule: str, *, pp: int, virtual: int, microbatches: int, n_layers: int) -> str:
+def pipeline_problem(schedule: str, *, pp: int, virtual: int, microbatches: int, n_layers: int,
+                     model: str = "") -> str:
     """Why a pipeline schedule cannot run this many micro-batches over this many layers."""
     if pp == 1:
         return ""
-    chunks = pp * chunks_per_rank(schedule, pp, virtual)
-    if chunks > n_layers:
-        return f"pp={pp} x {chunks // pp} chunks per rank = {chunks} stages exceeds n_layers={n_layers}"
-    need = min_microbatches(schedule, pp)
-    if microbatches < need:
-        return f"schedule={schedule} with pp={pp} needs microbatches >= {need}, got {microbatches}"
+    chunks = chunks_per_rank(schedule, pp, virtual)
+    if pp * chunks > n_layers:
+        whose = f"model {model!r}" if model else "the model"
+        return (f"pp={pp} x virtual={chunks} = {pp * chunks} stages, but {whose} has {n_layers} layers "
+                "(each stage needs one)")
+    if problem := microbatches_problem(schedule, pp=pp, microbatches=microbatches):
+        return problem
     if schedule == "interleaved":
         return interleaved_rounds_problem(microbatches, pp)
     return ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import InitVar, dataclass
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
@@ -118,8 +119,8 @@ class Plan:
             problems.append(f"microbatches={self.microbatches} must be at least 1")
         if problems:
             raise UserError("invalid plan: " + "; ".join(problems))
-        if self.dp % self.ep:
-            problems.append(f"ep={self.ep} must divide dp={self.dp} (experts are spread over data-parallel ranks)")
+        if problem := rules.ep_dp_problem(self.ep, dp=self.dp):
+            problems.append(problem)
         if self.zero == 1:
             problems.append("zero=1 (optimizer state only) is not offered: PyTorch's ZeroRedundancyOptimizer "
                             "checkpoints do not reshard through DCP; use zero=2 (gradients and optimizer state)")
@@ -148,16 +149,10 @@ class Plan:
             problems.append(f"recompute_layers={self.recompute_layers} must be 0 (every block) or more")
         elif self.recompute_layers and self.recompute == "none":
             problems.append(f"recompute_layers={self.recompute_layers} needs recompute=full or selective")
-        if self.schedule == "interleaved" and self.pp > 1 and self.virtual < 2:
-            problems.append("schedule=interleaved needs virtual >= 2")
-        if self.schedule in ("zbv", "dualpipev") and self.pp > 1 and self.virtual != 2:
-            problems.append(f"schedule={self.schedule} uses exactly virtual=2 (two chunks per rank, V shape)")
-        if self.schedule in ("gpipe", "1f1b") and self.virtual != 1:
-            problems.append(f"schedule={self.schedule} runs one chunk per rank; virtual={self.virtual} needs interleaved")
-        if self.pp > 1 and self.num_microbatches < self.pp and self.schedule != "gpipe":
-            problems.append(
-                f"schedule={self.schedule} with pp={self.pp} needs microbatches >= {self.pp}, got {self.num_microbatches}"
-            )
+        for problem in (rules.virtual_problem(self.schedule, pp=self.pp, virtual=self.virtual),
+                        rules.microbatches_problem(self.schedule, pp=self.pp, microbatches=self.num_microbatches)):
+            if problem:
+                problems.append(problem)
         if self.split and self.pp == 1:
             problems.append(f"split={self.split} divides layers between pipeline stages, but pp=1")
         if world_size is not None and self.world_size != world_size:
@@ -220,7 +215,7 @@ def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, di
         if "zero" in values and (values["zero"] == 3) != fsdp:
             raise UserError(f"plan key fsdp={str(fsdp).lower()} contradicts zero={values['zero']}")
         values["zero"] = 3 if fsdp else values.get("zero", 0)
-    if values.get("schedule") in ("interleaved", "zbv", "dualpipev") and "virtual" not in values:
+    if values.get("schedule") in rules.MULTI_CHUNK_SCHEDULES and "virtual" not in values:
         values["virtual"] = 2  # the multi-chunk schedules' usual (and for zbv/dualpipev only) value
     return Plan(**values), extras
 

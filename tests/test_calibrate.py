@@ -86,7 +86,7 @@ def test_fit_fsdp_pp_splits_per_step_and_per_microbatch_costs():
 
 def test_fit_matmul_divides_out_wave_quantization_on_a_gpu():
     # Samples made with the wave fill of 132 SMs: 512^2 has 4 x 2 = 8 tiles, 8/132 of the SMs.
-    from phalanx.planner.cost import wave_fill
+    from phalanx.planner.stage_time import wave_fill
     peak, half = 7e14, 96.0
     fill = lambda d: d / (d + half)  # noqa: E731
     shapes = [(s, s, s) for s in (256, 512, 1024, 2048, 4096, 8192)] + [(8192, 8192, 256)]
@@ -155,7 +155,7 @@ def test_fit_overheads_charges_recompute_only_its_framework_cost():
     cost model charges on their own)."""
     from phalanx.calibrate.compute import OVERHEAD_TOKENS, overhead_model
     from phalanx.calibrate.fit import fit_overheads
-    from phalanx.planner.cost import layer_cost
+    from phalanx.planner.stage_time import layer_cost
     from phalanx.planner.hardware import Cluster
 
     cluster = Cluster(name="cpu", devices_per_node=1, fast_domain=1, peak_tflops=0.1, memory_gib=8.0,

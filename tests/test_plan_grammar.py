@@ -83,6 +83,8 @@ def test_extra_keys_for_the_planner():
         ("pp=2,schedule=interleaved,virtual=1", 2, "needs virtual >= 2"),
         ("pp=2,schedule=zbv,virtual=3,microbatches=4", 2, "uses exactly virtual=2"),
         ("pp=4,schedule=1f1b,microbatches=2", 4, "needs microbatches >= 4, got 2"),
+        # DualPipe runs two micro-batches per stage (layout_rules.min_microbatches, as the planner).
+        ("pp=2,schedule=dualpipev,microbatches=3", 2, "schedule=dualpipev with pp=2 needs microbatches >= 4, got 3"),
         ("dp=1,recompute=some", 1, "recompute='some' is not one of"),
         ("dp=1,recompute_layers=2", 1, "recompute_layers=2 needs recompute=full or selective"),
         ("dp=1,recompute=full,recompute_layers=-1", 1, "recompute_layers=-1 must be 0 (every block) or more"),

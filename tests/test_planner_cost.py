@@ -5,7 +5,8 @@ import pytest
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
-from phalanx.planner.cost import Estimate, Options, StageTimes, _bubble, evaluate, gemm_time, step_flops
+from phalanx.planner.cost import Estimate, Options, _bubble, evaluate, step_flops
+from phalanx.planner.stage_time import StageTimes, gemm_time
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import in_flight_microbatches, layers_per_stage, state_bytes_per_param, total_params
@@ -178,7 +179,7 @@ def test_optimizer_step_counts_adam_clipping_and_zeroing_the_gradient_buffer():
 
 
 def test_wave_fill_counts_idle_sms_in_the_last_wave():
-    from phalanx.planner.cost import wave_fill
+    from phalanx.planner.stage_time import wave_fill
     # 16384 x 6144 on 132 SMs: 128 x 24 = 3072 tiles of 128 x 256 -> 24 waves: 3072 / 3168.
     assert wave_fill(16384, 6144, 132) == pytest.approx(3072 / 3168, rel=1e-12)
     # 4096 x 1024: 32 x 4 = 128 tiles (or 16 x 8 = 128 transposed) in one wave of 132.
@@ -248,7 +249,8 @@ def test_sequence_parallel_that_keeps_inputs_sharded_gathers_them_again_in_backw
 
 
 def test_zbv_full_recompute_reruns_the_forward_per_weight_tensor():
-    from phalanx.planner.cost import Options, evaluate, weight_tensors
+    from phalanx.planner.cost import Options, evaluate
+    from phalanx.planner.stage_time import weight_tensors
     from phalanx.planner.hardware import PRESETS
     from phalanx.planner.layout import Layout, Workload
     from phalanx.planner.model_spec import model_from_name
@@ -404,3 +406,34 @@ def _with_framework(cluster: Cluster, **costs) -> Cluster:
     import dataclasses
 
     return dataclasses.replace(cluster, framework=dataclasses.replace(cluster.framework, **costs))
+
+
+def test_moe_blocks_outside_tp_run_every_expert_on_every_tp_rank():
+    """The phalanx trainer leaves MoE blocks out of tp (parallel/tensor_parallel.py): each tp rank
+    runs its ep share of whole experts on all the micro-batch's tokens and dispatches them all.
+    Until the expert-parallel training issue changes that, the time model charges it: tp times a
+    split block's expert GEMMs and all-to-all bytes, and one TP all-reduce per pass (attention's)
+    where a split block has two."""
+    import dataclasses
+
+    from phalanx.planner.stage_time import layer_cost
+
+    model = ModelConfig(name="moe", vocab_size=32000, dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=4096,
+                        n_experts=8, experts_per_token=2, expert_ffn_dim=2048)
+    ideal = dataclasses.replace(H100, matmul_half_dim=0.0, sm_count=0)  # GEMM seconds proportional to FLOPs
+    peak = ideal.peak_flops_per_rank(4)
+    kw = dict(seq=1024, mbs=2, tp=2, ep=2, sp=False, moe=True, peak=peak, flash=True,
+              memory_bw=ideal.memory_bw_per_rank(4), overhead=0.0)
+    split = layer_cost.__wrapped__(model, ideal, tp_splits_experts=True, **kw)
+    whole = layer_cost.__wrapped__(model, ideal, tp_splits_experts=False, **kw)
+    # 2048 tokens, top-2, ep=2: 4 local experts see 2048 * 2 * 2 / 8 = 1024 tokens each; three
+    # GEMMs of 2 x 1024 x 2048 x 1024 FLOPs per whole expert, half of that when tp splits it.
+    whole_experts = 4 * 3 * 2 * 1024 * 2048 * 1024 / (peak * ideal.matmul_efficiency)
+    assert whole.gemm_f - split.gemm_f == pytest.approx(whole_experts / 2, rel=1e-9)
+    assert whole.ep_bytes == 2 * split.ep_bytes == 2048 * 2 * 1024 * 2  # tokens x top-k x dim x bf16
+
+    work, lay = Workload(global_batch=4, seq_len=1024), Layout(dp=2, tp=2, ep=2, mbs=2, microbatches=1)
+    per = {flag: evaluate(model, ideal, work, lay, Options(tp_splits_experts=flag)).breakdown for flag in (True, False)}
+    assert per[False]["tp_comm"] == pytest.approx(per[True]["tp_comm"] / 2, rel=1e-9)  # every layer is MoE here
+    assert per[False]["ep_comm"] > per[True]["ep_comm"]
+    assert per[False]["compute"] > per[True]["compute"]

@@ -155,7 +155,7 @@ def test_offload_layout_keeps_its_shards_off_the_device():
     assert off.memory_breakdown["optimizer_state"] == 0
     moved = sum(off.host_breakdown.values())
     assert plain.memory_bytes - off.memory_bytes == pytest.approx(moved)
-    assert lay.replace(offload=True).to_plan().offload
+    assert lay.replace(offload=True).plan.offload
 
 
 def _offload_search(memory_gib: float):
@@ -169,7 +169,7 @@ def test_search_picks_offload_only_when_nothing_else_fits():
     assert result.offload_only and result.ranked
     assert all(e.layout.offload and e.layout.zero == 3 for e in result.ranked)
     assert any("offload=true" in line for line in explain(result, cluster.usable_bytes / 2**30))
-    assert "offload=true" in result.ranked[0].layout.to_plan().to_string()
+    assert "offload=true" in result.ranked[0].layout.plan.to_string()
 
 
 def test_search_does_not_offload_when_something_fits():

@@ -9,7 +9,7 @@ from phalanx.model.config import ModelConfig, model_config
 from phalanx.plan import Plan
 from phalanx.planner import cli
 from phalanx.planner.hardware import PRESETS
-from phalanx.planner.layout import Workload
+from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.search import auto_plan, parse_fix, search
 
 H100 = PRESETS["dgx-h100"]
@@ -19,6 +19,18 @@ def run_cli(capsys, *argv):
     code = cli.main(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def test_layout_is_the_plan_plus_mbs_and_the_planner_only_zero1():
+    lay = Layout(dp=4, tp=2, microbatches=8, mbs=2, zero=1)  # the flat spelling
+    assert lay == Layout(Plan(dp=4, tp=2, microbatches=8), mbs=2, zero1=True)
+    assert (lay.dp, lay.tp, lay.world_size, lay.zero, lay.plan.zero) == (4, 2, 8, 1, 0)  # the trainer runs zero=0
+    assert lay.replace(zero=3).plan.zero == 3 and lay.replace(zero=3).zero == 3
+    assert lay.replace(recompute="full").zero == 1 and lay.replace(recompute="full").plan.recompute == "full"
+    assert parse_fix(lay.to_string()) == {"dp": 4, "tp": 2, "microbatches": 8, "mbs": 2, "zero": 1}
+    assert Layout(dp=2).microbatches == 1  # not the trainer's "pick a default" 0
+    with pytest.raises(UserError, match="contradicts the plan's zero=3"):
+        Layout(Plan(dp=2, zero=3), zero1=True)
 
 
 def test_parse_fix_maps_fsdp_and_mbs():

@@ -6,7 +6,7 @@ import types
 import pytest
 
 from phalanx.planner import cli
-from phalanx.planner.cost import StageTimes
+from phalanx.planner.stage_time import StageTimes
 from phalanx.planner.layout import Layout
 from phalanx.planner.simulate import pipeline_timeline
 

@@ -7,16 +7,16 @@ import math
 import statistics
 
 from phalanx.calibrate.compute import OVERHEAD_TOKENS, overhead_model
-from phalanx.planner.cost import (CLIP_BYTES_PER_PARAM, GRAD_ZERO_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM,
-                                  layer_cost, wave_fill)
+from phalanx.planner.cost import CLIP_BYTES_PER_PARAM, GRAD_ZERO_BYTES_PER_PARAM, OPTIMIZER_BYTES_PER_PARAM
 from phalanx.planner.hardware import Cluster
+from phalanx.planner.stage_time import layer_cost, wave_fill
 
 
 def fit_matmul(samples: list[tuple[int, int, int, float]], sm_count: int = 0) -> tuple[float, float]:
     """(peak FLOP/s, half_dim) minimising the squared log error of the fill model.
 
     On a GPU the cost model also charges wave quantization over `sm_count` SMs
-    (cost.wave_fill), so the fit divides it out first rather than let half_dim absorb it.
+    (stage_time.wave_fill), so the fit divides it out first rather than let half_dim absorb it.
     """
     best = None
     waves = [wave_fill(m, n, sm_count) for m, n, _, _ in samples]

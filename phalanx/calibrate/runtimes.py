@@ -180,7 +180,8 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import parse_plan
     from phalanx.calibrate.compute import overhead_model
-    from phalanx.planner.cost import actions_per_microbatch, weight_tensors
+    from phalanx.planner.cost import actions_per_microbatch
+    from phalanx.planner.stage_time import weight_tensors
     from phalanx.train.loss import token_loss
     from phalanx.train.pipeline_step import make_pipeline, pipeline_step
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.moe import GroupedExperts, in_recompute
@@ -161,14 +162,9 @@ def _hook_gradients_each_forward(reduce: _ReduceOverEdp):
 
 
 def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
-    """The model-dependent rules for ep (Plan.validate already checks that ep divides dp)."""
-    if plan.ep > 1 and not cfg.n_experts:
-        raise UserError(f"invalid plan: ep={plan.ep} needs a mixture-of-experts model; {cfg.name!r} has no experts")
-    if plan.ep > 1 and cfg.n_experts % plan.ep:
-        raise UserError(
-            f"invalid plan: ep={plan.ep} must divide the number of experts, but {cfg.name!r} has "
-            f"n_experts={cfg.n_experts} ({cfg.n_experts} / {plan.ep} is not a whole number of experts per rank)"
-        )
+    """The model-dependent rules for ep (layout_rules; Plan.validate checks that ep divides dp)."""
+    if problem := rules.ep_problem(plan.ep, dp=plan.dp, n_experts=cfg.n_experts, model=cfg.name):
+        raise UserError(f"invalid plan: {problem}")
 
 
 def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int) -> GroupedExperts:

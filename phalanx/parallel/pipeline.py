@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.transformer import Transformer
@@ -27,11 +28,8 @@ SINGLE_STAGE = ("gpipe", "1f1b")
 
 
 def stages_of_rank(plan: Plan, pp_rank: int) -> list[int]:
-    """Stage indices held by `pp_rank`, in the order the schedule expects."""
-    n_stages = plan.pp * plan.virtual
-    if plan.schedule in ("zbv", "dualpipev"):
-        return [pp_rank, n_stages - 1 - pp_rank]
-    return list(range(pp_rank, n_stages, plan.pp))
+    """Stage indices held by `pp_rank`, in the order the schedule expects (layout_rules)."""
+    return rules.stages_of_rank(plan.schedule, pp_rank, plan.pp, plan.virtual)
 
 
 def keep_only(model: Transformer, names: list[str]) -> Transformer:
@@ -116,44 +114,21 @@ def _metadata_forward_in_eval(stage) -> None:
         return
 
 
-def min_microbatches(plan: Plan) -> int:
-    """Fewest micro-batches each schedule accepts (checked before any worker starts)."""
-    if plan.pp == 1 or plan.schedule == "gpipe":
-        return 1
-    if plan.schedule == "dualpipev":
-        return 2 * plan.pp  # one per stage, and each rank holds two
-    return plan.pp
-
-
 def validate_pp(plan: Plan, cfg: ModelConfig) -> list[str]:
     """Why the pipeline part of `plan` cannot run `cfg` (empty if it can)."""
     if plan.pp == 1:
         return []
     problems = []
-    n_stages = plan.pp * plan.virtual
-    if n_stages > cfg.n_layers:
-        problems.append(
-            f"pp={plan.pp} x virtual={plan.virtual} = {n_stages} stages, but model {cfg.name!r} has "
-            f"{cfg.n_layers} layers (each stage needs one)"
-        )
     if plan.split:
         from phalanx.parallel.stage_split import parse_split
 
         try:
-            parse_split(plan.split, n_stages, cfg.n_layers)
+            parse_split(plan.split, plan.pp * plan.virtual, cfg.n_layers)
         except UserError as error:
             problems.append(str(error))
-    need = min_microbatches(plan)
-    if plan.num_microbatches < need:
-        problems.append(
-            f"schedule={plan.schedule} with pp={plan.pp} needs microbatches >= {need}, got {plan.num_microbatches}"
-        )
-    rounds = max(1, plan.num_microbatches // plan.pp)
-    if plan.schedule == "interleaved" and plan.num_microbatches % rounds:
-        problems.append(
-            f"schedule=interleaved runs microbatches={plan.num_microbatches} in {rounds} rounds of about "
-            f"pp={plan.pp}; use a count that splits evenly ({rounds * plan.pp} or {(rounds + 1) * plan.pp})"
-        )
+    if problem := rules.pipeline_problem(plan.schedule, pp=plan.pp, virtual=plan.virtual,
+                                         microbatches=plan.num_microbatches, n_layers=cfg.n_layers, model=cfg.name):
+        problems.insert(0, problem)
     return problems
 
 
@@ -196,7 +171,7 @@ def bubble_formula(plan: Plan) -> float:
     The measured value also includes time waiting on slower stages and on transfers.
     """
     p, m, v = plan.pp, plan.num_microbatches, plan.virtual
-    if p == 1 or plan.schedule in ("zbv", "dualpipev"):
+    if p == 1 or plan.schedule in rules.V_SCHEDULES:
         return 0.0
     if plan.schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)

@@ -20,6 +20,7 @@ import contextlib
 
 from torch import nn
 
+from phalanx import layout_rules as rules
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
 
@@ -123,14 +124,12 @@ def validate_tp(plan: Plan, cfg: ModelConfig, seq_len: int) -> list[str]:
     tp = plan.tp
     if tp == 1:
         return []
-    problems = []
-    for name, value in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_dim", cfg.ffn_dim),
-                        ("vocab_size", cfg.vocab_size)):
-        if value % tp:
-            problems.append(f"tp={tp} must divide {name}={value} of model {cfg.name!r}")
+    # MoE blocks stay out of tp (every tp rank runs the same experts), so no expert size is split.
+    problems = [rules.tp_problem(tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim,
+                                 vocab_size=cfg.vocab_size, model=cfg.name)]
     if cfg.n_experts and plan.sp:
         problems.append(f"sp=true with mixture-of-experts model {cfg.name!r} is not supported yet "
                         "(the expert output would need re-sharding along the sequence)")
-    if plan.sp and seq_len % tp:
-        problems.append(f"sp=true splits the sequence over tp={tp}, which must divide seq_len={seq_len}")
-    return problems
+    if plan.sp:
+        problems.append(rules.sp_problem(tp, seq_len=seq_len))
+    return [problem for problem in problems if problem]

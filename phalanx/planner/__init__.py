@@ -3,13 +3,14 @@
 hardware.py  cluster description: the hardware (presets, TOML/JSON files)
 framework_costs.py  the measured framework overheads a cluster file may carry
 model_spec.py  model description (presets, project JSON, Hugging Face config.json)
-layout.py  a candidate: the Plan plus micro-batch size and ZeRO level; the workload
+layout.py  a candidate: the trainer's Plan plus the micro-batch size and the planner-only ZeRO-1; the workload
 comm.py  alpha-beta collective times on the two link levels
 memory.py  parameter, optimizer-state and activation bytes
 peak_memory.py  a candidate's peak bytes per device by cause (priced before its time)
 pipeline_orders.py  zbv's and dualpipev's order of operations per rank, timed
 dp_traffic.py  data-parallel collectives per ZeRO level, and how much of them compute hides
-cost.py  compute, communication and bubble formulas: one candidate's step time and memory
+stage_time.py  one micro-batch through the most loaded stage: GEMMs, attention, TP and EP traffic
+cost.py  the whole step: bubble, pipeline sends, DP traffic, optimizer; memory beside it
 search.py  enumerate layouts, prune by memory, rank, explain; `auto_plan` for the trainer
 report.py  the plan table and the JSON records
 simulate.py  per-rank timeline of one step as a Chrome trace and a PNG

@@ -81,7 +81,8 @@ def run_plan(args) -> int:
         cluster.check_device_count(args.gpus)
     fixed = parse_fix(args.fix)
     space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
-    options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather)
+    # Other runtimes (--any-runtime) split experts over tp, as Megatron does; the phalanx trainer does not.
+    options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather, tp_splits_experts=args.any_runtime)
     results = []
     for cluster in clusters:
         result = search(model, cluster, workload, world_size=args.gpus, fixed=fixed, space=space,
@@ -103,7 +104,7 @@ def run_plan(args) -> int:
             print(format_table(COLUMNS, table_rows(result.ranked, step_time_band(cluster))))
             print()
             print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
-            print(f"best plan: --plan {result.ranked[0].layout.to_plan().to_string()}"
+            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}"
                   f"  (mbs={result.ranked[0].layout.mbs}, zero={result.ranked[0].layout.zero})")
         print(f"{result.considered} layouts considered, {result.pruned_memory} pruned for memory "
               f"(> {cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB usable), "

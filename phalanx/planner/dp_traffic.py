@@ -1,6 +1,6 @@
 """Data-parallel traffic per step: what each ZeRO level's collectives cost, and how much of it
 compute hides. Also the identity-keyed memo and the cached collective time the cost model
-shares (cost.py): a search passes the very same model and cluster objects thousands of times.
+shares (cost.py, stage_time.py): a search passes the very same model and cluster objects thousands of times.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from phalanx.planner.layout import Layout
 from phalanx.planner.peak_memory import BF16, BUCKET_BYTES
 
 if TYPE_CHECKING:
-    from phalanx.planner.cost import Options, StageTimes
+    from phalanx.planner.cost import Options
+    from phalanx.planner.stage_time import StageTimes
 
 
 def by_identity(fn):

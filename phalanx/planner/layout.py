@@ -1,14 +1,15 @@
-"""What the planner evaluates: a Plan plus the knobs the trainer's Plan does not carry.
+"""What the planner evaluates: the trainer's Plan plus the knobs only planning needs.
 
-`Layout` is a Plan with the micro-batch size (sequences per micro-batch) and the ZeRO level
-made explicit: zero=0 is a replicated optimizer (fsdp=false in the Plan), zero=1 and 2 are
-the sharded-optimizer variants that published runs used (Megatron's distributed optimizer is
-zero=1), zero=3 is fully sharded (fsdp=true).
+A `Layout` holds the `Plan` that `phalanx train --plan` would run, and beside it the micro-batch
+size (sequences per micro-batch, which the trainer derives from the global batch) and the
+planner-only ZeRO-1 level: the distributed optimizer that published Megatron runs used
+(optimizer state sharded over dp, gradients and parameters whole). The trainer does not offer
+ZeRO-1 (its checkpoints would not reshard through DCP), so such a layout's plan reads zero=0;
+the search offers it only when asked (`--zero-levels 1`), to model those runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from phalanx.errors import UserError
@@ -29,49 +30,50 @@ class Workload:
             raise UserError(f"global_batch={self.global_batch} and seq_len={self.seq_len} must be at least 1")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class Layout:
-    """One candidate: every knob fixed."""
+    """One candidate: a Plan with every knob fixed, its micro-batch size and the ZeRO-1 flag.
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
+    Built from a plan, `Layout(plan, mbs=2)`, or spelled flat with the plan's keys,
+    `Layout(dp=4, tp=2, microbatches=8, mbs=2, zero=1)`, where zero=1 sets `zero1` (and the
+    plan's zero=0) and microbatches defaults to 1 rather than the trainer's "pick one" (0).
+    Every plan key reads through it (`layout.dp`, `layout.schedule`, `layout.world_size`), and
+    `layout.zero` is 1 for the distributed optimizer, else the plan's level.
+    """
+
+    plan: Plan
+    """What the trainer runs (zero 0, 2 or 3)."""
     mbs: int = 1
-    """Sequences per micro-batch."""
-    microbatches: int = 1
-    """Micro-batches per step per data-parallel rank: global_batch / (dp * mbs)."""
-    schedule: str = "1f1b"
-    virtual: int = 1
-    recompute: str = "none"
-    recompute_layers: int = 0
-    """With recompute: blocks checkpointed per model chunk (0 = all)."""
-    zero: int = 0
-    """0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters (fsdp)."""
-    sp: bool = False
-    replicate: int = 1
-    """With zero=3: HSDP, shard within dp / replicate ranks and all-reduce across replicas."""
-    offload: bool = False
-    """With zero=3 and dp > 1: weights, gradients and optimizer state on the host (FSDP2's
-    CPUOffloadPolicy). The search offers it only where nothing else fits."""
+    """Sequences per micro-batch: global_batch = dp * mbs * plan.microbatches."""
+    zero1: bool = False
+    """The distributed optimizer (ZeRO-1): optimizer state sharded over dp, on a plan with zero=0."""
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def to_plan(self) -> Plan:
-        """The trainer's Plan. zero=1 (the published runs' distributed optimizer) has no trainer
-        equivalent and reads as zero=0 here; `to_string` keeps it, and the search offers the
-        trainer only the levels it runs (0, 2, 3)."""
-        return Plan(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero=self.zero if self.zero != 1 else 0,
-                    replicate=self.replicate, sp=self.sp, schedule=self.schedule, virtual=self.virtual,
-                    microbatches=self.microbatches, recompute=self.recompute,
-                    recompute_layers=self.recompute_layers, offload=self.offload)
+    def __init__(self, plan: Plan | None = None, *, mbs: int = 1, zero1: bool = False, **plan_keys) -> None:
+        if plan is not None and plan_keys:
+            raise TypeError(f"Layout takes a plan or its keys, not both: {sorted(plan_keys)}")
+        if plan is None:
+            if plan_keys.get("zero") == 1:
+                plan_keys["zero"], zero1 = 0, True
+            plan = Plan(**{"microbatches": 1, **plan_keys})
+        if zero1 and plan.zero:
+            raise UserError(f"zero=1 (the distributed optimizer) contradicts the plan's zero={plan.zero}")
+        # The plan's keys read through the layout (`layout.dp` is `layout.plan.dp`), and `zero`
+        # (0 replicated, 1 optimizer state sharded, 2 + gradients, 3 + parameters): copied once
+        # rather than looked up through properties, since a search reads them a million times.
+        self.__dict__.update(vars(plan), world_size=plan.world_size, zero=1 if zero1 else plan.zero,
+                             plan=plan, mbs=mbs, zero1=zero1)
 
     def to_string(self) -> str:
         """A `--fix` string that gives back exactly this layout (the zero level always named)."""
-        keys = [part for part in self.to_plan().to_string().split(",") if not part.startswith("zero=")]
+        keys = [part for part in self.plan.to_string().split(",") if not part.startswith("zero=")]
         return ",".join([*keys, f"mbs={self.mbs}", f"zero={self.zero}"])
 
     def replace(self, **changes) -> "Layout":
-        return dataclasses.replace(self, **changes)
+        """A copy with some knobs changed, named as in the flat spelling (zero=1 included)."""
+        mbs, zero1 = changes.pop("mbs", self.mbs), changes.pop("zero1", self.zero1)
+        if "zero" in changes:
+            zero1 = changes["zero"] == 1
+            changes["zero"] = 0 if zero1 else changes["zero"]
+        return Layout(self.plan.replace(**changes) if changes else self.plan, mbs=mbs, zero1=zero1)
+
+

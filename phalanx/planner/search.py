@@ -41,8 +41,9 @@ class SearchSpace:
     """Use sp with tp > 1; False for implementations that lack it."""
     phalanx_trainer: bool = True
     """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
-    padding), sp needs tp to divide seq_len, no tp with experts yet. Off to model other
-    implementations (the published runs)."""
+    padding), sp needs tp to divide seq_len, no tp with experts yet (the memory model does not
+    count the experts the trainer replicates over tp). Off to model other implementations (the
+    published runs), which split experts over tp."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +103,11 @@ def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
                                vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
                                n_experts=model.n_experts, padded=not space.phalanx_trainer)
     if not problem and space.phalanx_trainer and tp > 1 and model.n_experts:
-        problem = f"tp={tp} with experts: the phalanx trainer does not run tp with MoE layers yet (--any-runtime)"
+        # The trainer runs it (MoE blocks stay out of tp) and the time model charges the duplicated
+        # expert work (Options.tp_splits_experts), but the memory model still divides the experts
+        # by tp, so such a layout would be planned with too little memory.
+        problem = (f"tp={tp} with experts: the planner's memory model does not yet count the experts the phalanx "
+                   "trainer replicates over tp (--any-runtime models a runtime that splits them)")
     return problem
 
 
@@ -117,7 +122,8 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
             continue
         if _tp_problem(model, tp, space):
             continue
-        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and workload.seq_len % tp)
+        sp_problem = rules.sp_problem(tp, seq_len=workload.seq_len)
+        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and sp_problem)
         for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp:
@@ -148,9 +154,10 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                                 offload = bool(f("offload", False))
                                 if offload and (zero != 3 or dp == 1):
                                     continue  # FSDP2 offloads the shards of zero 3 over dp > 1
-                                yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, mbs=mbs, microbatches=m,
-                                             schedule=schedule, virtual=v, recompute=rc, zero=zero,
-                                             sp=bool(sp), replicate=int(f("replicate", 1)), offload=offload)
+                                plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m, schedule=schedule,
+                                            virtual=v, recompute=rc, zero=0 if zero == 1 else zero, sp=bool(sp),
+                                            replicate=int(f("replicate", 1)), offload=offload)
+                                yield Layout(plan, mbs=mbs, zero1=zero == 1)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -294,7 +301,7 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
         raise UserError(f"no layout of {model.name!r} on {world_size} processes fits in "
                         f"{cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB per device "
                         f"({result.pruned_memory} pruned by memory)")
-    return result.ranked[0].layout.to_plan()
+    return result.ranked[0].layout.plan
 
 
 def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed: dict[str, object],

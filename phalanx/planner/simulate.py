@@ -272,7 +272,9 @@ def simulate_command(args) -> int:
     fixed = parse_fix(args.plan)
     dp, tp, pp = (int(fixed.get(k, 1)) for k in ("dp", "tp", "pp"))
     result = search(model, cluster, workload, world_size=dp * tp * pp, fixed={**fixed, "dp": dp, "tp": tp, "pp": pp},
-                    space=SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime), options=Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather), keep=1)
+                    space=SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime),
+                    options=Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather,
+                                    tp_splits_experts=args.any_runtime), keep=1)
     if not result.ranked:
         raise UserError(f"--plan {args.plan} gives no layout that fits ({result.considered} considered, "
                         f"{result.pruned_memory} pruned for memory)")
