@@ -69,6 +69,19 @@ def _step_fn(model, mesh, plan, cfg_model, *, global_batch: int, seq_len: int, d
     return step, optimizer
 
 
+def ddp_bucket_bytes(model) -> int:
+    """Bytes of a DDP reducer's gradient buckets, which the trackers never see: the reducer
+    allocates each bucket's flat tensor in C++ when it is built (and again when it rebuilds
+    the buckets after the first step) and keeps them all for its lifetime, as a second copy
+    of the gradients unless `gradient_as_bucket_view=True`. DDP's own logging data lists
+    their sizes. 0 for anything but DDP."""
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        return 0
+    sizes = str(logging_data().get("bucket_sizes", ""))
+    return sum(int(size) for size in sizes.split(",") if size.strip())
+
+
 def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: int, dtype: str, device_name: str,
                  steps: int = 1) -> dict:
     """On one rank of a started process group: each category's peak bytes and the total's peak
@@ -94,8 +107,13 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
     model = parallelize(cfg, mesh, seed=0, seq_len=seq_len, microbatch_tokens=micro * seq_len)
     step, optimizer = _step_fn(model, mesh, plan, cfg, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                                device=device)
-    step()  # outside the trackers: the pipeline's first step infers shapes with autograd.grad,
-    # which their hooks refuse; after it the optimizer state exists, as in every later step
+    # Outside the trackers: the pipeline's first step infers shapes with autograd.grad, which their
+    # hooks refuse; after it the optimizer state exists, as in every later step. DDP rebuilds its
+    # buckets in the second step's forward (in the order the first backward produced gradients):
+    # tracked, that new allocation would read as an activation, so DDP takes two steps here, and
+    # its buckets are added to the total below.
+    for _ in range(2 if ddp_bucket_bytes(model) else 1):
+        step()
     if isinstance(model, FSDPModule):
         tracker = FSDPMemTracker(model, optimizer)
     else:
@@ -137,7 +155,7 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
         for _ in range(steps):
             step()
     total = max((snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("peak").values()), default=0)
-    result = {**peaks, "total": total}
+    result = {**peaks, "total": total + ddp_bucket_bytes(model)}
     if device.type == "cuda":
         result["allocator_total"] = torch.cuda.max_memory_allocated(device)
     return result

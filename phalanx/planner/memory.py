@@ -107,20 +107,30 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
-                           moe: bool, flash: bool = True, sp_regather: bool = True) -> float:
+                           moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
+                           phalanx_model: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
     backward (Megatron; the published formula). False: the gathered inputs are kept whole
     (phalanx's DTensor sequence parallelism), 4 s b h bytes not divided by tp.
+    fused_norm: False where RMSNorm is torch's composite (CPU), which also saves the normalized
+    input of each of the two norms: 4 s b h more (`Options.fused_norm`).
+    phalanx_model: the tensors of phalanx's model code (benchmarks/activation_probe.py lists
+    them): Attention repeats k and v to every query head before scaled_dot_product_attention,
+    which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
+    `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
+    gradient to the source's shape), 2 s b k h more.
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (tp if sp else 1)  # only the layer input is kept
-    hkv = model.n_kv_heads * model.head_dim
+    hkv = (model.n_heads if phalanx_model else model.n_kv_heads) * model.head_dim
     dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
     replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
+    if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
+        replicated += 4 * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
@@ -130,6 +140,8 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
         split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
+        if phalanx_model:  # the weighted rows that index_add_ keeps
+            split += 2 * s * b * k * h
         split += 8 * s * b * f * model.n_shared_experts
     elif model.mlp == "swiglu":
         split += 8 * s * b * model.ffn_dim

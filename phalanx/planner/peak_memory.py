@@ -106,6 +106,7 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         hit = _ACTIVATIONS.get(key)
         if hit is None or hit[0] is not model or hit[1] is not options:
             value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
+                                           fused_norm=options.fused_norm, phalanx_model=options.phalanx_trainer,
                                            moe=moe, recompute=recompute, **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
         return scale * hit[2]
@@ -117,6 +118,14 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
                                        microbatches=lay.microbatches)
     rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
     logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * precision.logit
+    # The last stage's head also keeps the final norm's input (and, unfused, its x / rms) and the
+    # output projection's input, s b h each (Korthikanti et al. leave them out as small; the
+    # probe, benchmarks/activation_probe.py, finds them). Under sp the norm runs on a sequence
+    # shard; the projection's input is gathered, and kept whole unless sp_regather.
+    sbh = lay.mbs * workload.seq_len * model.dim
+    norm_in = (1 if options.fused_norm else 2) * sbh / (lay.tp if lay.sp else 1)
+    proj_in = sbh / (lay.tp if lay.sp and options.sp_regather else 1)
+    logits += (norm_in + proj_in) * precision.activation
     # The first rank holds the most micro-batches; the loss's logits live on the last stage,
     # which V-shaped schedules (and pp=1) put on that same first rank.
     first = stage_act * in_flight + rematerialised
@@ -132,7 +141,13 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     # forward, while activations only fall (tests/test_planner_memory.py counts it on the orders).
     tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
     buffers = 0.0
-    if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
+    if lay.dp > 1 and options.phalanx_trainer and lay.zero == 0 and lay.tp == 1 and lay.pp == 1:
+        # torch DDP (the trainer's zero=0 without tp or pp; experts under ep are left out of it):
+        # its reducer allocates every bucket's flat gradient tensor when it is built and keeps
+        # them, a second copy of the gradients (DDP's documentation of gradient_as_bucket_view,
+        # which the trainer leaves False); each bucket only as large as its parameters.
+        buffers += precision.grad * shared
+    elif lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
         buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
     if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
         buffers += 2 * tokens_bytes
