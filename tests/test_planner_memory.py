@@ -4,7 +4,7 @@ import pytest
 
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig, model_config
-from phalanx.planner.cost import evaluate
+from phalanx.planner.cost import Options, evaluate
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import TRAINER_PRECISION, layer_activation_bytes, offloaded_bytes, state_bytes
@@ -46,7 +46,34 @@ def test_memory_of_a_hand_computed_layout():
     assert state == pytest.approx(18 * params)
     assert est.memory_breakdown["comm_buffers"] == 2 * 25 * 2**20  # two 25 MiB gradient buckets
     assert est.memory_breakdown["activations"] == pytest.approx(8 * 34 * S * B * H)
-    assert est.memory_breakdown["logits"] == pytest.approx(S * B * 50000 * 6)
+    # The last stage's head: bf16 logits and their fp32 copy, the final norm's input and the output
+    # projection's input (2 bytes each).
+    assert est.memory_breakdown["logits"] == pytest.approx(S * B * 50000 * 6 + 2 * 2 * S * B * H)
+
+
+def test_what_the_phalanx_trainer_stores_beyond_the_reference():
+    # Grouped-query attention, SwiGLU: s=128, b=8, h=192, 6 heads of 32, 2 kv heads, f=512 (`small`).
+    small = model_config("small")
+    s, b, h, f = 128, 8, 192, 512
+    sbh = s * b * h
+    base = dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=False)
+    reference = layer_activation_bytes(small, **base)
+    # norm inputs 4, attention and MLP inputs 4, q 2, k and v 4 s b h_kv, output projection input 2, SwiGLU 8 s b f
+    assert reference == pytest.approx(12 * sbh + 4 * s * b * 64 + 8 * s * b * f)
+    # k and v saved after the repeat to all 6 heads; the CPU norms' x / rms (2 bytes per element each)
+    assert layer_activation_bytes(small, **base, phalanx_model=True) == pytest.approx(reference + 4 * s * b * (192 - 64))
+    assert layer_activation_bytes(small, **base, fused_norm=False) == pytest.approx(reference + 4 * sbh)
+    # MoE: index_add_ keeps the k weighted rows of every token, 2 s b k h
+    moe = model_config("tiny-moe")
+    kw = dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=True)
+    extra = layer_activation_bytes(moe, **kw, phalanx_model=True) - layer_activation_bytes(moe, **kw)
+    assert extra == pytest.approx(2 * s * b * moe.experts_per_token * moe.dim + 4 * s * b * (64 - 32))
+    # torch DDP's reducer keeps a second copy of the gradients (fp32 here) instead of two 25 MiB buckets
+    work, lay = Workload(global_batch=16, seq_len=s), Layout(dp=2, mbs=8, microbatches=1)
+    trainer = Options(precision=TRAINER_PRECISION["fp32"], phalanx_trainer=True)
+    est = evaluate(small, PRESETS["dgx-h100"], work, lay, trainer)
+    assert est.memory_breakdown["comm_buffers"] == pytest.approx(est.memory_breakdown["gradients"])
+    assert evaluate(small, PRESETS["dgx-h100"], work, lay).memory_breakdown["comm_buffers"] == 2 * 25 * 2**20
 
 
 def test_search_prunes_what_does_not_fit():
