@@ -82,6 +82,21 @@ def ddp_bucket_bytes(model) -> int:
     return sum(int(size) for size in sizes.split(",") if size.strip())
 
 
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of what the optimizer keeps between steps (AdamW's two moments and step counts; a
+    DTensor's local shard). The trackers label every tensor made inside `step()` as optimizer
+    state, also the temporaries of torch's foreach AdamW (the square roots of the second moments
+    and the update: one parameter-sized list at a time, freed when step returns); those are left
+    to the total."""
+    storages: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: int, dtype: str, device_name: str,
                  steps: int = 1) -> dict:
     """On one rank of a started process group: each category's peak bytes and the total's peak
@@ -155,7 +170,7 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
         for _ in range(steps):
             step()
     total = max((snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("peak").values()), default=0)
-    result = {**peaks, "total": total + ddp_bucket_bytes(model)}
+    result = {**peaks, "optimizer_state": optimizer_state_bytes(optimizer), "total": total + ddp_bucket_bytes(model)}
     if device.type == "cuda":
         result["allocator_total"] = torch.cuda.max_memory_allocated(device)
     return result

@@ -187,7 +187,10 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
     always; zero 2 and 3 whenever there is more than one micro-batch: the trainer turns
     gradient sync off for all but the last), so the fp32 gradients of the whole stage
     accumulate unsharded for the step. With one micro-batch, zero 2 and 3 reduce-scatter
-    during backward: sharded gradients plus the layers in flight.
+    during backward: sharded gradients plus one layer's unsharded ones (FSDP2's post-backward
+    hook, which runs when each unit's backward ends, copies the unit's gradients into the
+    reduce-scatter input and drops them: `_fsdp_param_group.post_backward`, torch 2.13; that
+    input is counted with the communication buffers).
     Parameters: zero 0 and 1 hold them whole; zero 2 gathers them once and keeps them through
     backward (whole at the peak, beside the shard); zero 3 gathers `GATHERED_LAYERS` layers at a
     time, except under pp, where the trainer keeps the stage gathered for the whole step
@@ -201,7 +204,7 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
         return {"parameters": param * params, "gradients": grad * params, "optimizer_state": optim * params}
     accumulate = zero <= 1 or microbatches > 1
     sharded = 0.0 if offload else 1.0
-    gradients = grad * params if accumulate else grad * (sharded * params / n + GATHERED_LAYERS * layer_params)
+    gradients = grad * params if accumulate else grad * (sharded * params / n + layer_params)
     if zero == 1:
         parameters = param * params
     elif zero == 2 or pp > 1:

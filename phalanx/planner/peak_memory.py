@@ -79,6 +79,10 @@ def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
     return peak_memory(model, workload, layout, options, n, n_moe, shared, experts, c)[0]
 
 
+def fsdp_replicates(lay: Layout, options: Options) -> bool:
+    """Whether the phalanx trainer runs this layout's replicated data parallelism (zero 0) as FSDP2
+    with shard size 1: beside tp or pp, which torch DDP does not take."""
+    return options.phalanx_trainer and lay.zero == 0 and lay.dp > 1 and (lay.tp > 1 or lay.pp > 1)
 
 
 def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
@@ -86,12 +90,19 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
     shard = lay.dp // lay.replicate
     precision = options.precision
+    zero = lay.zero
+    if fsdp_replicates(lay, options):
+        # The trainer runs replicated dp beside tp or pp as FSDP2 HSDP with shard size 1
+        # (parallel/data_parallel.uses_fsdp), not resharded after forward: zero 2 with one shard,
+        # the whole local weights and their gathered copy (measured: tiny, dp=2,pp=2 holds its
+        # stage's parameters twice, benchmarks/README.md).
+        zero, shard = 2, 1
     layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
-    state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
+    state = state_bytes(zero=zero, shards=shard, params=shared, layer_params=layer_shared,
                         microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload)
     host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
     if experts:
-        expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
+        expert_state = state_bytes(zero=zero, shards=max(1, shard // lay.ep), params=experts,
                                    layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
                                    precision=precision, offload=lay.offload)
         state = {k: v + expert_state[k] for k, v in state.items()}
@@ -148,7 +159,7 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         # which the trainer leaves False); each bucket only as large as its parameters.
         buffers += precision.grad * shared
     elif lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
-        buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
+        buffers += 2 * BUCKET_BYTES if zero <= 1 else 4 * layer_shared
     if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
         buffers += 2 * tokens_bytes
     if lay.pp > 1:  # send and receive buffers, both directions
