@@ -6,7 +6,10 @@ gradient sync only on the last, or the pipeline schedule; clipping; AdamW; zero_
 trackers classify every tensor storage as it is created: `FSDPMemTracker` where the rank's model
 is one FSDP2 module (it tells sharded from gathered parameters and names FSDP's communication
 buffers), `MemTracker` otherwise. Both only report the total at its peak, so each category's own
-peak is read from the tracker's running snapshot after every operation.
+peak is read from the tracker's running snapshot after every operation. Two things the trackers
+misplace are read directly: the optimizer state (the trackers also count AdamW's temporaries
+inside `step()` as state; `optimizer_state_bytes`) and DDP's gradient buckets (allocated where
+the trackers do not look; `ddp_bucket_bytes`, added to the total).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The planner's memory model against the trainer's measured tensor memory, per rank, by category.
 
     PYTHONPATH=. python benchmarks/planner_memory.py                  # CPU, fp32, about 3 minutes
-    PYTHONPATH=. python benchmarks/planner_memory.py --device cuda    # a GPU: one process per layout
+    PYTHONPATH=. python benchmarks/planner_memory.py --device cuda    # a GPU: the one-process layouts
+    PYTHONPATH=. python benchmarks/planner_memory.py --only "dp=2,zero=2"   # one layout, to investigate
 
 For each layout, the model is built and stepped as `phalanx train` does (memory_measure.py)
 on forked gloo ranks, and PyTorch's trackers (`MemTracker`, `FSDPMemTracker`) report each
@@ -11,6 +12,9 @@ include the logits (the planner counts them apart). On a CPU, parameters, gradie
 optimizer state that `offload=true` moves to the host live in the same memory, so the host
 part (`Estimate.host_breakdown`) is added to the prediction there; on a GPU it is not, and
 the total is also read from `torch.cuda.max_memory_allocated`.
+The prediction uses the options the trainer runs with (`Options.phalanx_trainer`, and
+`Options.fused_norm` on CUDA only: torch's RMSNorm is one kernel there, a composite on a CPU);
+benchmarks/activation_probe.py lists the saved tensors behind the activation terms.
 
 Layouts are split into two halves: model changes were decided on the first ("decide") only;
 the second ("hold-out") is reported as it came out. Target: median |error| <= 15% per

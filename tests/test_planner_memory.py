@@ -94,18 +94,21 @@ def test_auto_plan_says_when_nothing_fits():
 
 
 @pytest.mark.parametrize("zero, microbatches, pp, expected", [
-    # 1000 parameters on the rank, 100 per layer, sharded 4 ways; (parameters, gradients, optimizer).
+    # 1000 parameters on the rank, 100 per layer, 50 in the root unit (embedding, output), sharded 4
+    # ways; (parameters, gradients, optimizer).
     (0, 4, 1, (2000, 4000, 12000)),      # replicated: 2 + 4 + 12 bytes each
     (1, 4, 1, (2000, 4000, 3000)),       # optimizer state sharded
     (2, 1, 1, (2500, 1400, 3000)),       # shard + the stage gathered; one micro-batch: gradients
                                          # reduce-scattered in backward (shard + the unit in flight)
     (2, 4, 1, (2500, 4000, 3000)),       # several: fp32 gradients accumulate whole, reduced once
-    (3, 1, 1, (900, 1400, 3000)),        # shard + 2 layers gathered (running, prefetched)
-    (3, 4, 1, (900, 4000, 3000)),
+    (3, 1, 1, (800, 1400, 3000)),        # shard + the running layer and the root unit gathered (the
+                                         # prefetched layer is an all-gather buffer until its turn)
+    (3, 4, 1, (800, 4000, 3000)),
     (3, 4, 2, (2500, 4000, 3000)),       # under pp: gathered once, kept for the whole step
 ])
 def test_state_bytes_per_zero_level(zero, microbatches, pp, expected):
-    got = state_bytes(zero=zero, shards=4, params=1000, layer_params=100, microbatches=microbatches, pp=pp)
+    got = state_bytes(zero=zero, shards=4, params=1000, layer_params=100, microbatches=microbatches, pp=pp,
+                      root_params=50)
     assert (got["parameters"], got["gradients"], got["optimizer_state"]) == pytest.approx(expected)
 
 
@@ -154,13 +157,13 @@ def test_v_schedules_hold_what_their_orders_hold():
 
 
 def test_state_bytes_with_offload_and_the_trainers_precision():
-    # zero 3 over 4 shards, one micro-batch, offload: the device keeps 2 gathered layers of
+    # zero 3 over 4 shards, one micro-batch, offload: the device keeps the running layer's gathered
     # weights (2 bytes, bf16 param_dtype) and one layer's unsharded fp32 gradients; the shards of
     # weights (4 bytes, the trainer's fp32), gradients (4) and AdamW's two moments (8) are on the host.
     bf16 = TRAINER_PRECISION["bf16"]
     got = state_bytes(zero=3, shards=4, params=1000, layer_params=100, microbatches=1, pp=1, precision=bf16,
                       offload=True)
-    assert got == pytest.approx({"parameters": 2 * 200, "gradients": 4 * 100, "optimizer_state": 0})
+    assert got == pytest.approx({"parameters": 2 * 100, "gradients": 4 * 100, "optimizer_state": 0})
     assert offloaded_bytes(shards=4, params=1000, precision=bf16) == pytest.approx(
         {"parameters": 4 * 250, "gradients": 4 * 250, "optimizer_state": 8 * 250})
     # The trainer without offload: fp32 weights and moments, no master copy (16 bytes, not 18).

@@ -174,12 +174,99 @@ def layers_per_stage(n_layers: int, pp: int, virtual: int) -> int:
 
 
 GATHERED_LAYERS = 2
+"""Layers whose gathered weights FSDP (zero 3) holds at once outside pp: the one running, in
+the parameters, and the next, whose all-gather output is already allocated by FSDP2's default
+prefetch of one unit (forward implicitly, backward `_backward_prefetch`), in the communication
+buffers (peak_memory.py): until its own turn it is an all-gather buffer, not a parameter."""
+
+
+def state_bytes_per_param(zero: int, shards: int) -> float:
+    """Bytes of parameter + gradient + optimizer state per parameter under a ZeRO level."""
+    param, grad, optim = STATE_BYTES
+    if zero == 0:
+        return param + grad + optim
+    if zero == 1:
+        return param + grad + optim / shards
+    if zero == 2:
+        return param + (grad + optim) / shards
+    return (param + grad + optim) / shards
+
+
+def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
+                           moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
+                           phalanx_model: bool = False) -> float:
+    """Activation bytes one layer keeps for backward for one micro-batch on one device.
+
+    sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
+    backward (Megatron; the published formula). False: the gathered inputs are kept whole
+    (phalanx's DTensor sequence parallelism), 4 s b h bytes not divided by tp.
+    fused_norm: False where RMSNorm is torch's composite (CPU), which also saves the normalized
+    input of each of the two norms: 4 s b h more (`Options.fused_norm`).
+    phalanx_model: the tensors of phalanx's model code (benchmarks/activation_probe.py lists
+    them): Attention repeats k and v to every query head before scaled_dot_product_attention,
+    which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
+    `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
+    gradient to the source's shape), 2 s b k h more.
+    """
+    s, b, h = seq, mbs, model.dim
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (tp if sp else 1)  # only the layer input is kept
+    hkv = (model.n_heads if phalanx_model else model.n_kv_heads) * model.head_dim
+    dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
+    replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
+    if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
+        replicated += 4 * sbh
+    split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
+    whole = 0.0
+    if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
+        replicated -= 4 * sbh
+        whole = 4 * sbh
+    if moe:
+        k, f = model.experts_per_token, model.moe_ffn_dim
+        # Each device processes s*b*k routed token copies in total (balanced routing).
+        split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
+        if phalanx_model:  # the weighted rows that index_add_ keeps
+            split += 2 * s * b * k * h
+        split += 8 * s * b * f * model.n_shared_experts
+    elif model.mlp == "swiglu":
+        split += 8 * s * b * model.ffn_dim
+    else:
+        split += 4 * s * b * model.ffn_dim
+    total = replicated / (tp if sp else 1) + split / tp + whole
+    if not flash and recompute == "none":
+        total += (5 if dropout else 2) * model.n_heads * s * s * b / tp
+    return total
+
+
+def in_flight_microbatches(*, schedule: str, pp: int, virtual: int, microbatches: int) -> float:
+    """Micro-batches of a whole stage's activations the first stage holds at its peak."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "interleaved":
+        return min(float(microbatches), pp * (1 + (pp - 1) / (pp * virtual)))
+    if schedule == "dualpipev":
+        # DualPipeV's order (pipeline_orders.py) peaks at 2p + 1 half-stage chunks on every rank.
+        return min(float(microbatches), pp + 0.5)
+    # 1f1b: p on the first rank; zbv in PyTorch's order: 2p half-stage chunks on every rank.
+    return min(float(microbatches), float(pp))
+
+
+def layers_per_stage(n_layers: int, pp: int, virtual: int) -> int:
+    """Layers on the most loaded pipeline rank (chunks of ceil(L / (pp * v)) layers)."""
+    return virtual * math.ceil(n_layers / (pp * virtual))
+
+
+GATHERED_LAYERS = 2
 """Layers whose parameters FSDP (zero 3) holds gathered at once outside pp: the one running and
 the next, prefetched (FSDP2's default forward and backward prefetch of one unit)."""
 
 
 def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, microbatches: int,
-                pp: int, precision: Precision = MIXED_ADAM, offload: bool = False) -> dict[str, float]:
+                pp: int, precision: Precision = MIXED_ADAM, offload: bool = False,
+                root_params: float = 0.0) -> dict[str, float]:
     """Parameter, gradient and optimizer bytes of `params` parameters (a rank's stage, over tp)
     sharded `shards` ways at a ZeRO level, as the time model's collectives run them.
 
@@ -192,8 +279,11 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
     reduce-scatter input and drops them: `_fsdp_param_group.post_backward`, torch 2.13; that
     input is counted with the communication buffers).
     Parameters: zero 0 and 1 hold them whole; zero 2 gathers them once and keeps them through
-    backward (whole at the peak, beside the shard); zero 3 gathers `GATHERED_LAYERS` layers at a
-    time, except under pp, where the trainer keeps the stage gathered for the whole step
+    backward (whole at the peak, beside the shard); zero 3 holds the running layer gathered and
+    `root_params` (the root unit: embedding, final norm, output), which FSDP2 gathers for the
+    whole backward: its inputs, token ids, need no gradient, so its post-backward waits for the
+    final callback (`_root_post_backward_final_callback`; measured: tiny, dp=2,zero=3 holds the
+    root and one block gathered at once) - except under pp, where the trainer keeps the stage gathered for the whole step
     (gathered once per step, the time model's charge). Gathered copies are in
     `precision.gathered`. offload (zero 3): the shards of all three live on the host
     (`offloaded_bytes`); the device keeps the gathered weights and the unsharded gradients.
@@ -210,7 +300,7 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
     elif zero == 2 or pp > 1:
         parameters = sharded * param * params / n + gathered * params
     else:
-        parameters = sharded * param * params / n + gathered * GATHERED_LAYERS * layer_params
+        parameters = sharded * param * params / n + gathered * (layer_params + root_params)
     return {"parameters": parameters, "gradients": gradients, "optimizer_state": sharded * optim * params / n}
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from phalanx.model.config import ModelConfig
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import (
+    GATHERED_LAYERS,
     ParamCounts,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -59,13 +60,18 @@ def recompute_share(model: ModelConfig, lay: Layout) -> float:
     return min(lay.recompute_layers, chunk) / chunk if lay.recompute_layers else 1.0
 
 
+def stage_heads(model: ModelConfig, lay: Layout) -> int:
+    """V x h matrices on the most loaded device: embedding and output head, or one of them
+    (tied, or a pipeline's first or last stage)."""
+    return 2 if (lay.pp == 1 and not model.tie_embeddings) else 1
+
+
 def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int):
     """Parameters on the most loaded device (first or last stage: embedding or output head):
     (counts, shared over tp, experts over tp x ep)."""
     c = param_counts_of(model)
-    heads = 2 if (lay.pp == 1 and not model.tie_embeddings) else 1
     shared = (n * (c.attention + c.norms) + (n - n_moe) * c.dense_mlp + n_moe * c.moe_other
-              + heads * c.embedding) / lay.tp
+              + stage_heads(model, lay) * c.embedding) / lay.tp
     return c, shared, n_moe * c.experts / (lay.tp * lay.ep)
 
 
@@ -98,8 +104,10 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         # stage's parameters twice, benchmarks/README.md).
         zero, shard = 2, 1
     layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
+    root = (stage_heads(model, lay) * c.embedding + model.dim) / lay.tp  # embedding, output, final norm
     state = state_bytes(zero=zero, shards=shard, params=shared, layer_params=layer_shared,
-                        microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload)
+                        microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload,
+                        root_params=root)
     host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
     if experts:
         expert_state = state_bytes(zero=zero, shards=max(1, shard // lay.ep), params=experts,
@@ -160,6 +168,8 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         buffers += precision.grad * shared
     elif lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
         buffers += 2 * BUCKET_BYTES if zero <= 1 else 4 * layer_shared
+        if zero == 3 and lay.pp == 1:  # the next layer's all-gather output, prefetched (GATHERED_LAYERS)
+            buffers += precision.gathered * (GATHERED_LAYERS - 1) * layer_shared
     if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
         buffers += 2 * tokens_bytes
     if lay.pp > 1:  # send and receive buffers, both directions
