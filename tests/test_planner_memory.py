@@ -98,10 +98,11 @@ def test_auto_plan_says_when_nothing_fits():
     # ways; (parameters, gradients, optimizer).
     (0, 4, 1, (2000, 4000, 12000)),      # replicated: 2 + 4 + 12 bytes each
     (1, 4, 1, (2000, 4000, 3000)),       # optimizer state sharded
-    (2, 1, 1, (2500, 1400, 3000)),       # shard + the stage gathered; one micro-batch: gradients
-                                         # reduce-scattered in backward (shard + the unit in flight)
+    (2, 1, 1, (2500, 1300, 3000)),       # shard + the stage gathered; one micro-batch: gradients
+                                         # reduce-scattered in backward: the other layers' shards
+                                         # and the layer in flight whole (900 / 4 + 100) x 4
     (2, 4, 1, (2500, 4000, 3000)),       # several: fp32 gradients accumulate whole, reduced once
-    (3, 1, 1, (800, 1400, 3000)),        # shard + the running layer and the root unit gathered (the
+    (3, 1, 1, (800, 1300, 3000)),        # shard + the running layer and the root unit gathered (the
                                          # prefetched layer is an all-gather buffer until its turn)
     (3, 4, 1, (800, 4000, 3000)),
     (3, 4, 2, (2500, 4000, 3000)),       # under pp: gathered once, kept for the whole step
@@ -184,7 +185,10 @@ def test_offload_layout_keeps_its_shards_off_the_device():
     assert off.host_breakdown["optimizer_state"] == pytest.approx(12 * params / 8)
     assert off.memory_breakdown["optimizer_state"] == 0
     moved = sum(off.host_breakdown.values())
-    assert plain.memory_bytes - off.memory_bytes == pytest.approx(moved)
+    # All that moves leaves the device, except the shard of the layer in backward, which is not
+    # there at the peak anyway (that layer's gradients are whole until its reduce-scatter).
+    layer = 4 * H * H + 2 * H * 16384 + 2 * H
+    assert plain.memory_bytes - off.memory_bytes == pytest.approx(moved - 4 * layer / 8)
     assert lay.replace(offload=True).to_plan().offload
 
 

@@ -277,7 +277,9 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
     during backward: sharded gradients plus one layer's unsharded ones (FSDP2's post-backward
     hook, which runs when each unit's backward ends, copies the unit's gradients into the
     reduce-scatter input and drops them: `_fsdp_param_group.post_backward`, torch 2.13; that
-    input is counted with the communication buffers).
+    input is counted with the communication buffers). That unit's own shard does not exist yet:
+    the trainer's zero_grad(set_to_none=True) leaves no gradients, and each unit's reduce-scatter
+    creates its sharded ones as backward goes, so the unit counts whole in place of its shard.
     Parameters: zero 0 and 1 hold them whole; zero 2 gathers them once and keeps them through
     backward (whole at the peak, beside the shard); zero 3 holds the running layer gathered and
     `root_params` (the root unit: embedding, final norm, output), which FSDP2 gathers for the
@@ -294,7 +296,7 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
         return {"parameters": param * params, "gradients": grad * params, "optimizer_state": optim * params}
     accumulate = zero <= 1 or microbatches > 1
     sharded = 0.0 if offload else 1.0
-    gradients = grad * params if accumulate else grad * (sharded * params / n + layer_params)
+    gradients = grad * params if accumulate else grad * (sharded * (params - layer_params) / n + layer_params)
     if zero == 1:
         parameters = param * params
     elif zero == 2 or pp > 1:
