@@ -81,9 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     element = precision.activation  # the formula counts 16-bit elements
     formula = element / 2 * layer_activation_bytes(
         cfg, seq=args.seq, mbs=args.batch, tp=1, sp=False, recompute="none", moe=cfg.is_moe_layer(0),
-        sp_regather=False, fused_norm=args.device == "cuda", phalanx_model=True)
+        sp_regather=False, fused_norm=args.device == "cuda", phalanx_model=True, autocast_fp32=args.dtype == "bf16")
     norm = 1 if args.device == "cuda" else 2
-    head_formula = (norm + 1) * sbh * element + args.batch * args.seq * cfg.vocab_size * precision.logit
+    residual = precision.param if args.dtype == "bf16" else element  # autocast keeps the residual stream fp32
+    head_formula = (norm * residual + element) * sbh + args.batch * args.seq * cfg.vocab_size * precision.logit
+    if args.dtype == "bf16":  # autocast's cached 16-bit copies of the weights, one layer's and the output's
+        from phalanx.planner.memory import param_counts
+
+        counts = param_counts(cfg)
+        layer = counts.attention + counts.norms + (counts.experts + counts.moe_other if cfg.is_moe_layer(0)
+                                                   else counts.dense_mlp)
+        formula += precision.gathered * (layer - counts.norms)  # the norms' weights are not cast
+        head_formula += precision.gathered * counts.embedding
     print(f"{first}: saved {per_layer / 2**20:.2f} MiB, formula {formula / 2**20:.2f} MiB ({formula / per_layer - 1:+.1%})")
     print(f"head and loss: saved {head / 2**20:.2f} MiB, formula {head_formula / 2**20:.2f} MiB "
           f"({head_formula / head - 1:+.1%})")

@@ -52,7 +52,7 @@ TRAINER_PRECISION = {
     # gradients; FSDP2 gathers in param_dtype. fp32: every activation and the fp32 log-softmax
     # output the loss saves for backward, 4 bytes each.
     "fp32": Precision(param=4, gathered=4, grad=4, optim=8, activation=4, logit=4),
-    "bf16": Precision(param=4, gathered=2, grad=4, optim=8, activation=2, logit=6),
+    "bf16": Precision(param=4, gathered=2, grad=4, optim=8, activation=2, logit=4),
 }
 
 
@@ -108,7 +108,7 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
                            moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
-                           phalanx_model: bool = False) -> float:
+                           phalanx_model: bool = False, autocast_fp32: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
@@ -121,16 +121,24 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
     `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
     gradient to the source's shape), 2 s b k h more.
+    autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer where FSDP does not
+    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so the norms' saved
+    tensors and a fully recomputed layer's kept input are twice as wide, and the norms' fp32
+    outputs are cast once per linear that reads them (autocast caches only weights): q, k and v
+    save three 16-bit copies of the attention input, SwiGLU's w1 and w3 two of the MLP input
+    (benchmarks/activation_probe.py --dtype bf16 lists them).
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
     if recompute == "full":
-        return 2 * sbh / (tp if sp else 1)  # only the layer input is kept
+        return (4 if autocast_fp32 else 2) * sbh / (tp if sp else 1)  # only the layer input is kept
     hkv = (model.n_heads if phalanx_model else model.n_kv_heads) * model.head_dim
     dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
     replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
     if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
         replicated += 4 * sbh
+    if autocast_fp32:  # fp32 norm tensors; q, k, v and w1, w3 each cast their input anew
+        replicated += (4 if fused_norm else 8) * sbh + 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
@@ -140,8 +148,10 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
         split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
-        if phalanx_model:  # the weighted rows that index_add_ keeps
-            split += 2 * s * b * k * h
+        if phalanx_model:  # the weighted rows that index_add_ keeps, in the residual's dtype
+            split += (4 if autocast_fp32 else 2) * s * b * k * h
+        # Not counted: the router's fp32 scores (4 s b E bytes) and int64 expert indices (24 s b k),
+        # under 5% of a tiny-moe layer and less for wider ones.
         split += 8 * s * b * f * model.n_shared_experts
     elif model.mlp == "swiglu":
         split += 8 * s * b * model.ffn_dim
@@ -194,7 +204,7 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
                            moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
-                           phalanx_model: bool = False) -> float:
+                           phalanx_model: bool = False, autocast_fp32: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
@@ -207,16 +217,24 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
     `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
     gradient to the source's shape), 2 s b k h more.
+    autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer where FSDP does not
+    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so the norms' saved
+    tensors and a fully recomputed layer's kept input are twice as wide, and the norms' fp32
+    outputs are cast once per linear that reads them (autocast caches only weights): q, k and v
+    save three 16-bit copies of the attention input, SwiGLU's w1 and w3 two of the MLP input
+    (benchmarks/activation_probe.py --dtype bf16 lists them).
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
     if recompute == "full":
-        return 2 * sbh / (tp if sp else 1)  # only the layer input is kept
+        return (4 if autocast_fp32 else 2) * sbh / (tp if sp else 1)  # only the layer input is kept
     hkv = (model.n_heads if phalanx_model else model.n_kv_heads) * model.head_dim
     dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
     replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
     if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
         replicated += 4 * sbh
+    if autocast_fp32:  # fp32 norm tensors; q, k, v and w1, w3 each cast their input anew
+        replicated += (4 if fused_norm else 8) * sbh + 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
@@ -226,8 +244,10 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
         split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
-        if phalanx_model:  # the weighted rows that index_add_ keeps
-            split += 2 * s * b * k * h
+        if phalanx_model:  # the weighted rows that index_add_ keeps, in the residual's dtype
+            split += (4 if autocast_fp32 else 2) * s * b * k * h
+        # Not counted: the router's fp32 scores (4 s b E bytes) and int64 expert indices (24 s b k),
+        # under 5% of a tiny-moe layer and less for wider ones.
         split += 8 * s * b * f * model.n_shared_experts
     elif model.mlp == "swiglu":
         split += 8 * s * b * model.ffn_dim

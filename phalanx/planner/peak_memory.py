@@ -91,6 +91,14 @@ def fsdp_replicates(lay: Layout, options: Options) -> bool:
     return options.phalanx_trainer and lay.zero == 0 and lay.dp > 1 and (lay.tp > 1 or lay.pp > 1)
 
 
+def autocast_copies(lay: Layout, options: Options) -> bool:
+    """Whether the phalanx trainer runs this layout in 16 bits by autocast over fp32 weights: a
+    16-bit run where FSDP2 does not gather the weights in param_dtype (one process, DDP, tp or pp
+    without dp; parallel/data_parallel.uses_fsdp)."""
+    fsdp = lay.dp > 1 and (lay.zero >= 2 or lay.tp > 1 or lay.pp > 1)
+    return options.phalanx_trainer and options.precision.gathered < options.precision.param and not fsdp
+
+
 def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
                 shared: float, experts: float, c) -> tuple[dict[str, float], dict[str, float]]:
     """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
@@ -120,13 +128,15 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
     scale = precision.activation / 2  # the formulas count 16-bit elements
 
+    copies = autocast_copies(lay, options)
+
     def per_layer(moe: bool, recompute: str) -> float:
-        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute)
+        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, copies)
         hit = _ACTIVATIONS.get(key)
         if hit is None or hit[0] is not model or hit[1] is not options:
             value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
                                            fused_norm=options.fused_norm, phalanx_model=options.phalanx_trainer,
-                                           moe=moe, recompute=recompute, **kw)
+                                           autocast_fp32=copies, moe=moe, recompute=recompute, **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
         return scale * hit[2]
 
@@ -137,12 +147,15 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
                                        microbatches=lay.microbatches)
     rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
     logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * precision.logit
+    sbh = lay.mbs * workload.seq_len * model.dim
+    norms = 1 if options.fused_norm else 2  # tensors each norm keeps of its input's size
+    if copies:  # the final norm's input in the fp32 residual stream
+        logits += norms * sbh / (lay.tp if lay.sp else 1) * (precision.param - precision.activation)
     # The last stage's head also keeps the final norm's input (and, unfused, its x / rms) and the
     # output projection's input, s b h each (Korthikanti et al. leave them out as small; the
     # probe, benchmarks/activation_probe.py, finds them). Under sp the norm runs on a sequence
     # shard; the projection's input is gathered, and kept whole unless sp_regather.
-    sbh = lay.mbs * workload.seq_len * model.dim
-    norm_in = (1 if options.fused_norm else 2) * sbh / (lay.tp if lay.sp else 1)
+    norm_in = norms * sbh / (lay.tp if lay.sp else 1)
     proj_in = sbh / (lay.tp if lay.sp and options.sp_regather else 1)
     logits += (norm_in + proj_in) * precision.activation
     # The first rank holds the most micro-batches; the loss's logits live on the last stage,
@@ -154,6 +167,14 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
         last = stage_act * last_in_flight + rematerialised
         activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
+    if copies:
+        # Autocast casts each fp32 weight to bf16 once per autocast region (its cache) and the
+        # matmuls save those copies for backward: one bf16 copy of the stage's weights at the peak
+        # (one region around a whole pipeline step; without pp one per micro-batch, one alive at a
+        # time). The embedding's lookup is not cast. Measured on CPU autocast by
+        # benchmarks/activation_probe.py --dtype bf16.
+        embedding = c.embedding / lay.tp if lay.pp == 1 and not model.tie_embeddings else 0.0
+        activations += precision.gathered * (shared - embedding + experts)
     # Deferred weight gradients (zbv, dualpipev) hold their linear layers' inputs until W runs,
     # but never at the activation peak: in both schedules' orders each steady-state W follows
     # its input gradient at once, and the deferred ones wait in the cool-down, after the last
