@@ -58,10 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="bf16: autocast over fp32 weights, as one process of `phalanx train --dtype bf16`")
+    parser.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: the weights themselves in bf16, as FSDP2 gathers them with param_dtype=bf16")
     args = parser.parse_args(argv)
     cfg = model_config(args.model)
     torch.manual_seed(0)
-    model = Transformer(cfg).to(args.device)
+    model = Transformer(cfg).to(args.device, dtype=torch.bfloat16 if args.weights == "bf16" else torch.float32)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=args.device)
     autocast = ((lambda: torch.autocast(args.device, dtype=torch.bfloat16)) if args.dtype == "bf16"
                 else contextlib.nullcontext)
@@ -78,14 +80,16 @@ def main(argv: list[str] | None = None) -> None:
             head += nbytes
             print(f"  {where:32s} {str(shape):22s} {str(dtype):15s} {nbytes / sbh:6.3f} (head and loss)")
     precision = TRAINER_PRECISION[args.dtype]
+    autocast_fp32 = args.dtype == "bf16" and args.weights == "fp32"  # peak_memory.autocast_copies
+    wide = args.dtype == "bf16" and (autocast_fp32 or args.device != "cuda")  # fp32 norm tensors
     element = precision.activation  # the formula counts 16-bit elements
     formula = element / 2 * layer_activation_bytes(
         cfg, seq=args.seq, mbs=args.batch, tp=1, sp=False, recompute="none", moe=cfg.is_moe_layer(0),
-        sp_regather=False, fused_norm=args.device == "cuda", phalanx_model=True, autocast_fp32=args.dtype == "bf16")
+        sp_regather=False, fused_norm=args.device == "cuda", phalanx_model=True, autocast_fp32=autocast_fp32,
+        wide_norms=wide)
     norm = 1 if args.device == "cuda" else 2
-    residual = precision.param if args.dtype == "bf16" else element  # autocast keeps the residual stream fp32
-    head_formula = (norm * residual + element) * sbh + args.batch * args.seq * cfg.vocab_size * precision.logit
-    if args.dtype == "bf16":  # autocast's cached 16-bit copies of the weights, one layer's and the output's
+    head_formula = (norm * (4 if wide else element) + element) * sbh + args.batch * args.seq * cfg.vocab_size * precision.logit
+    if autocast_fp32:  # autocast's cached 16-bit copies of the weights, one layer's and the output's
         from phalanx.planner.memory import param_counts
 
         counts = param_counts(cfg)

@@ -108,7 +108,8 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
                            moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
-                           phalanx_model: bool = False, autocast_fp32: bool = False) -> float:
+                           phalanx_model: bool = False, autocast_fp32: bool = False,
+                           wide_norms: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
@@ -122,11 +123,14 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
     gradient to the source's shape), 2 s b k h more.
     autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer where FSDP does not
-    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so the norms' saved
-    tensors and a fully recomputed layer's kept input are twice as wide, and the norms' fp32
-    outputs are cast once per linear that reads them (autocast caches only weights): q, k and v
-    save three 16-bit copies of the attention input, SwiGLU's w1 and w3 two of the MLP input
-    (benchmarks/activation_probe.py --dtype bf16 lists them).
+    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so a fully
+    recomputed layer's kept input is twice as wide, and the norms' fp32 outputs are cast once per
+    linear that reads them (autocast caches only weights): q, k and v save three 16-bit copies of
+    the attention input, SwiGLU's w1 and w3 two of the MLP input (benchmarks/activation_probe.py
+    --dtype bf16 lists them).
+    wide_norms: in a 16-bit run, the norms' saved tensors are fp32: their input is the fp32
+    residual stream (autocast_fp32), or torch's composite RMSNorm (CPU) upcasts a 16-bit input to
+    fp32 before it saves x and x / rms.
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
@@ -137,8 +141,10 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
     if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
         replicated += 4 * sbh
-    if autocast_fp32:  # fp32 norm tensors; q, k, v and w1, w3 each cast their input anew
-        replicated += (4 if fused_norm else 8) * sbh + 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
+    if wide_norms:  # the norms' tensors twice as wide
+        replicated += (4 if fused_norm else 8) * sbh
+    if autocast_fp32:  # q, k, v and w1, w3 each cast their input anew
+        replicated += 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
@@ -204,7 +210,8 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
                            moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
-                           phalanx_model: bool = False, autocast_fp32: bool = False) -> float:
+                           phalanx_model: bool = False, autocast_fp32: bool = False,
+                           wide_norms: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
@@ -218,11 +225,14 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
     gradient to the source's shape), 2 s b k h more.
     autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer where FSDP does not
-    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so the norms' saved
-    tensors and a fully recomputed layer's kept input are twice as wide, and the norms' fp32
-    outputs are cast once per linear that reads them (autocast caches only weights): q, k and v
-    save three 16-bit copies of the attention input, SwiGLU's w1 and w3 two of the MLP input
-    (benchmarks/activation_probe.py --dtype bf16 lists them).
+    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so a fully
+    recomputed layer's kept input is twice as wide, and the norms' fp32 outputs are cast once per
+    linear that reads them (autocast caches only weights): q, k and v save three 16-bit copies of
+    the attention input, SwiGLU's w1 and w3 two of the MLP input (benchmarks/activation_probe.py
+    --dtype bf16 lists them).
+    wide_norms: in a 16-bit run, the norms' saved tensors are fp32: their input is the fp32
+    residual stream (autocast_fp32), or torch's composite RMSNorm (CPU) upcasts a 16-bit input to
+    fp32 before it saves x and x / rms.
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
@@ -233,8 +243,10 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
     if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
         replicated += 4 * sbh
-    if autocast_fp32:  # fp32 norm tensors; q, k, v and w1, w3 each cast their input anew
-        replicated += (4 if fused_norm else 8) * sbh + 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
+    if wide_norms:  # the norms' tensors twice as wide
+        replicated += (4 if fused_norm else 8) * sbh
+    if autocast_fp32:  # q, k, v and w1, w3 each cast their input anew
+        replicated += 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank

@@ -129,14 +129,16 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     scale = precision.activation / 2  # the formulas count 16-bit elements
 
     copies = autocast_copies(lay, options)
+    wide = precision.activation < 4 and (copies or not options.fused_norm)  # fp32 norm tensors
 
     def per_layer(moe: bool, recompute: str) -> float:
-        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, copies)
+        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, copies, wide)
         hit = _ACTIVATIONS.get(key)
         if hit is None or hit[0] is not model or hit[1] is not options:
             value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
                                            fused_norm=options.fused_norm, phalanx_model=options.phalanx_trainer,
-                                           autocast_fp32=copies, moe=moe, recompute=recompute, **kw)
+                                           autocast_fp32=copies, wide_norms=wide, moe=moe, recompute=recompute,
+                                           **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
         return scale * hit[2]
 
@@ -149,8 +151,8 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * precision.logit
     sbh = lay.mbs * workload.seq_len * model.dim
     norms = 1 if options.fused_norm else 2  # tensors each norm keeps of its input's size
-    if copies:  # the final norm's input in the fp32 residual stream
-        logits += norms * sbh / (lay.tp if lay.sp else 1) * (precision.param - precision.activation)
+    if wide:  # the final norm's tensors in fp32
+        logits += norms * sbh / (lay.tp if lay.sp else 1) * (4 - precision.activation)
     # The last stage's head also keeps the final norm's input (and, unfused, its x / rms) and the
     # output projection's input, s b h each (Korthikanti et al. leave them out as small; the
     # probe, benchmarks/activation_probe.py, finds them). Under sp the norm runs on a sequence
