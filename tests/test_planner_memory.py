@@ -98,11 +98,12 @@ def test_auto_plan_says_when_nothing_fits():
     # ways; (parameters, gradients, optimizer).
     (0, 4, 1, (2000, 4000, 12000)),      # replicated: 2 + 4 + 12 bytes each
     (1, 4, 1, (2000, 4000, 3000)),       # optimizer state sharded
-    (2, 1, 1, (2500, 1300, 3000)),       # shard + the stage gathered; one micro-batch: gradients
-                                         # reduce-scattered in backward: the other layers' shards
-                                         # and the layer in flight whole (900 / 4 + 100) x 4
+    (2, 1, 1, (2500, 1100, 3000)),       # shard + the stage gathered; one micro-batch: gradients
+                                         # reduce-scattered in backward: the other layers' fp32
+                                         # shards and the layer in flight whole, in its weights'
+                                         # bf16: 900 / 4 x 4 + 100 x 2
     (2, 4, 1, (2500, 4000, 3000)),       # several: fp32 gradients accumulate whole, reduced once
-    (3, 1, 1, (800, 1300, 3000)),        # shard + the running layer and the root unit gathered (the
+    (3, 1, 1, (800, 1100, 3000)),        # shard + the running layer and the root unit gathered (the
                                          # prefetched layer is an all-gather buffer until its turn)
     (3, 4, 1, (800, 4000, 3000)),
     (3, 4, 2, (2500, 4000, 3000)),       # under pp: gathered once, kept for the whole step
@@ -159,12 +160,12 @@ def test_v_schedules_hold_what_their_orders_hold():
 
 def test_state_bytes_with_offload_and_the_trainers_precision():
     # zero 3 over 4 shards, one micro-batch, offload: the device keeps the running layer's gathered
-    # weights (2 bytes, bf16 param_dtype) and one layer's unsharded fp32 gradients; the shards of
+    # weights (2 bytes, bf16 param_dtype) and one layer's unsharded gradients (bf16 too); the shards of
     # weights (4 bytes, the trainer's fp32), gradients (4) and AdamW's two moments (8) are on the host.
     bf16 = TRAINER_PRECISION["bf16"]
     got = state_bytes(zero=3, shards=4, params=1000, layer_params=100, microbatches=1, pp=1, precision=bf16,
                       offload=True)
-    assert got == pytest.approx({"parameters": 2 * 100, "gradients": 4 * 100, "optimizer_state": 0})
+    assert got == pytest.approx({"parameters": 2 * 100, "gradients": 2 * 100, "optimizer_state": 0})
     assert offloaded_bytes(shards=4, params=1000, precision=bf16) == pytest.approx(
         {"parameters": 4 * 250, "gradients": 4 * 250, "optimizer_state": 8 * 250})
     # The trainer without offload: fp32 weights and moments, no master copy (16 bytes, not 18).

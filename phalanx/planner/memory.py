@@ -143,13 +143,17 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         replicated += 4 * sbh
     if wide_norms:  # the norms' tensors twice as wide
         replicated += (4 if fused_norm else 8) * sbh
-    if autocast_fp32:  # q, k, v and w1, w3 each cast their input anew
-        replicated += 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
         replicated -= 4 * sbh
         whole = 4 * sbh
+    if autocast_fp32:  # q, k, v and w1, w3 each cast their input anew (whole where sp keeps it so)
+        casts = 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
+        if sp and not sp_regather:
+            whole += casts
+        else:
+            replicated += casts
     if moe:
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
@@ -196,106 +200,6 @@ prefetch of one unit (forward implicitly, backward `_backward_prefetch`), in the
 buffers (peak_memory.py): until its own turn it is an all-gather buffer, not a parameter."""
 
 
-def state_bytes_per_param(zero: int, shards: int) -> float:
-    """Bytes of parameter + gradient + optimizer state per parameter under a ZeRO level."""
-    param, grad, optim = STATE_BYTES
-    if zero == 0:
-        return param + grad + optim
-    if zero == 1:
-        return param + grad + optim / shards
-    if zero == 2:
-        return param + (grad + optim) / shards
-    return (param + grad + optim) / shards
-
-
-def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
-                           moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
-                           phalanx_model: bool = False, autocast_fp32: bool = False,
-                           wide_norms: bool = False) -> float:
-    """Activation bytes one layer keeps for backward for one micro-batch on one device.
-
-    sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
-    backward (Megatron; the published formula). False: the gathered inputs are kept whole
-    (phalanx's DTensor sequence parallelism), 4 s b h bytes not divided by tp.
-    fused_norm: False where RMSNorm is torch's composite (CPU), which also saves the normalized
-    input of each of the two norms: 4 s b h more (`Options.fused_norm`).
-    phalanx_model: the tensors of phalanx's model code (benchmarks/activation_probe.py lists
-    them): Attention repeats k and v to every query head before scaled_dot_product_attention,
-    which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
-    `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
-    gradient to the source's shape), 2 s b k h more.
-    autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer where FSDP does not
-    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so a fully
-    recomputed layer's kept input is twice as wide, and the norms' fp32 outputs are cast once per
-    linear that reads them (autocast caches only weights): q, k and v save three 16-bit copies of
-    the attention input, SwiGLU's w1 and w3 two of the MLP input (benchmarks/activation_probe.py
-    --dtype bf16 lists them).
-    wide_norms: in a 16-bit run, the norms' saved tensors are fp32: their input is the fp32
-    residual stream (autocast_fp32), or torch's composite RMSNorm (CPU) upcasts a 16-bit input to
-    fp32 before it saves x and x / rms.
-    """
-    s, b, h = seq, mbs, model.dim
-    sbh = s * b * h
-    if recompute == "full":
-        return (4 if autocast_fp32 else 2) * sbh / (tp if sp else 1)  # only the layer input is kept
-    hkv = (model.n_heads if phalanx_model else model.n_kv_heads) * model.head_dim
-    dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
-    replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
-    if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
-        replicated += 4 * sbh
-    if wide_norms:  # the norms' tensors twice as wide
-        replicated += (4 if fused_norm else 8) * sbh
-    if autocast_fp32:  # q, k, v and w1, w3 each cast their input anew
-        replicated += 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
-    split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
-    whole = 0.0
-    if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
-        replicated -= 4 * sbh
-        whole = 4 * sbh
-    if moe:
-        k, f = model.experts_per_token, model.moe_ffn_dim
-        # Each device processes s*b*k routed token copies in total (balanced routing).
-        split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
-        if phalanx_model:  # the weighted rows that index_add_ keeps, in the residual's dtype
-            split += (4 if autocast_fp32 else 2) * s * b * k * h
-        # Not counted: the router's fp32 scores (4 s b E bytes) and int64 expert indices (24 s b k),
-        # under 5% of a tiny-moe layer and less for wider ones.
-        split += 8 * s * b * f * model.n_shared_experts
-    elif model.mlp == "swiglu":
-        split += 8 * s * b * model.ffn_dim
-    else:
-        split += 4 * s * b * model.ffn_dim
-    total = replicated / (tp if sp else 1) + split / tp + whole
-    if not flash and recompute == "none":
-        total += (5 if dropout else 2) * model.n_heads * s * s * b / tp
-    return total
-
-
-def in_flight_microbatches(*, schedule: str, pp: int, virtual: int, microbatches: int) -> float:
-    """Micro-batches of a whole stage's activations the first stage holds at its peak."""
-    if pp == 1:
-        return 1.0
-    if schedule == "gpipe":
-        return float(microbatches)
-    if schedule == "interleaved":
-        return min(float(microbatches), pp * (1 + (pp - 1) / (pp * virtual)))
-    if schedule == "dualpipev":
-        # DualPipeV's order (pipeline_orders.py) peaks at 2p + 1 half-stage chunks on every rank.
-        return min(float(microbatches), pp + 0.5)
-    # 1f1b: p on the first rank; zbv in PyTorch's order: 2p half-stage chunks on every rank.
-    return min(float(microbatches), float(pp))
-
-
-def layers_per_stage(n_layers: int, pp: int, virtual: int) -> int:
-    """Layers on the most loaded pipeline rank (chunks of ceil(L / (pp * v)) layers)."""
-    return virtual * math.ceil(n_layers / (pp * virtual))
-
-
-GATHERED_LAYERS = 2
-"""Layers whose parameters FSDP (zero 3) holds gathered at once outside pp: the one running and
-the next, prefetched (FSDP2's default forward and backward prefetch of one unit)."""
-
-
 def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, microbatches: int,
                 pp: int, precision: Precision = MIXED_ADAM, offload: bool = False,
                 root_params: float = 0.0) -> dict[str, float]:
@@ -328,7 +232,10 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
         return {"parameters": param * params, "gradients": grad * params, "optimizer_state": optim * params}
     accumulate = zero <= 1 or microbatches > 1
     sharded = 0.0 if offload else 1.0
-    gradients = grad * params if accumulate else grad * (sharded * (params - layer_params) / n + layer_params)
+    # Autograd makes a gathered weight's gradient in its dtype (param_dtype); FSDP2 casts it to the
+    # reduce dtype only when it copies it into the reduce-scatter input, or when it accumulates it
+    # across micro-batches (`accumulate_unsharded_grad_if_needed`, in the reduce dtype: grad bytes).
+    gradients = grad * params if accumulate else grad * sharded * (params - layer_params) / n + gathered * layer_params
     if zero == 1:
         parameters = param * params
     elif zero == 2 or pp > 1:
