@@ -6,7 +6,10 @@ gradient sync only on the last, or the pipeline schedule; clipping; AdamW; zero_
 trackers classify every tensor storage as it is created: `FSDPMemTracker` where the rank's model
 is one FSDP2 module (it tells sharded from gathered parameters and names FSDP's communication
 buffers), `MemTracker` otherwise. Both only report the total at its peak, so each category's own
-peak is read from the tracker's running snapshot after every operation.
+peak is read from the tracker's running snapshot after every operation. Two things the trackers
+misplace are read directly: the optimizer state (the trackers also count AdamW's temporaries
+inside `step()` as state; `optimizer_state_bytes`) and DDP's gradient buckets (allocated where
+the trackers do not look; `ddp_bucket_bytes`, added to the total).
 """
 
 from __future__ import annotations
@@ -69,6 +72,34 @@ def _step_fn(model, mesh, plan, cfg_model, *, global_batch: int, seq_len: int, d
     return step, optimizer
 
 
+def ddp_bucket_bytes(model) -> int:
+    """Bytes of a DDP reducer's gradient buckets, which the trackers never see: the reducer
+    allocates each bucket's flat tensor in C++ when it is built (and again when it rebuilds
+    the buckets after the first step) and keeps them all for its lifetime, as a second copy
+    of the gradients unless `gradient_as_bucket_view=True`. DDP's own logging data lists
+    their sizes. 0 for anything but DDP."""
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        return 0
+    sizes = str(logging_data().get("bucket_sizes", ""))
+    return sum(int(size) for size in sizes.split(",") if size.strip())
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of what the optimizer keeps between steps (AdamW's two moments and step counts; a
+    DTensor's local shard). The trackers label every tensor made inside `step()` as optimizer
+    state, also the temporaries of torch's foreach AdamW (the square roots of the second moments
+    and the update: one parameter-sized list at a time, freed when step returns); those are left
+    to the total."""
+    storages: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: int, dtype: str, device_name: str,
                  steps: int = 1) -> dict:
     """On one rank of a started process group: each category's peak bytes and the total's peak
@@ -94,8 +125,13 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
     model = parallelize(cfg, mesh, seed=0, seq_len=seq_len, microbatch_tokens=micro * seq_len)
     step, optimizer = _step_fn(model, mesh, plan, cfg, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                                device=device)
-    step()  # outside the trackers: the pipeline's first step infers shapes with autograd.grad,
-    # which their hooks refuse; after it the optimizer state exists, as in every later step
+    # Outside the trackers: the pipeline's first step infers shapes with autograd.grad, which their
+    # hooks refuse; after it the optimizer state exists, as in every later step. DDP rebuilds its
+    # buckets in the second step's forward (in the order the first backward produced gradients):
+    # tracked, that new allocation would read as an activation, so DDP takes two steps here, and
+    # its buckets are added to the total below.
+    for _ in range(2 if ddp_bucket_bytes(model) else 1):
+        step()
     if isinstance(model, FSDPModule):
         tracker = FSDPMemTracker(model, optimizer)
     else:
@@ -137,7 +173,7 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
         for _ in range(steps):
             step()
     total = max((snap.get("Total", 0) for snap in tracker.get_tracker_snapshot("peak").values()), default=0)
-    result = {**peaks, "total": total}
+    result = {**peaks, "optimizer_state": optimizer_state_bytes(optimizer), "total": total + ddp_bucket_bytes(model)}
     if device.type == "cuda":
         result["allocator_total"] = torch.cuda.max_memory_allocated(device)
     return result

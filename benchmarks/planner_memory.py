@@ -1,7 +1,8 @@
 """The planner's memory model against the trainer's measured tensor memory, per rank, by category.
 
     PYTHONPATH=. python benchmarks/planner_memory.py                  # CPU, fp32, about 3 minutes
-    PYTHONPATH=. python benchmarks/planner_memory.py --device cuda    # a GPU: one process per layout
+    PYTHONPATH=. python benchmarks/planner_memory.py --device cuda    # a GPU: the one-process layouts
+    PYTHONPATH=. python benchmarks/planner_memory.py --only "dp=2,zero=2"   # one layout, to investigate
 
 For each layout, the model is built and stepped as `phalanx train` does (memory_measure.py)
 on forked gloo ranks, and PyTorch's trackers (`MemTracker`, `FSDPMemTracker`) report each
@@ -11,6 +12,9 @@ include the logits (the planner counts them apart). On a CPU, parameters, gradie
 optimizer state that `offload=true` moves to the host live in the same memory, so the host
 part (`Estimate.host_breakdown`) is added to the prediction there; on a GPU it is not, and
 the total is also read from `torch.cuda.max_memory_allocated`.
+The prediction uses the options the trainer runs with (`Options.phalanx_trainer`, and
+`Options.fused_norm` on CUDA only: torch's RMSNorm is one kernel there, a composite on a CPU);
+benchmarks/activation_probe.py lists the saved tensors behind the activation terms.
 
 Layouts are split into two halves: model changes were decided on the first ("decide") only;
 the second ("hold-out") is reported as it came out. Target: median |error| <= 15% per
@@ -66,7 +70,9 @@ def predict(model_name: str, plan_text: str, world: int, dtype: str, device: str
                     schedule=plan.schedule, virtual=plan.virtual, recompute=plan.recompute,
                     recompute_layers=plan.recompute_layers, zero=plan.zero, sp=plan.sp, replicate=plan.replicate,
                     offload=plan.offload)
-    options = Options(precision=TRAINER_PRECISION[dtype])
+    # The trainer's precision and its own stored tensors (Options.phalanx_trainer); torch's RMSNorm
+    # is one fused kernel on CUDA and a composite on CPU (Options.fused_norm).
+    options = Options(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=device == "cuda")
     est = evaluate(model, cluster_from_name("local"), Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN), layout,
                    options)
     got = {k: est.memory_breakdown[k] for k in ("parameters", "gradients", "optimizer_state")}
@@ -108,9 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on cpu, bf16 on cuda")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="measure only the layouts whose plan contains TEXT (e.g. 'dp=2,zero=2'), to investigate one")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    layouts = [row for row in LAYOUTS if args.device == "cpu" or row[1] == 1]
+    layouts = [row for row in LAYOUTS if (args.device == "cpu" or row[1] == 1)
+               and (args.only is None or args.only in f"{row[2]} {row[3]}")]
+    if not layouts:
+        raise SystemExit(f"no layout matches --only {args.only!r}")
     keys = (*CATEGORIES, "total")
     errors: dict[str, dict[str, list[float]]] = {}
     print(f"device {args.device}, dtype {dtype}, global batch {GLOBAL_BATCH}, seq {SEQ_LEN}; MiB predicted/measured (error)")

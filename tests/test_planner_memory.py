@@ -4,7 +4,7 @@ import pytest
 
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig, model_config
-from phalanx.planner.cost import evaluate
+from phalanx.planner.cost import Options, evaluate
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import TRAINER_PRECISION, layer_activation_bytes, offloaded_bytes, state_bytes
@@ -46,7 +46,34 @@ def test_memory_of_a_hand_computed_layout():
     assert state == pytest.approx(18 * params)
     assert est.memory_breakdown["comm_buffers"] == 2 * 25 * 2**20  # two 25 MiB gradient buckets
     assert est.memory_breakdown["activations"] == pytest.approx(8 * 34 * S * B * H)
-    assert est.memory_breakdown["logits"] == pytest.approx(S * B * 50000 * 6)
+    # The last stage's head: bf16 logits and their fp32 copy, the final norm's input and the output
+    # projection's input (2 bytes each).
+    assert est.memory_breakdown["logits"] == pytest.approx(S * B * 50000 * 6 + 2 * 2 * S * B * H)
+
+
+def test_what_the_phalanx_trainer_stores_beyond_the_reference():
+    # Grouped-query attention, SwiGLU: s=128, b=8, h=192, 6 heads of 32, 2 kv heads, f=512 (`small`).
+    small = model_config("small")
+    s, b, h, f = 128, 8, 192, 512
+    sbh = s * b * h
+    base = dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=False)
+    reference = layer_activation_bytes(small, **base)
+    # norm inputs 4, attention and MLP inputs 4, q 2, k and v 4 s b h_kv, output projection input 2, SwiGLU 8 s b f
+    assert reference == pytest.approx(12 * sbh + 4 * s * b * 64 + 8 * s * b * f)
+    # k and v saved after the repeat to all 6 heads; the CPU norms' x / rms (2 bytes per element each)
+    assert layer_activation_bytes(small, **base, phalanx_model=True) == pytest.approx(reference + 4 * s * b * (192 - 64))
+    assert layer_activation_bytes(small, **base, fused_norm=False) == pytest.approx(reference + 4 * sbh)
+    # MoE: index_add_ keeps the k weighted rows of every token, 2 s b k h
+    moe = model_config("tiny-moe")
+    kw = dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=True)
+    extra = layer_activation_bytes(moe, **kw, phalanx_model=True) - layer_activation_bytes(moe, **kw)
+    assert extra == pytest.approx(2 * s * b * moe.experts_per_token * moe.dim + 4 * s * b * (64 - 32))
+    # torch DDP's reducer keeps a second copy of the gradients (fp32 here) instead of two 25 MiB buckets
+    work, lay = Workload(global_batch=16, seq_len=s), Layout(dp=2, mbs=8, microbatches=1)
+    trainer = Options(precision=TRAINER_PRECISION["fp32"], phalanx_trainer=True)
+    est = evaluate(small, PRESETS["dgx-h100"], work, lay, trainer)
+    assert est.memory_breakdown["comm_buffers"] == pytest.approx(est.memory_breakdown["gradients"])
+    assert evaluate(small, PRESETS["dgx-h100"], work, lay).memory_breakdown["comm_buffers"] == 2 * 25 * 2**20
 
 
 def test_search_prunes_what_does_not_fit():
@@ -67,18 +94,23 @@ def test_auto_plan_says_when_nothing_fits():
 
 
 @pytest.mark.parametrize("zero, microbatches, pp, expected", [
-    # 1000 parameters on the rank, 100 per layer, sharded 4 ways; (parameters, gradients, optimizer).
+    # 1000 parameters on the rank, 100 per layer, 50 in the root unit (embedding, output), sharded 4
+    # ways; (parameters, gradients, optimizer).
     (0, 4, 1, (2000, 4000, 12000)),      # replicated: 2 + 4 + 12 bytes each
     (1, 4, 1, (2000, 4000, 3000)),       # optimizer state sharded
-    (2, 1, 1, (2500, 1800, 3000)),       # shard + the stage gathered; one micro-batch: gradients
-                                         # reduce-scattered in backward (shard + 2 layers in flight)
+    (2, 1, 1, (2500, 1100, 3000)),       # shard + the stage gathered; one micro-batch: gradients
+                                         # reduce-scattered in backward: the other layers' fp32
+                                         # shards and the layer in flight whole, in its weights'
+                                         # bf16: 900 / 4 x 4 + 100 x 2
     (2, 4, 1, (2500, 4000, 3000)),       # several: fp32 gradients accumulate whole, reduced once
-    (3, 1, 1, (900, 1800, 3000)),        # shard + 2 layers gathered (running, prefetched)
-    (3, 4, 1, (900, 4000, 3000)),
+    (3, 1, 1, (800, 1100, 3000)),        # shard + the running layer and the root unit gathered (the
+                                         # prefetched layer is an all-gather buffer until its turn)
+    (3, 4, 1, (800, 4000, 3000)),
     (3, 4, 2, (2500, 4000, 3000)),       # under pp: gathered once, kept for the whole step
 ])
 def test_state_bytes_per_zero_level(zero, microbatches, pp, expected):
-    got = state_bytes(zero=zero, shards=4, params=1000, layer_params=100, microbatches=microbatches, pp=pp)
+    got = state_bytes(zero=zero, shards=4, params=1000, layer_params=100, microbatches=microbatches, pp=pp,
+                      root_params=50)
     assert (got["parameters"], got["gradients"], got["optimizer_state"]) == pytest.approx(expected)
 
 
@@ -127,13 +159,13 @@ def test_v_schedules_hold_what_their_orders_hold():
 
 
 def test_state_bytes_with_offload_and_the_trainers_precision():
-    # zero 3 over 4 shards, one micro-batch, offload: the device keeps 2 gathered layers of
-    # weights (2 bytes, bf16 param_dtype) and their unsharded fp32 gradients; the shards of
+    # zero 3 over 4 shards, one micro-batch, offload: the device keeps the running layer's gathered
+    # weights (2 bytes, bf16 param_dtype) and one layer's unsharded gradients (bf16 too); the shards of
     # weights (4 bytes, the trainer's fp32), gradients (4) and AdamW's two moments (8) are on the host.
     bf16 = TRAINER_PRECISION["bf16"]
     got = state_bytes(zero=3, shards=4, params=1000, layer_params=100, microbatches=1, pp=1, precision=bf16,
                       offload=True)
-    assert got == pytest.approx({"parameters": 2 * 200, "gradients": 4 * 200, "optimizer_state": 0})
+    assert got == pytest.approx({"parameters": 2 * 100, "gradients": 2 * 100, "optimizer_state": 0})
     assert offloaded_bytes(shards=4, params=1000, precision=bf16) == pytest.approx(
         {"parameters": 4 * 250, "gradients": 4 * 250, "optimizer_state": 8 * 250})
     # The trainer without offload: fp32 weights and moments, no master copy (16 bytes, not 18).
@@ -154,7 +186,10 @@ def test_offload_layout_keeps_its_shards_off_the_device():
     assert off.host_breakdown["optimizer_state"] == pytest.approx(12 * params / 8)
     assert off.memory_breakdown["optimizer_state"] == 0
     moved = sum(off.host_breakdown.values())
-    assert plain.memory_bytes - off.memory_bytes == pytest.approx(moved)
+    # All that moves leaves the device, except the shard of the layer in backward, which is not
+    # there at the peak anyway (that layer's gradients are whole until its reduce-scatter).
+    layer = 4 * H * H + 2 * H * 16384 + 2 * H
+    assert plain.memory_bytes - off.memory_bytes == pytest.approx(moved - 4 * layer / 8)
     assert lay.replace(offload=True).plan.offload
 
 
@@ -177,3 +212,26 @@ def test_search_does_not_offload_when_something_fits():
     assert result.ranked and not result.offload_only
     assert not any(e.layout.offload for e in result.ranked)
     assert not any("offload" in line for line in explain(result, cluster.usable_bytes / 2**30))
+
+
+def test_autocast_over_fp32_weights_in_the_trainer():
+    # --dtype bf16 without FSDP: the residual stream stays fp32 (norm tensors twice as wide), q, k, v
+    # and w1, w3 cast their input anew (2 x (3 + 2) bytes per s b h, one copy each counted already),
+    # and autocast's bf16 copy of every cast weight is saved, once for the stage.
+    small = model_config("small")
+    s, b = 128, 8
+    sbh = s * b * small.dim
+    base = dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=False, phalanx_model=True)
+    widened = layer_activation_bytes(small, **base, autocast_fp32=True, wide_norms=True)
+    assert widened - layer_activation_bytes(small, **base) == pytest.approx(4 * sbh + 2 * (2 + 1) * sbh)
+    work, one = Workload(global_batch=8, seq_len=s), Layout(mbs=8, microbatches=1)
+    bf16 = Options(precision=TRAINER_PRECISION["bf16"], phalanx_trainer=True)
+    with_copies = evaluate(small, PRESETS["dgx-h100"], work, one, bf16).memory_breakdown
+    plain = evaluate(small, PRESETS["dgx-h100"], work, one, Options(precision=TRAINER_PRECISION["bf16"]))
+    params = 6 * (2 * 192 * 192 + 2 * 192 * 64 + 3 * 192 * 512 + 2 * 192) + 256 * 192  # all but the embedding
+    layers_extra = 6 * (4 * s * b * (192 - 64) + 4 * sbh + 6 * sbh)  # k, v at all heads; the autocast terms
+    assert with_copies["activations"] - plain.memory_breakdown["activations"] == pytest.approx(2 * params + layers_extra)
+    # FSDP (zero 3) gathers bf16 weights: no autocast copies, a bf16 residual stream.
+    sharded = Layout(dp=2, mbs=4, microbatches=1, zero=3)
+    assert evaluate(small, PRESETS["dgx-h100"], work, sharded, bf16).memory_breakdown["activations"] == pytest.approx(
+        6 * layer_activation_bytes(small, seq=s, mbs=4, tp=1, sp=False, recompute="none", moe=False, phalanx_model=True))

@@ -93,6 +93,17 @@ class Options:
     precision: Precision = MIXED_ADAM
     """Bytes of weights, gradients, optimizer state, activations and logits
     (`memory.TRAINER_PRECISION[dtype]` for the phalanx trainer)."""
+    fused_norm: bool = True
+    """RMSNorm runs as one kernel that saves only its input and 1/rms per row (torch's
+    `_fused_rms_norm` on CUDA; Apex and Transformer Engine likewise). False: torch's CPU
+    `rms_norm`, a composite of pow, mean, rsqrt and two multiplies, whose weight multiply also
+    saves the normalized x/rms, one more s x b x h tensor per norm (benchmarks/activation_probe.py)."""
+    phalanx_trainer: bool = False
+    """What phalanx's model and trainer keep beyond the reference implementations of the
+    published runs (each measured or read off PyTorch, see `memory.layer_activation_bytes` and
+    peak_memory.py): k and v repeated to every query head before attention and saved so; the
+    MoE combine's `index_add` saving its weighted rows; torch DDP's reducer buckets, a second
+    copy of the gradients (`gradient_as_bucket_view=False`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

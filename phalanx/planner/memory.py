@@ -52,7 +52,7 @@ TRAINER_PRECISION = {
     # gradients; FSDP2 gathers in param_dtype. fp32: every activation and the fp32 log-softmax
     # output the loss saves for backward, 4 bytes each.
     "fp32": Precision(param=4, gathered=4, grad=4, optim=8, activation=4, logit=4),
-    "bf16": Precision(param=4, gathered=2, grad=4, optim=8, activation=2, logit=6),
+    "bf16": Precision(param=4, gathered=2, grad=4, optim=8, activation=2, logit=4),
 }
 
 
@@ -107,29 +107,61 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 
 
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
-                           moe: bool, flash: bool = True, sp_regather: bool = True) -> float:
+                           moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
+                           phalanx_model: bool = False, autocast_fp32: bool = False,
+                           wide_norms: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
     backward (Megatron; the published formula). False: the gathered inputs are kept whole
     (phalanx's DTensor sequence parallelism), 4 s b h bytes not divided by tp.
+    fused_norm: False where RMSNorm is torch's composite (CPU), which also saves the normalized
+    input of each of the two norms: 4 s b h more (`Options.fused_norm`).
+    phalanx_model: the tensors of phalanx's model code (benchmarks/activation_probe.py lists
+    them): Attention repeats k and v to every query head before scaled_dot_product_attention,
+    which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
+    `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
+    gradient to the source's shape), 2 s b k h more.
+    autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer where FSDP does not
+    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so a fully
+    recomputed layer's kept input is twice as wide, and the norms' fp32 outputs are cast once per
+    linear that reads them (autocast caches only weights): q, k and v save three 16-bit copies of
+    the attention input, SwiGLU's w1 and w3 two of the MLP input (benchmarks/activation_probe.py
+    --dtype bf16 lists them).
+    wide_norms: in a 16-bit run, the norms' saved tensors are fp32: their input is the fp32
+    residual stream (autocast_fp32), or torch's composite RMSNorm (CPU) upcasts a 16-bit input to
+    fp32 before it saves x and x / rms.
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
     if recompute == "full":
-        return 2 * sbh / (tp if sp else 1)  # only the layer input is kept
-    hkv = model.n_kv_heads * model.head_dim
+        return (4 if autocast_fp32 else 2) * sbh / (tp if sp else 1)  # only the layer input is kept
+    hkv = (model.n_heads if phalanx_model else model.n_kv_heads) * model.head_dim
     dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
     replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
+    if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
+        replicated += 4 * sbh
+    if wide_norms:  # the norms' tensors twice as wide
+        replicated += (4 if fused_norm else 8) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
         replicated -= 4 * sbh
         whole = 4 * sbh
+    if autocast_fp32:  # q, k, v and w1, w3 each cast their input anew (whole where sp keeps it so)
+        casts = 2 * (2 + (1 if model.mlp == "swiglu" and not moe else 0)) * sbh
+        if sp and not sp_regather:
+            whole += casts
+        else:
+            replicated += casts
     if moe:
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
         split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
+        if phalanx_model:  # the weighted rows that index_add_ keeps, in the residual's dtype
+            split += (4 if autocast_fp32 else 2) * s * b * k * h
+        # Not counted: the router's fp32 scores (4 s b E bytes) and int64 expert indices (24 s b k),
+        # under 5% of a tiny-moe layer and less for wider ones.
         split += 8 * s * b * f * model.n_shared_experts
     elif model.mlp == "swiglu":
         split += 8 * s * b * model.ffn_dim
@@ -162,12 +194,15 @@ def layers_per_stage(n_layers: int, pp: int, virtual: int) -> int:
 
 
 GATHERED_LAYERS = 2
-"""Layers whose parameters FSDP (zero 3) holds gathered at once outside pp: the one running and
-the next, prefetched (FSDP2's default forward and backward prefetch of one unit)."""
+"""Layers whose gathered weights FSDP (zero 3) holds at once outside pp: the one running, in
+the parameters, and the next, whose all-gather output is already allocated by FSDP2's default
+prefetch of one unit (forward implicitly, backward `_backward_prefetch`), in the communication
+buffers (peak_memory.py): until its own turn it is an all-gather buffer, not a parameter."""
 
 
 def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, microbatches: int,
-                pp: int, precision: Precision = MIXED_ADAM, offload: bool = False) -> dict[str, float]:
+                pp: int, precision: Precision = MIXED_ADAM, offload: bool = False,
+                root_params: float = 0.0) -> dict[str, float]:
     """Parameter, gradient and optimizer bytes of `params` parameters (a rank's stage, over tp)
     sharded `shards` ways at a ZeRO level, as the time model's collectives run them.
 
@@ -175,10 +210,18 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
     always; zero 2 and 3 whenever there is more than one micro-batch: the trainer turns
     gradient sync off for all but the last), so the fp32 gradients of the whole stage
     accumulate unsharded for the step. With one micro-batch, zero 2 and 3 reduce-scatter
-    during backward: sharded gradients plus the layers in flight.
+    during backward: sharded gradients plus one layer's unsharded ones (FSDP2's post-backward
+    hook, which runs when each unit's backward ends, copies the unit's gradients into the
+    reduce-scatter input and drops them: `_fsdp_param_group.post_backward`, torch 2.13; that
+    input is counted with the communication buffers). That unit's own shard does not exist yet:
+    the trainer's zero_grad(set_to_none=True) leaves no gradients, and each unit's reduce-scatter
+    creates its sharded ones as backward goes, so the unit counts whole in place of its shard.
     Parameters: zero 0 and 1 hold them whole; zero 2 gathers them once and keeps them through
-    backward (whole at the peak, beside the shard); zero 3 gathers `GATHERED_LAYERS` layers at a
-    time, except under pp, where the trainer keeps the stage gathered for the whole step
+    backward (whole at the peak, beside the shard); zero 3 holds the running layer gathered and
+    `root_params` (the root unit: embedding, final norm, output), which FSDP2 gathers for the
+    whole backward: its inputs, token ids, need no gradient, so its post-backward waits for the
+    final callback (`_root_post_backward_final_callback`; measured: tiny, dp=2,zero=3 holds the
+    root and one block gathered at once) - except under pp, where the trainer keeps the stage gathered for the whole step
     (gathered once per step, the time model's charge). Gathered copies are in
     `precision.gathered`. offload (zero 3): the shards of all three live on the host
     (`offloaded_bytes`); the device keeps the gathered weights and the unsharded gradients.
@@ -189,13 +232,16 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
         return {"parameters": param * params, "gradients": grad * params, "optimizer_state": optim * params}
     accumulate = zero <= 1 or microbatches > 1
     sharded = 0.0 if offload else 1.0
-    gradients = grad * params if accumulate else grad * (sharded * params / n + GATHERED_LAYERS * layer_params)
+    # Autograd makes a gathered weight's gradient in its dtype (param_dtype); FSDP2 casts it to the
+    # reduce dtype only when it copies it into the reduce-scatter input, or when it accumulates it
+    # across micro-batches (`accumulate_unsharded_grad_if_needed`, in the reduce dtype: grad bytes).
+    gradients = grad * params if accumulate else grad * sharded * (params - layer_params) / n + gathered * layer_params
     if zero == 1:
         parameters = param * params
     elif zero == 2 or pp > 1:
         parameters = sharded * param * params / n + gathered * params
     else:
-        parameters = sharded * param * params / n + gathered * GATHERED_LAYERS * layer_params
+        parameters = sharded * param * params / n + gathered * (layer_params + root_params)
     return {"parameters": parameters, "gradients": gradients, "optimizer_state": sharded * optim * params / n}
 
 

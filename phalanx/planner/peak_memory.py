@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from phalanx.model.config import ModelConfig
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import (
+    GATHERED_LAYERS,
     ParamCounts,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -59,13 +60,18 @@ def recompute_share(model: ModelConfig, lay: Layout) -> float:
     return min(lay.recompute_layers, chunk) / chunk if lay.recompute_layers else 1.0
 
 
+def stage_heads(model: ModelConfig, lay: Layout) -> int:
+    """V x h matrices on the most loaded device: embedding and output head, or one of them
+    (tied, or a pipeline's first or last stage)."""
+    return 2 if (lay.pp == 1 and not model.tie_embeddings) else 1
+
+
 def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int):
     """Parameters on the most loaded device (first or last stage: embedding or output head):
     (counts, shared over tp, experts over tp x ep)."""
     c = param_counts_of(model)
-    heads = 2 if (lay.pp == 1 and not model.tie_embeddings) else 1
     shared = (n * (c.attention + c.norms) + (n - n_moe) * c.dense_mlp + n_moe * c.moe_other
-              + heads * c.embedding) / lay.tp
+              + stage_heads(model, lay) * c.embedding) / lay.tp
     return c, shared, n_moe * c.experts / (lay.tp * lay.ep)
 
 
@@ -79,6 +85,18 @@ def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
     return peak_memory(model, workload, layout, options, n, n_moe, shared, experts, c)[0]
 
 
+def fsdp_replicates(lay: Layout, options: Options) -> bool:
+    """Whether the phalanx trainer runs this layout's replicated data parallelism (zero 0) as FSDP2
+    with shard size 1: beside tp or pp, which torch DDP does not take."""
+    return options.phalanx_trainer and lay.zero == 0 and lay.dp > 1 and (lay.tp > 1 or lay.pp > 1)
+
+
+def autocast_copies(lay: Layout, options: Options) -> bool:
+    """Whether the phalanx trainer runs this layout in 16 bits by autocast over fp32 weights: a
+    16-bit run where FSDP2 does not gather the weights in param_dtype (one process, DDP, tp or pp
+    without dp; parallel/data_parallel.uses_fsdp)."""
+    fsdp = lay.dp > 1 and (lay.zero >= 2 or lay.tp > 1 or lay.pp > 1)
+    return options.phalanx_trainer and options.precision.gathered < options.precision.param and not fsdp
 
 
 def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
@@ -86,12 +104,21 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
     shard = lay.dp // lay.replicate
     precision = options.precision
+    zero = lay.zero
+    if fsdp_replicates(lay, options):
+        # The trainer runs replicated dp beside tp or pp as FSDP2 HSDP with shard size 1
+        # (parallel/data_parallel.uses_fsdp), not resharded after forward: zero 2 with one shard,
+        # the whole local weights and their gathered copy (measured: tiny, dp=2,pp=2 holds its
+        # stage's parameters twice, benchmarks/README.md).
+        zero, shard = 2, 1
     layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
-    state = state_bytes(zero=lay.zero, shards=shard, params=shared, layer_params=layer_shared,
-                        microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload)
+    root = (stage_heads(model, lay) * c.embedding + model.dim) / lay.tp  # embedding, output, final norm
+    state = state_bytes(zero=zero, shards=shard, params=shared, layer_params=layer_shared,
+                        microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload,
+                        root_params=root)
     host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
     if experts:
-        expert_state = state_bytes(zero=lay.zero, shards=max(1, shard // lay.ep), params=experts,
+        expert_state = state_bytes(zero=zero, shards=max(1, shard // lay.ep), params=experts,
                                    layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
                                    precision=precision, offload=lay.offload)
         state = {k: v + expert_state[k] for k, v in state.items()}
@@ -101,12 +128,17 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
     scale = precision.activation / 2  # the formulas count 16-bit elements
 
+    copies = autocast_copies(lay, options)
+    wide = precision.activation < 4 and (copies or not options.fused_norm)  # fp32 norm tensors
+
     def per_layer(moe: bool, recompute: str) -> float:
-        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute)
+        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, copies, wide)
         hit = _ACTIVATIONS.get(key)
         if hit is None or hit[0] is not model or hit[1] is not options:
             value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
-                                           moe=moe, recompute=recompute, **kw)
+                                           fused_norm=options.fused_norm, phalanx_model=options.phalanx_trainer,
+                                           autocast_fp32=copies, wide_norms=wide, moe=moe, recompute=recompute,
+                                           **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
         return scale * hit[2]
 
@@ -117,6 +149,17 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
                                        microbatches=lay.microbatches)
     rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
     logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * precision.logit
+    sbh = lay.mbs * workload.seq_len * model.dim
+    norms = 1 if options.fused_norm else 2  # tensors each norm keeps of its input's size
+    if wide:  # the final norm's tensors in fp32
+        logits += norms * sbh / (lay.tp if lay.sp else 1) * (4 - precision.activation)
+    # The last stage's head also keeps the final norm's input (and, unfused, its x / rms) and the
+    # output projection's input, s b h each (Korthikanti et al. leave them out as small; the
+    # probe, benchmarks/activation_probe.py, finds them). Under sp the norm runs on a sequence
+    # shard; the projection's input is gathered, and kept whole unless sp_regather.
+    norm_in = norms * sbh / (lay.tp if lay.sp else 1)
+    proj_in = sbh / (lay.tp if lay.sp and options.sp_regather else 1)
+    logits += (norm_in + proj_in) * precision.activation
     # The first rank holds the most micro-batches; the loss's logits live on the last stage,
     # which V-shaped schedules (and pp=1) put on that same first rank.
     first = stage_act * in_flight + rematerialised
@@ -126,14 +169,30 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         last_in_flight = lay.microbatches if lay.schedule == "gpipe" else 1
         last = stage_act * last_in_flight + rematerialised
         activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
+    if copies:
+        # Autocast casts each fp32 weight to bf16 once per autocast region (its cache) and the
+        # matmuls save those copies for backward: one bf16 copy of the stage's weights at the peak
+        # (one region around a whole pipeline step; without pp one per micro-batch, one alive at a
+        # time). The embedding's lookup is not cast. Measured on CPU autocast by
+        # benchmarks/activation_probe.py --dtype bf16.
+        embedding = c.embedding / lay.tp if lay.pp == 1 and not model.tie_embeddings else 0.0
+        activations += precision.gathered * (shared - embedding + experts)
     # Deferred weight gradients (zbv, dualpipev) hold their linear layers' inputs until W runs,
     # but never at the activation peak: in both schedules' orders each steady-state W follows
     # its input gradient at once, and the deferred ones wait in the cool-down, after the last
     # forward, while activations only fall (tests/test_planner_memory.py counts it on the orders).
     tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
     buffers = 0.0
-    if lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
-        buffers += 2 * BUCKET_BYTES if lay.zero <= 1 else 4 * layer_shared
+    if lay.dp > 1 and options.phalanx_trainer and lay.zero == 0 and lay.tp == 1 and lay.pp == 1:
+        # torch DDP (the trainer's zero=0 without tp or pp; experts under ep are left out of it):
+        # its reducer allocates every bucket's flat gradient tensor when it is built and keeps
+        # them, a second copy of the gradients (DDP's documentation of gradient_as_bucket_view,
+        # which the trainer leaves False); each bucket only as large as its parameters.
+        buffers += precision.grad * shared
+    elif lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
+        buffers += 2 * BUCKET_BYTES if zero <= 1 else 4 * layer_shared
+        if zero == 3 and lay.pp == 1:  # the next layer's all-gather output, prefetched (GATHERED_LAYERS)
+            buffers += precision.gathered * (GATHERED_LAYERS - 1) * layer_shared
     if lay.tp > 1:  # a gathered activation (sp) or an all-reduce's output beside its input
         buffers += 2 * tokens_bytes
     if lay.pp > 1:  # send and receive buffers, both directions
