@@ -57,6 +57,12 @@ class TrainConfig:
     ckpt_every: int = 100
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
+    sync_checkpoint: bool = False
+    """Save checkpoints in the loop; by default they are written in the background (DCP
+    async_save) while training goes on, and the loop waits only for the copy to CPU memory."""
+    collective_timeout: float = 600.0
+    """Seconds a collective may wait for the other ranks before the worker fails with an error
+    naming the operation (and, at step boundaries, the missing rank)."""
     resume: str = ""
     """'' = a fresh run (refused if `out` already holds one); 'must' = continue from the newest
     complete checkpoint in `out` (an error if there is none); 'auto' = continue when there is
@@ -93,6 +99,8 @@ class TrainConfig:
             problems.append(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
         if self.resume not in ("", "must", "auto"):
             problems.append(f"resume={self.resume!r} must be 'must' or 'auto'")
+        if not 0 < self.collective_timeout < math.inf:
+            problems.append(f"collective_timeout={self.collective_timeout} must be a positive number of seconds")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             if not math.isfinite(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)} must be a finite number")

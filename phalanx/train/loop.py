@@ -27,8 +27,9 @@ from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
-from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, weights_finite, why_bad
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
+from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+from phalanx.train.checkpoint_writer import CheckpointWriter
 from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
@@ -206,15 +207,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
     meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
 
-    def save(step: int) -> tuple[float, bool]:
-        """Checkpoint the state after `step` steps unless it is not finite: (seconds, saved)."""
-        began = time.perf_counter()
-        finite = weights_finite(model, device)
-        if finite:
-            save_checkpoint(run_dir, step, model, optimizer, rank=rank, keep=cfg.keep_checkpoints, meta=meta)
-        elif rank == 0:
-            print(f"phalanx: warning: not checkpointing step {step}: the weights are not finite", file=sys.stderr)
-        return time.perf_counter() - began, finite
+    writer = CheckpointWriter(run_dir, model, optimizer, device=device, rank=rank, keep=cfg.keep_checkpoints, meta=meta,
+                              asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
+    save = writer.save
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
@@ -282,6 +277,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         progress.close()
         return result
     finally:
+        writer.close()  # the last save completes before the run ends
         if metrics:
             metrics.close()  # flushes the TensorBoard event file
     progress.close()

@@ -1,0 +1,84 @@
+"""Checkpoints saved while training goes on (DCP `async_save`), or in the loop with
+`--sync-checkpoint`.
+
+An asynchronous save copies the state to CPU memory (the loop waits for that copy only), then a
+background thread writes the files while the next steps run. Its collectives go through a gloo
+group of its own, so they never interleave with training's (and on CUDA, where training talks
+NCCL, DCP still has the CPU-capable group it needs). On rank 0 a second thread waits for the
+write to finish on every rank (DCP's .metadata is written only then) and finishes the save
+like a synchronous one: manifest, rename, pruning (checkpoint.finish_save). So a checkpoint
+counts only once complete, and a crash at any point leaves the previous one the newest.
+
+One save is in flight at a time: the next waits for the previous (its row's `ckpt_wait_s` is
+that wait plus the copy), and `close` waits for the last before the run ends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from phalanx.train.bad_steps import weights_finite
+from phalanx.train.checkpoint import begin_save, checkpoint_state, finish_save, save_checkpoint
+
+
+class CheckpointWriter:
+    """Saves the state of `model` and `optimizer` after a step; every rank makes the same calls.
+    A new process group is made here when asynchronous: construct it on every rank, in order."""
+
+    def __init__(self, run_dir: Path, model, optimizer, *, device: torch.device, rank: int, keep: int, meta: dict,
+                 asynchronous: bool, timeout_s: float):
+        self.run_dir, self.model, self.optimizer, self.device = run_dir, model, optimizer, device
+        self.rank, self.keep, self.meta, self.asynchronous = rank, keep, meta, asynchronous
+        self.group = None
+        if asynchronous and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.finisher = ThreadPoolExecutor(1, thread_name_prefix="phalanx-ckpt") if asynchronous and rank == 0 else None
+        self.pending: Future | None = None
+
+    def save(self, step: int) -> tuple[float, bool]:
+        """Checkpoint the state after `step` steps unless it is not finite; return (seconds the
+        loop waited, whether a save was started)."""
+        began = time.perf_counter()
+        if not weights_finite(self.model, self.device):
+            if self.rank == 0:
+                print(f"phalanx: warning: not checkpointing step {step}: the weights are not finite", file=sys.stderr)
+            return time.perf_counter() - began, False
+        self.wait()
+        if not self.asynchronous:
+            save_checkpoint(self.run_dir, step, self.model, self.optimizer, rank=self.rank, keep=self.keep, meta=self.meta)
+            return time.perf_counter() - began, True
+        staging = begin_save(self.run_dir, step, rank=self.rank)
+        # Returns once the state is copied to CPU memory; the optimizer may then change it.
+        written = dcp.async_save(checkpoint_state(self.model, self.optimizer), checkpoint_id=str(staging),
+                                 process_group=self.group)
+        if self.finisher is None:
+            self.pending = written
+        else:
+            self.pending = self.finisher.submit(self._finish, written, step, staging)
+        return time.perf_counter() - began, True
+
+    def _finish(self, written: Future, step: int, staging: Path) -> None:
+        written.result()  # every rank's files and DCP's .metadata are on disk
+        finish_save(self.run_dir, step, staging, keep=self.keep, meta=self.meta)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; raise what it raised."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the last save, so the run ends with its checkpoint complete."""
+        try:
+            self.wait()
+        finally:
+            if self.finisher is not None:
+                self.finisher.shutdown()
