@@ -27,6 +27,7 @@ from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+"""For commands without --collective-timeout (generate, match, blur)."""
 
 
 def usable_cores() -> int:
@@ -102,21 +103,22 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def init_worker_group(device: str) -> None:
-    """Join the process group of a launched worker (nothing in a single process)."""
+def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
+    """Join the process group of a launched worker (nothing in a single process). On CUDA the
+    group also has a gloo backend for CPU tensors, which asynchronous checkpointing needs."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         use_cuda = device != "cpu" and torch.cuda.is_available()
         if not use_cuda:
             torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout)
 
 
-def run_in_group(device: str, body):
+def run_in_group(device: str, body, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
     """`body()` on this worker with its process group up, and torn down after. A UserError is
     printed once (by rank 0) and gives None, for the caller's exit status 2."""
     rank = int(os.environ.get("RANK", "0"))
-    init_worker_group(device)
+    init_worker_group(device, timeout)
     try:
         return body()
     except UserError as error:
@@ -135,7 +137,8 @@ def worker_main(cfg_fields: dict, run_dir: str) -> int:
     cfg = TrainConfig(**cfg_fields)
     rank = int(os.environ.get("RANK", "0"))
     began = time.perf_counter()
-    result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir)))
+    result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir)),
+                          datetime.timedelta(seconds=cfg.collective_timeout))
     if result is None:
         return 2
     if result.interrupted:

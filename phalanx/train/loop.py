@@ -31,6 +31,7 @@ from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
 from phalanx.train.checkpoint_writer import CheckpointWriter
 from phalanx.train.checkpoint_manifest import read_meta
+from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
 from phalanx.train.metrics import MetricsLog, plot_loss
@@ -210,11 +211,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     writer = CheckpointWriter(run_dir, model, optimizer, device=device, rank=rank, keep=cfg.keep_checkpoints, meta=meta,
                               asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
     save = writer.save
+    step_barrier = StepBarrier(cfg.collective_timeout)
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
     try:
         for step in range(start_step, cfg.steps):
+            step_barrier(step + 1)  # a stuck or lost rank is named here, within --collective-timeout
             began = time.perf_counter()
             lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
             for group in optimizer.param_groups:
@@ -276,6 +279,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         result.interrupted = True
         progress.close()
         return result
+    except RuntimeError as error:
+        raise_if_collective_failure(error, step + 1, cfg.collective_timeout)
+        raise
     finally:
         writer.close()  # the last save completes before the run ends
         if metrics:
