@@ -17,6 +17,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--plan", "plan", str, "parallel layout, e.g. dp=2,zero=3 or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--cluster", "cluster", str, "with --plan auto: the cluster to plan for, a preset (dgx-h100, ...) or a cluster file (default: this machine)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
+    ("--nnodes", "nnodes", str, "machines, N or MIN:MAX (elastic: goes on when nodes leave or join; --nproc is then per node, and --rdzv-endpoint is needed)"),
     ("--steps", "steps", int, "optimizer steps"),
     ("--global-batch", "global_batch", int, "sequences per optimizer step, whatever the layout"),
     ("--seq-len", "seq_len", int, "tokens per sequence"),

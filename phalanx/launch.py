@@ -25,6 +25,7 @@ from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
 from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
+from phalanx.train.world_change import plan_for_world
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """For commands without --collective-timeout (generate, match, blur)."""
@@ -79,6 +80,16 @@ def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"phalanx: --plan auto chose {plan} for {world_size} process{'es' if world_size > 1 else ''}", file=sys.stderr)
     return cfg.replace(plan=plan.to_string())
+
+
+def saved_world_size(cfg: TrainConfig) -> int | None:
+    """The world size of the checkpoint a resume of `cfg` would load, if any."""
+    found = latest_checkpoint(Path(cfg.out)) if cfg.resume and cfg.out else None
+    if found is None:
+        return None
+    from phalanx.train.checkpoint_manifest import read_meta
+
+    return read_meta(found[1]).get("world_size")
 
 
 def resolve_run_dir(cfg: TrainConfig) -> Path:
@@ -149,6 +160,9 @@ def worker_main(cfg_fields: dict, run_dir: str) -> int:
 
 
 def _elastic_entry(cfg_fields: dict, run_dir: str) -> None:
+    # Across machines no launcher holds the run directory's lock (each would refuse the others').
+    across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
+    lock = lock_run_dir(Path(run_dir)) if across_nodes else None  # noqa: F841 (held until exit)
     status = worker_main(cfg_fields, run_dir)
     if status:
         sys.exit(status)
@@ -171,12 +185,17 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
 
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
-    cfg = choose_auto_plan(cfg, nproc)
+    nodes = cfg.node_range
+    if nodes[1] > 1 and not rdzv_endpoint:
+        raise UserError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every machine")
+    world = nproc * nodes[0]  # exact unless elastic: then the workers plan for the world they find
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
-    validate_for_model(resolve_plan(cfg.plan, nproc), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                       dtype=cfg.dtype)
+    if not cfg.elastic:
+        cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(cfg))
+        validate_for_model(resolve_plan(cfg.plan, world), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+                           dtype=cfg.dtype)
     from phalanx.hf.weights import initial_weights
 
     weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model
@@ -185,19 +204,20 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
                  model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
     run_dir = resolve_run_dir(cfg)
     created = not run_dir.exists()
-    lock = lock_run_dir(run_dir)  # held until this process exits; the workers inherit it
+    # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
+    lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
     try:
         if cfg.resume == "must" and latest_checkpoint(run_dir) is None:
             raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
         found = latest_checkpoint(run_dir)
         if not cfg.resume and found is not None:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
-        if cfg.resume and found is not None:  # refused here in one line; the workers log what changed
+        if cfg.resume and found is not None and not cfg.elastic:  # refused here in one line; the workers log what changed
             from phalanx.train.checkpoint_manifest import read_meta
             from phalanx.train.resume_settings import check_resume
 
             check_resume(read_meta(found[1]), model=model_cfg.to_dict(), where=str(run_dir),
-                         settings={**asdict(cfg), "world_size": nproc})
+                         settings={**asdict(cfg), "world_size": world})
     except UserError:
         lock.close()
         if created:
@@ -208,9 +228,11 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
     source = f" from {weights.folder}" if weights else ""
-    print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {nproc} process{'es' if nproc > 1 else ''}, "
-          f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
-    if nproc == 1:
+    where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
+    plan = "chosen for the world size found" if cfg.elastic else resolve_plan(cfg.plan, world)
+    print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "
+          f"plan {plan}, run directory {run_dir}", file=sys.stderr)
+    if nproc == 1 and nodes[1] == 1:
         status = worker_main(asdict(cfg), str(run_dir))
     else:
         status = _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
@@ -266,10 +288,12 @@ def interrupted_message(run_dir: Path) -> str:
     return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume auto"
 
 
-def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "") -> dict:
+def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "",
+                  nodes: tuple[int, int] = (1, 1)) -> dict:
     """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
-    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions."""
+    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `nodes`:
+    (min, max) machines, each running this with the same `rdzv_endpoint` (nproc per machine)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.ports import free_port
@@ -278,7 +302,8 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.ERROR)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"phalanx-{os.getpid()}",
+        min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=nproc,
+        run_id=f"phalanx-{rdzv_endpoint}" if nodes[1] > 1 else f"phalanx-{os.getpid()}",  # the same on every node
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
         # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
@@ -296,17 +321,18 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
 
 
 def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
-    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint)
+    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint,
+                       nodes=cfg.node_range)
 
 
-def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
+def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "", nodes: tuple[int, int] = (1, 1)) -> int:
     """`start_elastic` for commands whose workers report by exit status: 0, 2 (a user error
     that rank 0 has printed), 130 (interrupted) or 1 (a failure, printed here)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        start_elastic(entry, args, nproc, device, rdzv_endpoint)
+        start_elastic(entry, args, nproc, device, rdzv_endpoint, nodes)
     except (SignalException, KeyboardInterrupt):
         return 130  # the agent has already stopped the workers
     except ChildFailedError as error:

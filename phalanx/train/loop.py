@@ -30,7 +30,6 @@ from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
 from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
 from phalanx.train.checkpoint_writer import CheckpointWriter
-from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
@@ -41,7 +40,7 @@ from phalanx.train.pipeline_step import (
 from phalanx.train.loss import token_loss
 from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
-from phalanx.train.resume_settings import check_resume
+from phalanx.train.resume_point import resume_point
 from phalanx.train.sample import generate
 
 EVAL_SEED = 7919
@@ -130,20 +129,6 @@ def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipe
     return float(mesh.all_reduce_mean(total / cfg.eval_batches))
 
 
-def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path, model_cfg, world_size: int, rank: int):
-    """The (step, path) to resume from, or None for a fresh run; refuses a missing checkpoint
-    under resume='must' and settings that cannot change, and logs the ones that did."""
-    found = latest_checkpoint(run_dir, report=rank == 0) if cfg.resume else None
-    if cfg.resume == "must" and found is None:
-        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
-    if found:
-        notes = check_resume(read_meta(found[1]), model=model_cfg.to_dict(), where=str(run_dir),
-                             settings={**dataclasses.asdict(cfg), "world_size": world_size})
-        for line in notes if rank == 0 else ():
-            print(line, file=sys.stderr)
-    return found
-
-
 def skip_step(metrics, step: int, reason: str, bad_steps: BadStepCounter, cfg: TrainConfig, save, rank: int) -> None:
     """Report a skipped step; past --max-bad-steps in a row, checkpoint the last good state
     (the weights have not moved since it) and stop. A skipped step is not checkpointed: its
@@ -167,15 +152,15 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model_cfg = model_config(cfg.model)
-    plan = resolve_plan(cfg.plan, world_size)
     check_sequence_length(cfg, model_cfg)
+    cfg, found = resume_point(cfg, run_dir, model_cfg, world_size, rank)  # the plan follows a changed world size
+    plan = resolve_plan(cfg.plan, world_size)
     plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
     accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
     check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
-    found = find_resume_checkpoint(cfg, run_dir, model_cfg, world_size, rank)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
     except OSError as error:
