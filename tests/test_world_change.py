@@ -1,12 +1,15 @@
-"""A run continued on another number of processes (a node lost, a rerun with another --nproc):
-the plan follows the world size and the checkpoint is resharded by DCP, so the losses go on.
+"""A run killed while saving, continued on another number of processes (a node lost, a rerun
+with another --nproc): the previous checkpoint is intact, the plan follows the world size and
+DCP reshards the checkpoint, so the losses go on.
 
-One 4-process run (dp=2,tp=2; checkpoints saved in the background, the default) is resumed
-on 2 processes with the same plan (dp follows: dp=1,tp=2) and with `--plan auto`. The resumed
-steps must give the losses of the uninterrupted 4-process run: the batch of a step and the
-learning rate depend only on the step, the global batch is unchanged, so only the order of
-float32 sums differs between layouts, within 1e-4 as in test_resume.py. A plan that cannot
-follow (tp=2 does not divide 3 processes) is refused in one line naming one that does.
+One 4-process run (dp=2,tp=2; checkpoints saved in the background, the default) has rank 0
+SIGKILLed in the middle of its last save (test hook DIE_IN_SAVE_ENV: after DCP wrote the shards,
+before the manifest): the step-2 checkpoint must stay the newest and load. It is resumed on 2
+processes with the same plan (dp follows: dp=1,tp=2) and with `--plan auto`. Step 3 must give
+the killed run's step-3 loss: the batch of a step and the learning rate depend only on the
+step and the global batch is unchanged, so only the order of float32 sums differs between
+layouts, within 1e-4 as in test_resume.py. A plan that cannot follow (tp=2 does not divide 3
+processes) is refused in one line naming one that does.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 
 from phalanx.testing.cli_errors import assert_cli_error
 from phalanx.testing.fork_ranks import run_ranks
+from phalanx.train.checkpoint import DIE_IN_SAVE_ENV, latest_checkpoint
 from phalanx.train.loop import train
 from phalanx.train.world_change import dp_follows
 from phalanx.plan import Plan
@@ -28,6 +32,14 @@ def _losses(cfg):
     return train(cfg, Path(cfg.out)).losses
 
 
+def _losses_to_file(cfg):
+    """Rank 0 is killed at the end: the other ranks (same global-mean losses) leave theirs in a file."""
+    import torch.distributed as dist
+
+    losses = _losses(cfg)
+    Path(f"{cfg.out}.losses.rank{dist.get_rank()}").write_text(json.dumps(losses))
+
+
 @pytest.fixture(scope="module")
 def four_process_run(tmp_path_factory):
     from phalanx.train.config import TrainConfig
@@ -35,15 +47,25 @@ def four_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("world") / "run"
     cfg = TrainConfig(model="tiny", steps=3, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
                       ckpt_every=2, sample_tokens=0, progress=False, device="cpu", plan="dp=2,tp=2", out=str(out))
-    return cfg, run_ranks(4, _losses, cfg)[0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DIE_IN_SAVE_ENV, "3")
+        with pytest.raises(RuntimeError, match="rank 0: died without a result"):
+            run_ranks(4, _losses_to_file, cfg)
+    return cfg, json.loads(Path(f"{out}.losses.rank1").read_text())
+
+
+def test_kill_during_a_background_save_leaves_the_previous_checkpoint(four_process_run):
+    cfg, losses = four_process_run
+    ckpts = Path(cfg.out) / "checkpoints"
+    assert len(losses) == 3
+    assert (ckpts / "step_000003.tmp" / ".metadata").exists()  # the save was under way: every shard written
+    assert latest_checkpoint(Path(cfg.out)) == (2, ckpts / "step_000002")
 
 
 def _from_step_2(cfg, tmp_path):
-    """A copy of the run as if stopped after its step-2 checkpoint."""
+    """A copy of the killed run, resumed: from its step-2 checkpoint."""
     shutil.copytree(cfg.out, tmp_path / "run")
-    for path in (tmp_path / "run" / "checkpoints").glob("step_*"):
-        if json.loads((path / "phalanx.json").read_text())["step"] > 2:
-            shutil.rmtree(path)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000003.tmp")
     return cfg.replace(out=str(tmp_path / "run"), resume="must")
 
 
