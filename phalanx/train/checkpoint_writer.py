@@ -75,10 +75,17 @@ class CheckpointWriter:
         if pending is not None:
             pending.result()
 
-    def close(self) -> None:
-        """Wait for the last save, so the run ends with its checkpoint complete."""
+    def close(self, *, failing: bool = False) -> None:
+        """Wait for the last save, so the run ends with its checkpoint complete. `failing`: the
+        run is ending on an error; a failure of the save then is only a warning, so that the
+        run's own error is the one reported."""
         try:
             self.wait()
+        except Exception as error:
+            if not failing:
+                raise
+            if self.rank == 0:
+                print(f"phalanx: warning: the checkpoint being written did not complete: {error}", file=sys.stderr)
         finally:
             if self.finisher is not None:
                 self.finisher.shutdown()
