@@ -96,3 +96,14 @@ def test_micro_batches_keep_their_size():
     # 16 sequences: dp=4 x 2 micro-batches of 2; on dp=2 each rank has 8, so 4 micro-batches of 2.
     assert dp_follows(Plan(dp=4, tp=2, microbatches=2), 4, 16) == Plan(dp=2, tp=2, microbatches=4)
     assert dp_follows(Plan(dp=2, pp=2, schedule="gpipe"), 2, 8) == Plan(dp=1, pp=2, schedule="gpipe", microbatches=8)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--nnodes", "2:1"], "nnodes='2:1' must be N or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "1:2"], "--nnodes 1:2 needs --rdzv-endpoint HOST:PORT"),
+    (["--collective-timeout", "0"], "collective_timeout=0.0 must be a positive number of seconds"),
+    (["--collective-timeout", "nan"], "collective_timeout=nan must be a positive number of seconds"),
+])
+def test_bad_nnodes_and_collective_timeout(tmp_path, capsys, flags, said):
+    assert_cli_error(["train", "--model", "tiny", "--device", "cpu", "--nproc", "2", "--out", str(tmp_path / "r"), *flags],
+                     capsys, said)
