@@ -36,12 +36,13 @@ def usable_cores() -> int:
 
 
 def default_nproc(cfg: TrainConfig) -> int:
-    """Workers when --nproc is not given: as many as the plan names; else one per GPU; else
-    one per CPU core (at most 8), lowered until it divides the global batch."""
+    """Workers per node when --nproc is not given: as many as the plan names (divided among the
+    --nnodes); else one per GPU; else one per CPU core (at most 8), lowered until it divides
+    the global batch."""
     from phalanx.plan import parse_plan
 
-    if cfg.plan and cfg.plan != "auto":
-        return parse_plan(cfg.plan)[0].world_size
+    if cfg.plan and cfg.plan != "auto":  # over every node: --nproc is per node
+        return max(1, parse_plan(cfg.plan)[0].world_size // cfg.node_range[1])
     if cfg.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
     nproc = min(usable_cores(), 8)
