@@ -268,9 +268,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         raise_if_collective_failure(error, step + 1, cfg.collective_timeout)
         raise
     finally:
-        writer.close(failing=sys.exc_info()[0] is not None)  # the last save completes before the run ends
         if metrics:
             metrics.close()  # flushes the TensorBoard event file
+        writer.close(failing=sys.exc_info()[0] is not None)  # the last save completes before the run ends
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
