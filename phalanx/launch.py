@@ -163,8 +163,10 @@ def worker_main(cfg_fields: dict, run_dir: str) -> int:
 def _elastic_entry(cfg_fields: dict, run_dir: str) -> None:
     # Across machines no launcher holds the run directory's lock (each would refuse the others').
     across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
-    lock = lock_run_dir(Path(run_dir)) if across_nodes else None  # noqa: F841 (held until exit)
+    lock = lock_run_dir(Path(run_dir)) if across_nodes else None
     status = worker_main(cfg_fields, run_dir)
+    if lock:
+        lock.close()
     if status:
         sys.exit(status)
 

@@ -28,7 +28,7 @@ from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+from phalanx.train.checkpoint import load_checkpoint
 from phalanx.train.checkpoint_writer import CheckpointWriter
 from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
