@@ -17,6 +17,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--plan", "plan", str, "parallel layout, e.g. dp=2,zero=3 or dp=2,tp=2,pp=2,schedule=interleaved, or auto to let the planner choose (docs/layout.md; default: dp over all processes)"),
     ("--cluster", "cluster", str, "with --plan auto: the cluster to plan for, a preset (dgx-h100, ...) or a cluster file (default: this machine)"),
     ("--nproc", "nproc", int, "local worker processes (default: what the plan names, else one per GPU, else one per CPU core)"),
+    ("--nnodes", "nnodes", str, "machines, N or MIN:MAX (elastic: goes on when nodes leave or join; --nproc is then per node, and --rdzv-endpoint is needed)"),
     ("--steps", "steps", int, "optimizer steps"),
     ("--global-batch", "global_batch", int, "sequences per optimizer step, whatever the layout"),
     ("--seq-len", "seq_len", int, "tokens per sequence"),
@@ -28,6 +29,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--eval-every", "eval_every", int, "validation every N steps (0: never)"),
     ("--ckpt-every", "ckpt_every", int, "checkpoint every N steps (0: only at the end)"),
     ("--sample-tokens", "sample_tokens", int, "bytes of text to generate at the end"),
+    ("--collective-timeout", "collective_timeout", float, "seconds a collective may wait for the other ranks before the worker fails, naming the operation and, where known, the missing rank (default 600)"),
 ]
 
 
@@ -41,6 +43,8 @@ def _add_train(subparsers) -> None:
                              "(default with the flag alone: must)")
     parser.add_argument("--max-bad-steps", dest="max_bad_steps", type=int, default=None,
                         help="stop after this many steps in a row with a non-finite loss or gradient norm (default 5)")
+    parser.add_argument("--sync-checkpoint", dest="sync_checkpoint", action="store_true", default=None,
+                        help="save checkpoints in the loop (default: in the background while training goes on)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
     parser.set_defaults(func=_run_train)
@@ -51,7 +55,8 @@ def _run_train(args) -> int:
     from phalanx.train.config import load_config
 
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
-    overrides.update(resume=args.resume, progress=args.progress, max_bad_steps=args.max_bad_steps)
+    overrides.update(resume=args.resume, progress=args.progress, max_bad_steps=args.max_bad_steps,
+                     sync_checkpoint=args.sync_checkpoint)
     return launch_train(load_config(args.config, overrides), rdzv_endpoint=args.rdzv_endpoint)
 
 

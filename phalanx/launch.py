@@ -25,8 +25,10 @@ from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
 from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
+from phalanx.train.world_change import plan_for_world
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+"""For commands without --collective-timeout (generate, match, blur)."""
 
 
 def usable_cores() -> int:
@@ -34,12 +36,13 @@ def usable_cores() -> int:
 
 
 def default_nproc(cfg: TrainConfig) -> int:
-    """Workers when --nproc is not given: as many as the plan names; else one per GPU; else
-    one per CPU core (at most 8), lowered until it divides the global batch."""
+    """Workers per node when --nproc is not given: as many as the plan names (divided among the
+    --nnodes); else one per GPU; else one per CPU core (at most 8), lowered until it divides
+    the global batch."""
     from phalanx.plan import parse_plan
 
-    if cfg.plan and cfg.plan != "auto":
-        return parse_plan(cfg.plan)[0].world_size
+    if cfg.plan and cfg.plan != "auto":  # over every node: --nproc is per node
+        return max(1, parse_plan(cfg.plan)[0].world_size // cfg.node_range[1])
     if cfg.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.device_count()
     nproc = min(usable_cores(), 8)
@@ -80,6 +83,16 @@ def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg.replace(plan=plan.to_string())
 
 
+def saved_world_size(cfg: TrainConfig) -> int | None:
+    """The world size of the checkpoint a resume of `cfg` would load, if any."""
+    found = latest_checkpoint(Path(cfg.out)) if cfg.resume and cfg.out else None
+    if found is None:
+        return None
+    from phalanx.train.checkpoint_manifest import read_meta
+
+    return read_meta(found[1]).get("world_size")
+
+
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
@@ -102,21 +115,22 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def init_worker_group(device: str) -> None:
-    """Join the process group of a launched worker (nothing in a single process)."""
+def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
+    """Join the process group of a launched worker (nothing in a single process). On CUDA the
+    group also has a gloo backend for CPU tensors, which asynchronous checkpointing needs."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         use_cuda = device != "cpu" and torch.cuda.is_available()
         if not use_cuda:
             torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout)
 
 
-def run_in_group(device: str, body):
+def run_in_group(device: str, body, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
     """`body()` on this worker with its process group up, and torn down after. A UserError is
     printed once (by rank 0) and gives None, for the caller's exit status 2."""
     rank = int(os.environ.get("RANK", "0"))
-    init_worker_group(device)
+    init_worker_group(device, timeout)
     try:
         return body()
     except UserError as error:
@@ -135,7 +149,8 @@ def worker_main(cfg_fields: dict, run_dir: str) -> int:
     cfg = TrainConfig(**cfg_fields)
     rank = int(os.environ.get("RANK", "0"))
     began = time.perf_counter()
-    result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir)))
+    result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir)),
+                          datetime.timedelta(seconds=cfg.collective_timeout))
     if result is None:
         return 2
     if result.interrupted:
@@ -146,7 +161,12 @@ def worker_main(cfg_fields: dict, run_dir: str) -> int:
 
 
 def _elastic_entry(cfg_fields: dict, run_dir: str) -> None:
+    # Across machines no launcher holds the run directory's lock (each would refuse the others').
+    across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
+    lock = lock_run_dir(Path(run_dir)) if across_nodes else None
     status = worker_main(cfg_fields, run_dir)
+    if lock:
+        lock.close()
     if status:
         sys.exit(status)
 
@@ -168,12 +188,17 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
 
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
-    cfg = choose_auto_plan(cfg, nproc)
+    nodes = cfg.node_range
+    if nodes[1] > 1 and not rdzv_endpoint:
+        raise UserError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every machine")
+    world = nproc * nodes[0]  # exact unless elastic: then the workers plan for the world they find
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
-    validate_for_model(resolve_plan(cfg.plan, nproc), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                       dtype=cfg.dtype)
+    if not cfg.elastic:
+        cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(cfg))
+        validate_for_model(resolve_plan(cfg.plan, world), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+                           dtype=cfg.dtype)
     from phalanx.hf.weights import initial_weights
 
     weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model
@@ -182,19 +207,20 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
                  model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
     run_dir = resolve_run_dir(cfg)
     created = not run_dir.exists()
-    lock = lock_run_dir(run_dir)  # held until this process exits; the workers inherit it
+    # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
+    lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
     try:
         if cfg.resume == "must" and latest_checkpoint(run_dir) is None:
             raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
         found = latest_checkpoint(run_dir)
         if not cfg.resume and found is not None:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
-        if cfg.resume and found is not None:  # refused here in one line; the workers log what changed
+        if cfg.resume and found is not None and not cfg.elastic:  # refused here in one line; the workers log what changed
             from phalanx.train.checkpoint_manifest import read_meta
             from phalanx.train.resume_settings import check_resume
 
             check_resume(read_meta(found[1]), model=model_cfg.to_dict(), where=str(run_dir),
-                         settings={**asdict(cfg), "world_size": nproc})
+                         settings={**asdict(cfg), "world_size": world})
     except UserError:
         lock.close()
         if created:
@@ -205,9 +231,11 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
     source = f" from {weights.folder}" if weights else ""
-    print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {nproc} process{'es' if nproc > 1 else ''}, "
-          f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
-    if nproc == 1:
+    where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
+    plan = "chosen for the world size found" if cfg.elastic else resolve_plan(cfg.plan, world)
+    print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "
+          f"plan {plan}, run directory {run_dir}", file=sys.stderr)
+    if nproc == 1 and nodes[1] == 1:
         status = worker_main(asdict(cfg), str(run_dir))
     else:
         status = _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
@@ -263,10 +291,12 @@ def interrupted_message(run_dir: Path) -> str:
     return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume auto"
 
 
-def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "") -> dict:
+def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "",
+                  nodes: tuple[int, int] = (1, 1)) -> dict:
     """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
-    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions."""
+    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `nodes`:
+    (min, max) machines, each running this with the same `rdzv_endpoint` (nproc per machine)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.ports import free_port
@@ -275,7 +305,8 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.ERROR)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"phalanx-{os.getpid()}",
+        min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=nproc,
+        run_id=f"phalanx-{rdzv_endpoint}" if nodes[1] > 1 else f"phalanx-{os.getpid()}",  # the same on every node
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
         # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
@@ -293,17 +324,18 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
 
 
 def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
-    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint)
+    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint,
+                       nodes=cfg.node_range)
 
 
-def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
+def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "", nodes: tuple[int, int] = (1, 1)) -> int:
     """`start_elastic` for commands whose workers report by exit status: 0, 2 (a user error
     that rank 0 has printed), 130 (interrupted) or 1 (a failure, printed here)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        start_elastic(entry, args, nproc, device, rdzv_endpoint)
+        start_elastic(entry, args, nproc, device, rdzv_endpoint, nodes)
     except (SignalException, KeyboardInterrupt):
         return 130  # the agent has already stopped the workers
     except ChildFailedError as error:

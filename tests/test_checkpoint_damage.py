@@ -5,6 +5,8 @@ step recorded in phalanx.json and never removes a good checkpoint for a damaged 
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 from pathlib import Path
 
@@ -130,3 +132,29 @@ def test_pruning_never_removes_a_good_checkpoint_for_a_damaged_one(tmp_path):
     _flip(tmp_path / "checkpoints" / "step_000002")
     _save(tmp_path, 3)  # keep=2 good ones: 3 and 1; the damaged 2 does not count and is left alone
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002", "step_000003"]
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch, asynchronous):
+    """The disk fills up while DCP writes step 2 (its fsync fails with ENOSPC, as a full disk
+    reports it): a UserError naming the step and the cause, in the background save at the
+    next wait as in the loop, and step 1 is still the newest complete checkpoint."""
+    from phalanx.errors import UserError
+    from phalanx.train.checkpoint_writer import CheckpointWriter
+
+    model = torch.nn.Linear(2, 2)
+    writer = CheckpointWriter(tmp_path, model, torch.optim.AdamW(model.parameters()), device=torch.device("cpu"),
+                              rank=0, keep=2, meta={}, asynchronous=asynchronous, timeout_s=10)
+    writer.save(1)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer.wait()
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(UserError, match=r"checkpoint of step 2 could not be written under .* \(No space left on device\); "
+                                        "the previous complete checkpoint is kept"):
+        writer.save(2)
+        writer.close()
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path)[0] == 1

@@ -4,6 +4,10 @@ The batch of a step depends only on (seed, step) and the learning rate only on t
 after loading model and optimizer state the resumed steps must reproduce the uninterrupted
 run's losses: exactly within one layout (same arithmetic, same order), and to the dp tolerance
 of test_data_parallel (1e-4) when the checkpoint is loaded into another layout (DCP reshards).
+
+Checkpoints are saved in the background by default (checkpoint_writer.py): the step-3 save is
+written while steps 4 and 5 change the weights, so equal losses and final weights also show
+that the save holds the state of its own step.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+
+import torch
 
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.checkpoint import latest_checkpoint
@@ -22,6 +28,11 @@ def _losses(cfg):
     return train(cfg, Path(cfg.out)).losses
 
 
+def _losses_and_weights(cfg):
+    result = train(cfg, Path(cfg.out))
+    return result.losses, {name: value.detach().clone() for name, value in result.model.state_dict().items()}
+
+
 def _interrupt_after(run_dir: Path, step: int) -> None:
     """Make run_dir look like a run stopped just after the checkpoint of `step`."""
     for path in (run_dir / "checkpoints").glob("step_*"):
@@ -31,11 +42,12 @@ def _interrupt_after(run_dir: Path, step: int) -> None:
 
 def test_resume_reproduces_uninterrupted_losses(tiny_config):
     cfg = tiny_config.replace(steps=6, ckpt_every=3)
-    full = run_ranks(1, _losses, cfg)[0]
+    full, full_weights = run_ranks(1, _losses_and_weights, cfg)[0]
     _interrupt_after(Path(cfg.out), 3)
     assert latest_checkpoint(Path(cfg.out))[0] == 3
-    resumed = run_ranks(1, _losses, cfg.replace(resume=True))[0]
+    resumed, weights = run_ranks(1, _losses_and_weights, cfg.replace(resume=True))[0]
     assert resumed == full[3:]
+    assert all(torch.equal(weights[name], value) for name, value in full_weights.items())
     # metrics.jsonl reads as one continuous run: steps 1..6 once each.
     assert [r["step"] for r in read_metrics(Path(cfg.out) / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 

@@ -11,7 +11,9 @@ loaded on 2).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -83,28 +85,61 @@ def _prune(run_dir: Path, keep: int, newest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, rank: int, keep: int,
-                    meta: dict | None = None) -> Path:
-    """Save the state after `step` completed steps (all ranks call this). `meta` goes into
-    phalanx.json beside the step (the model's config and the run's settings, for export)."""
-    final = checkpoint_dir(run_dir, step)
-    staging = final.with_suffix(".tmp")
+def checkpoint_state(model: nn.Module, optimizer) -> dict:
+    """What a checkpoint holds: model and optimizer state (every expert once, see
+    expert_checkpoint.py). Nothing else is needed to continue the run: the learning rate is a
+    function of the step, a step's batch a function of (seed, step) recorded in phalanx.json,
+    and training draws no other random numbers (no dropout), so there is no RNG state to keep."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return globalize_experts(model, {"model": model_state, "optim": optim_state})[0]
+
+
+def begin_save(run_dir: Path, step: int, *, rank: int) -> Path:
+    """The staging folder of the checkpoint of `step`, emptied of what a crashed save left."""
+    staging = checkpoint_dir(run_dir, step).with_suffix(".tmp")
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state, _ = globalize_experts(model, {"model": model_state, "optim": optim_state})  # all ep ranks' experts
-    dcp.save(state, checkpoint_id=str(staging))
+    return staging
+
+
+def finish_save(run_dir: Path, step: int, staging: Path, *, keep: int, meta: dict | None) -> Path:
+    """Rank 0, once every rank's shards and DCP's .metadata are written: the manifest, then the
+    rename that makes the checkpoint count, then pruning. Before the rename the folder ends in
+    .tmp and is never read, so a crash anywhere in a save leaves the previous checkpoint newest."""
+    die_if_asked(step)
+    final = checkpoint_dir(run_dir, step)
+    # Written last, after every shard is complete: a folder without a valid manifest is unfinished.
+    record = {"step": step, **(meta or {}), "manifest": build_manifest(staging)}
+    (staging / META_FILE).write_text(json.dumps(record))
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    _prune(run_dir, keep, final)
+    return final
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, rank: int, keep: int,
+                    meta: dict | None = None) -> Path:
+    """Save the state after `step` completed steps and return when it is complete (all ranks
+    call this). `meta` goes into phalanx.json beside the step (the model's config and the run's
+    settings, for export and resume). checkpoint_writer.py saves in the background instead."""
+    staging = begin_save(run_dir, step, rank=rank)
+    dcp.save(checkpoint_state(model, optimizer), checkpoint_id=str(staging))
     _barrier()
     if rank == 0:
-        # Written last, after every shard is complete: a folder without a valid manifest is unfinished.
-        record = {"step": step, **(meta or {}), "manifest": build_manifest(staging)}
-        (staging / META_FILE).write_text(json.dumps(record))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-        _prune(run_dir, keep, final)
+        finish_save(run_dir, step, staging, keep=keep, meta=meta)
     _barrier()
-    return final
+    return checkpoint_dir(run_dir, step)
+
+
+DIE_IN_SAVE_ENV = "PHALANX_TEST_DIE_IN_SAVE"
+"""Test hook: a step number; rank 0 SIGKILLs itself while saving that step's checkpoint, after
+DCP wrote its files and before the manifest (a crash in the middle of a save)."""
+
+
+def die_if_asked(step: int) -> None:
+    if os.environ.get(DIE_IN_SAVE_ENV) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:

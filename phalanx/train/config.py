@@ -38,6 +38,9 @@ class TrainConfig:
     nproc: int = 0
     """Local worker processes; 0 = as many as the plan names, else one per GPU, else one per
     CPU core (at most 8, and dividing global_batch)."""
+    nnodes: str = "1"
+    """Machines: N, or MIN:MAX for an elastic run that goes on when nodes leave or join (nproc
+    is then per node; the plan's dp follows the world size, see train/world_change.py)."""
     steps: int = 300
     global_batch: int = 16
     """Sequences per optimizer step, whatever the layout."""
@@ -57,6 +60,12 @@ class TrainConfig:
     ckpt_every: int = 100
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     keep_checkpoints: int = 2
+    sync_checkpoint: bool = False
+    """Save checkpoints in the loop; by default they are written in the background (DCP
+    async_save) while training goes on, and the loop waits only for the copy to CPU memory."""
+    collective_timeout: float = 600.0
+    """Seconds a collective may wait for the other ranks before the worker fails with an error
+    naming the operation (and, at step boundaries, the missing rank)."""
     resume: str = ""
     """'' = a fresh run (refused if `out` already holds one); 'must' = continue from the newest
     complete checkpoint in `out` (an error if there is none); 'auto' = continue when there is
@@ -73,6 +82,18 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TOML `resume = true` and older callers
             object.__setattr__(self, "resume", "must" if self.resume else "")
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(min, max) machines of `nnodes`; call validate first."""
+        low, _, high = str(self.nnodes).partition(":")
+        return int(low), int(high or low)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the number of machines (so the world size) may change during the run."""
+        low, high = self.node_range
+        return low != high
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
@@ -93,6 +114,11 @@ class TrainConfig:
             problems.append(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
         if self.resume not in ("", "must", "auto"):
             problems.append(f"resume={self.resume!r} must be 'must' or 'auto'")
+        low, sep, high = str(self.nnodes).partition(":")
+        if not (low.isdigit() and (high.isdigit() or not sep) and 1 <= int(low) <= int(high or low)):
+            problems.append(f"nnodes={self.nnodes!r} must be N or MIN:MAX with 1 <= MIN <= MAX")
+        if not 0 < self.collective_timeout < math.inf:
+            problems.append(f"collective_timeout={self.collective_timeout} must be a positive number of seconds")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             if not math.isfinite(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)} must be a finite number")
@@ -110,6 +136,8 @@ def _check_type(key: str, value: Any, source: str) -> Any:
     expected = type(getattr(TrainConfig(), key))
     if key == "resume" and isinstance(value, bool):
         return value  # true = 'must', false = a fresh run (TrainConfig.__post_init__)
+    if key == "nnodes" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # nnodes = 2 as well as nnodes = "1:2"
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not expected:

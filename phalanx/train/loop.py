@@ -27,9 +27,10 @@ from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
-from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, weights_finite, why_bad
-from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from phalanx.train.checkpoint_manifest import read_meta
+from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
+from phalanx.train.checkpoint import load_checkpoint
+from phalanx.train.checkpoint_writer import CheckpointWriter
+from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
 from phalanx.train.metrics import MetricsLog, plot_loss
@@ -39,7 +40,7 @@ from phalanx.train.pipeline_step import (
 from phalanx.train.loss import token_loss
 from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
-from phalanx.train.resume_settings import check_resume
+from phalanx.train.resume_point import resume_point
 from phalanx.train.sample import generate
 
 EVAL_SEED = 7919
@@ -128,20 +129,6 @@ def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipe
     return float(mesh.all_reduce_mean(total / cfg.eval_batches))
 
 
-def find_resume_checkpoint(cfg: TrainConfig, run_dir: Path, model_cfg, world_size: int, rank: int):
-    """The (step, path) to resume from, or None for a fresh run; refuses a missing checkpoint
-    under resume='must' and settings that cannot change, and logs the ones that did."""
-    found = latest_checkpoint(run_dir, report=rank == 0) if cfg.resume else None
-    if cfg.resume == "must" and found is None:
-        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
-    if found:
-        notes = check_resume(read_meta(found[1]), model=model_cfg.to_dict(), where=str(run_dir),
-                             settings={**dataclasses.asdict(cfg), "world_size": world_size})
-        for line in notes if rank == 0 else ():
-            print(line, file=sys.stderr)
-    return found
-
-
 def skip_step(metrics, step: int, reason: str, bad_steps: BadStepCounter, cfg: TrainConfig, save, rank: int) -> None:
     """Report a skipped step; past --max-bad-steps in a row, checkpoint the last good state
     (the weights have not moved since it) and stop. A skipped step is not checkpointed: its
@@ -165,15 +152,15 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model_cfg = model_config(cfg.model)
-    plan = resolve_plan(cfg.plan, world_size)
     check_sequence_length(cfg, model_cfg)
+    cfg, found = resume_point(cfg, run_dir, model_cfg, world_size, rank)  # the plan follows a changed world size
+    plan = resolve_plan(cfg.plan, world_size)
     plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
     accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
     check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
-    found = find_resume_checkpoint(cfg, run_dir, model_cfg, world_size, rank)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
     except OSError as error:
@@ -206,20 +193,16 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
     meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
 
-    def save(step: int) -> tuple[float, bool]:
-        """Checkpoint the state after `step` steps unless it is not finite: (seconds, saved)."""
-        began = time.perf_counter()
-        finite = weights_finite(model, device)
-        if finite:
-            save_checkpoint(run_dir, step, model, optimizer, rank=rank, keep=cfg.keep_checkpoints, meta=meta)
-        elif rank == 0:
-            print(f"phalanx: warning: not checkpointing step {step}: the weights are not finite", file=sys.stderr)
-        return time.perf_counter() - began, finite
+    writer = CheckpointWriter(run_dir, model, optimizer, device=device, rank=rank, keep=cfg.keep_checkpoints, meta=meta,
+                              asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
+    save = writer.save
+    step_barrier = StepBarrier(cfg.collective_timeout)
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
     try:
         for step in range(start_step, cfg.steps):
+            step_barrier(step + 1)  # a stuck or lost rank is named here, within --collective-timeout
             began = time.perf_counter()
             lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
             for group in optimizer.param_groups:
@@ -281,9 +264,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         result.interrupted = True
         progress.close()
         return result
+    except RuntimeError as error:
+        raise_if_collective_failure(error, step + 1, cfg.collective_timeout)
+        raise
     finally:
         if metrics:
             metrics.close()  # flushes the TensorBoard event file
+        writer.close(failing=sys.exc_info()[0] is not None)  # the last save completes before the run ends
     progress.close()
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
