@@ -20,11 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
 from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
+from phalanx.train.restarts import leave_user_error, resume_mode
+from phalanx.train.stop_signal import STOP_STATUS, StopSignals
+from phalanx.worker_restarts import launch_with_restarts, max_restarts
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -112,9 +116,10 @@ def init_worker_group(device: str) -> None:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
 
 
-def run_in_group(device: str, body):
+def run_in_group(device: str, body, on_user_error=None):
     """`body()` on this worker with its process group up, and torn down after. A UserError is
-    printed once (by rank 0) and gives None, for the caller's exit status 2."""
+    printed once (by rank 0; also passed to `on_user_error`) and gives None, for the caller's
+    exit status 2."""
     rank = int(os.environ.get("RANK", "0"))
     init_worker_group(device)
     try:
@@ -122,29 +127,39 @@ def run_in_group(device: str, body):
     except UserError as error:
         if rank == 0:
             print(f"phalanx: error: {error}", file=sys.stderr)
+            if on_user_error:
+                on_user_error(str(error))
         return None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def worker_main(cfg_fields: dict, run_dir: str) -> int:
-    """Entry point of every worker process; returns its exit status."""
+def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
+    """Entry point of every worker process; returns its exit status (STOP_STATUS when
+    SIGTERM or SIGINT stopped the run after a checkpoint)."""
     from phalanx.train.loop import train
 
     cfg = TrainConfig(**cfg_fields)
     rank = int(os.environ.get("RANK", "0"))
     began = time.perf_counter()
-    result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir)))
+    with StopSignals() as stop:  # from the first moment: a signal during setup stops after one step
+        try:
+            result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir), stop=stop), on_user_error)
+        except Exception:
+            if stop.received:  # the agent is tearing this worker down after another one failed
+                return 1  # the launcher reports that one; this one's broken collective is noise
+            raise
     if result is None:
         return 2
-    if result.interrupted:
-        return 130
+    if result.stopped_by:
+        return STOP_STATUS[result.stopped_by]
     if rank == 0:
         print(_summary(result, cfg, time.perf_counter() - began))
     return 0
 
 
+@record  # a worker's exception and traceback go to the agent (worker_restarts.describe prints them once)
 def _elastic_entry(cfg_fields: dict, run_dir: str) -> None:
     status = worker_main(cfg_fields, run_dir)
     if status:
@@ -155,12 +170,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
         if not cfg.out:
             raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
-        # Rank 0 holds the run directory's lock; if it is refused, torchrun stops the other ranks.
-        lock = lock_run_dir(Path(cfg.out)) if os.environ["RANK"] == "0" else None
-        status = worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
-        if lock:
-            lock.close()
-        return status
+        return _torchrun_worker(cfg)
 
     from phalanx.model.config import model_config
     from phalanx.parallel.apply import validate_for_model
@@ -207,16 +217,33 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     source = f" from {weights.folder}" if weights else ""
     print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {nproc} process{'es' if nproc > 1 else ''}, "
           f"plan {resolve_plan(cfg.plan, nproc)}, run directory {run_dir}", file=sys.stderr)
-    if nproc == 1:
+    restarts = max_restarts(cfg.max_restarts, nproc)
+    if nproc == 1 and not restarts:  # in this process: nothing would be left to restart it
         status = worker_main(asdict(cfg), str(run_dir))
     else:
-        status = _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
-    if status == 130:
-        print(interrupted_message(run_dir), file=sys.stderr)
+        status = launch_with_restarts(_elastic_entry, cfg, nproc, str(run_dir), rdzv_endpoint, restarts)
+    status = report_stop(status, run_dir)
     if status and created:
         remove_if_empty(run_dir)
     lock.close()
     return status
+
+
+def _torchrun_worker(cfg: TrainConfig) -> int:
+    """This process is one worker of a user's torchrun. A torchrun restart resumes (auto) and
+    refuses to retry a user error of an earlier attempt (phalanx/train/restarts.py)."""
+    rank0 = os.environ["RANK"] == "0"
+    if cfg.max_restarts >= 0 and rank0:
+        print("phalanx: warning: --max-restarts is for phalanx's own launcher; under torchrun, "
+              "torchrun --max-restarts decides", file=sys.stderr)
+    cfg = cfg.replace(resume=resume_mode(cfg.resume))
+    # Rank 0 holds the run directory's lock; if it is refused, torchrun stops the other ranks.
+    lock = lock_run_dir(Path(cfg.out)) if rank0 else None
+    on_user_error = (lambda message: leave_user_error(Path(cfg.out), message)) if rank0 else None
+    status = worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out, on_user_error)
+    if lock:
+        lock.close()
+    return report_stop(status, Path(cfg.out)) if rank0 else (0 if status == STOP_STATUS[signal.SIGTERM] else status)
 
 
 LOCK_FILE = "phalanx.lock"
@@ -257,27 +284,41 @@ def remove_if_empty(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def interrupted_message(run_dir: Path) -> str:
+def report_stop(status: int, run_dir: Path) -> int:
+    """After a stop by SIGTERM (status 143) or SIGINT (130): say where the run can continue
+    from, and how; the exit status is 0 for SIGTERM (a scheduler's preemption, handled), 130
+    for Ctrl-C. Other statuses pass through."""
+    stopped = {code: sig for sig, code in STOP_STATUS.items()}.get(status)
+    if stopped is None:
+        return status
     found = latest_checkpoint(run_dir)
     where = f"step {found[0]} in {found[1]}" if found else "none was written yet"
-    return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume auto"
+    print(f"phalanx: stopped by {stopped.name}; last checkpoint: {where}; "
+          f"continue with: phalanx train --out {run_dir} --resume auto", file=sys.stderr)
+    return 0 if stopped == signal.SIGTERM else 130
 
 
-def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "") -> dict:
+def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "", *, quiet: bool = False,
+                  grace_s: int = 30, run_id: str = "") -> dict:
     """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
-    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions."""
+    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `quiet`:
+    not even the agent's error lines (the caller reports); `grace_s`: how long the agent waits
+    for workers it signals (SIGTERM, SIGINT) before it kills them."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.ports import free_port
 
     # The agent's loggers each carry their own level; quiet them all, errors still show.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL if quiet else logging.ERROR)
+    # torch.multiprocessing says when it terminates the workers left after one failed.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR if quiet else logging.NOTSET)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"phalanx-{os.getpid()}",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or f"phalanx-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
+        shutdown_timeout=grace_s,
         # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
         # not be initialized before a fork, so GPU runs spawn fresh interpreters instead.
         start_method="spawn" if torch.cuda.is_available() and device != "cpu" else "fork",
@@ -290,10 +331,6 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
-
-
-def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
-    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint)
 
 
 def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
