@@ -31,6 +31,9 @@ from phalanx.train.stop_signal import STOP_STATUS, StopSignals
 from phalanx.worker_restarts import launch_with_restarts, max_restarts
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+TEARDOWN_WAIT_S = 1.0
+"""How long a worker that raised waits for the agent's SIGTERM before reporting its own error
+(the agent polls its workers every 0.1 s)."""
 
 
 def usable_cores() -> int:
@@ -147,8 +150,12 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
         try:
             result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir), stop=stop), on_user_error)
         except Exception:
-            if stop.received:  # the agent is tearing this worker down after another one failed
-                return 1  # the launcher reports that one; this one's broken collective is noise
+            # When another worker died, this one's collective fails at once, and the agent,
+            # seeing the dead one, stops this one within its monitor interval (SIGTERM). Wait
+            # for that before exiting, so that the agent reports the worker that failed first,
+            # and stay quiet: this worker's broken collective is only noise.
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and stop.wait(TEARDOWN_WAIT_S):
+                return 1
             raise
     if result is None:
         return 2

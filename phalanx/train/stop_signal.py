@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 STOP_STATUS = {signal.SIGTERM: 143, signal.SIGINT: 130}
 """Exit status of a worker stopped by each signal (128 + the signal's number, as a shell reports)."""
@@ -42,6 +43,13 @@ class StopSignals:
 
     def _note(self, signum: int, frame) -> None:
         self.received = self.received or signum  # the first one decides the exit status
+
+    def wait(self, seconds: float) -> int:
+        """Up to `seconds` for a signal; the one received, or 0."""
+        deadline = time.monotonic() + seconds
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.received
 
     def agreed(self, device) -> int:
         """The signal every rank stops for (0: go on). Collective: every rank calls it at the
