@@ -1,9 +1,12 @@
 """Starting the worker processes of `phalanx train`.
 
 - Under an external `torchrun` (RANK and WORLD_SIZE set), this process is one worker.
-- `--nproc 1` runs in this process, with no process group.
+- `--nproc 1` runs in this process, with no process group (unless `--max-restarts` asks for restarts).
 - `--nproc N` starts N local workers through PyTorch's elastic launcher (the machinery of
-  `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise.
+  `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise, and starts
+  them again after a failure (`--max-restarts`, phalanx/worker_restarts.py).
+- SIGTERM and SIGINT stop every worker after the same step, with a checkpoint
+  (phalanx/train/stop_signal.py); `report_stop` says how to continue.
 """
 
 from __future__ import annotations
