@@ -309,12 +309,13 @@ def report_stop(status: int, run_dir: Path) -> int:
 
 
 def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "", *, quiet: bool = False,
-                  grace_s: int = 30, run_id: str = "") -> dict:
+                  grace_s: int = 30, run_id: str = "", fresh: bool = False) -> dict:
     """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
     `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `quiet`:
     not even the agent's error lines (the caller reports); `grace_s`: how long the agent waits
-    for workers it signals (SIGTERM, SIGINT) before it kills them."""
+    for workers it signals (SIGTERM, SIGINT) before it kills them; `fresh`: start the workers
+    as new interpreters even on CPU (see the start method below)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.ports import free_port
@@ -330,8 +331,11 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
         shutdown_timeout=grace_s,
         # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
-        # not be initialized before a fork, so GPU runs spawn fresh interpreters instead.
-        start_method="spawn" if torch.cuda.is_available() and device != "cpu" else "fork",
+        # not be initialized before a fork, so GPU runs spawn fresh interpreters instead. A
+        # fork copies locks that other threads of this process hold (the rendezvous store's
+        # thread resolving an address holds glibc's resolver lock): seen to hang a restarted
+        # worker for good, so restarts ask for `fresh` interpreters.
+        start_method="spawn" if fresh or (torch.cuda.is_available() and device != "cpu") else "fork",
     )
     # The agent installs handlers that turn SIGTERM/SIGINT into exceptions and never restores
     # them; put back the caller's, so a later fork (a prepare pool, a test) is not left with them.

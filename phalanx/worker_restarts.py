@@ -68,7 +68,7 @@ def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attemp
 
     try:
         start_elastic(entry, (asdict(cfg), run_dir), nproc, cfg.device, rdzv_endpoint, quiet=True, grace_s=GRACE_S,
-                      run_id=f"phalanx-{os.getpid()}-{attempt}")
+                      run_id=f"phalanx-{os.getpid()}-{attempt}", fresh=attempt > 0)
     except SignalException as error:  # the agent passed it to the workers and waited for them
         return STOP_STATUS.get(error.sigval, 130), None
     except KeyboardInterrupt:
