@@ -170,7 +170,11 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
 
 
 @record  # a worker's exception and traceback go to the agent (worker_restarts.describe prints them once)
-def _elastic_entry(cfg_fields: dict, run_dir: str) -> None:
+def _elastic_entry(cfg_fields: dict, run_dir: str, phalanx_env: dict | None = None) -> None:
+    if phalanx_env is not None:  # a forkserver's child has the server's environment, not the launcher's
+        for name in [n for n in os.environ if n.startswith("PHALANX_") and n not in phalanx_env]:
+            del os.environ[name]
+        os.environ.update(phalanx_env)
     status = worker_main(cfg_fields, run_dir)
     if status:
         sys.exit(status)
@@ -314,8 +318,8 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
     `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `quiet`:
     not even the agent's error lines (the caller reports); `grace_s`: how long the agent waits
-    for workers it signals (SIGTERM, SIGINT) before it kills them; `fresh`: start the workers
-    as new interpreters even on CPU (see the start method below)."""
+    for workers it signals (SIGTERM, SIGINT) before it kills them; `fresh`: on CPU, fork the
+    workers from a clean server process instead of this one (see the start method below)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.ports import free_port
@@ -325,17 +329,25 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
         logging.getLogger(name).setLevel(logging.CRITICAL if quiet else logging.ERROR)
     # torch.multiprocessing says when it terminates the workers left after one failed.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR if quiet else logging.NOTSET)
+    # Forking reuses this process's imported torch (seconds saved per worker); CUDA must not be
+    # initialized before a fork, so GPU runs spawn fresh interpreters instead. A fork also copies
+    # locks that other threads of this process hold (the rendezvous store's thread resolving an
+    # address holds glibc's resolver lock): seen to hang a restarted worker for good. So `fresh`
+    # launches fork from a forkserver: a single-threaded process that imports phalanx once.
+    start_method = "fork"
+    if torch.cuda.is_available() and device != "cpu":
+        start_method = "spawn"
+    elif fresh:
+        import multiprocessing
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.launch"])
+        start_method = "forkserver"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_id or f"phalanx-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
         shutdown_timeout=grace_s,
-        # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
-        # not be initialized before a fork, so GPU runs spawn fresh interpreters instead. A
-        # fork copies locks that other threads of this process hold (the rendezvous store's
-        # thread resolving an address holds glibc's resolver lock): seen to hang a restarted
-        # worker for good, so restarts ask for `fresh` interpreters.
-        start_method="spawn" if fresh or (torch.cuda.is_available() and device != "cpu") else "fork",
+        start_method=start_method,
     )
     # The agent installs handlers that turn SIGTERM/SIGINT into exceptions and never restores
     # them; put back the caller's, so a later fork (a prepare pool, a test) is not left with them.

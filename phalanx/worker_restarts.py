@@ -67,7 +67,10 @@ def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attemp
     from phalanx.launch import start_elastic
 
     try:
-        start_elastic(entry, (asdict(cfg), run_dir), nproc, cfg.device, rdzv_endpoint, quiet=True, grace_s=GRACE_S,
+        # The PHALANX_ variables (the restart's number and reason, test hooks) travel with the
+        # arguments: a forkserver's workers do not see this process's environment.
+        env = {name: value for name, value in os.environ.items() if name.startswith("PHALANX_")}
+        start_elastic(entry, (asdict(cfg), run_dir, env), nproc, cfg.device, rdzv_endpoint, quiet=True, grace_s=GRACE_S,
                       run_id=f"phalanx-{os.getpid()}-{attempt}", fresh=attempt > 0)
     except SignalException as error:  # the agent passed it to the workers and waited for them
         return STOP_STATUS.get(error.sigval, 130), None
