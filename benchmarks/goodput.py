@@ -52,8 +52,26 @@ def last_step(run: Path) -> int:
     return steps[-1] if steps else 0
 
 
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
 def workers(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    """The launcher's worker processes: its descendants without children of their own (a first
+    attempt forks them from the launcher; restarts fork them from a forkserver, its child),
+    but multiprocessing's resource tracker."""
+    found, todo = [], children(pid)
+    while todo:
+        proc = todo.pop()
+        below = children(proc)
+        if below:
+            todo += below
+        elif b"resource_tracker" not in Path(f"/proc/{proc}/cmdline").read_bytes():
+            found.append(proc)
+    return sorted(found)
 
 
 def run_arm(argv: list[str], out: Path, kill_every: int, steps: int) -> dict:
