@@ -184,6 +184,21 @@ def stop_requested(stop: StopSignals | None, step: int, start_step: int, device:
     return stop.agreed(device) if stop is not None and step > start_step else 0
 
 
+def step_record(step: int, loss: float, lr: float, grad_norm: float, step_time: float, *, tokens: int,
+                mesh: ParallelMesh, pipelined: bool) -> dict:
+    """The metrics.jsonl row of a step, before its MoE, validation and checkpoint fields.
+    Collective under a process group (every rank's peak memory)."""
+    record = {
+        "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        "step_time_s": step_time, "tokens_per_s": tokens / step_time, "peak_mem_mb": peak_memory_mb(mesh.device),
+    }
+    if dist.is_initialized():
+        record["peak_mem_mb_by_rank"] = peak_memory_by_rank(mesh.device)
+    if pipelined:
+        record.update(bubble_record(WaitClock.seconds, step_time, mesh.plan, mesh))
+    return record
+
+
 def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this.
     `stop`: the worker's signal handlers; a SIGTERM or SIGINT they note stops every rank after
@@ -223,7 +238,6 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
     if metrics and (row := restart_row(start_step)):
         metrics.write(row)
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
-    tokens_per_step = cfg.global_batch * cfg.seq_len
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
     meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
 
@@ -289,16 +303,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             bad_steps.good()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            step_time = time.perf_counter() - began
-            record = {
-                "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-                "peak_mem_mb": peak_memory_mb(device),
-            }
-            if dist.is_initialized():
-                record["peak_mem_mb_by_rank"] = peak_memory_by_rank(device)
-            if pipeline is not None:
-                record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
+            record = step_record(step + 1, loss_value, lr, grad_norm, time.perf_counter() - began,
+                                 tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, pipelined=pipeline is not None)
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
