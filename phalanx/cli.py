@@ -62,7 +62,7 @@ def _run_train(args) -> int:
     if "RANK" in os.environ and cfg.out and (message := earlier_user_error(Path(cfg.out))):
         if os.environ["RANK"] != "0":
             return 2  # said once, by rank 0
-        raise UserError(f"{message} (an earlier attempt stopped on this error; torchrun's restart is not retried)")
+        raise UserError(f"{message} (an earlier attempt stopped on this error; not retried)")
     from phalanx.launch import launch_train
 
     return launch_train(cfg, rdzv_endpoint=args.rdzv_endpoint)

@@ -119,7 +119,21 @@ def init_worker_group(device: str) -> None:
         use_cuda = device != "cpu" and torch.cuda.is_available()
         if not use_cuda:
             torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=PROCESS_GROUP_TIMEOUT, store=_attempt_store(world_size),
+                                rank=int(os.environ["RANK"]), world_size=world_size)
+
+
+def _attempt_store(world_size: int):
+    """Under a torchrun restart, the agent's store (it outlives the workers) still holds the
+    failed attempt's process-group keys, among them the dead ranks' gloo addresses: a
+    restarted rank read one and was refused. A prefix per attempt keeps them apart. None (the
+    default env:// rendezvous) otherwise."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=PROCESS_GROUP_TIMEOUT)
+    return dist.PrefixStore(f"phalanx/attempt_{attempt}", store)
 
 
 def run_in_group(device: str, body, on_user_error=None):
