@@ -169,3 +169,28 @@ def test_max_restarts_setting(tmp_path, capsys):
     from phalanx.testing.cli_errors import assert_cli_error
 
     assert_cli_error([*TINY, "--max-restarts", "-2", "--out", str(tmp_path / "r")], capsys, "max_restarts=-2 must not be negative")
+
+
+def test_torchrun_restart_keeps_process_group_keys_apart(monkeypatch):
+    """torchrun's agent store outlives its workers: a restarted attempt must not read the
+    failed attempt's process-group keys (a dead rank's gloo address), so it writes under a
+    prefix of its own; a first attempt uses the store as torch does."""
+    import torch.distributed as dist
+
+    from phalanx.launch import _attempt_store
+    from phalanx.ports import free_port
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _attempt_store(2) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    agent_store.set("default_pg/rank_0", "dead address")
+    restarted = _attempt_store(2)
+    assert not restarted.check(["default_pg/rank_0"])
+    restarted.set("default_pg/rank_0", "new address")
+    assert agent_store.get("phalanx/attempt_1/default_pg/rank_0") == b"new address"
+    assert agent_store.get("default_pg/rank_0") == b"dead address"
