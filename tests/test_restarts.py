@@ -81,7 +81,7 @@ def test_worker_sigkilled_from_outside_then_sigterm(tmp_path, capsys):
     launcher: every rank finishes its step, saves, the resume command is printed, exit 0. The
     resumed run then finishes equal to an uninterrupted one."""
     run, reference = tmp_path / "run", tmp_path / "ref"
-    args = [*TINY, "--steps", "16", "--nproc", "2"]
+    args = [*TINY, "--steps", "12", "--nproc", "2"]
     launcher = subprocess.Popen([sys.executable, "-m", "phalanx", *args, "--out", str(run)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -101,7 +101,7 @@ def test_worker_sigkilled_from_outside_then_sigterm(tmp_path, capsys):
                         f"{run / 'checkpoints' / f'step_{stopped_at:06d}'}; continue with: phalanx train --out {run} --resume auto")
     restart = [r for r in _rows(run) if r.get("event") == "restart"]
     assert len(restart) == 1 and restart[0]["restart"] == 1 and "SIGKILL" in restart[0]["reason"], restart
-    assert restart[0]["step"] >= 2 and restart[0]["step"] % 2 == 0 and stopped_at >= 5 and _last_step(run) == stopped_at < 16
+    assert restart[0]["step"] >= 2 and restart[0]["step"] % 2 == 0 and stopped_at >= 5 and _last_step(run) == stopped_at < 12
 
     assert _run([*args, "--resume", "auto", "--out", str(run)], capsys)[0] == 0
     assert _run([*args, "--out", str(reference)], capsys)[0] == 0
