@@ -4,7 +4,9 @@ simulate / calibrate; balance, match, blur). Subcommands import their heavy modu
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from phalanx.errors import UserError
 
@@ -45,19 +47,29 @@ def _add_train(subparsers) -> None:
                         help="stop after this many steps in a row with a non-finite loss or gradient norm (default 5)")
     parser.add_argument("--sync-checkpoint", dest="sync_checkpoint", action="store_true", default=None,
                         help="save checkpoints in the loop (default: in the background while training goes on)")
+    parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=None,
+                        help="restart the workers this many times after one fails, resuming from the newest checkpoint "
+                             "(default 3 with several processes, 0 for one)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
     parser.set_defaults(func=_run_train)
 
 
 def _run_train(args) -> int:
-    from phalanx.launch import launch_train
     from phalanx.train.config import load_config
+    from phalanx.train.restarts import earlier_user_error
 
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
     overrides.update(resume=args.resume, progress=args.progress, max_bad_steps=args.max_bad_steps,
-                     sync_checkpoint=args.sync_checkpoint)
-    return launch_train(load_config(args.config, overrides), rdzv_endpoint=args.rdzv_endpoint)
+                     sync_checkpoint=args.sync_checkpoint, max_restarts=args.max_restarts)
+    cfg = load_config(args.config, overrides)
+    if "RANK" in os.environ and cfg.out and (message := earlier_user_error(Path(cfg.out))):
+        if os.environ["RANK"] != "0":
+            return 2  # said once, by rank 0
+        raise UserError(f"{message} (an earlier attempt stopped on this error; not retried)")
+    from phalanx.launch import launch_train
+
+    return launch_train(cfg, rdzv_endpoint=args.rdzv_endpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,12 @@
 """Starting the worker processes of `phalanx train`.
 
 - Under an external `torchrun` (RANK and WORLD_SIZE set), this process is one worker.
-- `--nproc 1` runs in this process, with no process group.
+- `--nproc 1` runs in this process, with no process group (unless `--max-restarts` asks for restarts).
 - `--nproc N` starts N local workers through PyTorch's elastic launcher (the machinery of
-  `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise.
+  `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise, and starts
+  them again after a failure (`--max-restarts`, phalanx/worker_restarts.py).
+- SIGTERM and SIGINT stop every worker after the same step, with a checkpoint
+  (phalanx/train/stop_signal.py); `report_stop` says how to continue.
 """
 
 from __future__ import annotations
@@ -20,15 +23,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
 from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
+from phalanx.train.restarts import leave_user_error, resume_mode
+from phalanx.train.stop_signal import STOP_STATUS, StopSignals
 from phalanx.train.world_change import plan_for_world
+from phalanx.worker_restarts import launch_with_restarts, max_restarts
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """For commands without --collective-timeout (generate, match, blur)."""
+TEARDOWN_WAIT_S = 1.0
+"""How long a worker that raised waits for the agent's SIGTERM before reporting its own error
+(the agent polls its workers every 0.1 s)."""
 
 
 def usable_cores() -> int:
@@ -123,12 +133,28 @@ def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_T
         use_cuda = device != "cpu" and torch.cuda.is_available()
         if not use_cuda:
             torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout,
+                                store=_attempt_store(world_size, timeout),
+                                rank=int(os.environ["RANK"]), world_size=world_size)
 
 
-def run_in_group(device: str, body, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
+def _attempt_store(world_size: int, timeout: datetime.timedelta):
+    """Under a torchrun restart, the agent's store (it outlives the workers) still holds the
+    failed attempt's process-group keys, among them the dead ranks' gloo addresses: a
+    restarted rank read one and was refused. A prefix per attempt keeps them apart. None (the
+    default env:// rendezvous) otherwise."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"phalanx/attempt_{attempt}", store)
+
+
+def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
     """`body()` on this worker with its process group up, and torn down after. A UserError is
-    printed once (by rank 0) and gives None, for the caller's exit status 2."""
+    printed once (by rank 0; also passed to `on_user_error`) and gives None, for the caller's
+    exit status 2."""
     rank = int(os.environ.get("RANK", "0"))
     init_worker_group(device, timeout)
     try:
@@ -136,31 +162,49 @@ def run_in_group(device: str, body, timeout: datetime.timedelta = PROCESS_GROUP_
     except UserError as error:
         if rank == 0:
             print(f"phalanx: error: {error}", file=sys.stderr)
+            if on_user_error:
+                on_user_error(str(error))
         return None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def worker_main(cfg_fields: dict, run_dir: str) -> int:
-    """Entry point of every worker process; returns its exit status."""
+def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
+    """Entry point of every worker process; returns its exit status (STOP_STATUS when
+    SIGTERM or SIGINT stopped the run after a checkpoint)."""
     from phalanx.train.loop import train
 
     cfg = TrainConfig(**cfg_fields)
     rank = int(os.environ.get("RANK", "0"))
     began = time.perf_counter()
-    result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir)),
-                          datetime.timedelta(seconds=cfg.collective_timeout))
+    with StopSignals() as stop:  # from the first moment: a signal during setup stops after one step
+        try:
+            result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir), stop=stop), on_user_error,
+                                  datetime.timedelta(seconds=cfg.collective_timeout))
+        except Exception:
+            # When another worker died, this one's collective fails at once, and the agent,
+            # seeing the dead one, stops this one within its monitor interval (SIGTERM). Wait
+            # for that before exiting, so that the agent reports the worker that failed first,
+            # and stay quiet: this worker's broken collective is only noise.
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and stop.wait(TEARDOWN_WAIT_S):
+                return 1
+            raise
     if result is None:
         return 2
-    if result.interrupted:
-        return 130
+    if result.stopped_by:
+        return STOP_STATUS[result.stopped_by]
     if rank == 0:
         print(_summary(result, cfg, time.perf_counter() - began))
     return 0
 
 
-def _elastic_entry(cfg_fields: dict, run_dir: str) -> None:
+@record  # a worker's exception and traceback go to the agent (worker_restarts.describe prints them once)
+def _elastic_entry(cfg_fields: dict, run_dir: str, phalanx_env: dict | None = None) -> None:
+    if phalanx_env is not None:  # a forkserver's child has the server's environment, not the launcher's
+        for name in [n for n in os.environ if n.startswith("PHALANX_") and n not in phalanx_env]:
+            del os.environ[name]
+        os.environ.update(phalanx_env)
     # Across machines no launcher holds the run directory's lock (each would refuse the others').
     across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
     lock = lock_run_dir(Path(run_dir)) if across_nodes else None
@@ -175,12 +219,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
         if not cfg.out:
             raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
-        # Rank 0 holds the run directory's lock; if it is refused, torchrun stops the other ranks.
-        lock = lock_run_dir(Path(cfg.out)) if os.environ["RANK"] == "0" else None
-        status = worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out)
-        if lock:
-            lock.close()
-        return status
+        return _torchrun_worker(cfg)
 
     from phalanx.model.config import model_config
     from phalanx.parallel.apply import validate_for_model
@@ -235,16 +274,33 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     plan = "chosen for the world size found" if cfg.elastic else resolve_plan(cfg.plan, world)
     print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "
           f"plan {plan}, run directory {run_dir}", file=sys.stderr)
-    if nproc == 1 and nodes[1] == 1:
+    restarts = max_restarts(cfg.max_restarts, nproc * nodes[1])
+    if nproc == 1 and nodes[1] == 1 and not restarts:  # in this process: nothing would be left to restart it
         status = worker_main(asdict(cfg), str(run_dir))
     else:
-        status = _launch_elastic(cfg, nproc, str(run_dir), rdzv_endpoint)
-    if status == 130:
-        print(interrupted_message(run_dir), file=sys.stderr)
+        status = launch_with_restarts(_elastic_entry, cfg, nproc, str(run_dir), rdzv_endpoint, restarts)
+    status = report_stop(status, run_dir)
     if status and created:
         remove_if_empty(run_dir)
     lock.close()
     return status
+
+
+def _torchrun_worker(cfg: TrainConfig) -> int:
+    """This process is one worker of a user's torchrun. A torchrun restart resumes (auto) and
+    refuses to retry a user error of an earlier attempt (phalanx/train/restarts.py)."""
+    rank0 = os.environ["RANK"] == "0"
+    if cfg.max_restarts >= 0 and rank0:
+        print("phalanx: warning: --max-restarts is for phalanx's own launcher; under torchrun, "
+              "torchrun --max-restarts decides", file=sys.stderr)
+    cfg = cfg.replace(resume=resume_mode(cfg.resume))
+    # Rank 0 holds the run directory's lock; if it is refused, torchrun stops the other ranks.
+    lock = lock_run_dir(Path(cfg.out)) if rank0 else None
+    on_user_error = (lambda message: leave_user_error(Path(cfg.out), message)) if rank0 else None
+    status = worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out, on_user_error)
+    if lock:
+        lock.close()
+    return report_stop(status, Path(cfg.out)) if rank0 else (0 if status == STOP_STATUS[signal.SIGTERM] else status)
 
 
 LOCK_FILE = "phalanx.lock"
@@ -285,33 +341,59 @@ def remove_if_empty(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def interrupted_message(run_dir: Path) -> str:
+def report_stop(status: int, run_dir: Path) -> int:
+    """After a stop by SIGTERM (status 143) or SIGINT (130): say where the run can continue
+    from, and how; the exit status is 0 for SIGTERM (a scheduler's preemption, handled), 130
+    for Ctrl-C. Other statuses pass through."""
+    stopped = {code: sig for sig, code in STOP_STATUS.items()}.get(status)
+    if stopped is None:
+        return status
     found = latest_checkpoint(run_dir)
     where = f"step {found[0]} in {found[1]}" if found else "none was written yet"
-    return f"phalanx: interrupted; last checkpoint: {where}; continue with: phalanx train --out {run_dir} --resume auto"
+    print(f"phalanx: stopped by {stopped.name}; last checkpoint: {where}; "
+          f"continue with: phalanx train --out {run_dir} --resume auto", file=sys.stderr)
+    return 0 if stopped == signal.SIGTERM else 130
 
 
 def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "",
-                  nodes: tuple[int, int] = (1, 1)) -> dict:
+                  nodes: tuple[int, int] = (1, 1), *, quiet: bool = False, grace_s: int = 30, run_id: str = "",
+                  fresh: bool = False) -> dict:
     """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
     `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `nodes`:
-    (min, max) machines, each running this with the same `rdzv_endpoint` (nproc per machine)."""
+    (min, max) machines, each running this with the same `rdzv_endpoint` (nproc per machine);
+    `run_id` must then be the same on every machine. `quiet`:
+    not even the agent's error lines (the caller reports); `grace_s`: how long the agent waits
+    for workers it signals (SIGTERM, SIGINT) before it kills them; `fresh`: on CPU, fork the
+    workers from a clean server process instead of this one (see the start method below)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from phalanx.ports import free_port
 
     # The agent's loggers each carry their own level; quiet them all, errors still show.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL if quiet else logging.ERROR)
+    # torch.multiprocessing says when it terminates the workers left after one failed.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR if quiet else logging.NOTSET)
+    # Forking reuses this process's imported torch (seconds saved per worker); CUDA must not be
+    # initialized before a fork, so GPU runs spawn fresh interpreters instead. A fork also copies
+    # locks that other threads of this process hold (the rendezvous store's thread resolving an
+    # address holds glibc's resolver lock): seen to hang a restarted worker for good. So `fresh`
+    # launches fork from a forkserver: a single-threaded process that imports phalanx once.
+    start_method = "fork"
+    if torch.cuda.is_available() and device != "cpu":
+        start_method = "spawn"
+    elif fresh:
+        import multiprocessing
+
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.launch"])
+        start_method = "forkserver"
     config = LaunchConfig(
-        min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=nproc,
-        run_id=f"phalanx-{rdzv_endpoint}" if nodes[1] > 1 else f"phalanx-{os.getpid()}",  # the same on every node
+        min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=nproc, run_id=run_id or f"phalanx-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
-        # Forking reuses this process's imported torch (seconds saved per worker); CUDA must
-        # not be initialized before a fork, so GPU runs spawn fresh interpreters instead.
-        start_method="spawn" if torch.cuda.is_available() and device != "cpu" else "fork",
+        shutdown_timeout=grace_s,
+        start_method=start_method,
     )
     # The agent installs handlers that turn SIGTERM/SIGINT into exceptions and never restores
     # them; put back the caller's, so a later fork (a prepare pool, a test) is not left with them.
@@ -323,19 +405,14 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
             signal.signal(sig, handler)
 
 
-def _launch_elastic(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str) -> int:
-    return run_elastic(_elastic_entry, (asdict(cfg), run_dir), nproc, device=cfg.device, rdzv_endpoint=rdzv_endpoint,
-                       nodes=cfg.node_range)
-
-
-def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "", nodes: tuple[int, int] = (1, 1)) -> int:
+def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
     """`start_elastic` for commands whose workers report by exit status: 0, 2 (a user error
     that rank 0 has printed), 130 (interrupted) or 1 (a failure, printed here)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        start_elastic(entry, args, nproc, device, rdzv_endpoint, nodes)
+        start_elastic(entry, args, nproc, device, rdzv_endpoint)
     except (SignalException, KeyboardInterrupt):
         return 130  # the agent has already stopped the workers
     except ChildFailedError as error:

@@ -14,7 +14,7 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a worker was started for an invalid plan")
 
-    monkeypatch.setattr(launch, "_launch_elastic", refuse)
+    monkeypatch.setattr(launch, "launch_with_restarts", refuse)
     monkeypatch.setattr(launch, "worker_main", refuse)
 
 

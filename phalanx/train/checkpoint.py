@@ -148,7 +148,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
     state, restore = globalize_experts(model, {"model": model_state, "optim": optim_state})
     dcp.load(state, checkpoint_id=str(path))
     state = restore()
+    settings = [dict(group) for group in optimizer.param_groups]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # On the first stage of a pipeline, DCP gives the param groups back without their numbers
+    # (lr, betas, eps, weight_decay: Adam then fails on 'betas'); they are the run's settings
+    # (the lr is set again each step), so put back what is missing.
+    for group, own in zip(optimizer.param_groups, settings):
+        for key, value in own.items():
+            group.setdefault(key, value)
     return read_meta(path)["step"]
 
 

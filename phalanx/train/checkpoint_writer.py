@@ -47,6 +47,8 @@ class CheckpointWriter:
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="phalanx-ckpt") if asynchronous and rank == 0 else None
         self.pending: tuple[int, Future] | None = None
         """The step of the save in flight and its future."""
+        self.last_saved = -1
+        """The step of the newest save started (-1: none); the caller sets it after a resume."""
 
     def save(self, step: int) -> tuple[float, bool]:
         """Checkpoint the state after `step` steps unless it is not finite; return (seconds the
@@ -57,6 +59,7 @@ class CheckpointWriter:
                 print(f"phalanx: warning: not checkpointing step {step}: the weights are not finite", file=sys.stderr)
             return time.perf_counter() - began, False
         self.wait()
+        self.last_saved = step
         if not self.asynchronous:
             with self._disk_errors(step):
                 save_checkpoint(self.run_dir, step, self.model, self.optimizer, rank=self.rank, keep=self.keep, meta=self.meta)

@@ -73,6 +73,10 @@ class TrainConfig:
     max_bad_steps: int = 5
     """Stop after this many steps in a row whose loss or gradient norm is not finite (each is
     skipped: no update); the last good state is checkpointed."""
+    max_restarts: int = -1
+    """Restarts of the workers after one fails (a signal, a crash, a collective timeout), each
+    resuming from the newest complete checkpoint; a user error is never retried. -1 = the
+    default: 3 when the launcher starts worker processes, 0 for one process run in its own."""
     sample_tokens: int = 200
     sample_prompt: str = "def "
     device: str = "auto"
@@ -106,6 +110,8 @@ class TrainConfig:
         for name in ("nproc", "warmup_steps", "ckpt_every", "eval_every", "sample_tokens"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
+        if self.max_restarts < -1:
+            problems.append(f"max_restarts={self.max_restarts} must not be negative")
         if self.dtype not in ("fp32", "bf16"):
             problems.append(f"dtype={self.dtype!r} must be 'fp32' or 'bf16'")
         if self.init not in ("auto", "random"):

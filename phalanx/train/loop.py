@@ -41,7 +41,9 @@ from phalanx.train.loss import token_loss
 from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
 from phalanx.train.resume_point import resume_point
+from phalanx.train.restarts import inject_fault, restart_row
 from phalanx.train.sample import generate
+from phalanx.train.stop_signal import StopSignals
 
 EVAL_SEED = 7919
 """Validation windows use their own seed, the same for every run and every step."""
@@ -54,7 +56,8 @@ class TrainResult:
     """Global-batch mean loss of each step this process ran (after a resume: from there)."""
     val_loss: float | None = None
     sample: str = ""
-    interrupted: bool = False
+    stopped_by: int = 0
+    """The signal (SIGTERM, SIGINT) that stopped the run after a checkpoint; 0 if none did."""
     steps_done: int = 0
     model: object = None
     """The trained (parallelized) model, for tests that compare weights."""
@@ -147,8 +150,46 @@ def skip_step(metrics, step: int, reason: str, bad_steps: BadStepCounter, cfg: T
                         f"gradient norm (last: {reason}; --max-bad-steps {cfg.max_bad_steps}); {where}; try a lower --lr")
 
 
-def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
-    """Train on this rank. With a process group, every rank of the group must call this."""
+def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW, with no weight decay on vectors (norms, biases)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+
+def autocast_for(dtype: str, device: torch.device):
+    """The context a forward pass runs in: bf16 autocast, or nothing for fp32."""
+    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+
+
+def stop_requested(stop: StopSignals | None, step: int, start_step: int, device: torch.device) -> int:
+    """The signal every rank stops for before `step` (0: go on). Asked from the second step on:
+    a signal during setup still lets one step run, so the stop leaves a checkpoint."""
+    return stop.agreed(device) if stop is not None and step > start_step else 0
+
+
+def step_record(step: int, loss: float, lr: float, grad_norm: float, step_time: float, *, tokens: int,
+                mesh: ParallelMesh, pipelined: bool) -> dict:
+    """The metrics.jsonl row of a step, before its MoE, validation and checkpoint fields.
+    Collective under a process group (every rank's peak memory)."""
+    record = {
+        "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        "step_time_s": step_time, "tokens_per_s": tokens / step_time, "peak_mem_mb": peak_memory_mb(mesh.device),
+    }
+    if dist.is_initialized():
+        record["peak_mem_mb_by_rank"] = peak_memory_by_rank(mesh.device)
+    if pipelined:
+        record.update(bubble_record(WaitClock.seconds, step_time, mesh.plan, mesh))
+    return record
+
+
+def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
+    """Train on this rank. With a process group, every rank of the group must call this.
+    `stop`: the worker's signal handlers; a SIGTERM or SIGINT they note stops every rank after
+    the same step, with a checkpoint."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     model_cfg = model_config(cfg.model)
@@ -165,9 +206,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
     except OSError as error:
         raise UserError(f"--out {run_dir}: cannot create the run directory ({error.strerror})") from None
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.dtype == "bf16" else contextlib.nullcontext
-    )
+    autocast = autocast_for(cfg.dtype, device)
 
     per_rank = cfg.global_batch // plan.dp
     micro = per_rank // accum
@@ -177,24 +216,21 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
     if pipeline is not None:
         WaitClock.install()
         moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-    )
+    optimizer = make_optimizer(model, cfg)
 
     start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
     if found:
         start_step = load_checkpoint(found[1], model, optimizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
+    if metrics and (row := restart_row(start_step)):
+        metrics.write(row)
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
-    tokens_per_step = cfg.global_batch * cfg.seq_len
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
     meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
 
     writer = CheckpointWriter(run_dir, model, optimizer, device=device, rank=rank, keep=cfg.keep_checkpoints, meta=meta,
                               asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
+    writer.last_saved = start_step if found else -1
     save = writer.save
     step_barrier = StepBarrier(cfg.collective_timeout)
     if rank == 0:
@@ -202,7 +238,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
 
     try:
         for step in range(start_step, cfg.steps):
+            inject_fault(rank, step)  # test hook: restarts.FAULT_ENV
             step_barrier(step + 1)  # a stuck or lost rank is named here, within --collective-timeout
+            if stopped := stop_requested(stop, step, start_step, device):
+                result.stopped_by = stopped
+                if writer.last_saved != step - bad_steps.in_a_row:  # skipped steps left the last good state
+                    save(step - bad_steps.in_a_row)
+                break
             began = time.perf_counter()
             lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
             for group in optimizer.param_groups:
@@ -241,16 +283,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
             bad_steps.good()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            step_time = time.perf_counter() - began
-            record = {
-                "step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                "step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time,
-                "peak_mem_mb": peak_memory_mb(device),
-            }
-            if dist.is_initialized():
-                record["peak_mem_mb_by_rank"] = peak_memory_by_rank(device)
-            if pipeline is not None:
-                record.update(bubble_record(WaitClock.seconds, step_time, plan, mesh))
+            record = step_record(step + 1, loss_value, lr, grad_norm, time.perf_counter() - began,
+                                 tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, pipelined=pipeline is not None)
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
@@ -260,10 +294,6 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
                 metrics.write(record)
             progress.update(record)
             result.steps_done = done
-    except KeyboardInterrupt:  # the launcher reports where the last checkpoint is
-        result.interrupted = True
-        progress.close()
-        return result
     except RuntimeError as error:
         raise_if_collective_failure(error, step + 1, cfg.collective_timeout)
         raise
@@ -272,6 +302,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> TrainResult:
             metrics.close()  # flushes the TensorBoard event file
         writer.close(failing=sys.exc_info()[0] is not None)  # the last save completes before the run ends
     progress.close()
+    if result.stopped_by:
+        return result  # the launcher says where to continue from
     if rank == 0:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")

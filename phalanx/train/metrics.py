@@ -2,7 +2,8 @@
 event file beside it, and a loss-curve PNG.
 
 Every row has `step`. Step records carry `loss`, one per step; rows without it (event rows such
-as `{"event": "skipped", "step": 5, "reason": "loss is nan"}`) are not steps, and every reader
+as `{"event": "skipped", "step": 5, "reason": "loss is nan"}` and `{"event": "restart", "step":
+40, "restart": 1, "reason": "..."}`) are not steps, and every reader
 here skips them."""
 
 from __future__ import annotations

@@ -1,0 +1,168 @@
+"""Goodput under failures: `phalanx train --nproc 4` with a worker SIGKILLed every K steps,
+against the same command without failures, on the same machine in the same run.
+
+Both arms are the same command line (only `--out` differs) started as a fresh process; the
+failure arm's worker is killed from outside (a child of the launcher, found in /proc), the
+launcher restarts the group (`--max-restarts`), which resumes from the newest checkpoint.
+Printed, per arm and as ratios:
+
+- wall time of the command, and goodput = useful step time / wall, where useful step time is
+  the sum of `step_time_s` over the run's final metrics rows (one per step);
+- steps replayed (the steps done after the checkpoint a restart resumed from, done twice),
+  and what they cost at the clean arm's median step time;
+- time lost per failure = (failure wall - clean wall) / kills, and the time from a kill to the
+  first step row of the restarted group (restart + rendezvous + reload + that step);
+- the share of the step loop spent waiting on checkpoint saves: sum of `ckpt_wait_s` over
+  sum of `step_time_s` + `ckpt_wait_s` (saves here are synchronous; asynchronous saving is
+  measured against this by the work that adds it).
+
+The arms run in pairs, in ABBA order (clean then failures, failures then clean), since the
+machine's load drifts; the median goodput ratio over the pairs is the headline.
+
+Reproduce:  .venv/bin/python benchmarks/goodput.py          (no target; recorded in README)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return out
+
+
+def last_step(run: Path) -> int:
+    steps = [r["step"] for r in rows(run) if "loss" in r]
+    return steps[-1] if steps else 0
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def workers(pid: int) -> list[int]:
+    """The launcher's worker processes: its descendants without children of their own (a first
+    attempt forks them from the launcher; restarts fork them from a forkserver, its child),
+    but multiprocessing's resource tracker."""
+    found, todo = [], children(pid)
+    while todo:
+        proc = todo.pop()
+        below = children(proc)
+        if below:
+            todo += below
+        elif b"resource_tracker" not in Path(f"/proc/{proc}/cmdline").read_bytes():
+            found.append(proc)
+    return sorted(found)
+
+
+def run_arm(argv: list[str], out: Path, kill_every: int, steps: int) -> dict:
+    """Run the command; with kill_every, SIGKILL a worker each time the run reaches the next
+    multiple of kill_every steps (counted from where it resumed), before its last step."""
+    began = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    kills: list[dict] = []
+    target = kill_every
+    while kill_every and proc.poll() is None:
+        if target < steps and last_step(out) >= target:
+            victim = workers(proc.pid)[-1]
+            killed_at = time.perf_counter()
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(0.5)  # no step completes without the dead worker; the last row stands
+            kills.append({"at": killed_at, "last_step": last_step(out)})
+            # Wait for the restarted group's first step row, then aim at the next kill.
+            while proc.poll() is None:
+                restarts = [r for r in rows(out) if r.get("event") == "restart"]
+                if len(restarts) == len(kills) and last_step(out) > restarts[-1]["step"]:
+                    kills[-1]["resumed_from"] = restarts[-1]["step"]
+                    kills[-1]["back_after_s"] = time.perf_counter() - killed_at
+                    break
+                time.sleep(0.01)
+            if "resumed_from" not in kills[-1]:
+                break  # the command ended; its status says why
+            target = kills[-1]["resumed_from"] + kill_every
+        time.sleep(0.01)
+    _, err = proc.communicate()
+    wall = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise SystemExit(f"phalanx train failed ({proc.returncode}):\n{err}")
+    if kill_every:  # the launcher's line per failure
+        print("\n".join(line for line in err.splitlines() if "restarting" in line), file=sys.stderr)
+    steps = [r for r in rows(out) if "loss" in r]
+    useful = sum(r["step_time_s"] for r in steps)
+    ckpt = sum(r["ckpt_wait_s"] for r in steps)
+    return {"wall": wall, "useful": useful, "ckpt": ckpt, "kills": kills, "steps": len(steps),
+            "median_step": statistics.median(r["step_time_s"] for r in steps)}
+
+
+def report(args, clean: dict, faulty: dict) -> float:
+    """Print one pair of arms; return its goodput ratio (failures / clean)."""
+    kills = faulty["kills"]
+    for name, arm in (("clean", clean), ("failures", faulty)):
+        print(f"  {name:9s} wall {arm['wall']:6.1f} s  useful step time {arm['useful']:6.1f} s  "
+              f"goodput {arm['useful'] / arm['wall']:.3f}  checkpoint wait share "
+              f"{arm['ckpt'] / (arm['useful'] + arm['ckpt']):.3f}  ({arm['steps']} step rows)")
+    replayed = [k["last_step"] - k["resumed_from"] for k in kills]
+    lost = (faulty["wall"] - clean["wall"]) / max(len(kills), 1)
+    back = statistics.mean(k["back_after_s"] for k in kills) if kills else 0.0
+    print(f"  {len(kills)} kills; steps replayed per failure {', '.join(map(str, replayed))} "
+          f"(replay ~{statistics.mean(replayed or [0]) * clean['median_step']:.1f} s at the median step of "
+          f"{clean['median_step'] * 1e3:.0f} ms)")
+    print(f"  time lost per failure (wall difference / kills) {lost:.1f} s; kill -> first step row of the "
+          f"restarted group {back:.1f} s (restart + reload + that step)")
+    ratio = faulty["useful"] / faulty["wall"] / (clean["useful"] / clean["wall"])
+    print(f"  goodput failures / clean = {ratio:.3f}; wall failures / clean = {faulty['wall'] / clean['wall']:.3f}")
+    return ratio
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-every", type=int, default=18,
+                        help="steps between kills, counted from the step resumed from (not a multiple of "
+                             "--ckpt-every, so that each failure replays steps)")
+    parser.add_argument("--ckpt-every", type=int, default=5)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--seq-len", default="128")
+    parser.add_argument("--plan", default="dp=4")
+    parser.add_argument("--pairs", type=int, default=2, help="clean/failure pairs, in ABBA order against drift")
+    args = parser.parse_args()
+    failures = (args.steps - 1) // args.kill_every
+    argv = ["train", "--model", args.model, "--nproc", "4", "--plan", args.plan, "--steps", str(args.steps),
+            "--global-batch", "16", "--seq-len", args.seq_len, "--ckpt-every", str(args.ckpt_every), "--eval-every", "0",
+            "--sample-tokens", "0", "--no-progress", "--device", "cpu", "--max-restarts", str(failures + 1)]
+    print(f"model {args.model}, plan {args.plan} on 4 CPU processes, {args.steps} steps, checkpoint every "
+          f"{args.ckpt_every}, a worker SIGKILLed every {args.kill_every} steps after the step resumed from")
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(args.pairs):
+            arms = {}
+            for kind in (("clean", "failures") if pair % 2 == 0 else ("failures", "clean")):
+                arms[kind] = run_arm(argv, Path(tmp) / f"{kind}-{pair}", args.kill_every if kind == "failures" else 0,
+                                     args.steps)
+            print(f"pair {pair + 1} ({' then '.join(arms)}):")
+            ratios.append(report(args, arms["clean"], arms["failures"]))
+    print(f"goodput ratio failures / clean, median of {len(ratios)} pairs: {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""What a worker needs to know about restarts (torch-free: the CLI reads it before torch).
+
+A worker is a restart when the built-in launcher says so (`RESTART_ENV`, with the reason in
+`REASON_ENV`; launcher side: phalanx/worker_restarts.py) or when a user's own
+`torchrun --max-restarts` restarted it (`TORCHELASTIC_RESTART_COUNT` > 0). A restart resumes
+from the newest complete checkpoint when there is one, else starts fresh (`--resume auto`),
+and rank 0 writes an event row to metrics.jsonl.
+
+torchrun restarts every failure, a user error (exit status 2) too, and a restarted worker
+would only meet it again. So under torchrun, rank 0 leaves the error in `USER_ERROR_FILE`
+in the run directory; a restarted worker that finds it exits 2 at once, before importing
+torch, until torchrun's restarts are spent. A first attempt removes an old one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+RESTART_ENV = "PHALANX_RESTART_COUNT"
+REASON_ENV = "PHALANX_RESTART_REASON"
+USER_ERROR_FILE = "user_error.txt"
+FAULT_ENV = "PHALANX_TEST_FAULT"
+"""Test hook: `RANK:STEP:SIGNAL` (e.g. `1:3:SIGKILL`): on the first attempt only, rank RANK
+sends itself SIGNAL once STEP steps are done (after that step's checkpoint, if any), so tests
+can kill a worker, or interrupt a run, at a known step."""
+
+
+def restart_count() -> int:
+    """0 for a first attempt, N for the N-th restart (built-in launcher or torchrun)."""
+    return int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+def restart_reason() -> str:
+    return os.environ.get(REASON_ENV) or "torchrun restarted the workers after a failure"
+
+
+def restart_row(step: int) -> dict | None:
+    """The metrics.jsonl event row of a restarted run resuming from `step` (None on a first attempt)."""
+    count = restart_count()
+    return {"event": "restart", "step": step, "restart": count, "reason": restart_reason()} if count else None
+
+
+def resume_mode(resume: str) -> str:
+    """A restart continues where the run stopped, or starts fresh if it never checkpointed."""
+    return "auto" if restart_count() else resume
+
+
+def inject_fault(rank: int, step: int) -> None:
+    """The FAULT_ENV hook, called at each step boundary with the steps done."""
+    text = os.environ.get(FAULT_ENV, "")
+    if not text or restart_count():
+        return
+    fault_rank, fault_step, name = text.split(":")
+    if int(fault_rank) == rank and int(fault_step) == step:
+        os.kill(os.getpid(), signal.Signals[name])
+
+
+def earlier_user_error(run_dir: Path) -> str | None:
+    """Under a torchrun restart: the user error an earlier attempt left (not retried). On a
+    first attempt, rank 0 removes an old one and None is returned."""
+    path = run_dir / USER_ERROR_FILE
+    if not restart_count():
+        if os.environ.get("RANK") == "0":
+            path.unlink(missing_ok=True)
+        return None
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def leave_user_error(run_dir: Path, message: str) -> None:
+    """Under torchrun, rank 0 records the user error that ended this attempt."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / USER_ERROR_FILE).write_text(message + "\n")
+    except OSError:
+        pass  # an unusable --out: every restart meets the same error again, and says so

@@ -1,0 +1,68 @@
+"""SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop a run at a step boundary.
+
+A worker catches both signals from its first moment and only notes them; the training loop
+asks at each step boundary whether any rank has one (`StopSignals.agreed`: one all-reduce of
+a single number, tiny beside a step's gradient all-reduce), so every rank stops after the
+same step, saves a checkpoint, and the run exits with `STOP_STATUS` (the launcher turns
+143 into 0, and prints the command to resume).
+
+Under the built-in launcher, the elastic agent receives the signal, passes it to every worker
+and waits `GRACE_S` before killing them: that is how long the current step and the save may take.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+STOP_STATUS = {signal.SIGTERM: 143, signal.SIGINT: 130}
+"""Exit status of a worker stopped by each signal (128 + the signal's number, as a shell reports)."""
+GRACE_S = 120
+"""Seconds the built-in launcher's agent waits for stopped workers to finish a step and save."""
+
+
+class StopSignals:
+    """Notes SIGTERM and SIGINT while entered (only in the main thread, where Python runs
+    signal handlers), and puts the previous handlers back on exit."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._saved: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_STATUS:
+                self._saved[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+
+    def _note(self, signum: int, frame) -> None:
+        self.received = self.received or signum  # the first one decides the exit status
+
+    def wait(self, seconds: float) -> int:
+        """Up to `seconds` for a signal; the one received, or 0."""
+        deadline = time.monotonic() + seconds
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.received
+
+    def agreed(self, device) -> int:
+        """The signal every rank stops for (0: go on). Collective: every rank calls it at the
+        same step boundary; SIGTERM wins if ranks got different ones."""
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
