@@ -87,7 +87,7 @@ def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
 
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     plan = auto_plan(model_config(cfg.model), world_size=world_size, global_batch=cfg.global_batch,
-                     seq_len=cfg.seq_len, cluster=cfg.cluster or this_machine(gpu))
+                     seq_len=cfg.seq_len, cluster=cfg.cluster or this_machine(gpu), dtype=cfg.dtype)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"phalanx: --plan auto chose {plan} for {world_size} process{'es' if world_size > 1 else ''}", file=sys.stderr)
     return cfg.replace(plan=plan.to_string())

@@ -10,7 +10,7 @@ import json
 import sys
 
 from phalanx.errors import UserError
-from phalanx.planner.cost import Options
+from phalanx.planner.cost import Options, trainer_options
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
@@ -41,8 +41,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-levels", type=_levels, default=(0, 2, 3),
                    help="ZeRO levels to search (default 0,2,3: what the phalanx trainer runs; 1 for other runtimes)")
     p.add_argument("--any-runtime", action="store_true",
-                   help="also layouts the phalanx trainer does not run (tp not dividing the KV heads or the "
-                        "vocabulary, tp with experts), as other implementations with padding would")
+                   help="other implementations: also layouts the phalanx trainer does not run (tp not dividing "
+                        "the KV heads or the vocabulary), experts split over tp, Megatron-style mixed precision")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="the phalanx trainer's --dtype the plan is for (memory: fp32 weights and AdamW moments "
+                        "either way; bf16 gathers and activations). Default: bf16 on a GPU cluster (its peak is "
+                        "the bf16 peak), fp32 on a CPU one (the trainer's default)")
 
 
 def register(subparsers) -> None:
@@ -71,6 +75,18 @@ def register(subparsers) -> None:
     c.set_defaults(func=run_calibrate)
 
 
+def options_for(args, cluster) -> Options:
+    """The implementation a plan is for: the phalanx trainer (its precision and memory,
+    `trainer_options`), or with --any-runtime the published runs' (Megatron-style)."""
+    if args.any_runtime:
+        if args.dtype:
+            raise UserError("--dtype sets the phalanx trainer's precision; --any-runtime plans other "
+                            "implementations' mixed precision (bf16 weights, fp32 master copy and moments)")
+        return Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather, tp_splits_experts=True)
+    dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")
+    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, sp_regather=args.sp_regather)
+
+
 def run_plan(args) -> int:
     model = model_from_name(args.model)
     workload = Workload(global_batch=args.global_batch, seq_len=args.seq_len)
@@ -81,12 +97,10 @@ def run_plan(args) -> int:
         cluster.check_device_count(args.gpus)
     fixed = parse_fix(args.fix)
     space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
-    # Other runtimes (--any-runtime) split experts over tp, as Megatron does; the phalanx trainer does not.
-    options = Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather, tp_splits_experts=args.any_runtime)
     results = []
     for cluster in clusters:
         result = search(model, cluster, workload, world_size=args.gpus, fixed=fixed, space=space,
-                        options=options, keep=args.top)
+                        options=options_for(args, cluster), keep=args.top)
         if not result.ranked and result.considered == 0:
             raise UserError(_why_empty(args, fixed, fix_problems(model, workload, args.gpus, fixed, space)))
         results.append((cluster, result))
@@ -112,7 +126,8 @@ def run_plan(args) -> int:
     if not all(r.ranked for _, r in results):
         for cluster, result in results:
             if not result.ranked and result.fastest_pruned and args.fix:
-                print(_rejected(model, cluster, workload, result.fastest_pruned, options), file=sys.stderr)
+                print(_rejected(model, cluster, workload, result.fastest_pruned, options_for(args, cluster)),
+                      file=sys.stderr)
         print("no layout fits in memory; try more GPUs, recompute=full or fsdp", file=sys.stderr)
         return 1
     return 0

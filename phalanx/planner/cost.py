@@ -26,13 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phalanx import layout_rules as rules
+from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
 from phalanx.planner.dp_traffic import by_identity as _by_identity
 from phalanx.planner.dp_traffic import dp_time
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
-from phalanx.planner.memory import MIXED_ADAM, Precision, layers_per_stage
+from phalanx.planner.memory import MIXED_ADAM, TRAINER_PRECISION, Precision, layers_per_stage
 from phalanx.planner.peak_memory import (  # noqa: F401 (memory_breakdown: re-exported)
     BF16,
     memory_breakdown,
@@ -104,6 +105,20 @@ class Options:
     peak_memory.py): k and v repeated to every query head before attention and saved so; the
     MoE combine's `index_add` saving its weighted rows; torch DDP's reducer buckets, a second
     copy of the gradients (`gradient_as_bucket_view=False`)."""
+
+
+def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
+    """Options of a phalanx training run (`phalanx train --plan auto`, `phalanx plan` without
+    --any-runtime), as opposed to the published implementations' defaults of `Options()`:
+    the trainer keeps fp32 weights and AdamW's two fp32 moments, 16 bytes per parameter with its
+    fp32 gradient (memory.TRAINER_PRECISION[dtype]), its own model's tensors
+    (`phalanx_trainer`), RMSNorm fused on GPUs and torch's composite on CPUs (`fused_norm`), and
+    MoE blocks left out of tp (`tp_splits_experts=False`)."""
+    if dtype not in TRAINER_PRECISION:
+        raise UserError(f"dtype={dtype!r} must be one of {', '.join(TRAINER_PRECISION)}")
+    kw = dict(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=not cluster.shared_compute,
+              tp_splits_experts=False)
+    return Options(**{**kw, **overrides})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,7 +245,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     else:
         pp_comm = 0.0
 
-    c, shared_params, expert_params = stage_params(model, lay, n, n_moe)
+    c, shared_params, expert_params = stage_params(model, lay, n, n_moe, options)
     regathered = rc_share if lay.recompute == "full" and options.recompute_regathers else 0.0
     dp_comm = dp_time(cluster, lay, options, shared_params, expert_params, stage, n, regathered)
     shards = lay.dp // lay.replicate

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout
-from phalanx.planner.peak_memory import BF16, BUCKET_BYTES
+from phalanx.planner.peak_memory import BUCKET_BYTES
 
 if TYPE_CHECKING:
     from phalanx.planner.cost import Options
@@ -55,6 +55,7 @@ def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, expe
         return 0.0
     fw, queue = cluster.framework, cluster.queueing(lay.world_size)
     g = options.grad_reduce_bytes
+    gathered = options.precision.gathered  # FSDP gathers in param_dtype: bf16, or fp32 in an fp32 run
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
     if experts:
@@ -84,7 +85,7 @@ def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, expe
             rs += pieces * collective_time(comm.all_reduce, cluster, params * g / pieces, size, stride)
         else:
             rs += pieces * collective_time(comm.reduce_scatter, cluster, params * g / pieces, size, stride)
-            ag += pieces * collective_time(comm.all_gather, cluster, params * BF16 / pieces, size, stride)
+            ag += pieces * collective_time(comm.all_gather, cluster, params * gathered / pieces, size, stride)
         if lay.replicate > 1:
             ar_replica += pieces * collective_time(comm.all_reduce, cluster, params * g / size / pieces,
                                                lay.replicate, stride * size)

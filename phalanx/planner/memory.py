@@ -109,7 +109,7 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
                            moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
                            phalanx_model: bool = False, autocast_fp32: bool = False,
-                           wide_norms: bool = False) -> float:
+                           wide_norms: bool = False, tp_splits_experts: bool = True) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
@@ -131,6 +131,9 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     wide_norms: in a 16-bit run, the norms' saved tensors are fp32: their input is the fp32
     residual stream (autocast_fp32), or torch's composite RMSNorm (CPU) upcasts a 16-bit input to
     fp32 before it saves x and x / rms.
+    tp_splits_experts: False where the MoE block stays out of tp (the phalanx trainer,
+    parallel/tensor_parallel.apply_tp): every tp rank routes all the micro-batch's tokens through
+    its own whole experts, so the block's activations are not divided by tp.
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
@@ -157,12 +160,16 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     if moe:
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
-        split += 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
+        block = 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
         if phalanx_model:  # the weighted rows that index_add_ keeps, in the residual's dtype
-            split += (4 if autocast_fp32 else 2) * s * b * k * h
+            block += (4 if autocast_fp32 else 2) * s * b * k * h
         # Not counted: the router's fp32 scores (4 s b E bytes) and int64 expert indices (24 s b k),
         # under 5% of a tiny-moe layer and less for wider ones.
-        split += 8 * s * b * f * model.n_shared_experts
+        block += 8 * s * b * f * model.n_shared_experts
+        if tp_splits_experts:
+            split += block
+        else:
+            whole += block
     elif model.mlp == "swiglu":
         split += 8 * s * b * model.ffn_dim
     else:

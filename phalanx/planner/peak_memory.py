@@ -66,13 +66,22 @@ def stage_heads(model: ModelConfig, lay: Layout) -> int:
     return 2 if (lay.pp == 1 and not model.tie_embeddings) else 1
 
 
-def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int):
+def expert_tp(lay: Layout, options: Options | None) -> int:
+    """Ways tp splits the MoE block's matrices (router, shared and routed experts): tp where the
+    implementation splits them (Megatron, `Options.tp_splits_experts`), else 1: the phalanx
+    trainer keeps the MoE block out of tp, every tp rank holding its ep share of whole experts
+    (parallel/tensor_parallel.apply_tp)."""
+    return lay.tp if options is None or options.tp_splits_experts else 1
+
+
+def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int, options: Options | None = None):
     """Parameters on the most loaded device (first or last stage: embedding or output head):
-    (counts, shared over tp, experts over tp x ep)."""
+    (counts, shared over tp, experts over ep and, where it splits them, tp)."""
     c = param_counts_of(model)
-    shared = (n * (c.attention + c.norms) + (n - n_moe) * c.dense_mlp + n_moe * c.moe_other
-              + stage_heads(model, lay) * c.embedding) / lay.tp
-    return c, shared, n_moe * c.experts / (lay.tp * lay.ep)
+    split = expert_tp(lay, options)
+    shared = ((n * (c.attention + c.norms) + (n - n_moe) * c.dense_mlp + stage_heads(model, lay) * c.embedding) / lay.tp
+              + n_moe * c.moe_other / split)
+    return c, shared, n_moe * c.experts / (split * lay.ep)
 
 
 def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
@@ -81,7 +90,7 @@ def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
     prunes the layouts that do not fit with this before it prices any of them."""
     n = layers_per_stage(model.n_layers, layout.pp, layout.virtual)
     n_moe = min(n, moe_layer_count(model))
-    c, shared, experts = stage_params(model, layout, n, n_moe)
+    c, shared, experts = stage_params(model, layout, n, n_moe, options)
     return peak_memory(model, workload, layout, options, n, n_moe, shared, experts, c)[0]
 
 
@@ -111,7 +120,8 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         # the whole local weights and their gathered copy (measured: tiny, dp=2,pp=2 holds its
         # stage's parameters twice, benchmarks/README.md).
         zero, shard = 2, 1
-    layer_shared = (c.attention + c.norms + (c.moe_other if n_moe else c.dense_mlp)) / lay.tp
+    split = expert_tp(lay, options)
+    layer_shared = (c.attention + c.norms) / lay.tp + (c.moe_other / split if n_moe else c.dense_mlp / lay.tp)
     root = (stage_heads(model, lay) * c.embedding + model.dim) / lay.tp  # embedding, output, final norm
     state = state_bytes(zero=zero, shards=shard, params=shared, layer_params=layer_shared,
                         microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload,
@@ -119,7 +129,7 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
     if experts:
         expert_state = state_bytes(zero=zero, shards=max(1, shard // lay.ep), params=experts,
-                                   layer_params=c.experts / (lay.tp * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
+                                   layer_params=c.experts / (split * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
                                    precision=precision, offload=lay.offload)
         state = {k: v + expert_state[k] for k, v in state.items()}
         if lay.offload:
@@ -138,7 +148,7 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
             value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
                                            fused_norm=options.fused_norm, phalanx_model=options.phalanx_trainer,
                                            autocast_fp32=copies, wide_norms=wide, moe=moe, recompute=recompute,
-                                           **kw)
+                                           tp_splits_experts=options.tp_splits_experts, **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
         return scale * hit[2]
 

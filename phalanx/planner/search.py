@@ -21,7 +21,7 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
-from phalanx.planner.cost import Estimate, Options, evaluate, memory_breakdown, step_time_lower_bound
+from phalanx.planner.cost import Estimate, Options, evaluate, memory_breakdown, step_time_lower_bound, trainer_options
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
 
@@ -41,9 +41,9 @@ class SearchSpace:
     """Use sp with tp > 1; False for implementations that lack it."""
     phalanx_trainer: bool = True
     """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
-    padding), sp needs tp to divide seq_len, no tp with experts yet (the memory model does not
-    count the experts the trainer replicates over tp). Off to model other implementations (the
-    published runs), which split experts over tp."""
+    padding), sp needs tp to divide seq_len and no experts; tp leaves the MoE blocks whole (pair
+    with Options.tp_splits_experts=False). Off to model other implementations (the published
+    runs), which split experts over tp."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,17 +98,13 @@ def _schedules(space: SearchSpace, pp: int, m: int, n_layers: int) -> list[tuple
 
 
 def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
-    """Why tp cannot split this model in the implementations the search covers."""
-    problem = rules.tp_problem(tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
-                               vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
-                               n_experts=model.n_experts, padded=not space.phalanx_trainer)
-    if not problem and space.phalanx_trainer and tp > 1 and model.n_experts:
-        # The trainer runs it (MoE blocks stay out of tp) and the time model charges the duplicated
-        # expert work (Options.tp_splits_experts), but the memory model still divides the experts
-        # by tp, so such a layout would be planned with too little memory.
-        problem = (f"tp={tp} with experts: the planner's memory model does not yet count the experts the phalanx "
-                   "trainer replicates over tp (--any-runtime models a runtime that splits them)")
-    return problem
+    """Why tp cannot split this model in the implementations the search covers. The phalanx
+    trainer keeps MoE blocks out of tp (whole experts on every tp rank: the cost model charges
+    that work and memory, Options.tp_splits_experts), so no expert size need divide by tp there."""
+    return rules.tp_problem(tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
+                            vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
+                            n_experts=0 if space.phalanx_trainer else model.n_experts,
+                            padded=not space.phalanx_trainer)
 
 
 def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -123,7 +119,8 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
         if _tp_problem(model, tp, space):
             continue
         sp_problem = rules.sp_problem(tp, seq_len=workload.seq_len)
-        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and sp_problem)
+        # The trainer runs no sp with experts (parallel/tensor_parallel.validate_tp).
+        sp_ok = space.sequence_parallel and not (space.phalanx_trainer and (sp_problem or model.n_experts))
         for pp in divisors(world_size // tp):
             dp = world_size // (tp * pp)
             if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp:
@@ -284,16 +281,19 @@ def explain(result: SearchResult, usable_gib: float) -> list[str]:
 
 def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
               cluster: Cluster | str = "local", fixed: dict[str, object] | None = None,
-              space: SearchSpace = SearchSpace()) -> Plan:
+              space: SearchSpace = SearchSpace(), dtype: str = "fp32") -> Plan:
     """The fastest layout `phalanx train --plan auto` can run on `world_size` processes.
 
     `fixed` pins knobs (as `parse_fix` returns them) for a trainer that lacks some, e.g.
-    {"tp": 1, "pp": 1} for a data-parallel-only build; `space` narrows the rest.
+    {"tp": 1, "pp": 1} for a data-parallel-only build; `space` narrows the rest. `dtype`: the
+    run's --dtype (the trainer's default fp32); memory and traffic are the trainer's own
+    (`cost.trainer_options`), not the published implementations'.
     """
     if isinstance(cluster, str):
         cluster = cluster_from_name(cluster)
     workload = Workload(global_batch=global_batch, seq_len=seq_len)
-    result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space, keep=1)
+    result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space,
+                    options=trainer_options(dtype, cluster), keep=1)
     if not result.ranked:
         if result.considered == 0:
             raise UserError(f"no layout of {model.name!r} on {world_size} processes divides "

@@ -259,7 +259,7 @@ def write_png(events: list[Event], path: Path, *, title: str) -> None:
 
 
 def simulate_command(args) -> int:
-    from phalanx.planner.cost import Options
+    from phalanx.planner.cli import options_for
     from phalanx.planner.hardware import cluster_from_name
     from phalanx.planner.layout import Workload
     from phalanx.planner.model_spec import model_from_name
@@ -273,8 +273,7 @@ def simulate_command(args) -> int:
     dp, tp, pp = (int(fixed.get(k, 1)) for k in ("dp", "tp", "pp"))
     result = search(model, cluster, workload, world_size=dp * tp * pp, fixed={**fixed, "dp": dp, "tp": tp, "pp": pp},
                     space=SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime),
-                    options=Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather,
-                                    tp_splits_experts=args.any_runtime), keep=1)
+                    options=options_for(args, cluster), keep=1)
     if not result.ranked:
         raise UserError(f"--plan {args.plan} gives no layout that fits ({result.considered} considered, "
                         f"{result.pruned_memory} pruned for memory)")

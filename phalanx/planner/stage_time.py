@@ -158,7 +158,8 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     else:
         parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
     gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
-    stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True)
+    stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True,
+                                    tp_splits_experts=tp_splits_experts)
     elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
         attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
