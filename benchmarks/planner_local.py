@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from phalanx.planner.cost import trainer_options
 from phalanx.planner.hardware import cluster_from_name, local_cluster_path
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
@@ -70,6 +71,9 @@ def main() -> int:
     parser.add_argument("--calibrate", action="store_true", help="run `phalanx calibrate` first")
     parser.add_argument("--fix", default="", help="restrict the layouts (--fix grammar), e.g. tp=1,pp=1 for a "
                         "trainer that runs data parallelism only")
+    parser.add_argument("--record", action="store_true",
+                        help="write the median |error| into phalanx/planner/validation.json (the plan table's "
+                             "error band for calibrated and described clusters)")
     args = parser.parse_args()
 
     if args.calibrate or not local_cluster_path().exists():
@@ -85,7 +89,9 @@ def main() -> int:
     verdicts = []
     with tempfile.TemporaryDirectory(prefix="planner-local-") as tmp:
         for nproc, count in zip((int(p) for p in args.procs.split(",")), (int(c) for c in args.per_size.split(","))):
-            ranked = search(model, cluster, work, world_size=nproc, fixed=parse_fix(args.fix), keep=10_000).ranked
+            # What `phalanx plan --cluster local` predicts for the trainer's default fp32 runs.
+            ranked = search(model, cluster, work, world_size=nproc, fixed=parse_fix(args.fix),
+                            options=trainer_options("fp32", cluster), keep=10_000).ranked
             measured = []
             for rank, est in enumerate(pick(ranked, count)):
                 plan = est.layout.plan.to_string()
@@ -111,6 +117,13 @@ def main() -> int:
         return 2
     print(f"median |error| over {len(errors)} layouts: {statistics.median(errors):.1%} against each run's median "
           f"step (target 15%); {statistics.median(errors_min):.1%} against its fastest step")
+    if args.record:
+        from phalanx.planner.validation import record
+
+        record("local", statistics.median(errors), len(errors),
+               source=f"benchmarks/planner_local.py --record: median |error| of predicted against measured step time "
+                      f"on this machine ({len(errors)} layouts at {args.procs} processes, model {args.model})")
+        print("written into phalanx/planner/validation.json as the local step-time band")
     for nproc, gap in verdicts:
         print(f"{nproc} processes: planner's first choice measured {gap:.1%} slower than the fastest measured "
               f"({'within' if gap <= 0.10 else 'outside'} the 10% target)")

@@ -3,7 +3,8 @@
 A preset's predictions are checked against published runs on such clusters
 (benchmarks/planner_published.py); a calibrated or described cluster's against runs on this
 machine (benchmarks/planner_local.py). Each benchmark writes its median |error| into
-validation.json (`--record`) beside the source it came from; the plan table shows it as the
+validation.json (`--record`) beside the source it came from (for presets, the hold-out half of
+the published rows: runs no modelling decision looked at); the plan table shows it as the
 step time's band (`12.4 s ±7%`) and the JSON as `step_time_band`, a fraction.
 """
 
@@ -28,8 +29,11 @@ def step_time_band(cluster: Cluster) -> float:
     return float(figures()[kind]["median_abs_error"])
 
 
-def record(kind: str, median: float, rows: int) -> None:
-    """Write a benchmark's median into validation.json, keeping its source line."""
+def record(kind: str, median: float, rows: int, source: str | None = None) -> None:
+    """Write a benchmark's median into validation.json, with the line saying where it comes from
+    (kept when not given)."""
     data = figures()
     data[kind].update(median_abs_error=round(median, 4), rows=rows)
+    if source:
+        data[kind]["source"] = source
     FILE.write_text(json.dumps(data, indent=2) + "\n")
