@@ -133,6 +133,10 @@ MPT_H100 = [  # (model, GPUs, micro-batch, gradient accumulation, global batch, 
     ("1b", 8, 14, 1, 112, False, 45455), ("760m", 32, 24, 1, 768, False, 67971), ("760m", 16, 24, 1, 384, False, 68551),
     ("760m", 8, 24, 2, 384, False, 63147),
 ]
+# Composer's FSDP reduce-scatters every micro-batch's gradients into the shards: its
+# ddp_sync_context applies no_sync only to a DistributedDataParallel model (composer/distributed/
+# dist_strategy.py), not to FSDP.
+COMPOSER = Options(reduce_each_microbatch=True)
 # Composer's FSDP: data parallelism only (no tp or pp), replicated, zero 2 or zero 3.
 COMPOSER_FSDP = SearchSpace(zero_levels=(0, 2, 3), schedules=("1f1b",), recompute=("none", "full"), max_mbs=32,
                             sequence_parallel=False, phalanx_trainer=False)
@@ -140,8 +144,9 @@ ROWS += [
     Row(label=f"MPT-{name} {gpus} GPUs {'decide' if i % 2 == 0 else 'hold-out'}",
         model=gpt(f"mpt-{name}", *MPT_SHAPES[name], 50368, 2048).replace(tie_embeddings=True), cluster="dgx-h100",
         gpus=gpus, global_batch=gb, seq_len=2048,
-        fixed=dict(dp=gpus, tp=1, pp=1, zero=3, mbs=mbs, microbatches=accumulate, recompute="full" if ckpt else "none"),
-        published=tokens, metric="tokens", space=COMPOSER_FSDP, searched=dict(tp=1, pp=1),
+        fixed=dict(dp=gpus, tp=1, pp=1, zero=3, mbs=mbs, microbatches=accumulate, recompute="full" if ckpt else "none",
+                   offload=False),  # the table's runs keep their shards on the GPUs
+        published=tokens, metric="tokens", space=COMPOSER_FSDP, searched=dict(tp=1, pp=1), options=COMPOSER,
         group="decide" if i % 2 == 0 else "hold-out")  # the split, fixed before any row was run
     for i, (name, gpus, mbs, accumulate, gb, ckpt, tokens) in enumerate(MPT_H100)
 ]

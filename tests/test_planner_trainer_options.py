@@ -122,3 +122,22 @@ def test_train_plan_auto_plans_for_the_runs_dtype():
                                          cluster="dgx-h100", dtype=dtype).to_string()
     # fp32 activations (twice the bytes) do not fit the bf16 run's layout on 76 GiB
     assert plans["fp32"] != plans["bf16"]
+
+
+def test_fsdp_without_no_sync_reduces_every_microbatch_into_the_shards():
+    # Composer's FSDP (the published MPT runs): each micro-batch's backward reduce-scatters, so
+    # the fp32 gradients accumulate sharded; the phalanx trainer accumulates them whole.
+    from phalanx.planner.memory import state_bytes
+
+    p, layer = 1e9, 1e8
+    kw = dict(zero=3, shards=4, params=p, layer_params=layer, microbatches=4, pp=1)
+    assert state_bytes(**kw)["gradients"] == 4 * p
+    # the shards of the other layers, and the layer in backward whole in bf16 (its autograd grad)
+    assert state_bytes(**kw, reduce_each_microbatch=True)["gradients"] == 4 * (p - layer) / 4 + 2 * layer
+    work = Workload(global_batch=32, seq_len=256)
+    lay = Layout(dp=8, mbs=1, microbatches=4, zero=3)
+    t = {flag: evaluate(DENSE, H100, work, lay, Options(dp_overlap=False, reduce_each_microbatch=flag))
+         .breakdown["dp_comm"] for flag in (False, True)}
+    _, shared, _ = stage_params(DENSE, lay, 3, 0)
+    one_step = 4 * comm.reduce_scatter(H100, shared / 4 * 4, size=8, stride=1)  # 4 units, fp32
+    assert t[True] - t[False] == pytest.approx(3 * one_step, rel=1e-9)  # 3 more micro-batches reduce

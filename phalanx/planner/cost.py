@@ -91,6 +91,12 @@ class Options:
     """Tensor parallelism splits each expert's matrices too (Megatron). False: the MoE block stays
     out of tp, so every tp rank runs the same experts on the same tokens (the phalanx trainer
     until the expert-parallel training issue; the time model charges that duplicated work)."""
+    reduce_each_microbatch: bool = False
+    """Under zero 2 and 3 without pp, every micro-batch's backward reduce-scatters its gradients
+    into the shards, which accumulate sharded (FSDP1 used without `no_sync`: Composer's
+    `ddp_sync_context` only applies `no_sync` to a DistributedDataParallel model, so its FSDP
+    runs sync every micro-batch). False: gradient sync off for all but the last micro-batch,
+    the fp32 gradients accumulating unsharded (the phalanx trainer)."""
     precision: Precision = MIXED_ADAM
     """Bytes of weights, gradients, optimizer state, activations and logits
     (`memory.TRAINER_PRECISION[dtype]` for the phalanx trainer)."""

@@ -108,17 +108,19 @@ def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, expe
         # gathers no longer hide under compute, more dp lowers throughput per GPU. The
         # gradients accumulate unsharded and are reduce-scattered after the last micro-batch.
         m = lay.microbatches
+        reduces = m if options.reduce_each_microbatch else 1  # each hidden behind its own backward
         if overlap:
             gathers = m * (shown(ag, st.f) + shown(ag * regathered, st.r) + shown(ag, st.b + st.w))
-            reduce = shown(rs, st.b + st.w)
+            reduce = reduces * shown(rs, st.b + st.w)
         else:
-            gathers, reduce = (2 + regathered) * m * ag, rs
+            gathers, reduce = (2 + regathered) * m * ag, reduces * rs
         return gathers + reduce + units * fsdp_unit + ar_replica
     if lay.zero == 3:  # under pp: gathered once, reduced once, like zero 1 and 2 below
         wrap_cost = units * fsdp_unit
+    reduces = lay.microbatches if options.reduce_each_microbatch and lay.zero == 2 and lay.pp == 1 else 1
     if not overlap:
-        return rs + ag + ar_replica + wrap_cost
-    exposed = shown(rs, st.b + st.w + st.r) + ar_replica
+        return reduces * rs + ag + ar_replica + wrap_cost
+    exposed = reduces * shown(rs, st.b + st.w + st.r) + ar_replica
     if ag:
         exposed += shown(ag, st.f)
     return exposed + wrap_cost

@@ -209,7 +209,7 @@ buffers (peak_memory.py): until its own turn it is an all-gather buffer, not a p
 
 def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, microbatches: int,
                 pp: int, precision: Precision = MIXED_ADAM, offload: bool = False,
-                root_params: float = 0.0) -> dict[str, float]:
+                root_params: float = 0.0, reduce_each_microbatch: bool = False) -> dict[str, float]:
     """Parameter, gradient and optimizer bytes of `params` parameters (a rank's stage, over tp)
     sharded `shards` ways at a ZeRO level, as the time model's collectives run them.
 
@@ -237,7 +237,9 @@ def state_bytes(*, zero: int, shards: int, params: float, layer_params: float, m
     n = max(1, shards)
     if zero == 0:
         return {"parameters": param * params, "gradients": grad * params, "optimizer_state": optim * params}
-    accumulate = zero <= 1 or microbatches > 1
+    # reduce_each_microbatch (Options): zero 2 and 3 reduce-scatter after every micro-batch, so the
+    # gradients accumulate in their shards, as with a single micro-batch.
+    accumulate = zero <= 1 or (microbatches > 1 and not reduce_each_microbatch)
     sharded = 0.0 if offload else 1.0
     # Autograd makes a gathered weight's gradient in its dtype (param_dtype); FSDP2 casts it to the
     # reduce dtype only when it copies it into the reduce-scatter input, or when it accumulates it

@@ -125,12 +125,13 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     root = (stage_heads(model, lay) * c.embedding + model.dim) / lay.tp  # embedding, output, final norm
     state = state_bytes(zero=zero, shards=shard, params=shared, layer_params=layer_shared,
                         microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload,
-                        root_params=root)
+                        root_params=root, reduce_each_microbatch=options.reduce_each_microbatch)
     host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
     if experts:
         expert_state = state_bytes(zero=zero, shards=max(1, shard // lay.ep), params=experts,
                                    layer_params=c.experts / (split * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
-                                   precision=precision, offload=lay.offload)
+                                   precision=precision, offload=lay.offload,
+                                   reduce_each_microbatch=options.reduce_each_microbatch)
         state = {k: v + expert_state[k] for k, v in state.items()}
         if lay.offload:
             extra = offloaded_bytes(shards=max(1, shard // lay.ep), params=experts, precision=precision)
