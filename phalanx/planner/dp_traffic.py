@@ -106,7 +106,8 @@ def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, expe
         # fixed global batch, compute per micro-batch stays and the micro-batches per rank
         # fall, while each gather's ring latency grows with dp (comm.py), so once these
         # gathers no longer hide under compute, more dp lowers throughput per GPU. The
-        # gradients accumulate unsharded and are reduce-scattered after the last micro-batch.
+        # gradients accumulate unsharded and are reduce-scattered after the last micro-batch
+        # (with Options.reduce_each_microbatch: after every micro-batch, into the shards).
         m = lay.microbatches
         reduces = m if options.reduce_each_microbatch else 1  # each hidden behind its own backward
         if overlap:
