@@ -138,7 +138,7 @@ def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_T
                                 rank=int(os.environ["RANK"]), world_size=world_size)
 
 
-def _attempt_store(world_size: int, timeout: datetime.timedelta):
+def _attempt_store(world_size: int, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
     """Under a torchrun restart, the agent's store (it outlives the workers) still holds the
     failed attempt's process-group keys, among them the dead ranks' gloo addresses: a
     restarted rank read one and was refused. A prefix per attempt keeps them apart. None (the

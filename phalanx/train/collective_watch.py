@@ -14,8 +14,10 @@ any other dead worker.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -37,6 +39,22 @@ def _stall_if_asked(rank: int, step: int) -> None:
             time.sleep(float(seconds))
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """gloo logs a failed monitored barrier to the process's stderr from C++ (two lines that
+    the raised error repeats); with a rank killed, every survivor would print them around the
+    launcher's one-line report. The file descriptor is pointed at /dev/null for the barrier."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -56,7 +74,9 @@ class StepBarrier:
         if self.group is None:
             return
         try:
-            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+            with _native_stderr_silenced():
+                dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                       wait_all_ranks=True)
         except RuntimeError as error:
             raise CollectiveTimeout(
                 f"rank {self.rank}: the step-boundary barrier before step {step} did not complete within "
