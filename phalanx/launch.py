@@ -93,9 +93,8 @@ def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg.replace(plan=plan.to_string())
 
 
-def saved_world_size(cfg: TrainConfig) -> int | None:
-    """The world size of the checkpoint a resume of `cfg` would load, if any."""
-    found = latest_checkpoint(Path(cfg.out)) if cfg.resume and cfg.out else None
+def saved_world_size(found: tuple[int, Path] | None) -> int | None:
+    """The world size of the checkpoint `found` (the one a resume would load), if any."""
     if found is None:
         return None
     from phalanx.train.checkpoint_manifest import read_meta
@@ -234,8 +233,10 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
+    # Checksummed once here (a whole checkpoint is read); a run without --out is a new directory.
+    found = latest_checkpoint(Path(cfg.out)) if cfg.out else None
     if not cfg.elastic:
-        cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(cfg))
+        cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(found if cfg.resume else None))
         validate_for_model(resolve_plan(cfg.plan, world), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                            dtype=cfg.dtype)
     from phalanx.hf.weights import initial_weights
@@ -249,9 +250,8 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
     lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
     try:
-        if cfg.resume == "must" and latest_checkpoint(run_dir) is None:
+        if cfg.resume == "must" and found is None:
             raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
-        found = latest_checkpoint(run_dir)
         if not cfg.resume and found is not None:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
         if cfg.resume and found is not None and not cfg.elastic:  # refused here in one line; the workers log what changed

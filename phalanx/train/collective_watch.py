@@ -22,9 +22,12 @@ import time
 
 import torch.distributed as dist
 
+from phalanx.train.restarts import restart_count
+
 STALL_ENV = "PHALANX_TEST_STALL"
-"""Test hook: `RANK:STEP:SECONDS`; that rank sleeps SECONDS before the boundary barrier of
-step STEP (1-based, as in metrics.jsonl), like a rank stuck in I/O or a hung kernel."""
+"""Test hook: `RANK:STEP:SECONDS`; on the first attempt only (a restart must not stall again),
+that rank sleeps SECONDS before the boundary barrier of step STEP (1-based, as in
+metrics.jsonl), like a rank stuck in I/O or a hung kernel."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -33,7 +36,7 @@ class CollectiveTimeout(RuntimeError):
 
 def _stall_if_asked(rank: int, step: int) -> None:
     text = os.environ.get(STALL_ENV, "")
-    if text:
+    if text and not restart_count():
         who, when, seconds = text.split(":")
         if int(who) == rank and int(when) == step:
             time.sleep(float(seconds))
