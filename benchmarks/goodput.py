@@ -175,7 +175,8 @@ def main() -> None:
             "--global-batch", "16", "--seq-len", args.seq_len, "--ckpt-every", str(args.ckpt_every), "--eval-every", "0",
             "--sample-tokens", "0", "--no-progress", "--device", "cpu", "--max-restarts", str(failures + 1)]
     print(f"model {args.model}, plan {args.plan} on 4 CPU processes, {args.steps} steps, checkpoint every "
-          f"{args.ckpt_every}, a worker SIGKILLed every {args.kill_every} steps after the step resumed from")
+          f"{args.ckpt_every}, " + ("no failures: checkpoints saved in the loop against in the background" if args.saves else
+                                    f"a worker SIGKILLed every {args.kill_every} steps after the step resumed from"))
     if args.saves:
         compare_saves(argv, args.pairs)
         return
