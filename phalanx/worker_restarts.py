@@ -69,7 +69,7 @@ def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attemp
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from phalanx.launch import start_elastic
+    from phalanx.worker_group import start_elastic
 
     try:
         # The PHALANX_ variables (the restart's number and reason, test hooks) travel with the

@@ -179,7 +179,7 @@ def test_torchrun_restart_keeps_process_group_keys_apart(monkeypatch):
     prefix of its own; a first attempt uses the store as torch does."""
     import torch.distributed as dist
 
-    from phalanx.launch import _attempt_store
+    from phalanx.worker_group import _attempt_store
     from phalanx.ports import free_port
 
     port = free_port()
