@@ -13,13 +13,17 @@ Printed, per arm and as ratios:
 - time lost per failure = (failure wall - clean wall) / kills, and the time from a kill to the
   first step row of the restarted group (restart + rendezvous + reload + that step);
 - the share of the step loop spent waiting on checkpoint saves: sum of `ckpt_wait_s` over
-  sum of `step_time_s` + `ckpt_wait_s` (saves here are synchronous; asynchronous saving is
-  measured against this by the work that adds it).
+  sum of `step_time_s` + `ckpt_wait_s`.
 
 The arms run in pairs, in ABBA order (clean then failures, failures then clean), since the
 machine's load drifts; the median goodput ratio over the pairs is the headline.
 
+`--saves` compares instead two failure-free arms: checkpoints saved in the loop
+(`--sync-checkpoint`) against the default background saves, also in ABBA pairs: the checkpoint
+wait share of each and the ratio of their wall times.
+
 Reproduce:  .venv/bin/python benchmarks/goodput.py          (no target; recorded in README)
+            .venv/bin/python benchmarks/goodput.py --saves
 """
 
 from __future__ import annotations
@@ -134,6 +138,24 @@ def report(args, clean: dict, faulty: dict) -> float:
     return ratio
 
 
+def compare_saves(argv: list[str], pairs: int) -> None:
+    """Failure-free arms with checkpoints saved in the loop and in the background."""
+    walls = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(pairs):
+            arms = {}
+            for kind in (("sync", "async") if pair % 2 == 0 else ("async", "sync")):
+                extra = ["--sync-checkpoint"] if kind == "sync" else []
+                arms[kind] = run_arm([*argv, *extra], Path(tmp) / f"{kind}-{pair}", 0, 0)
+            print(f"pair {pair + 1} ({' then '.join(arms)}):")
+            for kind, arm in arms.items():
+                print(f"  {kind:6s} wall {arm['wall']:6.1f} s  checkpoint wait {arm['ckpt']:5.2f} s, share of the step loop "
+                      f"{arm['ckpt'] / (arm['useful'] + arm['ckpt']):.3f}  ({arm['steps']} step rows)")
+            walls.append(arms["async"]["wall"] / arms["sync"]["wall"])
+            print(f"  wall background / in the loop = {walls[-1]:.3f}")
+    print(f"wall background / in the loop, median of {len(walls)} pairs: {statistics.median(walls):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
@@ -145,13 +167,19 @@ def main() -> None:
     parser.add_argument("--seq-len", default="128")
     parser.add_argument("--plan", default="dp=4")
     parser.add_argument("--pairs", type=int, default=2, help="clean/failure pairs, in ABBA order against drift")
+    parser.add_argument("--saves", action="store_true",
+                        help="compare synchronous and background checkpoint saves (no failures) instead")
     args = parser.parse_args()
     failures = (args.steps - 1) // args.kill_every
     argv = ["train", "--model", args.model, "--nproc", "4", "--plan", args.plan, "--steps", str(args.steps),
             "--global-batch", "16", "--seq-len", args.seq_len, "--ckpt-every", str(args.ckpt_every), "--eval-every", "0",
             "--sample-tokens", "0", "--no-progress", "--device", "cpu", "--max-restarts", str(failures + 1)]
     print(f"model {args.model}, plan {args.plan} on 4 CPU processes, {args.steps} steps, checkpoint every "
-          f"{args.ckpt_every}, a worker SIGKILLed every {args.kill_every} steps after the step resumed from")
+          f"{args.ckpt_every}, " + ("no failures: checkpoints saved in the loop against in the background" if args.saves else
+                                    f"a worker SIGKILLed every {args.kill_every} steps after the step resumed from"))
+    if args.saves:
+        compare_saves(argv, args.pairs)
+        return
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):

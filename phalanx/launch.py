@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import shutil
 import signal
@@ -22,7 +21,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from phalanx.data.corpus import check_corpus, open_training_data
@@ -32,17 +30,12 @@ from phalanx.train.config import TrainConfig
 from phalanx.train.restarts import leave_user_error, resume_mode
 from phalanx.train.stop_signal import STOP_STATUS, StopSignals
 from phalanx.train.world_change import plan_for_world
+from phalanx.worker_group import run_in_group, usable_cores
 from phalanx.worker_restarts import launch_with_restarts, max_restarts
 
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
-"""For commands without --collective-timeout (generate, match, blur)."""
 TEARDOWN_WAIT_S = 1.0
 """How long a worker that raised waits for the agent's SIGTERM before reporting its own error
 (the agent polls its workers every 0.1 s)."""
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def default_nproc(cfg: TrainConfig) -> int:
@@ -93,9 +86,8 @@ def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
     return cfg.replace(plan=plan.to_string())
 
 
-def saved_world_size(cfg: TrainConfig) -> int | None:
-    """The world size of the checkpoint a resume of `cfg` would load, if any."""
-    found = latest_checkpoint(Path(cfg.out)) if cfg.resume and cfg.out else None
+def saved_world_size(found: tuple[int, Path] | None) -> int | None:
+    """The world size of the checkpoint `found` (the one a resume would load), if any."""
     if found is None:
         return None
     from phalanx.train.checkpoint_manifest import read_meta
@@ -123,51 +115,6 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
     extra = ", experts.png" if (result.run_dir / "experts.png").exists() else ""  # MoE load heat-map
     lines.append(f"  run files    {result.run_dir}/ (metrics.jsonl, loss.png{extra}, checkpoints/)")
     return "\n".join(lines)
-
-
-def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
-    """Join the process group of a launched worker (nothing in a single process). On CUDA the
-    group also has a gloo backend for CPU tensors, which asynchronous checkpointing needs."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not dist.is_initialized():
-        use_cuda = device != "cpu" and torch.cuda.is_available()
-        if not use_cuda:
-            torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
-        dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout,
-                                store=_attempt_store(world_size, timeout),
-                                rank=int(os.environ["RANK"]), world_size=world_size)
-
-
-def _attempt_store(world_size: int, timeout: datetime.timedelta):
-    """Under a torchrun restart, the agent's store (it outlives the workers) still holds the
-    failed attempt's process-group keys, among them the dead ranks' gloo addresses: a
-    restarted rank read one and was refused. A prefix per attempt keeps them apart. None (the
-    default env:// rendezvous) otherwise."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"phalanx/attempt_{attempt}", store)
-
-
-def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
-    """`body()` on this worker with its process group up, and torn down after. A UserError is
-    printed once (by rank 0; also passed to `on_user_error`) and gives None, for the caller's
-    exit status 2."""
-    rank = int(os.environ.get("RANK", "0"))
-    init_worker_group(device, timeout)
-    try:
-        return body()
-    except UserError as error:
-        if rank == 0:
-            print(f"phalanx: error: {error}", file=sys.stderr)
-            if on_user_error:
-                on_user_error(str(error))
-        return None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
@@ -234,8 +181,10 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
+    # Checksummed once here (a whole checkpoint is read); a run without --out is a new directory.
+    found = latest_checkpoint(Path(cfg.out)) if cfg.out else None
     if not cfg.elastic:
-        cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(cfg))
+        cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(found if cfg.resume else None))
         validate_for_model(resolve_plan(cfg.plan, world), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                            dtype=cfg.dtype)
     from phalanx.hf.weights import initial_weights
@@ -249,9 +198,8 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
     lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
     try:
-        if cfg.resume == "must" and latest_checkpoint(run_dir) is None:
+        if cfg.resume == "must" and found is None:
             raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
-        found = latest_checkpoint(run_dir)
         if not cfg.resume and found is not None:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
         if cfg.resume and found is not None and not cfg.elastic:  # refused here in one line; the workers log what changed
@@ -353,74 +301,3 @@ def report_stop(status: int, run_dir: Path) -> int:
     print(f"phalanx: stopped by {stopped.name}; last checkpoint: {where}; "
           f"continue with: phalanx train --out {run_dir} --resume auto", file=sys.stderr)
     return 0 if stopped == signal.SIGTERM else 130
-
-
-def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "",
-                  nodes: tuple[int, int] = (1, 1), *, quiet: bool = False, grace_s: int = 30, run_id: str = "",
-                  fresh: bool = False) -> dict:
-    """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
-    WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
-    `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `nodes`:
-    (min, max) machines, each running this with the same `rdzv_endpoint` (nproc per machine);
-    `run_id` must then be the same on every machine. `quiet`:
-    not even the agent's error lines (the caller reports); `grace_s`: how long the agent waits
-    for workers it signals (SIGTERM, SIGINT) before it kills them; `fresh`: on CPU, fork the
-    workers from a clean server process instead of this one (see the start method below)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from phalanx.ports import free_port
-
-    # The agent's loggers each carry their own level; quiet them all, errors still show.
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.CRITICAL if quiet else logging.ERROR)
-    # torch.multiprocessing says when it terminates the workers left after one failed.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR if quiet else logging.NOTSET)
-    # Forking reuses this process's imported torch (seconds saved per worker); CUDA must not be
-    # initialized before a fork, so GPU runs spawn fresh interpreters instead. A fork also copies
-    # locks that other threads of this process hold (the rendezvous store's thread resolving an
-    # address holds glibc's resolver lock): seen to hang a restarted worker for good. So `fresh`
-    # launches fork from a forkserver: a single-threaded process that imports phalanx once.
-    start_method = "fork"
-    if torch.cuda.is_available() and device != "cpu":
-        start_method = "spawn"
-    elif fresh:
-        import multiprocessing
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.launch"])
-        start_method = "forkserver"
-    config = LaunchConfig(
-        min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=nproc, run_id=run_id or f"phalanx-{os.getpid()}",
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
-        local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
-        shutdown_timeout=grace_s,
-        start_method=start_method,
-    )
-    # The agent installs handlers that turn SIGTERM/SIGINT into exceptions and never restores
-    # them; put back the caller's, so a later fork (a prepare pool, a test) is not left with them.
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return elastic_launch(config, entry)(*args)
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
-def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
-    """`start_elastic` for commands whose workers report by exit status: 0, 2 (a user error
-    that rank 0 has printed), 130 (interrupted) or 1 (a failure, printed here)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    try:
-        start_elastic(entry, args, nproc, device, rdzv_endpoint)
-    except (SignalException, KeyboardInterrupt):
-        return 130  # the agent has already stopped the workers
-    except ChildFailedError as error:
-        codes = {failure.exitcode for failure in error.failures.values()}
-        if codes <= {2}:
-            return 2  # a user error, already printed by rank 0
-        if codes <= {130}:
-            return 130
-        print(f"phalanx: a worker failed: {error.get_first_failure()[1].message}", file=sys.stderr)
-        return 1
-    return 0

@@ -23,6 +23,9 @@ from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.restarts import REASON_ENV, RESTART_ENV
 from phalanx.train.stop_signal import GRACE_S, STOP_STATUS
 
+CONDITIONS = ("CollectiveTimeout:",)
+"""Worker exceptions that describe the cluster's state, not a fault in the code."""
+
 DEFAULT_MAX_RESTARTS = 3
 """With workers started by the launcher; one process run in the launcher's own has none."""
 
@@ -53,8 +56,10 @@ def describe(error) -> tuple[int, Failure | None]:
         return 1, Failure(f"worker rank {rank} exited with signal {failure.signal_name()}")
     message = failure.message
     if isinstance(message, dict):  # written by @record in the worker: the exception and its traceback
-        return 1, Failure(f"worker rank {rank} failed: {message.get('message', '')}",
-                          message.get("extraInfo", {}).get("py_callstack", ""))
+        text = message.get("message", "")
+        # A stuck or lost rank is a condition, not a bug: its one line says all (no traceback).
+        trace = "" if text.startswith(CONDITIONS) else message.get("extraInfo", {}).get("py_callstack", "")
+        return 1, Failure(f"worker rank {rank} failed: {text}", trace)
     return 1, Failure(f"worker rank {rank} exited with status {failure.exitcode}")
 
 
@@ -64,7 +69,7 @@ def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attemp
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from phalanx.launch import start_elastic
+    from phalanx.worker_group import start_elastic
 
     try:
         # The PHALANX_ variables (the restart's number and reason, test hooks) travel with the

@@ -103,5 +103,5 @@ def test_ctrl_c_stops_cleanly_and_keeps_checkpoint(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "Traceback" not in out
-    assert "interrupted; last checkpoint: step" in err
+    assert "stopped by SIGINT; last checkpoint: step" in err
     assert "--resume" in err

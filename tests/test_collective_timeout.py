@@ -1,4 +1,5 @@
-"""A stuck rank ends the run within --collective-timeout, naming the barrier and the rank.
+"""A stuck rank ends the run within --collective-timeout, naming the barrier and the rank;
+under the launcher, the group then restarts.
 
 With a 10 s timeout, a rank that stalls before a step's boundary barrier (test hook STALL_ENV,
 sleeping 120 s) makes rank 0 fail within 30 s (10 s of timeout plus start-up), with an error
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.cli import main
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.collective_watch import STALL_ENV
 from phalanx.train.loop import train
+from phalanx.train.metrics import parse_lines
 
 
 def _train(cfg):
@@ -28,3 +31,24 @@ def test_stalled_rank_is_named_within_the_collective_timeout(tiny_config, monkey
     assert time.monotonic() - began < 30
     assert ("CollectiveTimeout: rank 0: the step-boundary barrier before step 1 did not complete within 10 s "
             "(--collective-timeout): [Rank 0]: Ranks 1 failed to pass monitoredBarrier") in str(error.value), error.value
+
+
+def test_stalled_rank_under_the_launcher_is_restarted(tmp_path, capsys, monkeypatch):
+    """dp=2 under the built-in launcher: rank 1 stalls 12 s before step 3 (first attempt only),
+    rank 0's barrier gives up after 10 s, and the group restarts from the step-2 checkpoint and
+    finishes, with one row per step and a restart row that says why."""
+    monkeypatch.setenv(STALL_ENV, "1:3:12")
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "tiny", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--sample-tokens", "0",
+              "--eval-every", "0", "--device", "cpu", "--ckpt-every", "2", "--sync-checkpoint", "--steps", "4",
+              "--nproc", "2", "--collective-timeout", "10", "--out", str(run)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 0, err
+    assert "Traceback" not in err, err  # a stuck rank is one line, not a crash
+    assert ("phalanx: worker rank 0 failed: CollectiveTimeout: rank 0: the step-boundary barrier before step 3 did not "
+            "complete within 10 s") in err and "restarting from step 2 (restart 1 of 3)" in err, err
+    rows, _ = parse_lines((run / "metrics.jsonl").read_text())
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2, 3, 4]
+    restart = [row for row in rows if row.get("event") == "restart"]
+    assert len(restart) == 1 and restart[0]["step"] == 2 and "CollectiveTimeout" in restart[0]["reason"], restart

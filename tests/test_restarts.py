@@ -85,7 +85,8 @@ def test_worker_sigkilled_from_outside_then_sigterm(tmp_path, capsys):
     launcher = subprocess.Popen([sys.executable, "-m", "phalanx", *args, "--out", str(run)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: _last_step(run) >= 3, "step 3")
+        # Checkpoints are written in the background: the kill waits for step 2's to complete.
+        _wait_for(lambda: _last_step(run) >= 3 and latest_checkpoint(run) is not None, "step 3 and a checkpoint")
         os.kill(_children(launcher.pid)[-1], signal.SIGKILL)
         _wait_for(lambda: any(r.get("event") == "restart" for r in _rows(run)) and _last_step(run) >= 5, "the restart")
         launcher.send_signal(signal.SIGTERM)
@@ -112,7 +113,8 @@ def test_worker_killed_on_four_processes_zero3_pipeline(tmp_path, capsys, monkey
     """dp=2,pp=2 with ZeRO-3 on 4 processes: rank 3 SIGKILLs itself after step 3 (the test
     hook), the run restarts from step 2, replays step 3 and ends equal to an uninterrupted run."""
     run, reference = tmp_path / "run", tmp_path / "ref"
-    args = [*TINY, "--steps", "4", "--nproc", "4", "--plan", "dp=2,pp=2,zero=3,microbatches=2"]
+    # Saved in the loop: the kill right after step 3 must find step 2's checkpoint complete.
+    args = [*TINY, "--steps", "4", "--nproc", "4", "--plan", "dp=2,pp=2,zero=3,microbatches=2", "--sync-checkpoint"]
     assert _run([*args, "--out", str(reference)], capsys)[0] == 0
     monkeypatch.setenv(FAULT_ENV, "3:3:SIGKILL")
     code, err = _run([*args, "--out", str(run)], capsys)
@@ -177,7 +179,7 @@ def test_torchrun_restart_keeps_process_group_keys_apart(monkeypatch):
     prefix of its own; a first attempt uses the store as torch does."""
     import torch.distributed as dist
 
-    from phalanx.launch import _attempt_store
+    from phalanx.worker_group import _attempt_store
     from phalanx.ports import free_port
 
     port = free_port()

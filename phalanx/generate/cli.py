@@ -124,7 +124,7 @@ def output(result, codec, as_json: bool) -> str:
 
 def worker_main(job: dict) -> int:
     """Entry point of every worker; rank 0 prints."""
-    from phalanx.launch import run_in_group
+    from phalanx.worker_group import run_in_group
 
     rank = int(os.environ.get("RANK", "0"))
     done = run_in_group(job["device"], lambda: run_job(job))
@@ -148,7 +148,8 @@ def _run(args) -> int:
         return worker_main(job)
     if args.nproc == 1:
         return worker_main(job)
-    from phalanx.launch import check_nproc, run_elastic
+    from phalanx.launch import check_nproc
+    from phalanx.worker_group import run_elastic
 
     check_nproc(args.nproc, args.device)
     return run_elastic(_elastic_entry, (job,), args.nproc, device=args.device, rdzv_endpoint=args.rdzv_endpoint)

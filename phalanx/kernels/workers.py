@@ -1,7 +1,7 @@
 """Running one piece of work per process: rank r of N computes its share and returns it.
 
 `--nproc 1` runs in this process. `--nproc N` starts N local workers through PyTorch's elastic
-launcher, as `phalanx train` does (`phalanx.launch.start_elastic`); each finds its share from
+launcher, as `phalanx train` does (`phalanx.worker_group.start_elastic`); each finds its share from
 RANK and WORLD_SIZE and hands its result back through the launcher's return values, so the
 workers need no process group (they never talk to each other, only to the parent).
 """
@@ -61,7 +61,7 @@ def run_sharded(work: Callable[[int, int, Any], Any], payload: Any, nproc: int, 
         return [_one_thread_on_cpu(work, 0, 1, payload, device)]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from phalanx.launch import start_elastic
+    from phalanx.worker_group import start_elastic
 
     try:
         results = start_elastic(_entry, (work, payload, device), nproc, device)

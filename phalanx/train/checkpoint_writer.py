@@ -101,15 +101,14 @@ class CheckpointWriter:
 
     def close(self, *, failing: bool = False) -> None:
         """Wait for the last save, so the run ends with its checkpoint complete. `failing`: the
-        run is ending on an error; a failure of the save then is only a warning, so that the
-        run's own error is the one reported."""
+        run is ending on an error; a failure of the save then is not reported, so that the
+        run's own error is the one the user reads (when another rank died, every survivor's save
+        fails too: noise). What the launcher then names is the newest complete checkpoint."""
         try:
             self.wait()
-        except (Exception, CheckpointException) as error:
+        except (Exception, CheckpointException):
             if not failing:
                 raise
-            if self.rank == 0:
-                print(f"phalanx: warning: the checkpoint being written did not complete: {error}", file=sys.stderr)
         finally:
             if self.finisher is not None:
                 self.finisher.shutdown()

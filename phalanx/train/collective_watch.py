@@ -14,15 +14,20 @@ any other dead worker.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import sys
 import time
 
 import torch.distributed as dist
 
+from phalanx.train.restarts import restart_count
+
 STALL_ENV = "PHALANX_TEST_STALL"
-"""Test hook: `RANK:STEP:SECONDS`; that rank sleeps SECONDS before the boundary barrier of
-step STEP (1-based, as in metrics.jsonl), like a rank stuck in I/O or a hung kernel."""
+"""Test hook: `RANK:STEP:SECONDS`; on the first attempt only (a restart must not stall again),
+that rank sleeps SECONDS before the boundary barrier of step STEP (1-based, as in
+metrics.jsonl), like a rank stuck in I/O or a hung kernel."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -31,10 +36,26 @@ class CollectiveTimeout(RuntimeError):
 
 def _stall_if_asked(rank: int, step: int) -> None:
     text = os.environ.get(STALL_ENV, "")
-    if text:
+    if text and not restart_count():
         who, when, seconds = text.split(":")
         if int(who) == rank and int(when) == step:
             time.sleep(float(seconds))
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """gloo logs a failed monitored barrier to the process's stderr from C++ (two lines that
+    the raised error repeats); with a rank killed, every survivor would print them around the
+    launcher's one-line report. The file descriptor is pointed at /dev/null for the barrier."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _first_line(error: BaseException) -> str:
@@ -56,7 +77,9 @@ class StepBarrier:
         if self.group is None:
             return
         try:
-            dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+            with _native_stderr_silenced():
+                dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout_s),
+                                       wait_all_ranks=True)
         except RuntimeError as error:
             raise CollectiveTimeout(
                 f"rank {self.rank}: the step-boundary barrier before step {step} did not complete within "
