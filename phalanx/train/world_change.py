@@ -63,7 +63,7 @@ def _a_plan_that_fits(cfg, world_size: int, model_cfg) -> str:
 
     try:
         plan = auto_plan(model_cfg, world_size=world_size, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                         cluster=cfg.cluster or this_machine(""))
+                         cluster=cfg.cluster or this_machine(""), dtype=cfg.dtype)
     except UserError as error:
         return f"and no plan fits: {error}"
     return f"a plan that fits: --plan {plan} (or --plan auto)"
