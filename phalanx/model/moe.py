@@ -190,7 +190,7 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.capacity_factor = cfg.capacity_factor
         self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token, score=cfg.router,
-                             bias_rate=cfg.router_bias_rate, normalize=cfg.norm_topk_prob)
+                             bias_rate=cfg.router_bias_rate, normalize=cfg.routing_normalized)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
         self.shared = None
         if cfg.n_shared_experts:

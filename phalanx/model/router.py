@@ -62,8 +62,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         logits = self.gate(x).float()  # (tokens, experts)
         scores = F.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
-        # The bias picks experts; the weights come from the unbiased scores.
-        choice = scores + self.expert_bias if self.bias_rate else scores
+        # The bias picks experts; the weights come from the unbiased scores. Added whatever
+        # bias_rate is: rate 0 freezes a learned bias (zero unless one was learned or loaded,
+        # and adding zeros changes no score).
+        choice = scores + self.expert_bias
         experts = choice.topk(self.top_k, dim=-1).indices  # (tokens, k)
         chosen = scores.gather(-1, experts)  # (tokens, k)
         if self.normalize:
