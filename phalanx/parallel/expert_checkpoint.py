@@ -41,9 +41,12 @@ def _to_local_like(loaded: torch.Tensor, original: torch.Tensor) -> torch.Tensor
     block = loaded.to_local()  # (n_local, ...) this ep rank's experts
     if not isinstance(original, DTensor):
         return block
-    # FSDP: keep this edp rank's chunk of the block, the way FSDP shards dim 0.
+    # FSDP: keep this edp rank's chunk of the block, the way FSDP shards dim 0: torch.chunk,
+    # whose fewer chunks (fewer local experts than edp ranks) FSDP pads with empty ones.
     mesh = original.device_mesh
-    chunk = block.chunk(mesh.size())[mesh.get_local_rank()]
+    chunks = block.chunk(mesh.size())
+    rank = mesh.get_local_rank()
+    chunk = chunks[rank] if rank < len(chunks) else block[:0]  # (0, ...) on a rank FSDP left empty
     return DTensor.from_local(chunk, mesh, original.placements, shape=original.shape, stride=original.stride())
 
 
