@@ -51,6 +51,11 @@ def grouped_expert_ffn(
     return torch.cat(outputs)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's matmuls run in: autocast's where it is on for x's device, else x's own."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def grouped_mm_expert_ffn(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
@@ -64,7 +69,7 @@ def grouped_mm_expert_ffn(
     kernel rejects an expanded one); in `MoE.forward` it comes through the multiply by the
     combine weights, which always makes one.
     """
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = compute_dtype(x)
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     offsets = torch.cumsum(counts, 0).to(torch.int32)  # (experts,) end row of each expert's group
     hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * torch._grouped_mm(
@@ -86,7 +91,7 @@ def grouped_mm_works(x: torch.Tensor, w1: torch.Tensor) -> bool:
     error or disagreement means the loop. Uses its own random generator: the training's random
     state is untouched.
     """
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = compute_dtype(x)
     key = (x.device, dtype, w1.shape[-1], w1.shape[-2])
     if key not in _GROUPED_MM_CHECKED:
         _GROUPED_MM_CHECKED[key] = hasattr(torch, "_grouped_mm") and _agrees_with_loop(x.device, dtype, *key[2:])
@@ -221,7 +226,11 @@ class MoE(nn.Module):
             dropped = int((~keep).sum())
             order, counts = order[keep], counts.clamp(max=capacity)
         source_token = order // self.top_k
-        expert_out = self.experts(tokens[source_token], counts)  # (kept assignments, dim)
+        # The rows in the compute dtype before they reach the experts: expert parallelism then
+        # sends bf16, not fp32, under bf16 autocast (the experts' matmuls would cast them to
+        # it anyway, so the numbers are the same).
+        rows = tokens[source_token].to(compute_dtype(tokens))  # (kept assignments, dim)
+        expert_out = self.experts(rows, counts)  # (kept assignments, dim)
         # Weight each assignment and add it back to its token; a dropped assignment adds nothing
         # (its token keeps the residual stream and its other experts).
         expert_out = expert_out * route.weights.reshape(-1)[order, None].to(expert_out.dtype)
