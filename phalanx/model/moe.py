@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
-from phalanx.model.router import Router
+from phalanx.model.router import Router, count_per_expert
 
 
 def grouped_expert_ffn(
@@ -152,20 +152,36 @@ def prefer_grouped_mm(rows: torch.Tensor, n_experts: int) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert."""
+    """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert.
+
+    Expert parallelism (`phalanx.parallel.expert.ShardedExperts`) subclasses it: forward then
+    moves the rows to the ranks holding their experts around the same `compute`.
+    """
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.received_tokens = 0
+        """Rows these experts computed in training forwards (recomputations not counted) since
+        `phalanx.train.moe_stats` last read and reset it: under expert parallelism, the rows
+        this rank received from its whole ep group."""
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows: (n, dim) sorted by expert; counts: (experts,) rows per expert -> (n, dim)."""
+        return self.compute(rows, counts)
+
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+        """This module's experts on rows sorted by expert; `host_counts`: the counts already on
+        the host, if the caller has them (spares the per-expert loop a synchronization)."""
+        if self.training and not in_recompute():
+            self.received_tokens += rows.shape[0]
         if rows.shape[0] and prefer_grouped_mm(rows, self.w1.shape[0]) and grouped_mm_works(rows, self.w1):
             return grouped_mm_expert_ffn(rows, counts, self.w1, self.w2, self.w3)
         # The loop also serves a rank that received no rows (see its empty case).
-        return grouped_expert_ffn(rows, counts.tolist(), self.w1, self.w2, self.w3)
+        host_counts = counts.tolist() if host_counts is None else host_counts
+        return grouped_expert_ffn(rows, host_counts, self.w1, self.w2, self.w3)
 
 
 def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -218,7 +234,7 @@ class MoE(nn.Module):
         route = self.router(tokens)
         flat_experts = route.experts.reshape(-1)  # (tokens * k,), assignment a is token a // k
         order = flat_experts.argsort(stable=True)  # assignments grouped by expert, token order within
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)  # (experts,)
+        counts = count_per_expert(flat_experts, self.n_experts)  # (experts,)
         dropped = 0
         capacity = self.capacity(tokens.shape[0])
         if capacity is not None:

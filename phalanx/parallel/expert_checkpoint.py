@@ -15,24 +15,25 @@ from typing import Callable
 import torch
 
 from phalanx.model.init import canonical_name
+from phalanx.parallel.expert import ShardedExperts
 
 
-def _expert_modules(model) -> dict[str, object]:
-    """Canonical parameter name -> its expert-parallel GroupedExperts module."""
+def _expert_modules(model) -> dict[str, ShardedExperts]:
+    """Canonical parameter name -> its expert-parallel module."""
     found = {}
     for name, module in model.named_modules():
-        if getattr(module, "expert_shard", None) is not None:
+        if isinstance(module, ShardedExperts):
             for weight in ("w1", "w2", "w3"):
                 found[canonical_name(f"{name}.{weight}")] = module
     return found
 
 
-def _to_global(value: torch.Tensor, module) -> torch.Tensor:
+def _to_global(value: torch.Tensor, module: ShardedExperts) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     # Under FSDP the ep block is itself sharded over "edp": gather it first.
     local = value.full_tensor() if isinstance(value, DTensor) else value
-    return DTensor.from_local(local, module.ep_mesh, [Shard(0)], run_check=False)
+    return DTensor.from_local(local, module.shard.mesh, [Shard(0)], run_check=False)
 
 
 def _to_local_like(loaded: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
