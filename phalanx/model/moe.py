@@ -7,8 +7,9 @@ one `torch._grouped_mm` per weight where that kernel works (checked once per dev
 dtype), otherwise one matmul per expert.
 
 `GroupedExperts.forward(rows, counts)` is the seam that expert parallelism uses: it receives the
-rows sorted by expert and the count per expert, and `phalanx.parallel.expert` wraps that call
-with an all-to-all dispatch and combine. Nothing in this file knows about ranks.
+rows sorted by expert and the count per expert, and `phalanx.parallel.expert.ShardedExperts`
+overrides it to dispatch the rows to the ranks holding their experts, `compute` there, and
+combine. Nothing in this file knows about ranks.
 """
 
 from __future__ import annotations
@@ -212,13 +213,16 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.capacity_factor
         self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token, score=cfg.router,
                              bias_rate=cfg.router_bias_rate, normalize=cfg.routing_normalized)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
+        self.experts: GroupedExperts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
+        """Under expert parallelism a `ShardedExperts` (`phalanx.parallel.expert.apply_ep`)."""
         self.shared = None
         if cfg.n_shared_experts:
             from phalanx.model.transformer import FeedForward
 
             self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts)
         self.aux_loss: torch.Tensor | None = None
+        """This training forward's auxiliary loss, in the graph, for the trainer
+        (`phalanx.train.moe_aux_loss` consumes it); None in evaluation or without one."""
         # Plain attributes, not buffers: statistics, never checkpointed or synchronized by DDP.
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped_tokens = 0
