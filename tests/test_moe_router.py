@@ -21,7 +21,6 @@ from phalanx.model import config as model_config_module
 from phalanx.model.config import model_config
 from phalanx.model.hf_config import from_hf_dict
 from phalanx.model.init import RandomWeights
-from phalanx.model.moe import MoE
 from phalanx.model.router import Router
 from phalanx.testing.fork_ranks import run_ranks
 from tests.test_moe_layer import _moe, _per_token
