@@ -68,7 +68,7 @@ class ShardedExperts(GroupedExperts):
         for weight in ("w1", "w2", "w3"):
             block = getattr(full, weight).detach()[shard.start : shard.stop].clone()  # (n_local, ...)
             setattr(self, weight, nn.Parameter(block))
-        self.shard = shard
+        self.shard: ExpertShard = shard
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows: (n, dim) sorted by global expert; counts: (n_experts,) -> (n, dim)."""
