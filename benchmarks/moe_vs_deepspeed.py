@@ -84,7 +84,7 @@ def _phalanx_layer(w, rank):
         for name in ("w1", "w2", "w3"):
             getattr(layer.experts, name).copy_(w[name])
         layer.router.reset_buffers()
-    shard_experts(layer.experts, dist.group.WORLD, rank, EP)
+    layer.experts = shard_experts(layer.experts, dist.group.WORLD, rank, EP)
     return layer
 
 

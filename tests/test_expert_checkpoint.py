@@ -50,3 +50,23 @@ def test_resume_matches_uninterrupted(tiny_config, save_plan, resume_plan):
         assert max(abs(a - b) for a, b in zip(losses, full_losses[2:])) < TOLERANCE, (losses, full_losses)
         for name, value in weights.items():
             torch.testing.assert_close(value, full_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+
+
+def test_resume_with_fewer_local_experts_than_edp_ranks(monkeypatch, tiny_config):
+    """FSDP over "edp" when an ep rank holds fewer experts than there are edp ranks: with 2
+    experts, dp=4,ep=2 leaves 1 expert per ep rank, sharded over 2 edp ranks, so FSDP gives
+    one rank that expert and the other an empty shard (torch.chunk returns one chunk; FSDP
+    pads with empty ones). Saving and resuming in that layout must equal the uninterrupted
+    run, with the same tolerance argument as above (this raised IndexError on load before)."""
+    from phalanx.model import config as model_config_module
+
+    model = model_config_module.PRESETS["tiny-moe"].replace(n_experts=2)
+    monkeypatch.setitem(model_config_module.PRESETS, "tiny-moe", model)  # forked ranks inherit it
+    cfg = tiny_config.replace(model="tiny-moe", steps=2, ckpt_every=1, plan="dp=4,ep=2,fsdp=true")
+    full_losses, full_weights = run_ranks(4, _run, cfg)[0]
+    resumed_dir = Path(cfg.out + "-resumed")
+    shutil.copytree(Path(cfg.out) / "checkpoints" / "step_000001", resumed_dir / "checkpoints" / "step_000001")
+    for losses, weights in run_ranks(4, _run, cfg.replace(out=str(resumed_dir), resume=True)):
+        assert len(losses) == 1 and abs(losses[0] - full_losses[1]) < TOLERANCE, (losses, full_losses)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, full_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.parallel.expert import combine, dispatch
+from phalanx.parallel.expert_dispatch import combine, dispatch
 from phalanx.testing.fork_ranks import run_ranks
 
 N_EXPERTS, DIM = 8, 4

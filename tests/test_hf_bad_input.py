@@ -102,3 +102,19 @@ def test_export_refuses_a_non_empty_folder(tmp_path):
     with pytest.raises(UserError, match="already exists and is not an empty folder"):
         hf.save(model, tmp_path / "out")
     assert json.dumps(sorted(p.name for p in (tmp_path / "out").iterdir())) == '["keep.txt"]'
+
+
+def test_export_refuses_a_frozen_routing_bias(tmp_path):
+    """router_bias_rate=0 keeps a learned bias (it still steers routing), which Mixtral and
+    Qwen3-MoE cannot express: exporting must refuse rather than drop it."""
+    import torch
+
+    from phalanx.model.config import model_config
+    from phalanx.model.init import build_model, init_weights
+
+    cfg = model_config("tiny-moe").replace(n_layers=2)
+    model = init_weights(build_model(cfg), cfg, seed=0, device="cpu")
+    with torch.no_grad():
+        model.layers["1"].feed_forward.router.expert_bias[3] = 0.25
+    with pytest.raises(UserError, match=r"layers.1.feed_forward.router.expert_bias is not zero"):
+        hf.save(model, tmp_path / "out")

@@ -49,7 +49,7 @@ def export_family(cfg: ModelConfig) -> str:
         if cfg.sliding_window:
             raise _refuse(cfg, "a sliding window with q/k norms")
         return "qwen3_moe"
-    if not (all_routed and cfg.norm_topk_prob and not cfg.attention_bias):
+    if not (all_routed and cfg.routing_normalized and not cfg.attention_bias):
         raise _refuse(cfg, "an MoE model without q/k norms must route every layer, renormalize its "
                       "weights and have no attention biases (as mixtral)")
     return "mixtral"
@@ -86,7 +86,7 @@ def hf_config_dict(cfg: ModelConfig, family: str, *, bos_id: int | None = None, 
     if family == "qwen3_moe":
         dense = [layer for layer in range(cfg.n_layers) if not cfg.is_moe_layer(layer) and (layer + 1) % cfg.moe_every == 0]
         data.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.experts_per_token,
-                    moe_intermediate_size=cfg.moe_ffn_dim, norm_topk_prob=cfg.norm_topk_prob,
+                    moe_intermediate_size=cfg.moe_ffn_dim, norm_topk_prob=cfg.routing_normalized,
                     decoder_sparse_step=cfg.moe_every, mlp_only_layers=dense)
     if cfg.aux_loss_coef:
         data.update(output_router_logits=True, router_aux_loss_coef=cfg.aux_loss_coef)

@@ -34,7 +34,10 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, family: str)
     for name, tensor in state.items():
         name = canonical_name(name)
         if name.endswith("router.expert_bias"):
-            continue  # zero unless the (unexportable) loss-free balancing is on
+            if torch.count_nonzero(tensor):  # learned, then frozen by router_bias_rate=0
+                raise UserError(f"cannot export {cfg.name!r}: {name} is not zero (a learned balancing bias "
+                                "steers which experts are chosen; the exported families have no such bias)")
+            continue
         if cfg.tie_embeddings and name == "output.weight":
             continue  # the embedding's weight; tied checkpoints store it once
         targets = hf_names(name, family, cfg.n_experts)

@@ -62,16 +62,20 @@ class ModelConfig:
     `decoder_sparse_step`)."""
     dense_layers: tuple[int, ...] = ()
     """More layers that keep a dense feed-forward in an MoE model (Qwen's `mlp_only_layers`)."""
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool | None = None
     """Renormalize the chosen experts' scores to sum to one per token (Mixtral: yes; Qwen3-MoE:
-    its config says)."""
+    its config says). None (the presets): yes when experts_per_token > 1, no for top-1 routing,
+    where the one weight normalized over itself is always 1 and the router would get no
+    gradient from the loss. Read the decision from `routing_normalized`."""
     router: str = "softmax"
-    """'softmax' (top-k of a softmax, weights renormalized) or 'sigmoid' (DeepSeek-V3: top-k of
-    per-expert sigmoid scores, chosen scores normalized to sum to one)."""
+    """'softmax' (top-k of a softmax) or 'sigmoid' (DeepSeek-V3: top-k of per-expert sigmoid
+    scores); either way the chosen scores are the combine weights, normalized or not as
+    `norm_topk_prob` says."""
     router_bias_rate: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): each step, every expert's routing bias moves
     by this much toward balance (down if it got more than the mean, up if less). The bias only
-    changes which experts are chosen, never the combine weights. 0 turns it off."""
+    changes which experts are chosen, never the combine weights. 0 stops the updates but keeps
+    (freezes) a bias already learned, say by the run a checkpoint came from."""
     aux_loss_coef: float = 0.0
     """Weight of the Switch/GShard balance loss n_experts * sum_e(fraction_e * mean_score_e)."""
     z_loss_coef: float = 0.0
@@ -118,6 +122,11 @@ class ModelConfig:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if problems:
             raise UserError(f"model {self.name!r}: " + "; ".join(problems))
+
+    @property
+    def routing_normalized(self) -> bool:
+        """Whether the chosen experts' weights are renormalized (`norm_topk_prob` resolved)."""
+        return self.experts_per_token > 1 if self.norm_topk_prob is None else self.norm_topk_prob
 
     @property
     def moe_ffn_dim(self) -> int:

@@ -211,10 +211,12 @@ def _shape_only(data: dict, source: str, family: str) -> ModelConfig:
         return ModelConfig(**common, n_kv_heads=fields.get("num_key_value_heads", heads),
                            n_experts=fields.need("num_experts"), experts_per_token=fields.need("num_experts_per_tok"),
                            expert_ffn_dim=expert, n_shared_experts=shared // expert,
+                           norm_topk_prob=fields.get("norm_topk_prob", False, bool),
                            moe_every=fields.get("decoder_sparse_step", 1),
                            dense_layers=tuple(sorted(fields.get("mlp_only_layers", [], list))))
     # deepseek_v3: multi-head latent attention is modelled as plain attention with the same head count.
     return ModelConfig(**common, n_kv_heads=heads, n_experts=fields.need("n_routed_experts"),
+                       norm_topk_prob=fields.get("norm_topk_prob", True, bool),  # DeepseekV3Config's default
                        experts_per_token=fields.need("num_experts_per_tok"),
                        expert_ffn_dim=fields.need("moe_intermediate_size"),
                        n_shared_experts=fields.get("n_shared_experts", 0),

@@ -2,16 +2,17 @@
 
 Every parameter's full value is drawn from its own generator, seeded by the run seed and the
 parameter's name, or read from a checkpoint (`phalanx.hf.weights`). A rank keeps only its
-slice (a DTensor shard under TP or FSDP, its block of experts under EP), so the same seed or
-checkpoint yields the same full weights for one process or for any dp x tp x pp x ep layout,
-and a pipeline stage that lacks a layer simply never reads it.
+slice (what it holds is told by a `Locate`; for parallel layouts see
+`phalanx.parallel.materialize`), so the same seed or checkpoint yields the same full weights
+for one process or for any dp x tp x pp x ep layout, and a pipeline stage that lacks a layer
+simply never reads it.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -69,57 +70,36 @@ class WeightSource(Protocol):
         the global rows this rank keeps (a LongTensor), or None for all of them."""
 
 
-def local_index(param: torch.Tensor) -> list[torch.Tensor | None]:
-    """Per dim, which global rows of `param` this rank stores (None: all of them).
+Locate = Callable[[str, torch.Tensor], tuple[torch.Size, list[torch.Tensor | None], torch.Tensor]]
+"""(name, parameter) -> (the full shape, per dim the global rows this rank keeps or None for
+all, the tensor to fill): how a layout tells `fill_weights` what each rank holds."""
 
-    For a DTensor, each dim's row numbers are distributed with the placements that shard that
-    dim (others replicated), exactly as `distribute_tensor` would split the full value,
-    uneven and nested (tp then fsdp) shards included; `src_data_rank=None` splits locally,
-    with no communication."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    def on_dim0(placement, dim: int):  # the same split of `dim`, on a 1-D tensor of row numbers
-        # (FSDP over a tp-sharded dim is a _StridedShard, which is not a Shard in every torch)
-        if isinstance(placement, _StridedShard) and placement.dim == dim:
-            return _StridedShard(0, split_factor=placement.split_factor)
-        return Shard(0) if placement.is_shard(dim) else Replicate()
-
-    if not isinstance(param, DTensor):
-        return [None] * param.ndim
-    index: list[torch.Tensor | None] = []
-    for dim, size in enumerate(param.shape):
-        placements = [on_dim0(p, dim) for p in param.placements]
-        if all(isinstance(p, Replicate) for p in placements):
-            index.append(None)
-            continue
-        rows = torch.arange(size, device=param.device_mesh.device_type)
-        index.append(distribute_tensor(rows, param.device_mesh, placements, src_data_rank=None).to_local().cpu())
-    return index
+def whole(name: str, param: torch.Tensor) -> tuple[torch.Size, list[torch.Tensor | None], torch.Tensor]:
+    """A single-device model: every parameter is whole."""
+    return param.shape, [None] * param.ndim, param
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device | str,
-                 source: WeightSource | None = None) -> nn.Module:
-    """Materialize a meta-device model on `device` and fill it from `source` (default: drawn
-    from `seed`), each rank reading only the rows it keeps."""
-    source = source or RandomWeights(cfg, seed)
+def fill_weights(model: nn.Module, device: torch.device | str, source: WeightSource, locate: Locate = whole) -> nn.Module:
+    """Materialize a meta-device model on `device` and fill each parameter's part (`locate`)
+    from `source`, reading only those rows."""
     model.to_empty(device=device)
     for module in model.modules():  # to_empty gives each module its own tensor: tie again
         if hasattr(module, "tie_weights"):
             module.tie_weights()
     for name, param in model.named_parameters():
-        index = local_index(param)
-        shape = param.shape
-        shard = getattr(model.get_submodule(name.rpartition(".")[0]), "expert_shard", None)
-        if shard is not None:  # expert parallelism: this rank's block of the (experts, ...) stack
-            start, stop, total = shard
-            index[0] = (index[0] if index[0] is not None else torch.arange(stop - start)) + start
-            shape = torch.Size([total, *shape[1:]])
+        shape, index, target = locate(name, param)
         local = source.read(canonical_name(name), shape, index).to(param.dtype)
-        target = param.to_local() if hasattr(param, "to_local") else param
         target.copy_(local.to(target.device))
     for module in model.modules():
         if hasattr(module, "reset_buffers"):  # Transformer's rotary tables, routers' biases
             module.reset_buffers()
     return model
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device | str,
+                 source: WeightSource | None = None) -> nn.Module:
+    """Materialize a single-device meta model on `device`, filled from `source` (default:
+    drawn from `seed`). A parallel layout's part: `phalanx.parallel.materialize`."""
+    return fill_weights(model, device, source or RandomWeights(cfg, seed))

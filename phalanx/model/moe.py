@@ -7,8 +7,9 @@ one `torch._grouped_mm` per weight where that kernel works (checked once per dev
 dtype), otherwise one matmul per expert.
 
 `GroupedExperts.forward(rows, counts)` is the seam that expert parallelism uses: it receives the
-rows sorted by expert and the count per expert, and `phalanx.parallel.expert` wraps that call
-with an all-to-all dispatch and combine. Nothing in this file knows about ranks.
+rows sorted by expert and the count per expert, and `phalanx.parallel.expert.ShardedExperts`
+overrides it to dispatch the rows to the ranks holding their experts, `compute` there, and
+combine. Nothing in this file knows about ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
-from phalanx.model.router import Router
+from phalanx.model.router import Router, count_per_expert
 
 
 def grouped_expert_ffn(
@@ -51,6 +52,11 @@ def grouped_expert_ffn(
     return torch.cat(outputs)
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's matmuls run in: autocast's where it is on for x's device, else x's own."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 def grouped_mm_expert_ffn(
     x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
@@ -64,7 +70,7 @@ def grouped_mm_expert_ffn(
     kernel rejects an expanded one); in `MoE.forward` it comes through the multiply by the
     combine weights, which always makes one.
     """
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = compute_dtype(x)
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
     offsets = torch.cumsum(counts, 0).to(torch.int32)  # (experts,) end row of each expert's group
     hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) * torch._grouped_mm(
@@ -86,7 +92,7 @@ def grouped_mm_works(x: torch.Tensor, w1: torch.Tensor) -> bool:
     error or disagreement means the loop. Uses its own random generator: the training's random
     state is untouched.
     """
-    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    dtype = compute_dtype(x)
     key = (x.device, dtype, w1.shape[-1], w1.shape[-2])
     if key not in _GROUPED_MM_CHECKED:
         _GROUPED_MM_CHECKED[key] = hasattr(torch, "_grouped_mm") and _agrees_with_loop(x.device, dtype, *key[2:])
@@ -147,20 +153,36 @@ def prefer_grouped_mm(rows: torch.Tensor, n_experts: int) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert."""
+    """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert.
+
+    Expert parallelism (`phalanx.parallel.expert.ShardedExperts`) subclasses it: forward then
+    moves the rows to the ranks holding their experts around the same `compute`.
+    """
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.received_tokens = 0
+        """Rows these experts computed in training forwards (recomputations not counted) since
+        `phalanx.train.moe_stats` last read and reset it: under expert parallelism, the rows
+        this rank received from its whole ep group."""
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows: (n, dim) sorted by expert; counts: (experts,) rows per expert -> (n, dim)."""
+        return self.compute(rows, counts)
+
+    def compute(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+        """This module's experts on rows sorted by expert; `host_counts`: the counts already on
+        the host, if the caller has them (spares the per-expert loop a synchronization)."""
+        if self.training and not in_recompute():
+            self.received_tokens += rows.shape[0]
         if rows.shape[0] and prefer_grouped_mm(rows, self.w1.shape[0]) and grouped_mm_works(rows, self.w1):
             return grouped_mm_expert_ffn(rows, counts, self.w1, self.w2, self.w3)
         # The loop also serves a rank that received no rows (see its empty case).
-        return grouped_expert_ffn(rows, counts.tolist(), self.w1, self.w2, self.w3)
+        host_counts = counts.tolist() if host_counts is None else host_counts
+        return grouped_expert_ffn(rows, host_counts, self.w1, self.w2, self.w3)
 
 
 def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -190,14 +212,17 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.capacity_factor = cfg.capacity_factor
         self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token, score=cfg.router,
-                             bias_rate=cfg.router_bias_rate, normalize=cfg.norm_topk_prob)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
+                             bias_rate=cfg.router_bias_rate, normalize=cfg.routing_normalized)
+        self.experts: GroupedExperts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
+        """Under expert parallelism a `ShardedExperts` (`phalanx.parallel.expert.apply_ep`)."""
         self.shared = None
         if cfg.n_shared_experts:
             from phalanx.model.transformer import FeedForward
 
             self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts)
         self.aux_loss: torch.Tensor | None = None
+        """This training forward's auxiliary loss, in the graph, for the trainer
+        (`phalanx.train.moe_aux_loss` consumes it); None in evaluation or without one."""
         # Plain attributes, not buffers: statistics, never checkpointed or synchronized by DDP.
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped_tokens = 0
@@ -213,7 +238,7 @@ class MoE(nn.Module):
         route = self.router(tokens)
         flat_experts = route.experts.reshape(-1)  # (tokens * k,), assignment a is token a // k
         order = flat_experts.argsort(stable=True)  # assignments grouped by expert, token order within
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)  # (experts,)
+        counts = count_per_expert(flat_experts, self.n_experts)  # (experts,)
         dropped = 0
         capacity = self.capacity(tokens.shape[0])
         if capacity is not None:
@@ -221,7 +246,11 @@ class MoE(nn.Module):
             dropped = int((~keep).sum())
             order, counts = order[keep], counts.clamp(max=capacity)
         source_token = order // self.top_k
-        expert_out = self.experts(tokens[source_token], counts)  # (kept assignments, dim)
+        # The rows in the compute dtype before they reach the experts: expert parallelism then
+        # sends bf16, not fp32, under bf16 autocast (the experts' matmuls would cast them to
+        # it anyway, so the numbers are the same).
+        rows = tokens[source_token].to(compute_dtype(tokens))  # (kept assignments, dim)
+        expert_out = self.experts(rows, counts)  # (kept assignments, dim)
         # Weight each assignment and add it back to its token; a dropped assignment adds nothing
         # (its token keeps the residual stream and its other experts).
         expert_out = expert_out * route.weights.reshape(-1)[order, None].to(expert_out.dtype)

@@ -16,6 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def count_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(n_experts,) how many entries of `experts` name each expert. Not torch.bincount: on
+    CUDA that reads the largest id back to the host to size its output, a synchronization
+    per call; the size is known here."""
+    flat = experts.reshape(-1)
+    return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 @dataclass
 class Routing:
     experts: torch.Tensor
@@ -37,7 +45,7 @@ class Routing:
         torchtitan do, so it is not the same number as one process's loss on the global batch.
         """
         n_experts = self.scores.shape[-1]
-        fraction = torch.bincount(self.experts.reshape(-1), minlength=n_experts).float() / self.experts.numel()
+        fraction = count_per_expert(self.experts, n_experts).float() / self.experts.numel()
         probs = self.scores / self.scores.sum(dim=-1, keepdim=True)  # (tokens, experts), rows sum to 1
         return n_experts * (fraction * probs.mean(dim=0)).sum()
 
@@ -62,8 +70,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         logits = self.gate(x).float()  # (tokens, experts)
         scores = F.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
-        # The bias picks experts; the weights come from the unbiased scores.
-        choice = scores + self.expert_bias if self.bias_rate else scores
+        # The bias picks experts; the weights come from the unbiased scores. Added whatever
+        # bias_rate is: rate 0 freezes a learned bias (zero unless one was learned or loaded,
+        # and adding zeros changes no score).
+        choice = scores + self.expert_bias
         experts = choice.topk(self.top_k, dim=-1).indices  # (tokens, k)
         chosen = scores.gather(-1, experts)  # (tokens, k)
         if self.normalize:

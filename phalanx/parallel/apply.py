@@ -25,9 +25,10 @@ from torch import nn
 
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.model.init import WeightSource, build_model, init_weights
+from phalanx.model.init import WeightSource, build_model
 from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_precision, uses_fsdp
 from phalanx.parallel.expert import apply_ep, validate_ep
+from phalanx.parallel.materialize import materialize
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank, validate_pp
 from phalanx.parallel.recompute import apply_recompute
@@ -65,7 +66,7 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
     apply_recompute(model, plan.recompute, plan.recompute_layers)
     if uses_fsdp(plan):
         apply_fsdp(model, mesh)
-    return init_weights(model, cfg, seed, mesh.device, weights)
+    return materialize(model, cfg, seed, mesh.device, weights)
 
 
 def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int = 0,

@@ -5,7 +5,7 @@ and torchtitan): the dp axis is split into ("edp", "ep") with ep ranks adjacent,
 `ParallelMesh.split_dp`. Within an ep group every rank reads its own data slice, routes its own
 tokens, sends each assignment to the rank that holds its expert, and gets the results back.
 Rank i of the group holds experts [i * n_local, (i + 1) * n_local), the same rows of the full
-stacked weights that one process would hold (see `phalanx.model.init`).
+stacked weights that one process would hold (see `phalanx.parallel.materialize`).
 
 How gradients are reduced (the rule). A loss L = mean over dp ranks of each rank's loss, so
 every weight's gradient is (1 / dp) * sum over all dp ranks of that rank's contribution.
@@ -17,14 +17,16 @@ every weight's gradient is (1 / dp) * sum over all dp ranks of that rank's contr
   With DDP, expert weights are excluded from DDP's reduction and reduced by a gradient hook
   over "edp"; with FSDP, the experts are sharded over "edp" and reduced with divide factor dp.
 
-Dispatch and combine are `all_to_all_single` with uneven splits, after a first all-to-all of
-the per-expert counts so each rank knows how many rows it will receive. Both are autograd
-functions whose backward is the reverse all-to-all, so gradients flow back to the senders.
+Each MoE layer's `GroupedExperts` is replaced by a `ShardedExperts`: declared fields say which
+experts it holds and over which group (`ExpertShard`), and its forward wraps the experts in
+dispatch and combine (`phalanx.parallel.expert_dispatch`). Materialization reads the shard to
+fill each rank's block (`phalanx.parallel.materialize`); the model itself knows no mesh.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,102 +35,45 @@ from torch import nn
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.model.moe import GroupedExperts, in_recompute
+from phalanx.model.moe import GroupedExperts
 from phalanx.parallel.data_parallel import fsdp_options, uses_fsdp
+from phalanx.parallel.expert_dispatch import combine, dispatch
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of x go to ranks by `send` splits, arrive by `recv` splits; backward reverses it."""
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which experts one ep rank holds, and over which group their tokens travel."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad_in = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(
-            grad_in, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
-        )
-        return grad_in, None, None, None
+    start: int
+    stop: int
+    """This rank keeps experts [start, stop) of the full stack."""
+    n_experts: int
+    group: Any
+    """The ep process group that dispatch and combine run over."""
+    mesh: Any = None
+    """The 1-D "ep" DeviceMesh: checkpoints save the experts as DTensors sharded over it."""
 
 
-@dataclass
-class DispatchPlan:
-    """What combine needs to send results back where their rows came from."""
+class ShardedExperts(GroupedExperts):
+    """One ep rank's block of the stacked experts. forward takes rows for all experts (sorted
+    by expert, as `MoE` sends them), dispatches them to their owners, runs this rank's experts
+    on what arrives and sends the results back: to `MoE` it is a `GroupedExperts`."""
 
-    send: list[int]
-    """Rows this rank sent to each ep rank."""
-    recv: list[int]
-    """Rows this rank received from each ep rank."""
-    regroup: torch.Tensor
-    """(received rows,) positions in arrival order (by source rank), listed by local expert."""
+    def __init__(self, full: GroupedExperts, shard: ExpertShard):
+        n_local, hidden, dim = shard.stop - shard.start, full.w1.shape[1], full.w1.shape[2]
+        with torch.device("meta"):  # placeholders, replaced by the block of the full weights
+            super().__init__(n_local, dim, hidden)
+        for weight in ("w1", "w2", "w3"):
+            block = getattr(full, weight).detach()[shard.start : shard.stop].clone()  # (n_local, ...)
+            setattr(self, weight, nn.Parameter(block))
+        self.shard: ExpertShard = shard
 
-
-def _expert_major(recv_counts: torch.Tensor) -> torch.Tensor:
-    """Row positions that reorder arrivals from (source rank, expert) to (expert, source rank).
-
-    recv_counts: (ep, n_local) rows from each source rank for each local expert; arrivals are
-    laid out source-major, each source's rows already sorted by expert.
-    """
-    counts = recv_counts.reshape(-1)  # (ep * n_local,) in arrival order
-    starts = torch.cumsum(counts, 0) - counts  # first arrival position of each block
-    blocks = torch.arange(counts.numel(), device=counts.device).view(recv_counts.shape).t().reshape(-1)
-    lengths, block_starts = counts[blocks], starts[blocks]  # in expert-major order
-    total = int(counts.sum())
-    offset_in_block = torch.arange(total, device=counts.device) - torch.repeat_interleave(
-        torch.cumsum(lengths, 0) - lengths, lengths, output_size=total
-    )
-    return torch.repeat_interleave(block_starts, lengths, output_size=total) + offset_in_block
-
-
-def dispatch(rows: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
-    """Send rows (sorted by global expert, counts per expert) to the ranks holding the experts.
-
-    Returns the rows this rank's experts must process, sorted by local expert, the count per
-    local expert, and the plan that `combine` uses to return the results.
-    """
-    ep = dist.get_world_size(group)
-    n_local = counts.numel() // ep
-    # First the counts: recv_counts[s, e] = rows rank s will send for my local expert e.
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
-    recv_counts = recv_counts.view(ep, n_local)  # (source rank, local expert)
-    send = counts.view(ep, n_local).sum(dim=1).tolist()
-    recv = recv_counts.sum(dim=1).tolist()
-    arrived = _AllToAll.apply(rows, send, recv, group)  # (received, dim), source-major
-    regroup = _expert_major(recv_counts)
-    return arrived[regroup], recv_counts.sum(dim=0), DispatchPlan(send=send, recv=recv, regroup=regroup)
-
-
-def combine(out: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
-    """Inverse of `dispatch`: results go back to their senders, in the order they were sent."""
-    arrival_order = torch.empty_like(out).index_copy(0, plan.regroup, out)  # undo the regroup
-    return _AllToAll.apply(arrival_order, plan.recv, plan.send, group)
-
-
-class _ExpertParallelHooks:
-    """Forward pre/post hooks that wrap one GroupedExperts call in dispatch and combine."""
-
-    def __init__(self, group):
-        self.group = group
-        self.pending: list[DispatchPlan] = []
-
-    def before(self, module: nn.Module, args):
-        rows, counts = args
-        local_rows, local_counts, plan = dispatch(rows, counts, self.group)
-        self.pending.append(plan)
-        if module.training and not in_recompute():
-            module.received_tokens = getattr(module, "received_tokens", 0) + local_rows.shape[0]
-        return local_rows, local_counts
-
-    def after(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        return combine(output, self.pending.pop(), self.group)
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows: (n, dim) sorted by global expert; counts: (n_experts,) -> (n, dim)."""
+        local_rows, local_counts, plan = dispatch(rows, counts, self.shard.group)
+        return combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
 
 
 class _ReduceOverEdp:
@@ -167,24 +112,15 @@ def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
         raise UserError(f"invalid plan: {problem}")
 
 
-def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int) -> GroupedExperts:
-    """Keep rank ep_rank's block of `experts` (meta or real weights) and route over `group`.
-
-    Rows [ep_rank * n_local, (ep_rank + 1) * n_local) of each stacked weight stay; forward then
-    takes rows for all experts, dispatches them to their owners and returns the combined rows.
-    """
+def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int, mesh=None) -> ShardedExperts:
+    """Rank ep_rank's block of `experts` (meta or real weights), routing over `group`: rows
+    [ep_rank * n_local, (ep_rank + 1) * n_local) of each stacked weight. The caller puts the
+    result in place of `experts`."""
     n_experts = experts.w1.shape[0]
     n_local = n_experts // ep
-    start, stop = ep_rank * n_local, (ep_rank + 1) * n_local
-    for weight in ("w1", "w2", "w3"):
-        full = getattr(experts, weight)
-        setattr(experts, weight, nn.Parameter(full.detach()[start:stop].clone()))  # (n_local, ...)
-    experts.expert_shard = (start, stop, n_experts)
-    experts.ep_group = group
-    hooks = _ExpertParallelHooks(group)
-    experts.register_forward_pre_hook(hooks.before)
-    experts.register_forward_hook(hooks.after)
-    return experts
+    shard = ExpertShard(start=ep_rank * n_local, stop=(ep_rank + 1) * n_local, n_experts=n_experts,
+                        group=group, mesh=mesh)
+    return ShardedExperts(experts, shard)
 
 
 def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
@@ -198,11 +134,11 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     ep_group, ep_rank = ep_mesh["ep"].get_group(), ep_mesh.get_local_rank("ep")
     edp = plan.dp // plan.ep
     ignored = []
-    for name, experts in model.named_modules():
-        if not isinstance(experts, GroupedExperts):
-            continue
-        shard_experts(experts, ep_group, ep_rank, plan.ep)
-        experts.ep_mesh = ep_mesh["ep"]  # checkpoints save the experts as DTensors over it
+    found = [(name, module) for name, module in model.named_modules() if isinstance(module, GroupedExperts)]
+    for name, full in found:
+        experts = shard_experts(full, ep_group, ep_rank, plan.ep, mesh=ep_mesh["ep"])
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, experts)
         ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]
         if uses_fsdp(plan):
             from torch.distributed.fsdp import fully_shard
@@ -234,8 +170,8 @@ def expert_params(model: nn.Module):
     None when the model has no expert parallelism."""
     ids, group = set(), None
     for module in model.modules():
-        if getattr(module, "expert_shard", None) is not None:
-            group = module.ep_group
+        if isinstance(module, ShardedExperts):
+            group = module.shard.group
             ids |= {id(param) for param in module.parameters(recurse=False)}
     return (ids, group) if group is not None else None
 
@@ -248,12 +184,12 @@ def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
     from phalanx.model.init import canonical_name
 
     for name, module in model.named_modules():
-        if getattr(module, "expert_shard", None) is None:
+        if not isinstance(module, ShardedExperts):
             continue
         for weight in ("w1", "w2", "w3"):
             key = canonical_name(f"{name}.{weight}")
             local = state[key].contiguous()
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(module.ep_group))]
-            dist.all_gather(parts, local, group=module.ep_group)
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(module.shard.group))]
+            dist.all_gather(parts, local, group=module.shard.group)
             state[key] = torch.cat(parts)  # (n_experts, ...)
     return state

@@ -15,24 +15,25 @@ from typing import Callable
 import torch
 
 from phalanx.model.init import canonical_name
+from phalanx.parallel.expert import ShardedExperts
 
 
-def _expert_modules(model) -> dict[str, object]:
-    """Canonical parameter name -> its expert-parallel GroupedExperts module."""
+def _expert_modules(model) -> dict[str, ShardedExperts]:
+    """Canonical parameter name -> its expert-parallel module."""
     found = {}
     for name, module in model.named_modules():
-        if getattr(module, "expert_shard", None) is not None:
+        if isinstance(module, ShardedExperts):
             for weight in ("w1", "w2", "w3"):
                 found[canonical_name(f"{name}.{weight}")] = module
     return found
 
 
-def _to_global(value: torch.Tensor, module) -> torch.Tensor:
+def _to_global(value: torch.Tensor, module: ShardedExperts) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     # Under FSDP the ep block is itself sharded over "edp": gather it first.
     local = value.full_tensor() if isinstance(value, DTensor) else value
-    return DTensor.from_local(local, module.ep_mesh, [Shard(0)], run_check=False)
+    return DTensor.from_local(local, module.shard.mesh, [Shard(0)], run_check=False)
 
 
 def _to_local_like(loaded: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
@@ -41,9 +42,12 @@ def _to_local_like(loaded: torch.Tensor, original: torch.Tensor) -> torch.Tensor
     block = loaded.to_local()  # (n_local, ...) this ep rank's experts
     if not isinstance(original, DTensor):
         return block
-    # FSDP: keep this edp rank's chunk of the block, the way FSDP shards dim 0.
+    # FSDP: keep this edp rank's chunk of the block, the way FSDP shards dim 0: torch.chunk,
+    # whose fewer chunks (fewer local experts than edp ranks) FSDP pads with empty ones.
     mesh = original.device_mesh
-    chunk = block.chunk(mesh.size())[mesh.get_local_rank()]
+    chunks = block.chunk(mesh.size())
+    rank = mesh.get_local_rank()
+    chunk = chunks[rank] if rank < len(chunks) else block[:0]  # (0, ...) on a rank FSDP left empty
     return DTensor.from_local(chunk, mesh, original.placements, shape=original.shape, stride=original.stride())
 
 

@@ -82,7 +82,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
     """Shard `model` (a Transformer, possibly a pipeline stage with parts deleted) over tp_mesh.
 
     Runs on the meta device: parameters become meta DTensors and are filled later by
-    `init_weights`, which draws each full value and keeps this rank's shard.
+    `phalanx.parallel.materialize`, which draws each full value and keeps this rank's shard.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 

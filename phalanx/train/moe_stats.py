@@ -64,7 +64,7 @@ def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
             continue  # another stage's layer: its owner fills the row
         if moe.tokens_per_expert is not None:
             row[:n_experts] = moe.tokens_per_expert.float()
-        row[n_experts + dp_rank] = float(getattr(moe.experts, "received_tokens", row[:n_experts].sum()))
+        row[n_experts + dp_rank] = float(moe.experts.received_tokens)
         row[-1] = float(moe.dropped_tokens)
     if mesh.distributed and dp > 1:
         dist.all_reduce(packed, group=mesh.group("dp"))
@@ -77,8 +77,7 @@ def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
         if moe is not None:
             moe.router.update_bias(experts.to(moe.router.expert_bias.device))
             moe.tokens_per_expert, moe.dropped_tokens = None, 0
-            if hasattr(moe.experts, "received_tokens"):
-                moe.experts.received_tokens = 0
+            moe.experts.received_tokens = 0
         record[str(layer)] = {
             "expert_tokens": [int(v) for v in experts], "rank_tokens": [int(v) for v in ranks],
             "expert_imbalance": imbalance(experts), "rank_imbalance": imbalance(ranks), "dropped": int(row[-1]),

@@ -1,0 +1,40 @@
+"""Count the Python-visible reads of tensor values by the host (tests and benchmarks).
+
+On a GPU each such read (`tolist`, `item`, `int(t)`, `float(t)`, `bool(t)`, `.cpu()`,
+`.numpy()`) waits for the device: a host synchronization. Counting the calls finds them on
+CPU too, where nothing waits. What it cannot see are reads inside C++ kernels (CUDA
+`torch.bincount` reading its largest input, `repeat_interleave` without `output_size`,
+boolean-mask indexing); code under test must avoid those by construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from typing import Iterator
+
+import torch
+
+_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def count_host_reads() -> Iterator[Counter]:
+    """Within the block, count calls of each host-reading Tensor method (by name)."""
+    counts: Counter = Counter()
+    originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def counting(name, original):
+        def read(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
