@@ -110,4 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("phalanx: interrupted", file=sys.stderr)
         status = 130
+    except BrokenPipeError:  # `phalanx plan | head`: the reader has what it wanted
+        # Python would report the pipe again while flushing stdout at exit; point it at nothing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
     sys.exit(status)

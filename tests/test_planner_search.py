@@ -181,6 +181,21 @@ print("ok")
     assert run.stdout.strip().endswith("ok")
 
 
+def test_plan_piped_into_head_ends_quietly():
+    """`phalanx plan ... | head -2`: the reader closes the pipe early; no BrokenPipeError
+    traceback, status 0."""
+    import subprocess
+    import sys
+
+    plan = subprocess.Popen([sys.executable, "-m", "phalanx", "plan", "--model", "llama3-70b", "--cluster", "dgx-h100",
+                             "--gpus", "64", "--global-batch", "1024", "--seq-len", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    plan.stdout.readline()
+    plan.stdout.close()  # as head does after its lines
+    _, err = plan.communicate(timeout=120)
+    assert plan.returncode == 0 and b"Traceback" not in err, err.decode()[-2000:]
+
+
 def test_adversarial_plan_inputs_are_one_line_errors(capsys, tmp_path):
     import json
 
