@@ -276,3 +276,17 @@ def without_selective(space):
     import dataclasses
 
     return dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
+
+
+def test_trainer_plans_offer_zero_3_under_pp_only_as_zero_2():
+    """The phalanx trainer keeps the weights gathered through backward under pp whatever the
+    zero level (parallel/data_parallel.py), so zero 3 there is zero 2 by another name: the
+    search lists it once, as zero 2; without pp both levels stay."""
+    from phalanx.planner.search import SearchSpace, candidates
+
+    model = model_config("llama3-8b")
+    levels = {(lay.plan.pp > 1, lay.plan.zero) for lay in candidates(
+        model, H100, Workload(global_batch=16, seq_len=2048), world_size=16, fixed={},
+        space=SearchSpace(zero_levels=(0, 2, 3)))}
+    assert (True, 2) in levels and (True, 3) not in levels
+    assert (False, 2) in levels and (False, 3) in levels

@@ -147,6 +147,9 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                             for zero in zeros:
                                 if fixed.get("zero_not3") and zero == 3:
                                     continue
+                                if (space.phalanx_trainer and pp > 1 and zero == 3 and 2 in zeros
+                                        and not f("offload", False)):
+                                    continue  # the trainer keeps weights gathered under pp: zero 3 runs as zero 2
                                 sp = fixed.get("sp", tp > 1 and sp_ok)
                                 offload = bool(f("offload", False))
                                 if offload and (zero != 3 or dp == 1):
