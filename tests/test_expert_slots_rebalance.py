@@ -17,7 +17,7 @@ from phalanx.balance import measure
 from phalanx.balance.solve import rebalance
 from phalanx.errors import UserError
 from phalanx.train.expert_rebalance import (
-    ExpertRebalancer, copy_sources, initial_placement, remote_copies,
+    ExpertRebalancer, copy_sources, initial_placement, loads_from_record, remote_copies,
 )
 
 LAYERS, EXPERTS, SLOTS, EP = 2, 8, 12, 4
@@ -65,6 +65,19 @@ def test_measured_rank_loads_are_the_before_figure():
     event = rebalancer.observe(2, [[4.0, 3, 2, 1]], rank_tokens=[[6.0, 6.0]])
     # Average of the measured arrivals: [8, 4]; (max - mean) / mean = (8 - 6) / 6.
     assert event.imbalance_before == pytest.approx(1 / 3, rel=1e-12)
+
+
+def test_loads_from_the_trainers_moe_record():
+    # dp=4 as edp=2 x ep=2: dp ranks 0, 2 are ep rank 0; 1, 3 are ep rank 1. Layers "3" and "1".
+    record = {
+        "3": {"expert_tokens": [5, 6, 7, 8], "rank_tokens": [1, 2, 10, 20]},
+        "1": {"expert_tokens": [1, 2, 3, 4], "rank_tokens": [3, 4, 30, 40]},
+    }
+    experts, ranks = loads_from_record(record, ep=2)
+    np.testing.assert_array_equal(experts, [[1, 2, 3, 4], [5, 6, 7, 8]])
+    np.testing.assert_array_equal(ranks, [[33, 44], [11, 22]])
+    with pytest.raises(UserError, match="4 dp ranks, not a multiple of ep=3"):
+        loads_from_record(record, ep=3)
 
 
 def test_initial_placement():

@@ -45,6 +45,22 @@ class RebalanceEvent:
         return {"event": "rebalance", **asdict(self)}
 
 
+def loads_from_record(moe_record: dict, ep: int) -> tuple[np.ndarray, np.ndarray]:
+    """(expert_tokens (layers, experts), rank_tokens (layers, ep)) from `moe_stats.end_step`'s
+    `"moe"` record, MoE layers in layer order, for `ExpertRebalancer.observe`.
+
+    The record's `rank_tokens` are per dp rank; dp rank d is ep rank d % ep of edp group
+    d // ep (`ParallelMesh.split_dp`, ep ranks adjacent), so an ep rank's load is the sum over
+    the edp groups: the slots an ep rank holds are the same in every ep group.
+    """
+    layers = sorted(moe_record, key=int)
+    experts = np.array([moe_record[layer]["expert_tokens"] for layer in layers], dtype=float)
+    per_dp_rank = np.array([moe_record[layer]["rank_tokens"] for layer in layers], dtype=float)  # (layers, dp)
+    if per_dp_rank.shape[1] % ep:
+        raise UserError(f"the record has {per_dp_rank.shape[1]} dp ranks, not a multiple of ep={ep}")
+    return experts, per_dp_rank.reshape(len(layers), -1, ep).sum(axis=1)
+
+
 def initial_placement(layers: int, n_experts: int, slots: int, ep: int) -> np.ndarray:
     """(layers, S) placement before any load is known.
 
