@@ -184,5 +184,7 @@ class SlotRouter:
         pick = (self.bounds[experts] <= fraction[:, None]).sum(dim=1)  # (n,) which candidate
         slots = self.candidates[experts, pick]  # (n,)
         order = torch.argsort(slots, stable=True)
-        slot_counts = torch.bincount(slots, minlength=self.placement.slots)  # (S,)
+        # index_add, not bincount: CUDA's bincount reads the largest value back to the host.
+        slot_counts = torch.zeros(self.placement.slots, dtype=counts.dtype, device=device).index_add_(
+            0, slots, torch.ones_like(slots, dtype=counts.dtype))  # (S,)
         return slots, order, slot_counts
