@@ -162,9 +162,8 @@ class SlotRouter:
     """One source rank's routing for one MoE layer, as tensors on the device.
 
     Built when the placement changes (at each rebalance, from the load average of that moment),
-    so the proportions are fixed between rebalances; building costs a few ms per layer
-    (`routing_table` loops over experts: 3.8 ms for 256 experts on 32 ranks, measured once on
-    a shared CPU), far too much per micro-batch, nothing per rebalance.
+    so the proportions are fixed between rebalances; building loops over the experts in Python
+    (`routing_table`): affordable once per rebalance, not per micro-batch.
     """
 
     def __init__(self, placement: SlotPlacement, rank: int, expert_load=None, device=None):
