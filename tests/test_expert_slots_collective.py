@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from phalanx.errors import UserError
 from phalanx.parallel.expert_slot_grads import counted_once, sum_replica_grads, sum_replica_param_grads
 from phalanx.parallel.expert_slot_moves import MOVING_STATE, move_expert_slots, move_slots, slot_bytes
 from phalanx.parallel.expert_slots import SlotPlacement
@@ -62,6 +63,9 @@ def _check_moves() -> int:
             _expert_rows(n_experts, 10 * case + 2, torch.float32, (2, 3)),
         ]
         moved = move_slots([_local(c, old, rank, ep) for c in contents], old, new)
+        if case == 0:  # a stack of the wrong height: an error on every rank, before any collective
+            with pytest.raises(UserError, match="a slot tensor has 3 rows, but this rank holds 2 slots"):
+                move_slots([torch.zeros(3, 2)], old, new)
         for got, c in zip(moved, contents):
             _same(got, _local(c, new, rank, ep))
     return len(cases)

@@ -129,6 +129,8 @@ def test_bad_input():
     rebalancer = ExpertRebalancer(start, 4, 2, every=1, slot_bytes=1)
     with pytest.raises(UserError, match=r"expert loads of shape \(1, 3\), expected \(1, 4\)"):
         rebalancer.observe(1, [[1.0, 2.0, 3.0]])
+    with pytest.raises(UserError, match=r"rank loads of shape \(1, 3\), expected \(1, 2\)"):
+        rebalancer.observe(1, [[1.0, 2.0, 3.0, 4.0]], rank_tokens=[[1.0, 2.0, 3.0]])
     with pytest.raises(UserError, match="the checkpoint's expert placement is"):
         rebalancer.load_state_dict({"phy2log": [[0, 1, 2, 3, 0, 1]], "expert_load": None, "rank_load": None})
     with pytest.raises(UserError, match="expert 3 has no slot in the old placement"):

@@ -147,7 +147,10 @@ class ExpertRebalancer:
             raise UserError(f"expert loads of shape {expert_tokens.shape}, expected {(len(self.phy2log), self.n_experts)} (MoE layers, experts)")
         self.expert_load = self._average(self.expert_load, expert_tokens)
         if rank_tokens is not None:
-            self.rank_load = self._average(self.rank_load, np.array(rank_tokens, dtype=float, ndmin=2))
+            rank_tokens = np.array(rank_tokens, dtype=float, ndmin=2)
+            if rank_tokens.shape != (len(self.phy2log), self.ep):
+                raise UserError(f"rank loads of shape {rank_tokens.shape}, expected {(len(self.phy2log), self.ep)} (MoE layers, ep ranks)")
+            self.rank_load = self._average(self.rank_load, rank_tokens)
         if step < 1 or step % self.every:
             return None
         old = self.phy2log
