@@ -1,0 +1,181 @@
+"""When and where expert slots move during training (`--rebalance-every K`); torch-free.
+
+The trainer already sums each step's tokens per expert over the data-parallel ranks
+(`phalanx.train.moe_stats.end_step`: `expert_tokens` per MoE layer, identical on every rank).
+`ExpertRebalancer.observe` folds them into a moving average and, every K steps, re-plans all
+MoE layers at once with the balancer's incremental solver (`phalanx.balance.solve.rebalance`
+with `previous`: few slots change). Every rank feeds it the same numbers and the solver is
+deterministic, so every rank gets the same placement without exchanging it.
+
+The event row it returns is the one metrics.jsonl records (docs/expert_slots.md):
+`{"event": "rebalance", "step", "imbalance_before", "imbalance_after", "moved_slots", "bytes_moved"}`
+with per-rank imbalance (max - mean) / mean, averaged over the MoE layers: measured before
+(the average of the tokens each ep rank received, when the trainer passes them) and predicted
+after (the balancer's model: a replica carries load / replicas of its expert).
+
+`copy_sources` decides which old slot each new slot copies from; the weight move
+(`phalanx.parallel.expert_slot_moves`) and `bytes_moved` both use it, so the figure is the bytes
+that the move really sends between ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from phalanx.balance import measure
+from phalanx.balance.solve import rebalance
+from phalanx.errors import UserError
+
+DEFAULT_DECAY = 0.9
+"""Weight of the past in the load average: about the last 10 steps count (1 / (1 - decay))."""
+
+
+@dataclass(frozen=True)
+class RebalanceEvent:
+    step: int
+    imbalance_before: float
+    imbalance_after: float
+    moved_slots: int
+    bytes_moved: int
+
+    def row(self) -> dict:
+        """The metrics.jsonl event row; keys kept exactly as issue 13 names them."""
+        return {"event": "rebalance", **asdict(self)}
+
+
+def loads_from_record(moe_record: dict, ep: int) -> tuple[np.ndarray, np.ndarray]:
+    """(expert_tokens (layers, experts), rank_tokens (layers, ep)) from `moe_stats.end_step`'s
+    `"moe"` record, MoE layers in layer order, for `ExpertRebalancer.observe`.
+
+    The record's `rank_tokens` are per dp rank; dp rank d is ep rank d % ep of edp group
+    d // ep (`ParallelMesh.split_dp`, ep ranks adjacent), so an ep rank's load is the sum over
+    the edp groups: the slots an ep rank holds are the same in every ep group.
+    """
+    layers = sorted(moe_record, key=int)
+    experts = np.array([moe_record[layer]["expert_tokens"] for layer in layers], dtype=float)
+    per_dp_rank = np.array([moe_record[layer]["rank_tokens"] for layer in layers], dtype=float)  # (layers, dp)
+    if per_dp_rank.shape[1] % ep:
+        raise UserError(f"the record has {per_dp_rank.shape[1]} dp ranks, not a multiple of ep={ep}")
+    return experts, per_dp_rank.reshape(len(layers), -1, ep).sum(axis=1)
+
+
+def initial_placement(layers: int, n_experts: int, slots: int, ep: int) -> np.ndarray:
+    """(layers, S) placement before any load is known.
+
+    S == E: slot e holds expert e, today's layout (expert e on rank e // (E / ep)), so a run
+    with default slots starts exactly as before. S > E: the balancer's placement for even
+    loads (the extra slots spread replicas evenly over the ranks).
+    """
+    if slots == n_experts:
+        return np.tile(np.arange(n_experts), (layers, 1))
+    return rebalance(np.ones((layers, n_experts)), slots, 1, 1, ep, policy="global").phy2log
+
+
+def copy_sources(old: np.ndarray, new: np.ndarray, ep: int) -> np.ndarray:
+    """(S,) for each slot of the new placement, the slot of the old one whose contents it takes.
+
+    A slot whose expert is unchanged keeps itself; else a slot on the same rank that held the
+    expert (a local copy, no traffic); else one of the expert's old replicas, taken in turn
+    (the k-th remote copy of expert e reads its (k mod replicas)-th old replica), so the reads
+    of a hot expert spread over its holders. `old` and `new` are one layer's slot -> expert rows.
+    """
+    old, new = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+    if old.shape != new.shape or old.ndim != 1 or old.size % ep:
+        raise UserError(f"placements of {old.shape} and {new.shape} slots do not match over ep={ep}")
+    per_rank = old.size // ep
+    slot_rank = np.arange(old.size) // per_rank
+    source = np.arange(old.size)
+    turns: dict[int, int] = {}
+    for slot in np.flatnonzero(old != new):  # only changed slots: few after an incremental plan
+        expert = int(new[slot])
+        holders = np.flatnonzero(old == expert)
+        if holders.size == 0:
+            raise UserError(f"expert {expert} has no slot in the old placement to copy from")
+        local = holders[slot_rank[holders] == slot_rank[slot]]
+        if local.size:
+            source[slot] = local[0]
+        else:
+            turn = turns.get(expert, 0)
+            source[slot], turns[expert] = holders[turn % holders.size], turn + 1
+    return source
+
+
+def remote_copies(old: np.ndarray, new: np.ndarray, ep: int) -> int:
+    """Slots (all layers) whose new contents come from another rank: what crosses the network."""
+    old, new = np.atleast_2d(old), np.atleast_2d(new)
+    per_rank = old.shape[1] // ep
+    total = 0
+    for old_row, new_row in zip(old, new):
+        source = copy_sources(old_row, new_row, ep)
+        total += int((source // per_rank != np.arange(old.shape[1]) // per_rank).sum())
+    return total
+
+
+class ExpertRebalancer:
+    """The load average and the placement of every MoE layer; one per trainer, same on every rank."""
+
+    def __init__(self, phy2log, n_experts: int, ep: int, *, every: int, slot_bytes: int,
+                 decay: float = DEFAULT_DECAY):
+        """phy2log: (MoE layers, S) the current slot -> expert rows (one per layer);
+        slot_bytes: bytes of one slot's weights and optimizer state (what a moved slot sends)."""
+        if every < 1:
+            raise UserError(f"--rebalance-every={every} must be at least 1")
+        if not 0 <= decay < 1:
+            raise UserError(f"the load average's decay={decay} must be in [0, 1)")
+        self.phy2log = np.array(phy2log, dtype=np.int64, ndmin=2)  # (layers, S)
+        self.n_experts, self.ep, self.every, self.decay = n_experts, ep, every, decay
+        self.slot_bytes = slot_bytes
+        self.expert_load: np.ndarray | None = None  # (layers, experts) moving average
+        self.rank_load: np.ndarray | None = None  # (layers, ep) moving average of measured arrivals
+
+    def _average(self, current: np.ndarray | None, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=float)
+        return tokens.copy() if current is None else self.decay * current + (1 - self.decay) * tokens
+
+    def observe(self, step: int, expert_tokens, rank_tokens=None) -> RebalanceEvent | None:
+        """Fold in one step's loads; on every K-th step re-plan and return the event (else None).
+
+        expert_tokens: (layers, experts) this step's tokens per expert, summed over dp;
+        rank_tokens: (layers, ep) tokens each ep rank's slots computed, if measured.
+        After an event, `phy2log` is the new placement; the caller moves the slots
+        (`copy_sources` says from where) before the next forward.
+        """
+        expert_tokens = np.asarray(expert_tokens, dtype=float)
+        if expert_tokens.shape != (len(self.phy2log), self.n_experts):
+            raise UserError(f"expert loads of shape {expert_tokens.shape}, expected {(len(self.phy2log), self.n_experts)} (MoE layers, experts)")
+        self.expert_load = self._average(self.expert_load, expert_tokens)
+        if rank_tokens is not None:
+            rank_tokens = np.array(rank_tokens, dtype=float, ndmin=2)
+            if rank_tokens.shape != (len(self.phy2log), self.ep):
+                raise UserError(f"rank loads of shape {rank_tokens.shape}, expected {(len(self.phy2log), self.ep)} (MoE layers, ep ranks)")
+            self.rank_load = self._average(self.rank_load, rank_tokens)
+        if step < 1 or step % self.every:
+            return None
+        old = self.phy2log
+        before = self.rank_load if self.rank_load is not None else measure.gpu_loads(self.expert_load, old, self.ep)
+        # One node, global policy: phalanx's routers pick experts without group limits, so the
+        # balancer's hierarchical policy (groups packed onto nodes) has nothing to work with.
+        result = rebalance(self.expert_load, old.shape[1], 1, 1, self.ep, policy="global", previous=old)
+        self.phy2log = result.phy2log
+        return RebalanceEvent(
+            step=step,
+            imbalance_before=float(measure.imbalance(before).mean()),
+            imbalance_after=float(measure.imbalance(measure.gpu_loads(self.expert_load, self.phy2log, self.ep)).mean()),
+            moved_slots=measure.moved_slots(self.phy2log, old),
+            bytes_moved=remote_copies(old, self.phy2log, self.ep) * self.slot_bytes,
+        )
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps so a resumed run routes and re-plans as the saved one would."""
+        as_list = lambda a: None if a is None else a.tolist()  # noqa: E731
+        return {"phy2log": self.phy2log.tolist(), "expert_load": as_list(self.expert_load), "rank_load": as_list(self.rank_load)}
+
+    def load_state_dict(self, state: dict) -> None:
+        phy2log = np.array(state["phy2log"], dtype=np.int64, ndmin=2)
+        if phy2log.shape != self.phy2log.shape:
+            raise UserError(f"the checkpoint's expert placement is {phy2log.shape} (layers, slots), this run's {self.phy2log.shape}")
+        self.phy2log = phy2log
+        as_array = lambda a: None if a is None else np.array(a, dtype=float)  # noqa: E731
+        self.expert_load, self.rank_load = as_array(state["expert_load"]), as_array(state["rank_load"])
