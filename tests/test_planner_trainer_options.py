@@ -180,3 +180,15 @@ def test_folded_layout_prices_half_the_expert_work_and_the_gather():
     gather = comm.all_gather(H100, nbytes, size=2, stride=1)
     assert folded.breakdown["ep_comm"] == pytest.approx(2 * 2 * (2 * to_all + gather))
     assert folded.memory_bytes < duplicated.memory_bytes
+
+
+def test_the_search_offers_folded_ep_for_the_trainer():
+    """With tp=2 on 8 devices (dp=4) the trainer's search tries ep_over_tp layouts, whose ep
+    divides dp x tp = 8 (ep=8 only folded), beside the duplicated ones (ep divides dp)."""
+    work = Workload(global_batch=16, seq_len=512)
+    result = search(MOE, H100, work, world_size=8, fixed={"tp": 2, "pp": 1, "mbs": 4, "zero": 0},
+                    options=trainer_options("bf16", H100), keep=1000)
+    eps = {(e.layout.ep, e.layout.ep_over_tp) for e in result.ranked}
+    assert eps == {(1, False), (2, False), (4, False), (2, True), (4, True), (8, True)}
+    plans = [e for e in result.ranked if e.layout.ep_over_tp]
+    assert all("ep_over_tp=true" in e.layout.plan.to_string() for e in plans)
