@@ -51,3 +51,23 @@ def test_bad_plans_refused(text, message):
 def test_plan_round_trips():
     plan = plan_from_string("dp=2,tp=2,ep=4,ep_over_tp=true")
     assert plan.ep_over_tp and plan_from_string(plan.to_string()) == plan
+
+
+def test_resume_across_folded_and_unfolded_layouts(tiny_config):
+    """A checkpoint of the folded dp=2,tp=2,ep=4 layout (FSDP experts over an ep group that spans
+    tp) resumes under dp=2,ep=2 as the uninterrupted folded run continues (same tolerance)."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from tests.test_expert_checkpoint import _run as run_and_gather
+
+    cfg = tiny_config.replace(model="tiny-moe", steps=4, ckpt_every=2, plan="dp=2,tp=2,ep=4,ep_over_tp=true,fsdp=true")
+    full_losses, full_weights = run_ranks(4, run_and_gather, cfg)[0]
+    resumed_dir = Path(cfg.out + "-resumed")
+    shutil.copytree(Path(cfg.out) / "checkpoints" / "step_000002", resumed_dir / "checkpoints" / "step_000002")
+    for losses, weights in run_ranks(2, run_and_gather, cfg.replace(plan="dp=2,ep=2", out=str(resumed_dir), resume=True)):
+        assert max(abs(a - b) for a, b in zip(losses, full_losses[2:])) < 1e-4, (losses, full_losses)
+        for name, value in weights.items():
+            torch.testing.assert_close(value, full_weights[name], atol=1e-4, rtol=1e-4, msg=name)
