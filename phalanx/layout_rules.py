@@ -59,14 +59,22 @@ def sp_problem(tp: int, *, seq_len: int) -> str:
     return ""
 
 
-def ep_dp_problem(ep: int, *, dp: int) -> str:
-    """Expert parallelism is carved out of the data-parallel ranks."""
+def ep_dp_problem(ep: int, *, dp: int, tp: int = 1, over_tp: bool = False) -> str:
+    """Expert parallelism is carved out of the data-parallel ranks, or with ep_over_tp=true out
+    of the dp x tp ranks (MoE parallel folding, phalanx/parallel/expert_fold.py)."""
+    if over_tp:
+        if tp == 1 or ep == 1:
+            return (f"ep_over_tp=true spreads experts over the tp ranks too and needs tp > 1 and ep > 1, "
+                    f"got tp={tp}, ep={ep}")
+        if (dp * tp) % ep:
+            return f"ep={ep} must divide dp x tp = {dp * tp} (ep_over_tp=true spreads experts over dp x tp ranks)"
+        return ""
     if dp % ep:
         return f"ep={ep} must divide dp={dp} (experts are spread over data-parallel ranks)"
     return ""
 
 
-def ep_problem(ep: int, *, dp: int, n_experts: int, model: str = "") -> str:
+def ep_problem(ep: int, *, dp: int, n_experts: int, model: str = "", tp: int = 1, over_tp: bool = False) -> str:
     """Expert parallelism spreads whole experts over data-parallel ranks."""
     if ep == 1:
         return ""
@@ -75,7 +83,7 @@ def ep_problem(ep: int, *, dp: int, n_experts: int, model: str = "") -> str:
     if n_experts % ep:
         return (f"ep={ep} must divide the number of experts, n_experts={n_experts}{_of(model)} "
                 f"({n_experts} / {ep} is not a whole number of experts per rank)")
-    return ep_dp_problem(ep, dp=dp)
+    return ep_dp_problem(ep, dp=dp, tp=tp, over_tp=over_tp)
 
 
 def chunks_per_rank(schedule: str, pp: int, virtual: int) -> int:

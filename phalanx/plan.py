@@ -34,7 +34,13 @@ class Plan:
     pp: int = 1
     """Pipeline-parallel degree: number of stages."""
     ep: int = 1
-    """Expert-parallel degree, carved out of the dp ranks (must divide dp)."""
+    """Expert-parallel degree, carved out of the dp ranks (must divide dp), or with ep_over_tp out
+    of the dp x tp ranks (must divide dp x tp)."""
+    ep_over_tp: bool = False
+    """MoE parallel folding: the ep group is drawn from the dp x tp ranks of a stage and each tp
+    rank sends 1/tp of an MoE layer's token-expert assignments, so tp ranks no longer run the
+    same experts on the same tokens (`phalanx.parallel.expert_fold`). False: every tp rank
+    routes and computes all of its dp rank's assignments (tp-fold duplicated expert work)."""
     zero: int = 0
     """What data parallelism shards over dp (FSDP2): 0 nothing (replicated, DDP); 2 gradients and
     optimizer state, parameters gathered in forward and kept through backward
@@ -119,7 +125,7 @@ class Plan:
             problems.append(f"microbatches={self.microbatches} must be at least 1")
         if problems:
             raise UserError("invalid plan: " + "; ".join(problems))
-        if problem := rules.ep_dp_problem(self.ep, dp=self.dp):
+        if problem := rules.ep_dp_problem(self.ep, dp=self.dp, tp=self.tp, over_tp=self.ep_over_tp):
             problems.append(problem)
         if self.zero == 1:
             problems.append("zero=1 (optimizer state only) is not offered: PyTorch's ZeroRedundancyOptimizer "

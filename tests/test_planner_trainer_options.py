@@ -141,3 +141,54 @@ def test_fsdp_without_no_sync_reduces_every_microbatch_into_the_shards():
     _, shared, _ = stage_params(DENSE, lay, 3, 0)
     one_step = 4 * comm.reduce_scatter(H100, shared / 4 * 4, size=8, stride=1)  # 4 units, fp32
     assert t[True] - t[False] == pytest.approx(3 * one_step, rel=1e-9)  # 3 more micro-batches reduce
+
+
+def test_folded_experts_follow_ep_over_tp():
+    """ep_over_tp=true (the trainer's MoE parallel folding): ep counts ranks of dp x tp, so each
+    device holds n_experts / ep whole experts; the router stays whole on every tp rank."""
+    n_moe = 2
+    experts_per_layer = 8 * 3 * 256 * 128
+    router = 256 * 8
+    attention_and_heads = 2 * (4 * 256 * 256 + 2 * 256) / 2 + 2 * 1024 * 256 / 2
+    folded = Layout(dp=2, tp=2, ep=4, ep_over_tp=True, mbs=1, microbatches=1)
+    _, shared, experts = stage_params(MOE, folded, 2, n_moe, trainer_options("bf16", H100))
+    assert experts == 2 * experts_per_layer / 4  # 2 experts of 8 per device
+    assert shared == attention_and_heads + 2 * router
+
+
+def test_folded_moe_block_activations_split_the_routed_rows_over_tp():
+    s, b, h, k, f = 512, 2, 256, 2, 128
+    kw = dict(seq=s, mbs=b, sp=False, recompute="none", moe=True, phalanx_model=True, tp=2)
+    routed = 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h  # dispatch in, experts, out
+    gathered = 2 * s * b * k * h  # the rows gathered back over tp, whole on each tp rank
+    whole = layer_activation_bytes(MOE, tp_splits_experts=False, **kw)
+    folded = layer_activation_bytes(MOE, tp_splits_experts=False, fold_experts=True, **kw)
+    assert whole - folded == pytest.approx(routed / 2 - gathered)
+
+
+def test_folded_layout_prices_half_the_expert_work_and_the_gather():
+    """Same weights per device (dp=2,tp=2,ep=2 either way): folded, the routed expert GEMMs and
+    the all-to-all bytes per device halve; an all-gather over tp is charged beside them."""
+    options, work = trainer_options("bf16", H100), Workload(global_batch=8, seq_len=512)
+    duplicated = evaluate(MOE, H100, work, Layout(dp=2, tp=2, ep=2, mbs=4, microbatches=1), options)
+    folded = evaluate(MOE, H100, work, Layout(dp=2, tp=2, ep=2, ep_over_tp=True, mbs=4, microbatches=1), options)
+    assert folded.breakdown["compute"] < duplicated.breakdown["compute"]
+    nbytes = 4 * 512 * 2 * 256 * 2  # the micro-batch's 4 x 512 tokens' k=2 rows of h=256 in bf16
+    # Each direction: dispatch and combine of this rank's half of the rows, one all-gather of
+    # all of them over tp (forward: the gather; backward: the slice's transpose); 2 MoE layers.
+    to_all = comm.all_to_all(H100, nbytes / 2, size=2, stride=1)
+    gather = comm.all_gather(H100, nbytes, size=2, stride=1)
+    assert folded.breakdown["ep_comm"] == pytest.approx(2 * 2 * (2 * to_all + gather))
+    assert folded.memory_bytes < duplicated.memory_bytes
+
+
+def test_the_search_offers_folded_ep_for_the_trainer():
+    """With tp=2 on 8 devices (dp=4) the trainer's search tries ep_over_tp layouts, whose ep
+    divides dp x tp = 8 (ep=8 only folded), beside the duplicated ones (ep divides dp)."""
+    work = Workload(global_batch=16, seq_len=512)
+    result = search(MOE, H100, work, world_size=8, fixed={"tp": 2, "pp": 1, "mbs": 4, "zero": 0},
+                    options=trainer_options("bf16", H100), keep=1000)
+    eps = {(e.layout.ep, e.layout.ep_over_tp) for e in result.ranked}
+    assert eps == {(1, False), (2, False), (4, False), (2, True), (4, True), (8, True)}
+    plans = [e for e in result.ranked if e.layout.ep_over_tp]
+    assert all("ep_over_tp=true" in e.layout.plan.to_string() for e in plans)

@@ -17,6 +17,10 @@ every weight's gradient is (1 / dp) * sum over all dp ranks of that rank's contr
   With DDP, expert weights are excluded from DDP's reduction and reduced by a gradient hook
   over "edp"; with FSDP, the experts are sharded over "edp" and reduced with divide factor dp.
 
+With ep_over_tp=true the ep group is drawn from the dp x tp ranks instead, each tp rank sending
+1/tp of the (tp-replicated) rows; edp is then dp x tp / ep and the rule is unchanged
+(`phalanx.parallel.expert_fold`).
+
 Each MoE layer's `GroupedExperts` is replaced by a `ShardedExperts`: declared fields say which
 experts it holds and over which group (`ExpertShard`), and its forward wraps the experts in
 dispatch and combine (`phalanx.parallel.expert_dispatch`). Materialization reads the shard to
@@ -38,6 +42,7 @@ from phalanx.model.config import ModelConfig
 from phalanx.model.moe import GroupedExperts
 from phalanx.parallel.data_parallel import fsdp_options, uses_fsdp
 from phalanx.parallel.expert_dispatch import combine, dispatch
+from phalanx.parallel.expert_fold import TpFold, gather_from_tp, scatter_to_tp
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
 
@@ -54,6 +59,8 @@ class ExpertShard:
     """The ep process group that dispatch and combine run over."""
     mesh: Any = None
     """The 1-D "ep" DeviceMesh: checkpoints save the experts as DTensors sharded over it."""
+    fold: TpFold | None = None
+    """With ep_over_tp: the tp group whose ranks each send 1/tp of the rows (expert_fold.py)."""
 
 
 class ShardedExperts(GroupedExperts):
@@ -72,8 +79,12 @@ class ShardedExperts(GroupedExperts):
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows: (n, dim) sorted by global expert; counts: (n_experts,) -> (n, dim)."""
+        fold, n = self.shard.fold, rows.shape[0]
+        if fold is not None:  # the rows are the same on every tp rank: each sends its slice
+            rows, counts = scatter_to_tp(rows, counts, fold)
         local_rows, local_counts, plan = dispatch(rows, counts, self.shard.group)
-        return combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
+        out = combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
+        return gather_from_tp(out, n, fold) if fold is not None else out
 
 
 class _ReduceOverEdp:
@@ -108,18 +119,20 @@ def _hook_gradients_each_forward(reduce: _ReduceOverEdp):
 
 def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
     """The model-dependent rules for ep (layout_rules; Plan.validate checks that ep divides dp)."""
-    if problem := rules.ep_problem(plan.ep, dp=plan.dp, n_experts=cfg.n_experts, model=cfg.name):
+    if problem := rules.ep_problem(plan.ep, dp=plan.dp, n_experts=cfg.n_experts, model=cfg.name, tp=plan.tp,
+                                   over_tp=plan.ep_over_tp):
         raise UserError(f"invalid plan: {problem}")
 
 
-def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int, mesh=None) -> ShardedExperts:
+def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int, mesh=None,
+                  fold: TpFold | None = None) -> ShardedExperts:
     """Rank ep_rank's block of `experts` (meta or real weights), routing over `group`: rows
     [ep_rank * n_local, (ep_rank + 1) * n_local) of each stacked weight. The caller puts the
     result in place of `experts`."""
     n_experts = experts.w1.shape[0]
     n_local = n_experts // ep
     shard = ExpertShard(start=ep_rank * n_local, stop=(ep_rank + 1) * n_local, n_experts=n_experts,
-                        group=group, mesh=mesh)
+                        group=group, mesh=mesh, fold=fold)
     return ShardedExperts(experts, shard)
 
 
@@ -130,13 +143,18 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
         return model
     cfg = model.cfg
     validate_ep(cfg, plan)
-    ep_mesh = mesh.split_dp("edp", "ep", plan.ep)
+    fold = None
+    if plan.ep_over_tp:  # MoE parallel folding: ep groups drawn from dp x tp (expert_fold.py)
+        ep_mesh = mesh.fold_dp_tp("edp", "ep", plan.ep)
+        fold = TpFold(mesh.group("tp"), mesh.axis_rank("tp"), plan.tp)
+    else:
+        ep_mesh = mesh.split_dp("edp", "ep", plan.ep)
     ep_group, ep_rank = ep_mesh["ep"].get_group(), ep_mesh.get_local_rank("ep")
-    edp = plan.dp // plan.ep
+    edp = plan.dp * (plan.tp if plan.ep_over_tp else 1) // plan.ep
     ignored = []
     found = [(name, module) for name, module in model.named_modules() if isinstance(module, GroupedExperts)]
     for name, full in found:
-        experts = shard_experts(full, ep_group, ep_rank, plan.ep, mesh=ep_mesh["ep"])
+        experts = shard_experts(full, ep_group, ep_rank, plan.ep, mesh=ep_mesh["ep"], fold=fold)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, experts)
         ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]

@@ -62,6 +62,20 @@ class ParallelMesh:
             self._split_meshes[key] = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", outer, inner, "tp"))
         return self._split_meshes[key]
 
+    def fold_dp_tp(self, outer: str, inner: str, inner_size: int):
+        """A DeviceMesh ("pp", outer, inner) over each stage's dp x tp ranks taken as one axis
+        (rank order dp_rank * tp + tp_rank) and split into groups of inner_size adjacent ranks:
+        MoE parallel folding's ("edp", "ep"), whose ep group spans tp ranks first, then dp.
+        Every rank must call this (it creates process groups); results are cached."""
+        key = ("fold", outer, inner, inner_size)
+        if key not in self._split_meshes:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            plan = self.plan
+            ranks = torch.arange(self.world_size).view(plan.pp, plan.dp * plan.tp // inner_size, inner_size)
+            self._split_meshes[key] = DeviceMesh(self.device.type, ranks, mesh_dim_names=("pp", outer, inner))
+        return self._split_meshes[key]
+
     def _dp_split_root(self):
         """The DeviceMesh that FSDP's and TP's sub-meshes are cut from.
 

@@ -91,7 +91,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
         plan = {name: style for name, style in block_plan(sp).items() if _has_module(block, name)}
         if hasattr(block.feed_forward, "experts"):
             # MoE block: tp splits attention only. Every tp rank holds its ep share of whole
-            # experts and routes the (replicated) tokens itself; experts are split by ep.
+            # experts and routes the (replicated) tokens itself; experts are split by ep, and
+            # with ep_over_tp each tp rank sends only its 1/tp of the rows (expert_fold.py).
             plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward.")}
         parallelize_module(block, tp_mesh, plan)
     plan = root_plan(sp, has_embedding=model.tok_embeddings is not None, has_output=model.output is not None)
@@ -124,7 +125,8 @@ def validate_tp(plan: Plan, cfg: ModelConfig, seq_len: int) -> list[str]:
     tp = plan.tp
     if tp == 1:
         return []
-    # MoE blocks stay out of tp (every tp rank runs the same experts), so no expert size is split.
+    # MoE blocks stay out of tp (whole experts per rank; ep_over_tp splits the rows, not the
+    # matrices), so no expert size is split.
     problems = [rules.tp_problem(tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim,
                                  vocab_size=cfg.vocab_size, model=cfg.name)]
     if cfg.n_experts and plan.sp:

@@ -36,6 +36,7 @@ from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import MIXED_ADAM, TRAINER_PRECISION, Precision, layers_per_stage
 from phalanx.planner.peak_memory import (  # noqa: F401 (memory_breakdown: re-exported)
     BF16,
+    expert_shards,
     memory_breakdown,
     moe_layer_count,
     peak_memory,
@@ -119,7 +120,12 @@ def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
     the trainer keeps fp32 weights and AdamW's two fp32 moments, 16 bytes per parameter with its
     fp32 gradient (memory.TRAINER_PRECISION[dtype]), its own model's tensors
     (`phalanx_trainer`), RMSNorm fused on GPUs and torch's composite on CPUs (`fused_norm`), and
-    MoE blocks left out of tp (`tp_splits_experts=False`)."""
+    MoE blocks left out of tp (`tp_splits_experts=False`). Whether tp ranks then repeat the
+    expert work (the default) or split its rows (`ep_over_tp=true`, MoE parallel folding) is
+    the layout's plan key, which the cost and memory models read (`peak_memory.folds_experts`):
+    folded, routed expert GEMMs, all-to-all bytes and activations per device are divided by tp,
+    experts per device are n_experts / ep with ep over dp x tp, and an all-gather of the rows
+    over tp is charged forward and backward."""
     if dtype not in TRAINER_PRECISION:
         raise UserError(f"dtype={dtype!r} must be one of {', '.join(TRAINER_PRECISION)}")
     kw = dict(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=not cluster.shared_compute,
@@ -206,7 +212,7 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
             rules.tp_problem(lay.tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
                              vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
                              n_experts=model.n_experts, padded=True),
-            rules.ep_problem(lay.ep, dp=lay.dp, n_experts=model.n_experts),
+            rules.ep_problem(lay.ep, dp=lay.dp, n_experts=model.n_experts, tp=lay.tp, over_tp=lay.ep_over_tp),
             rules.pipeline_problem(lay.schedule, pp=lay.pp, virtual=lay.virtual, microbatches=lay.microbatches,
                                    n_layers=model.n_layers)):
         if problem:
@@ -255,7 +261,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     regathered = rc_share if lay.recompute == "full" and options.recompute_regathers else 0.0
     dp_comm = dp_time(cluster, lay, options, shared_params, expert_params, stage, n, regathered)
     shards = lay.dp // lay.replicate
-    local_state = shared_params / (shards if lay.zero else 1) + expert_params / (max(1, shards // lay.ep) if lay.zero else 1)
+    local_state = shared_params / (shards if lay.zero else 1) + expert_params / (expert_shards(lay, shards) if lay.zero else 1)
     # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,
     # then reduce-scatters them), sharded like the optimizer state under zero 2 and 3.
     grad_buffer = local_state if lay.zero >= 2 else shared_params + expert_params

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout
-from phalanx.planner.peak_memory import BUCKET_BYTES
+from phalanx.planner.peak_memory import BUCKET_BYTES, expert_shards, folds_experts
 
 if TYPE_CHECKING:
     from phalanx.planner.cost import Options
@@ -59,7 +59,9 @@ def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, expe
     shard = lay.dp // lay.replicate
     groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
     if experts:
-        groups.append((experts, max(1, shard // lay.ep), lay.tp * lay.ep))
+        # edp ranks: same place in each ep group, ep groups being adjacent dp ranks (tp * ep
+        # ranks apart), or, folded, adjacent ranks of dp x tp (ep ranks apart).
+        groups.append((experts, expert_shards(lay, shard), lay.ep if folds_experts(lay) else lay.tp * lay.ep))
     # Collectives are issued per FSDP unit (one per layer, plus the root) under zero 2 and 3
     # (FSDP2, with and without resharding after forward), and per gradient bucket otherwise,
     # so latency, which grows with dp in a ring, counts once per unit or bucket.

@@ -109,7 +109,8 @@ def state_bytes_per_param(zero: int, shards: int) -> float:
 def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, sp: bool, recompute: str,
                            moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
                            phalanx_model: bool = False, autocast_fp32: bool = False,
-                           wide_norms: bool = False, tp_splits_experts: bool = True) -> float:
+                           wide_norms: bool = False, tp_splits_experts: bool = True,
+                           fold_experts: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
@@ -134,6 +135,10 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     tp_splits_experts: False where the MoE block stays out of tp (the phalanx trainer,
     parallel/tensor_parallel.apply_tp): every tp rank routes all the micro-batch's tokens through
     its own whole experts, so the block's activations are not divided by tp.
+    fold_experts: the trainer's ep_over_tp=true (MoE parallel folding): each tp rank computes 1/tp
+    of the routed rows, so the routed experts' activations are divided by tp; the rows gathered
+    back over tp (saved by the weighting multiply) and the combine's stay whole, as do the
+    shared experts'.
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
@@ -161,15 +166,18 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         k, f = model.experts_per_token, model.moe_ffn_dim
         # Each device processes s*b*k routed token copies in total (balanced routing).
         block = 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
-        if phalanx_model:  # the weighted rows that index_add_ keeps, in the residual's dtype
-            block += (4 if autocast_fp32 else 2) * s * b * k * h
+        combine = (4 if autocast_fp32 else 2) * s * b * k * h if phalanx_model else 0.0
+        # (combine: the weighted rows that index_add_ keeps, in the residual's dtype.)
         # Not counted: the router's fp32 scores (4 s b E bytes) and int64 expert indices (24 s b k),
         # under 5% of a tiny-moe layer and less for wider ones.
-        block += 8 * s * b * f * model.n_shared_experts
+        shared = 8 * s * b * f * model.n_shared_experts
         if tp_splits_experts:
+            split += block + combine + shared
+        elif fold_experts:
             split += block
+            whole += combine + 2 * s * b * k * h + shared  # + the rows gathered back over tp
         else:
-            whole += block
+            whole += block + combine + shared
     elif model.mlp == "swiglu":
         split += 8 * s * b * model.ffn_dim
     else:

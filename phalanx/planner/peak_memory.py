@@ -70,8 +70,22 @@ def expert_tp(lay: Layout, options: Options | None) -> int:
     """Ways tp splits the MoE block's matrices (router, shared and routed experts): tp where the
     implementation splits them (Megatron, `Options.tp_splits_experts`), else 1: the phalanx
     trainer keeps the MoE block out of tp, every tp rank holding its ep share of whole experts
-    (parallel/tensor_parallel.apply_tp)."""
+    (parallel/tensor_parallel.apply_tp); folded (`folds_experts`), that share is already
+    n_experts / ep with ep over dp x tp."""
     return lay.tp if options is None or options.tp_splits_experts else 1
+
+
+def folds_experts(lay: Layout) -> bool:
+    """The trainer's `ep_over_tp=true` (MoE parallel folding, parallel/expert_fold.py): the
+    layout's ep is drawn from dp x tp ranks, each holding n_experts / ep whole experts, and each
+    tp rank dispatches and computes 1/tp of the routed rows (router and shared experts whole)."""
+    return lay.ep_over_tp and lay.tp > 1 and lay.ep > 1
+
+
+def expert_shards(lay: Layout, shard: int) -> int:
+    """Ranks one expert's weights are sharded (or replicated) over, "edp": the dp shard group
+    divided by ep; folded, the shard group times tp divided by ep (ep spans tp)."""
+    return max(1, shard * (lay.tp if folds_experts(lay) else 1) // lay.ep)
 
 
 def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int, options: Options | None = None):
@@ -128,13 +142,13 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
                         root_params=root, reduce_each_microbatch=options.reduce_each_microbatch)
     host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
     if experts:
-        expert_state = state_bytes(zero=zero, shards=max(1, shard // lay.ep), params=experts,
+        expert_state = state_bytes(zero=zero, shards=expert_shards(lay, shard), params=experts,
                                    layer_params=c.experts / (split * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
                                    precision=precision, offload=lay.offload,
                                    reduce_each_microbatch=options.reduce_each_microbatch)
         state = {k: v + expert_state[k] for k, v in state.items()}
         if lay.offload:
-            extra = offloaded_bytes(shards=max(1, shard // lay.ep), params=experts, precision=precision)
+            extra = offloaded_bytes(shards=expert_shards(lay, shard), params=experts, precision=precision)
             host = {k: v + extra[k] for k, v in host.items()}
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
     scale = precision.activation / 2  # the formulas count 16-bit elements
@@ -143,13 +157,15 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     wide = precision.activation < 4 and (copies or not options.fused_norm)  # fp32 norm tensors
 
     def per_layer(moe: bool, recompute: str) -> float:
-        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, copies, wide)
+        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, copies, wide,
+               folds_experts(lay))
         hit = _ACTIVATIONS.get(key)
         if hit is None or hit[0] is not model or hit[1] is not options:
             value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
                                            fused_norm=options.fused_norm, phalanx_model=options.phalanx_trainer,
                                            autocast_fp32=copies, wide_norms=wide, moe=moe, recompute=recompute,
-                                           tp_splits_experts=options.tp_splits_experts, **kw)
+                                           tp_splits_experts=options.tp_splits_experts,
+                                           fold_experts=folds_experts(lay), **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
         return scale * hit[2]
 

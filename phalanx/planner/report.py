@@ -13,7 +13,7 @@ def plan_record(est: Estimate, band: float = 0.0) -> dict:
         "dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "mbs": lay.mbs,
         "microbatches": lay.microbatches, "schedule": lay.schedule, "virtual": lay.virtual,
         "recompute": lay.recompute, "recompute_layers": lay.recompute_layers, "fsdp": lay.zero == 3, "zero": lay.zero, "sp": lay.sp,
-        "replicate": lay.replicate, "plan": lay.plan.to_string(), "fix": lay.to_string(),
+        "replicate": lay.replicate, "ep_over_tp": lay.ep_over_tp, "plan": lay.plan.to_string(), "fix": lay.to_string(),
         "step_time_s": est.step_time_s, "step_time_band": band, "tokens_per_s": est.tokens_per_s,
         "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
         "memory_gib_per_gpu": est.memory_gib,

@@ -107,6 +107,30 @@ def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
                             padded=not space.phalanx_trainer)
 
 
+def _plans(space: SearchSpace, fixed: dict[str, object], *, dp: int, tp: int, pp: int, ep: int, microbatches: int,
+           fold: bool, sp_ok: bool, n_layers: int):
+    """(plan, zero level) for each schedule, recompute mode and zero level the space allows
+    for one split of the devices and of the batch (zero level 1 is a planning knob: ZeRO-1)."""
+    f = fixed.get
+    for schedule, v in _schedules(space, pp, microbatches, n_layers):
+        if f("schedule", schedule) != schedule or f("virtual", v) != v:
+            continue
+        for rc in space.recompute if "recompute" not in fixed else (fixed["recompute"],):
+            zeros = (fixed["zero"],) if "zero" in fixed else space.zero_levels
+            for zero in zeros:
+                if fixed.get("zero_not3") and zero == 3:
+                    continue
+                offload = bool(f("offload", False))
+                if space.phalanx_trainer and pp > 1 and zero == 3 and 2 in zeros and not offload:
+                    continue  # the trainer keeps weights gathered under pp: zero 3 runs as zero 2
+                if offload and (zero != 3 or dp == 1):
+                    continue  # FSDP2 offloads the shards of zero 3 over dp > 1
+                sp = fixed.get("sp", tp > 1 and sp_ok)
+                yield Plan(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, schedule=schedule, virtual=v,
+                           recompute=rc, zero=0 if zero == 1 else zero, sp=bool(sp), replicate=int(f("replicate", 1)),
+                           offload=offload, ep_over_tp=fold), zero
+
+
 def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
                fixed: dict[str, object], space: SearchSpace):
     """Every layout the space allows, honouring the fixed fields."""
@@ -125,39 +149,31 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
             dp = world_size // (tp * pp)
             if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp:
                 continue
-            eps = [e for e in divisors(dp) if model.n_experts % e == 0] if model.n_experts else [1]
-            for ep in eps:
-                if f("ep", ep) != ep:
+            # The trainer's ep_over_tp=true (MoE parallel folding): ep over dp x tp, tp ranks
+            # splitting the expert rows instead of repeating them; tried beside the duplicated one.
+            folds = (False, True) if space.phalanx_trainer and tp > 1 and model.n_experts else (False,)
+            for fold in folds:
+                if bool(f("ep_over_tp", fold)) != fold:
                     continue
-                per_rank = gb // dp
-                for mbs in divisors(per_rank):
-                    m = per_rank // mbs
-                    if "mbs" in fixed:
-                        if mbs != fixed["mbs"]:
-                            continue
-                    elif mbs > space.max_mbs:
-                        break
-                    if f("microbatches", m) != m:
+                ranks = dp * tp if fold else dp
+                eps = ([e for e in divisors(ranks) if model.n_experts % e == 0 and (e > 1 or not fold)]
+                       if model.n_experts else [1])
+                for ep in eps:
+                    if f("ep", ep) != ep:
                         continue
-                    for schedule, v in _schedules(space, pp, m, model.n_layers):
-                        if f("schedule", schedule) != schedule or f("virtual", v) != v:
+                    per_rank = gb // dp
+                    for mbs in divisors(per_rank):
+                        m = per_rank // mbs
+                        if "mbs" in fixed:
+                            if mbs != fixed["mbs"]:
+                                continue
+                        elif mbs > space.max_mbs:
+                            break
+                        if f("microbatches", m) != m:
                             continue
-                        for rc in space.recompute if "recompute" not in fixed else (fixed["recompute"],):
-                            zeros = (fixed["zero"],) if "zero" in fixed else space.zero_levels
-                            for zero in zeros:
-                                if fixed.get("zero_not3") and zero == 3:
-                                    continue
-                                if (space.phalanx_trainer and pp > 1 and zero == 3 and 2 in zeros
-                                        and not f("offload", False)):
-                                    continue  # the trainer keeps weights gathered under pp: zero 3 runs as zero 2
-                                sp = fixed.get("sp", tp > 1 and sp_ok)
-                                offload = bool(f("offload", False))
-                                if offload and (zero != 3 or dp == 1):
-                                    continue  # FSDP2 offloads the shards of zero 3 over dp > 1
-                                plan = Plan(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m, schedule=schedule,
-                                            virtual=v, recompute=rc, zero=0 if zero == 1 else zero, sp=bool(sp),
-                                            replicate=int(f("replicate", 1)), offload=offload)
-                                yield Layout(plan, mbs=mbs, zero1=zero == 1)
+                        for plan, zero in _plans(space, fixed, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m, fold=fold,
+                                                 sp_ok=sp_ok, n_layers=model.n_layers):
+                            yield Layout(plan, mbs=mbs, zero1=zero == 1)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -216,8 +232,8 @@ def _fastest(model: ModelConfig, cluster: Cluster, workload: Workload, layouts: 
     bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO level: one per rest
     bounded = []
     for i, lay in enumerate(layouts):
-        key = (lay.tp, lay.pp, lay.ep, lay.mbs, lay.microbatches, lay.sp, lay.schedule, lay.virtual, lay.recompute,
-               lay.recompute_layers)
+        key = (lay.tp, lay.pp, lay.ep, lay.ep_over_tp, lay.mbs, lay.microbatches, lay.sp, lay.schedule, lay.virtual,
+               lay.recompute, lay.recompute_layers)
         if key not in bounds:
             bounds[key] = step_time_lower_bound(model, cluster, workload, lay, options)
         bounded.append((bounds[key], i))
@@ -325,7 +341,8 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
     if problem := _tp_problem(model, tp, space):
         out.append(problem + ("" if space.phalanx_trainer is False else " (in the phalanx trainer; --any-runtime "
                                                                          "models implementations that pad)"))
-    if "ep" in fixed and dp and (problem := rules.ep_problem(int(fixed["ep"]), dp=dp, n_experts=model.n_experts)):
+    if "ep" in fixed and dp and (problem := rules.ep_problem(int(fixed["ep"]), dp=dp, n_experts=model.n_experts, tp=tp,
+                                                             over_tp=bool(f("ep_over_tp", False)))):
         out.append(problem)
     if pp > model.n_layers:
         out.append(f"pp={pp} exceeds n_layers={model.n_layers}")

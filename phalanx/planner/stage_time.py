@@ -41,6 +41,7 @@ from phalanx.planner import comm
 from phalanx.planner.dp_traffic import by_identity as _by_identity
 from phalanx.planner.dp_traffic import collective_time as _collective
 from phalanx.planner.hardware import Cluster
+from phalanx.planner.peak_memory import folds_experts
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import layer_activation_bytes, layers_per_stage
 from phalanx.planner.peak_memory import BF16, moe_layer_count, recompute_share
@@ -125,13 +126,16 @@ def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) ->
 @_by_identity
 def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
                moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float,
-               tp_splits_experts: bool = True) -> LayerCost:
+               tp_splits_experts: bool = True, fold_experts: bool = False) -> LayerCost:
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch.
 
     `tp_splits_experts`: False where the MoE block stays out of tensor parallelism (the phalanx
     trainer today): every tp rank then runs its ep share of whole experts, router and shared
     experts on all the micro-batch's tokens, and dispatches all of them, tp times the work and
-    the bytes of a split MoE block per device."""
+    the bytes of a split MoE block per device. `fold_experts`: the trainer's ep_over_tp=true
+    (MoE parallel folding): `ep` spans dp x tp, each device holds n_experts / ep whole experts
+    and dispatches 1/tp of the routed rows; router and shared experts still run on every tp
+    rank (the all-gather of the rows over tp is charged with the all-to-all, `stage_cost`)."""
     tokens = mbs * seq
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     one = functools.partial(gemm_time, cluster=cluster, peak=peak)
@@ -143,10 +147,11 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
 
     parts = [g(tokens, (hq + 2 * hkv) / tp, h), g(tokens, h, hq / tp)]
     expert_tp = tp if tp_splits_experts else 1  # how many ways each expert's matrices are split
+    fold = tp if fold_experts and not tp_splits_experts else 1  # tp ranks sharing the routed rows
     if moe:
         k, fe = model.experts_per_token, model.moe_ffn_dim
         parts.append(g(tokens, model.n_experts, h))
-        per_expert = tokens * k * ep / model.n_experts  # tokens each local expert sees
+        per_expert = tokens * k * ep / model.n_experts / fold  # tokens each local expert sees
         local = model.n_experts / ep  # experts on this device, one GEMM each
         for p in [g(per_expert, fe / expert_tp, h)] * 2 + [g(per_expert, h, fe / expert_tp)]:
             parts.append(tuple(local * t for t in p))
@@ -159,7 +164,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
     gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True,
-                                    tp_splits_experts=tp_splits_experts)
+                                    tp_splits_experts=tp_splits_experts, fold_experts=fold_experts)
     elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
         attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
@@ -182,7 +187,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         w=gemm_w + overhead,
         attention_f=attention,
         tp_bytes=tokens * h * BF16,
-        ep_bytes=tokens * model.experts_per_token * h * BF16 / expert_tp if moe else 0.0,
+        ep_bytes=tokens * model.experts_per_token * h * BF16 / (expert_tp * fold) if moe else 0.0,
         gemm_f=gemm,
     )
 
@@ -204,7 +209,7 @@ def layer_costs(model: ModelConfig, cluster: Cluster, workload: Workload, lay: L
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp,
               peak=cluster.peak_flops_per_rank(world), flash=options.flash_attention,
               memory_bw=cluster.memory_bw_per_rank(world), overhead=overhead,
-              tp_splits_experts=options.tp_splits_experts)
+              tp_splits_experts=options.tp_splits_experts, fold_experts=folds_experts(lay))
     dense = layer_cost(model, cluster, moe=False, **kw)
     return dense, layer_cost(model, cluster, moe=True, **kw) if moe else dense
 
@@ -272,6 +277,12 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     if lay.recompute == "full":
         t_regather *= 1 - rc_share
     t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
+    if n_moe and folds_experts(lay):
+        # Folded: the ep group is lay.ep adjacent ranks of dp x tp, and the rows (all the
+        # micro-batch's k assignments) are all-gathered back over tp; t_ep counts one direction
+        # (backward charges it again): there the slice's backward is the all-gather.
+        t_ep = (_collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, 1) * 2
+                + _collective(comm.all_gather, cluster, moe.ep_bytes * lay.tp, lay.tp, 1))
     if lay.schedule == "dualpipev" and p > 1:
         t_ep = max(0.0, t_ep - moe.f) + sm * min(t_ep, moe.f)  # hidden behind the paired micro-batch's compute
     tp_f = n_dense * exposed(t_tp, dense.gemm_f) + n_moe * exposed(t_tp_moe, moe.gemm_f)

@@ -50,13 +50,18 @@ def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
     rows (each layer lives on exactly one pp rank, so nothing is counted twice). Every rank
     issues the same two all-reduces of the same shape, whatever layers it holds, so stages
     with no MoE layer take part too. tp ranks hold the same layers and the same counts (their
-    tokens are replicated), and are not reduced over.
+    tokens are replicated), and are not reduced over; except that with ep_over_tp each of the
+    dp x tp ranks receives its own rows, so the rank columns are one per dp x tp rank
+    (dp_rank * tp + tp_rank) and summed over tp as well.
     """
     moe_ids = [layer for layer in range(cfg.n_layers) if cfg.is_moe_layer(layer)]
     if not moe_ids:
         return {}
     held = dict(moe_layers(model))  # layer index (str) -> MoE, this rank's layers only
     dp, dp_rank, n_experts = mesh.plan.dp, mesh.dp_rank, cfg.n_experts
+    folded = mesh.plan.ep_over_tp and mesh.plan.ep > 1
+    if folded:  # one rank column per dp x tp rank
+        dp, dp_rank = dp * mesh.plan.tp, dp_rank * mesh.plan.tp + mesh.axis_rank("tp")
     packed = torch.zeros(len(moe_ids), n_experts + dp + 1, device=mesh.device)  # (layers, experts + dp + 1)
     for row, layer in zip(packed, moe_ids):
         moe = held.get(str(layer))
@@ -66,8 +71,12 @@ def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
             row[:n_experts] = moe.tokens_per_expert.float()
         row[n_experts + dp_rank] = float(moe.experts.received_tokens)
         row[-1] = float(moe.dropped_tokens)
-    if mesh.distributed and dp > 1:
+    if mesh.distributed and mesh.plan.dp > 1:
         dist.all_reduce(packed, group=mesh.group("dp"))
+    if mesh.distributed and folded:
+        ranks = packed[:, n_experts : n_experts + dp].contiguous()
+        dist.all_reduce(ranks, group=mesh.group("tp"))
+        packed[:, n_experts : n_experts + dp] = ranks
     if mesh.distributed and mesh.plan.pp > 1:
         dist.all_reduce(packed, group=mesh.group("pp"))
     record = {}
