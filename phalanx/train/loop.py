@@ -33,6 +33,7 @@ from phalanx.train.checkpoint_writer import CheckpointWriter
 from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
+from phalanx.train.expert_slot_training import SlotTraining, slot_placements
 from phalanx.train.metrics import MetricsLog, plot_loss
 from phalanx.train.pipeline_step import (
     WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_next_logits, pipeline_step,
@@ -210,13 +211,15 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
 
     per_rank = cfg.global_batch // plan.dp
     micro = per_rank // accum
+    placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
     model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
-                        weights=initial_weights(cfg.model, cfg.init, model_cfg))
+                        weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements)
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         WaitClock.install()
         moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
     optimizer = make_optimizer(model, cfg)
+    slots = SlotTraining(model, placements, cfg.rebalance_every) if placements else None
 
     start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
     if found:
@@ -266,6 +269,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
                         loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
                         (loss + moe_aux_loss.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
                     loss_sum += _plain(loss.detach())
+            if slots is not None:
+                slots.sum_replica_grads()  # replicas of an expert take the same update
             grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"),
                                        experts=expert_params(model))
             done = step + 1
@@ -286,6 +291,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             record = step_record(step + 1, loss_value, lr, grad_norm, time.perf_counter() - began,
                                  tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, pipelined=pipeline is not None)
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
+            if slots is not None and (event := slots.after_step(done, record.get("moe", {}), optimizer)) and metrics:
+                metrics.write(event)  # slots moved to the new placement (weights and optimizer state)
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
             # Saved before the row is written, so the row can say how long the loop waited on it.
