@@ -16,6 +16,7 @@ check below catches the latter, AdamW hiding it in the weights).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -144,18 +145,26 @@ def _skew_routers(monkeypatch):
     monkeypatch.setattr(Router, "reset_buffers", skewed_reset)  # forked ranks inherit it
 
 
-def test_rebalancing_keeps_one_process_losses(monkeypatch, moe_config):
+@pytest.fixture(scope="module")
+def rebalanced(moe_config):
+    """One process and dp=4,ep=4 with 12 slots and --rebalance-every 2 on a skewed router, 4
+    steps, checkpoints after steps 3 and 4."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _skew_routers(monkeypatch)
+        cfg = moe_config.replace(steps=4, ckpt_every=3, sync_checkpoint=True)
+        reference = run_ranks(1, _run, cfg.replace(out=moe_config.out + "-skew-ref"))[0]
+        slotted = cfg.replace(plan="dp=4,ep=4", expert_slots=12, rebalance_every=2, out=moe_config.out + "-rebalance")
+        return slotted, reference, run_ranks(4, _run, slotted)
+
+
+def test_rebalancing_keeps_one_process_losses(rebalanced):
     """--rebalance-every 2 on a skewed router: slots move at steps 2 and 4 (weights and AdamW
     moments with them) and the run still trains one process's model (same tolerance argument:
     moves copy bits, replicas stay identical), while the per-rank imbalance the event rows
     report drops (before: measured arrivals; after: the balancer's prediction)."""
-    _skew_routers(monkeypatch)
-    cfg = moe_config.replace(steps=4)
-    reference = run_ranks(1, _run, cfg.replace(out=moe_config.out + "-skew-ref"))[0]
+    _, reference, results = rebalanced
     first = reference[2][0]["moe"]["0"]["expert_tokens"]
     assert max(first) > 3 * (sum(first) / len(first))  # the router really is skewed
-    slotted = cfg.replace(plan="dp=4,ep=4", expert_slots=12, rebalance_every=2, out=moe_config.out + "-rebalance")
-    results = run_ranks(4, _run, slotted)
     _compare(results, reference)
     events = [r for r in results[0][2] if r.get("event") == "rebalance"]
     assert [e["step"] for e in events] == [2, 4]
@@ -165,3 +174,42 @@ def test_rebalancing_keeps_one_process_losses(monkeypatch, moe_config):
     # And measured: the tokens each rank computed (dp = ep here) are more even after the move.
     measured = [sum(layer["rank_imbalance"] for layer in r["moe"].values()) / len(r["moe"]) for r in _steps(results[0][2])]
     assert max(measured[2:]) < 0.5 * min(measured[:2]), measured
+
+
+def _resume_from_step_3(slotted, out: str, **change):
+    """A copy of the rebalanced run's folder without its step-4 checkpoint, resumed."""
+    shutil.copytree(slotted.out, out)
+    shutil.rmtree(Path(out) / "checkpoints" / "step_000004")
+    return slotted.replace(out=out, resume="must", **change)
+
+
+@pytest.mark.parametrize("layout", ["same", "one process"])
+def test_resume_across_a_rebalance(monkeypatch, rebalanced, layout):
+    """The step-3 checkpoint (written after the step-2 move) holds the placement and the
+    experts in expert order: resumed in the same layout (which rebalances again at step 4) or
+    in one process without slots, step 4 gives the uninterrupted run's loss and weights."""
+    _skew_routers(monkeypatch)
+    slotted, reference, results = rebalanced
+    saved = json.loads((Path(slotted.out) / "checkpoints" / "step_000003" / "phalanx.json").read_text())
+    assert saved["expert_slots"]["phy2log"] != _first_placement(slotted), "the checkpoint should follow a rebalance"
+    if layout == "same":
+        cfg = _resume_from_step_3(slotted, slotted.out + "-resumed")
+        resumed = run_ranks(4, _run, cfg)
+        events = [r for r in resumed[0][2] if r.get("event") == "rebalance"]
+        assert [e["step"] for e in events] == [2, 4] and events[1] == [r for r in results[0][2] if r.get("event")][1]
+    else:
+        cfg = _resume_from_step_3(slotted, slotted.out + "-one", plan="", expert_slots=0, rebalance_every=0)
+        resumed = run_ranks(1, _run, cfg)
+    for losses, weights, _, _ in resumed:
+        assert losses == pytest.approx(reference[0][3:], abs=TOLERANCE), (losses, reference[0])
+        for name, value in weights.items():
+            torch.testing.assert_close(value, reference[1][name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+
+
+def _first_placement(cfg):
+    from phalanx.model.config import model_config
+    from phalanx.train.expert_slot_training import slot_placements
+    from phalanx.train.loop import resolve_plan
+
+    placements = slot_placements(cfg, model_config(cfg.model), resolve_plan(cfg.plan, 4))
+    return [list(placements[layer].slot_expert) for layer in sorted(placements)]

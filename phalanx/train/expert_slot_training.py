@@ -89,8 +89,9 @@ class SlotTraining:
         self.ep, self.n_experts = first.ep, first.n_experts
         self.rank_node = first.rank_node
         self.rebalancer = None
+        self.phy2log = np.array([placements[layer].slot_expert for layer in self.layers])  # (MoE layers, S)
         if every:
-            phy2log = np.array([placements[layer].slot_expert for layer in self.layers])
+            phy2log = self.phy2log
             per_slot = slot_bytes(_weights(self.modules[0][1])) * 3 if self.modules else 0  # weights + AdamW's two moments (fp32)
             self.rebalancer = ExpertRebalancer(phy2log, self.n_experts, self.ep, every=every, slot_bytes=per_slot)
 
@@ -113,6 +114,7 @@ class SlotTraining:
         """Install the placement `phy2log` (MoE layers, S): move weights and optimizer state there
         when `move`, and rebuild each layer's router from it and the load average."""
         loads = self.rebalancer.expert_load if self.rebalancer is not None else None
+        self.phy2log = np.array(phy2log, dtype=np.int64)
         for layer, module in self.modules:
             row = self.layers.index(layer)
             new = SlotPlacement(tuple(int(e) for e in phy2log[row]), self.n_experts, self.ep, self.rank_node)
@@ -123,3 +125,22 @@ class SlotTraining:
             module.placement = new
             module.shard = dataclasses.replace(module.shard, rows=tuple(new.slot_expert[s] for s in new.local_slots(rank)))
             module.router = SlotRouter(new, rank, None if loads is None else loads[row], device=module.w1.device)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint's phalanx.json keeps (`expert_slots`): the placement, and with
+        rebalancing the load averages, so a resumed run routes and re-plans as this one would."""
+        if self.rebalancer is not None:
+            return self.rebalancer.state_dict()
+        return {"phy2log": self.phy2log.tolist()}
+
+    def load_state(self, state: dict | None) -> bool:
+        """Install a checkpoint's placement (before its weights load: the checkpoint holds experts
+        in expert order, and each rank then takes the rows of its slots). A checkpoint of another
+        layout (no slots, another S or ep) keeps this run's first placement; returns whether
+        the saved placement was taken."""
+        if not state or np.shape(state.get("phy2log")) != self.phy2log.shape:
+            return False
+        if self.rebalancer is not None and "expert_load" in state:
+            self.rebalancer.load_state_dict(state)
+        self.apply_placement(np.array(state["phy2log"], dtype=np.int64), None, move=False)
+        return True

@@ -29,6 +29,7 @@ from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
 from phalanx.train.checkpoint import load_checkpoint
+from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.checkpoint_writer import CheckpointWriter
 from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
@@ -223,6 +224,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
 
     start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
     if found:
+        if slots is not None:  # the saved placement first: each rank then loads its slots' experts
+            slots.load_state(read_meta(found[1]).get("expert_slots"))
         start_step = load_checkpoint(found[1], model, optimizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     if metrics and (row := restart_row(start_step)):
@@ -230,6 +233,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
     meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
+    if slots is not None:
+        meta["expert_slots"] = slots.state_dict()  # kept current below: each checkpoint holds its placement
 
     writer = CheckpointWriter(run_dir, model, optimizer, device=device, rank=rank, keep=cfg.keep_checkpoints, meta=meta,
                               asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
@@ -293,6 +298,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             if slots is not None and (event := slots.after_step(done, record.get("moe", {}), optimizer)) and metrics:
                 metrics.write(event)  # slots moved to the new placement (weights and optimizer state)
+            if slots is not None:
+                meta["expert_slots"] = slots.state_dict()
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
             # Saved before the row is written, so the row can say how long the loop waited on it.
