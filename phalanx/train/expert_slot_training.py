@@ -91,9 +91,8 @@ class SlotTraining:
         self.rebalancer = None
         self.phy2log = np.array([placements[layer].slot_expert for layer in self.layers])  # (MoE layers, S)
         if every:
-            phy2log = self.phy2log
             per_slot = slot_bytes(_weights(self.modules[0][1])) * 3 if self.modules else 0  # weights + AdamW's two moments (fp32)
-            self.rebalancer = ExpertRebalancer(phy2log, self.n_experts, self.ep, every=every, slot_bytes=per_slot)
+            self.rebalancer = ExpertRebalancer(self.phy2log, self.n_experts, self.ep, every=every, slot_bytes=per_slot)
 
     def sum_replica_grads(self) -> None:
         """Every replica's gradient := the sum over its expert's replicas (all ep ranks call this)."""
