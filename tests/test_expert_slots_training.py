@@ -96,9 +96,11 @@ def reference(moe_config):
     return run_ranks(1, _run, moe_config.replace(out=moe_config.out + "-ref"))[0]
 
 
-def test_replicated_slots_match_one_process(moe_config, reference):
-    """dp=4,ep=4 with 12 slots for 8 experts: 4 experts have two replicas each."""
-    cfg = moe_config.replace(plan="dp=4,ep=4", expert_slots=12, out=moe_config.out + "-slots12")
+@pytest.mark.parametrize("plan, slots", [("dp=4,ep=4", 12), ("dp=4,ep=2,microbatches=2", 10)])
+def test_replicated_slots_match_one_process(moe_config, reference, plan, slots):
+    """dp=4,ep=4 with 12 slots for 8 experts (4 experts with two replicas); two ep groups of 2
+    (the edp reduction, then the replica sum) with 10 slots and gradient accumulation."""
+    cfg = moe_config.replace(plan=plan, expert_slots=slots, out=f"{moe_config.out}-{plan}-{slots}")
     results = run_ranks(4, _run, cfg)
     _compare(results, reference)
 
