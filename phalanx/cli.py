@@ -31,6 +31,8 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--eval-every", "eval_every", int, "validation every N steps (0: never)"),
     ("--ckpt-every", "ckpt_every", int, "checkpoint every N steps (0: only at the end)"),
     ("--sample-tokens", "sample_tokens", int, "bytes of text to generate at the end"),
+    ("--expert-slots", "expert_slots", int, "physical expert slots per MoE layer over the ep group: >= experts and a multiple of ep; extra slots replicate hot experts (default: one per expert)"),
+    ("--rebalance-every", "rebalance_every", int, "move expert slots to the measured loads every K steps, weights and optimizer state with them (default 0: never)"),
     ("--collective-timeout", "collective_timeout", float, "seconds a collective may wait for the other ranks before the worker fails, naming the operation and, where known, the missing rank (default 600)"),
 ]
 

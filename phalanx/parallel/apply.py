@@ -57,12 +57,12 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
 
 
 def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,
-                      weights: WeightSource | None) -> nn.Module:
+                      weights: WeightSource | None, expert_slots: dict | None = None) -> nn.Module:
     """Steps 2-6 for one model or pipeline chunk."""
     plan = mesh.plan
     if plan.tp > 1:
         apply_tp(model, mesh.tp_mesh(), sp=plan.sp)
-    apply_ep(model, mesh)
+    apply_ep(model, mesh, expert_slots)
     apply_recompute(model, plan.recompute, plan.recompute_layers)
     if uses_fsdp(plan):
         apply_fsdp(model, mesh)
@@ -70,16 +70,17 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
 
 
 def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int = 0,
-                microbatch_tokens: int = 0, weights: WeightSource | None = None) -> nn.Module:
+                microbatch_tokens: int = 0, weights: WeightSource | None = None,
+                expert_slots: dict | None = None) -> nn.Module:
     """This rank's model: a Transformer, or with pp > 1 a `StageModules` of its chunks.
 
     `weights`: where initial weights come from (a checkpoint, `phalanx.hf.weights`); default:
     drawn from `seed`. `seq_len` and `microbatch_tokens` only inform the pipeline split's cost
-    estimate.
+    estimate. `expert_slots`: {layer: SlotPlacement} with `--expert-slots` (else one slot per expert).
     """
     plan = mesh.plan
     if plan.pp == 1:
-        model = _parallelize_part(build_model(cfg), cfg, mesh, seed, weights)
+        model = _parallelize_part(build_model(cfg), cfg, mesh, seed, weights, expert_slots)
         if plan.dp > 1 and not uses_fsdp(plan):
             model = apply_ddp(model, mesh)
         return model
@@ -90,5 +91,5 @@ def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int
     chunks, stages = [], stages_of_rank(plan, mesh.axis_rank("pp"))
     for stage in stages:
         chunk = keep_only(build_model(cfg), split[stage])
-        chunks.append(_parallelize_part(chunk, cfg, mesh, seed, weights))
+        chunks.append(_parallelize_part(chunk, cfg, mesh, seed, weights, expert_slots))
     return StageModules(chunks, stages)

@@ -61,6 +61,13 @@ class ExpertShard:
     """The 1-D "ep" DeviceMesh: checkpoints save the experts as DTensors sharded over it."""
     fold: TpFold | None = None
     """With ep_over_tp: the tp group whose ranks each send 1/tp of the rows (expert_fold.py)."""
+    rows: tuple[int, ...] | None = None
+    """With expert slots (`--expert-slots`): the expert of each local slot, the rows of the full
+    stack this rank keeps (start/stop then number slots, not experts). None: [start, stop)."""
+
+    def expert_rows(self) -> list[int]:
+        """The full stack's rows this rank holds, in local order."""
+        return list(self.rows) if self.rows is not None else list(range(self.start, self.stop))
 
 
 class ShardedExperts(GroupedExperts):
@@ -69,21 +76,33 @@ class ShardedExperts(GroupedExperts):
     on what arrives and sends the results back: to `MoE` it is a `GroupedExperts`."""
 
     def __init__(self, full: GroupedExperts, shard: ExpertShard):
-        n_local, hidden, dim = shard.stop - shard.start, full.w1.shape[1], full.w1.shape[2]
+        rows, hidden, dim = shard.expert_rows(), full.w1.shape[1], full.w1.shape[2]
         with torch.device("meta"):  # placeholders, replaced by the block of the full weights
-            super().__init__(n_local, dim, hidden)
+            super().__init__(len(rows), dim, hidden)
         for weight in ("w1", "w2", "w3"):
-            block = getattr(full, weight).detach()[shard.start : shard.stop].clone()  # (n_local, ...)
+            block = getattr(full, weight).detach()[rows].clone()  # (n_local, ...)
             setattr(self, weight, nn.Parameter(block))
         self.shard: ExpertShard = shard
+        self.placement = None
+        """With expert slots: this layer's `SlotPlacement`, and `router` its `SlotRouter` on this
+        rank (both replaced at each rebalance, `phalanx.train.expert_slot_training`)."""
+        self.router = None
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows: (n, dim) sorted by global expert; counts: (n_experts,) -> (n, dim)."""
         fold, n = self.shard.fold, rows.shape[0]
         if fold is not None:  # the rows are the same on every tp rank: each sends its slice
             rows, counts = scatter_to_tp(rows, counts, fold)
-        local_rows, local_counts, plan = dispatch(rows, counts, self.shard.group)
-        out = combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
+        if self.router is None:
+            local_rows, local_counts, plan = dispatch(rows, counts, self.shard.group)
+            out = combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
+        else:
+            # Expert slots: each row picks a replica slot of its expert (no collective), and
+            # slots take the place of experts in dispatch (docs/expert_slots.md).
+            _, order, slot_counts = self.router.route(counts, rows.shape[0])
+            local_rows, local_counts, plan = dispatch(rows[order], slot_counts, self.shard.group)
+            combined = combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
+            out = combined.new_empty(combined.shape).index_copy(0, order, combined)
         return gather_from_tp(out, n, fold) if fold is not None else out
 
 
@@ -125,19 +144,29 @@ def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
 
 
 def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int, mesh=None,
-                  fold: TpFold | None = None) -> ShardedExperts:
+                  fold: TpFold | None = None, placement=None) -> ShardedExperts:
     """Rank ep_rank's block of `experts` (meta or real weights), routing over `group`: rows
-    [ep_rank * n_local, (ep_rank + 1) * n_local) of each stacked weight. The caller puts the
-    result in place of `experts`."""
+    [ep_rank * n_local, (ep_rank + 1) * n_local) of each stacked weight, or with a
+    `SlotPlacement` the rows of its local slots' experts. The caller puts the result in place
+    of `experts`."""
     n_experts = experts.w1.shape[0]
-    n_local = n_experts // ep
-    shard = ExpertShard(start=ep_rank * n_local, stop=(ep_rank + 1) * n_local, n_experts=n_experts,
-                        group=group, mesh=mesh, fold=fold)
+    if placement is None:
+        n_local = n_experts // ep
+        shard = ExpertShard(start=ep_rank * n_local, stop=(ep_rank + 1) * n_local, n_experts=n_experts,
+                            group=group, mesh=mesh, fold=fold)
+        return ShardedExperts(experts, shard)
+    slots = placement.local_slots(ep_rank)
+    rows = tuple(placement.slot_expert[slot] for slot in slots)
+    shard = ExpertShard(start=slots.start, stop=slots.stop, n_experts=n_experts, group=group, mesh=mesh, fold=fold,
+                        rows=rows)
     return ShardedExperts(experts, shard)
 
 
-def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
-    """Keep this rank's experts in every MoE layer and route their tokens over "ep" (meta model)."""
+def apply_ep(model: nn.Module, mesh: ParallelMesh, slots: dict | None = None) -> nn.Module:
+    """Keep this rank's experts in every MoE layer and route their tokens over "ep" (meta model).
+
+    slots: with `--expert-slots`, {layer index: SlotPlacement} (`phalanx.train.expert_slot_training`).
+    """
     plan = mesh.plan
     if plan.ep == 1:
         return model
@@ -154,7 +183,12 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     ignored = []
     found = [(name, module) for name, module in model.named_modules() if isinstance(module, GroupedExperts)]
     for name, full in found:
-        experts = shard_experts(full, ep_group, ep_rank, plan.ep, mesh=ep_mesh["ep"], fold=fold)
+        placement = (slots or {}).get(_layer_of(name))
+        experts = shard_experts(full, ep_group, ep_rank, plan.ep, mesh=ep_mesh["ep"], fold=fold, placement=placement)
+        if placement is not None:
+            from phalanx.parallel.expert_slots import SlotRouter
+
+            experts.placement, experts.router = placement, SlotRouter(placement, ep_rank, device=mesh.device)
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, experts)
         ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]
@@ -183,15 +217,30 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     return model
 
 
+def _layer_of(name: str) -> int:
+    """The transformer layer index of a module name (layers.<i>.feed_forward.experts)."""
+    from phalanx.model.init import canonical_name
+
+    return int(canonical_name(name).split(".")[1])
+
+
 def expert_params(model: nn.Module):
-    """(ids of this rank's expert-parallel parameters, ep group) for gradient clipping, or
-    None when the model has no expert parallelism."""
-    ids, group = set(), None
+    """(ids of this rank's expert-parallel parameters, ep group, {id: slot mask}) for gradient
+    clipping, or None when the model has no expert parallelism. The masks (expert slots with
+    replicas only) keep each expert's first slot: after the replica sum every replica holds the
+    expert's whole gradient, which the norm must count once."""
+    from phalanx.parallel.expert_slot_grads import counted_once
+
+    ids, group, once = set(), None, {}
     for module in model.modules():
         if isinstance(module, ShardedExperts):
             group = module.shard.group
             ids |= {id(param) for param in module.parameters(recurse=False)}
-    return (ids, group) if group is not None else None
+            if module.placement is not None and module.placement.replicas().max() > 1:
+                mask = counted_once(module.placement, dist.get_rank(group))
+                for param in module.parameters(recurse=False):
+                    once[id(param)] = torch.as_tensor(mask, device=param.device)
+    return (ids, group, once) if group is not None else None
 
 
 def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -209,5 +258,7 @@ def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
             local = state[key].contiguous()
             parts = [torch.empty_like(local) for _ in range(dist.get_world_size(module.shard.group))]
             dist.all_gather(parts, local, group=module.shard.group)
-            state[key] = torch.cat(parts)  # (n_experts, ...)
+            state[key] = torch.cat(parts)  # (n_experts, ...), or with slots (S, ...)
+            if module.placement is not None:  # slots -> experts: each expert's first slot
+                state[key] = state[key][[module.placement.slot_expert.index(e) for e in range(module.shard.n_experts)]]
     return state

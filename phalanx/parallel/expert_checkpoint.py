@@ -6,6 +6,14 @@ only one rank's copy, which would silently lose the other ranks' experts. So bef
 (and before loading), each expert entry of the model and optimizer state becomes a DTensor
 sharded along dim 0 over "ep", whose global shape is the whole stack: DCP then writes every
 expert once, and can load it into any other ep degree (or none) by rows.
+
+With expert slots (`--expert-slots`) a rank holds slots, any experts in any order, some
+replicated. The checkpoint still holds the (n_experts, ...) stack in expert order (one
+replica of each, the replicas being identical): saving gathers the layer's slots over "ep"
+and keeps each rank's block of experts; loading gathers the blocks and keeps the rows of this
+rank's slots under the placement in force (the checkpoint's, restored first by the trainer).
+So a checkpoint loads into any slot count, any placement and any plain layout. Cost: one
+all-gather of the layer's slots per tensor per save and load, rare next to training steps.
 """
 
 from __future__ import annotations
@@ -28,18 +36,36 @@ def _expert_modules(model) -> dict[str, ShardedExperts]:
     return found
 
 
+def _gather_rows(local: torch.Tensor, group) -> torch.Tensor:
+    """Every ep rank's rows, stacked in rank order (collective over `group`)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def _to_global(value: torch.Tensor, module: ShardedExperts) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     # Under FSDP the ep block is itself sharded over "edp": gather it first.
     local = value.full_tensor() if isinstance(value, DTensor) else value
+    if module.placement is not None:  # slots -> this rank's block of experts, in expert order
+        held, group = module.placement.slot_expert, module.shard.group
+        import torch.distributed as dist
+
+        per_rank, rank = module.shard.n_experts // module.placement.ep, dist.get_rank(group)
+        first = range(per_rank * rank, per_rank * (rank + 1))
+        local = _gather_rows(local.detach(), group)[[held.index(expert) for expert in first]]
     return DTensor.from_local(local, module.shard.mesh, [Shard(0)], run_check=False)
 
 
-def _to_local_like(loaded: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+def _to_local_like(loaded: torch.Tensor, original: torch.Tensor, module: ShardedExperts) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     block = loaded.to_local()  # (n_local, ...) this ep rank's experts
+    if module.placement is not None:  # experts in order -> the experts of this rank's slots
+        block = _gather_rows(block, module.shard.group)[module.shard.expert_rows()]
     if not isinstance(original, DTensor):
         return block
     # FSDP: keep this edp rank's chunk of the block, the way FSDP shards dim 0: torch.chunk,
@@ -64,10 +90,10 @@ def globalize_experts(model, state: dict) -> tuple[dict, Callable[[], dict]]:
         return state, lambda: state
     optim_entries = dict(state["optim"].get("state", {}))
     out = {"model": dict(state["model"]), "optim": {**state["optim"], "state": optim_entries}}
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    swapped: list[tuple[dict, str, torch.Tensor, ShardedExperts]] = []
 
     def swap(container: dict, key: str, module) -> None:
-        swapped.append((container, key, container[key]))
+        swapped.append((container, key, container[key], module))
         container[key] = _to_global(container[key], module)
 
     # Sorted: every rank must gather (FSDP) in the same order.
@@ -81,8 +107,8 @@ def globalize_experts(model, state: dict) -> tuple[dict, Callable[[], dict]]:
                     swap(optim_entries[name], key, modules[name])
 
     def restore() -> dict:
-        for container, key, original in swapped:
-            container[key] = _to_local_like(container[key], original)
+        for container, key, original, module in swapped:
+            container[key] = _to_local_like(container[key], original, module)
         return out
 
     return out, restore

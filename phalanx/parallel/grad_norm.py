@@ -70,7 +70,7 @@ def clip_grad_norm(parameters, max_norm: float, *, pp_group=None, experts=None) 
     """Scale every gradient so the global L2 norm is at most `max_norm`; return the norm.
 
     experts: `phalanx.parallel.expert.expert_params(model)`, i.e. (ids of the expert-parallel
-    parameters, ep group), or None without expert parallelism.
+    parameters, ep group[, {id: mask of the slots to count}]), or None without expert parallelism.
     """
     from torch.distributed.tensor import DTensor
 
@@ -83,10 +83,11 @@ def clip_grad_norm(parameters, max_norm: float, *, pp_group=None, experts=None) 
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
             param.grad = grad.redistribute(grad.device_mesh, param.placements)
     device = parameters[0].grad.device if parameters else torch.device("cpu")
-    expert_ids, ep_group = experts if experts else (set(), None)
+    expert_ids, ep_group, *masks = experts if experts else (set(), None)
+    once = masks[0] if masks else {}  # expert slots: each expert's first replica only
     total = _squares([p.grad for p in parameters if id(p) not in expert_ids], device)
     if ep_group is not None:
-        mine = _squares([p.grad for p in parameters if id(p) in expert_ids], device)
+        mine = _squares([p.grad[once[id(p)]] if id(p) in once else p.grad for p in parameters if id(p) in expert_ids], device)
         dist.all_reduce(mine, group=ep_group)  # each ep rank holds different experts
         total += mine
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

@@ -53,7 +53,8 @@ def _locate_in(model: nn.Module):
         index, shape = local_index(param), param.shape
         shard = shards.get(name.rpartition(".")[0])
         if shard is not None:  # expert parallelism: this rank's block of the (experts, ...) stack
-            index[0] = (index[0] if index[0] is not None else torch.arange(shard.stop - shard.start)) + shard.start
+            local = index[0] if index[0] is not None else torch.arange(shard.stop - shard.start)
+            index[0] = torch.as_tensor(shard.expert_rows())[local]  # slots may hold any experts, in any order
             shape = torch.Size([shard.n_experts, *shape[1:]])
         target = param.to_local() if hasattr(param, "to_local") else param
         return shape, index, target

@@ -71,12 +71,13 @@ class CheckpointWriter:
         if self.finisher is None:
             self.pending = step, written
         else:
-            self.pending = step, self.finisher.submit(self._finish, written, step, staging)
+            # A copy of meta as it is now: the loop updates entries (the expert placement) between saves.
+            self.pending = step, self.finisher.submit(self._finish, written, step, staging, dict(self.meta))
         return time.perf_counter() - began, True
 
-    def _finish(self, written: Future, step: int, staging: Path) -> None:
+    def _finish(self, written: Future, step: int, staging: Path, meta: dict) -> None:
         written.result()  # every rank's files and DCP's .metadata are on disk
-        finish_save(self.run_dir, step, staging, keep=self.keep, meta=self.meta)
+        finish_save(self.run_dir, step, staging, keep=self.keep, meta=meta)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; raise what it raised."""

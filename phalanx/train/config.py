@@ -82,6 +82,12 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (CUDA if present), 'cpu' or 'cuda'."""
     progress: bool = True
+    expert_slots: int = 0
+    """Physical expert slots per MoE layer over the ep group (>= experts, a multiple of ep);
+    0 = one slot per expert, the plain ep layout (docs/expert_slots.md)."""
+    rebalance_every: int = 0
+    """Re-plan the expert slots from the moving load average every K steps, moving weights and
+    optimizer state to their new slots; 0 = never."""
 
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TOML `resume = true` and older callers
@@ -107,7 +113,7 @@ class TrainConfig:
         for name in ("steps", "global_batch", "seq_len", "eval_batches", "keep_checkpoints", "max_bad_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
-        for name in ("nproc", "warmup_steps", "ckpt_every", "eval_every", "sample_tokens"):
+        for name in ("nproc", "warmup_steps", "ckpt_every", "eval_every", "sample_tokens", "expert_slots", "rebalance_every"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
         if self.max_restarts < -1:

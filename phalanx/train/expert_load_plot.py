@@ -23,6 +23,9 @@ def plot_expert_load(metrics_path: Path, png_path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # A run resumed on another dp size has rows of two widths: the rank panel shows the newest size's.
+    dp = len(next(iter(records[-1].values()))["rank_tokens"])
+    records = [r for r in records if len(next(iter(r.values()))["rank_tokens"]) == dp]
     layers = list(records[0])
     experts = torch.tensor([[r[layer]["expert_tokens"] for layer in layers] for r in records]).sum(0)  # (layers, experts)
     ranks = torch.tensor([[r[layer]["rank_tokens"] for layer in layers] for r in records]).sum(0)  # (layers, dp)

@@ -29,10 +29,12 @@ from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
 from phalanx.train.checkpoint import load_checkpoint
+from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.checkpoint_writer import CheckpointWriter
 from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
+from phalanx.train.expert_slot_training import SlotTraining, slot_placements
 from phalanx.train.metrics import MetricsLog, plot_loss
 from phalanx.train.pipeline_step import (
     WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_next_logits, pipeline_step,
@@ -210,16 +212,20 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
 
     per_rank = cfg.global_batch // plan.dp
     micro = per_rank // accum
+    placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
     model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
-                        weights=initial_weights(cfg.model, cfg.init, model_cfg))
+                        weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements)
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         WaitClock.install()
         moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
     optimizer = make_optimizer(model, cfg)
+    slots = SlotTraining(model, placements, cfg.rebalance_every) if placements else None
 
     start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
     if found:
+        if slots is not None:  # the saved placement first: each rank then loads its slots' experts
+            slots.load_state(read_meta(found[1]).get("expert_slots"))
         start_step = load_checkpoint(found[1], model, optimizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     if metrics and (row := restart_row(start_step)):
@@ -227,6 +233,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
     meta = {"model": model_cfg.to_dict(), "train": dataclasses.asdict(cfg), "world_size": world_size}
+    if slots is not None:
+        meta["expert_slots"] = slots.state_dict()  # kept current below: each checkpoint holds its placement
 
     writer = CheckpointWriter(run_dir, model, optimizer, device=device, rank=rank, keep=cfg.keep_checkpoints, meta=meta,
                               asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
@@ -266,6 +274,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
                         loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
                         (loss + moe_aux_loss.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
                     loss_sum += _plain(loss.detach())
+            if slots is not None:
+                slots.sum_replica_grads()  # replicas of an expert take the same update
             grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"),
                                        experts=expert_params(model))
             done = step + 1
@@ -286,6 +296,10 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             record = step_record(step + 1, loss_value, lr, grad_norm, time.perf_counter() - began,
                                  tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, pipelined=pipeline is not None)
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
+            if slots is not None and (event := slots.after_step(done, record.get("moe", {}), optimizer)) and metrics:
+                metrics.write(event)  # slots moved to the new placement (weights and optimizer state)
+            if slots is not None:
+                meta["expert_slots"] = slots.state_dict()
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
             # Saved before the row is written, so the row can say how long the loop waited on it.

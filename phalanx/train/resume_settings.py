@@ -12,7 +12,7 @@ from phalanx.errors import UserError
 
 FIXED = ("seq_len", "tokenizer", "data")
 """TrainConfig fields a resumed run must keep (the model is compared by its config)."""
-MAY_CHANGE = ("global_batch", "plan", "world_size")
+MAY_CHANGE = ("global_batch", "plan", "world_size", "expert_slots", "rebalance_every")
 
 
 def _same_path(old: str, new: str) -> bool:
