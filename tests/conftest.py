@@ -1,6 +1,15 @@
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _ranks_inherit_lazy_imports():
+    """Ranks forked from pytest (run_ranks, in-process `phalanx train --nproc N`) inherit what
+    a training rank imports lazily instead of importing it again in every rank of every test."""
+    from phalanx.testing.fork_ranks import preload_rank_imports
+
+    preload_rank_imports()
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
     """A TrainConfig small enough for a multi-rank test to run in seconds."""
