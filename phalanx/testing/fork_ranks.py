@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from phalanx.ports import free_port
 
-RANK_LAZY_IMPORTS = ("torch._dynamo", "torch.distributed.pipelining", "torch.utils.tensorboard", "matplotlib.pyplot")
+RANK_LAZY_IMPORTS = ("torch._dynamo", "torch.distributed.pipelining", "torch.utils.tensorboard", "matplotlib.pyplot",
+                     "matplotlib.backends.backend_agg")
 """Modules a training rank imports on first use (torch._dynamo through the optimizer and DCP,
 the pipeline schedules, the TensorBoard log, rank 0's loss plot): several seconds of CPU per
 rank per launch on a shared 2-core machine, paid once in the parent by `preload_rank_imports`."""
