@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -40,6 +39,7 @@ import torch
 
 from phalanx.launch import choose_auto_plan
 from phalanx.testing.fork_ranks import run_ranks
+from phalanx.testing.small_corpus import ONE_FILE_CORPUS
 from phalanx.testing.weights import gathered_weights
 from phalanx.plan import plan_from_string
 from phalanx.train.config import TrainConfig
@@ -50,11 +50,6 @@ BF16_LOSS, BF16_GRAD_NORM, BF16_WEIGHT_MEAN = 5e-3, 2e-2, 5e-4  # see tests/test
 
 # Gathering FSDP x TP weights for the comparison warns that it takes two all-gathers; expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-# The corpus: one standard-library module, the kind of text of the default corpus. Layouts and
-# their one-process references read the same data, and loading the default corpus (700+ files)
-# took every rank about a quarter of each layout's time.
-DATA = str(Path(sysconfig.get_paths()["stdlib"]) / "typing.py")
 
 LAYOUTS = {
     2: [
@@ -127,7 +122,7 @@ def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def base_config(tmp_path_factory):
     return TrainConfig(
-        model="tiny", data=DATA, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=4,
+        model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=4,
         ckpt_every=0, sample_tokens=8, progress=False, device="cpu", out=str(tmp_path_factory.mktemp("layouts")),
     )
 
