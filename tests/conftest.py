@@ -1,5 +1,16 @@
 import pytest
 
+from phalanx.testing.small_corpus import ONE_FILE_CORPUS
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ranks_inherit_lazy_imports():
+    """Ranks forked from pytest (run_ranks, in-process `phalanx train --nproc N`) inherit what
+    a training rank imports lazily instead of importing it again in every rank of every test."""
+    from phalanx.testing.fork_ranks import preload_rank_imports
+
+    preload_rank_imports()
+
 
 @pytest.fixture
 def tiny_config(tmp_path):
@@ -7,6 +18,6 @@ def tiny_config(tmp_path):
     from phalanx.train.config import TrainConfig
 
     return TrainConfig(
-        model="tiny", steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
+        model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
         ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(tmp_path / "run"),
     )

@@ -29,7 +29,12 @@ def test_fit_alpha_beta_reads_latency_and_bandwidth():
     assert fit["bus_bw_gbs"] == pytest.approx(2.0, rel=1e-3)
 
 
-def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys):
+def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys, monkeypatch):
+    from phalanx.calibrate.workers import SMOKE_ENV
+
+    # Every measurement on its real code path, but timed once: this test checks the file and
+    # its fields, not the figures (the fits' arithmetic is tested above on synthetic timings).
+    monkeypatch.setenv(SMOKE_ENV, "1")
     out = tmp_path / "local.json"
     assert cli.main(["calibrate", "--quick", "--max-procs", "2", "--backend", "gloo", "--out", str(out)]) == 0
     cluster = load_cluster_file(out)

@@ -15,6 +15,7 @@ import torch
 
 from phalanx.cli import main
 from phalanx.testing.fork_ranks import run_ranks
+from phalanx.testing.small_corpus import ONE_FILE_CORPUS
 from phalanx.train import checkpoint
 from phalanx.train.checkpoint import latest_checkpoint, save_checkpoint
 from phalanx.train.loop import train
@@ -30,7 +31,7 @@ def four_checkpoints(tmp_path_factory):
     from phalanx.train.config import TrainConfig
 
     out = tmp_path_factory.mktemp("damage") / "run"
-    cfg = TrainConfig(model="tiny", steps=4, global_batch=8, seq_len=32, warmup_steps=1, eval_every=0, ckpt_every=1,
+    cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, warmup_steps=1, eval_every=0, ckpt_every=1,
                       keep_checkpoints=4, sample_tokens=0, progress=False, device="cpu", out=str(out))
     return cfg, run_ranks(1, _losses, cfg)[0]
 

@@ -39,6 +39,7 @@ import torch
 
 from phalanx.launch import choose_auto_plan
 from phalanx.testing.fork_ranks import run_ranks
+from phalanx.testing.small_corpus import ONE_FILE_CORPUS
 from phalanx.testing.weights import gathered_weights
 from phalanx.plan import plan_from_string
 from phalanx.train.config import TrainConfig
@@ -121,7 +122,7 @@ def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def base_config(tmp_path_factory):
     return TrainConfig(
-        model="tiny", steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=4,
+        model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=4,
         ckpt_every=0, sample_tokens=8, progress=False, device="cpu", out=str(tmp_path_factory.mktemp("layouts")),
     )
 

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from phalanx.cli import main
 from phalanx.ports import free_port
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.loop import train
@@ -24,12 +27,20 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run / "metrics.jsonl")]
 
 
+def _phalanx(*argv: str) -> None:
+    """`phalanx ...` in this process (its --nproc workers fork from it, as from the CLI's)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 0
+
+
 def test_nproc_and_torchrun_match_one_process(tmp_path):
     """Same tolerance as tests/test_data_parallel.py (1e-4: float reassociation of the
-    gradient all-reduce over 3 AdamW steps)."""
+    gradient all-reduce over 3 AdamW steps). The --nproc runs go through the CLI's main here,
+    not a new interpreter (which would import torch again); torchrun needs its own."""
     python = sys.executable
-    subprocess.run([python, "-m", "phalanx", "train", *ARGS, "--nproc", "1", "--out", str(tmp_path / "one")], check=True, timeout=120)
-    subprocess.run([python, "-m", "phalanx", "train", *ARGS, "--nproc", "2", "--out", str(tmp_path / "two")], check=True, timeout=120)
+    _phalanx("train", *ARGS, "--nproc", "1", "--out", str(tmp_path / "one"))
+    _phalanx("train", *ARGS, "--nproc", "2", "--out", str(tmp_path / "two"))
     subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "phalanx", "train", *ARGS, "--plan", "dp=2,fsdp=true",
                     "--out", str(tmp_path / "torchrun")], check=True, timeout=120)

@@ -22,6 +22,7 @@ import pytest
 
 from phalanx.testing.cli_errors import assert_cli_error
 from phalanx.testing.fork_ranks import run_ranks
+from phalanx.testing.small_corpus import ONE_FILE_CORPUS
 from phalanx.train.checkpoint import DIE_IN_SAVE_ENV, latest_checkpoint
 from phalanx.train.loop import train
 from phalanx.train.world_change import dp_follows
@@ -45,7 +46,7 @@ def four_process_run(tmp_path_factory):
     from phalanx.train.config import TrainConfig
 
     out = tmp_path_factory.mktemp("world") / "run"
-    cfg = TrainConfig(model="tiny", steps=3, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
+    cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=3, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
                       ckpt_every=2, sample_tokens=0, progress=False, device="cpu", plan="dp=2,tp=2", out=str(out))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DIE_IN_SAVE_ENV, "3")
@@ -85,7 +86,7 @@ def test_plan_that_cannot_follow_names_one_that_does(four_process_run, tmp_path,
     cfg, _ = four_process_run
     resumed = _from_step_2(cfg, tmp_path)
     line = assert_cli_error(
-        ["train", "--model", "tiny", "--steps", "3", "--global-batch", "12", "--seq-len", "32", "--device", "cpu",
+        ["train", "--model", "tiny", "--data", ONE_FILE_CORPUS, "--steps", "3", "--global-batch", "12", "--seq-len", "32", "--device", "cpu",
          "--plan", "dp=2,tp=2", "--nproc", "3", "--resume", "--out", resumed.out, "--no-progress"],
         capsys, "--plan dp=2,tp=2 cannot follow the world size to 3 processes", "does not divide 3",
         "a plan that fits: --plan", one_line=False, ignore=("phalanx: warning",))

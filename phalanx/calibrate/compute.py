@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 
-from phalanx.calibrate.workers import sync_device, timeit
+from phalanx.calibrate.workers import smoke, sync_device, timeit
 
 
 def measure_matmuls(device, dtype, *, quick: bool) -> list[tuple[int, int, int, float]]:
@@ -133,7 +133,7 @@ def measure_overheads(device, *, quick: bool, threads: tuple[int, ...] = (1,)) -
 
         if tail_only:  # clipping, AdamW and zeroing alone, after a backward each time
             times = []
-            for i in range(13 if quick else 43):
+            for i in range(4 if smoke() else 13 if quick else 43):
                 model(tokens).float().sum().backward()
                 start = time.perf_counter()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -143,6 +143,8 @@ def measure_overheads(device, *, quick: bool, threads: tuple[int, ...] = (1,)) -
                     times.append(time.perf_counter() - start)
             return min(times)
         big = mbs * seq > 256
+        if smoke():
+            return timeit(step, repeats=1, warmup=1, best=True)
         return timeit(step, repeats=(5 if quick else 20) if big else (10 if quick else 40), warmup=3, best=True)
 
     out = {}

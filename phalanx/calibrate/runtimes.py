@@ -37,7 +37,7 @@ import statistics
 import time
 
 from phalanx.calibrate.fit import all_reduce_s, fit_fsdp_pp, fit_split_rerun, fit_tp_step
-from phalanx.calibrate.workers import init_worker, run_workers
+from phalanx.calibrate.workers import init_worker, run_workers, smoke
 from phalanx.calibrate.wrappers import fsdp_worker
 
 
@@ -142,7 +142,7 @@ def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int
     (b, s) = OVERHEAD_TOKENS[1]
     tokens = torch.randint(0, OVERHEAD_MODEL.get("vocab_size", 256), (b, s))
     best: dict = {}
-    for _ in range(2):  # two rounds, each timing's best (see calibrate.measure_overheads)
+    for _ in range(1 if smoke() else 2):  # two rounds, each timing's best (see calibrate.measure_overheads)
         for layers in (1, 9):  # the intercept at 0: embedding, output and loss alone
             for tp in (False, True):
                 torch.manual_seed(0)
@@ -256,7 +256,7 @@ def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, que
 def measure_runtime_overheads(*, max_procs: int, collective_fits: dict, quick: bool, log=print) -> dict:
     """The Cluster fields of this module's measurements (us or ms, before the machine-share
     scaling that `calibrate` applies to every fixed cost)."""
-    repeats = 4 if quick else 12
+    repeats = 1 if smoke() else 4 if quick else 12
     run = lambda worker, world, what: run_workers(  # noqa: E731
         worker, world, (repeats, max(1, (os.cpu_count() or 1) // world)), start_method="fork", timeout_s=180.0,
         what=f"{what} measurement on {world} gloo processes")

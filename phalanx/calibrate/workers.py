@@ -12,6 +12,16 @@ import time
 from phalanx.errors import UserError
 
 
+SMOKE_ENV = "PHALANX_CALIBRATE_SMOKE"
+"""Test hook: set to 1, every measurement runs its code path with the fewest timings (one
+timed repeat after the warm-ups, one round where a figure keeps the best of two), so a test
+of the whole calibration takes seconds, not minutes. The file is complete, its figures noisy."""
+
+
+def smoke() -> bool:
+    return os.environ.get(SMOKE_ENV) == "1"
+
+
 def timeit(fn, *, repeats: int, warmup: int = 1, best: bool = False) -> float:
     """Median (or, for what the hardware can do on a shared machine, fastest) seconds of fn()."""
     for _ in range(warmup):
@@ -86,7 +96,8 @@ def run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s
 
 def two_process(worker, *, quick: bool, what: str, timeout_s: float = 120.0) -> dict:
     threads = max(1, (os.cpu_count() or 1) // 2)
-    return run_workers(worker, 2, (3 if quick else 10, threads), start_method="fork", timeout_s=timeout_s,
+    repeats = 1 if smoke() else 3 if quick else 10
+    return run_workers(worker, 2, (repeats, threads), start_method="fork", timeout_s=timeout_s,
                         what=f"{what} measurement on 2 gloo processes")
 
 
@@ -124,7 +135,7 @@ def collective_worker(rank: int, world: int, port: int, backend: str, sizes: lis
 def measure_collectives(world: int, backend: str, *, quick: bool, timeout_s: float = 120.0) -> dict[str, float]:
     """Seconds per (op, bytes) on `world` processes, measured by rank 0."""
     sizes = [4096, 1 << 16, 1 << 20] if quick else [4096, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
-    repeats = 3 if quick else 10
+    repeats = 1 if smoke() else 3 if quick else 10
     threads = max(1, (os.cpu_count() or 1) // world)
     return run_workers(collective_worker, world, (backend, sizes, repeats, threads),
                         start_method="fork" if backend == "gloo" else "spawn", timeout_s=timeout_s,

@@ -7,7 +7,7 @@ import math
 import time
 
 from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS
-from phalanx.calibrate.workers import init_worker, two_process
+from phalanx.calibrate.workers import init_worker, smoke, two_process
 
 
 def fsdp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
@@ -87,7 +87,7 @@ def wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, thre
         cfg = dict(OVERHEAD_MODEL, max_seq_len=s)
         # Two rounds keeping each timing's best: the sp figure is a difference of two timings
         # taken seconds apart, and one busy spell on a shared machine skewed it 3x.
-        for _ in range(2):
+        for _ in range(1 if smoke() else 2):
             small = per_block(cfg, (1, 8)) / passes
             large = per_block(cfg, (b, s)) / passes
             large_sp = per_block(cfg, (b, s), sp=True) / passes

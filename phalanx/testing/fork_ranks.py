@@ -18,6 +18,24 @@ from typing import Any, Callable
 
 from phalanx.ports import free_port
 
+RANK_LAZY_IMPORTS = ("torch._dynamo", "torch.distributed.pipelining", "torch.utils.tensorboard", "matplotlib.pyplot",
+                     "matplotlib.backends.backend_agg")
+"""Modules a training rank imports on first use (torch._dynamo through the optimizer and DCP,
+the pipeline schedules, the TensorBoard log, rank 0's loss plot): several seconds of CPU per
+rank per launch on a shared 2-core machine, paid once in the parent by `preload_rank_imports`."""
+
+
+def preload_rank_imports() -> None:
+    """Import RANK_LAZY_IMPORTS here, so that ranks forked from this process (run_ranks, and
+    an in-process `phalanx train --nproc N`) inherit them instead of each importing them."""
+    import importlib
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # what the loss plot selects; no display is opened
+    for name in RANK_LAZY_IMPORTS:
+        importlib.import_module(name)
+
 
 def _child(rank: int, world_size: int, port: int, timeout_s: float, fn, args, conn) -> None:
     import torch
@@ -52,6 +70,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
     fn runs with the default process group initialized (gloo) and RANK/WORLD_SIZE set. A rank
     that raises makes this raise with that rank's traceback; a hang past `timeout_s` kills all.
     """
+    preload_rank_imports()
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     pipes, procs = [], []
