@@ -89,7 +89,21 @@ def _from_files(files: list[Path], root: Path, description: str, tok: Tokenizer)
     return _text_corpus(files, root, description, tok)
 
 
+_STDLIB_CACHE: dict[str, Corpus] = {}
+"""The default corpus per tokenizer fingerprint, read once per process: the launcher reads it
+to check the data, and workers forked from it (and test ranks forked from pytest) inherit it
+instead of each reading and joining some 700 files again. The arrays are read-only."""
+
+
 def stdlib_corpus(tokenizer: Tokenizer | None = None) -> Corpus:
+    tok = tokenizer or ByteTokenizer()
+    if tok.fingerprint not in _STDLIB_CACHE:
+        _STDLIB_CACHE.clear()  # one tokenizer's at a time: a run uses one
+        _STDLIB_CACHE[tok.fingerprint] = _read_stdlib_corpus(tok)
+    return _STDLIB_CACHE[tok.fingerprint]
+
+
+def _read_stdlib_corpus(tokenizer: Tokenizer) -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     # Skip tests and vendored packages: they are large, repetitive, and vary between builds.
     files = sorted(
@@ -99,7 +113,7 @@ def stdlib_corpus(tokenizer: Tokenizer | None = None) -> Corpus:
     if not files:
         raise UserError(f"no Python sources found under {root} for the default corpus; pass --data PATH")
     description = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
-    return _from_files(files, root, description, tokenizer or ByteTokenizer())
+    return _from_files(files, root, description, tokenizer)
 
 
 def check_data_path(path: str) -> Path:

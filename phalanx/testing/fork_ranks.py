@@ -35,6 +35,9 @@ def preload_rank_imports() -> None:
     matplotlib.use("Agg")  # what the loss plot selects; no display is opened
     for name in RANK_LAZY_IMPORTS:
         importlib.import_module(name)
+    from phalanx.data.corpus import stdlib_corpus
+
+    stdlib_corpus()  # the default training data, read once here instead of once per rank and run
 
 
 def _child(rank: int, world_size: int, port: int, timeout_s: float, fn, args, conn) -> None:
