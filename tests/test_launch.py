@@ -13,7 +13,8 @@ from phalanx.cli import main
 from phalanx.ports import free_port
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.loop import train
-from phalanx.train.metrics import read_metrics
+from phalanx.train.metrics import parse_lines, read_metrics
+from phalanx.train.restarts import FAULT_ENV
 
 ARGS = ["--model", "tiny", "--steps", "3", "--global-batch", "4", "--seq-len", "16", "--no-progress",
         "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu"]
@@ -34,20 +35,30 @@ def _phalanx(*argv: str) -> None:
     assert exit_info.value.code == 0
 
 
-def test_nproc_and_torchrun_match_one_process(tmp_path):
+def test_nproc_and_torchrun_match_one_process(tmp_path, monkeypatch):
     """Same tolerance as tests/test_data_parallel.py (1e-4: float reassociation of the
     gradient all-reduce over 3 AdamW steps). The --nproc runs go through the CLI's main here,
-    not a new interpreter (which would import torch again); torchrun needs its own."""
+    not a new interpreter (which would import torch again); torchrun needs its own.
+
+    The torchrun run is a user's own `torchrun --max-restarts 1` whose rank 1 SIGKILLs itself
+    after step 2 (the test hook, first attempt only): torchrun restarts the workers, which
+    resume from step 2's checkpoint by themselves and end with one row per step."""
     python = sys.executable
     _phalanx("train", *ARGS, "--nproc", "1", "--out", str(tmp_path / "one"))
     _phalanx("train", *ARGS, "--nproc", "2", "--out", str(tmp_path / "two"))
-    subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "phalanx", "train", *ARGS, "--plan", "dp=2,fsdp=true",
-                    "--out", str(tmp_path / "torchrun")], check=True, timeout=120)
+    monkeypatch.setenv(FAULT_ENV, "1:2:SIGKILL")
+    subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "phalanx", "train",
+                    *ARGS, "--plan", "dp=2,fsdp=true", "--ckpt-every", "1", "--sync-checkpoint",
+                    "--out", str(tmp_path / "torchrun")], check=True, timeout=120, capture_output=True)
     reference = _losses(tmp_path / "one")
     assert len(reference) == 3
     for run in ("two", "torchrun"):
         assert max(abs(a - b) for a, b in zip(_losses(tmp_path / run), reference)) < 1e-4, run
+    rows = parse_lines((tmp_path / "torchrun" / "metrics.jsonl").read_text())[0]
+    assert [r["step"] for r in rows] == [1, 2, 2, 3], rows
+    assert rows[2] == {"event": "restart", "step": 2, "restart": 1,
+                       "reason": "torchrun restarted the workers after a failure"}, rows
     assert (tmp_path / "one" / "loss.png").stat().st_size > 1000
 
 
