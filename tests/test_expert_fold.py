@@ -18,22 +18,22 @@ import pytest
 from phalanx.errors import UserError
 from phalanx.plan import plan_from_string
 from phalanx.testing.fork_ranks import run_ranks
-from tests.test_expert_parallel import _check_load_records, _compare, _expert_counts, _run, moe_config, reference  # noqa: F401
+from tests.moe_runs import check_load_records, compare, expert_counts, run_and_gather
 
 
 @pytest.mark.parametrize("plan", ["tp=2,ep=2,ep_over_tp=true", "dp=2,tp=2,ep=4,ep_over_tp=true,fsdp=true"])
-def test_folded_layout_matches_single_process(moe_config, reference, plan):
+def test_folded_layout_matches_single_process(moe_config, moe_reference, plan):
     """tp=2,ep=2: the tp pair is the ep group, each rank computes half the rows and holds half
     the experts (hook-reduced, no dp). dp=2,tp=2,ep=4: one ep group over all four ranks (each
     rank 1/4 of the experts, more than dp=2 allows without folding), under FSDP."""
     dp = 2 if plan.startswith("dp=2") else 1
     cfg = moe_config.replace(plan=plan, global_batch=8, out=f"{moe_config.out}-{plan}")
-    results = run_ranks(4 if dp == 2 else 2, _run, cfg)
-    _compare(results, reference)
+    results = run_ranks(4 if dp == 2 else 2, run_and_gather, cfg)
+    compare(results, moe_reference)
     # One rank column per dp x tp rank, adding up to the assignments (not tp times them): each
     # rank's experts computed only rows of its own tp slice.
-    _check_load_records(cfg, dp=dp * 2)
-    assert _expert_counts(cfg.out) == _expert_counts(moe_config.out + "-ref")
+    check_load_records(cfg, dp=dp * 2)
+    assert expert_counts(cfg.out) == expert_counts(moe_config.out + "-ref")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -61,13 +61,13 @@ def test_resume_across_folded_and_unfolded_layouts(tiny_config):
 
     import torch
 
-    from tests.test_expert_checkpoint import _run as run_and_gather
+    from tests.test_expert_checkpoint import _run as run_checkpointed
 
     cfg = tiny_config.replace(model="tiny-moe", steps=4, ckpt_every=2, plan="dp=2,tp=2,ep=4,ep_over_tp=true,fsdp=true")
-    full_losses, full_weights = run_ranks(4, run_and_gather, cfg)[0]
+    full_losses, full_weights = run_ranks(4, run_checkpointed, cfg)[0]
     resumed_dir = Path(cfg.out + "-resumed")
     shutil.copytree(Path(cfg.out) / "checkpoints" / "step_000002", resumed_dir / "checkpoints" / "step_000002")
-    for losses, weights in run_ranks(2, run_and_gather, cfg.replace(plan="dp=2,ep=2", out=str(resumed_dir), resume=True)):
+    for losses, weights in run_ranks(2, run_checkpointed, cfg.replace(plan="dp=2,ep=2", out=str(resumed_dir), resume=True)):
         assert max(abs(a - b) for a, b in zip(losses, full_losses[2:])) < 1e-4, (losses, full_losses)
         for name, value in weights.items():
             torch.testing.assert_close(value, full_weights[name], atol=1e-4, rtol=1e-4, msg=name)

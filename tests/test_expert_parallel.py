@@ -20,61 +20,11 @@ show as a failure, not pass silently.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
 from phalanx.model import config as model_config_module
 from phalanx.testing.fork_ranks import run_ranks
-from phalanx.testing.weights import gathered_weights
-from phalanx.train.loop import train
-
-TOLERANCE = 1e-4
-STEPS = 3
-
-
-def _run(cfg):
-    import torch.distributed as dist
-
-    result = train(cfg, Path(cfg.out))
-    weights = gathered_weights(result.model)
-    if dist.get_rank() != 0:
-        return result.losses, weights, None
-    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-    return result.losses, weights, [r["grad_norm"] for r in records]
-
-
-@pytest.fixture(scope="module")
-def moe_config(tmp_path_factory):
-    from phalanx.train.config import TrainConfig
-
-    out = tmp_path_factory.mktemp("moe")
-    return TrainConfig(
-        model="tiny-moe", steps=STEPS, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
-        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(out / "run"),
-    )
-
-
-def _compare(results, reference):
-    ref_losses, ref_weights, ref_norms = reference
-    # The clipping norm must cover every rank's experts: AdamW hides a wrong clip factor in
-    # the weights (it is nearly scale-invariant), so compare the norm itself.
-    torch.testing.assert_close(results[0][2], ref_norms, rtol=TOLERANCE, atol=0)
-    seen = set()
-    for losses, weights, _ in results:
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOLERANCE, (losses, ref_losses)
-        for name, value in weights.items():
-            torch.testing.assert_close(value, ref_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
-        seen |= weights.keys()
-    assert seen == ref_weights.keys()  # a pipeline stage holds some layers; together, all of them
-
-
-@pytest.fixture(scope="module")
-def reference(moe_config):
-    return run_ranks(1, _run, moe_config.replace(out=moe_config.out + "-ref"))[0]
-
+from tests.moe_runs import TOLERANCE, check_load_records, compare, expert_counts, run_and_gather
 
 # The issue's layouts in phalanx's grammar, where ep is carved out of dp: "ep=2" is dp=2,ep=2
 # (one ep group), "dp=2,ep=2" is two ep groups of 2 (dp=4), "ep=2 with FSDP" is fsdp=true.
@@ -88,31 +38,16 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_matches_single_process(moe_config, reference, layout):
+def test_matches_single_process(moe_config, moe_reference, layout):
     plan = LAYOUTS[layout]
     world = int(plan.split(",")[0].split("=")[1])
     cfg = moe_config.replace(plan=plan, out=f"{moe_config.out}-{layout}")
-    _compare(run_ranks(world, _run, cfg), reference)
-    _check_load_records(cfg, dp=world)
-
-
-def _check_load_records(cfg, dp: int) -> None:
-    """metrics.jsonl carries per-layer counts that add up (every token visits k experts in
-    every MoE layer, and is computed by exactly one rank), and the heat-map is written."""
-    records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == cfg.steps
-    assignments = cfg.global_batch * cfg.seq_len * 2  # top-2
-    for record in records:
-        assert set(record["moe"]) == {"0", "1", "2", "3"}
-        for layer in record["moe"].values():
-            assert sum(layer["expert_tokens"]) == assignments
-            assert sum(layer["rank_tokens"]) == assignments and len(layer["rank_tokens"]) == dp
-            assert layer["dropped"] == 0 and layer["expert_imbalance"] >= 0
-    assert (Path(cfg.out) / "experts.png").stat().st_size > 0
+    compare(run_ranks(world, run_and_gather, cfg), moe_reference)
+    check_load_records(cfg, dp=world)
 
 
 @pytest.mark.parametrize("plan", ["dp=2,ep=2,tp=2", "dp=2,ep=2,pp=2"])
-def test_with_tensor_and_pipeline_parallelism(moe_config, reference, plan):
+def test_with_tensor_and_pipeline_parallelism(moe_config, moe_reference, plan):
     """ep inside tp (attention split over tp, experts whole on each tp rank) and inside
     pipeline stages (each stage routes its own layers over its own ep group).
 
@@ -122,15 +57,9 @@ def test_with_tensor_and_pipeline_parallelism(moe_config, reference, plan):
     counts are integers, so there is no tolerance to argue about.
     """
     cfg = moe_config.replace(plan=plan, out=f"{moe_config.out}-{plan}")
-    _compare(run_ranks(4, _run, cfg), reference)
-    _check_load_records(cfg, dp=2)
-    assert _expert_counts(cfg.out) == _expert_counts(moe_config.out + "-ref")
-
-
-def _expert_counts(out: str) -> list[dict[str, list[int]]]:
-    """Per step, each MoE layer's tokens per expert, from a run's metrics.jsonl."""
-    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [{layer: value["expert_tokens"] for layer, value in r["moe"].items()} for r in records]
+    compare(run_ranks(4, run_and_gather, cfg), moe_reference)
+    check_load_records(cfg, dp=2)
+    assert expert_counts(cfg.out) == expert_counts(moe_config.out + "-ref")
 
 
 def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):
@@ -140,14 +69,14 @@ def test_sigmoid_router_with_loss_free_bias(monkeypatch, moe_config):
     rate makes the bias change routing within these few steps (checked: not all zero)."""
     cfg = model_config_module.PRESETS["tiny-moe"].replace(router="sigmoid", router_bias_rate=0.05)
     monkeypatch.setitem(model_config_module.PRESETS, "tiny-moe", cfg)  # forked ranks inherit it
-    reference = run_ranks(1, _run, moe_config.replace(out=moe_config.out + "-sigmoid-ref"))[0]
+    reference = run_ranks(1, run_and_gather, moe_config.replace(out=moe_config.out + "-sigmoid-ref"))[0]
     assert reference[1]["layers.0.feed_forward.router.expert_bias"].abs().sum() > 0
     cfg = moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=moe_config.out + "-sigmoid")
-    _compare(run_ranks(2, _run, cfg), reference)
+    compare(run_ranks(2, run_and_gather, cfg), reference)
 
 
 @pytest.mark.parametrize("extra", ["", ",recompute=full", ",schedule=zbv"])
-def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, reference, extra):
+def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, moe_reference, extra):
     """Balance and z losses on: dp=2,ep=2,pp=2 trains as dp=2,ep=2 with the same micro-batches.
 
     Both compute each aux loss per rank and per micro-batch (2 of a dp rank's 4 sequences),
@@ -168,9 +97,9 @@ def test_aux_losses_under_pipeline_parallelism(monkeypatch, moe_config, referenc
     """
     cfg = model_config_module.PRESETS["tiny-moe"].replace(aux_loss_coef=0.1, z_loss_coef=0.01)
     monkeypatch.setitem(model_config_module.PRESETS, "tiny-moe", cfg)  # forked ranks inherit it
-    flat = run_ranks(2, _run, moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=f"{moe_config.out}-aux-flat{extra}"))
-    piped = run_ranks(4, _run, moe_config.replace(plan="dp=2,ep=2,pp=2,microbatches=2" + extra, out=f"{moe_config.out}-aux-pp{extra}"))
-    _compare(piped, flat[0])
+    flat = run_ranks(2, run_and_gather, moe_config.replace(plan="dp=2,ep=2,microbatches=2", out=f"{moe_config.out}-aux-flat{extra}"))
+    piped = run_ranks(4, run_and_gather, moe_config.replace(plan="dp=2,ep=2,pp=2,microbatches=2" + extra, out=f"{moe_config.out}-aux-pp{extra}"))
+    compare(piped, flat[0])
     for layer in range(4):  # each stage's aux gradient matters: both moved the routers
         name = f"layers.{layer}.feed_forward.router.gate.weight"
-        assert (flat[0][1][name] - reference[1][name]).abs().max() > 10 * TOLERANCE, name
+        assert (flat[0][1][name] - moe_reference[1][name]).abs().max() > 10 * TOLERANCE, name

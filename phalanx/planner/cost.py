@@ -34,10 +34,9 @@ from phalanx.planner.dp_traffic import dp_time
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import MIXED_ADAM, TRAINER_PRECISION, Precision, layers_per_stage
-from phalanx.planner.peak_memory import (  # noqa: F401 (memory_breakdown: re-exported)
+from phalanx.planner.peak_memory import (
     BF16,
     expert_shards,
-    memory_breakdown,
     moe_layer_count,
     peak_memory,
     recompute_share,

@@ -21,7 +21,8 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
-from phalanx.planner.cost import Estimate, Options, evaluate, memory_breakdown, step_time_lower_bound, trainer_options
+from phalanx.planner.cost import Estimate, Options, evaluate, step_time_lower_bound, trainer_options
+from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
 
