@@ -120,3 +120,11 @@ def test_train_plan_auto_plans_for_the_runs_expert_slots():
     expected = auto_plan(model_config("tiny-moe"), world_size=4, global_batch=8, seq_len=128, cluster="dgx-h100",
                          expert_slots=10)
     assert choose_auto_plan(base.replace(expert_slots=10), 4).plan == expected.to_string()
+
+
+def test_simulate_says_why_a_plan_runs_no_slots(tmp_path, capsys):
+    code = cli.main(["simulate", "--model", "tiny-moe", "--cluster", "dgx-h100", "--global-batch", "8", "--seq-len",
+                     "128", "--plan", "dp=4,ep=4", "--expert-slots", "10", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("error: --plan dp=4,ep=4 gives no layout with --expert-slots=10: --expert-slots=10 "
+                                 "is not a multiple of ep=4 (10 / 4 is not a whole number of slots per rank)\n")
