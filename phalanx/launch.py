@@ -79,11 +79,19 @@ def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
         import torch
 
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    plan = auto_plan(model_config(cfg.model), world_size=world_size, global_batch=cfg.global_batch,
-                     seq_len=cfg.seq_len, cluster=cfg.cluster or this_machine(gpu), dtype=cfg.dtype)
+    model_cfg = model_config(cfg.model)
+    plan = auto_plan(model_cfg, world_size=world_size, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+                     cluster=cfg.cluster or this_machine(gpu), dtype=cfg.dtype,
+                     expert_slots=planned_expert_slots(cfg, model_cfg))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"phalanx: --plan auto chose {plan} for {world_size} process{'es' if world_size > 1 else ''}", file=sys.stderr)
     return cfg.replace(plan=plan.to_string())
+
+
+def planned_expert_slots(cfg: TrainConfig, model_cfg) -> int:
+    """The expert slots a plan must allow: --expert-slots, or with --rebalance-every alone one
+    per expert (the slots' layout rules still apply), else 0 (none)."""
+    return cfg.expert_slots or (model_cfg.n_experts if cfg.rebalance_every else 0)
 
 
 def saved_world_size(found: tuple[int, Path] | None) -> int | None:

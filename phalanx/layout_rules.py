@@ -86,6 +86,44 @@ def ep_problem(ep: int, *, dp: int, n_experts: int, model: str = "", tp: int = 1
     return ep_dp_problem(ep, dp=dp, tp=tp, over_tp=over_tp)
 
 
+def runs_fsdp(dp: int, *, zero: int, tp: int, pp: int) -> bool:
+    """Whether the trainer runs data parallelism as FSDP2: when asked (zero 2 or 3), and also
+    for replicated data parallelism beside tp or pp (HSDP with shard size 1, which accepts
+    DTensor parameters and pipeline stages where torch DDP does not)."""
+    return dp > 1 and (zero >= 2 or tp > 1 or pp > 1)
+
+
+def expert_slots_count_problem(slots: int, *, n_experts: int, model: str = "", flag: str = "") -> str:
+    """Expert slots (`--expert-slots S`; S = n_experts for `--rebalance-every` alone) hold every
+    expert at least once. `flag` names the setting in the message (default --expert-slots=S)."""
+    flag = flag or f"--expert-slots={slots}"
+    if not n_experts:
+        return f"{flag} needs a mixture-of-experts model; {repr(model) if model else 'this one'} has no experts"
+    if slots < n_experts:
+        return f"--expert-slots={slots} is fewer slots than the {n_experts} experts{_of(model)}"
+    return ""
+
+
+def expert_slots_layout_problem(slots: int, *, ep: int | None, fsdp: bool, over_tp: bool, flag: str = "") -> str:
+    """The layouts the trainer runs expert slots in: ep > 1, S a multiple of ep (S / ep slots per
+    rank), experts under DDP-style data parallelism (FSDP would split the slot dimension over
+    edp; `runs_fsdp`) and not folded over tp (docs/expert_slots.md, "What is not done").
+    ep=None: not known yet (a planner `--fix` that leaves it free); its checks are skipped."""
+    flag = flag or f"--expert-slots={slots}"
+    if ep == 1:
+        return f"{flag} needs expert parallelism (ep > 1 in --plan); with ep=1 every rank holds every expert"
+    if fsdp:
+        return (f"{flag} is not supported yet with experts under FSDP (zero/fsdp sharding, or tp/pp, "
+                "which run data parallelism as FSDP); use DDP-style data parallelism, e.g. --plan dp=4,ep=4")
+    if over_tp:
+        return (f"{flag} is not supported yet with ep_over_tp=true (folded tp ranks each route a slice "
+                "of the rows); leave ep_over_tp out of --plan")
+    if ep is not None and slots % ep:
+        return (f"--expert-slots={slots} is not a multiple of ep={ep} "
+                f"({slots} / {ep} is not a whole number of slots per rank)")
+    return ""
+
+
 def chunks_per_rank(schedule: str, pp: int, virtual: int) -> int:
     """Model chunks one pipeline rank holds: 1 (gpipe, 1f1b), `virtual` (interleaved), 2 (V)."""
     if pp == 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
@@ -29,8 +30,9 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def uses_fsdp(plan: Plan) -> bool:
     """FSDP2 runs data parallelism when asked (zero 2 or 3, HSDP), and also for replicated data
     parallelism composed with tp or pp: as HSDP with shard size 1 it all-reduces gradients like
-    DDP, but it accepts DTensor parameters and pipeline stages, which DDP does not."""
-    return plan.dp > 1 and (plan.shards_dp or plan.tp > 1 or plan.pp > 1)
+    DDP, but it accepts DTensor parameters and pipeline stages, which DDP does not
+    (the rule's home: `layout_rules.runs_fsdp`, which the planner reads too)."""
+    return rules.runs_fsdp(plan.dp, zero=plan.zero, tp=plan.tp, pp=plan.pp)
 
 
 def resolve_precision(plan: Plan, dtype: str) -> Plan:

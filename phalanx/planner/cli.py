@@ -47,6 +47,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the phalanx trainer's --dtype the plan is for (memory: fp32 weights and AdamW moments "
                         "either way; bf16 gathers and activations). Default: bf16 on a GPU cluster (its peak is "
                         "the bf16 peak), fp32 on a CPU one (the trainer's default)")
+    p.add_argument("--expert-slots", type=int, default=0, metavar="S",
+                   help="the phalanx trainer's --expert-slots: S expert slots over each ep group (>= the experts, "
+                        "a multiple of ep), S / ep per rank of weights, gradients and optimizer state; only layouts "
+                        "the trainer runs slots in (ep > 1, experts under DDP-style data parallelism)")
 
 
 def register(subparsers) -> None:
@@ -82,9 +86,15 @@ def options_for(args, cluster) -> Options:
         if args.dtype:
             raise UserError("--dtype sets the phalanx trainer's precision; --any-runtime plans other "
                             "implementations' mixed precision (bf16 weights, fp32 master copy and moments)")
+        if args.expert_slots:
+            raise UserError("--expert-slots plans the phalanx trainer's expert slots; --any-runtime plans other "
+                            "implementations, which have none")
         return Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather, tp_splits_experts=True)
+    if args.expert_slots < 0:
+        raise UserError(f"--expert-slots={args.expert_slots} must not be negative (0: one slot per expert)")
     dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")
-    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, sp_regather=args.sp_regather)
+    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, sp_regather=args.sp_regather,
+                           expert_slots=args.expert_slots)
 
 
 def run_plan(args) -> int:
@@ -102,7 +112,8 @@ def run_plan(args) -> int:
         result = search(model, cluster, workload, world_size=args.gpus, fixed=fixed, space=space,
                         options=options_for(args, cluster), keep=args.top)
         if not result.ranked and result.considered == 0:
-            raise UserError(_why_empty(args, fixed, fix_problems(model, workload, args.gpus, fixed, space)))
+            raise UserError(_why_empty(args, fixed, fix_problems(model, workload, args.gpus, fixed, space,
+                                                                 expert_slots=args.expert_slots)))
         results.append((cluster, result))
     if args.json:
         out = [{"cluster": c.name, "considered": r.considered, "pruned_memory": r.pruned_memory,
@@ -137,6 +148,8 @@ def _why_empty(args, fixed: dict, reasons: list[str]) -> str:
     text = f"no layout of {args.gpus} GPUs matches"
     if args.fix:
         text += f" --fix {args.fix}"
+    if args.expert_slots:
+        text += f" with --expert-slots={args.expert_slots}"
     if reasons:
         return f"{text}: {'; '.join(reasons)}"
     return text + (f" with global batch {args.global_batch} (dp x mbs x microbatches must equal it, "

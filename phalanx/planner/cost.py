@@ -111,6 +111,12 @@ class Options:
     peak_memory.py): k and v repeated to every query head before attention and saved so; the
     MoE combine's `index_add` saving its weighted rows; torch DDP's reducer buckets, a second
     copy of the gradients (`gradient_as_bucket_view=False`)."""
+    expert_slots: int = 0
+    """The trainer's `--expert-slots S` (docs/expert_slots.md): each ep rank holds S / ep expert
+    slots, replicas of hot experts included, with their gradients and optimizer state, instead of
+    n_experts / ep experts. 0: one slot per expert, and none of the slots' layout rules (S =
+    n_experts, for `--rebalance-every` alone, keeps the memory and applies the rules: ep > 1,
+    experts under DDP-style data parallelism, `layout_rules.expert_slots_layout_problem`)."""
 
 
 def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
@@ -124,7 +130,8 @@ def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
     the layout's plan key, which the cost and memory models read (`peak_memory.folds_experts`):
     folded, routed expert GEMMs, all-to-all bytes and activations per device are divided by tp,
     experts per device are n_experts / ep with ep over dp x tp, and an all-gather of the rows
-    over tp is charged forward and backward."""
+    over tp is charged forward and backward. `expert_slots` (overrides): the run's
+    --expert-slots (`Options.expert_slots`)."""
     if dtype not in TRAINER_PRECISION:
         raise UserError(f"dtype={dtype!r} must be one of {', '.join(TRAINER_PRECISION)}")
     kw = dict(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=not cluster.shared_compute,

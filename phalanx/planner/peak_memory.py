@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from phalanx import layout_rules as rules
 from phalanx.model.config import ModelConfig
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import (
@@ -88,14 +89,24 @@ def expert_shards(lay: Layout, shard: int) -> int:
     return max(1, shard * (lay.tp if folds_experts(lay) else 1) // lay.ep)
 
 
+def slots_per_expert(model: ModelConfig, options: Options | None) -> float:
+    """Expert slots per expert, S / n_experts (`Options.expert_slots`; 1 without slots): a rank
+    holds S / ep slots of weights, gradients and optimizer state where it held n_experts / ep
+    experts. The routed rows, and so the expert compute, activations and all-to-all bytes, do
+    not change with S: replicas split an expert's rows, they do not add any."""
+    slots = options.expert_slots if options is not None else 0
+    return slots / model.n_experts if slots and model.n_experts else 1.0
+
+
 def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int, options: Options | None = None):
     """Parameters on the most loaded device (first or last stage: embedding or output head):
-    (counts, shared over tp, experts over ep and, where it splits them, tp)."""
+    (counts, shared over tp, experts over ep and, where it splits them, tp; with expert slots,
+    S / ep slots' worth)."""
     c = param_counts_of(model)
     split = expert_tp(lay, options)
     shared = ((n * (c.attention + c.norms) + (n - n_moe) * c.dense_mlp + stage_heads(model, lay) * c.embedding) / lay.tp
               + n_moe * c.moe_other / split)
-    return c, shared, n_moe * c.experts / (split * lay.ep)
+    return c, shared, n_moe * c.experts * slots_per_expert(model, options) / (split * lay.ep)
 
 
 def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
@@ -118,7 +129,7 @@ def autocast_copies(lay: Layout, options: Options) -> bool:
     """Whether the phalanx trainer runs this layout in 16 bits by autocast over fp32 weights: a
     16-bit run where FSDP2 does not gather the weights in param_dtype (one process, DDP, tp or pp
     without dp; parallel/data_parallel.uses_fsdp)."""
-    fsdp = lay.dp > 1 and (lay.zero >= 2 or lay.tp > 1 or lay.pp > 1)
+    fsdp = rules.runs_fsdp(lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp)
     return options.phalanx_trainer and options.precision.gathered < options.precision.param and not fsdp
 
 
@@ -143,7 +154,8 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     host = offloaded_bytes(shards=shard, params=shared, precision=precision) if lay.offload else {}
     if experts:
         expert_state = state_bytes(zero=zero, shards=expert_shards(lay, shard), params=experts,
-                                   layer_params=c.experts / (split * lay.ep), microbatches=lay.microbatches, pp=lay.pp,
+                                   layer_params=c.experts * slots_per_expert(model, options) / (split * lay.ep),
+                                   microbatches=lay.microbatches, pp=lay.pp,
                                    precision=precision, offload=lay.offload,
                                    reduce_each_microbatch=options.reduce_each_microbatch)
         state = {k: v + expert_state[k] for k, v in state.items()}

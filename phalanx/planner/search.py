@@ -177,6 +177,15 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                             yield Layout(plan, mbs=mbs, zero1=zero == 1)
 
 
+def slots_problem(layout: Layout, options: Options) -> str:
+    """Why the trainer would refuse `--expert-slots` (Options.expert_slots) in this layout, or ""."""
+    if not options.expert_slots:
+        return ""
+    return rules.expert_slots_layout_problem(
+        options.expert_slots, ep=layout.ep, over_tp=layout.ep_over_tp,
+        fsdp=rules.runs_fsdp(layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp))
+
+
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
            fixed: dict[str, object] | None = None, space: SearchSpace = SearchSpace(),
            options: Options = Options(), keep: int = 10) -> SearchResult:
@@ -191,11 +200,16 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         space = dataclasses.replace(space, virtual=(int(fixed["virtual"]),))
     if options.flash_attention and "recompute" not in fixed and "selective" in space.recompute:
         space = dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
+    if options.expert_slots and (problem := rules.expert_slots_count_problem(
+            options.expert_slots, n_experts=model.n_experts, model=model.name)):
+        raise UserError(problem)
     fitting: list[Estimate] = []
     considered = 0
     too_big: list[Layout] = []
     usable = cluster.usable_bytes
     for layout in candidates(model, cluster, workload, world_size=world_size, fixed=fixed, space=space):
+        if slots_problem(layout, options):
+            continue  # a layout the trainer refuses with these slots
         considered += 1
         # Memory first: it is a fraction of the time model's cost, and most layouts of a big
         # model fail it (6,104 of 6,809 for the 1T GPT on 3,072 GPUs).
@@ -215,6 +229,8 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         # the host transfers yet, so it is never weighed against a layout that fits without it.
         for layout in candidates(model, cluster, workload, world_size=world_size, fixed={**fixed, "offload": True},
                                  space=dataclasses.replace(space, zero_levels=(3,))):
+            if slots_problem(layout, options):
+                continue
             considered += 1
             if sum(memory_breakdown(model, workload, layout, options).values()) <= usable:
                 fitting.append(evaluate(model, cluster, workload, layout, options))
@@ -301,20 +317,27 @@ def explain(result: SearchResult, usable_gib: float) -> list[str]:
 
 def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
               cluster: Cluster | str = "local", fixed: dict[str, object] | None = None,
-              space: SearchSpace = SearchSpace(), dtype: str = "fp32") -> Plan:
+              space: SearchSpace = SearchSpace(), dtype: str = "fp32", expert_slots: int = 0) -> Plan:
     """The fastest layout `phalanx train --plan auto` can run on `world_size` processes.
 
     `fixed` pins knobs (as `parse_fix` returns them) for a trainer that lacks some, e.g.
     {"tp": 1, "pp": 1} for a data-parallel-only build; `space` narrows the rest. `dtype`: the
     run's --dtype (the trainer's default fp32); memory and traffic are the trainer's own
-    (`cost.trainer_options`), not the published implementations'.
+    (`cost.trainer_options`), not the published implementations'. `expert_slots`: the run's
+    --expert-slots (n_experts for --rebalance-every alone, 0 for neither): only layouts the
+    trainer runs slots in, with S / ep slots of expert state per rank.
     """
     if isinstance(cluster, str):
         cluster = cluster_from_name(cluster)
     workload = Workload(global_batch=global_batch, seq_len=seq_len)
+    options = trainer_options(dtype, cluster, expert_slots=expert_slots)
     result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space,
-                    options=trainer_options(dtype, cluster), keep=1)
+                    options=options, keep=1)
     if not result.ranked:
+        if result.considered == 0 and expert_slots:
+            reasons = fix_problems(model, workload, world_size, fixed or {}, space, expert_slots=expert_slots)
+            raise UserError(f"no layout of {model.name!r} on {world_size} processes runs --expert-slots={expert_slots}"
+                            + (f": {'; '.join(reasons)}" if reasons else ""))
         if result.considered == 0:
             raise UserError(f"no layout of {model.name!r} on {world_size} processes divides "
                             f"global batch {global_batch} (dp must divide it)")
@@ -325,8 +348,9 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
 
 
 def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed: dict[str, object],
-                 space: SearchSpace) -> list[str]:
-    """Why no layout of `world_size` devices matches a `--fix`: the pinned knobs' own rules."""
+                 space: SearchSpace, expert_slots: int = 0) -> list[str]:
+    """Why no layout of `world_size` devices matches a `--fix` (the pinned knobs' own rules) or
+    runs `--expert-slots` (no ep the layouts allow divides S)."""
     f = fixed.get
     tp, pp = int(f("tp", 1)), int(f("pp", 1))
     out = []
@@ -345,6 +369,14 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
     if "ep" in fixed and dp and (problem := rules.ep_problem(int(fixed["ep"]), dp=dp, n_experts=model.n_experts, tp=tp,
                                                              over_tp=bool(f("ep_over_tp", False)))):
         out.append(problem)
+    if expert_slots:
+        ep = int(fixed["ep"]) if "ep" in fixed else None
+        if problem := rules.expert_slots_layout_problem(expert_slots, ep=ep, over_tp=bool(f("ep_over_tp", False)),
+                                                        fsdp=rules.runs_fsdp(dp, zero=int(f("zero", 0)), tp=tp, pp=pp)):
+            out.append(problem)
+        elif ep is None and dp and not any(expert_slots % e == 0 for e in divisors(dp)[1:] if model.n_experts % e == 0):
+            out.append(f"--expert-slots={expert_slots} is not a multiple of any ep > 1 that divides dp={dp} and "
+                       f"n_experts={model.n_experts}")
     if pp > model.n_layers:
         out.append(f"pp={pp} exceeds n_layers={model.n_layers}")
     elif pp > 1 and dp and "schedule" in fixed:
@@ -368,6 +400,8 @@ def fit_hints(model: ModelConfig, cluster: Cluster, workload: Workload, est: Est
         tries.append(lay.replace(mbs=1, microbatches=lay.microbatches * lay.mbs))
     out = []
     for alt in tries:
+        if slots_problem(alt, options):
+            continue  # zero 2 and 3 shard the experts with FSDP, which expert slots do not run under yet
         other = evaluate(model, cluster, workload, alt, options)
         if other.fits:
             out.append(f"{alt.to_string()} ({other.memory_gib:.1f} GiB, {other.step_time_s:.4g} s)")

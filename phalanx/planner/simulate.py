@@ -263,7 +263,7 @@ def simulate_command(args) -> int:
     from phalanx.planner.hardware import cluster_from_name
     from phalanx.planner.layout import Workload
     from phalanx.planner.model_spec import model_from_name
-    from phalanx.planner.search import SearchSpace, parse_fix, search
+    from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
     from phalanx.errors import UserError
 
     model = model_from_name(args.model)
@@ -274,6 +274,11 @@ def simulate_command(args) -> int:
     result = search(model, cluster, workload, world_size=dp * tp * pp, fixed={**fixed, "dp": dp, "tp": tp, "pp": pp},
                     space=SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime),
                     options=options_for(args, cluster), keep=1)
+    if not result.ranked and result.considered == 0 and args.expert_slots:
+        reasons = fix_problems(model, workload, dp * tp * pp, {**fixed, "dp": dp, "tp": tp, "pp": pp},
+                               SearchSpace(), expert_slots=args.expert_slots)
+        raise UserError(f"--plan {args.plan} gives no layout with --expert-slots={args.expert_slots}"
+                        + (f": {'; '.join(reasons)}" if reasons else ""))
     if not result.ranked:
         raise UserError(f"--plan {args.plan} gives no layout that fits ({result.considered} considered, "
                         f"{result.pruned_memory} pruned for memory)")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.parallel.data_parallel import uses_fsdp
 from phalanx.parallel.expert import ShardedExperts, _layer_of
@@ -49,22 +50,12 @@ def slot_placements(cfg, model_cfg, plan) -> dict[int, SlotPlacement] | None:
     if not cfg.expert_slots and not cfg.rebalance_every:
         return None
     flags = f"--expert-slots={cfg.expert_slots}" if cfg.expert_slots else f"--rebalance-every={cfg.rebalance_every}"
-    if not model_cfg.n_experts:
-        raise UserError(f"{flags} needs a mixture-of-experts model; {model_cfg.name!r} has no experts")
-    if plan.ep == 1:
-        raise UserError(f"{flags} needs expert parallelism (ep > 1 in --plan); with ep=1 every rank holds every expert")
-    if uses_fsdp(plan):
-        raise UserError(f"{flags} is not supported yet with experts under FSDP (zero/fsdp sharding, or tp/pp, "
-                        "which run data parallelism as FSDP); use DDP-style data parallelism, e.g. --plan dp=4,ep=4")
-    if plan.ep_over_tp:
-        raise UserError(f"{flags} is not supported yet with ep_over_tp=true (folded tp ranks each route a slice "
-                        "of the rows); leave ep_over_tp out of --plan")
     experts, slots = model_cfg.n_experts, cfg.expert_slots or model_cfg.n_experts
-    if slots < experts:
-        raise UserError(f"--expert-slots={slots} is fewer slots than the {experts} experts of {model_cfg.name!r}")
-    if slots % plan.ep:
-        raise UserError(f"--expert-slots={slots} is not a multiple of ep={plan.ep} "
-                        f"({slots} / {plan.ep} is not a whole number of slots per rank)")
+    # The rules live in layout_rules, which the planner reads too (`phalanx plan --expert-slots`).
+    if problem := (rules.expert_slots_count_problem(slots, n_experts=experts, model=model_cfg.name, flag=flags)
+                   or rules.expert_slots_layout_problem(slots, ep=plan.ep, fsdp=uses_fsdp(plan),
+                                                        over_tp=plan.ep_over_tp, flag=flags)):
+        raise UserError(problem)
     node_size = _node_size(plan)
     layers = [layer for layer in range(model_cfg.n_layers) if model_cfg.is_moe_layer(layer)]
     first = initial_placement(len(layers), experts, slots, plan.ep)  # (layers, S); SlotPlacement checks S

@@ -58,12 +58,14 @@ def plan_for_world(cfg, world_size: int, model_cfg, *, saved_world: int | None, 
 
 
 def _a_plan_that_fits(cfg, world_size: int, model_cfg) -> str:
+    from phalanx.launch import planned_expert_slots
     from phalanx.planner.hardware import this_machine
     from phalanx.planner.search import auto_plan
 
     try:
         plan = auto_plan(model_cfg, world_size=world_size, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                         cluster=cfg.cluster or this_machine(""), dtype=cfg.dtype)
+                         cluster=cfg.cluster or this_machine(""), dtype=cfg.dtype,
+                         expert_slots=planned_expert_slots(cfg, model_cfg))
     except UserError as error:
         return f"and no plan fits: {error}"
     return f"a plan that fits: --plan {plan} (or --plan auto)"
