@@ -163,11 +163,13 @@ def prefer_grouped_mm(rows: torch.Tensor, n_experts: int) -> bool:
 CPU_LOOP_MIN_ROWS_PER_BLOCK = 128
 """Where the loop runs (see above) on rows in blocks (expert parallelism's arrivals: one block
 per source rank and expert), with this many rows per block on average it runs block by block
-instead of regrouping the rows by expert first. One thread, ep=2 (32 local experts, dim 256,
-hidden 128), forward + backward: at ~512 rows per block the blocks took 225 ms against 277 ms
-for regroup + loop (the regroup and its undo each copy every row, both ways); at ~128 rows
-per block both took 76-78 ms, and at ~64 (ep=8) the blocks were 10% slower, a matmul's
-fixed cost per block then showing."""
+instead of regrouping the rows by expert first (a permuting copy of every row, undone after,
+both again in backward). `benchmarks/expert_arrival_blocks.py` (one thread, forward +
+backward, two runs): 32 local experts, hidden 128, ep=2, ~512 rows per block (the DeepSpeed
+comparison's fine grain): blocks 220-225 ms, regroup + loop 267-280 ms; ~128 rows per block:
+even (64 ms against 63 ms); ~64 rows per block (ep=8): blocks 15% slower, a matmul's fixed
+cost per block then showing; 4 experts, hidden 512, ~1,024 rows per block: 197-204 ms
+against 202-211 ms."""
 
 
 def prefer_block_loop(rows: torch.Tensor, n_experts: int, n_blocks: int) -> bool:
