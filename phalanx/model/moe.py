@@ -42,8 +42,9 @@ def grouped_expert_ffn(
     """
     outputs = []
     # unbind, not w1[expert]: indexing one expert's slice has a backward that materializes a
-    # zero gradient of the whole stack per expert and adds them up (at 32 local experts, 10%
-    # of the layer's time); unbind's backward stacks the per-expert gradients once.
+    # zero gradient of the whole stack per expert and adds them up; unbind's backward stacks
+    # the per-expert gradients once (benchmarks/expert_arrival_blocks.py: 32 experts of ~256
+    # rows, forward + backward, 82-85 ms with slices against 63 ms).
     per_expert = list(zip(w1.unbind(0), w2.unbind(0), w3.unbind(0)))
     for group, rows in enumerate(torch.split(x, counts)):
         if rows.shape[0] == 0:
