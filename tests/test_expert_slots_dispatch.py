@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.model.moe import grouped_expert_ffn
-from phalanx.parallel.expert import combine, dispatch
+from phalanx.parallel.expert_dispatch import combine, dispatch
 from phalanx.parallel.expert_slot_grads import sum_replica_grads
 from phalanx.parallel.expert_slots import SlotPlacement, SlotRouter
 from phalanx.testing.fork_ranks import run_ranks

@@ -25,11 +25,14 @@ from phalanx.model.router import Router, count_per_expert
 
 
 def grouped_expert_ffn(
-    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+    experts: list[int] | None = None,
 ) -> torch.Tensor:
     """SwiGLU of each contiguous group of rows of x with its own expert's weights.
 
-    x: (rows, dim) sorted by expert; counts[e] rows belong to expert e;
+    x: (rows, dim) in contiguous groups; counts[g] rows belong to group g, computed by expert
+    experts[g] (default: group g is expert g, i.e. x sorted by expert; an expert may own
+    several groups, as the (source rank, expert) blocks of expert parallelism's arrivals do);
     w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden).
 
     One matmul per expert per weight over exactly that expert's rows: no padding, so the cost
@@ -38,11 +41,17 @@ def grouped_expert_ffn(
     the host, and a Python loop over the local experts.
     """
     outputs = []
-    for expert, rows in enumerate(torch.split(x, counts)):
+    # unbind, not w1[expert]: indexing one expert's slice has a backward that materializes a
+    # zero gradient of the whole stack per expert and adds them up; unbind's backward stacks
+    # the per-expert gradients once (benchmarks/expert_arrival_blocks.py: 32 experts of ~256
+    # rows, forward + backward, 82-85 ms with slices against 63 ms).
+    per_expert = list(zip(w1.unbind(0), w2.unbind(0), w3.unbind(0)))
+    for group, rows in enumerate(torch.split(x, counts)):
         if rows.shape[0] == 0:
             continue
-        hidden = F.silu(rows @ w1[expert].t()) * (rows @ w3[expert].t())  # (rows, hidden)
-        outputs.append(hidden @ w2[expert].t())  # (rows, dim)
+        e1, e2, e3 = per_expert[group if experts is None else experts[group]]
+        hidden = F.silu(rows @ e1.t()) * (rows @ e3.t())  # (rows, hidden)
+        outputs.append(hidden @ e2.t())  # (rows, dim)
     if not outputs:
         # No rows at all (a rank that received nothing): still depend on x and the weights, so
         # every rank produces (zero) gradients and runs the same backward collectives, even
@@ -152,6 +161,24 @@ def prefer_grouped_mm(rows: torch.Tensor, n_experts: int) -> bool:
     return rows.device.type != "cpu" or rows.shape[0] < CPU_LOOP_MIN_ROWS_PER_EXPERT * n_experts
 
 
+CPU_LOOP_MIN_ROWS_PER_BLOCK = 128
+"""Where the loop runs (see above) on rows in blocks (expert parallelism's arrivals: one block
+per source rank and expert), with this many rows per block on average it runs block by block
+instead of regrouping the rows by expert first (a permuting copy of every row, undone after,
+both again in backward). `benchmarks/expert_arrival_blocks.py` (one thread, forward +
+backward, two runs): 32 local experts, hidden 128, ep=2, ~512 rows per block (the DeepSpeed
+comparison's fine grain): blocks 220-225 ms, regroup + loop 267-280 ms; ~128 rows per block:
+even (64 ms against 63 ms); ~64 rows per block (ep=8): blocks 15% slower, a matmul's fixed
+cost per block then showing; 4 experts, hidden 512, ~1,024 rows per block: 197-204 ms
+against 202-211 ms."""
+
+
+def prefer_block_loop(rows: torch.Tensor, n_experts: int, n_blocks: int) -> bool:
+    """Whether rows in `n_blocks` blocks for `n_experts` experts are best computed block by
+    block where they lie (the loop, without a regroup by expert)."""
+    return not prefer_grouped_mm(rows, n_experts) and rows.shape[0] >= CPU_LOOP_MIN_ROWS_PER_BLOCK * n_blocks
+
+
 class GroupedExperts(nn.Module):
     """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert.
 
@@ -176,8 +203,15 @@ class GroupedExperts(nn.Module):
     def compute(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """This module's experts on rows sorted by expert; `host_counts`: the counts already on
         the host, if the caller has them (spares the per-expert loop a synchronization)."""
+        self.count_received(rows)
+        return self.ffn(rows, counts, host_counts)
+
+    def count_received(self, rows: torch.Tensor) -> None:
         if self.training and not in_recompute():
             self.received_tokens += rows.shape[0]
+
+    def ffn(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+        """`compute` without the count: the grouped kernel where it is preferred and works, else the loop."""
         if rows.shape[0] and prefer_grouped_mm(rows, self.w1.shape[0]) and grouped_mm_works(rows, self.w1):
             return grouped_mm_expert_ffn(rows, counts, self.w1, self.w2, self.w3)
         # The loop also serves a rank that received no rows (see its empty case).
@@ -249,7 +283,9 @@ class MoE(nn.Module):
         # The rows in the compute dtype before they reach the experts: expert parallelism then
         # sends bf16, not fp32, under bf16 autocast (the experts' matmuls would cast them to
         # it anyway, so the numbers are the same).
-        rows = tokens[source_token].to(compute_dtype(tokens))  # (kept assignments, dim)
+        # index_select, not tokens[source_token]: its backward is an index_add, where advanced
+        # indexing's is an accumulating index_put, slower on CPU.
+        rows = tokens.index_select(0, source_token).to(compute_dtype(tokens))  # (kept assignments, dim)
         expert_out = self.experts(rows, counts)  # (kept assignments, dim)
         # Weight each assignment and add it back to its token; a dropped assignment adds nothing
         # (its token keeps the residual stream and its other experts).

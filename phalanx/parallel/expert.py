@@ -39,9 +39,9 @@ from torch import nn
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.model.moe import GroupedExperts
+from phalanx.model.moe import GroupedExperts, grouped_expert_ffn, prefer_block_loop
 from phalanx.parallel.data_parallel import fsdp_options, uses_fsdp
-from phalanx.parallel.expert_dispatch import combine, dispatch
+from phalanx.parallel.expert_dispatch import combine, plan_dispatch, regroup_by_expert, return_rows, send_rows
 from phalanx.parallel.expert_fold import TpFold, gather_from_tp, scatter_to_tp
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
@@ -94,16 +94,28 @@ class ShardedExperts(GroupedExperts):
         if fold is not None:  # the rows are the same on every tp rank: each sends its slice
             rows, counts = scatter_to_tp(rows, counts, fold)
         if self.router is None:
-            local_rows, local_counts, plan = dispatch(rows, counts, self.shard.group)
-            out = combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
+            out = self._exchange(rows, counts)
         else:
             # Expert slots: each row picks a replica slot of its expert (no collective), and
             # slots take the place of experts in dispatch (docs/expert_slots.md).
             _, order, slot_counts = self.router.route(counts, rows.shape[0])
-            local_rows, local_counts, plan = dispatch(rows[order], slot_counts, self.shard.group)
-            combined = combine(self.compute(local_rows, local_counts, plan.local_counts), plan, self.shard.group)
+            combined = self._exchange(rows[order], slot_counts)
             out = combined.new_empty(combined.shape).index_copy(0, order, combined)
         return gather_from_tp(out, n, fold) if fold is not None else out
+
+    def _exchange(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert (or slot) to their owners, this rank's experts on what
+        arrives, the results back: (n, dim) -> (n, dim)."""
+        group = self.shard.group
+        plan = plan_dispatch(counts, group)
+        arrived = send_rows(rows, plan, group)  # (received, dim) in (source rank, local expert) blocks
+        if prefer_block_loop(arrived, self.w1.shape[0], len(plan.block_counts)):
+            # The loop runs each block where it lies: no regroup by expert and back.
+            self.count_received(arrived)
+            out = grouped_expert_ffn(arrived, plan.block_counts, self.w1, self.w2, self.w3, experts=plan.block_experts)
+            return return_rows(out, plan, group)
+        by_expert, local_counts = regroup_by_expert(arrived, plan)
+        return combine(self.compute(by_expert, local_counts, plan.local_counts), plan, group)
 
 
 class _ReduceOverEdp:

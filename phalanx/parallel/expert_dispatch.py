@@ -9,6 +9,12 @@ so reading them is the one device-to-host copy a dispatch needs: every number th
 (rows sent to and received from each rank, rows per local expert) comes back in that one
 `tolist()`, and the plan keeps them for combine and for both backward all-to-alls, which
 thus add no synchronization (`tests/test_expert_host_syncs.py` counts them).
+
+Order on arrival. Rows arrive source-major: one block per (source rank, local expert).
+`dispatch` regroups them by local expert (a gather, undone by `combine`), as the grouped
+kernel needs one contiguous group per expert. The per-expert loop does not: it can run each
+block where it lies (`plan_dispatch`, `send_rows`, `return_rows`; `ShardedExperts` does on
+CPU), sparing both permutations of every received row, forward and backward.
 """
 
 from __future__ import annotations
@@ -40,16 +46,33 @@ class _AllToAll(torch.autograd.Function):
 
 @dataclass
 class DispatchPlan:
-    """What combine needs to send results back where their rows came from."""
+    """What the row exchange needs, both ways: split sizes on the host, counts on the device."""
 
     send: list[int]
     """Rows this rank sent to each ep rank."""
     recv: list[int]
     """Rows this rank received from each ep rank."""
-    local_counts: list[int]
-    """Rows received for each local expert (from all ranks), on the host."""
-    regroup: torch.Tensor
-    """(received rows,) positions in arrival order (by source rank), listed by local expert."""
+    block_counts: list[int]
+    """Rows received per (source rank, local expert), source-major, on the host: arrivals come
+    as ep * n_local contiguous blocks, block b from rank b // n_local for local expert
+    b % n_local."""
+    recv_counts: torch.Tensor
+    """(ep, n_local) the same counts on the device."""
+    regroup: torch.Tensor | None = None
+    """(received rows,) positions in arrival order listed by local expert, once `dispatch`
+    has regrouped the arrivals (None while they are still source-major)."""
+
+    @property
+    def local_counts(self) -> list[int]:
+        """Rows received for each local expert (from all ranks), on the host."""
+        n_local = self.recv_counts.shape[1]
+        return [sum(self.block_counts[expert::n_local]) for expert in range(n_local)]
+
+    @property
+    def block_experts(self) -> list[int]:
+        """The local expert of each arrival block."""
+        n_local = self.recv_counts.shape[1]
+        return [block % n_local for block in range(len(self.block_counts))]
 
 
 def _expert_major(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
@@ -69,29 +92,53 @@ def _expert_major(recv_counts: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(block_starts, lengths, output_size=total) + offset_in_block
 
 
+def plan_dispatch(counts: torch.Tensor, group) -> DispatchPlan:
+    """Exchange the per-expert counts (counts: (n_experts,) rows this rank sends per global
+    expert) and read every split size the host needs, in one synchronization."""
+    ep = dist.get_world_size(group)
+    n_local = counts.numel() // ep
+    # recv_counts[s, e] = rows rank s will send for my local expert e.
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    recv_counts = recv_counts.view(ep, n_local)  # (source rank, local expert)
+    # The one host read: rows sent to each rank, and received per (source rank, local expert).
+    host = torch.cat([counts.view(ep, n_local).sum(dim=1), recv_counts.reshape(-1)]).tolist()
+    send, block_counts = host[:ep], host[ep:]
+    recv = [sum(block_counts[rank * n_local : (rank + 1) * n_local]) for rank in range(ep)]
+    return DispatchPlan(send=send, recv=recv, block_counts=block_counts, recv_counts=recv_counts)
+
+
+def send_rows(rows: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
+    """rows (sorted by global expert) to the ranks holding their experts -> the arrivals,
+    source-major (`DispatchPlan.block_counts` lays out their blocks)."""
+    return _AllToAll.apply(rows, plan.send, plan.recv, group)
+
+
+def return_rows(out: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
+    """Inverse of `send_rows`: results (in arrival order) go back to their senders."""
+    return _AllToAll.apply(out, plan.recv, plan.send, group)
+
+
 def dispatch(rows: torch.Tensor, counts: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
     """Send rows (sorted by global expert, counts per expert) to the ranks holding the experts.
 
     Returns the rows this rank's experts must process, sorted by local expert, the count per
     local expert, and the plan that `combine` uses to return the results.
     """
-    ep = dist.get_world_size(group)
-    n_local = counts.numel() // ep
-    # First the counts: recv_counts[s, e] = rows rank s will send for my local expert e.
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
-    recv_counts = recv_counts.view(ep, n_local)  # (source rank, local expert)
-    local_counts = recv_counts.sum(dim=0)  # (n_local,)
-    # The one host read: rows sent to each rank, received from each rank, per local expert.
-    host = torch.cat([counts.view(ep, n_local).sum(dim=1), recv_counts.sum(dim=1), local_counts]).tolist()
-    send, recv, local_host = host[:ep], host[ep : 2 * ep], host[2 * ep :]
-    arrived = _AllToAll.apply(rows, send, recv, group)  # (received, dim), source-major
-    regroup = _expert_major(recv_counts, sum(recv))
-    plan = DispatchPlan(send=send, recv=recv, local_counts=local_host, regroup=regroup)
-    return arrived[regroup], local_counts, plan
+    plan = plan_dispatch(counts, group)
+    arrived = send_rows(rows, plan, group)  # (received, dim), source-major
+    return (*regroup_by_expert(arrived, plan), plan)
+
+
+def regroup_by_expert(arrived: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source-major arrivals -> the same rows sorted by local expert, and the count per local
+    expert; records the permutation in the plan, for `combine` to undo."""
+    plan.regroup = _expert_major(plan.recv_counts, arrived.shape[0])
+    return arrived[plan.regroup], plan.recv_counts.sum(dim=0)
 
 
 def combine(out: torch.Tensor, plan: DispatchPlan, group) -> torch.Tensor:
     """Inverse of `dispatch`: results go back to their senders, in the order they were sent."""
-    arrival_order = torch.empty_like(out).index_copy(0, plan.regroup, out)  # undo the regroup
-    return _AllToAll.apply(arrival_order, plan.recv, plan.send, group)
+    if plan.regroup is not None:
+        out = torch.empty_like(out).index_copy(0, plan.regroup, out)  # undo the regroup
+    return return_rows(out, plan, group)

@@ -67,13 +67,18 @@ def _child(rank: int, world_size: int, port: int, timeout_s: float, fn, args, co
         conn.close()
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+              preload: bool = True) -> list[Any]:
     """Call fn(*args) on `world_size` forked ranks; return each rank's result, rank order.
 
     fn runs with the default process group initialized (gloo) and RANK/WORLD_SIZE set. A rank
     that raises makes this raise with that rank's traceback; a hang past `timeout_s` kills all.
+    preload=False skips `preload_rank_imports`: for callers that train nothing and may run in
+    an environment without the trainer's dependencies (benchmarks/moe_vs_deepspeed.py runs in
+    DeepSpeed's own venv, which has torch and DeepSpeed only).
     """
-    preload_rank_imports()
+    if preload:
+        preload_rank_imports()
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     pipes, procs = [], []
