@@ -44,7 +44,9 @@ def pick(ranked, count: int):
 def run_trainer(args, nproc: int, plan: str, out: Path) -> tuple[float, float]:
     cmd = [sys.executable, "-m", "phalanx", "train", "--model", args.model, "--nproc", str(nproc), "--plan", plan,
            "--steps", str(args.steps), "--global-batch", str(args.global_batch), "--seq-len", str(args.seq_len),
-           "--out", str(out), "--no-progress", "--eval-every", "0", "--sample-tokens", "0"]
+           "--out", str(out), "--no-progress", "--eval-every", "0", "--sample-tokens", "0",
+           # A run that hangs fails within a third of the timeout, naming the collective it was in.
+           "--collective-timeout", str(max(10.0, args.timeout / 3))]
     # The trainer's own thread count (all cores for one process), not this script's OMP_NUM_THREADS=1.
     env = {k: v for k, v in os.environ.items() if not (k == "OMP_NUM_THREADS" and _OMP_SET_HERE)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
