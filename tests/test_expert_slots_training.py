@@ -28,7 +28,6 @@ from phalanx.testing.weights import gathered_weights
 from phalanx.train.loop import train
 
 TOLERANCE = 1e-4
-STEPS = 3
 
 
 def _replica_spread(model) -> float:
@@ -62,17 +61,6 @@ def _run(cfg):
     records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()] \
         if not dist.is_initialized() or dist.get_rank() == 0 else None
     return result.losses, weights, records, spread
-
-
-@pytest.fixture(scope="module")
-def moe_config(tmp_path_factory):
-    from phalanx.train.config import TrainConfig
-
-    out = tmp_path_factory.mktemp("slots")
-    return TrainConfig(
-        model="tiny-moe", steps=STEPS, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
-        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(out / "run"),
-    )
 
 
 def _steps(records):
