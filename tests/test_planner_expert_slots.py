@@ -128,3 +128,19 @@ def test_simulate_says_why_a_plan_runs_no_slots(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err == ("error: --plan dp=4,ep=4 gives no layout with --expert-slots=10: --expert-slots=10 "
                                  "is not a multiple of ep=4 (10 / 4 is not a whole number of slots per rank)\n")
+
+
+def test_replica_gradient_sum_is_charged_once_per_step_and_moe_layer():
+    """The trainer sums replicated experts' gradients over the ep group once per optimizer step
+    and MoE layer (one all-reduce of a dense buffer of the replicated experts' fp32 gradients).
+    12 slots for 8 experts replicate at most 4 experts; 20 slots at most all 8."""
+    from phalanx.planner import comm
+
+    lay, work = Layout(dp=4, ep=4, mbs=2, microbatches=1), Workload(global_batch=8, seq_len=512)
+    plain = evaluate(MOE, H100, work, lay, trainer_options("fp32", H100)).breakdown["dp_comm"]
+    for slots, replicated in ((12, 4), (20, 8)):
+        got = evaluate(MOE, H100, work, lay, trainer_options("fp32", H100, expert_slots=slots)).breakdown["dp_comm"]
+        want = 2 * comm.all_reduce(H100, replicated * ONE_EXPERT * 4, size=4, stride=1)
+        assert got - plain == pytest.approx(want, rel=1e-9), slots
+    # S = n_experts replicates nothing: no collective.
+    assert evaluate(MOE, H100, work, lay, trainer_options("fp32", H100, expert_slots=8)).breakdown["dp_comm"] == plain

@@ -30,7 +30,7 @@ from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
 from phalanx.planner.dp_traffic import by_identity as _by_identity
-from phalanx.planner.dp_traffic import dp_time
+from phalanx.planner.dp_traffic import dp_time, replica_sum_time
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import MIXED_ADAM, TRAINER_PRECISION, Precision, layers_per_stage
@@ -266,6 +266,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     c, shared_params, expert_params = stage_params(model, lay, n, n_moe, options)
     regathered = rc_share if lay.recompute == "full" and options.recompute_regathers else 0.0
     dp_comm = dp_time(cluster, lay, options, shared_params, expert_params, stage, n, regathered)
+    dp_comm += replica_sum_time(cluster, model, lay, options.expert_slots, n_moe)
     shards = lay.dp // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (expert_shards(lay, shards) if lay.zero else 1)
     # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,

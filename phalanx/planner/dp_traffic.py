@@ -1,6 +1,7 @@
-"""Data-parallel traffic per step: what each ZeRO level's collectives cost, and how much of it
-compute hides. Also the identity-keyed memo and the cached collective time the cost model
-shares (cost.py, stage_time.py): a search passes the very same model and cluster objects thousands of times.
+"""Data-parallel traffic per step: what each ZeRO level's collectives cost, how much of it
+compute hides, and the expert slots' replica gradient sum. Also the identity-keyed memo and
+the cached collective time the cost model shares (cost.py, stage_time.py): a search passes the
+very same model and cluster objects thousands of times.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout
-from phalanx.planner.peak_memory import BUCKET_BYTES, expert_shards, folds_experts
+from phalanx.planner.peak_memory import BUCKET_BYTES, expert_shards, folds_experts, param_counts_of
 
 if TYPE_CHECKING:
     from phalanx.planner.cost import Options
@@ -127,3 +128,24 @@ def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, expe
     if ag:
         exposed += shown(ag, st.f)
     return exposed + wrap_cost
+
+
+FP32_GRAD = 4
+"""Bytes per element of the gradients the replica sum adds: the parameters' own (fp32) .grad."""
+
+
+def replica_sum_time(cluster: Cluster, model, lay: Layout, expert_slots: int, moe_layers: int) -> float:
+    """Seconds per step of `--expert-slots`' replica gradient sum (phalanx/parallel/
+    expert_slot_grads.py): once per optimizer step and MoE layer, one all-reduce over the ep
+    group of a dense buffer holding the gradients of every replicated expert. S slots for E
+    experts replicate at most min(E, S - E) experts (each extra slot one more expert), the
+    figure charged: the planner does not know the loads that decide which. The buffer lives
+    only during the optimizer step, when the activations are gone, so it adds no peak memory."""
+    experts = model.n_experts
+    if not expert_slots or expert_slots <= experts or lay.ep == 1 or not moe_layers:
+        return 0.0
+    one_expert = param_counts_of(model).experts / experts
+    nbytes = min(experts, expert_slots - experts) * one_expert * FP32_GRAD
+    # ep ranks are adjacent dp ranks (tp apart); slots run only without folding over tp.
+    return moe_layers * collective_time(comm.all_reduce, cluster, nbytes, lay.ep, lay.tp)
+
