@@ -104,23 +104,31 @@ def expert_slots_count_problem(slots: int, *, n_experts: int, model: str = "", f
     return ""
 
 
-def expert_slots_layout_problem(slots: int, *, ep: int | None, fsdp: bool, over_tp: bool, flag: str = "") -> str:
+def expert_slots_layout_problem(slots: int, *, ep: int | None, fsdp: bool, over_tp: bool, tp: int = 1, pp: int = 1,
+                                edp: int | None = None, expert_shape: tuple[int, int] = (0, 0), flag: str = "") -> str:
     """The layouts the trainer runs expert slots in: ep > 1, S a multiple of ep (S / ep slots per
-    rank), experts under DDP-style data parallelism (FSDP would split the slot dimension over
-    edp; `runs_fsdp`) and not folded over tp (docs/expert_slots.md, "What is not done").
-    ep=None: not known yet (a planner `--fix` that leaves it free); its checks are skipped."""
+    rank), not folded over tp, and neither tp nor pp (docs/expert_slots.md, "What is not done").
+    Under FSDP (`runs_fsdp`) the experts are sharded over edp on a dim inside each slot (FSDP2
+    `Shard(1)` or `Shard(2)`, evenly, which FSDP2 requires off dim 0), so every edp rank holds
+    every local slot: edp must divide the experts' ffn_dim or the model dim (`expert_shape`,
+    (ffn_dim, dim); (0, 0) or edp=None: not checked). ep=None: not known yet (a planner `--fix`
+    that leaves it free); its checks are skipped."""
     flag = flag or f"--expert-slots={slots}"
     if ep == 1:
         return f"{flag} needs expert parallelism (ep > 1 in --plan); with ep=1 every rank holds every expert"
-    if fsdp:
-        return (f"{flag} is not supported yet with experts under FSDP (zero/fsdp sharding, or tp/pp, "
-                "which run data parallelism as FSDP); use DDP-style data parallelism, e.g. --plan dp=4,ep=4")
     if over_tp:
         return (f"{flag} is not supported yet with ep_over_tp=true (folded tp ranks each route a slice "
                 "of the rows); leave ep_over_tp out of --plan")
+    if tp > 1 or pp > 1:
+        return (f"{flag} is not supported yet beside tp or pp (got tp={tp}, pp={pp}); use data parallelism "
+                "with ep, e.g. --plan dp=4,ep=4 or dp=4,ep=2,fsdp=true")
     if ep is not None and slots % ep:
         return (f"--expert-slots={slots} is not a multiple of ep={ep} "
                 f"({slots} / {ep} is not a whole number of slots per rank)")
+    if fsdp and edp and edp > 1 and any(expert_shape) and all(size % edp for size in expert_shape):
+        hidden, dim = expert_shape
+        return (f"{flag} under FSDP shards each expert slot over edp={edp}, which must divide the experts' "
+                f"ffn_dim={hidden} or dim={dim}")
     return ""
 
 

@@ -34,6 +34,7 @@ def _replica_spread(model) -> float:
     """Largest difference between two replicas of one expert, over every layer and weight
     (slot stacks gathered over ep; collective)."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from phalanx.parallel.expert import ShardedExperts
 
@@ -43,8 +44,10 @@ def _replica_spread(model) -> float:
             continue
         held = module.placement.slot_expert
         for weight in (module.w1, module.w2, module.w3):
-            parts = [torch.empty_like(weight.detach()) for _ in range(dist.get_world_size(module.shard.group))]
-            dist.all_gather(parts, weight.detach().contiguous(), group=module.shard.group)
+            local = weight.detach()
+            local = local.full_tensor() if isinstance(local, DTensor) else local  # FSDP: gathered over edp
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(module.shard.group))]
+            dist.all_gather(parts, local.contiguous(), group=module.shard.group)
             stack = torch.cat(parts)  # (S, ...)
             for slot, expert in enumerate(held):
                 first = held.index(expert)
@@ -52,10 +55,27 @@ def _replica_spread(model) -> float:
     return spread
 
 
+def _check_fsdp_slots(model, plan: str) -> None:
+    """Under FSDP (fsdp=true, zero=2) each slot stack is a DTensor sharded inside its slots
+    (dim 1 or 2), so the comparison below really covers sharded slots; else plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    from phalanx.parallel.expert import ShardedExperts
+
+    fsdp = "fsdp=true" in plan or "zero=2" in plan or "zero=3" in plan
+    for module in model.modules():
+        if isinstance(module, ShardedExperts) and module.placement is not None:
+            for weight in (module.w1, module.w2, module.w3):
+                assert isinstance(weight, DTensor) == fsdp, (plan, type(weight))
+                if fsdp:
+                    assert [p.dim for p in weight.placements if p.is_shard()] in ([1], [2]), weight.placements
+
+
 def _run(cfg):
     import torch.distributed as dist
 
     result = train(cfg, Path(cfg.out))
+    _check_fsdp_slots(result.model, cfg.plan)
     weights = gathered_weights(result.model)
     spread = _replica_spread(result.model) if dist.is_initialized() else 0.0
     records = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()] \
@@ -84,10 +104,15 @@ def reference(moe_config):
     return run_ranks(1, _run, moe_config.replace(out=moe_config.out + "-ref"))[0]
 
 
-@pytest.mark.parametrize("plan, slots", [("dp=4,ep=4", 12), ("dp=4,ep=2,microbatches=2", 10)])
+@pytest.mark.parametrize("plan, slots", [("dp=4,ep=4", 12), ("dp=4,ep=2,microbatches=2", 10),
+                                         ("dp=4,ep=2,fsdp=true", 10), ("dp=4,ep=2,zero=2,microbatches=2", 12),
+                                         ("dp=4,ep=4,fsdp=true", 12)])
 def test_replicated_slots_match_one_process(moe_config, reference, plan, slots):
     """dp=4,ep=4 with 12 slots for 8 experts (4 experts with two replicas); two ep groups of 2
-    (the edp reduction, then the replica sum) with 10 slots and gradient accumulation."""
+    (the edp reduction, then the replica sum) with 10 slots and gradient accumulation. Under
+    FSDP (fsdp=true, zero=2) the slots are sharded over edp=2 inside each slot and the replica
+    sum runs on the reduce-scattered slices; dp=4,ep=4,fsdp=true is FSDP over edp=1 (sharded
+    DTensors, one shard)."""
     cfg = moe_config.replace(plan=plan, expert_slots=slots, out=f"{moe_config.out}-{plan}-{slots}")
     results = run_ranks(4, _run, cfg)
     _compare(results, reference)
@@ -97,7 +122,8 @@ def test_replicated_slots_match_one_process(moe_config, reference, plan, slots):
     (dict(expert_slots=10), "not a multiple of ep=4"),
     (dict(expert_slots=4), "fewer slots than the 8 experts"),
     (dict(plan="dp=4"), "needs expert parallelism"),
-    (dict(plan="dp=4,ep=4,zero=2"), "not supported yet with experts under FSDP"),
+    (dict(plan="dp=2,tp=2,ep=2", expert_slots=8), "not supported yet beside tp or pp"),
+    (dict(plan="dp=2,pp=2,ep=2", expert_slots=8), "not supported yet beside tp or pp"),
     (dict(model="tiny"), "needs a mixture-of-experts model"),
 ])
 def test_bad_slot_settings(moe_config, change, message):
@@ -136,15 +162,32 @@ def _skew_routers(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def rebalanced(moe_config):
-    """One process and dp=4,ep=4 with 12 slots and --rebalance-every 2 on a skewed router, 4
-    steps, checkpoints after steps 3 and 4."""
+def skew_config(moe_config):
+    return moe_config.replace(steps=4, ckpt_every=3, sync_checkpoint=True)
+
+
+@pytest.fixture(scope="module")
+def skew_reference(skew_config):
+    """One process on the skewed router, 4 steps."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         _skew_routers(monkeypatch)
-        cfg = moe_config.replace(steps=4, ckpt_every=3, sync_checkpoint=True)
-        reference = run_ranks(1, _run, cfg.replace(out=moe_config.out + "-skew-ref"))[0]
-        slotted = cfg.replace(plan="dp=4,ep=4", expert_slots=12, rebalance_every=2, out=moe_config.out + "-rebalance")
-        return slotted, reference, run_ranks(4, _run, slotted)
+        return run_ranks(1, _run, skew_config.replace(out=skew_config.out + "-skew-ref"))[0]
+
+
+@pytest.fixture(scope="module", params=[("dp=4,ep=4", 12), ("dp=4,ep=4,fsdp=true", 12), ("dp=4,ep=2,fsdp=true", 8)],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def rebalanced(request, skew_config, skew_reference):
+    """--rebalance-every 2 on a skewed router, 4 steps, checkpoints after steps 3 and 4:
+    dp=4,ep=4 with 12 slots, experts under DDP, and under FSDP over edp=1 (DTensor slot stacks,
+    replicas); dp=4,ep=2,fsdp=true with one slot per expert (two ep groups, each slot sharded
+    over edp=2 inside the slot: moves carry the slices of weights and AdamW moments). ep=2 with
+    12 slots would not move: its first placement already replicates the 4 hot experts."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _skew_routers(monkeypatch)
+        plan, slots = request.param
+        slotted = skew_config.replace(plan=plan, expert_slots=slots, rebalance_every=2,
+                                      out=f"{skew_config.out}-rebalance-{plan}-{slots}")
+        return slotted, skew_reference, run_ranks(4, _run, slotted)
 
 
 def test_rebalancing_keeps_one_process_losses(rebalanced):
@@ -161,7 +204,7 @@ def test_rebalancing_keeps_one_process_losses(rebalanced):
     assert events[0]["moved_slots"] > 0 and events[0]["bytes_moved"] > 0
     for event in events:
         assert event["imbalance_after"] < event["imbalance_before"], event
-    # And measured: the tokens each rank computed (dp = ep here) are more even after the move.
+    # And measured: the tokens each ep rank computed are more even after the move.
     measured = [sum(layer["rank_imbalance"] for layer in r["moe"].values()) / len(r["moe"]) for r in _steps(results[0][2])]
     assert max(measured[2:]) < 0.5 * min(measured[:2]), measured
 
@@ -215,3 +258,18 @@ def test_slots_with_folded_tp_are_refused(moe_config):
     cfg = moe_config.replace(plan="tp=2,ep=2,ep_over_tp=true", expert_slots=8)
     with pytest.raises(UserError, match="not supported yet with ep_over_tp=true"):
         slot_placements(cfg, model_config(cfg.model), resolve_plan(cfg.plan, 2))
+
+
+def test_fsdp_slots_need_an_expert_dim_that_edp_divides(moe_config):
+    """Under FSDP each slot is sharded over edp inside the slot, evenly (FSDP2's rule off dim 0):
+    dp=6,ep=2 gives edp=3, which divides neither of tiny-moe's expert dims (ffn_dim 64, dim 64):
+    refused in one line, naming both."""
+    from phalanx.model.config import model_config
+    from phalanx.train.expert_slot_training import slot_placements
+    from phalanx.train.loop import resolve_plan
+
+    cfg = moe_config.replace(plan="dp=6,ep=2,fsdp=true", expert_slots=12)
+    with pytest.raises(UserError, match=r"^--expert-slots=12 under FSDP shards each expert slot over edp=3, "
+                                        r"which must divide the experts' ffn_dim=64 or dim=64$"):
+        slot_placements(cfg, model_config(cfg.model), resolve_plan(cfg.plan, 6))
+    assert slot_placements(cfg.replace(plan="dp=6,ep=2"), model_config(cfg.model), resolve_plan("dp=6,ep=2", 6))

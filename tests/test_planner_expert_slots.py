@@ -45,19 +45,35 @@ def test_expert_state_follows_the_slots_per_rank():
 
 
 def test_the_search_keeps_the_layouts_the_trainer_runs_slots_in():
-    """10 slots on 4 devices: ep=2 only (10 is no multiple of 4), experts under DDP (zero 0, no
-    tp or pp beside dp>1), where without slots the search also ranks ep=1, ep=4, tp and zero 2/3."""
+    """10 slots on 4 devices: ep=2 only (10 is no multiple of 4), no tp or pp; experts under DDP
+    (zero 0) or FSDP (zero 3, the search's default levels; each slot sharded over edp=2 inside
+    the slot), where without slots the search also ranks ep=1, ep=4 and tp."""
     work = Workload(global_batch=8, seq_len=512)
     free = search(MOE, H100, work, world_size=4, options=trainer_options("bf16", H100), keep=1000).ranked
-    assert {e.layout.ep for e in free} == {1, 2, 4} and any(e.layout.zero or e.layout.tp > 1 for e in free)
+    assert {e.layout.ep for e in free} == {1, 2, 4} and any(e.layout.tp > 1 for e in free)
     ranked = search(MOE, H100, work, world_size=4, options=trainer_options("bf16", H100, expert_slots=10),
                     keep=1000).ranked
     assert ranked
     for e in ranked:
-        assert (e.layout.ep, e.layout.dp, e.layout.tp, e.layout.pp, e.layout.zero) == (2, 4, 1, 1, 0)
-        assert not rules.expert_slots_layout_problem(10, ep=e.layout.ep, over_tp=e.layout.ep_over_tp, fsdp=False)
+        assert (e.layout.ep, e.layout.dp, e.layout.tp, e.layout.pp) == (2, 4, 1, 1)
+        assert not rules.expert_slots_layout_problem(10, ep=e.layout.ep, over_tp=e.layout.ep_over_tp,
+                                                     fsdp=e.layout.zero >= 2, edp=2, expert_shape=(128, 256))
+    assert {e.layout.zero for e in ranked} == {0, 3}
     plan = auto_plan(MOE, world_size=4, global_batch=8, seq_len=512, cluster=H100, dtype="bf16", expert_slots=10)
-    assert (plan.dp, plan.ep, plan.zero) == (4, 2, 0)
+    assert (plan.dp, plan.ep, plan.tp, plan.pp) == (4, 2, 1, 1)
+
+
+def test_slot_state_is_sharded_over_edp_under_zero_3():
+    """dp=4,ep=2,zero=3, fp32 trainer: 12 slots hold 6 per rank where 8 experts held 4, two more
+    slots per MoE layer, 4 over the 2 layers. FSDP shards each slot over edp=2 (inside the slot,
+    as the trainer does), so the AdamW moments grow by 8 bytes x 4 slots / 2; the weights by
+    4 bytes x 4 slots / 2 sharded plus one layer's 2 slots gathered for its compute (4 bytes
+    each), as zero 3 holds one unit gathered at a time."""
+    lay, work = Layout(dp=4, ep=2, zero=3, mbs=2, microbatches=1), Workload(global_batch=8, seq_len=512)
+    before = evaluate(MOE, H100, work, lay, trainer_options("fp32", H100)).memory_breakdown
+    after = evaluate(MOE, H100, work, lay, trainer_options("fp32", H100, expert_slots=12)).memory_breakdown
+    assert after["optimizer_state"] - before["optimizer_state"] == pytest.approx(8 * 4 * ONE_EXPERT / 2)
+    assert after["parameters"] - before["parameters"] == pytest.approx(4 * 4 * ONE_EXPERT / 2 + 4 * 2 * ONE_EXPERT)
 
 
 def test_slot_memory_decides_the_ep():
@@ -70,7 +86,7 @@ def test_slot_memory_decides_the_ep():
     assert need[2] - need[4] == pytest.approx(2 * (8 - 4) * ONE_EXPERT * 16)  # 4 slots x 2 layers x 16 bytes
     usable = (need[2] + need[4]) / 2
     small = Cluster(name="small", memory_gib=usable / 2**30 + 1.0, memory_reserved_gib=1.0)
-    fixed = {"mbs": 2, "recompute": "none"}  # the layouts priced above (recompute would fit ep=2 too)
+    fixed = {"mbs": 2, "recompute": "none", "zero": 0}  # the layouts priced above (recompute or zero would fit ep=2 too)
     with_slots = search(MOE, small, work, world_size=4, fixed=fixed, options=options, keep=1000).ranked
     assert with_slots and {e.layout.ep for e in with_slots} == {4}
     without = search(MOE, small, work, world_size=4, fixed=fixed, options=trainer_options("fp32", H100), keep=1000)
@@ -84,7 +100,7 @@ def test_slot_memory_decides_the_ep():
      "of ep=4 (10 / 4 is not a whole number of slots per rank)\n"),
     (["--expert-slots", "9"], "error: no layout of 4 GPUs matches with --expert-slots=9: --expert-slots=9 is not a "
                               "multiple of any ep > 1 that divides dp=4 and n_experts=8\n"),
-    (["--expert-slots", "12", "--fix", "tp=2"], "is not supported yet with experts under FSDP"),
+    (["--expert-slots", "12", "--fix", "tp=2"], "is not supported yet beside tp or pp (got tp=2, pp=1)"),
     (["--expert-slots", "12", "--any-runtime"], "error: --expert-slots plans the phalanx trainer's expert slots"),
 ])
 def test_bad_slots_are_one_line_errors(tmp_path, capsys, argv, message):

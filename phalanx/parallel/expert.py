@@ -118,6 +118,25 @@ class ShardedExperts(GroupedExperts):
         return combine(self.compute(by_expert, local_counts, plan.local_counts), plan, group)
 
 
+def _within_slots(edp: int):
+    """FSDP2's placement for a slot stack (slots, a, b): sharded over edp inside each slot, on
+    dim 1 or else dim 2 (the first that edp divides evenly, as FSDP2 needs off dim 0), never on
+    dim 0. So every edp rank holds every local slot, and all ranks of an ep group (one edp
+    coordinate) hold the same slice of each: the replica sum, the slot moves and the
+    rebalancing run on the local shards as they do on whole slots under DDP, with no gather
+    (docs/expert_slots.md). The rule that one of the dims divides is
+    `layout_rules.expert_slots_layout_problem`'s."""
+    from torch.distributed.tensor import Shard
+
+    def placement(param: nn.Parameter) -> Shard:
+        for dim in (1, 2):
+            if param.shape[dim] % edp == 0:
+                return Shard(dim)
+        raise UserError(f"expert slots under FSDP: edp={edp} divides neither dim 1 nor dim 2 of {tuple(param.shape)}")
+
+    return placement
+
+
 class _ReduceOverEdp:
     """Gradient hook for DDP layouts: sum an expert gradient over "edp", divide by dp."""
 
@@ -213,7 +232,8 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh, slots: dict | None = None) ->
             # (zbv, dualpipev) find the weights for their separate weight-gradient pass among
             # the module's registered parameters: resharded experts were not found there, and
             # their gradients came out wrong or missing.
-            fully_shard(experts, mesh=ep_mesh["edp"], **fsdp_options(plan, mesh.device))
+            fully_shard(experts, mesh=ep_mesh["edp"], **fsdp_options(plan, mesh.device),
+                        shard_placement_fn=None if placement is None else _within_slots(edp))
             experts.set_gradient_divide_factor(float(plan.dp))
             if mesh.device.type != "cuda" and edp > 1:
                 # A divide factor other than the group size is a PREMUL_SUM reduction, which

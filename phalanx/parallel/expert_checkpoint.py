@@ -68,10 +68,12 @@ def _to_local_like(loaded: torch.Tensor, original: torch.Tensor, module: Sharded
         block = _gather_rows(block, module.shard.group)[module.shard.expert_rows()]
     if not isinstance(original, DTensor):
         return block
-    # FSDP: keep this edp rank's chunk of the block, the way FSDP shards dim 0: torch.chunk,
-    # whose fewer chunks (fewer local experts than edp ranks) FSDP pads with empty ones.
+    # FSDP: keep this edp rank's chunk of the block, the way FSDP shards it: torch.chunk along
+    # its shard dim (0, or with expert slots 1 or 2 inside each slot, evenly), whose fewer
+    # chunks on dim 0 (fewer local experts than edp ranks) FSDP pads with empty ones.
     mesh = original.device_mesh
-    chunks = block.chunk(mesh.size())
+    dim = next(p.dim for p in original.placements if p.is_shard())
+    chunks = block.chunk(mesh.size(), dim=dim)
     rank = mesh.get_local_rank()
     chunk = chunks[rank] if rank < len(chunks) else block[:0]  # (0, ...) on a rank FSDP left empty
     return DTensor.from_local(chunk, mesh, original.placements, shape=original.shape, stride=original.stride())

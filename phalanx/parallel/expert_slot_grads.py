@@ -6,7 +6,9 @@ slots' gradients over the ep group gives the unreplicated gradient, and writing 
 to every replica makes every replica apply the same update (same weights, same AdamW moments,
 so they stay bit-identical). This is a sum over the ep group only; the reduction over "edp"
 and the division by dp (`phalanx.parallel.expert`) are sums too and commute with it, so it may
-run before or after them, once per optimizer step (after the last micro-batch).
+run before or after them, once per optimizer step (after the last micro-batch). Under FSDP the
+experts are sharded over edp within each slot, and the sum runs on the gradient slices FSDP's
+reduce-scatter left (`local_stack`), before clipping and the optimizer.
 
 Cost. One `all_reduce` per dtype of a dense (replicated experts, numel of one expert) buffer:
 rows only for experts with more than one replica (none: no collective), every rank taking
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import UserError
-from phalanx.parallel.expert_slots import SlotPlacement
+from phalanx.parallel.expert_slots import SlotPlacement, local_stack
 
 
 def _replica_rows(placement: SlotPlacement, rank: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -76,7 +78,9 @@ def sum_replica_param_grads(params: list[nn.Parameter], placement: SlotPlacement
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    sum_replica_grads([param.grad for param in params], placement, group)
+    # Under FSDP each gradient is this edp rank's reduce-scattered slice of every local slot
+    # (already summed over edp); the same slice on every ep rank, so the sum runs on it as is.
+    sum_replica_grads([local_stack(param.grad) for param in params], placement, group)
 
 
 def counted_once(placement: SlotPlacement, rank: int) -> np.ndarray:

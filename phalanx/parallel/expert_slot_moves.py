@@ -8,14 +8,16 @@ A changed slot whose expert was already on its rank is a local copy; the rest tr
 not support an uneven list `all_to_all`). If no slot reads from another rank, no collective
 runs at all (every rank reaches that conclusion alike, so none waits for the others).
 
-Tensors are stacked [local_slots, ...] like `GroupedExperts`' w1/w2/w3, plain (not DTensor:
-expert weights sharded by FSDP over "edp" must be moved on their full local rows; see
-docs/expert_slots.md). AdamW's `exp_avg` and `exp_avg_sq` are per element and move with their
+Tensors are stacked [local_slots, ...] like `GroupedExperts`' w1/w2/w3. Under FSDP they are
+sharded over "edp" inside each slot, and each rank moves its slice of its slots
+(`expert_slots.local_stack`; docs/expert_slots.md). AdamW's `exp_avg` and `exp_avg_sq` are per element and move with their
 weights; its `step` is one count per parameter tensor, equal on every rank (all ranks step
 together), so it stays.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import UserError
+from phalanx.parallel.expert_slots import local_stack
 from phalanx.train.expert_rebalance import copy_sources
 
 MOVING_STATE = ("exp_avg", "exp_avg_sq")
@@ -94,17 +97,18 @@ def move_expert_slots(params: list[nn.Parameter], optimizer: torch.optim.Optimiz
     In place (`copy_`), so the parameters and state tensors stay the objects the optimizer and
     any hooks hold. Call between optimizer steps, after `zero_grad`: gradients do not move.
     """
-    tensors, targets = [], []
-    for param in params:
-        tensors.append(param.detach())
-        targets.append(param.data)
-        state = optimizer.state.get(param, {}) if optimizer is not None else {}
-        for key in MOVING_STATE:
-            if isinstance(state.get(key), torch.Tensor) and state[key].shape == param.shape:
-                tensors.append(state[key])
-                targets.append(state[key])
+    tensors = []
     with torch.no_grad():
-        for target, moved in zip(targets, move_slots(tensors, old, new, group)):
+        for param in params:
+            # Under FSDP: this edp rank's slice of every local slot (`local_stack`), the same
+            # slice on every ep rank, so moving the slices moves the slots; AdamW's moments are
+            # DTensors sharded like their parameter.
+            tensors.append(local_stack(param.detach()))
+            state = optimizer.state.get(param, {}) if optimizer is not None else {}
+            for key in MOVING_STATE:
+                if isinstance(state.get(key), torch.Tensor) and state[key].shape == param.shape:
+                    tensors.append(local_stack(state[key]))
+        for target, moved in zip(tensors, move_slots(tensors, old, new, group)):
             target.copy_(moved)
 
 
@@ -114,7 +118,7 @@ def slot_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer | No
     its first step AdamW has none yet."""
     total = 0
     for param in params:
-        per_slot = param[0].numel()
+        per_slot = math.prod(param.shape[1:])  # the whole slot (the global shape under FSDP)
         total += per_slot * param.element_size()
         state = optimizer.state.get(param, {}) if optimizer is not None else {}
         for key in MOVING_STATE:

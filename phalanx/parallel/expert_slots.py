@@ -192,3 +192,21 @@ class SlotRouter:
         slot_counts = torch.zeros(self.placement.slots, dtype=counts.dtype, device=device).index_add_(
             0, slots, torch.ones_like(slots, dtype=counts.dtype))  # (S,)
         return slots, order, slot_counts
+
+
+def local_stack(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's [local_slots, ...] stack of a slot tensor (weight, gradient, AdamW moment).
+
+    Under DDP that is the tensor itself. Under FSDP it is a DTensor sharded over edp inside
+    each slot (`phalanx.parallel.expert._within_slots`), and its local tensor holds this edp
+    rank's slice of every local slot, the same slice on every rank of the ep group, so slot
+    code works on it unchanged. A view of the same storage: writes reach the parameter (and
+    FSDP's sharded buffer, which the next all-gather reads).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if any(p.is_shard(0) for p in tensor.placements):
+        raise UserError("an expert slot stack is sharded on its slot dim 0; slots need it sharded within slots")
+    return tensor.to_local()

@@ -65,6 +65,17 @@ def _squares(grads: list, device) -> torch.Tensor:
     return total
 
 
+def _slots_counted(grad, mask: torch.Tensor):
+    """The slots of an expert slot gradient that the norm counts (dim 0 rows under `mask`).
+    Under FSDP the gradient is sharded over edp inside each slot: mask the local slice and keep
+    it a DTensor on the same mesh, so its squares are still summed over edp."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad[mask]
+    return DTensor.from_local(grad.to_local()[mask], grad.device_mesh, grad.placements, run_check=False)
+
+
 @torch.no_grad()
 def clip_grad_norm(parameters, max_norm: float, *, pp_group=None, experts=None) -> float:
     """Scale every gradient so the global L2 norm is at most `max_norm`; return the norm.
@@ -87,7 +98,8 @@ def clip_grad_norm(parameters, max_norm: float, *, pp_group=None, experts=None) 
     once = masks[0] if masks else {}  # expert slots: each expert's first replica only
     total = _squares([p.grad for p in parameters if id(p) not in expert_ids], device)
     if ep_group is not None:
-        mine = _squares([p.grad[once[id(p)]] if id(p) in once else p.grad for p in parameters if id(p) in expert_ids], device)
+        mine = _squares([_slots_counted(p.grad, once[id(p)]) if id(p) in once else p.grad
+                         for p in parameters if id(p) in expert_ids], device)
         dist.all_reduce(mine, group=ep_group)  # each ep rank holds different experts
         total += mine
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

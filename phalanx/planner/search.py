@@ -177,13 +177,14 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                             yield Layout(plan, mbs=mbs, zero1=zero == 1)
 
 
-def slots_problem(layout: Layout, options: Options) -> str:
+def slots_problem(model: ModelConfig, layout: Layout, options: Options) -> str:
     """Why the trainer would refuse `--expert-slots` (Options.expert_slots) in this layout, or ""."""
     if not options.expert_slots:
         return ""
     return rules.expert_slots_layout_problem(
-        options.expert_slots, ep=layout.ep, over_tp=layout.ep_over_tp,
-        fsdp=rules.runs_fsdp(layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp))
+        options.expert_slots, ep=layout.ep, over_tp=layout.ep_over_tp, tp=layout.tp, pp=layout.pp,
+        fsdp=rules.runs_fsdp(layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp),
+        edp=layout.dp // layout.ep, expert_shape=(model.moe_ffn_dim, model.dim))
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -208,7 +209,7 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
     too_big: list[Layout] = []
     usable = cluster.usable_bytes
     for layout in candidates(model, cluster, workload, world_size=world_size, fixed=fixed, space=space):
-        if slots_problem(layout, options):
+        if slots_problem(model, layout, options):
             continue  # a layout the trainer refuses with these slots
         considered += 1
         # Memory first: it is a fraction of the time model's cost, and most layouts of a big
@@ -229,7 +230,7 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         # the host transfers yet, so it is never weighed against a layout that fits without it.
         for layout in candidates(model, cluster, workload, world_size=world_size, fixed={**fixed, "offload": True},
                                  space=dataclasses.replace(space, zero_levels=(3,))):
-            if slots_problem(layout, options):
+            if slots_problem(model, layout, options):
                 continue
             considered += 1
             if sum(memory_breakdown(model, workload, layout, options).values()) <= usable:
@@ -372,7 +373,10 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
     if expert_slots:
         ep = int(fixed["ep"]) if "ep" in fixed else None
         if problem := rules.expert_slots_layout_problem(expert_slots, ep=ep, over_tp=bool(f("ep_over_tp", False)),
-                                                        fsdp=rules.runs_fsdp(dp, zero=int(f("zero", 0)), tp=tp, pp=pp)):
+                                                        tp=tp, pp=pp,
+                                                        fsdp=rules.runs_fsdp(dp, zero=int(f("zero", 0)), tp=tp, pp=pp),
+                                                        edp=dp // ep if dp and ep else None,
+                                                        expert_shape=(model.moe_ffn_dim, model.dim)):
             out.append(problem)
         elif ep is None and dp and not any(expert_slots % e == 0 for e in divisors(dp)[1:] if model.n_experts % e == 0):
             out.append(f"--expert-slots={expert_slots} is not a multiple of any ep > 1 that divides dp={dp} and "
@@ -400,8 +404,8 @@ def fit_hints(model: ModelConfig, cluster: Cluster, workload: Workload, est: Est
         tries.append(lay.replace(mbs=1, microbatches=lay.microbatches * lay.mbs))
     out = []
     for alt in tries:
-        if slots_problem(alt, options):
-            continue  # zero 2 and 3 shard the experts with FSDP, which expert slots do not run under yet
+        if slots_problem(model, alt, options):
+            continue  # e.g. zero 2/3 with edp dividing neither expert dim (layout_rules)
         other = evaluate(model, cluster, workload, alt, options)
         if other.fits:
             out.append(f"{alt.to_string()} ({other.memory_gib:.1f} GiB, {other.step_time_s:.4g} s)")

@@ -54,7 +54,10 @@ def slot_placements(cfg, model_cfg, plan) -> dict[int, SlotPlacement] | None:
     # The rules live in layout_rules, which the planner reads too (`phalanx plan --expert-slots`).
     if problem := (rules.expert_slots_count_problem(slots, n_experts=experts, model=model_cfg.name, flag=flags)
                    or rules.expert_slots_layout_problem(slots, ep=plan.ep, fsdp=uses_fsdp(plan),
-                                                        over_tp=plan.ep_over_tp, flag=flags)):
+                                                        over_tp=plan.ep_over_tp, tp=plan.tp, pp=plan.pp,
+                                                        edp=plan.dp // plan.ep,
+                                                        expert_shape=(model_cfg.moe_ffn_dim, model_cfg.dim),
+                                                        flag=flags)):
         raise UserError(problem)
     node_size = _node_size(plan)
     layers = [layer for layer in range(model_cfg.n_layers) if model_cfg.is_moe_layer(layer)]
