@@ -105,13 +105,16 @@ def expert_slots_count_problem(slots: int, *, n_experts: int, model: str = "", f
 
 
 def expert_slots_layout_problem(slots: int, *, ep: int | None, fsdp: bool, over_tp: bool, tp: int = 1, pp: int = 1,
-                                edp: int | None = None, expert_shape: tuple[int, int] = (0, 0), flag: str = "") -> str:
+                                edp: int | None = None, expert_shape: tuple[int, int] = (0, 0), offload: bool = False,
+                                flag: str = "") -> str:
     """The layouts the trainer runs expert slots in: ep > 1, S a multiple of ep (S / ep slots per
     rank), not folded over tp, and neither tp nor pp (docs/expert_slots.md, "What is not done").
     Under FSDP (`runs_fsdp`) the experts are sharded over edp on a dim inside each slot (FSDP2
     `Shard(1)` or `Shard(2)`, evenly, which FSDP2 requires off dim 0), so every edp rank holds
     every local slot: edp must divide the experts' ffn_dim or the model dim (`expert_shape`,
-    (ffn_dim, dim); (0, 0) or edp=None: not checked). ep=None: not known yet (a planner `--fix`
+    (ffn_dim, dim); (0, 0) or edp=None: not checked). Not with offload: the sharded slots and
+    their gradients would live on the host, where the replica sum and the moves (collectives
+    over the device's ep group) do not reach them. ep=None: not known yet (a planner `--fix`
     that leaves it free); its checks are skipped."""
     flag = flag or f"--expert-slots={slots}"
     if ep == 1:
@@ -122,6 +125,8 @@ def expert_slots_layout_problem(slots: int, *, ep: int | None, fsdp: bool, over_
     if tp > 1 or pp > 1:
         return (f"{flag} is not supported yet beside tp or pp (got tp={tp}, pp={pp}); use data parallelism "
                 "with ep, e.g. --plan dp=4,ep=4 or dp=4,ep=2,fsdp=true")
+    if offload:
+        return f"{flag} is not supported yet with offload=true (expert slots move and sum on the device)"
     if ep is not None and slots % ep:
         return (f"--expert-slots={slots} is not a multiple of ep={ep} "
                 f"({slots} / {ep} is not a whole number of slots per rank)")

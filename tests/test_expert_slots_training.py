@@ -124,6 +124,7 @@ def test_replicated_slots_match_one_process(moe_config, reference, plan, slots):
     (dict(plan="dp=4"), "needs expert parallelism"),
     (dict(plan="dp=2,tp=2,ep=2", expert_slots=8), "not supported yet beside tp or pp"),
     (dict(plan="dp=2,pp=2,ep=2", expert_slots=8), "not supported yet beside tp or pp"),
+    (dict(plan="dp=4,ep=4,zero=3,offload=true"), "not supported yet with offload=true"),
     (dict(model="tiny"), "needs a mixture-of-experts model"),
 ])
 def test_bad_slot_settings(moe_config, change, message):

@@ -160,3 +160,19 @@ def test_replica_gradient_sum_is_charged_once_per_step_and_moe_layer():
         assert got - plain == pytest.approx(want, rel=1e-9), slots
     # S = n_experts replicates nothing: no collective.
     assert evaluate(MOE, H100, work, lay, trainer_options("fp32", H100, expert_slots=8)).breakdown["dp_comm"] == plain
+
+
+def test_slot_rules_under_fsdp():
+    """FSDP shards each slot over edp inside the slot, evenly: edp must divide the experts'
+    ffn_dim or dim (either will do, the trainer picks the first); DDP (fsdp=False) has no such
+    rule; offload and tp/pp stay refused."""
+    rule = rules.expert_slots_layout_problem
+    assert not rule(12, ep=2, fsdp=True, over_tp=False, edp=2, expert_shape=(128, 256))
+    assert not rule(12, ep=2, fsdp=True, over_tp=False, edp=3, expert_shape=(96, 256))  # ffn_dim divides
+    assert not rule(12, ep=2, fsdp=True, over_tp=False, edp=3, expert_shape=(128, 48))  # dim divides
+    assert rule(12, ep=2, fsdp=True, over_tp=False, edp=3, expert_shape=(128, 256)) == (
+        "--expert-slots=12 under FSDP shards each expert slot over edp=3, which must divide the experts' "
+        "ffn_dim=128 or dim=256")
+    assert not rule(12, ep=2, fsdp=False, over_tp=False, edp=3, expert_shape=(128, 256))
+    assert "with offload=true" in rule(12, ep=2, fsdp=True, over_tp=False, edp=2, expert_shape=(128, 256), offload=True)
+    assert "beside tp or pp (got tp=1, pp=2)" in rule(12, ep=2, fsdp=True, over_tp=False, pp=2)

@@ -184,7 +184,7 @@ def slots_problem(model: ModelConfig, layout: Layout, options: Options) -> str:
     return rules.expert_slots_layout_problem(
         options.expert_slots, ep=layout.ep, over_tp=layout.ep_over_tp, tp=layout.tp, pp=layout.pp,
         fsdp=rules.runs_fsdp(layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp),
-        edp=layout.dp // layout.ep, expert_shape=(model.moe_ffn_dim, model.dim))
+        edp=layout.dp // layout.ep, expert_shape=(model.moe_ffn_dim, model.dim), offload=layout.offload)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -376,7 +376,8 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
                                                         tp=tp, pp=pp,
                                                         fsdp=rules.runs_fsdp(dp, zero=int(f("zero", 0)), tp=tp, pp=pp),
                                                         edp=dp // ep if dp and ep else None,
-                                                        expert_shape=(model.moe_ffn_dim, model.dim)):
+                                                        expert_shape=(model.moe_ffn_dim, model.dim),
+                                                        offload=bool(f("offload", False))):
             out.append(problem)
         elif ep is None and dp and not any(expert_slots % e == 0 for e in divisors(dp)[1:] if model.n_experts % e == 0):
             out.append(f"--expert-slots={expert_slots} is not a multiple of any ep > 1 that divides dp={dp} and "

@@ -57,7 +57,7 @@ def slot_placements(cfg, model_cfg, plan) -> dict[int, SlotPlacement] | None:
                                                         over_tp=plan.ep_over_tp, tp=plan.tp, pp=plan.pp,
                                                         edp=plan.dp // plan.ep,
                                                         expert_shape=(model_cfg.moe_ffn_dim, model_cfg.dim),
-                                                        flag=flags)):
+                                                        offload=plan.offload, flag=flags)):
         raise UserError(problem)
     node_size = _node_size(plan)
     layers = [layer for layer in range(model_cfg.n_layers) if model_cfg.is_moe_layer(layer)]
