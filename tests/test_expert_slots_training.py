@@ -7,7 +7,9 @@ comparison is the one of tests/test_expert_parallel.py with its tolerance argume
 decided per token (the same experts, the same weights), all-to-all moves rows without
 arithmetic, and what differs is float summation order (an expert's rows arrive from other
 ranks in another order and are split over replicas, the replica sum adds partial gradients in
-another order): ~1e-7 relative per op, below 1e-5 after 3 AdamW steps here, TOLERANCE = 1e-4.
+another order; under FSDP the edp reduce-scatter sums each slot's slice in yet another
+order, and the all-gather only copies): ~1e-7 relative per op, below 1e-5 after 3 AdamW
+steps here, TOLERANCE = 1e-4.
 A missing replica sum (each replica stepping on its own part of the tokens) or a norm that
 counts a replicated expert twice moves losses, weights or norm far more than that (the norm
 check below catches the latter, AdamW hiding it in the weights).

@@ -15,7 +15,8 @@ every weight's gradient is (1 / dp) * sum over all dp ranks of that rank's contr
     of every token of its ep group; summing it over "edp" adds the other ep groups. Dividing by
     dp (not by edp) turns that sum into the mean over the whole dp batch.
   With DDP, expert weights are excluded from DDP's reduction and reduced by a gradient hook
-  over "edp"; with FSDP, the experts are sharded over "edp" and reduced with divide factor dp.
+  over "edp"; with FSDP, the experts are sharded over "edp" and reduced with divide factor dp
+  (on dim 0, or with expert slots inside each slot: `_within_slots`).
 
 With ep_over_tp=true the ep group is drawn from the dp x tp ranks instead, each tp rank sending
 1/tp of the (tp-replicated) rows; edp is then dp x tp / ep and the rule is unchanged

@@ -116,7 +116,7 @@ class Options:
     slots, replicas of hot experts included, with their gradients and optimizer state, instead of
     n_experts / ep experts. 0: one slot per expert, and none of the slots' layout rules (S =
     n_experts, for `--rebalance-every` alone, keeps the memory and applies the rules: ep > 1,
-    experts under DDP-style data parallelism, `layout_rules.expert_slots_layout_problem`)."""
+    no tp or pp, `layout_rules.expert_slots_layout_problem`)."""
 
 
 def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
