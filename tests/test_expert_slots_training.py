@@ -219,11 +219,19 @@ def _resume_from_step_3(slotted, out: str, **change):
     return slotted.replace(out=out, resume="must", **change)
 
 
-@pytest.mark.parametrize("layout", ["same", "one process"])
+OTHER_LAYOUT = {"dp=4,ep=4": ("dp=4,ep=2,fsdp=true", 10), "dp=4,ep=4,fsdp=true": ("dp=4,ep=2,microbatches=2", 10),
+                "dp=4,ep=2,fsdp=true": ("dp=4,ep=4", 12)}
+"""For each rebalanced layout, a slot layout on the other side of DDP / FSDP, with another S
+and ep, to resume its checkpoint in."""
+
+
+@pytest.mark.parametrize("layout", ["same", "one process", "other slots"])
 def test_resume_across_a_rebalance(monkeypatch, rebalanced, layout):
     """The step-3 checkpoint (written after the step-2 move) holds the placement and the
-    experts in expert order: resumed in the same layout (which rebalances again at step 4) or
-    in one process without slots, step 4 gives the uninterrupted run's loss and weights."""
+    experts in expert order: resumed in the same layout (which rebalances again at step 4), in
+    one process without slots, or in a slot layout across DDP / FSDP with another S and ep (its
+    own first placement, which then rebalances at step 4), step 4 gives the uninterrupted run's
+    loss and weights."""
     _skew_routers(monkeypatch)
     slotted, reference, results = rebalanced
     saved = json.loads((Path(slotted.out) / "checkpoints" / "step_000003" / "phalanx.json").read_text())
@@ -233,6 +241,10 @@ def test_resume_across_a_rebalance(monkeypatch, rebalanced, layout):
         resumed = run_ranks(4, _run, cfg)
         events = [r for r in resumed[0][2] if r.get("event") == "rebalance"]
         assert [e["step"] for e in events] == [2, 4] and events[1] == [r for r in results[0][2] if r.get("event")][1]
+    elif layout == "other slots":
+        plan, slots = OTHER_LAYOUT[slotted.plan]
+        cfg = _resume_from_step_3(slotted, slotted.out + "-other", plan=plan, expert_slots=slots)
+        resumed = run_ranks(4, _run, cfg)
     else:
         cfg = _resume_from_step_3(slotted, slotted.out + "-one", plan="", expert_slots=0, rebalance_every=0)
         resumed = run_ranks(1, _run, cfg)
