@@ -107,14 +107,13 @@ def reference(moe_config):
 
 
 @pytest.mark.parametrize("plan, slots", [("dp=4,ep=4", 12), ("dp=4,ep=2,microbatches=2", 10),
-                                         ("dp=4,ep=2,fsdp=true", 10), ("dp=4,ep=2,zero=2,microbatches=2", 12),
-                                         ("dp=4,ep=4,fsdp=true", 12)])
+                                         ("dp=4,ep=2,fsdp=true", 10), ("dp=4,ep=2,zero=2,microbatches=2", 12)])
 def test_replicated_slots_match_one_process(moe_config, reference, plan, slots):
     """dp=4,ep=4 with 12 slots for 8 experts (4 experts with two replicas); two ep groups of 2
     (the edp reduction, then the replica sum) with 10 slots and gradient accumulation. Under
     FSDP (fsdp=true, zero=2) the slots are sharded over edp=2 inside each slot and the replica
-    sum runs on the reduce-scattered slices; dp=4,ep=4,fsdp=true is FSDP over edp=1 (sharded
-    DTensors, one shard)."""
+    sum runs on the reduce-scattered slices (dp=4,ep=4,fsdp=true, FSDP over edp=1, runs in the
+    rebalancing tests below)."""
     cfg = moe_config.replace(plan=plan, expert_slots=slots, out=f"{moe_config.out}-{plan}-{slots}")
     results = run_ranks(4, _run, cfg)
     _compare(results, reference)
