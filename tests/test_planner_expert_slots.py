@@ -162,6 +162,21 @@ def test_replica_gradient_sum_is_charged_once_per_step_and_moe_layer():
     assert evaluate(MOE, H100, work, lay, trainer_options("fp32", H100, expert_slots=8)).breakdown["dp_comm"] == plain
 
 
+def test_replica_gradient_sum_under_fsdp_sums_the_slices():
+    """dp=4,ep=2,zero=3: each slot is sharded over edp=2 inside the slot, and a rank sums its
+    half of the replicated experts' gradients over its ep group of 2: the all-reduce carries
+    4 replicated experts x one expert x 4 bytes / 2, per MoE layer (2). (The function itself:
+    under zero 3 more slots also grow FSDP's own gathers, which dp_comm charges too.)"""
+    from phalanx.planner import comm
+    from phalanx.planner.dp_traffic import replica_sum_time
+
+    fsdp, ddp = Layout(dp=4, ep=2, zero=3, mbs=2, microbatches=1), Layout(dp=4, ep=2, mbs=2, microbatches=1)
+    assert replica_sum_time(H100, MOE, fsdp, 12, 2) == pytest.approx(
+        2 * comm.all_reduce(H100, 4 * ONE_EXPERT * 4 / 2, size=2, stride=1), rel=1e-9)
+    assert replica_sum_time(H100, MOE, ddp, 12, 2) == pytest.approx(
+        2 * comm.all_reduce(H100, 4 * ONE_EXPERT * 4, size=2, stride=1), rel=1e-9)
+
+
 def test_slot_rules_under_fsdp():
     """FSDP shards each slot over edp inside the slot, evenly: edp must divide the experts'
     ffn_dim or dim (either will do, the trainer picks the first); DDP (fsdp=False) has no such

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from phalanx import layout_rules as rules
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout
@@ -139,13 +140,17 @@ def replica_sum_time(cluster: Cluster, model, lay: Layout, expert_slots: int, mo
     expert_slot_grads.py): once per optimizer step and MoE layer, one all-reduce over the ep
     group of a dense buffer holding the gradients of every replicated expert. S slots for E
     experts replicate at most min(E, S - E) experts (each extra slot one more expert), the
-    figure charged: the planner does not know the loads that decide which. The buffer lives
-    only during the optimizer step, when the activations are gone, so it adds no peak memory."""
+    figure charged: the planner does not know the loads that decide which. Under FSDP (zero 2
+    or 3) each slot is sharded over edp = dp / ep inside the slot and a rank sums only its
+    slice: 1/edp of the buffer. The buffer lives only during the optimizer step, when the
+    activations are gone, so it adds no peak memory."""
     experts = model.n_experts
     if not expert_slots or expert_slots <= experts or lay.ep == 1 or not moe_layers:
         return 0.0
     one_expert = param_counts_of(model).experts / experts
     nbytes = min(experts, expert_slots - experts) * one_expert * FP32_GRAD
+    if rules.runs_fsdp(lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp):
+        nbytes /= lay.dp // lay.ep
     # ep ranks are adjacent dp ranks (tp apart); slots run only without folding over tp.
     return moe_layers * collective_time(comm.all_reduce, cluster, nbytes, lay.ep, lay.tp)
 
