@@ -10,9 +10,9 @@ runs at all (every rank reaches that conclusion alike, so none waits for the oth
 
 Tensors are stacked [local_slots, ...] like `GroupedExperts`' w1/w2/w3. Under FSDP they are
 sharded over "edp" inside each slot, and each rank moves its slice of its slots
-(`expert_slots.local_stack`; docs/expert_slots.md). AdamW's `exp_avg` and `exp_avg_sq` are per element and move with their
-weights; its `step` is one count per parameter tensor, equal on every rank (all ranks step
-together), so it stays.
+(`expert_slots.local_stack`; docs/expert_slots.md). AdamW's `exp_avg` and `exp_avg_sq` are per
+element and move with their weights; its `step` is one count per parameter tensor, equal on
+every rank (all ranks step together), so it stays.
 """
 
 from __future__ import annotations
