@@ -3,7 +3,7 @@
 The launcher forks the workers while its store's server thread runs; a worker that connects
 sets that thread resolving the worker's address under glibc's resolver lock, and a sibling
 forked in that moment inherits the lock held and hangs for good in `init_process_group`
-(seen once in some sixty 4-process launches: phalanx/worker_group.py, AfterSiblingsForked).
+(it hung a 4-process run of benchmarks/planner_local.py: phalanx/worker_group.py, AfterSiblingsForked).
 The race itself is too rare to test; what closes it is testable exactly: every worker's
 entry begins after the launcher's last fork. The launcher's forks are slowed here (a pause
 after each), so a worker that did not wait would start a whole pause before the last fork.
