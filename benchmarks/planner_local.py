@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def run_trainer(args, nproc: int, plan: str, out: Path) -> tuple[float, float]:
            "--collective-timeout", str(max(10.0, args.timeout / 3))]
     # The trainer's own thread count (all cores for one process), not this script's OMP_NUM_THREADS=1.
     env = {k: v for k, v in os.environ.items() if not (k == "OMP_NUM_THREADS" and _OMP_SET_HERE)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    proc = _run_in_own_group(cmd, env, args.timeout)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"`{' '.join(cmd)}` exited {proc.returncode}: {' | '.join(tail)}")
@@ -58,6 +59,20 @@ def run_trainer(args, nproc: int, plan: str, out: Path) -> tuple[float, float]:
     if not times:
         raise RuntimeError(f"{out / 'metrics.jsonl'} has no step_time_s after {args.warmup} warm-up steps")
     return statistics.median(times), min(times)
+
+
+def _run_in_own_group(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run`, but a timeout kills the trainer's workers too: they share the launcher's
+    process group, and a hung run's four workers outlived its killed launcher for good."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def main() -> int:

@@ -6,10 +6,12 @@ in each worker, joining and leaving the process group. What is particular to tra
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -102,6 +104,12 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.launch"])
         start_method = "forkserver"
+    if start_method == "fork":
+        # A first launch still forks from this process (a forkserver costs a torch import, some
+        # 5 s a launch on 2 busy cores). There the store's thread resolves the address of each
+        # worker that connects, so the workers wait until the last one is forked before any
+        # connects: one that did not left two of four workers hung for good.
+        entry = AfterSiblingsForked(entry, nproc)
     config = LaunchConfig(
         min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=nproc, run_id=run_id or f"phalanx-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
@@ -117,6 +125,38 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+class AfterSiblingsForked:
+    """`entry`, run in a forked worker only once all `nproc` workers of this machine are forked.
+
+    The launcher is not single-threaded when the elastic agent forks the workers: the store's
+    server thread resolves the address of each worker that connects (glibc's getnameinfo, under
+    the resolver's lock). A fork taken in that moment copies the lock held, with no thread left
+    to release it, and the child's own first connection waits on it forever, in
+    `init_process_group`, a state no timeout ends. Here every worker waits at a barrier that
+    the last one forked opens, so no worker connects, and the store's thread stays idle, while
+    forks are still taken (the agent starts no other threads that resolve addresses). Not
+    covered: a multi-machine launch, where another machine's workers may connect to this
+    machine's store while it forks (`fresh`, a forkserver, would be)."""
+
+    BARRIER_TIMEOUT_S = 60.0
+    """A sibling that never arrives (its fork failed; the agent then stops the rest) lets the
+    others go on after this, to fail the way they would have."""
+
+    def __init__(self, entry, nproc: int):
+        import multiprocessing
+
+        self.entry = entry
+        self.barrier = multiprocessing.get_context("fork").Barrier(nproc)
+        functools.update_wrapper(self, entry)
+
+    def __call__(self, *args):
+        try:
+            self.barrier.wait(self.BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            pass
+        return self.entry(*args)
 
 
 def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
