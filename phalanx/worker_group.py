@@ -99,7 +99,9 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     start_method = "fork"
     if torch.cuda.is_available() and device != "cpu":
         start_method = "spawn"
-    elif fresh:
+    elif fresh or nodes[1] > 1:
+        # Several machines: another machine's workers may connect to this machine's store
+        # while it forks (the barrier below only orders this machine's own workers).
         import multiprocessing
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.launch"])
@@ -136,9 +138,9 @@ class AfterSiblingsForked:
     to release it, and the child's own first connection waits on it forever, in
     `init_process_group`, a state no timeout ends. Here every worker waits at a barrier that
     the last one forked opens, so no worker connects, and the store's thread stays idle, while
-    forks are still taken (the agent starts no other threads that resolve addresses). Not
-    covered: a multi-machine launch, where another machine's workers may connect to this
-    machine's store while it forks (`fresh`, a forkserver, would be)."""
+    forks are still taken (the agent starts no other threads that resolve addresses). A
+    multi-machine launch, where another machine's workers may connect to this machine's store
+    while it forks, uses a forkserver instead (single-threaded: no lock held at a fork)."""
 
     BARRIER_TIMEOUT_S = 60.0
     """A sibling that never arrives (its fork failed; the agent then stops the rest) lets the

@@ -83,3 +83,23 @@ def test_plan_auto_picks_a_runnable_plan(tiny_config):
         chosen = choose_auto_plan(tiny_config.replace(plan="auto"), world)
         plan = plan_from_string(chosen.plan, world)
         validate_for_model(plan, model_config("tiny"), global_batch=tiny_config.global_batch, seq_len=tiny_config.seq_len)
+
+
+def test_two_launchers_form_one_group_with_nnodes(tmp_path):
+    """`--nnodes 2` with one `--rdzv-endpoint`: two launchers (two "machines" on one host, each
+    --nproc 2) form one 4-rank group (their workers forked from forkservers) and train as one
+    process does, within the data-parallel tests' 1e-4."""
+    _phalanx("train", *ARGS, "--nproc", "1", "--out", str(tmp_path / "one"))
+    argv = [sys.executable, "-m", "phalanx", "train", *ARGS, "--nproc", "2", "--nnodes", "2", "--plan", "dp=4",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--out", str(tmp_path / "two-nodes")]
+    launchers = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outputs = [launcher.communicate(timeout=120) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    assert any("on 2 processes per node on 2 nodes" in err for _, err in outputs), outputs
+    reference, losses = _losses(tmp_path / "one"), _losses(tmp_path / "two-nodes")
+    assert len(losses) == len(reference) == 3
+    assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-4
