@@ -16,34 +16,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from phalanx.testing.fork_ranks import run_ranks  # noqa: E402
-
-
-def _reads(ep: int) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from phalanx.model.config import model_config
-    from phalanx.model.moe import MoE
-    from phalanx.parallel.expert import shard_experts
-    from phalanx.testing.host_syncs import count_host_reads
-
-    torch.manual_seed(0)
-    moe = MoE(model_config("tiny-moe"))
-    with torch.no_grad():
-        for param in moe.parameters():
-            param.normal_(0, 0.1)
-    if ep > 1:
-        moe.experts = shard_experts(moe.experts, dist.group.WORLD, dist.get_rank(), ep)
-    tokens = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1 + dist.get_rank()))
-    moe(tokens).square().sum().backward()  # warm-up: the grouped-matmul check reads values once
-    with count_host_reads() as reads:
-        moe(tokens).square().sum().backward()
-    return dict(reads)
+from phalanx.testing.host_syncs import moe_layer_host_reads  # noqa: E402
 
 
 def main() -> None:
-    one = run_ranks(1, _reads, 1)[0]
-    ep2 = run_ranks(2, _reads, 2)
+    one = run_ranks(1, moe_layer_host_reads, 1)[0]
+    ep2 = run_ranks(2, moe_layer_host_reads, 2)
     print(json.dumps({"one_process": one, "ep2_per_rank": ep2,
                       "ep2_reads_per_layer": max(sum(r.values()) for r in ep2)}))
 

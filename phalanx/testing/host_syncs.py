@@ -38,3 +38,28 @@ def count_host_reads() -> Iterator[Counter]:
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+
+
+def moe_layer_host_reads(ep: int) -> dict:
+    """Host reads of one training forward + backward of a tiny-moe layer, after a warm-up call
+    (the first call checks the grouped-matmul kernel once per device and dtype, which reads
+    values); with ep > 1, on this gloo rank of an ep group over the whole world."""
+    import torch.distributed as dist
+
+    from phalanx.model.config import model_config
+    from phalanx.model.moe import MoE
+    from phalanx.parallel.expert import shard_experts
+
+    torch.manual_seed(0)
+    moe = MoE(model_config("tiny-moe"))
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0, 0.1)
+    rank = dist.get_rank() if ep > 1 else 0
+    if ep > 1:
+        moe.experts = shard_experts(moe.experts, dist.group.WORLD, rank, ep)
+    tokens = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1 + rank))
+    moe(tokens).square().sum().backward()  # warm-up
+    with count_host_reads() as reads:
+        moe(tokens).square().sum().backward()
+    return dict(reads)
