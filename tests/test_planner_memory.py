@@ -8,7 +8,8 @@ from phalanx.planner.cost import Options, evaluate
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import TRAINER_PRECISION, layer_activation_bytes, offloaded_bytes, state_bytes
-from phalanx.planner.search import auto_plan, explain, search
+from phalanx.planner.report import explain
+from phalanx.planner.search import auto_plan, search
 
 # MHA + 4h GeLU, the model of Korthikanti et al.: s=2048, b=2, h=4096, a=32.
 GPT = ModelConfig(name="gpt", vocab_size=50000, dim=4096, n_layers=8, n_heads=32, n_kv_heads=32,

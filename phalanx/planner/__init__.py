@@ -12,8 +12,8 @@ dp_traffic.py  data-parallel collectives per ZeRO level, and how much of them co
 stage_time.py  one micro-batch through the most loaded stage: GEMMs, attention, TP and EP traffic
 cost.py  the whole step: bubble, pipeline sends, DP traffic, optimizer; memory beside it;
          `Options` (the implementation: published runs' defaults) and `trainer_options` (a phalanx run)
-search.py  enumerate layouts, prune by memory, rank, explain; `auto_plan` for the trainer
-report.py  the plan table and the JSON records
+search.py  enumerate layouts, prune by memory, rank; `auto_plan` for the trainer
+report.py  the plan table, the JSON records and why the runners-up lose
 simulate.py  per-rank timeline of one step as a Chrome trace and a PNG
 cli.py  the `plan`, `simulate` and `calibrate` subcommands
 

@@ -14,8 +14,8 @@ from phalanx.planner.cost import Options, trainer_options
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.report import COLUMNS, format_table, plan_record, table_rows
-from phalanx.planner.search import SearchSpace, explain, fit_hints, fix_problems, parse_fix, search
+from phalanx.planner.report import COLUMNS, explain, format_table, plan_record, table_rows
+from phalanx.planner.search import SearchSpace, fit_hints, fix_problems, parse_fix, search
 from phalanx.planner.validation import step_time_band
 
 

@@ -293,29 +293,6 @@ def _fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Wo
     return None
 
 
-def explain(result: SearchResult, usable_gib: float) -> list[str]:
-    """One line per runner-up: the cost that makes it slower than the winner."""
-    if not result.ranked:
-        return []
-    best = result.ranked[0]
-    top = max(best.breakdown, key=best.breakdown.get)
-    lines = [f"#1 spends most of its {best.step_time_s:.3g} s step on {top} "
-             f"({best.breakdown[top] / best.step_time_s:.0%}); the others lose to it on:"]
-    for rank, est in enumerate(result.ranked[1:], start=2):
-        diffs = {k: est.breakdown[k] - best.breakdown[k] for k in best.breakdown}
-        cause = max(diffs, key=diffs.get)
-        gap = est.step_time_s - best.step_time_s
-        lines.append(f"#{rank} +{gap:.3g} s: mostly {cause} (+{diffs[cause]:.3g} s)")
-    if result.offload_only:
-        lines.append(f"offload=true: no layout fits in {usable_gib:.1f} GiB per device with its weights, gradients "
-                     "and optimizer state there, so these keep their shards on the host (zero=3)")
-    if result.fastest_pruned:
-        fp = result.fastest_pruned
-        lines.append(f"faster but pruned: {fp.layout.to_string()} would take {fp.step_time_s:.3g} s "
-                     f"but needs {fp.memory_gib:.1f} GiB of {usable_gib:.1f} usable")
-    return lines
-
-
 def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
               cluster: Cluster | str = "local", fixed: dict[str, object] | None = None,
               space: SearchSpace = SearchSpace(), dtype: str = "fp32", expert_slots: int = 0) -> Plan:
