@@ -16,6 +16,7 @@ from phalanx.planner.layout import Layout
 from phalanx.planner.peak_memory import BUCKET_BYTES, expert_shards, folds_experts, param_counts_of
 
 if TYPE_CHECKING:
+    from phalanx.model.config import ModelConfig
     from phalanx.planner.cost import Options
     from phalanx.planner.stage_time import StageTimes
 
@@ -135,7 +136,7 @@ FP32_GRAD = 4
 """Bytes per element of the gradients the replica sum adds: the parameters' own (fp32) .grad."""
 
 
-def replica_sum_time(cluster: Cluster, model, lay: Layout, expert_slots: int, moe_layers: int) -> float:
+def replica_sum_time(cluster: Cluster, model: ModelConfig, lay: Layout, expert_slots: int, moe_layers: int) -> float:
     """Seconds per step of `--expert-slots`' replica gradient sum (phalanx/parallel/
     expert_slot_grads.py): once per optimizer step and MoE layer, one all-reduce over the ep
     group of a dense buffer holding the gradients of every replicated expert. S slots for E
