@@ -95,7 +95,7 @@ def test_sigmoid_router_has_no_equivalent(tmp_path):
 def test_kv_cache_decoding_equals_full_recompute(tmp_path):
     """Prefill then one token at a time through the cache gives the logits of running the
     whole prefix at once, with a sliding window shorter than the sequence."""
-    from phalanx.model.transformer import KVCache
+    from phalanx.model.kv_cache import KVCache
 
     model = hf.load(write_checkpoint(tmp_path / "hf", "mistral"))
     tokens = _tokens(20)

@@ -27,7 +27,7 @@ from torch import nn
 
 from phalanx.errors import UserError
 from phalanx.generate.sampling import Sampling, pick_token
-from phalanx.model.transformer import KVCache
+from phalanx.model.kv_cache import KVCache
 
 
 @dataclass
