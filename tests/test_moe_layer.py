@@ -186,6 +186,7 @@ def test_grouped_mm_path_matches_the_loop():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_grouped_mm_path_matches_the_loop_on_cuda_bf16():
     """Where the fused path is meant to run: bf16 on a GPU. bf16 keeps 8 bits of mantissa
