@@ -5,7 +5,7 @@ A 4096 x 4096 float32 image (random values), sigma 3 (radius 12), cut into 4 x 4
 phalanx's time is the whole `blur` call as a user sees it, worker start included; the largest
 difference from scipy is printed too. Ratio: scipy's time over phalanx's (above 1: faster).
 
-    .venv/bin/python benchmarks/blur_tiles.py [--size 4096] [--device cuda] [--threads N]
+    .venv/bin/python benchmarks/blur_tiles.py [--size 4096] [--device cuda] [--threads N] [--nproc 1,2,4]
 
 --threads sets torch's threads in this process; phalanx's CPU ranks run on one thread each
 whatever it says (phalanx/kernels/workers.py), so it no longer changes phalanx's times; scipy
@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, default=4)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads here (0: torch's default)")
+    parser.add_argument("--nproc", default="1,2,4",
+                        help="process counts to time phalanx on (default 1,2,4; one GPU: 1)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,7 +66,9 @@ def main() -> None:
     print(f"{args.size} x {args.size} float32, sigma {args.sigma}, {args.tiles} x {args.tiles} tiles, --device {args.device}, "
           f"{torch.get_num_threads()} torch threads in-process")
     print(f"  {'scipy gaussian_filter':28s} {scipy_s:8.3f} s")
-    for nproc in (1, 2, 4):
+    if args.device == "cuda":  # CUDA's context and first kernels outside the clock
+        blur(image[:64, :64], args.sigma, tiles=1, device="cuda")
+    for nproc in (int(n) for n in args.nproc.split(",")):
         began = time.perf_counter()
         out = blur(image, args.sigma, tiles=args.tiles, nproc=nproc, device=args.device)
         took = time.perf_counter() - began

@@ -9,6 +9,7 @@ all tools must agree on the count. Ratios: the other tool's time over phalanx's 
 phalanx is faster).
 
     .venv/bin/python benchmarks/match_throughput.py [--quick] [--device cuda] [--nproc N] [--threads N]
+        [--mb MB] [--patterns 100,1000,10000]
 
 --threads sets torch's threads in this process; phalanx's CPU ranks run on one thread each
 whatever it says (phalanx/kernels/workers.py), so it no longer changes phalanx's times. The other tools run on one thread.
@@ -120,6 +121,9 @@ def kernel_only_cuda(patterns: list[bytes], text: bytes, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 MB texts instead of 5 and 8 MB")
+    parser.add_argument("--mb", type=float, default=0.0, help="both texts this many MB (overrides --quick; 0: default)")
+    parser.add_argument("--patterns", default="100,1000,10000",
+                        help="pattern counts drawn from the source text (DNA: those up to 1000; default 100,1000,10000)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--nproc", type=int, default=1, help="phalanx worker processes")
     parser.add_argument("--repeats", type=int, default=1)
@@ -131,11 +135,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rng = random.Random(0)
-    source = stdlib_text(1 << 20 if args.quick else 5 << 20)
-    dna = bytes(rng.choice(b"ACGT") for _ in range(1 << 20 if args.quick else 8 << 20))
-    cases = [(f"stdlib {len(source) / 2**20:.1f} MB", source, drawn_patterns(source, k, rng)) for k in (100, 1000, 10000)]
+    counts = [int(k) for k in args.patterns.split(",")]
+    source_bytes, dna_bytes = (int(args.mb * 2**20),) * 2 if args.mb else (1 << 20, 1 << 20) if args.quick else (5 << 20, 8 << 20)
+    source = stdlib_text(source_bytes)
+    dna = bytes(rng.choice(b"ACGT") for _ in range(dna_bytes))
+    cases = [(f"stdlib {len(source) / 2**20:.1f} MB", source, drawn_patterns(source, k, rng)) for k in counts]
     cases += [(f"DNA {len(dna) / 2**20:.1f} MB", dna, sorted({bytes(rng.choice(b"ACGT") for _ in range(8)) for _ in range(k * 2)})[:k])
-              for k in (100, 1000)]
+              for k in counts if k <= 1000]
     print(f"phalanx: --device {args.device} --nproc {args.nproc}, {torch.get_num_threads()} torch threads in-process; "
           f"times are the best of {args.repeats}; "
           "ratio = other tool's time / phalanx's")

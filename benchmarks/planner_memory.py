@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/planner_memory.py                  # CPU, fp32, about 3 minutes
     PYTHONPATH=. python benchmarks/planner_memory.py --device cuda    # a GPU: the one-process layouts
     PYTHONPATH=. python benchmarks/planner_memory.py --only "dp=2,zero=2"   # one layout, to investigate
+    PYTHONPATH=. python benchmarks/planner_memory.py --only "small microbatches=1" --model tiny   # seconds
 
 For each layout, the model is built and stepped as `phalanx train` does (memory_measure.py)
 on forked gloo ranks, and PyTorch's trackers (`MemTracker`, `FSDPMemTracker`) report each
@@ -116,10 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on cpu, bf16 on cuda")
     parser.add_argument("--only", default=None, metavar="TEXT",
                         help="measure only the layouts whose plan contains TEXT (e.g. 'dp=2,zero=2'), to investigate one")
+    parser.add_argument("--model", default=None,
+                        help="this model in every chosen layout instead of its own (e.g. tiny: a quick run of the script)")
     args = parser.parse_args(argv)
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    layouts = [row for row in LAYOUTS if (args.device == "cpu" or row[1] == 1)
-               and (args.only is None or args.only in f"{row[2]} {row[3]}")]
+    layouts = [(half, world, args.model or model, plan) for half, world, model, plan in LAYOUTS
+               if (args.device == "cpu" or world == 1) and (args.only is None or args.only in f"{model} {plan}")]
     if not layouts:
         raise SystemExit(f"no layout matches --only {args.only!r}")
     keys = (*CATEGORIES, "total")

@@ -197,6 +197,9 @@ PRESETS: dict[str, Cluster] = {
         Cluster(name="dgx-h100", peak_tflops=989.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
                 intra_bw_gbs=370.0, inter_bw_gbs=47.0),
         # DGX H200: same NVLink4 (about 475 GB/s all-reduce bus bw measured), 141 GB HBM3e.
+        # Device figures from NVIDIA's H200 Tensor Core GPU datasheet (H200 SXM): 989 TFLOP/s
+        # dense BF16 (the sheet's 1,979 counts 2:4 sparsity), 141 GB HBM3e at 4.8 TB/s; the
+        # H100's Hopper die, so its 132 SMs (shared/reference/published-figures.md, "Hardware").
         Cluster(name="dgx-h200", peak_tflops=989.0, sm_count=132, memory_gib=141.0, hbm_tbs=4.8,
                 intra_bw_gbs=475.0, inter_bw_gbs=47.0),
         # GB200 NVL72: 72 GPUs in one NVLink domain (835-847 GB/s at 4-8 GiB), 400 Gb/s NIC each.

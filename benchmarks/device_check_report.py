@@ -1,0 +1,122 @@
+"""The Markdown of a device check (device_check.py's JSON as one table, ready to paste into
+benchmarks/README.md): one row per part, in the issue's order, with the measurement and the
+planner's prediction side by side, then the exact command of every part."""
+
+from __future__ import annotations
+
+from device_check_parts import PARTS
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _tests(f: dict) -> str:
+    text = f"{f['passed']} passed, {f['failed']} failed, {f['errors']} errors, {f['skipped']} skipped"
+    return text + (f"; not passed: {', '.join(f['not_passed'])}" if f["not_passed"] else "")
+
+
+def _train(f: dict) -> str:
+    text = f"{_rate(f['tokens_per_s'])} tokens/s ({f['global_batch']} x {f['seq_len']}), {f['model_tflops']:.1f} TFLOP/s"
+    if "mfu" in f:
+        text += f", MFU {f['mfu']:.1%} of {f['peak_tflops']:g}"
+    return text + f", peak {_rate(f['peak_mem_mb'])} MB"
+
+
+def _train_planner(measured: dict, p: dict) -> str:
+    if "error" in p:
+        return f"planner failed: {p['error']}"
+    text = f"{_rate(p['tokens_per_s'])} tokens/s (±{p['step_time_band']:.0%})"
+    if measured.get("tokens_per_s"):
+        text += f", predicted/measured {p['tokens_per_s'] / measured['tokens_per_s']:.2f}"
+    text += f", MFU {p['mfu']:.1%}, {p['memory_gib']:.3g} GiB"
+    if measured.get("peak_mem_mb"):
+        text += f" (measured peak {measured['peak_mem_mb'] / 1024:.3g} GiB)"
+    return text + f" on {p['cluster']}"
+
+
+def _generate(f: dict) -> str:
+    parts = []
+    for phase in ("prefill", "decode"):
+        if f"{phase}_phalanx_tokens_per_s" in f:
+            parts.append(f"{phase} {_rate(f[f'{phase}_phalanx_tokens_per_s'])} vs "
+                         f"{_rate(f[f'{phase}_transformers_tokens_per_s'])} tokens/s ({f[f'{phase}_ratio']:.2f}x)")
+    return "; ".join(parts) + ("" if f.get("same_tokens", True) else "; TOKENS DIFFER")
+
+
+def _match(f: dict) -> str:
+    cells = []
+    for c in f["cases"]:
+        cell = f"{c['case']}/{c['patterns']}: {c['phalanx_s']:.3f} s"
+        if "kernel_s" in c:
+            cell += f" (kernel {c['kernel_s']:.3f} s)"
+        if "serial_ratio" in c:
+            cell += f", {c['serial_ratio']:.1f}x serial"
+            if "serial_ratio_kernel" in c:
+                cell += f" ({c['serial_ratio_kernel']:.1f}x kernel only)"
+        cells.append(cell + ("" if c["counts_agree"] else " COUNTS DIFFER"))
+    if "claim_10x_serial_met" in f:
+        cells.append(f"claim >= 10x serial (Wu-Manber, end to end): {'met' if f['claim_10x_serial_met'] else 'NOT met'} "
+                     f"(least {f['min_serial_ratio_wu_manber']:.1f}x)")
+    return "; ".join(cells)
+
+
+def _blur(f: dict) -> str:
+    text = f"scipy {f['scipy_s']:.3f} s, phalanx {f['phalanx_s']:.3f} s ({f['scipy_ratio']:.2f}x scipy)"
+    if "kernel_s" in f:
+        text += f", kernel {f['kernel_s']:.3f} s ({f['scipy_ratio_kernel']:.1f}x scipy)"
+    return text + f", max diff {f['max_diff']:.1e}"
+
+
+def _memory(f: dict) -> str:
+    cells = []
+    for row in f["rows"]:
+        total = row.get("total", {})
+        cell = f"{row['model']} {row['plan']}: total {total.get('predicted_mib', 0):.1f}/{total.get('measured_mib', 0):.1f} MiB " \
+               f"predicted/measured ({total.get('error', 0):+.0%})"
+        if "allocator_mib" in row:
+            cell += f", allocator peak {row['allocator_mib']:.1f} MiB"
+        cells.append(cell)
+    return "; ".join(cells)
+
+
+def _serve(f: dict) -> str:
+    return " / ".join(f["lines"])
+
+
+MEASURED = {"cuda_tests": _tests, "generate": _generate, "serve": _serve, "match": _match, "blur": _blur,
+            "planner_memory": _memory}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    order = {p.name: i for i, p in enumerate(PARTS)}
+    parts = sorted(result["parts"], key=lambda r: order[r["name"]])
+    lines = [f"Device check on {env['device']}, torch {env['torch']} (CUDA {env['cuda']}), commit {env['commit']}, "
+             f"{result['started']}, {result.get('wall_s', 0):.0f} s of a {result['budget_s']:.0f} s budget "
+             f"(`benchmarks/device_check.sh{' --dry-run' if env['dry_run'] else ''}`):", "",
+             "| # | part | status | s (CPU s) | measured | planner predicts |", "|---|---|---|---|---|---|"]
+    for record in parts:
+        figures = record.get("figures") or {}
+        name = record["name"]
+        summarize = _train if name.startswith("train_") else MEASURED[name]
+        try:
+            measured = summarize(figures) if figures else ""
+        except KeyError as missing:  # a figure the summary needs was not printed
+            measured = f"(figure {missing} not found)"
+        if record.get("output_tail") and record["status"] != "ok":
+            measured = (measured + "; " if measured else "") + f"last line: {record['output_tail'][-1]}"
+        planner = record.get("planner")
+        predicted = _train_planner(figures, planner) if planner else "in the measured cell" if name == "planner_memory" else "-"
+        lines.append(f"| {record['section']} | {_cell(record['title'])} | {_cell(record['status'])} | "
+                     f"{record['seconds']:.0f} ({record.get('cpu_s', 0):.0f}) | {_cell(measured)} | {_cell(predicted)} |")
+    lines += ["", "Commands (from the repository root, PYTHONPATH=.):", ""]
+    lines += [f"- {r['name']}: `{r['command']}`" for r in parts if r.get("command")]
+    planner_commands = {r["planner"]["command"] for r in parts if isinstance(r.get("planner"), dict)
+                        and r["planner"].get("command")}
+    lines += [f"- planner: `{command}`" for command in sorted(planner_commands)]
+    return "\n".join(lines) + "\n"
