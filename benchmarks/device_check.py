@@ -17,11 +17,14 @@ import datetime
 import json
 import os
 import platform
+import resource
+import shlex
 import signal
 import subprocess
 import sys
-import resource
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,6 +34,7 @@ from device_check_report import markdown  # noqa: E402
 
 MIN_PART_S = 10.0
 TAIL_LINES = 25
+LOG_LOCK = threading.Lock()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -42,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=540.0, help="all parts together, seconds (default 540)")
     parser.add_argument("--only", default="", help="comma-separated part names (default: all): "
                                                    + ", ".join(p.name for p in PARTS))
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="parts run at once (default 1 on a GPU, where each part is timed alone; 2 for --dry-run)")
     parser.add_argument("--cluster", default="", help="the planner's --cluster for this device "
                                                       "(default: the preset of the GPU's kind; local for --dry-run)")
     args = parser.parse_args(argv)
@@ -49,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = [name for name in filter(None, args.only.split(",")) if name not in known]
     if unknown:
         parser.error(f"unknown part {unknown[0]!r}; choose among {', '.join(sorted(known))}")
+    if args.jobs < 0:
+        parser.error(f"--jobs {args.jobs}: at least 1 (0: the default)")
     return args
 
 
@@ -106,21 +114,30 @@ def run_command(command: list[str], timeout_s: float, env: dict) -> tuple[int | 
 
 
 def shown(command: list[str]) -> str:
-    return " ".join("python" if word == sys.executable else word for word in command)
+    """The command as one types it (quoted where needed), with `python` for this interpreter."""
+    return shlex.join("python" if word == sys.executable else word for word in command)
 
 
-def run_part(part: Part, ctx: Context, left_s: float, env: dict, log) -> dict:
+def run_part(part: Part, ctx: Context, env: dict, log, alone: bool) -> dict:
+    """Run one part within what is left of the budget and record it; `alone`: no other part
+    runs meanwhile, so the CPU time of this process's children is this part's."""
     record: dict = {"name": part.name, "section": part.section, "title": part.title}
+    left = ctx.deadline - time.perf_counter()
+    if left < MIN_PART_S:
+        return {**record, "seconds": 0.0, "status": f"not run: the {ctx.budget_s:.0f} s budget was spent"}
     step = part.step(ctx)
     if step.skip:
         return {**record, "status": step.skip, "seconds": 0.0}
-    timeout = min(step.timeout_s, left_s)
+    timeout = min(step.timeout_s, left)
     record.update(command=shown(step.command), timeout_s=round(timeout))
     print(f"device_check: {part.name}: {record['command']}  (at most {timeout:.0f} s)", flush=True)
     code, output, seconds, cpu_s = run_command(step.command, timeout, env)
-    log.write(f"\n===== {part.name} ({shown(step.command)}) =====\n{output}\n")
-    log.flush()
-    record["seconds"], record["cpu_s"] = round(seconds, 1), round(cpu_s, 1)
+    with LOG_LOCK:
+        log.write(f"\n===== {part.name} ({shown(step.command)}) =====\n{output}\n")
+        log.flush()
+    record["seconds"] = round(seconds, 1)
+    if alone:
+        record["cpu_s"] = round(cpu_s, 1)
     record["status"] = "timed out" if code is None else "ok" if code == 0 else f"failed (exit {code})"
     record["figures"] = part.read(output)
     if record["status"] == "ok" and not record["figures"]:
@@ -161,19 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     chosen = set(filter(None, args.only.split(","))) or {p.name for p in PARTS}
     by_name = {p.name: p for p in PARTS}
     print(f"device_check: {result['environment']['device']}; writing {out}/device_check.json, .md and .log", flush=True)
-    with open(out / "device_check.log", "w") as log:
-        ctx = Context(dry_run=args.dry_run, cluster=device_cluster(args, result["environment"]), workdir=out)
+    jobs = args.jobs or (2 if args.dry_run else 1)
+    names = [n for n in RUN_ORDER if n in chosen]
+    with open(out / "device_check.log", "w") as log, ThreadPoolExecutor(jobs) as pool:
+        ctx = Context(dry_run=args.dry_run, cluster=device_cluster(args, result["environment"]), workdir=out,
+                      deadline=began + args.budget_s, budget_s=args.budget_s)
         result["environment"]["planner_cluster"] = ctx.cluster
-        for name in (n for n in RUN_ORDER if n in chosen):
-            left = args.budget_s - (time.perf_counter() - began)
-            part = by_name[name]
-            if left < MIN_PART_S:
-                record = {"name": name, "section": part.section, "title": part.title, "seconds": 0.0,
-                          "status": f"not run: the {args.budget_s:.0f} s budget was spent"}
-            else:
-                record = run_part(part, ctx, left, env_vars, log)
-            print(f"device_check: {name}: {record['status']} ({record['seconds']:.0f} s)", flush=True)
+        running = [pool.submit(run_part, by_name[name], ctx, env_vars, log, jobs == 1) for name in names]
+        for done in as_completed(running):
+            record = done.result()
+            print(f"device_check: {record['name']}: {record['status']} ({record['seconds']:.0f} s)", flush=True)
             result["parts"].append(record)
+            result["parts"].sort(key=lambda r: names.index(r["name"]))
             result["wall_s"] = round(time.perf_counter() - began, 1)
             write(out, result)
     result["wall_s"] = round(time.perf_counter() - began, 1)

@@ -34,11 +34,22 @@ class Context:
     """The planner's --cluster for this device (a preset, or `local` on the CPU)."""
     workdir: Path
     """The output folder: the planner's model file goes there, so its command can be rerun."""
+    budget_s: float = 0.0
+    deadline: float = float("inf")
+    """time.perf_counter() at which the budget ends: the short commands run between parts
+    (--help, the planner) stop there too."""
     helps: dict[str, str] = field(default_factory=dict)
     """--help text of each script, read once."""
 
     def python(self, *args: str) -> list[str]:
         return [sys.executable, *args]
+
+    def short_timeout(self) -> float:
+        """Seconds for a command between parts: at most 60 (a loaded machine's dry run: more),
+        never past the deadline."""
+        import time
+
+        return max(1.0, min(DRY_RUN_TIMEOUT_S if self.dry_run else 60.0, self.deadline - time.perf_counter()))
 
 
 @dataclass
@@ -168,7 +179,7 @@ def train_planner(ctx: Context) -> dict:
                "--global-batch", str(batch), "--seq-len", str(sizes["seq_len"]), "--json", "--top", "1",
                "--dtype", "fp32" if ctx.dry_run else "bf16",
                "--fix", f"dp=1,tp=1,pp=1,mbs={batch},recompute=none,zero=0"]
-    done = subprocess.run(ctx.python(*command), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(ctx.python(*command), cwd=ROOT, capture_output=True, text=True, timeout=ctx.short_timeout())
     if done.returncode != 0 or not done.stdout.strip():
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1], "command": _shown(command)}
     best = json.loads(done.stdout)["plans"][0]
@@ -183,7 +194,7 @@ def generate_step(ctx: Context) -> Step:
     if ctx.dry_run:
         sizes = ["--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "256", "--prompt", "16", "--new", "8",
                  "--repeats", "1"]
-    else:  # a 0.2B llama shape: large enough that the GPU, not Python, sets prefill's pace
+    else:  # a 0.14B llama shape: large enough that the GPU, not Python, sets prefill's pace
         sizes = ["--hidden", "1024", "--layers", "8", "--heads", "16", "--vocab", "8192", "--prompt", "512", "--new",
                  "128", "--repeats", "3"]
     return Step(ctx.python("benchmarks/generate_throughput.py", "--device", "cpu" if ctx.dry_run else "cuda", *sizes),
@@ -325,7 +336,8 @@ def help_text(ctx: Context, script: str) -> str:
 
     if script not in ctx.helps:
         try:
-            done = subprocess.run(ctx.python(script, "--help"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+            done = subprocess.run(ctx.python(script, "--help"), cwd=ROOT, capture_output=True, text=True,
+                                  timeout=ctx.short_timeout())
             ctx.helps[script] = done.stdout if done.returncode == 0 else ""
         except subprocess.TimeoutExpired:
             ctx.helps[script] = ""
@@ -333,4 +345,6 @@ def help_text(ctx: Context, script: str) -> str:
 
 
 def _shown(command: list[str]) -> str:
-    return " ".join(["python", *command])
+    import shlex
+
+    return shlex.join(["python", *command])

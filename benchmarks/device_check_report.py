@@ -88,6 +88,11 @@ MEASURED = {"cuda_tests": _tests, "generate": _generate, "serve": _serve, "match
             "planner_memory": _memory}
 
 
+def _cpu(record: dict) -> str:
+    """CPU seconds of the part's processes; known only when it ran alone (not with --jobs 2)."""
+    return f"{record['cpu_s']:.0f}" if "cpu_s" in record else "-"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -113,7 +118,7 @@ def markdown(result: dict) -> str:
         planner = record.get("planner")
         predicted = _train_planner(figures, planner) if planner else "in the measured cell" if name == "planner_memory" else "-"
         lines.append(f"| {record['section']} | {_cell(record['title'])} | {_cell(record['status'])} | "
-                     f"{record['seconds']:.0f} ({record.get('cpu_s', 0):.0f}) | {_cell(measured)} | {_cell(predicted)} |")
+                     f"{record['seconds']:.0f} ({_cpu(record)}) | {_cell(measured)} | {_cell(predicted)} |")
     lines += ["", "Commands (from the repository root, PYTHONPATH=.):", ""]
     lines += [f"- {r['name']}: `{r['command']}`" for r in parts if r.get("command")]
     planner_commands = {r["planner"]["command"] for r in parts if isinstance(r.get("planner"), dict)

@@ -87,7 +87,7 @@ def train_steps(model, vocab: int, device: torch.device, autocast=contextlib.nul
         norms.append(clip_grad_norm(model.parameters(), 1.0))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "grad_norms": norms, "weights": full_weights(model)}
 
 

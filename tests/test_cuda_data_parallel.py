@@ -8,8 +8,9 @@ DDP's bucketed all-reduce, and the offload's host-device copies, through NCCL. O
 a collective copies and divides by 1, so the arithmetic is the plain model's; the tolerance,
 1e-5 relative on losses and gradient norms and absolute on weights (values ~0.1 to 5) after
 3 fp32 steps, leaves room only for CUDA kernels that do not sum in a fixed order between two
-calls (attention's backward), never for a missing, doubled or mis-sharded reduction, which
-moves every weight by a whole step (about lr = 3e-3).
+calls (attention's backward). A doubled reduction doubles the gradient norm (clipping and
+AdamW would hide it in the weights); a shard put back in the wrong place moves weights by
+whole values; a lost offload copy leaves them unchanged by the step (lr = 3e-3 away).
 """
 
 from __future__ import annotations

@@ -37,8 +37,10 @@ def _run(cfg: TrainConfig, name: str):
 
 def test_bf16_on_cuda_is_within_the_bf16_bounds_of_fp32_on_cpu(tiny_config):
     ref, ref_norms = _run(tiny_config, "cpu-fp32")
+    torch.cuda.reset_peak_memory_stats()
     got, norms = _run(tiny_config.replace(device="cuda", dtype="bf16"), "cuda-bf16")
-    assert torch.cuda.max_memory_allocated() > 0  # the model really ran on the GPU
+    assert torch.cuda.max_memory_allocated() > 0  # this run's model really ran on the GPU
+    assert next(got.model.parameters()).device.type == "cuda"
     assert len(got.losses) == len(ref.losses) == tiny_config.steps
     assert max(abs(a - b) for a, b in zip(got.losses, ref.losses)) < BF16_LOSS, (got.losses, ref.losses)
     for step, (norm, expected) in enumerate(zip(norms, ref_norms), 1):

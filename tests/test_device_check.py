@@ -96,3 +96,47 @@ def test_readers_of_failing_tests_and_serving_lines():
                                    "not_passed": ["tests/test_cuda_a.py::test_y"], "incomplete": True}
     assert read_serve("warm-up\n  decode 1,234 tokens/s\n  ratio phalanx / baseline = 1.1\n") == {
         "lines": ["decode 1,234 tokens/s", "ratio phalanx / baseline = 1.1"]}
+
+
+def test_readers_of_the_lines_only_a_gpu_prints_and_their_table_row():
+    """The lines the scripts print with --device cuda (kernel-only times, MFU, the NCCL
+    check, the allocator's peak), written as their f-strings print them."""
+    from device_check_parts import read_blur, read_match, read_memory, read_train
+    from device_check_report import markdown
+
+    train = read_train("NVIDIA H200 | NCCL all_reduce on 1 rank: [1.0, 1.0, 1.0, 1.0]\n"
+                       "bench-1b: 8 x 2048 tokens per step, median 61,234 tokens/s, 412.50 model TFLOP/s, "
+                       "peak memory 48,120 MB\nMFU = 41.7% of 989 TFLOP/s\n")
+    assert train["tokens_per_s"] == 61234 and train["mfu"] == pytest.approx(0.417) and train["peak_tflops"] == 989
+    assert train["nccl_all_reduce"] == "[1.0, 1.0, 1.0, 1.0]"
+    match = read_match("phalanx: --device cuda --nproc 1, 16 torch threads in-process; times are the best of 2\n\n"
+                       "stdlib 1.0 MB, 1000 patterns, phalanx algorithm wu-manber:\n"
+                       f"  {'phalanx':28s} {0.021:8.3f} s  428686 matches\n"
+                       f"  {'phalanx kernel only (GPU)':28s} {0.004:8.3f} s\n"
+                       f"  {'serial Wu-Manber (Python)':28s} {3.946:8.3f} s  ratio {3.946 / 0.021:6.2f}\n"
+                       f"  {'pyahocorasick':28s} not installed\n")
+    (case,) = match["cases"]
+    assert case["kernel_s"] == 0.004 and case["serial_ratio"] == 187.9 and match["claim_10x_serial_met"] is True
+    blur = read_blur(f"  {'scipy gaussian_filter':28s} {1.348:8.3f} s\n"
+                     f"  {'phalanx, 1 process':28s} {0.2:8.3f} s  ratio scipy/phalanx {6.74:5.2f}  max |diff| 3.0e-07\n"
+                     f"  {'phalanx kernel only (GPU)':28s} {0.01:8.3f} s\n")
+    assert blur["kernel_s"] == 0.01 and round(blur["scipy_ratio_kernel"], 1) == 134.8
+    memory = read_memory("decide   1 small    microbatches=1" + " " * 37 + "parameters 9.4/9.4 (-0%)  total "
+                         "107.3/100.2 (+7%)  allocator 131.5  [4 s]\n")
+    assert memory["rows"][0]["allocator_mib"] == 131.5 and memory["rows"][0]["total"]["error"] == 0.07
+    planner = {"cluster": "dgx-h200", "tokens_per_s": 86562.0, "mfu": 0.501, "step_time_s": 0.19,
+               "step_time_band": 0.21, "memory_gib": 40.9, "command": "python -m phalanx plan ..."}
+    result = {"environment": {"device": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "commit": "abc",
+                              "dry_run": False}, "started": "now", "budget_s": 540, "wall_s": 400, "parts": [
+        {"name": "train_bf16", "section": 2, "title": "training, bf16", "status": "ok", "seconds": 40, "cpu_s": 30,
+         "figures": train, "planner": planner},
+        {"name": "match", "section": 4, "title": "match", "status": "ok", "seconds": 50, "figures": match},
+        {"name": "blur", "section": 4, "title": "blur", "status": "timed out", "seconds": 60, "figures": blur,
+         "output_tail": ["last | line"]},
+        {"name": "planner_memory", "section": 5, "title": "memory", "status": "ok", "seconds": 20, "figures": memory}]}
+    table = markdown(result)
+    assert "| 2 | training, bf16 | ok | 40 (30) | 61,234 tokens/s (8 x 2048), 412.5 TFLOP/s, MFU 41.7% of 989" in table
+    assert "86,562 tokens/s (±21%), predicted/measured 1.41, MFU 50.1%, 40.9 GiB (measured peak 47 GiB)" in table
+    assert "(kernel 0.004 s), 187.9x serial (986.5x kernel only); claim >= 10x serial" in table
+    assert "| 4 | blur | timed out | 60 (-) |" in table and "last line: last \\| line |" in table
+    assert "allocator peak 131.5 MiB" in table
