@@ -66,8 +66,15 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 
     from phalanx.model.init import canonical_name
 
-    return {canonical_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
-            for name, p in model.named_parameters()}
+    def whole(param: torch.Tensor) -> torch.Tensor:
+        param = param.detach()
+        if not isinstance(param, DTensor):
+            return param
+        if param.device.type != param.device_mesh.device_type:  # offloaded shards: gather on the mesh's device
+            param = param.to(param.device_mesh.device_type)
+        return param.full_tensor()
+
+    return {canonical_name(name): whole(p).float().cpu() for name, p in model.named_parameters()}
 
 
 def train_steps(model, vocab: int, device: torch.device, autocast=contextlib.nullcontext) -> dict:
