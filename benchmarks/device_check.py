@@ -139,7 +139,10 @@ def run_part(part: Part, ctx: Context, env: dict, log, alone: bool) -> dict:
     if alone:
         record["cpu_s"] = round(cpu_s, 1)
     record["status"] = "timed out" if code is None else "ok" if code == 0 else f"failed (exit {code})"
-    record["figures"] = part.read(output)
+    try:
+        record["figures"] = part.read(output)
+    except (ValueError, KeyError, IndexError) as error:  # a line that looked right and was not: say so, go on
+        record["figures"], record["reader_error"] = {}, f"{type(error).__name__}: {error}"
     if record["status"] == "ok" and not record["figures"]:
         record["status"] = "ok, but no figures found in its output"
     if record["status"] != "ok":

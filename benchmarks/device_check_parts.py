@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -35,6 +37,7 @@ class Context:
     workdir: Path
     """The output folder: the planner's model file goes there, so its command can be rerun."""
     budget_s: float = 0.0
+    """All parts together, seconds (for the message of a part the budget left out)."""
     deadline: float = float("inf")
     """time.perf_counter() at which the budget ends: the short commands run between parts
     (--help, the planner) stop there too."""
@@ -47,8 +50,6 @@ class Context:
     def short_timeout(self) -> float:
         """Seconds for a command between parts: at most 60 (a loaded machine's dry run: more),
         never past the deadline."""
-        import time
-
         return max(1.0, min(DRY_RUN_TIMEOUT_S if self.dry_run else 60.0, self.deadline - time.perf_counter()))
 
 
@@ -161,8 +162,6 @@ def read_train(text: str) -> dict:
 def train_planner(ctx: Context) -> dict:
     """`phalanx plan --json` for the benchmark's own model, batch and layout (one device, no
     recompute, no ZeRO) on this device's cluster: step time, tokens/s, MFU and memory."""
-    import subprocess
-
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from single_device_throughput import SIZES  # noqa: E402  (the benchmark's models)
 
@@ -332,8 +331,6 @@ seconds."""
 
 def help_text(ctx: Context, script: str) -> str:
     """`script --help`, read once per run ("" when it fails)."""
-    import subprocess
-
     if script not in ctx.helps:
         try:
             done = subprocess.run(ctx.python(script, "--help"), cwd=ROOT, capture_output=True, text=True,

@@ -113,6 +113,8 @@ def markdown(result: dict) -> str:
             measured = summarize(figures) if figures else ""
         except KeyError as missing:  # a figure the summary needs was not printed
             measured = f"(figure {missing} not found)"
+        except (TypeError, ValueError) as error:  # a figure of another kind than the summary expects
+            measured = f"(figures unreadable: {error})"
         if record.get("output_tail") and record["status"] != "ok":
             measured = (measured + "; " if measured else "") + f"last line: {record['output_tail'][-1]}"
         planner = record.get("planner")
