@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             write(out, result)
     result["wall_s"] = round(time.perf_counter() - began, 1)
     write(out, result)
-    print(f"device_check: done in {result['wall_s']:.0f} s; {out}/device_check.md", flush=True)
+    # The table last, on stdout too: where only the end of the output comes back, it does.
+    print(f"device_check: done in {result['wall_s']:.0f} s; {out}/device_check.md:\n\n{markdown(result)}", flush=True)
     return 0
 
 
