@@ -120,8 +120,11 @@ def read_tests(text: str) -> dict:
 # 2. Training throughput and MFU of one device.
 
 TRAIN_SCRIPT = "benchmarks/single_device_throughput.py"
-TRAIN_VARIANTS = {"bf16": (), "bf16_compile": ("--compile",), "bf16_float8": ("--float8",),
-                  "bf16_compile_float8": ("--compile", "--float8")}
+TRAIN_VARIANTS = {"bf16": ((), "eager"), "bf16_compile": (("--compile",), "compile"),
+                  "bf16_compile_float8": (("--compile", "--float8"), "float8"), "bf16_float8": (("--float8",), "float8")}
+"""Part name -> (the script's flags, the arm of its output the row reports). A script that
+trains several arms in one run (eager, then compile, then float8) prints a line per arm and
+their ratios, measured in the same process: each row keeps them all."""
 
 
 def train_sizes(ctx: Context) -> dict:
@@ -140,23 +143,43 @@ def train_step(flags: tuple[str, ...]) -> Callable[[Context], Step]:
         sizes = train_sizes(ctx)
         args = ["--size", sizes["size"], "--steps", str(sizes["steps"]), "--global-batch", str(sizes["global_batch"]),
                 "--seq-len", str(sizes["seq_len"])]
-        timeout = DRY_RUN_TIMEOUT_S if ctx.dry_run else 90 if not flags else 180
+        timeout = DRY_RUN_TIMEOUT_S if ctx.dry_run else 90 if not flags else 240
         return Step(ctx.python(TRAIN_SCRIPT, *args, *flags), timeout)
     return step
 
 
-def read_train(text: str) -> dict:
-    found = re.search(r"(\S+): (\d+) x (\d+) tokens per step, median ([\d,]+) tokens/s, ([\d.]+) model TFLOP/s, "
-                      r"peak memory ([\d,]+) MB", text)
-    if not found:
-        return {}
-    figures = {"model": found[1], "global_batch": int(found[2]), "seq_len": int(found[3]),
-               "tokens_per_s": _number(found[4]), "model_tflops": float(found[5]), "peak_mem_mb": _number(found[6])}
-    if mfu := re.search(r"MFU = ([\d.]+)% of ([\d.]+) TFLOP/s", text):
-        figures.update(mfu=float(mfu[1]) / 100, peak_tflops=float(mfu[2]))
-    if nccl := re.search(r"NCCL all_reduce on 1 rank: (.*)", text):
-        figures["nccl_all_reduce"] = nccl[1].strip()
-    return figures
+_ARM = (r"^\s+(\w+)\s+([\d,]+) tokens/s\s+([\d.]+) model TFLOP/s\s+peak memory ([\d,]+) MB"
+        r"(?:\s+MFU ([\d.]+)% of ([\d.]+) TFLOP/s)?")
+_ONE_ARM = r"median ([\d,]+) tokens/s, ([\d.]+) model TFLOP/s, peak memory ([\d,]+) MB"
+
+
+def read_train_arm(arm: str) -> Callable[[str], dict]:
+    """Reader of the training script's output, reporting `arm` (its figures at the top)."""
+    def read(text: str) -> dict:
+        head = re.search(r"(\S+): (\d+) x (\d+) tokens per step", text)
+        if not head:
+            return {}
+        arms = {}
+        for name, rate, tflops, memory, mfu, peak in re.findall(_ARM, text, re.M):
+            arms[name] = {"tokens_per_s": _number(rate), "model_tflops": float(tflops), "peak_mem_mb": _number(memory)}
+            if mfu:
+                arms[name].update(mfu=float(mfu) / 100, peak_tflops=float(peak))
+        if one := re.search(_ONE_ARM, text):  # one arm on the header line (before --compile existed)
+            arms["eager"] = {"tokens_per_s": _number(one[1]), "model_tflops": float(one[2]),
+                             "peak_mem_mb": _number(one[3])}
+            if mfu := re.search(r"MFU = ([\d.]+)% of ([\d.]+) TFLOP/s", text):
+                arms["eager"].update(mfu=float(mfu[1]) / 100, peak_tflops=float(mfu[2]))
+        if not arms:
+            return {}
+        # The row's own arm at the top; without it (a run that failed at its last arm) the
+        # arms before it still count.
+        figures = {"model": head[1], "global_batch": int(head[2]), "seq_len": int(head[3]), "arm": arm,
+                   **arms.get(arm, {}), "arms": arms,
+                   "ratios": {f"{a} / {b}": float(r) for a, b, r in re.findall(r"^(\w+) / (\w+)\s+= ([\d.]+)x", text, re.M)}}
+        if nccl := re.search(r"NCCL all_reduce on 1 rank: (.*)", text):
+            figures["nccl_all_reduce"] = nccl[1].strip()
+        return figures
+    return read
 
 
 def train_planner(ctx: Context) -> dict:
@@ -314,8 +337,8 @@ def read_memory(text: str) -> dict:
 
 PARTS = [
     Part("cuda_tests", 1, "CUDA-marked tests (pytest -m cuda)", tests_step, read_tests),
-    *(Part(f"train_{name}", 2, f"training, {name.replace('_', ' + ')}", train_step(flags), read_train, train_planner)
-      for name, flags in TRAIN_VARIANTS.items()),
+    *(Part(f"train_{name}", 2, f"training, {name.replace('_', ' + ')}", train_step(flags), read_train_arm(arm),
+           train_planner) for name, (flags, arm) in TRAIN_VARIANTS.items()),
     Part("generate", 3, "generation vs transformers.generate", generate_step, read_generate),
     Part("serve", 3, "serving (serve_load.py)", serve_step, read_serve),
     Part("match", 4, "match vs serial Wu-Manber", match_step, read_match),
@@ -323,10 +346,10 @@ PARTS = [
     Part("planner_memory", 5, "planner memory model vs measured", memory_step, read_memory),
 ]
 RUN_ORDER = ["cuda_tests", "train_bf16", "generate", "match", "blur", "planner_memory", "serve",
-             "train_bf16_float8", "train_bf16_compile", "train_bf16_compile_float8"]
+             "train_bf16_compile_float8", "train_bf16_compile", "train_bf16_float8"]
 """Cheap and sure parts first, the compiling ones last: when one of those runs long, the
-budget it takes is the only one left. Eager float8 before them: without torchao it fails in
-seconds."""
+budget it takes is the only one left. Of those, compile + float8 first: the script trains
+eager, compiled and compiled float8 arms in that one run, with their ratios."""
 
 
 def help_text(ctx: Context, script: str) -> str:

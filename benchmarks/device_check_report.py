@@ -16,11 +16,23 @@ def _tests(f: dict) -> str:
     return text + (f"; not passed: {', '.join(f['not_passed'])}" if f["not_passed"] else "")
 
 
+def _arm(name: str, a: dict) -> str:
+    text = f"{name} {_rate(a['tokens_per_s'])} tokens/s, {a['model_tflops']:.1f} TFLOP/s"
+    if "mfu" in a:
+        text += f", MFU {a['mfu']:.1%} of {a['peak_tflops']:g}"
+    return text + f", peak {_rate(a['peak_mem_mb'])} MB"
+
+
 def _train(f: dict) -> str:
-    text = f"{_rate(f['tokens_per_s'])} tokens/s ({f['global_batch']} x {f['seq_len']}), {f['model_tflops']:.1f} TFLOP/s"
-    if "mfu" in f:
-        text += f", MFU {f['mfu']:.1%} of {f['peak_tflops']:g}"
-    return text + f", peak {_rate(f['peak_mem_mb'])} MB"
+    """The row's own arm first, then the others of the same run and the script's ratios."""
+    arms = f["arms"]
+    order = sorted(arms, key=lambda name: name != f["arm"])
+    text = f"{f['global_batch']} x {f['seq_len']}: " + "; ".join(_arm(name, arms[name]) for name in order)
+    if f["arm"] not in arms:
+        text += f"; no {f['arm']} arm"
+    if f["ratios"]:
+        text += "; " + ", ".join(f"{key} = {value:.2f}x" for key, value in f["ratios"].items())
+    return text
 
 
 def _train_planner(measured: dict, p: dict) -> str:

@@ -101,14 +101,25 @@ def test_readers_of_failing_tests_and_serving_lines():
 def test_readers_of_the_lines_only_a_gpu_prints_and_their_table_row():
     """The lines the scripts print with --device cuda (kernel-only times, MFU, the NCCL
     check, the allocator's peak), written as their f-strings print them."""
-    from device_check_parts import read_blur, read_match, read_memory, read_train
+    from device_check_parts import read_blur, read_match, read_memory, read_train_arm
     from device_check_report import markdown
 
-    train = read_train("NVIDIA H200 | NCCL all_reduce on 1 rank: [1.0, 1.0, 1.0, 1.0]\n"
-                       "bench-1b: 8 x 2048 tokens per step, median 61,234 tokens/s, 412.50 model TFLOP/s, "
-                       "peak memory 48,120 MB\nMFU = 41.7% of 989 TFLOP/s\n")
+    train = read_train_arm("eager")("NVIDIA H200 | NCCL all_reduce on 1 rank: [1.0, 1.0, 1.0, 1.0]\n"
+                                    "bench-1b: 8 x 2048 tokens per step, median 61,234 tokens/s, 412.50 model TFLOP/s, "
+                                    "peak memory 48,120 MB\nMFU = 41.7% of 989 TFLOP/s\n")
     assert train["tokens_per_s"] == 61234 and train["mfu"] == pytest.approx(0.417) and train["peak_tflops"] == 989
-    assert train["nccl_all_reduce"] == "[1.0, 1.0, 1.0, 1.0]"
+    assert train["nccl_all_reduce"] == "[1.0, 1.0, 1.0, 1.0]" and list(train["arms"]) == ["eager"]
+    # A line per arm (eager, compile, float8 in one run) and the ratios between them; a run
+    # stopped before its float8 arm still reports the arms it printed.
+    arms = ("bench-1b: 8 x 2048 tokens per step, bf16, AdamW, 20 steps per arm (median after 3), torch 2.11\n"
+            f"  {'eager':8s} {61234:12,.0f} tokens/s  {412.5:8.3f} model TFLOP/s  peak memory 48,120 MB  "
+            "MFU 41.7% of 989 TFLOP/s\n"
+            f"  {'compile':8s} {70000:12,.0f} tokens/s  {471.6:8.3f} model TFLOP/s  peak memory 40,000 MB  "
+            "MFU 47.7% of 989 TFLOP/s\ncompile / eager  = 1.14x  (torchtitan: 1.16x)\n")
+    compiled = read_train_arm("compile")(arms)
+    assert compiled["tokens_per_s"] == 70000 and compiled["ratios"] == {"compile / eager": 1.14}
+    stopped = read_train_arm("float8")(arms + "Traceback ...\n")
+    assert "tokens_per_s" not in stopped and list(stopped["arms"]) == ["eager", "compile"]
     match = read_match("phalanx: --device cuda --nproc 1, 16 torch threads in-process; times are the best of 2\n\n"
                        "stdlib 1.0 MB, 1000 patterns, phalanx algorithm wu-manber:\n"
                        f"  {'phalanx':28s} {0.021:8.3f} s  428686 matches\n"
@@ -134,8 +145,12 @@ def test_readers_of_the_lines_only_a_gpu_prints_and_their_table_row():
         {"name": "blur", "section": 4, "title": "blur", "status": "timed out", "seconds": 60, "figures": blur,
          "output_tail": ["last | line"]},
         {"name": "planner_memory", "section": 5, "title": "memory", "status": "ok", "seconds": 20, "figures": memory}]}
+    result["parts"].append({"name": "train_bf16_compile_float8", "section": 2, "title": "training, f8", "status": "failed",
+                            "seconds": 90, "figures": stopped, "planner": planner, "output_tail": ["Error"]})
     table = markdown(result)
-    assert "| 2 | training, bf16 | ok | 40 (30) | 61,234 tokens/s (8 x 2048), 412.5 TFLOP/s, MFU 41.7% of 989" in table
+    assert "| 2 | training, bf16 | ok | 40 (30) | 8 x 2048: eager 61,234 tokens/s, 412.5 TFLOP/s, MFU 41.7% of 989" in table
+    assert ("8 x 2048: eager 61,234 tokens/s, 412.5 TFLOP/s, MFU 41.7% of 989, peak 48,120 MB; compile 70,000 tokens/s, "
+            "471.6 TFLOP/s, MFU 47.7% of 989, peak 40,000 MB; no float8 arm; compile / eager = 1.14x; last line: Error") in table
     assert "86,562 tokens/s (±21%), predicted/measured 1.41, MFU 50.1%, 40.9 GiB (measured peak 47 GiB)" in table
     assert "(kernel 0.004 s), 187.9x serial (986.5x kernel only); claim >= 10x serial" in table
     assert "| 4 | blur | timed out | 60 (-) |" in table and "last line: last \\| line |" in table
