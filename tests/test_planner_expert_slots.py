@@ -10,7 +10,8 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner import cli
-from phalanx.planner.cost import evaluate, trainer_options
+from phalanx.planner.cost import evaluate
+from phalanx.planner.options import trainer_options
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.peak_memory import stage_params

@@ -7,7 +7,8 @@ import pytest
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import cli, comm
-from phalanx.planner.cost import Options, evaluate, trainer_options
+from phalanx.planner.cost import evaluate
+from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import layer_activation_bytes

@@ -10,7 +10,7 @@ import json
 import sys
 
 from phalanx.errors import UserError
-from phalanx.planner.cost import Options, trainer_options
+from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
