@@ -174,7 +174,7 @@ def stop_requested(stop: StopSignals | None, step: int, start_step: int, device:
 
 
 def step_record(step: int, loss: float, lr: float, grad_norm: float, step_time: float, *, tokens: int,
-                mesh: ParallelMesh, pipelined: bool) -> dict:
+                mesh: ParallelMesh, clock: WaitClock | None) -> dict:
     """The metrics.jsonl row of a step, before its MoE, validation and checkpoint fields.
     Collective under a process group (every rank's peak memory)."""
     record = {
@@ -183,8 +183,8 @@ def step_record(step: int, loss: float, lr: float, grad_norm: float, step_time: 
     }
     if dist.is_initialized():
         record["peak_mem_mb_by_rank"] = peak_memory_by_rank(mesh.device)
-    if pipelined:
-        record.update(bubble_record(WaitClock.seconds, step_time, mesh.plan, mesh))
+    if clock is not None:  # pipelined: the time this step waited on transfers
+        record.update(bubble_record(clock, step_time, mesh.plan, mesh))
     return record
 
 
@@ -217,7 +217,6 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
                         weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements)
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
-        WaitClock.install()
         moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
     optimizer = make_optimizer(model, cfg)
     slots = SlotTraining(model, placements, cfg.rebalance_every) if placements else None
@@ -262,9 +261,9 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
                 dp_rank=mesh.dp_rank, dp_size=plan.dp,
             )
             inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq)
-            WaitClock.seconds = 0.0
+            clock = WaitClock() if pipeline is not None else None
             if pipeline is not None:
-                loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast)
+                loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast, clock=clock)
             else:
                 loss_sum = torch.zeros((), device=device)
                 for i in range(accum):
@@ -294,7 +293,7 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             record = step_record(step + 1, loss_value, lr, grad_norm, time.perf_counter() - began,
-                                 tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, pipelined=pipeline is not None)
+                                 tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, clock=clock)
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             if slots is not None and (event := slots.after_step(done, record.get("moe", {}), optimizer)) and metrics:
                 metrics.write(event)  # slots moved to the new placement (weights and optimizer state)
