@@ -121,12 +121,18 @@ def test_auto_plan_without_a_slot_layout_says_why():
 def test_train_plan_auto_plans_for_the_runs_expert_slots():
     """`phalanx train --plan auto --expert-slots S`: the planner's layout for S, which the
     trainer's own slot checks accept. tiny-moe (8 experts) on 4 processes: 10 slots only run
-    at ep=2; --rebalance-every alone plans one slot per expert, under the slots' rules."""
-    from phalanx.launch import choose_auto_plan
+    at ep=2; --rebalance-every alone plans one slot per expert, under the slots' rules. The
+    run's job carries the slots its plan was chosen for."""
     from phalanx.model.config import model_config
     from phalanx.plan import plan_from_string
     from phalanx.train.config import TrainConfig
     from phalanx.train.expert_slot_training import slot_placements
+    from phalanx.train.job import resolve_job
+
+    def choose_auto_plan(cfg, world):
+        job = resolve_job(cfg, world, None, run_dir="unused")
+        assert job.expert_slots == (cfg.expert_slots or 8)
+        return job.settings
 
     base = TrainConfig(model="tiny-moe", plan="auto", cluster="dgx-h100", device="cpu", global_batch=8, seq_len=128)
     for change, ep in ((dict(expert_slots=10), {2}), (dict(rebalance_every=2), {2, 4}), (dict(expert_slots=12), {2, 4})):

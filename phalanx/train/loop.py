@@ -19,17 +19,15 @@ from phalanx.data.tokenizer import save_tokenizer_files
 from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
 from phalanx.model.config import model_config
-from phalanx.parallel.apply import parallelize, validate_for_model
+from phalanx.parallel.apply import parallelize
 from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
-from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
 from phalanx.train.checkpoint import load_checkpoint
-from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.checkpoint_writer import CheckpointWriter
 from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
 from phalanx.train.config import TrainConfig
@@ -42,7 +40,8 @@ from phalanx.train.pipeline_step import (
 from phalanx.train.loss import token_loss
 from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
-from phalanx.train.resume_point import resume_point
+from phalanx.train.job import Job
+from phalanx.train.resume_point import agreed_job
 from phalanx.train.restarts import inject_fault, restart_row
 from phalanx.train.sample import generate
 from phalanx.train.stop_signal import StopSignals
@@ -65,11 +64,6 @@ class TrainResult:
     """The trained (parallelized) model, for tests that compare weights."""
 
 
-def resolve_plan(text: str, world_size: int) -> Plan:
-    """An empty plan means plain data parallelism over every process."""
-    return plan_from_string(text or f"dp={world_size}", world_size)
-
-
 def pick_device(name: str) -> torch.device:
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -78,11 +72,6 @@ def pick_device(name: str) -> torch.device:
     local_rank = dist.get_node_local_rank(fallback_rank=0) if dist.is_initialized() else 0
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
-
-
-def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -188,18 +177,22 @@ def step_record(step: int, loss: float, lr: float, grad_norm: float, step_time: 
     return record
 
 
-def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
+def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this.
-    `stop`: the worker's signal handlers; a SIGTERM or SIGINT they note stops every rank after
-    the same step, with a checkpoint."""
+    `job`: the run worked out by the launcher (`phalanx.train.job`); given settings instead (a
+    user's torchrun, an elastic launch, tests and benchmarks), rank 0 works the job out here
+    and every rank receives it (`resume_point.agreed_job`). `stop`: the worker's signal
+    handlers; a SIGTERM or SIGINT they note stops every rank after the same step, with a
+    checkpoint."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if isinstance(job, TrainConfig):
+        job = agreed_job(job, run_dir)
+    if job.world_size != world_size:
+        raise UserError(f"the run was planned for {job.world_size} processes, but {world_size} were started")
+    cfg, plan, found = job.settings, job.plan, job.resume_from
     model_cfg = model_config(cfg.model)
-    check_sequence_length(cfg, model_cfg)
-    cfg, found = resume_point(cfg, run_dir, model_cfg, world_size, rank)  # the plan follows a changed world size
-    plan = resolve_plan(cfg.plan, world_size)
-    plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
-    accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
+    accum = job.microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
@@ -210,8 +203,7 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
         raise UserError(f"--out {run_dir}: cannot create the run directory ({error.strerror})") from None
     autocast = autocast_for(cfg.dtype, device)
 
-    per_rank = cfg.global_batch // plan.dp
-    micro = per_rank // accum
+    micro = job.microbatch_size
     placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
     model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
                         weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements)
@@ -224,8 +216,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
     start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
     if found:
         if slots is not None:  # the saved placement first: each rank then loads its slots' experts
-            slots.load_state(read_meta(found[1]).get("expert_slots"))
-        start_step = load_checkpoint(found[1], model, optimizer)
+            slots.load_state(found.meta.get("expert_slots"))
+        start_step = load_checkpoint(Path(found.path), model, optimizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     if metrics and (row := restart_row(start_step)):
         metrics.write(row)
