@@ -100,12 +100,14 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | N
         try:
             result = run_in_group(cfg.device, lambda: train(job or cfg, Path(run_dir), stop=stop), on_user_error,
                                   datetime.timedelta(seconds=cfg.collective_timeout))
-        except Exception:
+        except Exception as error:
             # When another worker died, this one's collective fails at once, and the agent,
             # seeing the dead one, stops this one within its monitor interval (SIGTERM). Wait
             # for that before exiting, so that the agent reports the worker that failed first,
-            # and stay quiet: this worker's broken collective is only noise.
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and stop.wait(TEARDOWN_WAIT_S):
+            # and stay quiet: this worker's broken collective is only noise. A rank that saw a
+            # connection close waits longer: another may still be naming a stuck rank.
+            wait = TEARDOWN_WAIT_S + getattr(error, "others_may_name_s", 0.0)  # CollectiveTimeout's
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and stop.wait(wait):
                 return 1
             raise
     if result is None:

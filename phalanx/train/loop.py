@@ -29,7 +29,9 @@ from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
 from phalanx.train.checkpoint import load_checkpoint
 from phalanx.train.checkpoint_writer import CheckpointWriter
-from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
+from phalanx.train.collective_watch import (
+    StuckRankWatch, bound_every_group, raise_if_collective_failure, stall_if_asked,
+)
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
 from phalanx.train.expert_slot_training import SlotTraining, slot_placements
@@ -44,6 +46,7 @@ from phalanx.train.job import Job
 from phalanx.train.resume_point import agreed_job
 from phalanx.train.restarts import inject_fault, restart_row
 from phalanx.train.sample import generate
+from phalanx.train.step_sync import StepAgreement, StepSync
 from phalanx.train.stop_signal import StopSignals
 
 EVAL_SEED = 7919
@@ -79,17 +82,6 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def peak_memory_by_rank(device: torch.device) -> list[float]:
-    """Every rank's peak memory (MB), in rank order: stages and shards differ in size, and
-    rank 0 alone would hide the fullest one. Collective: every rank calls it."""
-    mine = torch.tensor(peak_memory_mb(device), dtype=torch.float64, device=device)
-    if not dist.is_initialized():
-        return [float(mine)]
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [round(float(value), 1) for value in every]
 
 
 def batch_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
@@ -156,22 +148,16 @@ def autocast_for(dtype: str, device: torch.device):
     return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
 
 
-def stop_requested(stop: StopSignals | None, step: int, start_step: int, device: torch.device) -> int:
-    """The signal every rank stops for before `step` (0: go on). Asked from the second step on:
-    a signal during setup still lets one step run, so the stop leaves a checkpoint."""
-    return stop.agreed(device) if stop is not None and step > start_step else 0
-
-
-def step_record(step: int, loss: float, lr: float, grad_norm: float, step_time: float, *, tokens: int,
+def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, step_time: float, *, tokens: int,
                 mesh: ParallelMesh, clock: WaitClock | None) -> dict:
     """The metrics.jsonl row of a step, before its MoE, validation and checkpoint fields.
-    Collective under a process group (every rank's peak memory)."""
+    Collective over the pp group with pipelines (the measured bubble)."""
     record = {
-        "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        "step": step, "loss": agreed.loss, "lr": lr, "grad_norm": grad_norm,
         "step_time_s": step_time, "tokens_per_s": tokens / step_time, "peak_mem_mb": peak_memory_mb(mesh.device),
     }
-    if dist.is_initialized():
-        record["peak_mem_mb_by_rank"] = peak_memory_by_rank(mesh.device)
+    if agreed.peak_mb_by_rank is not None:  # from the step's agreement (step_sync.py)
+        record["peak_mem_mb_by_rank"] = agreed.peak_mb_by_rank
     if clock is not None:  # pipelined: the time this step waited on transfers
         record.update(bubble_record(clock, step_time, mesh.plan, mesh))
     return record
@@ -231,15 +217,17 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                               asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
     writer.last_saved = start_step if found else -1
     save = writer.save
-    step_barrier = StepBarrier(cfg.collective_timeout)
+    watch = StuckRankWatch(cfg.collective_timeout)  # names a stuck rank, only once a collective timed out
+    bound_every_group(cfg.collective_timeout)  # the mesh's groups too, not only the default one
+    sync = StepSync(device, stop)  # each step's one small collective: loss, stop signal, peak memory
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
     try:
         for step in range(start_step, cfg.steps):
             inject_fault(rank, step)  # test hook: restarts.FAULT_ENV
-            step_barrier(step + 1)  # a stuck or lost rank is named here, within --collective-timeout
-            if stopped := stop_requested(stop, step, start_step, device):
+            stall_if_asked(rank, step + 1)  # test hook: collective_watch.STALL_ENV
+            if stopped := sync.stop_before_step():  # agreed by every rank in the last step's collective
                 result.stopped_by = stopped
                 if writer.last_saved != step - bad_steps.in_a_row:  # skipped steps left the last good state
                     save(step - bad_steps.in_a_row)
@@ -272,7 +260,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
             done = step + 1
             if done in nan_steps:
                 loss_sum = loss_sum * float("nan")  # test hook: bad_steps.NAN_STEPS_ENV
-            loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
+            agreed = sync.agree(loss_sum, peak_memory_mb(device))  # the global batch's mean loss; syncs the step
+            loss_value = agreed.loss
             result.losses.append(loss_value)
             reason = why_bad(loss_value, grad_norm)  # both reduced over all ranks: every rank agrees
             if reason:
@@ -284,7 +273,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
             bad_steps.good()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            record = step_record(step + 1, loss_value, lr, grad_norm, time.perf_counter() - began,
+            record = step_record(step + 1, agreed, lr, grad_norm, time.perf_counter() - began,
                                  tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, clock=clock)
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             if slots is not None and (event := slots.after_step(done, record.get("moe", {}), optimizer)) and metrics:
@@ -300,7 +289,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
             progress.update(record)
             result.steps_done = done
     except RuntimeError as error:
-        raise_if_collective_failure(error, step + 1, cfg.collective_timeout)
+        raise_if_collective_failure(error, step + 1, cfg.collective_timeout, watch)
         raise
     finally:
         if metrics:
