@@ -164,7 +164,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         if settings.elastic:
             return None
         return resolve_job(settings, world, saved if settings.resume else None, run_dir=str(run_dir),
-                           gpu=gpu_name(settings.device), log=lambda line: print(line, file=sys.stderr))
+                           gpu=gpu_name(settings), log=lambda line: print(line, file=sys.stderr))
 
     if not cfg.resume and found is not None:  # before the job: its resume decision assumes this
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")

@@ -31,9 +31,10 @@ def saved_checkpoint(run_dir: Path, *, report: bool = False) -> SavedCheckpoint 
     return SavedCheckpoint(step=found[0], path=str(found[1]), meta=read_meta(found[1])) if found else None
 
 
-def gpu_name(device: str) -> str:
-    """This machine's GPU, for `--plan auto` without `--cluster` ("" on CPU)."""
-    if device != "cpu" and torch.cuda.is_available():
+def gpu_name(cfg: TrainConfig) -> str:
+    """This machine's GPU, for `--plan auto` without `--cluster` ("" on CPU, and for any other
+    plan: asking initializes CUDA in this process, which a launcher should not hold)."""
+    if cfg.plan == "auto" and not cfg.cluster and cfg.device != "cpu" and torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return ""
 
@@ -45,7 +46,7 @@ def _say(line: str) -> None:
 def local_job(cfg: TrainConfig, run_dir: Path, world_size: int) -> Job:
     """The job of `cfg` on `world_size` processes, worked out in this process (saying its lines)."""
     found = saved_checkpoint(run_dir, report=True) if cfg.resume else None
-    return resolve_job(cfg, world_size, found, run_dir=str(run_dir), gpu=gpu_name(cfg.device), log=_say)
+    return resolve_job(cfg, world_size, found, run_dir=str(run_dir), gpu=gpu_name(cfg), log=_say)
 
 
 def agreed_job(cfg: TrainConfig, run_dir: Path) -> Job:
