@@ -198,3 +198,14 @@ def test_slot_rules_under_fsdp():
     assert not rule(12, ep=2, fsdp=False, over_tp=False, edp=3, expert_shape=(128, 256))
     assert "with offload=true" in rule(12, ep=2, fsdp=True, over_tp=False, edp=2, expert_shape=(128, 256), offload=True)
     assert "beside tp or pp (got tp=1, pp=2)" in rule(12, ep=2, fsdp=True, over_tp=False, pp=2)
+
+
+def test_best_plan_line_carries_the_slots(tmp_path, capsys):
+    """`phalanx plan --expert-slots S` says the flags `phalanx train` needs for its best plan:
+    the plan and the slots it was chosen for (not a plan key)."""
+    model = tmp_path / "moe.json"
+    model.write_text(json.dumps(dataclasses.asdict(MOE)))
+    code = cli.main(["plan", "--model", str(model), "--cluster", "dgx-h100", "--gpus", "4", "--global-batch", "8",
+                     "--seq-len", "512", "--expert-slots", "12"])
+    best = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best plan: ")]
+    assert code == 0 and len(best) == 1 and " --expert-slots 12  (mbs=" in best[0], best

@@ -70,7 +70,8 @@ def run_plan(args) -> int:
             print(format_table(COLUMNS, table_rows(result.ranked, step_time_band(cluster))))
             print()
             print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
-            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}"
+            slots = f" --expert-slots {args.expert_slots}" if args.expert_slots else ""  # what phalanx train needs beside it
+            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}{slots}"
                   f"  (mbs={result.ranked[0].layout.mbs}, zero={result.ranked[0].layout.zero})")
         print(f"{result.considered} layouts considered, {result.pruned_memory} pruned for memory "
               f"(> {cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB usable), "
