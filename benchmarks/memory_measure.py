@@ -113,11 +113,12 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
     from phalanx.model.config import model_config
     from phalanx.parallel.apply import parallelize, validate_for_model
     from phalanx.parallel.mesh import build_mesh
-    from phalanx.train.loop import pick_device, resolve_plan
+    from phalanx.plan import plan_from_string
+    from phalanx.train.loop import pick_device
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = model_config(model_name)
-    plan = validate_for_model(resolve_plan(plan_text, world), cfg, global_batch=global_batch, seq_len=seq_len,
+    plan = validate_for_model(plan_from_string(plan_text or f"dp={world}", world), cfg, global_batch=global_batch, seq_len=seq_len,
                               dtype=dtype)
     device = pick_device(device_name)
     mesh = build_mesh(plan, device)

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from phalanx.planner.cost import trainer_options
+from phalanx.planner.options import trainer_options
 from phalanx.planner.hardware import cluster_from_name, local_cluster_path
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name

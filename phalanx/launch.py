@@ -27,9 +27,9 @@ from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
 from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.config import TrainConfig
+from phalanx.train.job import Job, check_sequence_length, resolve_job
 from phalanx.train.restarts import leave_user_error, resume_mode
 from phalanx.train.stop_signal import STOP_STATUS, StopSignals
-from phalanx.train.world_change import plan_for_world
 from phalanx.worker_group import run_in_group, usable_cores
 from phalanx.worker_restarts import launch_with_restarts, max_restarts
 
@@ -64,45 +64,6 @@ def check_nproc(nproc: int, device: str) -> None:
               "(fine for testing layouts, slow for training)", file=sys.stderr)
 
 
-def choose_auto_plan(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    """Replace `--plan auto` by the planner's fastest layout for `--cluster`, or this machine
-    (the cluster file `phalanx calibrate` wrote, else the preset of its GPUs, else `local`).
-    Deterministic, so every rank of an external torchrun launch picks the same plan."""
-    if cfg.plan != "auto":
-        return cfg
-    from phalanx.model.config import model_config
-    from phalanx.planner.hardware import this_machine
-    from phalanx.planner.search import auto_plan
-
-    gpu = ""
-    if cfg.device != "cpu":
-        import torch
-
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    model_cfg = model_config(cfg.model)
-    plan = auto_plan(model_cfg, world_size=world_size, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                     cluster=cfg.cluster or this_machine(gpu), dtype=cfg.dtype,
-                     expert_slots=planned_expert_slots(cfg, model_cfg))
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"phalanx: --plan auto chose {plan} for {world_size} process{'es' if world_size > 1 else ''}", file=sys.stderr)
-    return cfg.replace(plan=plan.to_string())
-
-
-def planned_expert_slots(cfg: TrainConfig, model_cfg) -> int:
-    """The expert slots a plan must allow: --expert-slots, or with --rebalance-every alone one
-    per expert (the slots' layout rules still apply), else 0 (none)."""
-    return cfg.expert_slots or (model_cfg.n_experts if cfg.rebalance_every else 0)
-
-
-def saved_world_size(found: tuple[int, Path] | None) -> int | None:
-    """The world size of the checkpoint `found` (the one a resume would load), if any."""
-    if found is None:
-        return None
-    from phalanx.train.checkpoint_manifest import read_meta
-
-    return read_meta(found[1]).get("world_size")
-
-
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
@@ -125,9 +86,11 @@ def _summary(result, cfg: TrainConfig, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
+def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | None = None) -> int:
     """Entry point of every worker process; returns its exit status (STOP_STATUS when
-    SIGTERM or SIGINT stopped the run after a checkpoint)."""
+    SIGTERM or SIGINT stopped the run after a checkpoint). `job`: the run as the launcher
+    worked it out; None where only the workers know the world size (torchrun, an elastic
+    launch): rank 0 works it out then, and every rank receives it."""
     from phalanx.train.loop import train
 
     cfg = TrainConfig(**cfg_fields)
@@ -135,14 +98,16 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
     began = time.perf_counter()
     with StopSignals() as stop:  # from the first moment: a signal during setup stops after one step
         try:
-            result = run_in_group(cfg.device, lambda: train(cfg, Path(run_dir), stop=stop), on_user_error,
+            result = run_in_group(cfg.device, lambda: train(job or cfg, Path(run_dir), stop=stop), on_user_error,
                                   datetime.timedelta(seconds=cfg.collective_timeout))
-        except Exception:
+        except Exception as error:
             # When another worker died, this one's collective fails at once, and the agent,
             # seeing the dead one, stops this one within its monitor interval (SIGTERM). Wait
             # for that before exiting, so that the agent reports the worker that failed first,
-            # and stay quiet: this worker's broken collective is only noise.
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and stop.wait(TEARDOWN_WAIT_S):
+            # and stay quiet: this worker's broken collective is only noise. A rank that saw a
+            # connection close waits longer: another may still be naming a stuck rank.
+            wait = TEARDOWN_WAIT_S + getattr(error, "others_may_name_s", 0.0)  # CollectiveTimeout's
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and stop.wait(wait):
                 return 1
             raise
     if result is None:
@@ -155,7 +120,7 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None) -> int:
 
 
 @record  # a worker's exception and traceback go to the agent (worker_restarts.describe prints them once)
-def _elastic_entry(cfg_fields: dict, run_dir: str, phalanx_env: dict | None = None) -> None:
+def _elastic_entry(cfg_fields: dict, job: Job | None, run_dir: str, phalanx_env: dict | None = None) -> None:
     if phalanx_env is not None:  # a forkserver's child has the server's environment, not the launcher's
         for name in [n for n in os.environ if n.startswith("PHALANX_") and n not in phalanx_env]:
             del os.environ[name]
@@ -163,7 +128,7 @@ def _elastic_entry(cfg_fields: dict, run_dir: str, phalanx_env: dict | None = No
     # Across machines no launcher holds the run directory's lock (each would refuse the others').
     across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
     lock = lock_run_dir(Path(run_dir)) if across_nodes else None
-    status = worker_main(cfg_fields, run_dir)
+    status = worker_main(cfg_fields, run_dir, job=job)
     if lock:
         lock.close()
     if status:
@@ -177,8 +142,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         return _torchrun_worker(cfg)
 
     from phalanx.model.config import model_config
-    from phalanx.parallel.apply import validate_for_model
-    from phalanx.train.loop import check_sequence_length, resolve_plan
+    from phalanx.train.resume_point import gpu_name, saved_checkpoint
 
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
@@ -189,52 +153,51 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
+    run_dir = resolve_run_dir(cfg)
     # Checksummed once here (a whole checkpoint is read); a run without --out is a new directory.
-    found = latest_checkpoint(Path(cfg.out)) if cfg.out else None
-    if not cfg.elastic:
-        cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(found if cfg.resume else None))
-        validate_for_model(resolve_plan(cfg.plan, world), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                           dtype=cfg.dtype)
+    found = saved_checkpoint(run_dir, report=not cfg.elastic) if cfg.out else None
+    cfg = cfg.replace(nproc=nproc, out=str(run_dir))
+
+    def job_for(settings: TrainConfig, saved) -> Job | None:
+        """The job the workers receive; None for an elastic launch, whose workers work it out
+        for the world they find."""
+        if settings.elastic:
+            return None
+        return resolve_job(settings, world, saved if settings.resume else None, run_dir=str(run_dir),
+                           gpu=gpu_name(settings), log=lambda line: print(line, file=sys.stderr))
+
+    if not cfg.resume and found is not None:  # before the job: its resume decision assumes this
+        raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
+    job = job_for(cfg, found)
+    if job is not None:
+        cfg = job.settings  # the plan as worked out: restarts go on with it, not with `auto`
+
+    def attempt_job(settings: TrainConfig) -> Job | None:
+        """The first attempt's job, or a restart's, worked out again: it resumes from the
+        newest checkpoint, which has moved on."""
+        return job if settings is cfg else job_for(settings, saved_checkpoint(run_dir, report=True))
     from phalanx.hf.weights import initial_weights
 
     weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model
     # The data too: a missing or short split, a tokenizer larger than the model, bad UTF-8.
     check_corpus(open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model), model=cfg.model,
                  model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
-    run_dir = resolve_run_dir(cfg)
     created = not run_dir.exists()
     # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
     lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
-    try:
-        if cfg.resume == "must" and found is None:
-            raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
-        if not cfg.resume and found is not None:
-            raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
-        if cfg.resume and found is not None and not cfg.elastic:  # refused here in one line; the workers log what changed
-            from phalanx.train.checkpoint_manifest import read_meta
-            from phalanx.train.resume_settings import check_resume
-
-            check_resume(read_meta(found[1]), model=model_cfg.to_dict(), where=str(run_dir),
-                         settings={**asdict(cfg), "world_size": world})
-    except UserError:
-        lock.close()
-        if created:
-            remove_if_empty(run_dir)
-        raise
-    cfg = cfg.replace(nproc=nproc, out=str(run_dir))
     from phalanx.model.init import build_model
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
     source = f" from {weights.folder}" if weights else ""
     where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
-    plan = "chosen for the world size found" if cfg.elastic else resolve_plan(cfg.plan, world)
+    plan = "chosen for the world size found" if job is None else job.plan_text
     print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "
           f"plan {plan}, run directory {run_dir}", file=sys.stderr)
     restarts = max_restarts(cfg.max_restarts, nproc * nodes[1])
     if nproc == 1 and nodes[1] == 1 and not restarts:  # in this process: nothing would be left to restart it
-        status = worker_main(asdict(cfg), str(run_dir))
+        status = worker_main(asdict(cfg), str(run_dir), job=job)
     else:
-        status = launch_with_restarts(_elastic_entry, cfg, nproc, str(run_dir), rdzv_endpoint, restarts)
+        status = launch_with_restarts(_elastic_entry, cfg, nproc, str(run_dir), rdzv_endpoint, restarts, attempt_job)
     status = report_stop(status, run_dir)
     if status and created:
         remove_if_empty(run_dir)
@@ -253,7 +216,7 @@ def _torchrun_worker(cfg: TrainConfig) -> int:
     # Rank 0 holds the run directory's lock; if it is refused, torchrun stops the other ranks.
     lock = lock_run_dir(Path(cfg.out)) if rank0 else None
     on_user_error = (lambda message: leave_user_error(Path(cfg.out), message)) if rank0 else None
-    status = worker_main(asdict(choose_auto_plan(cfg, int(os.environ["WORLD_SIZE"]))), cfg.out, on_user_error)
+    status = worker_main(asdict(cfg), cfg.out, on_user_error)  # rank 0 works the job out (`--plan auto` too)
     if lock:
         lock.close()
     return report_stop(status, Path(cfg.out)) if rank0 else (0 if status == STOP_STATUS[signal.SIGTERM] else status)

@@ -63,9 +63,11 @@ def describe(error) -> tuple[int, Failure | None]:
     return 1, Failure(f"worker rank {rank} exited with status {failure.exitcode}")
 
 
-def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attempt: int) -> tuple[int, Failure | None]:
+def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attempt: int,
+                job=None) -> tuple[int, Failure | None]:
     """One elastic launch of all workers, its elastic log lines silenced (the caller says
-    what happened in one line): (status, failure)."""
+    what happened in one line): (status, failure). `job`: what the workers run
+    (`phalanx.train.job`), or None for them to work out."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -78,7 +80,7 @@ def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attemp
         # Across machines every launcher must name the same run; each counts its attempts alike
         # (a failure anywhere fails every node's workers).
         run = f"phalanx-{rdzv_endpoint}" if cfg.node_range[1] > 1 else f"phalanx-{os.getpid()}"
-        start_elastic(entry, (asdict(cfg), run_dir, env), nproc, cfg.device, rdzv_endpoint, cfg.node_range, quiet=True,
+        start_elastic(entry, (asdict(cfg), job, run_dir, env), nproc, cfg.device, rdzv_endpoint, cfg.node_range, quiet=True,
                       grace_s=GRACE_S, run_id=f"{run}-{attempt}", fresh=attempt > 0)
     except SignalException as error:  # the agent passed it to the workers and waited for them
         return STOP_STATUS.get(error.sigval, 130), None
@@ -96,13 +98,15 @@ def resume_hint(run_dir: Path) -> str:
     return f"last checkpoint: step {found[0]}; continue with: phalanx train --out {run_dir} --resume auto"
 
 
-def launch_with_restarts(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, restarts: int) -> int:
+def launch_with_restarts(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, restarts: int,
+                         job_for=lambda cfg: None) -> int:
     """Launch the workers, and again after each failure, at most `restarts` times; the exit
-    status of the last attempt (1 when a failure used up the restarts)."""
+    status of the last attempt (1 when a failure used up the restarts). `job_for(cfg)`: the
+    job of each attempt, worked out again for a restart (it resumes from a newer checkpoint)."""
     saved = {name: os.environ.get(name) for name in (RESTART_ENV, REASON_ENV)}
     try:
         for attempt in range(restarts + 1):
-            status, failure = launch_once(entry, cfg, nproc, run_dir, rdzv_endpoint, attempt)
+            status, failure = launch_once(entry, cfg, nproc, run_dir, rdzv_endpoint, attempt, job_for(cfg))
             if failure is None:
                 return status
             if failure.traceback:

@@ -16,9 +16,8 @@ import pytest
 from phalanx.balance import measure
 from phalanx.balance.solve import rebalance
 from phalanx.errors import UserError
-from phalanx.train.expert_rebalance import (
-    ExpertRebalancer, copy_sources, initial_placement, loads_from_record, remote_copies,
-)
+from phalanx.balance.slot_copies import copy_sources, remote_copies
+from phalanx.train.expert_rebalance import ExpertRebalancer, initial_placement, loads_from_record
 
 LAYERS, EXPERTS, SLOTS, EP = 2, 8, 12, 4
 

@@ -131,11 +131,11 @@ def test_replicated_slots_match_one_process(moe_config, reference, plan, slots):
 def test_bad_slot_settings(moe_config, change, message):
     from phalanx.model.config import model_config
     from phalanx.train.expert_slot_training import slot_placements
-    from phalanx.train.loop import resolve_plan
+    from phalanx.plan import plan_from_string
 
     cfg = moe_config.replace(plan="dp=4,ep=4", expert_slots=12).replace(**change)
     with pytest.raises(UserError, match=message):
-        slot_placements(cfg, model_config(cfg.model), resolve_plan(cfg.plan, 4))
+        slot_placements(cfg, model_config(cfg.model), plan_from_string(cfg.plan, 4))
 
 
 def test_flags_reach_the_config():
@@ -256,9 +256,9 @@ def test_resume_across_a_rebalance(monkeypatch, rebalanced, layout):
 def _first_placement(cfg):
     from phalanx.model.config import model_config
     from phalanx.train.expert_slot_training import slot_placements
-    from phalanx.train.loop import resolve_plan
+    from phalanx.plan import plan_from_string
 
-    placements = slot_placements(cfg, model_config(cfg.model), resolve_plan(cfg.plan, 4))
+    placements = slot_placements(cfg, model_config(cfg.model), plan_from_string(cfg.plan, 4))
     return [list(placements[layer].slot_expert) for layer in sorted(placements)]
 
 
@@ -267,11 +267,11 @@ def test_slots_with_folded_tp_are_refused(moe_config):
     which the slot routing does not handle yet: refused in one line."""
     from phalanx.model.config import model_config
     from phalanx.train.expert_slot_training import slot_placements
-    from phalanx.train.loop import resolve_plan
+    from phalanx.plan import plan_from_string
 
     cfg = moe_config.replace(plan="tp=2,ep=2,ep_over_tp=true", expert_slots=8)
     with pytest.raises(UserError, match="not supported yet with ep_over_tp=true"):
-        slot_placements(cfg, model_config(cfg.model), resolve_plan(cfg.plan, 2))
+        slot_placements(cfg, model_config(cfg.model), plan_from_string(cfg.plan, 2))
 
 
 def test_fsdp_slots_need_an_expert_dim_that_edp_divides(moe_config):
@@ -280,10 +280,10 @@ def test_fsdp_slots_need_an_expert_dim_that_edp_divides(moe_config):
     refused in one line, naming both."""
     from phalanx.model.config import model_config
     from phalanx.train.expert_slot_training import slot_placements
-    from phalanx.train.loop import resolve_plan
+    from phalanx.plan import plan_from_string
 
     cfg = moe_config.replace(plan="dp=6,ep=2,fsdp=true", expert_slots=12)
     with pytest.raises(UserError, match=r"^--expert-slots=12 under FSDP shards each expert slot over edp=3, "
                                         r"which must divide the experts' ffn_dim=64 or dim=64$"):
-        slot_placements(cfg, model_config(cfg.model), resolve_plan(cfg.plan, 6))
-    assert slot_placements(cfg.replace(plan="dp=6,ep=2"), model_config(cfg.model), resolve_plan("dp=6,ep=2", 6))
+        slot_placements(cfg, model_config(cfg.model), plan_from_string(cfg.plan, 6))
+    assert slot_placements(cfg.replace(plan="dp=6,ep=2"), model_config(cfg.model), plan_from_string("dp=6,ep=2", 6))

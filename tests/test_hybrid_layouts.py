@@ -37,7 +37,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.launch import choose_auto_plan
 from phalanx.testing.bf16_bounds import BF16_LOSS, BF16_WEIGHT_MEAN, bf16_grad_norm_bound
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
@@ -98,7 +97,10 @@ def _settings(cfg: TrainConfig, layout: str) -> TrainConfig:
     if plan == "auto":  # what `phalanx train --plan auto` runs: deterministic, so every rank agrees
         import torch.distributed as dist
 
-        cfg = choose_auto_plan(cfg, dist.get_world_size())
+        from phalanx.model.config import model_config
+        from phalanx.train.world_change import auto_plan_for
+
+        cfg = cfg.replace(plan=auto_plan_for(cfg, dist.get_world_size(), model_config(cfg.model)).to_string())
     return cfg
 
 

@@ -73,16 +73,20 @@ def test_bf16_autocast_trains_close_to_fp32(tiny_config):
 
 def test_plan_auto_picks_a_runnable_plan(tiny_config):
     """`--plan auto` asks the planner; what it returns must be a plan the trainer accepts on
-    that many processes for this model and batch (validated as a hand-written plan would be)."""
-    from phalanx.launch import choose_auto_plan
+    that many processes for this model and batch (validated as a hand-written plan would be),
+    and the job records it as the run's plan, parsed once."""
     from phalanx.model.config import model_config
     from phalanx.parallel.apply import validate_for_model
     from phalanx.plan import plan_from_string
+    from phalanx.train.job import resolve_job
 
     for world in (1, 2, 4):
-        chosen = choose_auto_plan(tiny_config.replace(plan="auto"), world)
-        plan = plan_from_string(chosen.plan, world)
+        said = []
+        job = resolve_job(tiny_config.replace(plan="auto"), world, None, run_dir="unused", log=said.append)
+        plan = plan_from_string(job.settings.plan, world)
         validate_for_model(plan, model_config("tiny"), global_batch=tiny_config.global_batch, seq_len=tiny_config.seq_len)
+        assert job.plan.replace(param_dtype="", reduce_dtype="") == plan and job.plan_text == plan.to_string()
+        assert said == [f"phalanx: --plan auto chose {plan} for {world} process{'es' if world > 1 else ''}"]
 
 
 def test_two_launchers_form_one_group_with_nnodes(tmp_path):

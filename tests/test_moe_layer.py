@@ -61,6 +61,10 @@ def test_grouped_layer_matches_per_token_formula(router):
     expected = _per_token(moe, flat, route.experts, route.weights)
     torch.testing.assert_close(out.reshape(-1, 64), expected, atol=TOLERANCE, rtol=0)
     assert moe.tokens_per_expert.sum() == 48 and moe.dropped_tokens == 0
+    load = moe.take_load()  # handed to the trainer, and the layer starts counting again
+    assert load.tokens_per_expert.sum() == 48 and (load.dropped, load.received) == (0, 48)
+    assert torch.equal(load.tokens_per_expert, route.experts.reshape(-1).bincount(minlength=moe.n_experts))
+    assert moe.take_load() == type(load)(tokens_per_expert=None, dropped=0, received=0)
 
 
 def test_shared_experts_add_a_dense_path():

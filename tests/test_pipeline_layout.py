@@ -33,3 +33,22 @@ def test_stage_placement(plan, expected):
 ])
 def test_bubble_formula(plan, expected):
     assert bubble_formula(plan) == pytest.approx(expected, rel=1e-15, abs=0)
+
+
+def test_wait_clock_replaces_the_wait_only_inside_its_step():
+    """The step's clock times the schedule's transfer waits through
+    `schedules._wait_batch_p2p` while its step runs, and leaves the process's function as it
+    found it afterwards (also after an error), so no other schedule sees the wrapper."""
+    from torch.distributed.pipelining import schedules
+
+    from phalanx.train.pipeline_step import WaitClock
+
+    original = schedules._wait_batch_p2p
+    clock = WaitClock()
+    with clock.timing():
+        assert schedules._wait_batch_p2p is not original
+        schedules._wait_batch_p2p([])  # no work to wait for: returns at once, and is counted
+    assert schedules._wait_batch_p2p is original and clock.available and clock.seconds >= 0
+    with pytest.raises(RuntimeError), WaitClock().timing():
+        raise RuntimeError("a failing step")
+    assert schedules._wait_batch_p2p is original

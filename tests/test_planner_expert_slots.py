@@ -10,7 +10,8 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner import cli
-from phalanx.planner.cost import evaluate, trainer_options
+from phalanx.planner.cost import evaluate
+from phalanx.planner.options import trainer_options
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.peak_memory import stage_params
@@ -120,12 +121,18 @@ def test_auto_plan_without_a_slot_layout_says_why():
 def test_train_plan_auto_plans_for_the_runs_expert_slots():
     """`phalanx train --plan auto --expert-slots S`: the planner's layout for S, which the
     trainer's own slot checks accept. tiny-moe (8 experts) on 4 processes: 10 slots only run
-    at ep=2; --rebalance-every alone plans one slot per expert, under the slots' rules."""
-    from phalanx.launch import choose_auto_plan
+    at ep=2; --rebalance-every alone plans one slot per expert, under the slots' rules. The
+    run's job carries the slots its plan was chosen for."""
     from phalanx.model.config import model_config
     from phalanx.plan import plan_from_string
     from phalanx.train.config import TrainConfig
     from phalanx.train.expert_slot_training import slot_placements
+    from phalanx.train.job import resolve_job
+
+    def choose_auto_plan(cfg, world):
+        job = resolve_job(cfg, world, None, run_dir="unused")
+        assert job.expert_slots == (cfg.expert_slots or 8)
+        return job.settings
 
     base = TrainConfig(model="tiny-moe", plan="auto", cluster="dgx-h100", device="cpu", global_batch=8, seq_len=128)
     for change, ep in ((dict(expert_slots=10), {2}), (dict(rebalance_every=2), {2, 4}), (dict(expert_slots=12), {2, 4})):
@@ -191,3 +198,14 @@ def test_slot_rules_under_fsdp():
     assert not rule(12, ep=2, fsdp=False, over_tp=False, edp=3, expert_shape=(128, 256))
     assert "with offload=true" in rule(12, ep=2, fsdp=True, over_tp=False, edp=2, expert_shape=(128, 256), offload=True)
     assert "beside tp or pp (got tp=1, pp=2)" in rule(12, ep=2, fsdp=True, over_tp=False, pp=2)
+
+
+def test_best_plan_line_carries_the_slots(tmp_path, capsys):
+    """`phalanx plan --expert-slots S` says the flags `phalanx train` needs for its best plan:
+    the plan and the slots it was chosen for (not a plan key)."""
+    model = tmp_path / "moe.json"
+    model.write_text(json.dumps(dataclasses.asdict(MOE)))
+    code = cli.main(["plan", "--model", str(model), "--cluster", "dgx-h100", "--gpus", "4", "--global-batch", "8",
+                     "--seq-len", "512", "--expert-slots", "12"])
+    best = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best plan: ")]
+    assert code == 0 and len(best) == 1 and " --expert-slots 12  (mbs=" in best[0], best

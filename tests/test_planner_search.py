@@ -236,12 +236,12 @@ def test_every_row_has_a_step_time_band(capsys):
 
 
 def test_train_plan_auto_plans_for_a_named_cluster():
-    from phalanx.launch import choose_auto_plan
     from phalanx.model.config import model_config
     from phalanx.train.config import TrainConfig
+    from phalanx.train.world_change import auto_plan_for
 
     cfg = TrainConfig(model="llama3-8b", plan="auto", cluster="dgx-h100", device="cpu", global_batch=64, seq_len=2048)
-    chosen = choose_auto_plan(cfg, 8).plan
+    chosen = auto_plan_for(cfg, 8, model_config(cfg.model)).to_string()
     # The plan the planner ranks first for that cluster, not for this CPU.
     expected = auto_plan(model_config("llama3-8b"), world_size=8, global_batch=64, seq_len=2048, cluster="dgx-h100")
     assert chosen == expected.to_string()

@@ -7,7 +7,8 @@ import pytest
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import cli, comm
-from phalanx.planner.cost import Options, evaluate, trainer_options
+from phalanx.planner.cost import evaluate
+from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import layer_activation_bytes
@@ -109,15 +110,15 @@ def test_plan_cli_plans_the_trainer_unless_any_runtime(capsys):
 
 
 def test_train_plan_auto_plans_for_the_runs_dtype():
-    from phalanx.launch import choose_auto_plan
     from phalanx.model.config import model_config
     from phalanx.train.config import TrainConfig
+    from phalanx.train.world_change import auto_plan_for
 
     plans = {}
     for dtype in ("fp32", "bf16"):
         cfg = TrainConfig(model="llama3-8b", plan="auto", cluster="dgx-h100", device="cpu", global_batch=64,
                           seq_len=2048, dtype=dtype)
-        plans[dtype] = choose_auto_plan(cfg, 8).plan
+        plans[dtype] = auto_plan_for(cfg, 8, model_config(cfg.model)).to_string()
         assert plans[dtype] == auto_plan(model_config("llama3-8b"), world_size=8, global_batch=64, seq_len=2048,
                                          cluster="dgx-h100", dtype=dtype).to_string()
     # fp32 activations (twice the bytes) do not fit the bf16 run's layout on 76 GiB

@@ -9,4 +9,5 @@ wrappers.py  FSDP and tensor parallelism per block on 2 processes
 runtimes.py  DDP, FSDP under pp, the pipeline runtime and tp's step costs on the trainer's code
 fit.py       measurements -> cluster figures (torch-free, tested on synthetic samples)
 command.py   `calibrate()`: run them all, print each figure, write the files
+cli.py       the `phalanx calibrate` subcommand (argparse only)
 """

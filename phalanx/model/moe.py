@@ -15,6 +15,7 @@ combine. Nothing in this file knows about ranks.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,19 @@ def prefer_block_loop(rows: torch.Tensor, n_experts: int, n_blocks: int) -> bool
     return not prefer_grouped_mm(rows, n_experts) and rows.shape[0] >= CPU_LOOP_MIN_ROWS_PER_BLOCK * n_blocks
 
 
+@dataclass(frozen=True)
+class ExpertLoad:
+    """What one MoE layer routed in the training forwards since the trainer last took it
+    (`MoE.take_load`; recomputations not counted)."""
+
+    tokens_per_expert: torch.Tensor | None
+    """(experts,) token-expert assignments per expert after any capacity drop; None if none ran."""
+    dropped: int
+    """Assignments dropped by the capacity limit."""
+    received: int
+    """Rows this rank's experts computed: under expert parallelism, what its ep group sent it."""
+
+
 class GroupedExperts(nn.Module):
     """The routed experts' stacked SwiGLU weights; forward takes rows already sorted by expert.
 
@@ -193,8 +207,8 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.received_tokens = 0
         """Rows these experts computed in training forwards (recomputations not counted) since
-        `phalanx.train.moe_stats` last read and reset it: under expert parallelism, the rows
-        this rank received from its whole ep group."""
+        the trainer last took them (`MoE.take_load`): under expert parallelism, the rows this
+        rank received from its whole ep group."""
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """rows: (n, dim) sorted by expert; counts: (experts,) rows per expert -> (n, dim)."""
@@ -235,8 +249,8 @@ class MoE(nn.Module):
 
     After each training forward it leaves behind, for the trainer: `aux_loss` (a scalar tensor
     in the graph, or None when no auxiliary loss is configured), and it adds to the
-    `tokens_per_expert` and `dropped_tokens` counters that `phalanx.train.moe_stats` reads and
-    resets once per optimizer step.
+    `tokens_per_expert` and `dropped_tokens` counters, which `take_load` returns to the trainer
+    (`phalanx.train.moe_stats`, once per optimizer step) and restarts.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -260,6 +274,13 @@ class MoE(nn.Module):
         # Plain attributes, not buffers: statistics, never checkpointed or synchronized by DDP.
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped_tokens = 0
+
+    def take_load(self) -> ExpertLoad:
+        """This layer's load since the last call, and its counters restarted."""
+        load = ExpertLoad(tokens_per_expert=self.tokens_per_expert, dropped=self.dropped_tokens,
+                          received=self.experts.received_tokens)
+        self.tokens_per_expert, self.dropped_tokens, self.experts.received_tokens = None, 0, 0
+        return load
 
     def capacity(self, n_tokens: int) -> int | None:
         if not self.capacity_factor:

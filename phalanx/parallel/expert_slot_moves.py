@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx.balance.slot_copies import copy_sources
 from phalanx.errors import UserError
 from phalanx.parallel.expert_slots import local_stack
-from phalanx.train.expert_rebalance import copy_sources
 
 MOVING_STATE = ("exp_avg", "exp_avg_sq")
 """Optimizer state that is per element of a weight, so it moves with the weight's slot."""

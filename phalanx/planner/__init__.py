@@ -10,12 +10,13 @@ peak_memory.py  a candidate's peak bytes per device by cause (priced before its 
 pipeline_orders.py  zbv's and dualpipev's order of operations per rank, timed
 dp_traffic.py  data-parallel collectives per ZeRO level, and how much of them compute hides
 stage_time.py  one micro-batch through the most loaded stage: GEMMs, attention, TP and EP traffic
-cost.py  the whole step: bubble, pipeline sends, DP traffic, optimizer; memory beside it;
-         `Options` (the implementation: published runs' defaults) and `trainer_options` (a phalanx run)
+options.py  the implementation: `Options` (published runs' defaults) and `trainer_options` (a phalanx run)
+cost.py  the whole step: bubble, pipeline sends, DP traffic, optimizer; memory beside it
 search.py  enumerate layouts, prune by memory, rank; `auto_plan` for the trainer
 report.py  the plan table, the JSON records and why the runners-up lose
 simulate.py  per-rank timeline of one step as a Chrome trace and a PNG
-cli.py  the `plan`, `simulate` and `calibrate` subcommands
+plan_flags.py  the flags `plan` and `simulate` share, and the `Options` they name
+cli.py  the `plan` subcommand (simulate.py and phalanx/calibrate/cli.py register their own)
 
 Nothing here needs torch: planning a 400B model runs on a laptop. Measuring a machine is
 `phalanx.calibrate`'s job; the planner only reads the cluster files it writes. The rules of a

@@ -1,4 +1,5 @@
-"""The `plan`, `simulate` and `calibrate` subcommands.
+"""The `plan` subcommand, and the registration of `simulate` (planner/simulate.py) and `calibrate`
+(phalanx/calibrate/cli.py), which keep their own command code.
 
 The main CLI calls `register(subparsers)`; `python -m phalanx.planner.cli` works on its own.
 """
@@ -10,53 +11,19 @@ import json
 import sys
 
 from phalanx.errors import UserError
-from phalanx.planner.cost import Options, trainer_options
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
+from phalanx.planner.plan_flags import add_plan_flags, options_for
 from phalanx.planner.report import COLUMNS, explain, format_table, plan_record, table_rows
 from phalanx.planner.search import SearchSpace, fit_hints, fix_problems, parse_fix, search
 from phalanx.planner.validation import step_time_band
 
 
-def _levels(text: str) -> tuple[int, ...]:
-    try:
-        levels = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ZeRO levels") from None
-    if not levels or any(z not in (0, 1, 2, 3) for z in levels):
-        raise argparse.ArgumentTypeError(f"ZeRO levels must be among 0,1,2,3, got {text!r}")
-    return levels
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name, project JSON or Hugging Face config.json")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--tp-overlap", action="store_true",
-                   help="assume TP collectives are pipelined with GEMMs (Megatron's tp-comm-overlap)")
-    p.add_argument("--sp-regather", action="store_true",
-                   help="sequence parallelism keeps its GEMM inputs sharded and gathers them again in backward "
-                        "(Megatron); default: keeps them whole, as the phalanx trainer does")
-    p.add_argument("--zero-levels", type=_levels, default=(0, 2, 3),
-                   help="ZeRO levels to search (default 0,2,3: what the phalanx trainer runs; 1 for other runtimes)")
-    p.add_argument("--any-runtime", action="store_true",
-                   help="other implementations: also layouts the phalanx trainer does not run (tp not dividing "
-                        "the KV heads or the vocabulary), experts split over tp, Megatron-style mixed precision")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
-                   help="the phalanx trainer's --dtype the plan is for (memory: fp32 weights and AdamW moments "
-                        "either way; bf16 gathers and activations). Default: bf16 on a GPU cluster (its peak is "
-                        "the bf16 peak), fp32 on a CPU one (the trainer's default)")
-    p.add_argument("--expert-slots", type=int, default=0, metavar="S",
-                   help="the phalanx trainer's --expert-slots: S expert slots over each ep group (>= the experts, "
-                        "a multiple of ep), S / ep per rank of weights, gradients and optimizer state; only layouts "
-                        "the trainer runs slots in (ep > 1, experts under DDP-style data parallelism)")
-
-
 def register(subparsers) -> None:
     """Add `plan`, `simulate` and `calibrate` to an argparse subparsers object."""
     p = subparsers.add_parser("plan", help="rank parallel layouts by predicted step time")
-    _common(p)
+    add_plan_flags(p)
     p.add_argument("--cluster", action="append", help="preset or file; repeat to compare clusters (default local)")
     p.add_argument("--gpus", type=int, required=True, help="number of devices")
     p.add_argument("--fix", default="", help="pin knobs with the --plan grammar plus mbs= and zero=")
@@ -64,37 +31,11 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
 
-    s = subparsers.add_parser("simulate", help="timeline of one step per rank: Chrome trace + PNG")
-    _common(s)
-    s.add_argument("--cluster", default="local")
-    s.add_argument("--plan", required=True, help="layout (--plan grammar plus mbs=, zero=); the rest is searched")
-    s.add_argument("--out", default="simulation", help="output directory for trace.json and timeline.png")
-    s.set_defaults(func=run_simulate)
+    from phalanx.calibrate.cli import register as register_calibrate
+    from phalanx.planner.simulate import register as register_simulate
 
-    c = subparsers.add_parser("calibrate", help="measure this machine and write a cluster file")
-    c.add_argument("--out", default=None, help="cluster file to write (default: the one --cluster local reads)")
-    c.add_argument("--max-procs", type=int, default=4, help="largest collective group size to measure")
-    c.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
-    c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (for tests)")
-    c.set_defaults(func=run_calibrate)
-
-
-def options_for(args, cluster) -> Options:
-    """The implementation a plan is for: the phalanx trainer (its precision and memory,
-    `trainer_options`), or with --any-runtime the published runs' (Megatron-style)."""
-    if args.any_runtime:
-        if args.dtype:
-            raise UserError("--dtype sets the phalanx trainer's precision; --any-runtime plans other "
-                            "implementations' mixed precision (bf16 weights, fp32 master copy and moments)")
-        if args.expert_slots:
-            raise UserError("--expert-slots plans the phalanx trainer's expert slots; --any-runtime plans other "
-                            "implementations, which have none")
-        return Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather, tp_splits_experts=True)
-    if args.expert_slots < 0:
-        raise UserError(f"--expert-slots={args.expert_slots} must not be negative (0: one slot per expert)")
-    dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")
-    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, sp_regather=args.sp_regather,
-                           expert_slots=args.expert_slots)
+    register_simulate(subparsers)
+    register_calibrate(subparsers)
 
 
 def run_plan(args) -> int:
@@ -129,7 +70,8 @@ def run_plan(args) -> int:
             print(format_table(COLUMNS, table_rows(result.ranked, step_time_band(cluster))))
             print()
             print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
-            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}"
+            slots = f" --expert-slots {args.expert_slots}" if args.expert_slots else ""  # what phalanx train needs beside it
+            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}{slots}"
                   f"  (mbs={result.ranked[0].layout.mbs}, zero={result.ranked[0].layout.zero})")
         print(f"{result.considered} layouts considered, {result.pruned_memory} pruned for memory "
               f"(> {cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB usable), "
@@ -184,18 +126,6 @@ def _print_side_by_side(model_name: str, args, results) -> None:
         rows.append([f"  {key} s"] + [f"{rec['breakdown'][key]:.3g}" if rec else "-" for rec in records])
     rows.append(["pruned for memory"] + [str(r.pruned_memory) for _, r in results])
     print(format_table(["", *names], rows))
-
-
-def run_simulate(args) -> int:
-    from phalanx.planner.simulate import simulate_command
-
-    return simulate_command(args)
-
-
-def run_calibrate(args) -> int:
-    from phalanx.calibrate.command import calibrate_command
-
-    return calibrate_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,8 @@ from phalanx.planner.dp_traffic import by_identity as _by_identity
 from phalanx.planner.dp_traffic import dp_time, replica_sum_time
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
-from phalanx.planner.memory import MIXED_ADAM, TRAINER_PRECISION, Precision, layers_per_stage
+from phalanx.planner.memory import layers_per_stage
+from phalanx.planner.options import Options
 from phalanx.planner.peak_memory import (
     BF16,
     expert_shards,
@@ -53,90 +54,6 @@ GRAD_ZERO_BYTES_PER_PARAM = 4
 """Zeroing the fp32 gradient-accumulation buffer before the next step (written once)."""
 BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
                   "overhead")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Options:
-    """Properties of the training implementation rather than of the layout or the cluster."""
-
-    flash_attention: bool = True
-    """Fused attention: no s x s score matrix is stored."""
-    tp_overlap: bool = False
-    """TP collectives pipelined with their GEMMs (Megatron's tp-comm-overlap); phalanx does not."""
-    dp_overlap: bool = True
-    """Data-parallel traffic overlapped with the last backward and the first forward."""
-    grad_reduce_bytes: int = 4
-    """Gradients are reduced in fp32."""
-    split_backward_recompute: bool = True
-    """Under zbv (PyTorch's stage_backward_input, then stage_backward_weight) a checkpointed
-    block's forward runs again for the input gradient and once more for each of its weight
-    tensors' gradients: every weight gradient is a separate autograd call and checkpointing
-    frees what it recomputed after each (measured: a dense SwiGLU block, 9 weight tensors, ran
-    its forward 11 times per micro-batch; a tiny-model zbv step went from 62 to 174 ms with
-    recompute=full, 1f1b from 32 to 54 ms). dualpipev runs measured no such cost, so it is
-    charged to zbv only."""
-    recompute_regathers: bool = False
-    """Under zero 3, the recompute forward all-gathers the checkpointed layers' parameters once
-    more (DeepSpeed ZeRO-3, whose hooks sit on every submodule). False: FSDP2 around the
-    checkpointed block (phalanx's order, parallel/apply.py; torchtitan's) re-runs the forward
-    inside the unit's backward, after its gather: with torch 2.13, 3 checkpointed blocks on 2
-    processes gather 6 times per step with recompute as without
-    (tests/test_planner_fsdp_gathers.py counts them)."""
-    sp_regather: bool = False
-    """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
-    in backward for the weight gradients (Megatron, and the published activation formula).
-    False: it keeps the gathered inputs whole, more memory and no second gather (phalanx's
-    DTensor sequence parallelism)."""
-    tp_splits_experts: bool = False
-    """Tensor parallelism splits each expert's matrices too (Megatron). False: the MoE block stays
-    out of tp, so every tp rank runs the same experts on the same tokens (the phalanx trainer
-    until the expert-parallel training issue; the time model charges that duplicated work)."""
-    reduce_each_microbatch: bool = False
-    """Under zero 2 and 3 without pp, every micro-batch's backward reduce-scatters its gradients
-    into the shards, which accumulate sharded (FSDP1 used without `no_sync`: Composer's
-    `ddp_sync_context` only applies `no_sync` to a DistributedDataParallel model, so its FSDP
-    runs sync every micro-batch). False: gradient sync off for all but the last micro-batch,
-    the fp32 gradients accumulating unsharded (the phalanx trainer)."""
-    precision: Precision = MIXED_ADAM
-    """Bytes of weights, gradients, optimizer state, activations and logits
-    (`memory.TRAINER_PRECISION[dtype]` for the phalanx trainer)."""
-    fused_norm: bool = True
-    """RMSNorm runs as one kernel that saves only its input and 1/rms per row (torch's
-    `_fused_rms_norm` on CUDA; Apex and Transformer Engine likewise). False: torch's CPU
-    `rms_norm`, a composite of pow, mean, rsqrt and two multiplies, whose weight multiply also
-    saves the normalized x/rms, one more s x b x h tensor per norm (benchmarks/activation_probe.py)."""
-    phalanx_trainer: bool = False
-    """What phalanx's model and trainer keep beyond the reference implementations of the
-    published runs (each measured or read off PyTorch, see `memory.layer_activation_bytes` and
-    peak_memory.py): k and v repeated to every query head before attention and saved so; the
-    MoE combine's `index_add` saving its weighted rows; torch DDP's reducer buckets, a second
-    copy of the gradients (`gradient_as_bucket_view=False`)."""
-    expert_slots: int = 0
-    """The trainer's `--expert-slots S` (docs/expert_slots.md): each ep rank holds S / ep expert
-    slots, replicas of hot experts included, with their gradients and optimizer state, instead of
-    n_experts / ep experts. 0: one slot per expert, and none of the slots' layout rules (S =
-    n_experts, for `--rebalance-every` alone, keeps the memory and applies the rules: ep > 1,
-    no tp or pp, `layout_rules.expert_slots_layout_problem`)."""
-
-
-def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
-    """Options of a phalanx training run (`phalanx train --plan auto`, `phalanx plan` without
-    --any-runtime), as opposed to the published implementations' defaults of `Options()`:
-    the trainer keeps fp32 weights and AdamW's two fp32 moments, 16 bytes per parameter with its
-    fp32 gradient (memory.TRAINER_PRECISION[dtype]), its own model's tensors
-    (`phalanx_trainer`), RMSNorm fused on GPUs and torch's composite on CPUs (`fused_norm`), and
-    MoE blocks left out of tp (`tp_splits_experts=False`). Whether tp ranks then repeat the
-    expert work (the default) or split its rows (`ep_over_tp=true`, MoE parallel folding) is
-    the layout's plan key, which the cost and memory models read (`peak_memory.folds_experts`):
-    folded, routed expert GEMMs, all-to-all bytes and activations per device are divided by tp,
-    experts per device are n_experts / ep with ep over dp x tp, and an all-gather of the rows
-    over tp is charged forward and backward. `expert_slots` (overrides): the run's
-    --expert-slots (`Options.expert_slots`)."""
-    if dtype not in TRAINER_PRECISION:
-        raise UserError(f"dtype={dtype!r} must be one of {', '.join(TRAINER_PRECISION)}")
-    kw = dict(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=not cluster.shared_compute,
-              tp_splits_experts=False)
-    return Options(**{**kw, **overrides})
 
 
 @dataclass(frozen=True, kw_only=True)

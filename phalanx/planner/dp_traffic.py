@@ -13,11 +13,11 @@ from phalanx import layout_rules as rules
 from phalanx.planner import comm
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout
+from phalanx.planner.options import Options
 from phalanx.planner.peak_memory import BUCKET_BYTES, expert_shards, folds_experts, param_counts_of
 
 if TYPE_CHECKING:
     from phalanx.model.config import ModelConfig
-    from phalanx.planner.cost import Options
     from phalanx.planner.stage_time import StageTimes
 
 

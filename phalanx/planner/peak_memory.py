@@ -8,11 +8,11 @@ assembles them for the most loaded rank of a layout (its stage, schedule and ZeR
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from phalanx import layout_rules as rules
 from phalanx.model.config import ModelConfig
 from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.options import Options
 from phalanx.planner.memory import (
     GATHERED_LAYERS,
     ParamCounts,
@@ -23,9 +23,6 @@ from phalanx.planner.memory import (
     param_counts,
     state_bytes,
 )
-
-if TYPE_CHECKING:
-    from phalanx.planner.cost import Options
 
 BF16 = 2
 BUCKET_BYTES = 25 * 2**20

@@ -21,7 +21,8 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
-from phalanx.planner.cost import Estimate, Options, evaluate, step_time_lower_bound, trainer_options
+from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
+from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
@@ -301,7 +302,7 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
     `fixed` pins knobs (as `parse_fix` returns them) for a trainer that lacks some, e.g.
     {"tp": 1, "pp": 1} for a data-parallel-only build; `space` narrows the rest. `dtype`: the
     run's --dtype (the trainer's default fp32); memory and traffic are the trainer's own
-    (`cost.trainer_options`), not the published implementations'. `expert_slots`: the run's
+    (`options.trainer_options`), not the published implementations'. `expert_slots`: the run's
     --expert-slots (n_experts for --rebalance-every alone, 0 for neither): only layouts the
     trainer runs slots in, with S / ep slots of expert state per rank.
     """

@@ -258,8 +258,20 @@ def write_png(events: list[Event], path: Path, *, title: str) -> None:
     plt.close(fig)
 
 
+def register(subparsers) -> None:
+    """Add `simulate` to an argparse subparsers object."""
+    from phalanx.planner.plan_flags import add_plan_flags
+
+    s = subparsers.add_parser("simulate", help="timeline of one step per rank: Chrome trace + PNG")
+    add_plan_flags(s)
+    s.add_argument("--cluster", default="local")
+    s.add_argument("--plan", required=True, help="layout (--plan grammar plus mbs=, zero=); the rest is searched")
+    s.add_argument("--out", default="simulation", help="output directory for trace.json and timeline.png")
+    s.set_defaults(func=simulate_command)
+
+
 def simulate_command(args) -> int:
-    from phalanx.planner.cli import options_for
+    from phalanx.planner.plan_flags import options_for
     from phalanx.planner.hardware import cluster_from_name
     from phalanx.planner.layout import Workload
     from phalanx.planner.model_spec import model_from_name

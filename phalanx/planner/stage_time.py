@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm
@@ -43,11 +42,9 @@ from phalanx.planner.dp_traffic import collective_time as _collective
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.peak_memory import folds_experts
 from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.options import Options
 from phalanx.planner.memory import layer_activation_bytes, layers_per_stage
 from phalanx.planner.peak_memory import BF16, moe_layer_count, recompute_share
-
-if TYPE_CHECKING:
-    from phalanx.planner.cost import Options
 
 LOSS_BYTES_F = 22
 """HBM bytes per logit element of cross-entropy on fp32 logits (the trainer's

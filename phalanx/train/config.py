@@ -65,7 +65,7 @@ class TrainConfig:
     async_save) while training goes on, and the loop waits only for the copy to CPU memory."""
     collective_timeout: float = 600.0
     """Seconds a collective may wait for the other ranks before the worker fails with an error
-    naming the operation (and, at step boundaries, the missing rank)."""
+    naming the step (and, after a timeout, the missing ranks)."""
     resume: str = ""
     """'' = a fresh run (refused if `out` already holds one); 'must' = continue from the newest
     complete checkpoint in `out` (an error if there is none); 'auto' = continue when there is

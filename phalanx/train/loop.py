@@ -19,19 +19,19 @@ from phalanx.data.tokenizer import save_tokenizer_files
 from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
 from phalanx.model.config import model_config
-from phalanx.parallel.apply import parallelize, validate_for_model
+from phalanx.parallel.apply import parallelize
 from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
-from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
 from phalanx.train.checkpoint import load_checkpoint
-from phalanx.train.checkpoint_manifest import read_meta
 from phalanx.train.checkpoint_writer import CheckpointWriter
-from phalanx.train.collective_watch import StepBarrier, raise_if_collective_failure
+from phalanx.train.collective_watch import (
+    StuckRankWatch, bound_every_group, raise_if_collective_failure, stall_if_asked,
+)
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
 from phalanx.train.expert_slot_training import SlotTraining, slot_placements
@@ -42,9 +42,11 @@ from phalanx.train.pipeline_step import (
 from phalanx.train.loss import token_loss
 from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
-from phalanx.train.resume_point import resume_point
+from phalanx.train.job import Job
+from phalanx.train.resume_point import agreed_job
 from phalanx.train.restarts import inject_fault, restart_row
 from phalanx.train.sample import generate
+from phalanx.train.step_sync import StepAgreement, StepSync
 from phalanx.train.stop_signal import StopSignals
 
 EVAL_SEED = 7919
@@ -65,11 +67,6 @@ class TrainResult:
     """The trained (parallelized) model, for tests that compare weights."""
 
 
-def resolve_plan(text: str, world_size: int) -> Plan:
-    """An empty plan means plain data parallelism over every process."""
-    return plan_from_string(text or f"dp={world_size}", world_size)
-
-
 def pick_device(name: str) -> torch.device:
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -80,27 +77,11 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
-    if cfg.seq_len > model_cfg.max_seq_len:
-        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
-
-
 def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated accelerator memory, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def peak_memory_by_rank(device: torch.device) -> list[float]:
-    """Every rank's peak memory (MB), in rank order: stages and shards differ in size, and
-    rank 0 alone would hide the fullest one. Collective: every rank calls it."""
-    mine = torch.tensor(peak_memory_mb(device), dtype=torch.float64, device=device)
-    if not dist.is_initialized():
-        return [float(mine)]
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [round(float(value), 1) for value in every]
 
 
 def batch_loss(model, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> torch.Tensor:
@@ -167,39 +148,37 @@ def autocast_for(dtype: str, device: torch.device):
     return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
 
 
-def stop_requested(stop: StopSignals | None, step: int, start_step: int, device: torch.device) -> int:
-    """The signal every rank stops for before `step` (0: go on). Asked from the second step on:
-    a signal during setup still lets one step run, so the stop leaves a checkpoint."""
-    return stop.agreed(device) if stop is not None and step > start_step else 0
-
-
-def step_record(step: int, loss: float, lr: float, grad_norm: float, step_time: float, *, tokens: int,
-                mesh: ParallelMesh, pipelined: bool) -> dict:
+def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, step_time: float, *, tokens: int,
+                mesh: ParallelMesh, clock: WaitClock | None) -> dict:
     """The metrics.jsonl row of a step, before its MoE, validation and checkpoint fields.
-    Collective under a process group (every rank's peak memory)."""
+    Collective over the pp group with pipelines (the measured bubble)."""
     record = {
-        "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        "step": step, "loss": agreed.loss, "lr": lr, "grad_norm": grad_norm,
         "step_time_s": step_time, "tokens_per_s": tokens / step_time, "peak_mem_mb": peak_memory_mb(mesh.device),
     }
-    if dist.is_initialized():
-        record["peak_mem_mb_by_rank"] = peak_memory_by_rank(mesh.device)
-    if pipelined:
-        record.update(bubble_record(WaitClock.seconds, step_time, mesh.plan, mesh))
+    if agreed.peak_mb_by_rank is not None:  # from the step's agreement (step_sync.py)
+        record["peak_mem_mb_by_rank"] = agreed.peak_mb_by_rank
+    if clock is not None:  # pipelined: the time this step waited on transfers
+        record.update(bubble_record(clock, step_time, mesh.plan, mesh))
     return record
 
 
-def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
+def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this.
-    `stop`: the worker's signal handlers; a SIGTERM or SIGINT they note stops every rank after
-    the same step, with a checkpoint."""
+    `job`: the run worked out by the launcher (`phalanx.train.job`); given settings instead (a
+    user's torchrun, an elastic launch, tests and benchmarks), rank 0 works the job out here
+    and every rank receives it (`resume_point.agreed_job`). `stop`: the worker's signal
+    handlers; a SIGTERM or SIGINT they note stops every rank after the same step, with a
+    checkpoint."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if isinstance(job, TrainConfig):
+        job = agreed_job(job, run_dir)
+    if job.world_size != world_size:
+        raise UserError(f"the run was planned for {job.world_size} processes, but {world_size} were started")
+    cfg, plan, found = job.settings, job.plan, job.resume_from
     model_cfg = model_config(cfg.model)
-    check_sequence_length(cfg, model_cfg)
-    cfg, found = resume_point(cfg, run_dir, model_cfg, world_size, rank)  # the plan follows a changed world size
-    plan = resolve_plan(cfg.plan, world_size)
-    plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
-    accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
+    accum = job.microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
@@ -210,14 +189,12 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
         raise UserError(f"--out {run_dir}: cannot create the run directory ({error.strerror})") from None
     autocast = autocast_for(cfg.dtype, device)
 
-    per_rank = cfg.global_batch // plan.dp
-    micro = per_rank // accum
+    micro = job.microbatch_size
     placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
     model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
                         weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements)
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
-        WaitClock.install()
         moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
     optimizer = make_optimizer(model, cfg)
     slots = SlotTraining(model, placements, cfg.rebalance_every) if placements else None
@@ -225,8 +202,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
     start_step, result = 0, TrainResult(run_dir=run_dir, model=model)
     if found:
         if slots is not None:  # the saved placement first: each rank then loads its slots' experts
-            slots.load_state(read_meta(found[1]).get("expert_slots"))
-        start_step = load_checkpoint(found[1], model, optimizer)
+            slots.load_state(found.meta.get("expert_slots"))
+        start_step = load_checkpoint(Path(found.path), model, optimizer)
     metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
     if metrics and (row := restart_row(start_step)):
         metrics.write(row)
@@ -240,15 +217,17 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
                               asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
     writer.last_saved = start_step if found else -1
     save = writer.save
-    step_barrier = StepBarrier(cfg.collective_timeout)
+    watch = StuckRankWatch(cfg.collective_timeout)  # names a stuck rank, only once a collective timed out
+    bound_every_group(cfg.collective_timeout)  # the mesh's groups too, not only the default one
+    sync = StepSync(device, stop)  # each step's one small collective: loss, stop signal, peak memory
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
     try:
         for step in range(start_step, cfg.steps):
             inject_fault(rank, step)  # test hook: restarts.FAULT_ENV
-            step_barrier(step + 1)  # a stuck or lost rank is named here, within --collective-timeout
-            if stopped := stop_requested(stop, step, start_step, device):
+            stall_if_asked(rank, step + 1)  # test hook: collective_watch.STALL_ENV
+            if stopped := sync.stop_before_step():  # agreed by every rank in the last step's collective
                 result.stopped_by = stopped
                 if writer.last_saved != step - bad_steps.in_a_row:  # skipped steps left the last good state
                     save(step - bad_steps.in_a_row)
@@ -262,9 +241,9 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
                 dp_rank=mesh.dp_rank, dp_size=plan.dp,
             )
             inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq)
-            WaitClock.seconds = 0.0
+            clock = WaitClock() if pipeline is not None else None
             if pipeline is not None:
-                loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast)
+                loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast, clock=clock)
             else:
                 loss_sum = torch.zeros((), device=device)
                 for i in range(accum):
@@ -281,7 +260,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             done = step + 1
             if done in nan_steps:
                 loss_sum = loss_sum * float("nan")  # test hook: bad_steps.NAN_STEPS_ENV
-            loss_value = float(mesh.all_reduce_mean(loss_sum))  # the global batch's mean; syncs the step
+            agreed = sync.agree(loss_sum, peak_memory_mb(device))  # the global batch's mean loss; syncs the step
+            loss_value = agreed.loss
             result.losses.append(loss_value)
             reason = why_bad(loss_value, grad_norm)  # both reduced over all ranks: every rank agrees
             if reason:
@@ -293,8 +273,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             bad_steps.good()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            record = step_record(step + 1, loss_value, lr, grad_norm, time.perf_counter() - began,
-                                 tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, pipelined=pipeline is not None)
+            record = step_record(step + 1, agreed, lr, grad_norm, time.perf_counter() - began,
+                                 tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, clock=clock)
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             if slots is not None and (event := slots.after_step(done, record.get("moe", {}), optimizer)) and metrics:
                 metrics.write(event)  # slots moved to the new placement (weights and optimizer state)
@@ -309,7 +289,7 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
             progress.update(record)
             result.steps_done = done
     except RuntimeError as error:
-        raise_if_collective_failure(error, step + 1, cfg.collective_timeout)
+        raise_if_collective_failure(error, step + 1, cfg.collective_timeout, watch)
         raise
     finally:
         if metrics:

@@ -1,6 +1,7 @@
 """Expert load of mixture-of-experts layers, counted once per step over the ranks.
 
-* `end_step(model, mesh, cfg)`: sum the step's per-expert token counts over the data-parallel
+* `end_step(model, mesh, cfg)`: take each MoE layer's load of the step (`MoE.take_load`, which
+  returns the counts and restarts them), sum the per-expert token counts over the data-parallel
   ranks (one all-reduce for all layers), nudge the loss-free balancing biases with those
   global counts (so every rank applies the same update), and return the record fields:
   per MoE layer the tokens each expert and each dp rank received, and their imbalance
@@ -42,7 +43,8 @@ def imbalance(load: torch.Tensor) -> float:
 
 @torch.no_grad()
 def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
-    """Reduce and reset this step's counters, update balancing biases; every rank calls this.
+    """Take this step's counts from the layers (`MoE.take_load`), reduce them, update the
+    balancing biases; every rank calls this.
 
     The table has one row per MoE layer of the whole model (from `cfg`), not only this rank's:
     a rank fills the rows of the layers it holds and leaves zeros elsewhere. Summing over "dp"
@@ -58,19 +60,20 @@ def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
     if not moe_ids:
         return {}
     held = dict(moe_layers(model))  # layer index (str) -> MoE, this rank's layers only
+    loads = {layer: moe.take_load() for layer, moe in held.items()}  # the step's counts; the layers restart theirs
     dp, dp_rank, n_experts = mesh.plan.dp, mesh.dp_rank, cfg.n_experts
     folded = mesh.plan.ep_over_tp and mesh.plan.ep > 1
     if folded:  # one rank column per dp x tp rank
         dp, dp_rank = dp * mesh.plan.tp, dp_rank * mesh.plan.tp + mesh.axis_rank("tp")
     packed = torch.zeros(len(moe_ids), n_experts + dp + 1, device=mesh.device)  # (layers, experts + dp + 1)
     for row, layer in zip(packed, moe_ids):
-        moe = held.get(str(layer))
-        if moe is None:
+        load = loads.get(str(layer))
+        if load is None:
             continue  # another stage's layer: its owner fills the row
-        if moe.tokens_per_expert is not None:
-            row[:n_experts] = moe.tokens_per_expert.float()
-        row[n_experts + dp_rank] = float(moe.experts.received_tokens)
-        row[-1] = float(moe.dropped_tokens)
+        if load.tokens_per_expert is not None:
+            row[:n_experts] = load.tokens_per_expert.float()
+        row[n_experts + dp_rank] = float(load.received)
+        row[-1] = float(load.dropped)
     if mesh.distributed and mesh.plan.dp > 1:
         dist.all_reduce(packed, group=mesh.group("dp"))
     if mesh.distributed and folded:
@@ -85,8 +88,6 @@ def end_step(model: nn.Module, mesh, cfg: ModelConfig) -> dict:
         moe = held.get(str(layer))
         if moe is not None:
             moe.router.update_bias(experts.to(moe.router.expert_bias.device))
-            moe.tokens_per_expert, moe.dropped_tokens = None, 0
-            moe.experts.received_tokens = 0
         record[str(layer)] = {
             "expert_tokens": [int(v) for v in experts], "rank_tokens": [int(v) for v in ranks],
             "expert_imbalance": imbalance(experts), "rank_imbalance": imbalance(ranks), "dropped": int(row[-1]),

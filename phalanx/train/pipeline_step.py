@@ -8,6 +8,7 @@ over the pp group, so every rank, rank 0 included, returns the same loss to log.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -24,26 +25,31 @@ def make_pipeline(model, mesh: ParallelMesh) -> Pipeline:
 
 
 class WaitClock:
-    """Seconds this rank spends blocked on pipeline sends and receives.
+    """Seconds this rank spent blocked on pipeline sends and receives in one step; the step
+    makes one and reads it after (`pipeline_step(..., clock=)`).
 
     The schedules wait for their point-to-point transfers through one module function
-    (`schedules._wait_batch_p2p`, private but long-standing); it is wrapped once per process to
-    add up those waits. Where a torch version lacks it, `available` is False and the bubble is
-    reported as unmeasured (None) rather than guessed. This is host time: with gloo the host
-    blocks until data arrives; with NCCL a wait only orders CUDA streams, so on GPUs this clock
-    undercounts (measuring there needs CUDA events, not done yet).
+    (`schedules._wait_batch_p2p`, private but long-standing); `timing()` replaces it with a
+    timed wrapper for the step's schedule only and puts the original back after, so nothing
+    else in the process (another schedule, a test, calibration) sees the replacement. Where a
+    torch version lacks it, `available` stays False and the bubble is reported as unmeasured
+    (None) rather than guessed. This is host time: with gloo the host blocks until data
+    arrives; with NCCL a wait only orders CUDA streams, so on GPUs this clock undercounts
+    (measuring there needs CUDA events, not done yet).
     """
 
-    seconds = 0.0
-    available = False
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.available = False
 
-    @classmethod
-    def install(cls) -> None:
+    @contextlib.contextmanager
+    def timing(self):
         from torch.distributed.pipelining import schedules
 
         original = getattr(schedules, "_wait_batch_p2p", None)
-        cls.available = original is not None
-        if original is None or getattr(original, "phalanx_timed", False):
+        self.available = original is not None
+        if original is None:
+            yield self
             return
 
         def timed(*args, **kwargs):
@@ -51,18 +57,21 @@ class WaitClock:
             try:
                 return original(*args, **kwargs)
             finally:
-                cls.seconds += time.perf_counter() - began
+                self.seconds += time.perf_counter() - began
 
-        timed.phalanx_timed = True
         schedules._wait_batch_p2p = timed
+        try:
+            yield self
+        finally:
+            schedules._wait_batch_p2p = original
 
 
 def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor,
-                  *, autocast) -> torch.Tensor:
+                  *, autocast, clock: WaitClock | None = None) -> torch.Tensor:
     """Forward and backward of this dp rank's batch; returns its mean loss, the same on
-    every pp rank."""
+    every pp rank. `clock`: adds up the time the schedule waited on transfers."""
     losses: list[torch.Tensor] = []
-    with loss_context(mesh.plan), autocast():
+    with loss_context(mesh.plan), autocast(), (clock.timing() if clock else contextlib.nullcontext()):
         kwargs = {"target": targets if pipeline.has_last else None, "losses": losses}
         args = (inputs,) if pipeline.has_first else ()
         pipeline.schedule.step(*args, **kwargs)
@@ -74,18 +83,18 @@ def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, 
     return loss
 
 
-def bubble_record(wait_s: float, step_time_s: float, plan, mesh: ParallelMesh) -> dict:
+def bubble_record(clock: WaitClock, step_time_s: float, plan, mesh: ParallelMesh) -> dict:
     """The step's measured bubble (each pp rank's waiting time / step time) beside the
     schedule's formula. Collective over the pp group: every rank must call it."""
     from phalanx.parallel.pipeline import bubble_formula
 
     record: dict = {"bubble_formula": bubble_formula(plan)}
-    if not WaitClock.available:
+    if not clock.available:
         record["bubble"] = None
         return record
     # On the mesh's device: NCCL only moves accelerator tensors.
     waits = [torch.zeros((), dtype=torch.float64, device=mesh.device) for _ in range(plan.pp)]
-    dist.all_gather(waits, torch.tensor(wait_s, dtype=torch.float64, device=mesh.device), group=mesh.group("pp"))
+    dist.all_gather(waits, torch.tensor(clock.seconds, dtype=torch.float64, device=mesh.device), group=mesh.group("pp"))
     by_stage = [round(float(w) / step_time_s, 4) for w in waits]
     record.update(bubble=sum(by_stage) / len(by_stage), bubble_by_rank=by_stage)
     return record

@@ -1,10 +1,10 @@
 """SIGTERM (a scheduler's preemption) and SIGINT (Ctrl-C) stop a run at a step boundary.
 
-A worker catches both signals from its first moment and only notes them; the training loop
-asks at each step boundary whether any rank has one (`StopSignals.agreed`: one all-reduce of
-a single number, tiny beside a step's gradient all-reduce), so every rank stops after the
-same step, saves a checkpoint, and the run exits with `STOP_STATUS` (the launcher turns
-143 into 0, and prints the command to resume).
+A worker catches both signals from its first moment and only notes them; each step's one
+small collective carries whether any rank has one (`step_sync.StepSync`: two counts beside the
+step's loss, no collective of their own), so every rank stops after the same step (the one
+whose collective first carried the signal), saves a checkpoint, and the run exits with
+`STOP_STATUS` (the launcher turns 143 into 0, and prints the command to resume).
 
 Under the built-in launcher, the elastic agent receives the signal, passes it to every worker
 and waits `GRACE_S` before killing them: that is how long the current step and the save may take.
@@ -50,18 +50,6 @@ class StopSignals:
         while not self.received and time.monotonic() < deadline:
             time.sleep(0.02)
         return self.received
-
-    def agreed(self, device) -> int:
-        """The signal every rank stops for (0: go on). Collective: every rank calls it at the
-        same step boundary; SIGTERM wins if ranks got different ones."""
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
 
 
 def signal_name(signum: int) -> str:

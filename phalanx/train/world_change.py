@@ -1,12 +1,14 @@
-"""A run that continues on another number of processes (a node lost, a rerun with another
---nproc, an elastic launch with --nnodes MIN:MAX): which plan it runs with.
+"""Which plan a run runs with on its number of processes; torch-free, read by `train/job.py`.
 
-- `--plan auto`: the planner's choice for the new world size.
-- A user's plan: tp, pp, ep and every other key are kept and dp follows the world size; the
-  number of micro-batches follows too, so each micro-batch keeps its size (what fitted in
-  memory still fits) and the global batch is unchanged.
-- When that cannot work (tp x pp does not divide the new world, dp no longer divides the global
-  batch, ep no longer divides dp...), a one-line error names a plan that does: the planner's.
+- `--plan auto`: the planner's choice for this world size (`auto_plan_for`).
+- No plan: data parallelism over every process.
+- A user's plan, when the run continues on another number of processes (a node lost, a rerun
+  with another --nproc, an elastic launch with --nnodes MIN:MAX): tp, pp, ep and every other
+  key are kept and dp follows the world size; the number of micro-batches follows too, so each
+  micro-batch keeps its size (what fitted in memory still fits) and the global batch is
+  unchanged. When that cannot work (tp x pp does not divide the new world, dp no longer divides
+  the global batch, ep no longer divides dp...), a one-line error names a plan that does: the
+  planner's.
 
 Only when the world size really changed (the checkpoint's differs, or the launch is elastic):
 otherwise a plan that names another world size is the user's mistake, reported as before. The
@@ -33,19 +35,42 @@ def dp_follows(plan: Plan, world_size: int, global_batch: int) -> Plan:
     return adapted
 
 
-def plan_for_world(cfg, world_size: int, model_cfg, *, saved_world: int | None, elastic: bool = False):
-    """`cfg` with a plan for `world_size` processes (a TrainConfig; the same one when nothing
-    changes). `saved_world`: the world size recorded in the checkpoint resumed from, if any."""
-    if cfg.plan == "auto":
-        from phalanx.launch import choose_auto_plan
+def planned_expert_slots(cfg, model_cfg) -> int:
+    """The expert slots a plan must allow: --expert-slots, or with --rebalance-every alone one
+    per expert (the slots' layout rules still apply), else 0 (none)."""
+    return cfg.expert_slots or (model_cfg.n_experts if cfg.rebalance_every else 0)
 
-        return choose_auto_plan(cfg, world_size)
+
+def auto_plan_for(cfg, world_size: int, model_cfg, gpu: str = "") -> Plan:
+    """The planner's fastest layout of `cfg`'s run on `world_size` processes, for `--cluster`
+    or this machine (the cluster file `phalanx calibrate` wrote, else the preset of its GPU
+    `gpu`, else `local`), with room for the run's expert slots. Deterministic: every process
+    that asks gets the same plan."""
+    from phalanx.planner.hardware import this_machine
+    from phalanx.planner.search import auto_plan
+
+    return auto_plan(model_cfg, world_size=world_size, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+                     cluster=cfg.cluster or this_machine(gpu), dtype=cfg.dtype,
+                     expert_slots=planned_expert_slots(cfg, model_cfg))
+
+
+def plan_for_world(cfg, world_size: int, model_cfg, *, saved_world: int | None, elastic: bool = False,
+                   gpu: str = "", log=None) -> tuple[Plan, str]:
+    """(the plan for `world_size` processes, the `--plan` text the run records). The text is the
+    user's own when it needs no change (empty for no plan), else the plan's string.
+    `saved_world`: the world size of the checkpoint resumed from, if any; `log`: where the
+    planner's choice for `--plan auto` is said."""
+    if cfg.plan == "auto":
+        plan = auto_plan_for(cfg, world_size, model_cfg, gpu)
+        if log:
+            log(f"phalanx: --plan auto chose {plan} for {world_size} process{'es' if world_size > 1 else ''}")
+        return plan, plan.to_string()
     if not cfg.plan:
-        return cfg  # dp over every process, whatever their number
+        return Plan(dp=world_size), ""  # dp over every process, whatever their number
     plan, _ = parse_plan(cfg.plan)
     changed = elastic or (saved_world is not None and saved_world != world_size)
     if plan.world_size == world_size or not changed:
-        return cfg
+        return plan, cfg.plan
     from phalanx.parallel.apply import validate_for_model
 
     try:
@@ -53,19 +78,13 @@ def plan_for_world(cfg, world_size: int, model_cfg, *, saved_world: int | None, 
         validate_for_model(adapted, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
     except UserError as error:
         raise UserError(f"--plan {plan} cannot follow the world size to {world_size} processes ({error}); "
-                        f"{_a_plan_that_fits(cfg, world_size, model_cfg)}") from None
-    return cfg.replace(plan=adapted.to_string())
+                        f"{_a_plan_that_fits(cfg, world_size, model_cfg, gpu)}") from None
+    return adapted, adapted.to_string()
 
 
-def _a_plan_that_fits(cfg, world_size: int, model_cfg) -> str:
-    from phalanx.launch import planned_expert_slots
-    from phalanx.planner.hardware import this_machine
-    from phalanx.planner.search import auto_plan
-
+def _a_plan_that_fits(cfg, world_size: int, model_cfg, gpu: str) -> str:
     try:
-        plan = auto_plan(model_cfg, world_size=world_size, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                         cluster=cfg.cluster or this_machine(""), dtype=cfg.dtype,
-                         expert_slots=planned_expert_slots(cfg, model_cfg))
+        plan = auto_plan_for(cfg, world_size, model_cfg, gpu)
     except UserError as error:
         return f"and no plan fits: {error}"
     return f"a plan that fits: --plan {plan} (or --plan auto)"

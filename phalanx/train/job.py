@@ -1,0 +1,116 @@
+"""A training run, worked out once: the plan it runs with, the checks it must pass before any
+process computes, and where it starts. Torch-free at import; below both the launcher
+(phalanx/launch.py, which works the job out before it starts a worker) and the training loop
+(phalanx/train/loop.py, which receives it as data: `train(job, run_dir)`).
+
+`resolve_job(settings, world_size, checkpoint)` decides, in this order:
+  1. the sequence length fits the model;
+  2. the resume decision: `--resume` (must) without a checkpoint is refused; the checkpoint
+     resumed from is the one given (its step, folder and phalanx.json: `SavedCheckpoint`);
+  3. the plan, parsed once: `--plan auto` decided by the planner (with room for the run's
+     expert slots), no plan = dp over every process, a user's plan following a changed world
+     size (`world_change.py`); then checked against the world size, the model, the batch and
+     `--dtype` (`parallel.apply.validate_for_model`, imported only here: those rules still
+     live beside the code that applies them);
+  4. the settings a resume may not change (`resume_settings.py`), and a line for each that did.
+
+Deterministic in its inputs, so a launcher, rank 0 of a user's torchrun, or every rank alike
+gets the same job. The checkpoint is found by the caller (`resume_point.saved_checkpoint`):
+finding it reads and checksums every file, which should happen once, not once per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.errors import UserError
+from phalanx.plan import Plan
+from phalanx.train.config import TrainConfig
+from phalanx.train.resume_settings import check_resume
+from phalanx.train.world_change import plan_for_world, planned_expert_slots
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """The checkpoint a run resumes from: the step it holds, its folder and its phalanx.json."""
+
+    step: int
+    path: str
+    meta: dict
+
+    @property
+    def world_size(self) -> int | None:
+        """The number of processes that wrote it (a checkpoint of an older phalanx may lack it)."""
+        return self.meta.get("world_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """Everything about a run that is decided before training starts; plain data (pickled to
+    the workers)."""
+
+    settings: TrainConfig
+    """The run's settings; `settings.plan` is the `--plan` text the run records in its
+    checkpoints: the planner's choice for `auto`, the adapted plan after a world-size change,
+    else the user's own text (empty for none)."""
+    world_size: int
+    plan: Plan
+    """The layout, validated for `world_size` processes and the model, with its precision
+    filled in from `--dtype`."""
+    plan_text: str
+    """The layout as decided, before the precision defaults: what the launcher's log shows."""
+    expert_slots: int = 0
+    """Expert slots per MoE layer the plan was checked for (`--expert-slots`, or n_experts with
+    `--rebalance-every` alone); 0 = none."""
+    resume_from: SavedCheckpoint | None = None
+    """The checkpoint to load, or None for a fresh run."""
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step per data-parallel rank (gradient accumulation)."""
+        return self.plan.num_microbatches
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per micro-batch on each data-parallel rank."""
+        return self.settings.global_batch // self.plan.dp // self.microbatches
+
+    @property
+    def start_step(self) -> int:
+        return self.resume_from.step if self.resume_from else 0
+
+
+def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
+    if cfg.seq_len > model_cfg.max_seq_len:
+        raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
+
+
+def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint | None, *, run_dir: str,
+                gpu: str = "", log=None) -> Job:
+    """The job of `cfg` on `world_size` processes. `checkpoint`: the newest complete one in
+    the run directory when `cfg.resume` asks for one (None: none there, or a fresh run);
+    `gpu`: this machine's GPU name, for `--plan auto` without `--cluster`; `log`: called with
+    each line to say (the planner's choice, what a resume changed), once per run."""
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import validate_for_model
+
+    model_cfg = model_config(cfg.model)
+    check_sequence_length(cfg, model_cfg)
+    if cfg.resume == "must" and checkpoint is None:
+        raise UserError(f"--resume: no checkpoint found under {Path(run_dir) / 'checkpoints'} "
+                        "(--resume auto starts fresh when there is none)")
+    plan, text = plan_for_world(cfg, world_size, model_cfg, saved_world=checkpoint.world_size if checkpoint else None,
+                                elastic=cfg.elastic, gpu=gpu, log=log)
+    cfg = cfg.replace(plan=text)
+    shown = plan.validate(world_size).to_string()
+    plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch,
+                              seq_len=cfg.seq_len, dtype=cfg.dtype)
+    if checkpoint is not None:
+        notes = check_resume(checkpoint.meta, model=model_cfg.to_dict(), where=run_dir,
+                             settings={**dataclasses.asdict(cfg), "world_size": world_size})
+        for line in notes if log else ():
+            log(line)
+    return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=planned_expert_slots(cfg, model_cfg),
+               resume_from=checkpoint)
