@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import resource
 import sys
@@ -24,6 +23,7 @@ from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
+from phalanx.parallel.mixed_precision import autocast_for, release_before_step
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.plan import Plan, plan_from_string
 from phalanx.train import moe_aux_loss, moe_stats
@@ -153,18 +153,16 @@ def skip_step(metrics, step: int, reason: str, bad_steps: BadStepCounter, cfg: T
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW, with no weight decay on vectors (norms, biases)."""
+    """AdamW over the fp32 (master) weights, with fp32 moments, no weight decay on vectors
+    (norms, biases); in bf16 it drops the step's compute copies before it steps."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
     )
-
-
-def autocast_for(dtype: str, device: torch.device):
-    """The context a forward pass runs in: bf16 autocast, or nothing for fp32."""
-    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+    release_before_step(optimizer, model)
+    return optimizer
 
 
 def stop_requested(stop: StopSignals | None, step: int, start_step: int, device: torch.device) -> int:
@@ -208,7 +206,7 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
     except OSError as error:
         raise UserError(f"--out {run_dir}: cannot create the run directory ({error.strerror})") from None
-    autocast = autocast_for(cfg.dtype, device)
+    autocast = autocast_for(plan, cfg.dtype, device)  # only for param_dtype=fp32 under --dtype bf16
 
     per_rank = cfg.global_batch // plan.dp
     micro = per_rank // accum

@@ -1,0 +1,179 @@
+"""`--dtype bf16` is mixed precision: bf16 compute weights over fp32 masters and moments.
+
+- The saved activations are bf16 and each linear saves its own input (the norm's output that
+  q, k and v share), not a bf16 copy cast from an fp32 residual stream as autocast over fp32
+  weights does; the probe is also run on that older mode (`param_dtype=fp32`), so it is shown
+  to tell them apart.
+- The masters, their gradients, AdamW's moments and the checkpoint are fp32, and a bf16 run
+  resumes exactly where it stopped (the copies are made again from the restored masters).
+- Every layout equals one bf16 process within phalanx/testing/bf16_bounds.py (reasons there):
+  DDP, FSDP2 zero=3, tp=2 with sp, pp=2 and tiny-moe's dp=2,ep=2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.testing.bf16_bounds import BF16_LOSS, BF16_WEIGHT_MEAN, bf16_grad_norm_bound
+from phalanx.testing.fork_ranks import run_ranks
+from phalanx.testing.weights import gathered_weights
+from phalanx.train.loop import train
+
+LAYOUTS = ["tiny dp=2", "tiny dp=2,zero=3", "tiny tp=2,sp=true", "tiny pp=2", "tiny-moe dp=2,ep=2"]
+
+
+def test_bf16_weights_under_fp32_is_a_one_line_error(tmp_path, capsys):
+    from phalanx.testing.cli_errors import assert_cli_error
+
+    argv = ["train", "--model", "tiny", "--steps", "1", "--plan", "param_dtype=bf16", "--dtype", "fp32",
+            "--out", str(tmp_path / "r")]
+    assert_cli_error(argv, capsys, "param_dtype=bf16 with --dtype fp32 would compute in bf16; use --dtype bf16")
+
+
+def _one_process_model(plan_text: str, model: str = "tiny"):
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import parallelize, validate_for_model
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.train.loop import resolve_plan
+
+    cfg = model_config(model)
+    plan = validate_for_model(resolve_plan(plan_text, 1), cfg, global_batch=2, seq_len=16, dtype="bf16")
+    mesh = build_mesh(plan, torch.device("cpu"))
+    return parallelize(cfg, mesh, seed=0), plan, cfg
+
+
+def _linear_inputs_saved(plan_text: str) -> tuple[set, set, set]:
+    """One bf16 forward and backward: (dtypes of the linears' inputs, names of linears whose
+    input is not among the saved tensors, dtypes of the blocks' outputs)."""
+    from phalanx.parallel.mixed_precision import autocast_for
+    from phalanx.train.loop import batch_loss
+
+    model, plan, cfg = _one_process_model(plan_text)
+    inputs, saved = {}, set()
+    blocks: set = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0]))
+    for block in model.layers.values():
+        block.register_forward_hook(lambda m, args, out: blocks.add(out.dtype))
+
+    def pack(tensor):
+        saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = batch_loss(model, tokens[:, :-1], tokens[:, 1:], autocast_for(plan, "bf16", torch.device("cpu")))
+    loss.backward()
+    unsaved = {name for name, x in inputs.items() if x.untyped_storage().data_ptr() not in saved}
+    return {x.dtype for x in inputs.values()}, unsaved, blocks
+
+
+def test_linears_save_their_own_bf16_input():
+    dtypes, unsaved, residual = _linear_inputs_saved("")
+    assert dtypes == {torch.bfloat16} and residual == {torch.bfloat16}
+    assert not unsaved  # no linear saved a cast copy of its input instead of the input
+    # The older mode, autocast over fp32 weights, fails each of these checks.
+    dtypes, unsaved, residual = _linear_inputs_saved("param_dtype=fp32")
+    assert torch.float32 in dtypes and residual == {torch.float32}  # the norms' outputs
+    assert unsaved and all(name.endswith(("wq", "wk", "wv", "w1", "w3", "output")) for name in unsaved), unsaved
+
+
+def test_masters_gradients_and_moments_stay_fp32():
+    from phalanx.parallel.mixed_precision import autocast_for
+    from phalanx.train.config import TrainConfig
+    from phalanx.train.loop import batch_loss, make_optimizer
+
+    model, plan, cfg = _one_process_model("", "tiny-moe")
+    optimizer = make_optimizer(model, TrainConfig())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # two micro-batches share one copy of each weight
+        batch_loss(model, tokens[:, :-1], tokens[:, 1:], autocast_for(plan, "bf16", torch.device("cpu"))).backward()
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values()} == {p.grad.dtype for p in params.values()} == {torch.float32}
+    before = {name: p.detach().clone() for name, p in params.items()}
+    optimizer.step()
+    state = [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    assert len(state) == 2 * len(params) and {v.dtype for v in state} == {torch.float32}
+    assert all(not torch.equal(before[name], p) for name, p in params.items())  # every master moved
+    # The next forward computes with copies of the updated masters, not the step's old ones.
+    loss = batch_loss(model, tokens[:, :-1], tokens[:, 1:], autocast_for(plan, "bf16", torch.device("cpu")))
+    with torch.no_grad():  # the masters changed in place, as a checkpoint load changes them
+        for name, p in params.items():
+            p.copy_(before[name])
+    again = batch_loss(model, tokens[:, :-1], tokens[:, 1:], autocast_for(plan, "bf16", torch.device("cpu")))
+    assert float(loss.detach()) != float(again.detach())
+
+
+def _losses_and_weights(cfg):
+    result = train(cfg, Path(cfg.out))
+    return result.losses, {name: value.detach().clone() for name, value in result.model.state_dict().items()}
+
+
+def test_bf16_resume_is_exact_and_checkpoints_hold_fp32(tiny_config):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from phalanx.train.checkpoint import latest_checkpoint
+
+    cfg = tiny_config.replace(steps=4, ckpt_every=2, dtype="bf16")
+    full, full_weights = run_ranks(1, _losses_and_weights, cfg)[0]
+    for path in (Path(cfg.out) / "checkpoints").glob("step_*"):
+        if json.loads((path / "phalanx.json").read_text())["step"] > 2:
+            import shutil
+
+            shutil.rmtree(path)
+    step, path = latest_checkpoint(Path(cfg.out))
+    assert step == 2
+    dtypes = {meta.properties.dtype for name, meta in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+              if hasattr(meta, "properties") and meta.size.numel() > 1}
+    assert dtypes == {torch.float32}  # the weights and both moments: no bf16 copy was saved
+    resumed, weights = run_ranks(1, _losses_and_weights, cfg.replace(resume=True))[0]
+    assert resumed == full[2:]
+    assert all(torch.equal(weights[name], value) for name, value in full_weights.items())
+
+
+def _train_layouts(cfg, layouts: list[str]) -> dict:
+    out = {}
+    for layout in layouts:
+        model, plan = layout.split(" ")
+        run_dir = Path(cfg.out) / layout.replace(" ", "_").replace(",", "_").replace("=", "-")
+        result = train(cfg.replace(model=model, plan=plan, out=str(run_dir)), run_dir)
+        out[layout] = (result.losses, gathered_weights(result.model))
+    return out
+
+
+def _grad_norms(cfg, layout: str) -> list[float]:
+    path = Path(cfg.out) / layout.replace(" ", "_").replace(",", "_").replace("=", "-") / "metrics.jsonl"
+    return [json.loads(line)["grad_norm"] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from phalanx.testing.small_corpus import ONE_FILE_CORPUS
+    from phalanx.train.config import TrainConfig
+
+    cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1,
+                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, device="cpu", dtype="bf16",
+                      out=str(tmp_path_factory.mktemp("bf16")))
+    reference = run_ranks(1, _train_layouts, cfg, ["tiny ", "tiny-moe "])[0]
+    return cfg, reference, run_ranks(2, _train_layouts, cfg, LAYOUTS, timeout_s=600)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_one_bf16_process(runs, layout):
+    cfg, reference, ranks = runs
+    model = layout.split(" ")[0]
+    ref_losses, ref_weights = reference[f"{model} "]
+    for rank in ranks:  # every rank's copy (pipeline stages: their own layers)
+        losses, weights = rank[layout]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < BF16_LOSS, (losses, ref_losses)
+        assert weights and weights.keys() <= ref_weights.keys()
+        diff = sum(float((w - ref_weights[k]).abs().sum()) for k, w in weights.items())
+        assert diff / sum(w.numel() for w in weights.values()) < BF16_WEIGHT_MEAN
+    norms = zip(_grad_norms(cfg, layout), _grad_norms(cfg, f"{model} "))
+    for step, (norm, ref) in enumerate(norms, 1):
+        assert abs(norm - ref) < bf16_grad_norm_bound(step) * ref, (layout, step, norm, ref)
