@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             head += nbytes
             print(f"  {where:32s} {str(shape):22s} {str(dtype):15s} {nbytes / sbh:6.3f} (head and loss)")
     precision = TRAINER_PRECISION[args.dtype]
-    autocast_fp32 = args.dtype == "bf16" and args.weights == "fp32"  # peak_memory.autocast_copies
+    autocast_fp32 = args.dtype == "bf16" and args.weights == "fp32"  # the trainer with param_dtype=fp32
     wide = args.dtype == "bf16" and (autocast_fp32 or args.device != "cuda")  # fp32 norm tensors
     element = precision.activation  # the formula counts 16-bit elements
     formula = element / 2 * layer_activation_bytes(
