@@ -8,11 +8,13 @@
   resumes exactly where it stopped (the copies are made again from the restored masters).
 - Every layout equals one bf16 process within phalanx/testing/bf16_bounds.py (reasons there):
   DDP, FSDP2 zero=3, tp=2 with sp, pp=2 and tiny-moe's dp=2,ep=2.
+  `PYTHONPATH=. python tests/test_mixed_precision.py` prints the measured differences.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,9 +124,7 @@ def test_bf16_resume_is_exact_and_checkpoints_hold_fp32(tiny_config):
     cfg = tiny_config.replace(steps=4, ckpt_every=2, dtype="bf16")
     full, full_weights = run_ranks(1, _losses_and_weights, cfg)[0]
     for path in (Path(cfg.out) / "checkpoints").glob("step_*"):
-        if json.loads((path / "phalanx.json").read_text())["step"] > 2:
-            import shutil
-
+        if json.loads((path / "phalanx.json").read_text())["step"] > 2:  # as if stopped after step 2
             shutil.rmtree(path)
     step, path = latest_checkpoint(Path(cfg.out))
     assert step == 2
@@ -136,44 +136,73 @@ def test_bf16_resume_is_exact_and_checkpoints_hold_fp32(tiny_config):
     assert all(torch.equal(weights[name], value) for name, value in full_weights.items())
 
 
+def _dir(cfg, layout: str) -> Path:
+    return Path(cfg.out) / layout.replace(" ", "_").replace(",", "_").replace("=", "-")
+
+
 def _train_layouts(cfg, layouts: list[str]) -> dict:
     out = {}
     for layout in layouts:
         model, plan = layout.split(" ")
-        run_dir = Path(cfg.out) / layout.replace(" ", "_").replace(",", "_").replace("=", "-")
-        result = train(cfg.replace(model=model, plan=plan, out=str(run_dir)), run_dir)
+        result = train(cfg.replace(model=model, plan=plan, out=str(_dir(cfg, layout))), _dir(cfg, layout))
         out[layout] = (result.losses, gathered_weights(result.model))
     return out
 
 
 def _grad_norms(cfg, layout: str) -> list[float]:
-    path = Path(cfg.out) / layout.replace(" ", "_").replace(",", "_").replace("=", "-") / "metrics.jsonl"
-    return [json.loads(line)["grad_norm"] for line in path.read_text().splitlines()]
+    return [json.loads(line)["grad_norm"] for line in (_dir(cfg, layout) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _train_all(out: str) -> tuple:
+    """The config, the one-process references and every rank's results of LAYOUTS, in bf16."""
     from phalanx.testing.small_corpus import ONE_FILE_CORPUS
     from phalanx.train.config import TrainConfig
 
     cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1,
-                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, device="cpu", dtype="bf16",
-                      out=str(tmp_path_factory.mktemp("bf16")))
+                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, device="cpu", dtype="bf16", out=out)
     reference = run_ranks(1, _train_layouts, cfg, ["tiny ", "tiny-moe "])[0]
     return cfg, reference, run_ranks(2, _train_layouts, cfg, LAYOUTS, timeout_s=600)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_one_bf16_process(runs, layout):
+def _differences(runs, layout: str) -> dict:
+    """A layout against its one-process run: the largest loss difference and mean absolute
+    weight difference over ranks, and the relative gradient-norm difference per step."""
     cfg, reference, ranks = runs
     model = layout.split(" ")[0]
     ref_losses, ref_weights = reference[f"{model} "]
+    losses, weights = [], []
     for rank in ranks:  # every rank's copy (pipeline stages: their own layers)
-        losses, weights = rank[layout]
-        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < BF16_LOSS, (losses, ref_losses)
-        assert weights and weights.keys() <= ref_weights.keys()
-        diff = sum(float((w - ref_weights[k]).abs().sum()) for k, w in weights.items())
-        assert diff / sum(w.numel() for w in weights.values()) < BF16_WEIGHT_MEAN
-    norms = zip(_grad_norms(cfg, layout), _grad_norms(cfg, f"{model} "))
-    for step, (norm, ref) in enumerate(norms, 1):
-        assert abs(norm - ref) < bf16_grad_norm_bound(step) * ref, (layout, step, norm, ref)
+        rank_losses, rank_weights = rank[layout]
+        assert rank_weights and rank_weights.keys() <= ref_weights.keys()
+        losses.append(max(abs(a - b) for a, b in zip(rank_losses, ref_losses)))
+        total = sum(float((w - ref_weights[k]).abs().sum()) for k, w in rank_weights.items())
+        weights.append(total / sum(w.numel() for w in rank_weights.values()))
+    norms = [abs(a - b) / b for a, b in zip(_grad_norms(cfg, layout), _grad_norms(cfg, f"{model} "))]
+    return {"loss": max(losses), "weight_mean": max(weights), "grad_norm": norms}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _train_all(str(tmp_path_factory.mktemp("bf16")))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_one_bf16_process(runs, layout):
+    measured = _differences(runs, layout)
+    assert measured["loss"] < BF16_LOSS and measured["weight_mean"] < BF16_WEIGHT_MEAN, measured
+    assert len(measured["grad_norm"]) == 4, measured
+    assert all(norm < bf16_grad_norm_bound(step) for step, norm in enumerate(measured["grad_norm"], 1)), measured
+
+
+if __name__ == "__main__":  # the measured differences that phalanx/testing/bf16_bounds.py quotes
+    import tempfile
+
+    from phalanx.testing.fork_ranks import preload_rank_imports
+
+    preload_rank_imports()
+    with tempfile.TemporaryDirectory() as folder:
+        results = _train_all(folder)
+        for layout in LAYOUTS:
+            d = _differences(results, layout)
+            print(f"{layout:22s} loss {d['loss']:.1e}  grad norm step 1 {d['grad_norm'][0]:.2%}, later "
+                  f"<= {max(d['grad_norm'][1:]):.2%}  weights mean {d['weight_mean']:.1e}")
