@@ -45,9 +45,12 @@ autograd (evaluation, sampling) is never used where a gradient must reach the ma
 
 Private PyTorch API used: `nn.Module._parameters` (the dict `Module.__getattr__` reads a
 parameter from; assigning a plain tensor there is how `torch.func.functional_call` swaps
-parameters too) and `Tensor._version` (the in-place version counter). Both exist unchanged in
-torch 2.11 and 2.13 (and long before), as do the public `register_forward_hook(always_call=...)`
-and `Optimizer.register_step_pre_hook`.
+parameters too) and `Tensor._version` (the in-place version counter autograd checks saved
+tensors with). Both predate torch 2.0 (they are in its 2.0.1 source) and are unchanged in the
+2.13 installed here; the public `register_forward_hook(always_call=...)` (torch 2.1) and
+`Optimizer.register_step_pre_hook` (2.0) are older than 2.11 too. The v2.11.0 tree itself could
+not be read here (the pytorch repository is larger than the fetch limit), so the GPU machines'
+2.11 has not been checked by running.
 
 What stays fp32 because the model needs it: RMSNorm's statistics (torch's `rms_norm` upcasts a
 16-bit input: the mean of squares, its reciprocal square root and the normalization run in
