@@ -7,7 +7,8 @@
 - The masters, their gradients, AdamW's moments and the checkpoint are fp32, and a bf16 run
   resumes exactly where it stopped (the copies are made again from the restored masters).
 - Every layout equals one bf16 process within phalanx/testing/bf16_bounds.py (reasons there):
-  DDP, FSDP2 zero=3, tp=2 with sp, pp=2 and tiny-moe's dp=2,ep=2.
+  DDP, FSDP2 zero=3, tp=2 with sp (and selective recompute), pp=2 (and full recompute) and
+  tiny-moe's dp=2,ep=2.
   `PYTHONPATH=. python tests/test_mixed_precision.py` prints the measured differences.
 """
 
@@ -25,7 +26,9 @@ from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.weights import gathered_weights
 from phalanx.train.loop import train
 
-LAYOUTS = ["tiny dp=2", "tiny dp=2,zero=3", "tiny tp=2,sp=true", "tiny pp=2", "tiny-moe dp=2,ep=2"]
+# Recompute rides along with tp and pp: the checkpointed blocks reuse the step's compute copies.
+LAYOUTS = ["tiny dp=2", "tiny dp=2,zero=3", "tiny tp=2,sp=true,recompute=selective", "tiny pp=2,recompute=full",
+           "tiny-moe dp=2,ep=2"]
 
 
 def test_bf16_weights_under_fp32_is_a_one_line_error(tmp_path, capsys):
@@ -204,5 +207,5 @@ if __name__ == "__main__":  # the measured differences that phalanx/testing/bf16
         results = _train_all(folder)
         for layout in LAYOUTS:
             d = _differences(results, layout)
-            print(f"{layout:22s} loss {d['loss']:.1e}  grad norm step 1 {d['grad_norm'][0]:.2%}, later "
+            print(f"{layout:38s} loss {d['loss']:.1e}  grad norm step 1 {d['grad_norm'][0]:.2%}, later "
                   f"<= {max(d['grad_norm'][1:]):.2%}  weights mean {d['weight_mean']:.1e}")
