@@ -95,9 +95,12 @@ def test_masters_gradients_and_moments_stay_fp32():
 
     model, plan, cfg = _one_process_model("", "tiny-moe")
     optimizer = make_optimizer(model, TrainConfig())
+    seen = []  # the weight wq's forward computes with (this hook runs after the casting one)
+    model.layers["0"].attention.wq.register_forward_pre_hook(lambda m, args: seen.append(m.weight))
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-    for _ in range(2):  # two micro-batches share one copy of each weight
+    for _ in range(2):  # two micro-batches
         batch_loss(model, tokens[:, :-1], tokens[:, 1:], autocast_for(plan, "bf16", torch.device("cpu"))).backward()
+    assert seen[0].dtype == torch.bfloat16 and seen[0] is seen[1]  # one copy per step, not per micro-batch
     params = dict(model.named_parameters())
     assert {p.dtype for p in params.values()} == {p.grad.dtype for p in params.values()} == {torch.float32}
     before = {name: p.detach().clone() for name, p in params.items()}
@@ -107,6 +110,7 @@ def test_masters_gradients_and_moments_stay_fp32():
     assert all(not torch.equal(before[name], p) for name, p in params.items())  # every master moved
     # The next forward computes with copies of the updated masters, not the step's old ones.
     loss = batch_loss(model, tokens[:, :-1], tokens[:, 1:], autocast_for(plan, "bf16", torch.device("cpu")))
+    assert seen[2] is not seen[1]
     with torch.no_grad():  # the masters changed in place, as a checkpoint load changes them
         for name, p in params.items():
             p.copy_(before[name])
