@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: autocast over fp32 weights, as one process of `phalanx train --dtype bf16`")
+                        help="bf16: autocast (over fp32 weights: `phalanx train --dtype bf16 --plan param_dtype=fp32`)")
     parser.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: the weights themselves in bf16, as FSDP2 gathers them with param_dtype=bf16")
+                        help="bf16: the weights themselves in bf16, as `--dtype bf16` computes (FSDP2's or the trainer's copies)")
     args = parser.parse_args(argv)
     cfg = model_config(args.model)
     torch.manual_seed(0)
