@@ -43,8 +43,8 @@ pre-hook (`release_before_step`), so AdamW's own temporaries do not sit beside t
 whose master changed in place since (its version counter) is never reused. A copy made without
 autograd (evaluation, sampling) is never used where a gradient must reach the master. Inside
 a `torch.compile`d region the cast is traced into the graph on every call instead, without the
-cache (whose tensors, kept across calls, would make dynamo guard on each and recompile): checked
-with dynamo's counters on one compiled block, one frame and no graph break over three steps.
+cache (whose tensors, kept across calls, would make dynamo guard on each and recompile):
+tests/test_mixed_precision.py counts one frame and no graph break for a compiled block.
 
 Private PyTorch API used: `nn.Module._parameters` (the dict `Module.__getattr__` reads a
 parameter from; assigning a plain tensor there is how `torch.func.functional_call` swaps
