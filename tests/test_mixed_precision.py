@@ -119,6 +119,27 @@ def test_masters_gradients_and_moments_stay_fp32():
     assert float(loss.detach()) != float(again.detach())
 
 
+def test_a_compiled_block_traces_its_casts_in_one_graph():
+    """Inside torch.compile the compute copies are cast in the graph, uncached: one frame, no
+    graph break or recompile over three forward-backward passes (backend "eager": dynamo only)."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    model, _, cfg = _one_process_model("")
+    block = model.layers["0"]
+    x = torch.randn(2, 16, cfg.dim, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounter()
+    compiled = torch.compile(block, backend=backend)
+    for _ in range(3):
+        out = compiled(x, model.rope)
+        out.float().sum().backward()
+    assert backend.frame_count == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert out.dtype == torch.bfloat16 and {p.grad.dtype for p in block.parameters()} == {torch.float32}
+    torch._dynamo.reset()
+
+
 def _losses_and_weights(cfg):
     result = train(cfg, Path(cfg.out))
     return result.losses, {name: value.detach().clone() for name, value in result.model.state_dict().items()}
@@ -214,24 +235,3 @@ if __name__ == "__main__":  # the measured differences that phalanx/testing/bf16
             d = _differences(results, layout)
             print(f"{layout:38s} loss {d['loss']:.1e}  grad norm step 1 {d['grad_norm'][0]:.2%}, later "
                   f"<= {max(d['grad_norm'][1:]):.2%}  weights mean {d['weight_mean']:.1e}")
-
-
-def test_a_compiled_block_traces_its_casts_in_one_graph():
-    """Inside torch.compile the compute copies are cast in the graph, uncached: one frame, no
-    graph break or recompile over three forward-backward passes (backend "eager": dynamo only)."""
-    from torch._dynamo.testing import CompileCounter
-    from torch._dynamo.utils import counters
-
-    model, _, cfg = _one_process_model("")
-    block = model.layers["0"]
-    x = torch.randn(2, 16, cfg.dim, dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    counters.clear()
-    backend = CompileCounter()
-    compiled = torch.compile(block, backend=backend)
-    for _ in range(3):
-        out = compiled(x, model.rope)
-        out.float().sum().backward()
-    assert backend.frame_count == 1 and not counters["graph_break"], dict(counters["graph_break"])
-    assert out.dtype == torch.bfloat16 and {p.grad.dtype for p in block.parameters()} == {torch.float32}
-    torch._dynamo.reset()
