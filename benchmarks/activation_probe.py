@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: autocast over fp32 weights, as one process of `phalanx train --dtype bf16`")
+                        help="bf16: autocast (over fp32 weights: `phalanx train --dtype bf16 --plan param_dtype=fp32`)")
     parser.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: the weights themselves in bf16, as FSDP2 gathers them with param_dtype=bf16")
+                        help="bf16: the weights themselves in bf16, as `--dtype bf16` computes (FSDP2's or the trainer's copies)")
     args = parser.parse_args(argv)
     cfg = model_config(args.model)
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             head += nbytes
             print(f"  {where:32s} {str(shape):22s} {str(dtype):15s} {nbytes / sbh:6.3f} (head and loss)")
     precision = TRAINER_PRECISION[args.dtype]
-    autocast_fp32 = args.dtype == "bf16" and args.weights == "fp32"  # peak_memory.autocast_copies
+    autocast_fp32 = args.dtype == "bf16" and args.weights == "fp32"  # the trainer with param_dtype=fp32
     wide = args.dtype == "bf16" and (autocast_fp32 or args.device != "cuda")  # fp32 norm tensors
     element = precision.activation  # the formula counts 16-bit elements
     formula = element / 2 * layer_activation_bytes(

@@ -14,8 +14,6 @@ the trackers do not look; `ddp_bucket_bytes`, added to the total).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations")
@@ -35,12 +33,13 @@ def _step_fn(model, mesh, plan, cfg_model, *, global_batch: int, seq_len: int, d
     from phalanx.parallel.data_parallel import set_gradient_sync
     from phalanx.parallel.expert import expert_params
     from phalanx.parallel.grad_norm import clip_grad_norm
+    from phalanx.parallel.mixed_precision import autocast_for, release_before_step
     from phalanx.parallel.tensor_parallel import loss_context
     from phalanx.train import moe_aux_loss
     from phalanx.train.loop import batch_loss
     from phalanx.train.pipeline_step import make_pipeline, pipeline_step
 
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+    autocast = autocast_for(plan, dtype, device)  # bf16: none, the weights the forward sees are bf16
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         moe_aux_loss.aux_losses_in_backward(model)
@@ -48,6 +47,7 @@ def _step_fn(model, mesh, plan, cfg_model, *, global_batch: int, seq_len: int, d
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    release_before_step(optimizer, model)  # as the loop's make_optimizer: bf16 compute copies dropped
     accum = plan.num_microbatches
     per_rank = global_batch // plan.dp
     micro = per_rank // accum

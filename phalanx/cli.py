@@ -26,7 +26,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--lr", "lr", float, "peak learning rate"),
     ("--seed", "seed", int, "seed for weights and data order"),
     ("--out", "out", str, "run directory (default: runs/<model>-<date>-<time>)"),
-    ("--dtype", "dtype", str, "fp32 or bf16 (autocast)"),
+    ("--dtype", "dtype", str, "fp32 or bf16 (bf16 compute weights over fp32 masters)"),
     ("--device", "device", str, "auto, cpu or cuda"),
     ("--eval-every", "eval_every", int, "validation every N steps (0: never)"),
     ("--ckpt-every", "ckpt_every", int, "checkpoint every N steps (0: only at the end)"),

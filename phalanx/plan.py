@@ -50,8 +50,10 @@ class Plan:
     """With zero=3: parameters, gradients and optimizer state live on the host (FSDP2
     `CPUOffloadPolicy`); the optimizer steps on the CPU."""
     param_dtype: str = ""
-    """bf16 or fp32: the dtype FSDP2 gathers parameters in and the forward sees them in
-    (`MixedPrecisionPolicy`); empty = follow `--dtype`. See `phalanx.parallel.precision`."""
+    """bf16 or fp32: the dtype of the weights the forward computes with, in every layout (FSDP2
+    gathers them so, `MixedPrecisionPolicy`; elsewhere bf16 copies of the fp32 masters,
+    `phalanx.parallel.mixed_precision`); empty = follow `--dtype`. fp32 under `--dtype bf16` is
+    autocast over fp32 weights."""
     reduce_dtype: str = ""
     """fp32 or bf16: the dtype gradients are reduced in over dp (FSDP2 `MixedPrecisionPolicy`,
     DDP's `bf16_compress_hook`); empty = fp32."""

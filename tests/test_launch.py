@@ -1,5 +1,5 @@
 """The launchers: `phalanx train --nproc N` (elastic, forked workers) and an external
-`torchrun` give the same per-step losses as one process, and bf16 autocast trains."""
+`torchrun` give the same per-step losses as one process, and bf16 mixed precision trains."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_nproc_and_torchrun_match_one_process(tmp_path, monkeypatch):
     assert (tmp_path / "one" / "loss.png").stat().st_size > 1000
 
 
-def test_bf16_autocast_trains_close_to_fp32(tiny_config):
+def test_bf16_trains_close_to_fp32(tiny_config):
     """bf16 keeps 8 mantissa bits (relative error ~4e-3 per op); the first-step loss of the
     same weights and batch agrees with fp32 to 2e-2, and training still lowers the loss."""
     fp32 = run_ranks(1, _train_losses, tiny_config)[0]

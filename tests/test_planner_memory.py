@@ -215,24 +215,35 @@ def test_search_does_not_offload_when_something_fits():
     assert not any("offload" in line for line in explain(result, cluster.usable_bytes / 2**30))
 
 
-def test_autocast_over_fp32_weights_in_the_trainer():
-    # --dtype bf16 without FSDP: the residual stream stays fp32 (norm tensors twice as wide), q, k, v
-    # and w1, w3 cast their input anew (2 x (3 + 2) bytes per s b h, one copy each counted already),
-    # and autocast's bf16 copy of every cast weight is saved, once for the stage.
+def test_autocast_over_fp32_weights_in_the_formula():
+    # Autocast over fp32 weights (the trainer's param_dtype=fp32 under --dtype bf16): the residual
+    # stream stays fp32 (norm tensors twice as wide), q, k, v and w1, w3 cast their input anew
+    # (2 x (3 + 2) bytes per s b h, one copy each counted already).
     small = model_config("small")
-    s, b = 128, 8
-    sbh = s * b * small.dim
-    base = dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=False, phalanx_model=True)
+    sbh = 128 * 8 * small.dim
+    base = dict(seq=128, mbs=8, tp=1, sp=False, recompute="none", moe=False, phalanx_model=True)
     widened = layer_activation_bytes(small, **base, autocast_fp32=True, wide_norms=True)
     assert widened - layer_activation_bytes(small, **base) == pytest.approx(4 * sbh + 2 * (2 + 1) * sbh)
+
+
+def test_bf16_compute_copies_in_the_trainer():
+    # --dtype bf16 without FSDP: the trainer keeps a bf16 copy of every weight, the embedding's
+    # and the output's too, for the step (parallel/mixed_precision.py), and its activations are a
+    # 16-bit model's, with no autocast terms.
+    small = model_config("small")
+    s, b = 128, 8
+
+    def per_layer(**kw) -> float:
+        return layer_activation_bytes(small, **{**dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=False), **kw})
+
     work, one = Workload(global_batch=8, seq_len=s), Layout(mbs=8, microbatches=1)
     bf16 = Options(precision=TRAINER_PRECISION["bf16"], phalanx_trainer=True)
-    with_copies = evaluate(small, PRESETS["dgx-h100"], work, one, bf16).memory_breakdown
+    trainer = evaluate(small, PRESETS["dgx-h100"], work, one, bf16).memory_breakdown
     plain = evaluate(small, PRESETS["dgx-h100"], work, one, Options(precision=TRAINER_PRECISION["bf16"]))
-    params = 6 * (2 * 192 * 192 + 2 * 192 * 64 + 3 * 192 * 512 + 2 * 192) + 256 * 192  # all but the embedding
-    layers_extra = 6 * (4 * s * b * (192 - 64) + 4 * sbh + 6 * sbh)  # k, v at all heads; the autocast terms
-    assert with_copies["activations"] - plain.memory_breakdown["activations"] == pytest.approx(2 * params + layers_extra)
-    # FSDP (zero 3) gathers bf16 weights: no autocast copies, a bf16 residual stream.
+    params = 6 * (2 * 192 * 192 + 2 * 192 * 64 + 3 * 192 * 512 + 2 * 192) + 2 * 256 * 192  # embedding and output
+    model_terms = 6 * (per_layer(phalanx_model=True) - per_layer())  # the trainer's own model code
+    assert trainer["activations"] - plain.memory_breakdown["activations"] == pytest.approx(2 * params + model_terms)
+    # FSDP (zero 3) gathers the bf16 weights itself: no copies of the trainer's own.
     sharded = Layout(dp=2, mbs=4, microbatches=1, zero=3)
     assert evaluate(small, PRESETS["dgx-h100"], work, sharded, bf16).memory_breakdown["activations"] == pytest.approx(
-        6 * layer_activation_bytes(small, seq=s, mbs=4, tp=1, sp=False, recompute="none", moe=False, phalanx_model=True))
+        6 * per_layer(mbs=4, phalanx_model=True))

@@ -6,17 +6,22 @@ The order is fixed, and each step relies on the ones before it:
   2. tensor parallel - swap the remaining parameters for DTensors sharded over "tp"
                        (`parallelize_module` needs the plain modules, before any wrapper);
   3. expert parallel - keep only this rank's experts, route tokens by all-to-all over "ep";
-  4. recompute       - activation checkpointing wraps whole (already parallel) blocks;
-  5. FSDP            - shard what is left over "dp" at the plan's zero level, precision and
+  4. compute weights - in bf16 where FSDP does not cast (one process, DDP, tp or pp without
+                       dp): hooks give each module bf16 copies of its fp32 masters during its
+                       forward (`mixed_precision.py`); after ep, whose pre-forward hooks must
+                       see the masters, and before recompute, so the copies serve the
+                       recomputation too;
+  5. recompute       - activation checkpointing wraps whole (already parallel) blocks;
+  6. FSDP            - shard what is left over "dp" at the plan's zero level, precision and
                        offload (wraps DTensors, so it comes after TP, and wraps the
                        checkpointed block, whose recompute then runs inside the unit's
                        backward, after its one all-gather: counted in
                        tests/test_planner_fsdp_gathers.py);
-  6. materialize     - allocate and fill weights from the seed or a checkpoint, each rank
+  7. materialize     - allocate and fill weights from the seed or a checkpoint, each rank
                        reading only its shard;
-  7. DDP             - replicated data parallelism wraps real weights, so it comes last
+  8. DDP             - replicated data parallelism wraps real weights, so it comes last
                        (only for pure data parallelism: with tp or pp, FSDP2 replicates).
-With pipeline parallelism steps 2-6 run once per chunk this rank holds.
+With pipeline parallelism steps 2-7 run once per chunk this rank holds.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_precis
 from phalanx.parallel.expert import apply_ep, validate_ep
 from phalanx.parallel.materialize import materialize
 from phalanx.parallel.mesh import ParallelMesh
+from phalanx.parallel.mixed_precision import apply_compute_weights, mixed_precision
 from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank, validate_pp
 from phalanx.parallel.recompute import apply_recompute
 from phalanx.parallel.stage_split import split_stages
@@ -58,11 +64,13 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
 
 def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,
                       weights: WeightSource | None, expert_slots: dict | None = None) -> nn.Module:
-    """Steps 2-6 for one model or pipeline chunk."""
+    """Steps 2-7 for one model or pipeline chunk."""
     plan = mesh.plan
     if plan.tp > 1:
         apply_tp(model, mesh.tp_mesh(), sp=plan.sp)
     apply_ep(model, mesh, expert_slots)
+    if mixed_precision(plan) and not uses_fsdp(plan):  # FSDP2 gathers the weights in bf16 itself
+        apply_compute_weights(model, plan.param_dtype)
     apply_recompute(model, plan.recompute, plan.recompute_layers)
     if uses_fsdp(plan):
         apply_fsdp(model, mesh)

@@ -1,5 +1,10 @@
 """Data parallelism: replicated (DDP) or sharded (FSDP2 `fully_shard`), in the plan's precision.
 
+Precision: where FSDP2 runs, its `MixedPrecisionPolicy` gathers the weights in param_dtype and
+reduces gradients in reduce_dtype into the fp32 shards; under DDP the model's own bf16 compute
+copies (`mixed_precision.py`) feed the forward, and reduce_dtype=bf16 compresses the fp32
+gradients for the all-reduce (`bf16_compress_hook`).
+
 FSDP is applied on the meta device, before weights exist, so that no rank ever allocates the
 full model; DDP needs real weights and is applied after materialization.
 
@@ -37,19 +42,19 @@ def uses_fsdp(plan: Plan) -> bool:
 
 def resolve_precision(plan: Plan, dtype: str) -> Plan:
     """`plan` with param_dtype and reduce_dtype filled in from `--dtype` (bf16 -> bf16 and fp32,
-    fp32 -> fp32 and fp32); refuses a param_dtype that nothing would apply.
+    fp32 -> fp32 and fp32).
 
-    Only FSDP2 casts parameters (its `MixedPrecisionPolicy` gathers them in param_dtype). Without
-    it (one process, or DDP) the weights stay fp32 and `--dtype bf16` autocasts each operation,
-    so there param_dtype must be what `--dtype` already gives.
+    param_dtype is the dtype of the weights the forward computes with, in every layout: bf16 is
+    mixed precision (bf16 copies of fp32 masters, `mixed_precision.py`), fp32 with `--dtype bf16`
+    the older autocast over fp32 weights. bf16 weights with `--dtype fp32` would compute in bf16
+    while the run says fp32, so that is refused in favour of `--dtype bf16`.
     """
     param = plan.param_dtype or dtype
     reduce = plan.reduce_dtype or "fp32"
-    if param != dtype and not uses_fsdp(plan):
-        where = "one data-parallel rank" if plan.dp == 1 else f"replicated data parallelism (dp={plan.dp}, zero=0, DDP)"
+    if param == "bf16" and dtype == "fp32":
         raise UserError(
-            f"invalid plan: param_dtype={param} with --dtype {dtype} needs FSDP (zero=2 or 3): with {where} "
-            f"nothing gathers parameters, and --dtype alone sets the compute precision"
+            "invalid plan: param_dtype=bf16 with --dtype fp32 would compute in bf16; use --dtype bf16, which "
+            "computes with bf16 copies of fp32 master weights in every layout"
         )
     return plan.replace(param_dtype=param, reduce_dtype=reduce)
 
@@ -58,8 +63,11 @@ def fsdp_options(plan: Plan, device: torch.device) -> dict:
     """Keyword arguments for every `fully_shard` call of this plan (blocks, root, experts)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+    # cast_forward_inputs off: the blocks' hidden states are bf16 already (the embedding's weights
+    # are), and the rotary table they also receive stays fp32, as where no FSDP runs.
     mixed = MixedPrecisionPolicy(
-        param_dtype=TORCH_DTYPES[plan.param_dtype or "fp32"], reduce_dtype=TORCH_DTYPES[plan.reduce_dtype or "fp32"]
+        param_dtype=TORCH_DTYPES[plan.param_dtype or "fp32"], reduce_dtype=TORCH_DTYPES[plan.reduce_dtype or "fp32"],
+        cast_forward_inputs=False,
     )
     # Pinned host memory speeds up copies to a GPU; without one there is nothing to pin for.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if plan.offload else OffloadPolicy()

@@ -1,4 +1,4 @@
-"""Materialize this rank's part of a parallelized meta model (step 6 of `apply`).
+"""Materialize this rank's part of a parallelized meta model (step 7 of `apply`).
 
 Each parameter's full value comes from a `WeightSource` (the seed or a checkpoint) restricted
 to the rows this rank keeps: for a DTensor (tp, FSDP) the rows its placements give this

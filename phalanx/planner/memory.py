@@ -48,9 +48,12 @@ MIXED_ADAM = Precision(param=2, gathered=2, grad=4, optim=12, activation=2, logi
 """Megatron-style mixed precision: bf16 weights, fp32 gradients, fp32 master weights and moments;
 bf16 logits kept beside the fp32 copy the loss reads."""
 TRAINER_PRECISION = {
-    # phalanx's trainer keeps fp32 weights and AdamW's two fp32 moments (no master copy), fp32
-    # gradients; FSDP2 gathers in param_dtype. fp32: every activation and the fp32 log-softmax
-    # output the loss saves for backward, 4 bytes each.
+    # phalanx's trainer keeps fp32 weights, which are the master weights in bf16 (no separate
+    # master copy), AdamW's two fp32 moments and fp32 gradients (reduced in fp32, or compressed
+    # to bf16 only in flight). bf16: the forward computes with bf16 copies (`gathered`): FSDP2's
+    # gathered weights, or elsewhere the trainer's own copies, kept for the step
+    # (peak_memory.compute_copies). fp32: every activation and the fp32 log-softmax output the
+    # loss saves for backward, 4 bytes each.
     "fp32": Precision(param=4, gathered=4, grad=4, optim=8, activation=4, logit=4),
     "bf16": Precision(param=4, gathered=2, grad=4, optim=8, activation=2, logit=4),
 }
@@ -123,8 +126,8 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
     `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
     gradient to the source's shape), 2 s b k h more.
-    autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer where FSDP does not
-    cast them, `peak_memory.autocast_copies`): the residual stream stays fp32, so a fully
+    autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer with param_dtype=fp32
+    under --dtype bf16, which the planner does not plan for): the residual stream stays fp32, so a fully
     recomputed layer's kept input is twice as wide, and the norms' fp32 outputs are cast once per
     linear that reads them (autocast caches only weights): q, k and v save three 16-bit copies of
     the attention input, SwiGLU's w1 and w3 two of the MLP input (benchmarks/activation_probe.py

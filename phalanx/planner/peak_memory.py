@@ -122,10 +122,11 @@ def fsdp_replicates(lay: Layout, options: Options) -> bool:
     return options.phalanx_trainer and lay.zero == 0 and lay.dp > 1 and (lay.tp > 1 or lay.pp > 1)
 
 
-def autocast_copies(lay: Layout, options: Options) -> bool:
-    """Whether the phalanx trainer runs this layout in 16 bits by autocast over fp32 weights: a
+def compute_copies(lay: Layout, options: Options) -> bool:
+    """Whether the phalanx trainer holds 16-bit compute copies of its fp32 weights beside them: a
     16-bit run where FSDP2 does not gather the weights in param_dtype (one process, DDP, tp or pp
-    without dp; parallel/data_parallel.uses_fsdp)."""
+    without dp; parallel/data_parallel.uses_fsdp), so the trainer's own forward hooks cast them
+    (parallel/mixed_precision.py)."""
     fsdp = rules.runs_fsdp(lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp)
     return options.phalanx_trainer and options.precision.gathered < options.precision.param and not fsdp
 
@@ -162,17 +163,17 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
     scale = precision.activation / 2  # the formulas count 16-bit elements
 
-    copies = autocast_copies(lay, options)
-    wide = precision.activation < 4 and (copies or not options.fused_norm)  # fp32 norm tensors
+    copies = compute_copies(lay, options)
+    wide = precision.activation < 4 and not options.fused_norm  # fp32 norm tensors
 
     def per_layer(moe: bool, recompute: str) -> float:
-        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, copies, wide,
+        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, wide,
                folds_experts(lay))
         hit = _ACTIVATIONS.get(key)
         if hit is None or hit[0] is not model or hit[1] is not options:
             value = layer_activation_bytes(model, flash=options.flash_attention, sp_regather=options.sp_regather,
                                            fused_norm=options.fused_norm, phalanx_model=options.phalanx_trainer,
-                                           autocast_fp32=copies, wide_norms=wide, moe=moe, recompute=recompute,
+                                           wide_norms=wide, moe=moe, recompute=recompute,
                                            tp_splits_experts=options.tp_splits_experts,
                                            fold_experts=folds_experts(lay), **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
@@ -206,13 +207,11 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         last = stage_act * last_in_flight + rematerialised
         activations, logits_held = (first, 0.0) if first >= last + logits else (last, logits)
     if copies:
-        # Autocast casts each fp32 weight to bf16 once per autocast region (its cache) and the
-        # matmuls save those copies for backward: one bf16 copy of the stage's weights at the peak
-        # (one region around a whole pipeline step; without pp one per micro-batch, one alive at a
-        # time). The embedding's lookup is not cast. Measured on CPU autocast by
-        # benchmarks/activation_probe.py --dtype bf16.
-        embedding = c.embedding / lay.tp if lay.pp == 1 and not model.tie_embeddings else 0.0
-        activations += precision.gathered * (shared - embedding + experts)
+        # The trainer's bf16 copy of every weight of the stage (embedding and output included),
+        # made by the step's first forward and kept until the optimizer steps: micro-batches,
+        # pipeline micro-batches in flight and recomputation share it (parallel/mixed_precision.py).
+        # Made in forward, so the memory trackers count it with the activations, and so does this.
+        activations += precision.gathered * (shared + experts)
     # Deferred weight gradients (zbv, dualpipev) hold their linear layers' inputs until W runs,
     # but never at the activation peak: in both schedules' orders each steady-state W follows
     # its input gradient at once, and the deferred ones wait in the cool-down, after the last

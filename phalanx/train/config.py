@@ -51,7 +51,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     dtype: str = "fp32"
-    """'fp32' or 'bf16' (autocast; weights and optimizer stay fp32)."""
+    """'fp32' or 'bf16' (mixed precision: bf16 compute weights; the fp32 weights are the masters,
+    with fp32 gradients and optimizer state; `phalanx.parallel.mixed_precision`)."""
     seed: int = 0
     out: str = ""
     """Run directory; empty = runs/<model>-<date>-<time>."""

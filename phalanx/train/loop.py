@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import resource
 import sys
@@ -24,6 +23,7 @@ from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
+from phalanx.parallel.mixed_precision import autocast_for, release_before_step
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
@@ -134,18 +134,16 @@ def skip_step(metrics, step: int, reason: str, bad_steps: BadStepCounter, cfg: T
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW, with no weight decay on vectors (norms, biases)."""
+    """AdamW over the fp32 (master) weights, with fp32 moments, no weight decay on vectors
+    (norms, biases); in bf16 it drops the step's compute copies before it steps."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
     )
-
-
-def autocast_for(dtype: str, device: torch.device):
-    """The context a forward pass runs in: bf16 autocast, or nothing for fp32."""
-    return (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if dtype == "bf16" else contextlib.nullcontext
+    release_before_step(optimizer, model)
+    return optimizer
 
 
 def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, step_time: float, *, tokens: int,
@@ -187,7 +185,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
     except OSError as error:
         raise UserError(f"--out {run_dir}: cannot create the run directory ({error.strerror})") from None
-    autocast = autocast_for(cfg.dtype, device)
+    autocast = autocast_for(plan, cfg.dtype, device)  # only for param_dtype=fp32 under --dtype bf16
 
     micro = job.microbatch_size
     placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
