@@ -110,8 +110,9 @@ class _SavedAsShard:
 
 
 def gather_sequence(module: nn.Module, mesh) -> None:
-    """Make `module` (a block's attention or MLP, the output projection) take the sequence-sharded residual stream:
-    all-gather it before forward, and keep only the shard for backward (see above)."""
+    """Make `module` (a block's attention or MLP, or the output projection) take the
+    sequence-sharded residual stream: all-gather it before forward, and keep only the shard
+    for backward (see above)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     open_contexts: list = []  # the saved-tensor hooks of the call in flight
@@ -124,15 +125,18 @@ def gather_sequence(module: nn.Module, mesh) -> None:
             raise ValueError(f"sequence parallelism expects the input sharded on the sequence, got {x.placements}")
         # This gather keeps its autograd: its backward reduce-scatters the input's gradient.
         full = x.redistribute(mesh, [Replicate()]).to_local()  # (batch, seq, dim)
-        hooks = _SavedAsShard(x.to_local().detach(), full, mesh)
-        context = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
-        context.__enter__()
+        context = None
+        if torch.is_grad_enabled():  # nothing is saved otherwise (evaluation, generation)
+            hooks = _SavedAsShard(x.to_local().detach(), full, mesh)
+            context = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+            context.__enter__()
         open_contexts.append(context)
         return (full, *rest)
 
     def after(mod, args, output):
-        if open_contexts:  # empty only if `before` itself failed
-            open_contexts.pop().__exit__(None, None, None)
+        context = open_contexts.pop() if open_contexts else None  # none left only if `before` failed
+        if context is not None:
+            context.__exit__(None, None, None)
 
     module.register_forward_pre_hook(before, prepend=True)  # before a ColwiseParallel's input hook
     module.register_forward_hook(after, always_call=True)
