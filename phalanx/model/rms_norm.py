@@ -1,13 +1,13 @@
 """RMSNorm that keeps only its input and `rstd` (one value per row) for backward.
 
-torch's `rms_norm` is one fused kernel on CUDA (with input and weight of one dtype) but a
+torch's `rms_norm` is one fused kernel on CUDA (for a plain tensor with the weight's dtype) but a
 composite of elementwise ops elsewhere, and autograd then saves what each op needs: the input
 upcast to fp32, `rstd`, and the fp32 `x * rstd` (twice the input's bytes each for a 16-bit
 input; `benchmarks/activation_probe.py` lists them). Megatron's and the fused kernel's
 backward need only the input and `rstd`, recomputing `x * rstd` from them, which is what
 `_RMSNormFunction` does. Forward computes exactly what torch's composite computes (fp32
 arithmetic, the weight multiplied in fp32, the result cast to the input's dtype), so outputs are
-bit-identical and gradients equal to rounding (tests/test_rms_norm.py).
+bit-identical and gradients equal to rounding (tests/test_activation_cuts.py).
 
 `RMSNorm` is an `nn.RMSNorm` (same parameter, same state_dict key `weight`), so Hugging Face
 and DCP checkpoints load unchanged, and tensor parallelism's `SequenceParallel` style and FSDP
@@ -58,7 +58,10 @@ class RMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` (last dimension only, as the model uses it) saving input and `rstd` only."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # torch's fused kernel already saves just these two
+        # torch's fused CUDA kernel already saves just these two, but it runs only for a plain
+        # tensor whose dtype is the weight's (else the composite: "Mismatch dtype ... Cannot
+        # dispatch to fused implementation"); a DTensor (sequence parallelism) takes the function.
+        if x.is_cuda and type(x) is torch.Tensor and (self.weight is None or self.weight.dtype == x.dtype):
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # nn.RMSNorm's default
         return _RMSNormFunction.apply(x, self.weight, eps)
