@@ -1,6 +1,6 @@
 """Stored activations per layer, measured with PyTorch's MemTracker, against the published count.
 
-    PYTHONPATH=. python benchmarks/activation_memory.py                 # 14 layouts, 1-4 gloo ranks each
+    PYTHONPATH=. python benchmarks/activation_memory.py                 # 13 rows, 1-4 gloo ranks each, ~10 min
     PYTHONPATH=. python benchmarks/activation_memory.py --only gpt      # the rows whose name contains "gpt"
 
 For each model shape (GPT-style: multi-head attention and a 4h GeLU MLP, the shape Korthikanti

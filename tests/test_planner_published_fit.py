@@ -52,7 +52,7 @@ NARAYANAN = [
 ]
 AUTOCAST_COPIES = hasattr(peak_memory, "autocast_copies")
 """Without FSDP, --dtype bf16 is still autocast over fp32 weights in this tree (a bf16 copy of every
-weight saved by the matmuls and an fp32 residual stream): the tp 8 rows then need 67 to 90 GiB.
+weight saved by the matmuls and an fp32 residual stream): the tp 8 rows then need 66 to 90 GiB.
 Issue 20's real mixed precision (bf16 compute copies, `peak_memory.compute_copies`) replaces it."""
 
 
