@@ -13,8 +13,9 @@ any saved tensor that views the gathered storage; the first unpack in backward g
 Other saved-tensor hooks already active (activation checkpointing's, or a measurement's) are
 chained: the shard, not the gathered tensor, goes through them, so a checkpointed block keeps
 or recomputes the shard as it would any tensor. That needs the hooks on top of autograd's
-stack, read with `torch._C._autograd._top_saved_tensors_default_hooks` (private; present in
-torch 2.11 through 2.13, checked at import by `tests/test_activation_cuts.py`).
+stack, read with `torch._C._autograd._top_saved_tensors_default_hooks(ignore_is_tracing)`
+(private; in torch since 2.8, so in every version phalanx supports, 2.11 on;
+`tests/test_activation_cuts.py` runs it beneath activation checkpointing's hooks).
 
 The gather is exact, so forward and backward compute the same numbers as before.
 """
