@@ -9,7 +9,7 @@ storage (a view saved twice costs once), with the module that was running when i
 and its size in units of s x b x h elements. Weights and buffers (the rotary table) are not
 activations and are left out. The per-layer total is compared with
 `memory.layer_activation_bytes` under the options the trainer runs with on this device
-(`Options.phalanx_trainer`, `Options.fused_norm`), and the rest (final norm, output
+(`Options.phalanx_trainer`; its RMSNorm saves input and rstd on every device), and the rest (final norm, output
 projection, loss) with the head term of peak_memory.py. This is how the memory model's
 per-tensor terms were found; planner_memory.py checks the whole step.
 """
@@ -81,14 +81,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {where:32s} {str(shape):22s} {str(dtype):15s} {nbytes / sbh:6.3f} (head and loss)")
     precision = TRAINER_PRECISION[args.dtype]
     autocast_fp32 = args.dtype == "bf16" and args.weights == "fp32"  # the trainer with param_dtype=fp32
-    wide = args.dtype == "bf16" and (autocast_fp32 or args.device != "cuda")  # fp32 norm tensors
+    wide = autocast_fp32  # fp32 norm tensors: their input is the fp32 residual stream
     element = precision.activation  # the formula counts 16-bit elements
     formula = element / 2 * layer_activation_bytes(
         cfg, seq=args.seq, mbs=args.batch, tp=1, sp=False, recompute="none", moe=cfg.is_moe_layer(0),
-        sp_regather=False, fused_norm=args.device == "cuda", phalanx_model=True, autocast_fp32=autocast_fp32,
+        phalanx_model=True, autocast_fp32=autocast_fp32,
         wide_norms=wide)
-    norm = 1 if args.device == "cuda" else 2
-    head_formula = (norm * (4 if wide else element) + element) * sbh + args.batch * args.seq * cfg.vocab_size * precision.logit
+    # the final norm's input and rstd, the output projection's input, the loss's logits
+    head_formula = (((4 if wide else element) + element) * sbh + 4 * args.batch * args.seq
+                    + args.batch * args.seq * cfg.vocab_size * precision.logit)
     if autocast_fp32:  # autocast's cached 16-bit copies of the weights, one layer's and the output's
         from phalanx.planner.memory import param_counts
 

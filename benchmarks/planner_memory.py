@@ -13,8 +13,8 @@ include the logits (the planner counts them apart). On a CPU, parameters, gradie
 optimizer state that `offload=true` moves to the host live in the same memory, so the host
 part (`Estimate.host_breakdown`) is added to the prediction there; on a GPU it is not, and
 the total is also read from `torch.cuda.max_memory_allocated`.
-The prediction uses the options the trainer runs with (`Options.phalanx_trainer`, and
-`Options.fused_norm` on CUDA only: torch's RMSNorm is one kernel there, a composite on a CPU);
+The prediction uses the options the trainer runs with (`cost.trainer_options`: its own stored
+tensors, its RMSNorm saving input and rstd, sequence parallelism keeping shards);
 benchmarks/activation_probe.py lists the saved tensors behind the activation terms.
 
 Layouts are split into two halves: model changes were decided on the first ("decide") only;
@@ -59,10 +59,10 @@ def predict(model_name: str, plan_text: str, world: int, dtype: str, device: str
     """The planner's bytes per category for the most loaded rank of this run."""
     from phalanx.model.config import model_config
     from phalanx.plan import plan_from_string
-    from phalanx.planner.cost import Options, evaluate
+    from phalanx.planner.cost import evaluate
+    from phalanx.planner.options import trainer_options
     from phalanx.planner.hardware import cluster_from_name
     from phalanx.planner.layout import Layout, Workload
-    from phalanx.planner.memory import TRAINER_PRECISION
 
     plan = plan_from_string(plan_text)
     model = model_config(model_name)
@@ -71,11 +71,9 @@ def predict(model_name: str, plan_text: str, world: int, dtype: str, device: str
                     schedule=plan.schedule, virtual=plan.virtual, recompute=plan.recompute,
                     recompute_layers=plan.recompute_layers, zero=plan.zero, sp=plan.sp, replicate=plan.replicate,
                     offload=plan.offload)
-    # The trainer's precision and its own stored tensors (Options.phalanx_trainer); torch's RMSNorm
-    # is one fused kernel on CUDA and a composite on CPU (Options.fused_norm).
-    options = Options(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=device == "cuda")
-    est = evaluate(model, cluster_from_name("local"), Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN), layout,
-                   options)
+    cluster = cluster_from_name("local")
+    est = evaluate(model, cluster, Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN), layout,
+                   trainer_options(dtype, cluster))
     got = {k: est.memory_breakdown[k] for k in ("parameters", "gradients", "optimizer_state")}
     got["activations"] = est.memory_breakdown["activations"] + est.memory_breakdown["logits"]
     got["total"] = est.memory_bytes

@@ -142,7 +142,10 @@ def test_fit_tp_overheads_splits_fixed_per_element_and_sp_costs():
 
     assert bytes_us(65536) == pytest.approx(349.525, abs=1e-3)
     small, large = 2000 + 5.12 + bytes_us(512), 2000 + 655.36 + bytes_us(65536)
-    sample = dict(small_us=small, large_us=large, large_sp_us=large + 2700, small_elements=512,
+    # sp also pays its backward re-gathers: 2 all-gathers of the activation over 3 passes at half
+    # its bytes, which the model charges apart (Options.sp_regather)
+    regather = 2 / 3 * 2 * 65536 * 2 / 2 / 1e9 * 1e6
+    sample = dict(small_us=small, large_us=large, large_sp_us=large + 2700 + regather, small_elements=512,
                   large_elements=65536)
     got = fit_tp_overheads(sample, 1.0)
     assert got["tp_element_overhead_ns"] == pytest.approx(10.0, rel=1e-6)

@@ -44,10 +44,10 @@ def _one_process_model(plan_text: str, model: str = "tiny"):
     from phalanx.model.config import model_config
     from phalanx.parallel.apply import parallelize, validate_for_model
     from phalanx.parallel.mesh import build_mesh
-    from phalanx.train.loop import resolve_plan
+    from phalanx.plan import plan_from_string
 
     cfg = model_config(model)
-    plan = validate_for_model(resolve_plan(plan_text, 1), cfg, global_batch=2, seq_len=16, dtype="bf16")
+    plan = validate_for_model(plan_from_string(plan_text, 1), cfg, global_batch=2, seq_len=16, dtype="bf16")
     mesh = build_mesh(plan, torch.device("cpu"))
     return parallelize(cfg, mesh, seed=0), plan, cfg
 

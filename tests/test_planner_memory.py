@@ -61,14 +61,19 @@ def test_what_the_phalanx_trainer_stores_beyond_the_reference():
     reference = layer_activation_bytes(small, **base)
     # norm inputs 4, attention and MLP inputs 4, q 2, k and v 4 s b h_kv, output projection input 2, SwiGLU 8 s b f
     assert reference == pytest.approx(12 * sbh + 4 * s * b * 64 + 8 * s * b * f)
-    # k and v saved after the repeat to all 6 heads; the CPU norms' x / rms (2 bytes per element each)
-    assert layer_activation_bytes(small, **base, phalanx_model=True) == pytest.approx(reference + 4 * s * b * (192 - 64))
+    # The same tensors (k and v at 2 heads, no weighted rows kept by the MoE combine), plus the two
+    # norms' fp32 rstd and flash attention's fp32 log-sum-exp of each of the 6 heads, 4 bytes per row
+    stats = 2 * 4 * s * b + 4 * s * b * 6
+    assert layer_activation_bytes(small, **base, phalanx_model=True) == pytest.approx(reference + stats)
+    # recompute=selective recomputes the attention core, whose log-sum-exp is then not kept
+    selective = {**base, "recompute": "selective"}
+    assert layer_activation_bytes(small, **selective, phalanx_model=True) == pytest.approx(reference + 2 * 4 * s * b)
+    # torch's CPU composite norm (not the trainer's) also keeps each norm's x / rms
     assert layer_activation_bytes(small, **base, fused_norm=False) == pytest.approx(reference + 4 * sbh)
-    # MoE: index_add_ keeps the k weighted rows of every token, 2 s b k h
     moe = model_config("tiny-moe")
     kw = dict(seq=s, mbs=b, tp=1, sp=False, recompute="none", moe=True)
     extra = layer_activation_bytes(moe, **kw, phalanx_model=True) - layer_activation_bytes(moe, **kw)
-    assert extra == pytest.approx(2 * s * b * moe.experts_per_token * moe.dim + 4 * s * b * (64 - 32))
+    assert extra == pytest.approx(2 * 4 * s * b + 4 * s * b * moe.n_heads)
     # torch DDP's reducer keeps a second copy of the gradients (fp32 here) instead of two 25 MiB buckets
     work, lay = Workload(global_batch=16, seq_len=s), Layout(dp=2, mbs=8, microbatches=1)
     trainer = Options(precision=TRAINER_PRECISION["fp32"], phalanx_trainer=True)

@@ -124,7 +124,8 @@ def fit_tp_overheads(sample: dict, bus_bw_gbs: float) -> dict:
     part (`tp_layer_overhead_us`) is what is left of the real micro-batch's extra time after
     both; sequence
     parallelism's own fixed cost (`sp_layer_overhead_us`: its DTensor norms, gathers and
-    scatters) is the real micro-batch's extra time with it less that without it."""
+    scatters) is the real micro-batch's extra time with it less that without it, less the bytes
+    of its backward re-gathers."""
     def bytes_us(elements: float) -> float:
         return 4 / 3 * 2 * elements * 2 / (bus_bw_gbs * 1e9) * 1e6
 
@@ -132,7 +133,11 @@ def fit_tp_overheads(sample: dict, bus_bw_gbs: float) -> dict:
     growth = sample["large_us"] - sample["small_us"] - (bytes_us(large) - bytes_us(small))
     element_ns = max(0.0, growth / (large - small) * 1e3)
     fixed_us = max(0.0, sample["large_us"] - element_ns * 1e-3 * large - bytes_us(large))
-    sp_us = max(0.0, sample["large_sp_us"] - sample["large_us"])
+    # The trainer's sp gathers the attention and MLP inputs again in backward
+    # (parallel/sequence_parallel.py), which the cost model charges itself (Options.sp_regather):
+    # 2 all-gathers of elements bf16 values at (n-1)/n = 1/2 of the bytes, over the 3 passes.
+    regather_us = 2 / 3 * 2 * large * 2 / 2 / (bus_bw_gbs * 1e9) * 1e6
+    sp_us = max(0.0, sample["large_sp_us"] - sample["large_us"] - regather_us)
     return {"tp_layer_overhead_us": fixed_us, "tp_element_overhead_ns": element_ns, "sp_layer_overhead_us": sp_us}
 
 

@@ -78,7 +78,7 @@ def grouped_mm_expert_ffn(
     does for the matmuls of the loop (whether `_grouped_mm` is on autocast's list is not
     assumed). The gradient arriving at the output must be a plain tensor (torch 2.13's CPU
     kernel rejects an expanded one); in `MoE.forward` it comes through the multiply by the
-    combine weights, which always makes one.
+    combine weights (`WeightedCombine`), which always makes one.
     """
     dtype = compute_dtype(x)
     x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
@@ -244,6 +244,30 @@ def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: 
     return position < capacity
 
 
+class WeightedCombine(torch.autograd.Function):
+    """out[token] = sum of weight[a] * rows[a] over the kept assignments a of each token.
+
+    Saves what the gradient needs: the rows (for the weights' gradient), the weights and the
+    index. Written as a multiply and `index_add_`, autograd would also keep the weighted rows,
+    index_add_'s source, which its backward formula only reads for the shape (as many bytes
+    again as the rows; tests/test_activation_cuts.py). `like`: the tokens (tokens, dim), whose
+    dtype and shape the output takes; nothing of it is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, like: torch.Tensor):
+        ctx.save_for_backward(rows, weights, index)
+        return torch.zeros_like(like).index_add_(0, index, (rows * weights).to(like.dtype))  # (tokens, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weights, index = ctx.saved_tensors
+        grad_rows = grad.index_select(0, index).to(rows.dtype)  # (kept assignments, dim)
+        # A plain (not expanded) tensor: the grouped experts' CPU kernel rejects an expanded one.
+        grad_weights = (grad_rows * rows).sum(-1, keepdim=True) if ctx.needs_input_grad[1] else None
+        return grad_rows * weights, grad_weights, None, None
+
+
 class MoE(nn.Module):
     """Routed experts (+ optional shared experts) in place of a dense feed-forward.
 
@@ -310,8 +334,8 @@ class MoE(nn.Module):
         expert_out = self.experts(rows, counts)  # (kept assignments, dim)
         # Weight each assignment and add it back to its token; a dropped assignment adds nothing
         # (its token keeps the residual stream and its other experts).
-        expert_out = expert_out * route.weights.reshape(-1)[order, None].to(expert_out.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, source_token, expert_out.to(tokens.dtype))
+        weights = route.weights.reshape(-1)[order, None].to(expert_out.dtype)  # (kept assignments, 1)
+        out = WeightedCombine.apply(expert_out, weights, source_token, tokens)
         if self.shared is not None:
             out = out + self.shared(tokens)
         self._record(route, counts, dropped)

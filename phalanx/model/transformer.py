@@ -14,21 +14,35 @@ from torch import nn
 from phalanx.model.config import ModelConfig
 from phalanx.model.kv_cache import AttentionCache, KVCache, attention_mask
 from phalanx.model.moe import MoE
+from phalanx.model.rms_norm import RMSNorm
 from phalanx.model.rotary import apply_rotary, rotary_tables
 
-__all__ = ["Attention", "Block", "FeedForward", "KVCache", "Transformer"]
+__all__ = ["Attention", "AttentionCore", "Block", "FeedForward", "KVCache", "Transformer"]
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(d)) v: the scores part of attention, without weights. A module of its
+    own so that `recompute=selective` (parallel/recompute.py) can recompute just this, as
+    Korthikanti et al.'s selective recomputation does."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        # Grouped-query attention without repeating k and v per query head (nor saving them
+        # repeated for backward): each kv head serves heads / kv_heads query heads.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.core = AttentionCore()
         self.layer, self.head_dim, self.window = layer, cfg.head_dim, cfg.sliding_window
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attention_out_bias)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -47,10 +61,7 @@ class Attention(nn.Module):
             k, v, mask = cache.update(self.layer, k, v, self.window)  # (batch, kv_heads, keys, head_dim)
         else:
             mask = attention_mask(seq, seq, self.window, x.device)
-        # Grouped-query attention without repeating k and v per query head (nor saving them
-        # repeated for backward): each kv head serves heads / kv_heads query heads.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=k.shape[1] != q.shape[1])
+        out = self.core(q, k, v, mask)  # (batch, heads, seq, head_dim)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # (batch, seq, heads * head_dim)
         return self.wo(out)
 
@@ -73,9 +84,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg, layer)
-        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             self.feed_forward: nn.Module = MoE(cfg)
         else:
@@ -99,7 +110,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
-        self.norm: nn.Module | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm: nn.Module | None = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
         # Not persistent: it is recomputed on materialization and never checkpointed.

@@ -10,8 +10,11 @@ so no rank ever holds full-vocabulary logits.
 
 With `sp=true` the activations between those regions (the norms and the residual stream) are
 split along the sequence instead of replicated: the all-reduce after each row-parallel
-matrix becomes a reduce-scatter, and an all-gather precedes each column-parallel region. The
-communicated bytes are the same; activation memory of the norm regions is divided by tp.
+matrix becomes a reduce-scatter, and an all-gather precedes each column-parallel region
+(sequence_parallel.py, which keeps only the shard of the gathered input for backward and
+gathers it again there, as Megatron does). The communicated bytes are the same in forward,
+one all-gather more per region in backward; activation memory of the norm regions and of the
+matrices' saved inputs is divided by tp.
 """
 
 from __future__ import annotations
@@ -22,15 +25,14 @@ from torch import nn
 
 from phalanx import layout_rules as rules
 from phalanx.model.config import ModelConfig
+from phalanx.parallel.sequence_parallel import gather_sequence
 from phalanx.plan import Plan
 
 
 def block_plan(sp: bool) -> dict[str, object]:
     """Module name inside a transformer block -> parallel style."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     # Between regions the residual stream is sequence-sharded (sp) or replicated.
     between = Shard(1) if sp else Replicate()
@@ -44,19 +46,15 @@ def block_plan(sp: bool) -> dict[str, object]:
         "feed_forward.w3": ColwiseParallel(),
     }
     if sp:
-        plan.update({
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
-            # Gather the sequence before the column-parallel matrices; the rope table (second
-            # argument) is an ordinary tensor and passes through untouched.
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
-            ),
-            "feed_forward": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-            ),
-        })
+        # The sequence is gathered before attention and the MLP by `gather_sequence` (apply_tp),
+        # which, unlike PrepareModuleInput, keeps only the shard for backward.
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
     return plan
+
+
+GATHERED_MODULES = ("attention", "feed_forward")
+"""Block parts that take the whole sequence under sp (their first matrices are column-parallel);
+at the root, the output projection does too."""
 
 
 def root_plan(sp: bool, *, has_embedding: bool, has_output: bool) -> dict[str, object]:
@@ -73,8 +71,9 @@ def root_plan(sp: bool, *, has_embedding: bool, has_output: bool) -> dict[str, o
     if has_output:
         if sp:
             plan["norm"] = SequenceParallel()
-        # Logits stay a DTensor sharded over the vocabulary, for `loss_parallel`.
-        plan["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+        # Logits stay a DTensor sharded over the vocabulary, for `loss_parallel`. Under sp the
+        # input arrives gathered by `gather_sequence` (apply_tp), so replicated.
+        plan["output"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
     return plan
 
 
@@ -95,9 +94,14 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
             # with ep_over_tp each tp rank sends only its 1/tp of the rows (expert_fold.py).
             plan = {name: style for name, style in plan.items() if not name.startswith("feed_forward.")}
         parallelize_module(block, tp_mesh, plan)
+        if sp:
+            for name in GATHERED_MODULES:
+                gather_sequence(block.get_submodule(name), tp_mesh)
     plan = root_plan(sp, has_embedding=model.tok_embeddings is not None, has_output=model.output is not None)
     if plan:
         parallelize_module(model, tp_mesh, plan)
+    if sp and model.output is not None:
+        gather_sequence(model.output, tp_mesh)
     model.tie_weights()  # both now vocabulary-row-sharded DTensors: one parameter again
     return model
 

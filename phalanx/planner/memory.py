@@ -5,15 +5,20 @@ fp32 master weights and two fp32 moments (12): 18 bytes per parameter when nothi
 sharded. ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3 everything.
 
 Activations follow Korthikanti et al. (published-figures.md section 3), generalised to
-grouped-query attention and gated MLPs by counting each stored tensor:
+grouped-query attention, gated MLPs and experts by counting each stored tensor:
   norms: the two norm inputs, 4sbh;  attention: its input 2sbh, q 2sbh, k and v 4 s b h_kv,
   the output projection's input 2sbh;  plain GeLU MLP: input 2sbh, two 2sbf tensors;
   SwiGLU: input 2sbh, four 2sbf tensors (w1 out, w3 out, silu out, product);
-  GPT-style (GeLU) models also keep two 1-byte dropout masks, sbh each.
+  MoE: input 2sbh, per routed copy (k per token) the rows the experts read 2sbh, their SwiGLU
+  8sbf, the rows they return 2sbh;
+  GPT-style (GeLU) models also keep two 1-byte dropout masks, sbh each (phalanx has none).
 For MHA + 4h GeLU that is 34 sbh, as published. Without flash attention the softmax adds
 2 a s^2 b (plus 3 a s^2 b of dropout for GPT-style models: the published 5 a s^2 b).
 Under tensor parallelism the norm inputs, the attention and MLP inputs and the dropout masks
-stay replicated unless sequence parallelism splits them too.
+stay replicated unless sequence parallelism splits them too. The phalanx trainer stores these
+same tensors (benchmarks/activation_memory.py measures them against this count), plus a few
+small fp32 ones (`phalanx_model`), and in autocast over fp32 weights the copies listed under
+`autocast_fp32`.
 """
 
 from __future__ import annotations
@@ -116,16 +121,23 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
                            fold_experts: bool = False) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
+    recompute: "full" keeps the layer's input only; "selective" (Korthikanti et al.'s, the
+    trainer's since issue 20: the attention core recomputed) keeps everything else, so it
+    differs from "none" only by the core's softmax-sized tensors, which flash attention never
+    stores.
     sp_regather: with sp, the attention and MLP inputs are kept sharded and gathered again in
-    backward (Megatron; the published formula). False: the gathered inputs are kept whole
-    (phalanx's DTensor sequence parallelism), 4 s b h bytes not divided by tp.
-    fused_norm: False where RMSNorm is torch's composite (CPU), which also saves the normalized
-    input of each of the two norms: 4 s b h more (`Options.fused_norm`).
-    phalanx_model: the tensors of phalanx's model code (benchmarks/activation_probe.py lists
-    them): Attention repeats k and v to every query head before scaled_dot_product_attention,
-    which saves the repeated ones (4 s b a d instead of 4 s b h_kv); the MoE combine's
-    `index_add_` saves its source, the weighted expert rows (its autograd formula expands the
-    gradient to the source's shape), 2 s b k h more.
+    backward (Megatron, the published formula, and the phalanx trainer:
+    parallel/sequence_parallel.py). False: the gathered inputs are kept whole, 4 s b h bytes not
+    divided by tp.
+    fused_norm: False where RMSNorm is torch's CPU composite, which also saves the normalized
+    input of each of the two norms: 4 s b h more (`Options.fused_norm`; the phalanx trainer's own
+    RMSNorm, model/rms_norm.py, saves input and rstd only on every device).
+    phalanx_model: the small tensors phalanx's model keeps that the published count leaves out
+    (benchmarks/activation_memory.py measures them): each norm's fp32 rstd, 4 bytes per token, and,
+    where the attention core is not recomputed, flash attention's fp32 log-sum-exp, 4 bytes per
+    head and token. (k and v are kept at n_kv_heads, as counted: scaled_dot_product_attention with
+    enable_gqa does not repeat them; the MoE combine keeps only the expert rows it needs,
+    model/moe.py `WeightedCombine`.)
     autocast_fp32: a 16-bit run by autocast over fp32 weights (phalanx's trainer with param_dtype=fp32
     under --dtype bf16, which the planner does not plan for): the residual stream stays fp32, so a fully
     recomputed layer's kept input is twice as wide, and the norms' fp32 outputs are cast once per
@@ -140,22 +152,26 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     its own whole experts, so the block's activations are not divided by tp.
     fold_experts: the trainer's ep_over_tp=true (MoE parallel folding): each tp rank computes 1/tp
     of the routed rows, so the routed experts' activations are divided by tp; the rows gathered
-    back over tp (saved by the weighting multiply) and the combine's stay whole, as do the
-    shared experts'.
+    back over tp (saved by the weighting multiply) and the shared experts' stay whole.
     """
     s, b, h = seq, mbs, model.dim
     sbh = s * b * h
     if recompute == "full":
         return (4 if autocast_fp32 else 2) * sbh / (tp if sp else 1)  # only the layer input is kept
-    hkv = (model.n_heads if phalanx_model else model.n_kv_heads) * model.head_dim
-    dropout = model.mlp == "gelu"  # GPT-style models train with dropout; Llama-style without
-    replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm inputs, attention and MLP inputs, masks
+    hkv = model.n_kv_heads * model.head_dim
+    # GPT-style models train with dropout in the published runs; Llama-style ones and phalanx's without.
+    dropout = model.mlp == "gelu" and not phalanx_model
+    replicated = (4 + 2 + 2 + (2 if dropout else 0)) * sbh  # norm and block inputs, masks
     if not fused_norm:  # each norm's x / rms, saved for the multiply by its weight
         replicated += 4 * sbh
     if wide_norms:  # the norms' tensors twice as wide
         replicated += (4 if fused_norm else 8) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
     whole = 0.0
+    if phalanx_model:
+        replicated += 2 * 4 * s * b  # the two norms' rstd
+        if flash and recompute == "none":
+            split += 4 * s * b * model.n_heads  # the log-sum-exp of each head and row
     if sp and not sp_regather:  # the gathered attention and MLP inputs stay whole on every rank
         replicated -= 4 * sbh
         whole = 4 * sbh
@@ -167,20 +183,20 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
             replicated += casts
     if moe:
         k, f = model.experts_per_token, model.moe_ffn_dim
-        # Each device processes s*b*k routed token copies in total (balanced routing).
+        # Each device processes s*b*k routed token copies in total (balanced routing): the rows the
+        # experts read, their SwiGLU's four s*b*k*f tensors, the rows they return (which the
+        # combine keeps for its weights' gradient).
         block = 2 * s * b * k * h + 8 * s * b * k * f + 2 * s * b * k * h
-        combine = (4 if autocast_fp32 else 2) * s * b * k * h if phalanx_model else 0.0
-        # (combine: the weighted rows that index_add_ keeps, in the residual's dtype.)
         # Not counted: the router's fp32 scores (4 s b E bytes) and int64 expert indices (24 s b k),
         # under 5% of a tiny-moe layer and less for wider ones.
         shared = 8 * s * b * f * model.n_shared_experts
         if tp_splits_experts:
-            split += block + combine + shared
+            split += block + shared
         elif fold_experts:
             split += block
-            whole += combine + 2 * s * b * k * h + shared  # + the rows gathered back over tp
+            whole += 2 * s * b * k * h + shared  # the rows gathered back over tp
         else:
-            whole += block + combine + shared
+            whole += block + shared
     elif model.mlp == "swiglu":
         split += 8 * s * b * model.ffn_dim
     else:

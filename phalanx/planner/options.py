@@ -44,9 +44,9 @@ class Options:
     (tests/test_planner_fsdp_gathers.py counts them)."""
     sp_regather: bool = False
     """Sequence parallelism keeps the attention and MLP inputs sharded and all-gathers them again
-    in backward for the weight gradients (Megatron, and the published activation formula).
-    False: it keeps the gathered inputs whole, more memory and no second gather (phalanx's
-    DTensor sequence parallelism)."""
+    in backward for the weight gradients (Megatron, the published activation formula, and the
+    phalanx trainer: parallel/sequence_parallel.py). False: it keeps the gathered inputs whole,
+    more memory and no second gather (DTensor's PrepareModuleInput alone)."""
     tp_splits_experts: bool = False
     """Tensor parallelism splits each expert's matrices too (Megatron). False: the MoE block stays
     out of tp, so every tp rank runs the same experts on the same tokens (the phalanx trainer
@@ -61,16 +61,16 @@ class Options:
     """Bytes of weights, gradients, optimizer state, activations and logits
     (`memory.TRAINER_PRECISION[dtype]` for the phalanx trainer)."""
     fused_norm: bool = True
-    """RMSNorm runs as one kernel that saves only its input and 1/rms per row (torch's
-    `_fused_rms_norm` on CUDA; Apex and Transformer Engine likewise). False: torch's CPU
-    `rms_norm`, a composite of pow, mean, rsqrt and two multiplies, whose weight multiply also
-    saves the normalized x/rms, one more s x b x h tensor per norm (benchmarks/activation_probe.py)."""
+    """RMSNorm saves only its input and 1/rms per row (torch's `_fused_rms_norm` on CUDA; Apex and
+    Transformer Engine likewise; the phalanx trainer's model/rms_norm.py on every device). False:
+    torch's CPU `rms_norm`, a composite of pow, mean, rsqrt and two multiplies, whose weight
+    multiply also saves the normalized x/rms, one more s x b x h tensor per norm."""
     phalanx_trainer: bool = False
     """What phalanx's model and trainer keep beyond the reference implementations of the
     published runs (each measured or read off PyTorch, see `memory.layer_activation_bytes` and
-    peak_memory.py): k and v repeated to every query head before attention and saved so; the
-    MoE combine's `index_add` saving its weighted rows; torch DDP's reducer buckets, a second
-    copy of the gradients (`gradient_as_bucket_view=False`)."""
+    peak_memory.py): no dropout masks, the norms' and flash attention's small fp32 row
+    statistics; torch DDP's reducer buckets, a second copy of the gradients
+    (`gradient_as_bucket_view=False`)."""
     expert_slots: int = 0
     """The trainer's `--expert-slots S` (docs/expert_slots.md): each ep rank holds S / ep expert
     slots, replicas of hot experts included, with their gradients and optimizer state, instead of
@@ -84,7 +84,8 @@ def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
     --any-runtime), as opposed to the published implementations' defaults of `Options()`:
     the trainer keeps fp32 weights and AdamW's two fp32 moments, 16 bytes per parameter with its
     fp32 gradient (memory.TRAINER_PRECISION[dtype]), its own model's tensors
-    (`phalanx_trainer`), RMSNorm fused on GPUs and torch's composite on CPUs (`fused_norm`), and
+    (`phalanx_trainer`), its RMSNorm saving input and rstd only (`fused_norm`), sequence
+    parallelism keeping shards (`sp_regather`), and
     MoE blocks left out of tp (`tp_splits_experts=False`). Whether tp ranks then repeat the
     expert work (the default) or split its rows (`ep_over_tp=true`, MoE parallel folding) is
     the layout's plan key, which the cost and memory models read (`peak_memory.folds_experts`):
@@ -94,6 +95,6 @@ def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:
     --expert-slots (`Options.expert_slots`)."""
     if dtype not in TRAINER_PRECISION:
         raise UserError(f"dtype={dtype!r} must be one of {', '.join(TRAINER_PRECISION)}")
-    kw = dict(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=not cluster.shared_compute,
+    kw = dict(precision=TRAINER_PRECISION[dtype], phalanx_trainer=True, fused_norm=True, sp_regather=True,
               tp_splits_experts=False)
     return Options(**{**kw, **overrides})

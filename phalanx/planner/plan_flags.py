@@ -27,8 +27,8 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-overlap", action="store_true",
                    help="assume TP collectives are pipelined with GEMMs (Megatron's tp-comm-overlap)")
     p.add_argument("--sp-regather", action="store_true",
-                   help="sequence parallelism keeps its GEMM inputs sharded and gathers them again in backward "
-                        "(Megatron); default: keeps them whole, as the phalanx trainer does")
+                   help="with --any-runtime: sequence parallelism keeps its GEMM inputs sharded and gathers them "
+                        "again in backward (Megatron; the phalanx trainer always does)")
     p.add_argument("--zero-levels", type=_levels, default=(0, 2, 3),
                    help="ZeRO levels to search (default 0,2,3: what the phalanx trainer runs; 1 for other runtimes)")
     p.add_argument("--any-runtime", action="store_true",
@@ -58,5 +58,4 @@ def options_for(args, cluster) -> Options:
     if args.expert_slots < 0:
         raise UserError(f"--expert-slots={args.expert_slots} must not be negative (0: one slot per expert)")
     dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")
-    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, sp_regather=args.sp_regather,
-                           expert_slots=args.expert_slots)
+    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, expert_slots=args.expert_slots)
