@@ -203,11 +203,14 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
                  model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
     run_dir = resolve_run_dir(cfg)
     created = not run_dir.exists()
+    lock_was_there = (run_dir / LOCK_FILE).exists()
     # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
     lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
     try:
         if cfg.resume == "must" and found is None:
-            raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
+            from phalanx.train.checkpoint_reader import no_checkpoint_reason
+
+            raise UserError(f"--resume: {no_checkpoint_reason(run_dir)} (--resume auto starts fresh when there is none)")
         if not cfg.resume and found is not None:
             raise UserError(f"{run_dir} already holds a run; pass --resume to continue it, or another --out")
         if cfg.resume and found is not None and not cfg.elastic:  # refused here in one line; the workers log what changed
@@ -220,6 +223,8 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         lock.close()
         if created:
             remove_if_empty(run_dir)
+        elif not lock_was_there:  # refused: leave the folder as it was found
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)
         raise
     cfg = cfg.replace(nproc=nproc, out=str(run_dir))
     from phalanx.model.init import build_model

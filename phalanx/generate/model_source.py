@@ -29,6 +29,8 @@ class ModelSource:
     """Where a tokenizer.json may be: the model directory (of a run: the one it trained from)."""
     tokenizer: str = ""
     """A run's --tokenizer setting, if it had one."""
+    step: int | None = None
+    """Of a run: the step of the checkpoint read."""
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -41,15 +43,15 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
     from phalanx.model.hf_config import config_path, model_directory, read_model_config
 
     if is_run_dir(arg):
-        from phalanx.hf.export_run import find_checkpoint
+        from phalanx.train.checkpoint_reader import read_run_checkpoint
 
-        path, meta = find_checkpoint(Path(arg), step)
-        train = meta.get("train", {})
+        found = read_run_checkpoint(arg, step)
+        train = found.meta.get("train", {})
         try:
             tokenizer_dir = model_directory(train.get("model", ""))
         except UserError:
             tokenizer_dir = None  # the model directory has moved since the run
-        return ModelSource(ModelConfig.from_dict(meta["model"]), path, True, tokenizer_dir, train.get("tokenizer", ""))
+        return ModelSource(found.model_config(), found.path, True, tokenizer_dir, train.get("tokenizer", ""), found.step)
     if step is not None:
         raise UserError(f"--step is for run directories (with a checkpoints/ folder); {arg!r} is not one")
     if arg in PRESETS:

@@ -20,7 +20,9 @@ def resume_point(cfg, run_dir: Path, model_cfg, world_size: int, rank: int):
     logs (on rank 0) the ones that did."""
     found = latest_checkpoint(run_dir, report=rank == 0) if cfg.resume else None
     if cfg.resume == "must" and found is None:
-        raise UserError(f"--resume: no checkpoint found under {run_dir / 'checkpoints'} (--resume auto starts fresh when there is none)")
+        from phalanx.train.checkpoint_reader import no_checkpoint_reason
+
+        raise UserError(f"--resume: {no_checkpoint_reason(run_dir)} (--resume auto starts fresh when there is none)")
     saved = read_meta(found[1]) if found else {}
     cfg = plan_for_world(cfg, world_size, model_cfg, saved_world=saved.get("world_size"), elastic=cfg.elastic)
     if found:
