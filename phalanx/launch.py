@@ -230,7 +230,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     from phalanx.model.init import build_model
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
-    source = f" from {weights.folder}" if weights else ""
+    source = f" from {weights.folder}" if weights else f", random initialization from seed {cfg.seed}"
     where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
     plan = "chosen for the world size found" if cfg.elastic else resolve_plan(cfg.plan, world)
     print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "

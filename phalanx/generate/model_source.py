@@ -1,6 +1,6 @@
 """What `phalanx generate --model` names, and how each rank gets its part of that model.
 
-- A Hugging Face model directory (config.json and safetensors weights): each rank reads only
+- A Hugging Face model directory (config.json and safetensors or pytorch_model.bin weights): each rank reads only
   the slices it keeps (`phalanx.hf.weights.CheckpointWeights`).
 - A run directory of `phalanx train` (it has a `checkpoints/` folder): the newest checkpoint,
   or `--step`; each rank loads its shards from the DCP checkpoint, which reshards on load, so
@@ -56,11 +56,11 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
         raise UserError(f"--step is for run directories (with a checkpoints/ folder); {arg!r} is not one")
     if arg in PRESETS:
         raise UserError(f"{arg!r} is a preset without weights; pass a Hugging Face model directory or a run directory")
-    from phalanx.hf.safetensors_files import has_weights
+    from phalanx.hf.weights import has_any_weights, no_weights_reason
 
     folder = config_path(arg).parent
-    if Path(arg).is_file() or not has_weights(folder):
-        raise UserError(f"{arg}: no *.safetensors weights to generate with (a model directory or a run directory is needed)")
+    if not has_any_weights(folder):
+        raise UserError(f"{no_weights_reason(folder)} to generate with (a model directory or a run directory is needed)")
     return ModelSource(read_model_config(arg), folder, False, folder)
 
 

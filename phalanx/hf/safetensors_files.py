@@ -16,6 +16,10 @@ from phalanx.model.hf_config import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""Stored dtypes phalanx reads weights from: an integer tensor would be cast to whole numbers
+(int8 weights of a quantized checkpoint read as zeros and ones), a float8 one needs its scales."""
+
 
 def has_weights(folder: Path) -> bool:
     return (folder / INDEX_FILE).is_file() or any(folder.glob("*.safetensors"))
@@ -63,6 +67,10 @@ class SafetensorsFiles:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors spells it (F32, BF16, I8, ...)."""
+        return self._slice(name).get_dtype()
+
     def _slice(self, name: str):
         if name not in self.where:
             raise UserError(f"{self.folder}: the checkpoint has no tensor {name!r}")
@@ -87,4 +95,6 @@ class SafetensorsFiles:
         for dim, pick in enumerate(picks):
             if pick is not None:
                 tensor = tensor.index_select(dim, pick)
+        if not bool(torch.isfinite(tensor).all()):  # each rank checks what it reads, before use
+            raise UserError(f"{self.folder}/{self.where[name]}: tensor {name!r} holds non-finite values (nan or inf)")
         return tensor
