@@ -55,6 +55,9 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 
 def check_nproc(nproc: int, device: str) -> None:
+    from phalanx.process_count import check_process_count
+
+    check_process_count(nproc)
     if device != "cpu" and torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if nproc > gpus:

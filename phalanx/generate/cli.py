@@ -72,6 +72,9 @@ def prepare_job(args) -> dict:
     sampling = Sampling(**sampling_fields(args)).validate()
     if args.nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {args.nproc}")
+    from phalanx.process_count import check_process_count
+
+    check_process_count(args.nproc)
     source = resolve_model(args.model, args.step)
     codec = text_codec(source.tokenizer_dir, args.tokenizer or source.tokenizer)
     prompt = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else codec.encode(args.prompt)

@@ -58,10 +58,11 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
         raise UserError(f"{arg!r} is a preset without weights; pass a Hugging Face model directory or a run directory")
     from phalanx.hf.weights import has_any_weights, no_weights_reason
 
+    cfg = read_model_config(arg)  # first: a file that is no config.json is named as such
     folder = config_path(arg).parent
     if not has_any_weights(folder):
         raise UserError(f"{no_weights_reason(folder)} to generate with (a model directory or a run directory is needed)")
-    return ModelSource(read_model_config(arg), folder, False, folder)
+    return ModelSource(cfg, folder, False, folder)
 
 
 def load_model(source: ModelSource, mesh):

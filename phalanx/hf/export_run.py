@@ -54,9 +54,11 @@ def load_checkpoint_model(path: Path, cfg: ModelConfig):
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
     from phalanx.hf.writer import write_hf_directory
 
+    from phalanx.output_path import check_output_folder
     from phalanx.train.checkpoint_reader import read_run_checkpoint
 
     run_dir = Path(run_dir)
+    check_output_folder(out_dir, "OUT_DIR", empty=True)  # before any checkpoint is read
     found = read_run_checkpoint(run_dir, step)
     cfg = found.model_config()
     path = found.path

@@ -136,6 +136,8 @@ def read_run_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpo
     """What `export` and `generate` read: the checkpoint of `step`, or the newest intact one
     (damaged newer ones named on stderr); a UserError when there is none to read."""
     run_dir = Path(run_dir)
+    if step is not None and step < 0:
+        raise UserError(f"--step {step} must not be negative (it names the checkpoint after that many steps)")
     if not run_dir.is_dir():
         raise UserError(f"run directory {str(run_dir)!r} does not exist")
     found = RunCheckpoints.scan(run_dir)
