@@ -48,9 +48,10 @@ merged across such a break, which whitespace-splitting tokenizers never do."""
 _worker_tokenizer: Tokenizer | None = None
 
 
-def document_pieces(text: str | bytes, size: int = PIECE_CHARS) -> list:
-    """`text` cut into pieces of at most `size`, each ending at a line break or space if one is
-    in its second half."""
+def document_pieces(text: str | bytes, size: int = 0) -> list:
+    """`text` cut into pieces of at most `size` (default PIECE_CHARS), each ending at a line
+    break or space if one is in its second half."""
+    size = size or PIECE_CHARS
     newline, space = ("\n", " ") if isinstance(text, str) else (b"\n", b" ")
     pieces, start = [], 0
     while len(text) - start > size:

@@ -26,6 +26,8 @@ MAX_RADIUS_PER_SIDE = 8
 """The kernel's radius may reach this many times the image's longer side (halos longer than
 the image are reflected again, as scipy does); beyond it the work and the padded copy grow
 with sigma while the result barely changes."""
+MIN_RADIUS_LIMIT = 1024
+"""...but a small image may always take this radius (its padded copy: about 17 MB a channel)."""
 
 
 def gaussian_kernel(sigma: float) -> np.ndarray:
@@ -44,10 +46,11 @@ def check_blur_args(shape: tuple[int, ...], sigma: float, tiles: int) -> None:
     if len(shape) not in (2, 3) or 0 in shape:
         raise UserError(f"an image of shape {shape}: expected (height, width) or (height, width, channels), none empty")
     # Before any allocation: the kernel has 2 r + 1 taps and every rank pads the image by r.
-    radius, limit = int(TRUNCATE * sigma + 0.5), MAX_RADIUS_PER_SIDE * max(shape[:2])
+    radius, limit = int(TRUNCATE * sigma + 0.5), max(MIN_RADIUS_LIMIT, MAX_RADIUS_PER_SIDE * max(shape[:2]))
     if radius > limit:
         raise UserError(f"--sigma {sigma:g}: a kernel radius of {radius:,} pixels on a {shape[0]} x {shape[1]} image; "
-                        f"at most {limit:,} ({MAX_RADIUS_PER_SIDE} x its longer side, --sigma {limit / TRUNCATE:g}): "
+                        f"at most {limit:,} ({MAX_RADIUS_PER_SIDE} x its longer side, or {MIN_RADIUS_LIMIT}; "
+                        f"--sigma {limit / TRUNCATE:g}): "
                         "a wider kernel only averages the image's reflections further, and its padding would need "
                         f"{4.0 * (shape[0] + 2.0 * radius) * (shape[1] + 2.0 * radius):.2g} bytes per channel")
 

@@ -35,7 +35,9 @@ def shape_problems(cfg) -> list[str]:
     """What in `cfg` is beyond the bounds, each with the bound."""
     problems = [f"{name}={getattr(cfg, name):,} is above {limit:,}" for name, limit in LIMITS.items()
                 if isinstance(getattr(cfg, name, 0), int) and getattr(cfg, name, 0) > limit]
-    if not problems and (params := approximate_parameters(cfg)) > MAX_PARAMETERS:
-        problems.append(f"about {params:.2g} parameters is above {MAX_PARAMETERS:.0e} (what the largest clusters' "
-                        "memory holds for training)")
-    return [f"{', '.join(problems)} ({WHY})"] if problems else []
+    if problems:
+        return [f"{', '.join(problems)} ({WHY})"]
+    if (params := approximate_parameters(cfg)) > MAX_PARAMETERS:
+        return [f"about {params:.2g} parameters is above {MAX_PARAMETERS:.0e} (what the largest clusters' memory "
+                "holds for training)"]
+    return []
