@@ -70,6 +70,24 @@ def test_pytorch_model_bin_is_read_with_weights_only(folder, tmp_path):
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
 
 
+def test_sharded_pytorch_model_bin_with_its_index(folder):
+    import json
+
+    from safetensors.torch import load_file
+
+    expected = hf.load(folder).state_dict()
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in shards.items():
+        torch.save({k: tensors[k] for k in keys}, folder / file)
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, keys in shards.items() for k in keys}}))
+    (folder / "model.safetensors").unlink()
+    got = hf.load(folder).state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 class _RunsCode:
     def __init__(self, marker):
         self.marker = marker

@@ -25,6 +25,21 @@ def has_weights(folder: Path) -> bool:
     return (folder / INDEX_FILE).is_file() or any(folder.glob("*.safetensors"))
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """Tensor name -> file, from a sharded checkpoint's index (safetensors or torch.save)."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index}: no 'weight_map' of tensor names to files")
+    return weight_map
+
+
+def check_weight_map(index: Path, weight_map: dict[str, str], where: dict[str, str]) -> None:
+    """Every tensor the index lists is in the file it names."""
+    for key, name in weight_map.items():
+        if where.get(key) != name:
+            raise UserError(f"{index}: lists {key} in {name}, but that file does not hold it")
+
+
 class SafetensorsFiles:
     """Tensor name -> file, and slices read on demand. Files are opened once each."""
 
@@ -34,9 +49,7 @@ class SafetensorsFiles:
         self.folder = folder
         index = folder / INDEX_FILE
         if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise UserError(f"{index}: no 'weight_map' of tensor names to files")
+            weight_map = read_weight_map(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -57,9 +70,7 @@ class SafetensorsFiles:
             for key in handle.keys():
                 self.where[key] = name
         if weight_map is not None:
-            for key, name in weight_map.items():
-                if self.where.get(key) != name:
-                    raise UserError(f"{index}: lists {key} in {name}, but that file does not hold it")
+            check_weight_map(index, weight_map, self.where)
 
     def names(self) -> set[str]:
         return set(self.where)

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from phalanx.errors import UserError
-from phalanx.hf.safetensors_files import SafetensorsFiles
-from phalanx.model.hf_config import read_json
+from phalanx.hf.safetensors_files import SafetensorsFiles, check_weight_map, read_weight_map
 
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 BIN_FILE = "pytorch_model.bin"
@@ -49,9 +48,7 @@ class TorchBinFiles(SafetensorsFiles):
         self.folder = folder
         index = folder / BIN_INDEX_FILE
         if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise UserError(f"{index}: no 'weight_map' of tensor names to files")
+            weight_map = read_weight_map(index)
             files = sorted(set(weight_map.values()))
         else:
             files, weight_map = [BIN_FILE], None
@@ -61,9 +58,7 @@ class TorchBinFiles(SafetensorsFiles):
             for key, tensor in _load(folder / name).items():
                 self.tensors[key], self.where[key] = tensor, name
         if weight_map is not None:
-            for key, name in weight_map.items():
-                if self.where.get(key) != name:
-                    raise UserError(f"{index}: lists {key} in {name}, but that file does not hold it")
+            check_weight_map(index, weight_map, self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).shape)
