@@ -17,12 +17,10 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import UserError
+from phalanx.process_count import usable_cores
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """For commands without --collective-timeout (generate, match, blur)."""
-
-
-from phalanx.process_count import usable_cores  # noqa: E402,F401 (re-exported: launchers import it from here)
 
 
 def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
