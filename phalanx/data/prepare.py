@@ -41,8 +41,8 @@ small enough that the workers finish together (a last big chunk would keep one b
 PIECE_CHARS = 1 << 20
 """A document longer than this (characters, or bytes for a byte tokenizer) is encoded in pieces
 cut at the last line break before each 1 Mi mark (else the last space, else at the mark), their
-tokens concatenated: a tokenizer's working memory grows with its input (a 10 MB document took
-2.1 GB whole). The tokens differ from the whole document's only where the tokenizer would have
+tokens concatenated: a tokenizer's working memory grows with its input, many times its size.
+The tokens differ from the whole document's only where the tokenizer would have
 merged across such a break, which whitespace-splitting tokenizers never do."""
 
 _worker_tokenizer: Tokenizer | None = None
@@ -70,8 +70,10 @@ def _encode(tok: Tokenizer, texts: list) -> list[np.ndarray]:
     """encode_batch, with long documents encoded piece by piece (PIECE_CHARS)."""
     if all(len(text) <= PIECE_CHARS for text in texts):
         return tok.encode_batch(texts)
-    return [np.concatenate(tok.encode_batch(document_pieces(text))) if len(text) > PIECE_CHARS else tok.encode_batch([text])[0]
-            for text in texts]
+    # One piece at a time: a tokenizer's per-token records (offsets, strings) of a whole batch
+    # of pieces would add up to the document's again; only the ids are kept.
+    return [np.concatenate([tok.encode_batch([piece])[0] for piece in document_pieces(text)])
+            if len(text) > PIECE_CHARS else tok.encode_batch([text])[0] for text in texts]
 
 
 def _die_with_parent() -> None:
