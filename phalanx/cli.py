@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as error:
         print(f"phalanx: error: {error}", file=sys.stderr)
         status = 2
+    except MemoryError as error:  # an allocation the machine cannot make: say so, in one line
+        print(f"phalanx: error: not enough memory ({error or 'an allocation failed'}); lower the sizes asked for",
+              file=sys.stderr)
+        status = 2
     except KeyboardInterrupt:
         print("phalanx: interrupted", file=sys.stderr)
         status = 130

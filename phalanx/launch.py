@@ -55,6 +55,9 @@ def default_nproc(cfg: TrainConfig) -> int:
 
 
 def check_nproc(nproc: int, device: str) -> None:
+    from phalanx.process_count import check_process_count
+
+    check_process_count(nproc)
     if device != "cpu" and torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if nproc > gpus:
@@ -188,7 +191,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     from phalanx.model.init import build_model
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
-    source = f" from {weights.folder}" if weights else ""
+    source = f" from {weights.folder}" if weights else f", random initialization from seed {cfg.seed}"
     where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
     plan = "chosen for the world size found" if job is None else job.plan_text
     print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "

@@ -166,7 +166,7 @@ class Plan:
         if world_size is not None and self.world_size != world_size:
             problems.append(
                 f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size}, "
-                f"but {world_size} processes were started"
+                f"but {world_size} process{' was' if world_size == 1 else 'es were'} started"
             )
         if problems:
             raise UserError("invalid plan: " + "; ".join(problems))
@@ -216,7 +216,7 @@ def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, di
         elif key in _FIELDS or key in ALIASES:
             values[key] = _convert(key, raw.strip())
         else:
-            valid = ", ".join([*_FIELDS, *ALIASES, *extra_keys])
+            valid = ", ".join(dict.fromkeys([*_FIELDS, *ALIASES, *extra_keys]))  # the planner's extras repeat zero
             raise UserError(f"unknown plan key {key!r}; valid keys: {valid}")
     if "fsdp" in values:
         fsdp = values.pop("fsdp")

@@ -17,13 +17,10 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import UserError
+from phalanx.process_count import usable_cores
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """For commands without --collective-timeout (generate, match, blur)."""
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:

@@ -171,5 +171,5 @@ def test_model_directory_tokenizer_is_the_default(tmp_path, capsys):
     assert corpus.tokenizer.source == model / "tokenizer.json"
     assert open_training_data(data=str(tmp_path / "t.txt"), tokenizer="bytes", model=str(model)).tokenizer.name == "bytes"
     big = _model_dir(tmp_path / "big", 300)
-    _fails(["train", *TINY[2:], "--model", str(big), "--data", str(tmp_path / "t.txt"), "--out", str(tmp_path / "r")],
+    _fails(["train", *TINY[2:], "--model", str(big), "--init", "random", "--data", str(tmp_path / "t.txt"), "--out", str(tmp_path / "r")],
            capsys, f"more than model {str(big)!r}'s 256", tmp_path / "r")

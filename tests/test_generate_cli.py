@@ -108,7 +108,7 @@ def test_models_without_weights(capsys, tmp_path):
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text((write_checkpoint(tmp_path / "w", "llama") / "config.json").read_text())
     code, _, err = _cli(capsys, "--model", tmp_path / "cfg", "--prompt-ids", "1")
-    assert code == 2 and "no *.safetensors weights" in err
+    assert code == 2 and "has no weights (*.safetensors or pytorch_model.bin)" in err
 
 
 def test_cli_start_imports_no_torch():

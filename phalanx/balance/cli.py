@@ -31,6 +31,12 @@ def run_balance(args) -> int:
     from phalanx.balance.solve import check_load, rebalance
     from phalanx.errors import UserError
 
+    if args.plot:
+        from phalanx.output_path import check_output_file
+
+        if not args.plot.lower().endswith(".png"):
+            raise UserError(f"--plot {args.plot}: name a .png file")
+        check_output_file(args.plot, "--plot")  # before the work, not after it
     load = check_load(read_load(args.load, args.window))
     previous = None
     if args.previous:
@@ -39,7 +45,11 @@ def run_balance(args) -> int:
                 previous = json.load(file)["phy2log"]
         except FileNotFoundError:
             raise UserError(f"--previous {args.previous} does not exist") from None
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except IsADirectoryError:
+            raise UserError(f"--previous {args.previous} is a folder; it takes a `phalanx balance --json` output") from None
+        except OSError as error:
+            raise UserError(f"--previous {args.previous} cannot be read ({error.strerror or error})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise UserError(f"--previous {args.previous} is not a `phalanx balance --json` output (no phy2log)") from None
     result = rebalance(load, args.replicas, args.groups, args.nodes, args.gpus, policy=args.policy,
                        refine=args.refine, previous=previous)

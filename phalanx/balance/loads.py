@@ -27,22 +27,34 @@ def read_load(path: str | Path, window: int | None = None) -> np.ndarray:
             raise UserError(f"{path.parent} is not a run directory: it has no metrics.jsonl")
     if not path.exists():
         raise UserError(f"load file {path} does not exist")
+    if path.suffix == ".jsonl":
+        return _from_metrics(path, window)
+    if window is not None:  # a table has no steps to window over: saying so beats ignoring it
+        raise UserError(f"--window={window} sums the last steps of a run's records; {path} is a load table "
+                        "(already summed): drop --window, or pass the run directory or its metrics.jsonl")
     if path.suffix == ".npy":
         try:
             return np.load(path, allow_pickle=False)
-        except ValueError as error:
+        except (OSError, ValueError, EOFError) as error:
             raise UserError(f"{path} is not a readable .npy array ({error})") from None
-    if path.suffix == ".jsonl":
-        return _from_metrics(path, window)
     try:
         return json.loads(path.read_text())
+    except OSError as error:
+        raise UserError(f"cannot read load file {path} ({error.strerror or error})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"load file {path} is not text (a binary file?); expected a JSON [layers][experts] table, "
+                        "a .npy or a run's metrics.jsonl") from None
     except json.JSONDecodeError as error:
         raise UserError(f"{path} is not JSON ({error.msg} at line {error.lineno})") from None
 
 
 def _from_metrics(path: Path, window: int | None) -> np.ndarray:
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"cannot read {path} as a run's records ({getattr(error, 'strerror', None) or 'not text'})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

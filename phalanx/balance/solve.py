@@ -64,6 +64,10 @@ class Result:
         return record
 
 
+LARGEST_LOAD = 2.0**64
+"""Loads above this (no token count comes near it) are scaled down before placing."""
+
+
 def check_load(load) -> np.ndarray:
     """Loads as a float (layers, experts) array: finite and non-negative."""
     try:
@@ -77,6 +81,10 @@ def check_load(load) -> np.ndarray:
     if np.any(array < 0):
         layer, expert = map(int, np.argwhere(array < 0)[0])
         raise UserError(f"the load holds negative values (layer {layer}, expert {expert}: {array[layer, expert]:g})")
+    if array.size and array.max() > LARGEST_LOAD:
+        # A placement depends only on the loads' ratios: scale by a power of two (exact), so
+        # sums per GPU and refinement's float32 arithmetic cannot overflow into inf and nan.
+        array = np.ldexp(array, -int(np.ceil(np.log2(array.max()))))
     return array
 
 

@@ -169,7 +169,16 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
 
 
 def calibrate_command(args) -> int:
-    out = Path(args.out) if args.out else local_cluster_path()
+    from phalanx.errors import UserError
+    from phalanx.output_path import check_output_file
+    from phalanx.process_count import check_process_count
+
+    if args.max_procs < 2:  # before 30-45 s of measuring, as the output's place below
+        raise UserError(f"--max-procs {args.max_procs}: the collectives are measured over groups of 2 up to it, "
+                        "so it must be at least 2")
+    check_process_count(args.max_procs, "--max-procs")
+    out = check_output_file(args.out if args.out else local_cluster_path(), "--out")
+    check_output_file(out.with_suffix(".measurements.json"), "--out")
     cluster, report = calibrate(max_procs=args.max_procs, backend=args.backend, quick=args.quick)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(cluster_to_dict(cluster), indent=2) + "\n")

@@ -27,7 +27,11 @@ def run_prepare(args) -> int:
     from phalanx.errors import UserError
 
     if args.workers < 0:
-        raise UserError(f"--workers {args.workers} must not be negative")
+        raise UserError(f"--workers {args.workers} must not be negative (0: one per CPU core)")
+    if args.workers:
+        from phalanx.process_count import check_process_count
+
+        check_process_count(args.workers, "--workers")
     manifest = prepare(args.sources, tokenizer=args.tokenizer, out=args.out, field=args.field,
                        val_fraction=args.val_fraction, workers=args.workers, progress=args.progress)
     megabytes = sum(os.path.getsize(s) for s in manifest["sources"]) / 1e6

@@ -38,7 +38,71 @@ CHUNK_BYTES = 1 << 18
 """About this much text goes to a worker at a time: large enough to amortize the pickling,
 small enough that the workers finish together (a last big chunk would keep one busy alone)."""
 
+PIECE_CHARS = 1 << 20
+"""A document longer than this (characters, or bytes for a byte tokenizer) is encoded in pieces
+cut at the last line break before each 1 Mi mark (else the last space, else at the mark), their
+tokens concatenated: a tokenizer's working memory grows with its input, many times its size.
+The tokens differ from the whole document's only where the tokenizer would have
+merged across such a break, which whitespace-splitting tokenizers never do."""
+
 _worker_tokenizer: Tokenizer | None = None
+
+
+def document_pieces(text: str | bytes, size: int = 0) -> list:
+    """`text` cut into pieces of at most `size` (default PIECE_CHARS), each ending at a line
+    break or space if one is in its second half."""
+    size = size or PIECE_CHARS
+    newline, space = ("\n", " ") if isinstance(text, str) else (b"\n", b" ")
+    pieces, start = [], 0
+    while len(text) - start > size:
+        end = start + size
+        cut = text.rfind(newline, start + size // 2, end)
+        if cut < 0:
+            cut = text.rfind(space, start + size // 2, end)
+        end = cut + 1 if cut >= 0 else end
+        pieces.append(text[start:end])
+        start = end
+    pieces.append(text[start:])
+    return pieces
+
+
+def _encode(tok: Tokenizer, texts: list) -> list[np.ndarray]:
+    """encode_batch, with long documents encoded piece by piece (PIECE_CHARS)."""
+    if all(len(text) <= PIECE_CHARS for text in texts):
+        return tok.encode_batch(texts)
+    # One piece at a time: a tokenizer's per-token records (offsets, strings) of a whole batch
+    # of pieces would add up to the document's again; only the ids are kept.
+    return [np.concatenate([tok.encode_batch([piece])[0] for piece in document_pieces(text)])
+            if len(text) > PIECE_CHARS else tok.encode_batch([text])[0] for text in texts]
+
+
+def _die_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when the parent dies (killed, or out of memory), instead
+    of encoding on alone; elsewhere the pool's own shutdown is all there is."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the call took effect
+        os._exit(1)
+
+
+def _clean_stale_staging(target: Path) -> None:
+    """Remove staging folders earlier runs on this --out left when they were killed (their
+    process is gone); a running one's is left alone."""
+    for folder in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def is_validation(position: int, val_fraction: float) -> bool:
@@ -67,6 +131,7 @@ def _chunks(files: list[Path], *, field: str, any_bytes: bool) -> Iterator[tuple
 def _init_worker(spec: str, forked: bool = False) -> None:
     global _worker_tokenizer
     if forked:
+        _die_with_parent()
         # A forked worker inherits the parent's signal handlers: after PyTorch's elastic agent
         # ran in this process (a test session, a notebook), SIGTERM raises an exception that the
         # pool's task loop swallows, so Pool.terminate() would wait for it forever.
@@ -81,7 +146,7 @@ def _encode_chunk(task: tuple[int, list, int, float, str]) -> tuple[np.ndarray, 
     tok = _worker_tokenizer
     eos = [] if tok.eos_id is None else [tok.eos_id]
     train, val = [], []
-    for i, ids in enumerate(tok.encode_batch(texts)):
+    for i, ids in enumerate(_encode(tok, texts)):
         split = val if is_validation(position + i, val_fraction) else train
         split += [ids, eos]
     join = lambda parts: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
@@ -143,10 +208,12 @@ def _split_record(train: _ShardWriter, val: _ShardWriter, counts: dict, val_frac
 
 
 def _target(out: str) -> Path:
+    from phalanx.output_path import check_output_folder
+
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UserError(f"--out {out!r} already exists and is not an empty folder; choose another or remove it")
-    return target
+    return check_output_folder(target, "--out")
 
 
 def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text", val_fraction: float = 0.01,
@@ -154,7 +221,7 @@ def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text"
     """Write the prepared directory `out`; returns its data.json record."""
     from tqdm import tqdm
 
-    if not 0 <= val_fraction < 1:
+    if not 0 <= val_fraction < 1:  # also nan
         raise UserError(f"--val-fraction {val_fraction} must be at least 0 and below 1")
     if not sources:
         raise UserError("give at least one source (text file, folder, .jsonl or .parquet)")
@@ -164,6 +231,7 @@ def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text"
     dtype = token_dtype(tok.vocab_size)
     workers = workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale_staging(target)
     staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()

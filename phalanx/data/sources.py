@@ -11,6 +11,7 @@ Torch-free: `phalanx prepare` imports this.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,30 @@ TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".c", "
 """What a folder's text files end in (files named on the command line are read whatever they end in)."""
 
 RECORD_SUFFIXES = {".jsonl", ".parquet"}
+
+MAX_DOCUMENT_BYTES = 2**28
+"""The largest single document (a text file, a JSONL line, a parquet cell): 256 MiB. Reading
+stops there and names the size, so one runaway line cannot take the machine's memory; split
+such a text into several documents first."""
+
+
+def _too_big(where: str, size: int) -> UserError:
+    return UserError(f"{where}: a document of {size / 2**20:,.0f} MiB or more; at most {MAX_DOCUMENT_BYTES // 2**20} MiB "
+                     "per document (split it into several lines or files)")
+
+
+def _prepared_dirs(folder: Path) -> list[Path]:
+    """Folders under `folder` that are an earlier `phalanx prepare` output (their data.json
+    is its record, not a document)."""
+    from phalanx.data.prepared import FORMAT, MANIFEST
+
+    def prepared(record: Path) -> bool:
+        try:
+            return json.loads(record.read_bytes()[:2**20]).get("format") == FORMAT
+        except (OSError, ValueError, AttributeError):
+            return False  # not JSON, or not an object: an ordinary file
+
+    return [p.parent for p in folder.rglob(MANIFEST) if prepared(p)]
 
 
 def text_files(folder: Path) -> list[Path]:
@@ -34,8 +59,13 @@ def source_files(specs: list[str]) -> list[Path]:
         if not path.exists():
             raise UserError(f"source {spec!r} does not exist")
         if path.is_dir():
+            skipped = _prepared_dirs(path)
+            for folder in skipped:
+                print(f"phalanx: warning: skipping {folder}: it is a prepared directory (phalanx prepare output), "
+                      "not text", file=sys.stderr)
             found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and p.suffix.lower() in TEXT_SUFFIXES | RECORD_SUFFIXES)
+                           and p.suffix.lower() in TEXT_SUFFIXES | RECORD_SUFFIXES
+                           and not any(folder in p.parents for folder in skipped))
             if not found:
                 raise UserError(f"source folder {spec!r} holds no text, .jsonl or .parquet files")
             files.extend(found)
@@ -47,7 +77,16 @@ def source_files(specs: list[str]) -> list[Path]:
 def read_text(path: Path, *, any_bytes: bool) -> str | bytes:
     """A text file's contents: bytes as they are when the tokenizer takes any bytes, else
     decoded UTF-8, where a file that is not UTF-8 text is an error naming it."""
-    data = path.read_bytes()
+    try:
+        size = path.stat().st_size
+        if size > MAX_DOCUMENT_BYTES:
+            raise _too_big(str(path), size)
+        with path.open("rb") as file:
+            data = file.read(MAX_DOCUMENT_BYTES + 1)  # /proc files say size 0: read at most the bound
+    except OSError as error:
+        raise UserError(f"cannot read source {path} ({error.strerror or error})") from None
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise _too_big(str(path), len(data))
     if any_bytes:
         return data
     try:
@@ -59,7 +98,9 @@ def read_text(path: Path, *, any_bytes: bool) -> str | bytes:
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, int]]:
     with path.open("rb") as lines:
-        for number, line in enumerate(lines, start=1):
+        for number, line in enumerate(iter(lambda: lines.readline(MAX_DOCUMENT_BYTES + 1), b""), start=1):
+            if len(line) > MAX_DOCUMENT_BYTES:  # read no further than the bound
+                raise _too_big(f"{path}, line {number}", len(line))
             if not line.strip():
                 yield "", len(line)  # blank lines are no documents, but they count as progress
                 continue

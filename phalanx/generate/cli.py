@@ -41,13 +41,15 @@ def register(subparsers) -> None:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
+    parts = text.split(",")
+    if not text.strip():
+        raise UserError("--prompt-ids is empty")
+    if any(not part.strip() for part in parts):  # "1,,2" or "1,2,": a lost id, not a separator to skip
+        raise UserError(f"--prompt-ids takes comma-separated token ids like 1,2,3, got {text!r} (an empty id)")
     try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
         raise UserError(f"--prompt-ids takes comma-separated token ids like 1,2,3, got {text!r}") from None
-    if not ids:
-        raise UserError("--prompt-ids is empty")
-    return ids
 
 
 def sampling_fields(args) -> dict:
@@ -70,6 +72,9 @@ def prepare_job(args) -> dict:
     sampling = Sampling(**sampling_fields(args)).validate()
     if args.nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {args.nproc}")
+    from phalanx.process_count import check_process_count
+
+    check_process_count(args.nproc)
     source = resolve_model(args.model, args.step)
     codec = text_codec(source.tokenizer_dir, args.tokenizer or source.tokenizer)
     prompt = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else codec.encode(args.prompt)
@@ -85,8 +90,13 @@ def prepare_job(args) -> dict:
                         f"plan {plan.to_string()} has dp={plan.dp}, pp={plan.pp}")
     from phalanx.parallel.apply import validate_for_model
 
-    validate_for_model(plan, source.cfg, global_batch=plan.dp * plan.num_microbatches, seq_len=len(prompt))
-    return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "prompt": prompt,
+    # Sequence parallelism splits the context over the tp ranks; decoding pads it on the right
+    # to a multiple of tp (decoding.py), so the length checked is the padded one.
+    padded = -(-len(prompt) // plan.tp) * plan.tp if plan.sp else len(prompt)
+    validate_for_model(plan, source.cfg, global_batch=plan.dp * plan.num_microbatches, seq_len=padded)
+    # The checkpoint found (checked once here): every rank reads that one, without re-choosing.
+    step = source.step if source.is_run else args.step
+    return {"model": args.model, "step": step, "tokenizer": args.tokenizer, "prompt": prompt,
             "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling), "plan": plan.to_string(),
             "device": args.device, "json": args.json}
 

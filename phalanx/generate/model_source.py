@@ -1,6 +1,6 @@
 """What `phalanx generate --model` names, and how each rank gets its part of that model.
 
-- A Hugging Face model directory (config.json and safetensors weights): each rank reads only
+- A Hugging Face model directory (config.json and safetensors or pytorch_model.bin weights): each rank reads only
   the slices it keeps (`phalanx.hf.weights.CheckpointWeights`).
 - A run directory of `phalanx train` (it has a `checkpoints/` folder): the newest checkpoint,
   or `--step`; each rank loads its shards from the DCP checkpoint, which reshards on load, so
@@ -29,6 +29,8 @@ class ModelSource:
     """Where a tokenizer.json may be: the model directory (of a run: the one it trained from)."""
     tokenizer: str = ""
     """A run's --tokenizer setting, if it had one."""
+    step: int | None = None
+    """Of a run: the step of the checkpoint read."""
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -41,25 +43,26 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
     from phalanx.model.hf_config import config_path, model_directory, read_model_config
 
     if is_run_dir(arg):
-        from phalanx.hf.export_run import find_checkpoint
+        from phalanx.train.checkpoint_reader import read_run_checkpoint
 
-        path, meta = find_checkpoint(Path(arg), step)
-        train = meta.get("train", {})
+        found = read_run_checkpoint(arg, step)
+        train = found.meta.get("train", {})
         try:
             tokenizer_dir = model_directory(train.get("model", ""))
         except UserError:
             tokenizer_dir = None  # the model directory has moved since the run
-        return ModelSource(ModelConfig.from_dict(meta["model"]), path, True, tokenizer_dir, train.get("tokenizer", ""))
+        return ModelSource(found.model_config(), found.path, True, tokenizer_dir, train.get("tokenizer", ""), found.step)
     if step is not None:
         raise UserError(f"--step is for run directories (with a checkpoints/ folder); {arg!r} is not one")
     if arg in PRESETS:
         raise UserError(f"{arg!r} is a preset without weights; pass a Hugging Face model directory or a run directory")
-    from phalanx.hf.safetensors_files import has_weights
+    from phalanx.hf.weights import has_any_weights, no_weights_reason
 
+    cfg = read_model_config(arg)  # first: a file that is no config.json is named as such
     folder = config_path(arg).parent
-    if Path(arg).is_file() or not has_weights(folder):
-        raise UserError(f"{arg}: no *.safetensors weights to generate with (a model directory or a run directory is needed)")
-    return ModelSource(read_model_config(arg), folder, False, folder)
+    if not has_any_weights(folder):
+        raise UserError(f"{no_weights_reason(folder)} to generate with (a model directory or a run directory is needed)")
+    return ModelSource(cfg, folder, False, folder)
 
 
 def load_model(source: ModelSource, mesh):

@@ -16,6 +16,12 @@ import torch
 from phalanx.errors import UserError
 
 
+MIN_TEMPERATURE = 1e-6
+"""Below this, logits a trained model tells apart (by 1e-5 and more) differ by more than
+float32's softmax resolves, so the draw is the greedy choice; and divided by a small enough
+temperature the logits pass float32's largest value (3.4e38), where the softmax turns to nan."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     greedy: bool = False
@@ -32,6 +38,12 @@ class Sampling:
             return self
         if not self.temperature > 0:  # also catches NaN
             raise UserError(f"--temperature must be > 0 (got {self.temperature}); for the most likely token use --greedy")
+        if self.temperature == float("inf"):
+            raise UserError("--temperature must be a finite number (got inf); for a uniform draw use a large one, e.g. 1e6")
+        if self.temperature < MIN_TEMPERATURE:
+            raise UserError(f"--temperature must be at least {MIN_TEMPERATURE:g} (got {self.temperature}): below it "
+                            "sampling is greedy decoding to float32 precision, and far below it the logits overflow; "
+                            "for the most likely token use --greedy")
         if self.top_k < 0:
             raise UserError(f"--top-k must be >= 0 (0: no top-k cut), got {self.top_k}")
         if not 0 < self.top_p <= 1:

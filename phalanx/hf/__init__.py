@@ -1,5 +1,5 @@
 """Hugging Face models in and out: `load(path)` builds a phalanx model from a model directory
-(config.json + safetensors), `save(model, path)` writes one that `transformers` loads.
+(config.json + safetensors, or pytorch_model.bin read with weights_only), `save(model, path)` writes one that `transformers` loads.
 
 Importing this package needs no torch; `load` and `save` import it when called.
 """
@@ -16,16 +16,12 @@ def load(path: str | Path, dtype=None):
     (default torch.float32): `forward(tokens[B, S]) -> logits[B, S, V]`."""
     import torch
 
-    from phalanx.errors import UserError
-    from phalanx.hf.safetensors_files import has_weights
     from phalanx.hf.weights import CheckpointWeights
     from phalanx.model.hf_config import config_path, read_model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = read_model_config(path)
-    folder = config_path(path).parent
-    if not has_weights(folder):
-        raise UserError(f"{folder}: no *.safetensors weights to load")
+    folder = config_path(path).parent  # CheckpointWeights refuses a folder without weights, saying why
     model = init_weights(build_model(cfg), cfg, seed=0, device="cpu", source=CheckpointWeights(folder, cfg))
     return model.to(dtype or torch.float32).eval()
 

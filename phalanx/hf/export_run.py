@@ -8,7 +8,6 @@ directory; a byte-level run gets a tokenizer.json that maps byte i to id i).
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -19,27 +18,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
-    """The checkpoint of `step` (default: the newest) and its phalanx.json."""
-    found = {}
-    for path in (run_dir / "checkpoints").glob("step_*"):
-        meta_file = path / "phalanx.json"
-        if path.suffix == ".tmp" or not meta_file.exists():
-            continue
-        try:
-            meta = json.loads(meta_file.read_text())
-            found[int(meta["step"])] = (path, meta)
-        except (ValueError, KeyError, TypeError):
-            continue  # a damaged record: not a checkpoint export can trust
-    if not found:
-        raise UserError(f"{run_dir} holds no checkpoint (looked in {run_dir / 'checkpoints'})")
-    if step is None:
-        step = max(found)
-    if step not in found:
-        raise UserError(f"{run_dir} has no checkpoint of step {step}; it has steps {', '.join(map(str, sorted(found)))}")
-    path, meta = found[step]
-    if "model" not in meta:
-        raise UserError(f"{path} does not record its model's config (written by an older phalanx); cannot export it")
-    return path, meta
+    """The intact checkpoint of `step` (default: the newest) and its phalanx.json, through the
+    one checkpoint reader (phalanx.train.checkpoint_reader): files checked against the manifest."""
+    from phalanx.train.checkpoint_reader import read_run_checkpoint
+
+    found = read_run_checkpoint(run_dir, step)
+    found.model_config()  # refused here when it records none
+    return found.path, found.meta
 
 
 def _tokenizer_files(run_dir: Path, scratch: Path) -> list[Path]:
@@ -69,11 +54,14 @@ def load_checkpoint_model(path: Path, cfg: ModelConfig):
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
     from phalanx.hf.writer import write_hf_directory
 
+    from phalanx.output_path import check_output_folder
+    from phalanx.train.checkpoint_reader import read_run_checkpoint
+
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"run directory {str(run_dir)!r} does not exist")
-    path, meta = find_checkpoint(run_dir, step)
-    cfg = ModelConfig.from_dict(meta["model"])
+    check_output_folder(out_dir, "OUT_DIR", empty=True)  # before any checkpoint is read
+    found = read_run_checkpoint(run_dir, step)
+    cfg = found.model_config()
+    path = found.path
     from phalanx.hf.hf_export_config import export_family
 
     export_family(cfg)  # refuse before reading any weights

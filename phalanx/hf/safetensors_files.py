@@ -16,9 +16,28 @@ from phalanx.model.hf_config import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""Stored dtypes phalanx reads weights from: an integer tensor would be cast to whole numbers
+(int8 weights of a quantized checkpoint read as zeros and ones), a float8 one needs its scales."""
+
 
 def has_weights(folder: Path) -> bool:
     return (folder / INDEX_FILE).is_file() or any(folder.glob("*.safetensors"))
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """Tensor name -> file, from a sharded checkpoint's index (safetensors or torch.save)."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index}: no 'weight_map' of tensor names to files")
+    return weight_map
+
+
+def check_weight_map(index: Path, weight_map: dict[str, str], where: dict[str, str]) -> None:
+    """Every tensor the index lists is in the file it names."""
+    for key, name in weight_map.items():
+        if where.get(key) != name:
+            raise UserError(f"{index}: lists {key} in {name}, but that file does not hold it")
 
 
 class SafetensorsFiles:
@@ -30,9 +49,7 @@ class SafetensorsFiles:
         self.folder = folder
         index = folder / INDEX_FILE
         if index.is_file():
-            weight_map = read_json(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise UserError(f"{index}: no 'weight_map' of tensor names to files")
+            weight_map = read_weight_map(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
@@ -53,15 +70,17 @@ class SafetensorsFiles:
             for key in handle.keys():
                 self.where[key] = name
         if weight_map is not None:
-            for key, name in weight_map.items():
-                if self.where.get(key) != name:
-                    raise UserError(f"{index}: lists {key} in {name}, but that file does not hold it")
+            check_weight_map(index, weight_map, self.where)
 
     def names(self) -> set[str]:
         return set(self.where)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors spells it (F32, BF16, I8, ...)."""
+        return self._slice(name).get_dtype()
 
     def _slice(self, name: str):
         if name not in self.where:
@@ -87,4 +106,6 @@ class SafetensorsFiles:
         for dim, pick in enumerate(picks):
             if pick is not None:
                 tensor = tensor.index_select(dim, pick)
+        if not bool(torch.isfinite(tensor).all()):  # each rank checks what it reads, before use
+            raise UserError(f"{self.folder}/{self.where[name]}: tensor {name!r} holds non-finite values (nan or inf)")
         return tensor

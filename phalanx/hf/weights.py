@@ -3,8 +3,14 @@
 `CheckpointWeights` is a weight source for `phalanx.model.init.init_weights`: asked for a
 parameter's rows, it reads exactly those from the safetensors files (an expert stack from the
 per-expert tensors of the experts this rank holds). Before any read it checks the whole
-checkpoint against the model, by name and shape only, so a missing tensor, a wrong shape or a
-learned tensor the model would ignore is a one-line error, never a silent difference.
+checkpoint against the model, by name, shape and dtype, so a missing tensor, a wrong shape, an
+integer tensor where floats are needed or a learned tensor the model would ignore is a
+one-line error, never a silent difference; each slice read is checked finite before use.
+
+This is the one model-directory reader (training, `phalanx generate`, `phalanx.hf.load`):
+safetensors weights, else `pytorch_model.bin` read with `torch.load(weights_only=True)`
+(torch_bin_files.py), else a refusal saying so. Random initialization happens only when asked
+for: `--init random`, a preset, or a bare config.json (no weights beside it).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 
 from phalanx.errors import UserError
 from phalanx.hf.names import IGNORED_CHECKPOINT_TENSORS, hf_names, is_expert_stack
-from phalanx.hf.safetensors_files import SafetensorsFiles
+from phalanx.hf.safetensors_files import FLOAT_DTYPES, SafetensorsFiles, has_weights
 from phalanx.model.config import ModelConfig
 from phalanx.model.hf_config import config_path, read_json
 
@@ -37,7 +43,7 @@ class CheckpointWeights:
     def __init__(self, folder: str | Path, cfg: ModelConfig):
         self.folder = Path(folder)
         self.cfg, self.family = cfg, checkpoint_family(self.folder)
-        self.files = SafetensorsFiles(self.folder)
+        self.files = weight_files(self.folder)
         self._check(expected_shapes(cfg))
 
     def _names(self, name: str) -> list[str]:
@@ -55,6 +61,10 @@ class CheckpointWeights:
                 if found != tuple(per_tensor):
                     raise UserError(f"{self.folder}/{self.files.where[hf_name]}: tensor {hf_name!r} has shape "
                                     f"{list(found)}, the model needs {list(per_tensor)}")
+                if (dtype := self.files.dtype(hf_name)) not in FLOAT_DTYPES:
+                    raise UserError(f"{self.folder}/{self.files.where[hf_name]}: tensor {hf_name!r} is stored as {dtype}; "
+                                    f"the model needs floating-point weights ({', '.join(FLOAT_DTYPES)}): a quantized "
+                                    "checkpoint must be dequantized first")
         unused = sorted(n for n in self.files.names() - wanted if not IGNORED_CHECKPOINT_TENSORS.match(n))
         if self.cfg.tie_embeddings and unused == ["lm_head.weight"]:
             unused = []  # some tied checkpoints store the shared matrix twice
@@ -72,13 +82,44 @@ class CheckpointWeights:
         return torch.stack(rows) if rows else torch.empty(0, *shape[1:])
 
 
+def weight_files(folder: Path) -> SafetensorsFiles:
+    """The weight files of a model directory: safetensors, else torch.save files read safely;
+    a UserError saying what is there when neither is."""
+    from phalanx.hf.torch_bin_files import TorchBinFiles, has_bin_weights
+
+    if has_weights(folder):
+        return SafetensorsFiles(folder)
+    if has_bin_weights(folder):
+        return TorchBinFiles(folder)
+    raise UserError(no_weights_reason(folder))
+
+
+def has_any_weights(folder: Path) -> bool:
+    from phalanx.hf.torch_bin_files import has_bin_weights
+
+    return has_weights(folder) or has_bin_weights(folder)
+
+
+def no_weights_reason(folder: Path) -> str:
+    others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack"))
+    if others:
+        return (f"{folder} has no *.safetensors or pytorch_model.bin weights (found {', '.join(others[:3])}, "
+                "which phalanx does not read)")
+    return f"{folder} has no weights (*.safetensors or pytorch_model.bin)"
+
+
 def initial_weights(model: str, init: str, cfg: ModelConfig) -> CheckpointWeights | None:
     """Where training's initial weights come from: the model directory's checkpoint with
-    `init="auto"` when it has one (checked against the model now), else None (the seed)."""
-    from phalanx.hf.safetensors_files import has_weights
+    `init="auto"` (checked against the model now), or None (random, from the seed) when asked
+    for: `init="random"`, a preset, or a config.json file with no weights beside it. A model
+    directory without weights is refused rather than silently trained from random weights."""
     from phalanx.model.hf_config import model_directory
 
     folder = model_directory(model)
-    if init == "random" or folder is None or not has_weights(folder):
+    if init == "random" or folder is None:
         return None
-    return CheckpointWeights(folder, cfg)
+    if has_any_weights(folder):
+        return CheckpointWeights(folder, cfg)
+    if Path(model).expanduser().is_file():
+        return None  # a bare config.json: its shape, from random weights (said in the start line)
+    raise UserError(f"{no_weights_reason(folder)}; pass --init random to train it from random weights")

@@ -34,7 +34,9 @@ def register(subparsers) -> None:
 def run_match(args) -> int:
     from phalanx.kernels.matching import choose_algorithm, match
     from phalanx.kernels.patterns import expand_inputs, read_inputs, read_patterns
+    from phalanx.kernels.workers import check_device
 
+    check_device(args.device, args.nproc)  # before the start line: a bad count is the only line
     patterns = read_patterns(args.patterns)
     names = expand_inputs(args.inputs)
     data = read_inputs(names)
@@ -56,8 +58,11 @@ def run_match(args) -> int:
 
 def run_blur(args) -> int:
     from phalanx.kernels.gaussian_blur import blur, check_blur_args
-    from phalanx.kernels.images import read_image, write_image
+    from phalanx.kernels.images import check_output_image, read_image, write_image
+    from phalanx.kernels.workers import check_device
 
+    check_device(args.device, args.nproc)
+    check_output_image(args.output)
     image, kind = read_image(args.input)
     check_blur_args(image.shape, args.sigma, args.tiles)
     print(f"phalanx: blurring {args.input} {image.shape} with sigma {args.sigma} in {args.tiles} x {args.tiles} tiles "

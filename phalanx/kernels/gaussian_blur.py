@@ -22,6 +22,12 @@ from phalanx.kernels.shards import Tile, image_tiles, reflect_index
 from phalanx.kernels.workers import run_sharded, worker_device
 
 TRUNCATE = 4.0
+MAX_RADIUS_PER_SIDE = 8
+"""The kernel's radius may reach this many times the image's longer side (halos longer than
+the image are reflected again, as scipy does); beyond it the work and the padded copy grow
+with sigma while the result barely changes."""
+MIN_RADIUS_LIMIT = 1024
+"""...but a small image may always take this radius (its padded copy: about 17 MB a channel)."""
 
 
 def gaussian_kernel(sigma: float) -> np.ndarray:
@@ -39,6 +45,14 @@ def check_blur_args(shape: tuple[int, ...], sigma: float, tiles: int) -> None:
         raise UserError(f"--tiles {tiles}: must be a whole number of at least 1 (T x T tiles)")
     if len(shape) not in (2, 3) or 0 in shape:
         raise UserError(f"an image of shape {shape}: expected (height, width) or (height, width, channels), none empty")
+    # Before any allocation: the kernel has 2 r + 1 taps and every rank pads the image by r.
+    radius, limit = int(TRUNCATE * sigma + 0.5), max(MIN_RADIUS_LIMIT, MAX_RADIUS_PER_SIDE * max(shape[:2]))
+    if radius > limit:
+        raise UserError(f"--sigma {sigma:g}: a kernel radius of {radius:,} pixels on a {shape[0]} x {shape[1]} image; "
+                        f"at most {limit:,} ({MAX_RADIUS_PER_SIDE} x its longer side, or {MIN_RADIUS_LIMIT}; "
+                        f"--sigma {limit / TRUNCATE:g}): "
+                        "a wider kernel only averages the image's reflections further, and its padding would need "
+                        f"{4.0 * (shape[0] + 2.0 * radius) * (shape[1] + 2.0 * radius):.2g} bytes per channel")
 
 
 # Rows of a tile filtered together on the CPU: about 512 KB of float32 per strip (half of this

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,27 @@ import numpy as np
 from phalanx.errors import UserError
 
 EIGHT_BIT_MODES = ("L", "LA", "RGB", "RGBA")
+OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".npy")
+
+
+def _png_bit_depth(path: Path) -> tuple[int, int] | None:
+    """(bit depth, colour type) from a PNG's IHDR chunk, which Pillow does not keep: it reads
+    16-bit colour PNGs as 8 bits per channel."""
+    with path.open("rb") as file:
+        head = file.read(26)
+    if len(head) < 26 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    return head[24], head[25]
+
+
+def check_output_image(path: str | Path) -> Path:
+    """The output's kind and place, before the input is read or anything blurred."""
+    from phalanx.output_path import check_output_file
+
+    path = Path(path)
+    if path.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise UserError(f"output {path}: use a .png, .jpg, .jpeg or .npy name")
+    return check_output_file(path, "output")
 
 
 def read_image(path: str | Path) -> tuple[np.ndarray, str]:
@@ -28,6 +50,10 @@ def read_image(path: str | Path) -> tuple[np.ndarray, str]:
             image.load()
             if image.mode in ("I;16", "I;16B", "I;16L", "I"):
                 return np.asarray(image, dtype=np.float32), "16bit"
+            depth = _png_bit_depth(path) if image.format == "PNG" else None
+            if depth and depth[0] == 16:  # colour or grey+alpha: Pillow keeps only the high bytes
+                print(f"phalanx: warning: {path} has 16 bits per channel; Pillow reads its colour channels as "
+                      "8 bits, so the blur sees 8-bit values (save it as a .npy array to keep 16 bits)", file=sys.stderr)
             if image.mode not in EIGHT_BIT_MODES:
                 image = image.convert("RGBA" if "A" in image.getbands() or "transparency" in image.info else "RGB")
             return np.asarray(image), "8bit"
@@ -52,6 +78,9 @@ def write_image(path: str | Path, array: np.ndarray, kind: str) -> None:
         return
     if array.ndim == 3 and array.shape[2] not in (1, 2, 3, 4):
         raise UserError(f"an array with {array.shape[2]} channels cannot be written as {suffix}; use .npy")
+    if kind == "npy" and array.size and 0 <= float(array.min()) and float(array.max()) <= 1:
+        print(f"phalanx: warning: the values are within [0, 1]; {suffix} stores whole numbers 0 to 255, so they "
+              "round to 0 and 1 (write .npy to keep them, or scale the input to 0..255)", file=sys.stderr)
     pixels = np.clip(np.rint(array), 0, 255).astype(np.uint8)
     if pixels.ndim == 3 and pixels.shape[2] == 1:
         pixels = pixels[..., 0]

@@ -58,7 +58,10 @@ def expand_inputs(paths: list[str | Path]) -> list[Path]:
     files: list[Path] = []
     for given in map(Path, paths):
         if given.is_dir():
-            files.extend(sorted(p for p in given.rglob("*") if p.is_file()))
+            found = sorted(p for p in given.rglob("*") if p.is_file())
+            if not found:
+                raise UserError(f"input folder {given} holds no files")
+            files.extend(found)
         elif given.exists():
             files.append(given)
         else:

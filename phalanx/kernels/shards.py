@@ -51,8 +51,10 @@ class Tile:
 def image_tiles(height: int, width: int, tiles: int) -> list[Tile]:
     """T x T tiles in row-major order; with T larger than a side, that side's empty tiles are
     dropped (a 3-row image cut 8 ways has 3 row bands)."""
-    return [Tile(r, c) for r in even_bounds(height, tiles) if r[1] > r[0]
-            for c in even_bounds(width, tiles) if c[1] > c[0]]
+    # More cuts than pixels give one-pixel bands either way: cut at most once per pixel, so
+    # the work is bounded by the image, not by --tiles.
+    return [Tile(r, c) for r in even_bounds(height, min(tiles, height)) if r[1] > r[0]
+            for c in even_bounds(width, min(tiles, width)) if c[1] > c[0]]
 
 
 def reflect_index(start: int, end: int, size: int) -> list[int]:

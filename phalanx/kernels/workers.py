@@ -30,8 +30,9 @@ def check_device(device: str, nproc: int) -> None:
         raise UserError(f"--device {device!r}: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no usable CUDA device")
-    if nproc < 1:
-        raise UserError(f"--nproc {nproc} must be at least 1")
+    from phalanx.process_count import check_process_count
+
+    check_process_count(nproc)
 
 
 def _one_thread_on_cpu(work: Callable, rank: int, world_size: int, payload: Any, device: str) -> Any:

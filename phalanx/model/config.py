@@ -93,6 +93,10 @@ class ModelConfig:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         if problems:  # the checks below divide by these
             raise UserError(f"model {self.name!r}: " + "; ".join(problems))
+        from phalanx.model.shape_bounds import shape_problems
+
+        if problems := shape_problems(self):  # before anything plans, builds or allocates for it
+            raise UserError(f"model {self.name!r}: " + "; ".join(problems))
         if not self.head_dim:
             if self.dim % self.n_heads:
                 problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")

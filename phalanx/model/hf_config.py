@@ -55,7 +55,9 @@ def read_json(path: Path) -> dict:
         data = json.loads(path.read_text())
     except OSError as error:
         raise UserError(f"cannot read {str(path)!r}: {error.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError:
+        raise UserError(f"{str(path)!r} is not text (a binary file?); expected JSON") from None
+    except json.JSONDecodeError as error:
         raise UserError(f"{str(path)!r} is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise UserError(f"{str(path)!r}: expected a JSON object, got {type(data).__name__}")

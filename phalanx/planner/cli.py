@@ -44,6 +44,8 @@ def run_plan(args) -> int:
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]
     if args.gpus < 1:
         raise UserError(f"--gpus={args.gpus} must be at least 1")
+    if args.top < 1:
+        raise UserError(f"--top={args.top} must be at least 1 (rows to print)")
     for cluster in clusters:
         cluster.check_device_count(args.gpus)
     fixed = parse_fix(args.fix)

@@ -25,6 +25,12 @@ from phalanx.planner.framework_costs import FIELD_NAMES as FRAMEWORK_FIELDS
 from phalanx.planner.framework_costs import FrameworkCosts
 
 
+MAX_DEVICES = 2**20
+MAX_DEVICES_WHY = ("the largest training clusters built hold about 10^5 GPUs; a larger count is a typo, "
+                   "and the search's work grows with it")
+"""The most devices a plan is made for: the bound of every cluster's device count."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Cluster:
     """One homogeneous cluster; every figure is per device unless the name says otherwise."""
@@ -109,6 +115,8 @@ class Cluster:
         for name in ("devices_per_node", "fast_domain"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
+            elif getattr(self, name) > MAX_DEVICES:
+                problems.append(f"{name}={getattr(self, name)} must be at most {MAX_DEVICES:,} ({MAX_DEVICES_WHY})")
         if self.sm_count < 0:
             problems.append(f"sm_count={self.sm_count} must be 0 (no wave quantization) or positive")
         for name in ("peak_tflops", "memory_gib", "hbm_tbs", "intra_bw_gbs", "inter_bw_gbs",
@@ -140,6 +148,8 @@ class Cluster:
         ones a real job runs. CPUs (shared_compute, `local`) run any count of processes."""
         if devices < 1:
             raise UserError(f"{devices} devices: must be at least 1")
+        if devices > MAX_DEVICES:
+            raise UserError(f"{devices} devices: at most {MAX_DEVICES:,} ({MAX_DEVICES_WHY})")
         per_node = self.devices_per_node
         if self.shared_compute or self.name == "local" or per_node % devices == 0 or devices % per_node == 0:
             return
@@ -298,6 +308,8 @@ def load_cluster_file(path: str | Path) -> Cluster:
         text = path.read_text()
     except OSError as exc:
         raise UserError(f"cannot read cluster file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"cluster file {str(path)!r} is not text (a binary file?); expected TOML or JSON") from None
     try:
         if path.suffix.lower() == ".toml":
             data = tomllib.loads(text)
@@ -305,6 +317,8 @@ def load_cluster_file(path: str | Path) -> Cluster:
             data = json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cluster file {str(path)!r} is not valid {path.suffix[1:].upper() or 'JSON'}: {exc}") from None
+    if not data:  # every field would be a default: a plan for a machine nobody described
+        raise UserError(f"cluster file {str(path)!r} is empty; it gives Cluster's fields (name, peak_tflops, memory_gib, ...)")
     return cluster_from_dict(data, source=str(path))
 
 

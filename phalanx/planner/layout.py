@@ -16,6 +16,10 @@ from phalanx.errors import UserError
 from phalanx.plan import Plan
 
 
+MAX_STEP_TOKENS = 2**36
+"""Tokens one optimizer step may process: the bound of every workload."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """What one optimizer step processes."""
@@ -28,6 +32,11 @@ class Workload:
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.seq_len < 1:
             raise UserError(f"global_batch={self.global_batch} and seq_len={self.seq_len} must be at least 1")
+        tokens = self.global_batch * self.seq_len
+        if tokens > MAX_STEP_TOKENS:
+            raise UserError(f"--global-batch {self.global_batch} x --seq-len {self.seq_len} = {tokens:.3g} tokens per "
+                            f"step; at most {MAX_STEP_TOKENS:.2g}, a thousand times what the largest published runs "
+                            "take (about 6e7: DeepSeek-V3, Llama 3)")
 
 
 @dataclass(frozen=True, init=False)

@@ -56,6 +56,8 @@ def load_model_file(path: str | Path) -> ModelConfig:
         raise UserError(f"cannot read model file {str(path)!r}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"model file {str(path)!r} is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"model file {str(path)!r} is not text (a binary file?); expected JSON") from None
     return model_from_dict(data, source=str(path))
 
 

@@ -278,6 +278,9 @@ def simulate_command(args) -> int:
     from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
     from phalanx.errors import UserError
 
+    from phalanx.output_path import check_output_folder
+
+    check_output_folder(args.out, "--out")  # before the search and the simulation
     model = model_from_name(args.model)
     cluster = cluster_from_name(args.cluster)
     workload = Workload(global_batch=args.global_batch, seq_len=args.seq_len)
@@ -286,11 +289,12 @@ def simulate_command(args) -> int:
     result = search(model, cluster, workload, world_size=dp * tp * pp, fixed={**fixed, "dp": dp, "tp": tp, "pp": pp},
                     space=SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime),
                     options=options_for(args, cluster), keep=1)
-    if not result.ranked and result.considered == 0 and args.expert_slots:
+    if not result.ranked and result.considered == 0:  # say why, not "0 considered"
         reasons = fix_problems(model, workload, dp * tp * pp, {**fixed, "dp": dp, "tp": tp, "pp": pp},
                                SearchSpace(), expert_slots=args.expert_slots)
-        raise UserError(f"--plan {args.plan} gives no layout with --expert-slots={args.expert_slots}"
-                        + (f": {'; '.join(reasons)}" if reasons else ""))
+        slots = f" with --expert-slots={args.expert_slots}" if args.expert_slots else ""
+        raise UserError(f"--plan {args.plan} gives no layout{slots}: " + ("; ".join(reasons) if reasons else
+                        f"none of {model.name}'s shapes, global batch {args.global_batch} and the plan's sizes fit together"))
     if not result.ranked:
         raise UserError(f"--plan {args.plan} gives no layout that fits ({result.considered} considered, "
                         f"{result.pruned_memory} pruned for memory)")

@@ -5,7 +5,7 @@ phalanx.json with the manifest of the files (checkpoint_manifest.py) and renames
 so an interrupted save never hides the previous good checkpoint. Loading takes the newest
 checkpoint whose files match their manifest and says which damaged ones it passed over. DCP
 reshards on load, so a run may resume with another layout (saved with fsdp on 4 ranks,
-loaded on 2).
+loaded on 2). Which checkpoint to load (intact, newest or `--step`): checkpoint_reader.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import warnings
 from pathlib import Path
 
@@ -23,8 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from phalanx.errors import UserError
 from phalanx.parallel.expert_checkpoint import globalize_experts
-from phalanx.train.checkpoint_manifest import META_FILE, build_manifest, damage, read_meta
+from phalanx.train.checkpoint_manifest import META_FILE, build_manifest, read_meta
+from phalanx.train.checkpoint_reader import RunCheckpoints, latest_checkpoint  # noqa: F401 (latest_checkpoint: re-exported)
 
 
 # DCP warns on every save and load without a process group; one process is a supported case.
@@ -40,48 +41,15 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:06d}"
 
 
-def _candidates(run_dir: Path) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
-    """Finished checkpoint folders as (step, path), newest first (by the step in phalanx.json:
-    names sort wrongly past step 999,999), and the folders whose phalanx.json is unreadable."""
-    found, unreadable = [], []
-    for path in (run_dir / "checkpoints").glob("step_*"):
-        if path.suffix == ".tmp" or not path.is_dir():
-            continue
-        try:
-            found.append((read_meta(path)["step"], path))
-        except ValueError as error:
-            unreadable.append((path, str(error)))
-    return sorted(found, reverse=True), unreadable
-
-
-def latest_checkpoint(run_dir: Path, *, report: bool = False) -> tuple[int, Path] | None:
-    """The newest complete checkpoint (step, path) under run_dir whose files match their
-    manifest, if any; with `report`, each damaged one passed over is named on stderr."""
-    found, unreadable = _candidates(run_dir)
-    passed = list(unreadable)
-    chosen = None
-    for step, path in found:
-        problem = damage(path, read_meta(path))
-        if problem is None:
-            chosen = (step, path)
-            break
-        passed.append((path, problem))
-    if report:
-        newer = [(path, why) for path, why in passed if chosen is None or path != chosen[1]]
-        for path, why in newer:
-            instead = f"using {chosen[1].name} instead" if chosen else "no complete checkpoint is left"
-            print(f"phalanx: warning: checkpoint {path} is damaged ({why}); {instead}", file=sys.stderr)
-    return chosen
-
-
 def _prune(run_dir: Path, keep: int, newest: Path) -> None:
     """Keep the `keep` newest complete checkpoints by step. Only `newest` (just written and
     checked finite) and checkpoints whose files match their manifest count as good, so a good
     checkpoint is never deleted to make room for one not known good; damaged folders are left
     for a person to look at."""
-    found, _ = _candidates(run_dir)
-    good = [(step, path) for step, path in found if path == newest or damage(path, read_meta(path)) is None]
-    for _, old in good[keep:]:
+    good = [c.path for c in RunCheckpoints.scan(run_dir).intact]
+    if newest not in good:  # just written and checked finite; cannot be newer-than-newest
+        good = [newest, *good]
+    for old in good[keep:]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -156,6 +124,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:
     for group, own in zip(optimizer.param_groups, settings):
         for key, value in own.items():
             group.setdefault(key, value)
+    refuse_non_finite(model, path)
     return read_meta(path)["step"]
 
 
@@ -171,3 +140,24 @@ def load_model_weights(path: Path, model: nn.Module, *, tied: bool = False) -> N
     wrapped, restore = globalize_experts(model, {"model": state, "optim": {}})  # all ep ranks' experts
     dcp.load({"model": wrapped["model"]}, checkpoint_id=str(path))
     set_model_state_dict(model, restore()["model"], options=StateDictOptions(strict=False))
+    refuse_non_finite(model, path)
+
+
+def refuse_non_finite(model: nn.Module, path: Path) -> None:
+    """A UserError on every rank when any rank's loaded weights hold nan or inf (collective).
+    The manifest only says the files are the ones written; phalanx never saves such weights,
+    but an older or foreign writer may have, and training on them would skip every step,
+    generating from them would fail deep in sampling."""
+    import torch
+
+    from phalanx.train.bad_steps import weights_finite
+
+    params = list(model.named_parameters())
+    device = params[0][1].device if params else torch.device("cpu")
+    if weights_finite(model, device):
+        return
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731
+    bad = next((name for name, p in params if not bool(torch.isfinite(local(p)).all())), None)
+    which = f" ({bad})" if bad else " (in another rank's part)"
+    raise UserError(f"checkpoint {path} holds non-finite weights{which}; it cannot be used: pick an earlier one "
+                    f"(--step N), or remove it")

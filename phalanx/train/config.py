@@ -139,6 +139,9 @@ class TrainConfig:
             problems.append("lr must be positive and min_lr not negative")
         if problems:
             raise UserError("invalid settings: " + "; ".join(problems))
+        from phalanx.planner.layout import Workload  # torch-free; the bound of every step's size
+
+        Workload(global_batch=self.global_batch, seq_len=self.seq_len)
         return self
 
 
@@ -163,10 +166,16 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> TrainConfig:
     values: dict[str, Any] = {}
     if path:
         file = Path(path)
+        if file.is_dir():
+            raise UserError(f"config file {path!r} is a folder; --config takes a TOML file")
         if not file.is_file():
             raise UserError(f"config file {path!r} does not exist")
         try:
             raw = tomllib.loads(file.read_text())
+        except OSError as error:
+            raise UserError(f"config file {path!r} cannot be read ({error.strerror or error})") from None
+        except UnicodeDecodeError:
+            raise UserError(f"config file {path!r} is not text (a binary file?); --config takes a TOML file") from None
         except tomllib.TOMLDecodeError as error:
             raise UserError(f"config file {path!r} is not valid TOML: {error}") from None
         for key, value in raw.items():

@@ -99,8 +99,9 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
     if cfg.resume == "must" and checkpoint is None:
-        raise UserError(f"--resume: no checkpoint found under {Path(run_dir) / 'checkpoints'} "
-                        "(--resume auto starts fresh when there is none)")
+        from phalanx.train.checkpoint_reader import no_checkpoint_reason
+
+        raise UserError(f"--resume: {no_checkpoint_reason(Path(run_dir))} (--resume auto starts fresh when there is none)")
     plan, text = plan_for_world(cfg, world_size, model_cfg, saved_world=checkpoint.world_size if checkpoint else None,
                                 elastic=cfg.elastic, gpu=gpu, log=log)
     cfg = cfg.replace(plan=text)

@@ -43,5 +43,6 @@ def check_resume(saved: dict, *, model: dict, settings: dict, where: str) -> lis
     for name in MAY_CHANGE:
         old = saved.get(name) if name == "world_size" else old_train.get(name)
         if old is not None and old != settings[name]:
-            notes.append(f"phalanx: resuming with {name}={settings[name]!r} (the checkpoint was written with {old!r})")
+            shown = lambda value: "the default (dp over all processes)" if name == "plan" and value == "" else repr(value)  # noqa: E731
+            notes.append(f"phalanx: resuming with {name}={shown(settings[name])} (the checkpoint was written with {shown(old)})")
     return notes
