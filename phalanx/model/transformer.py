@@ -13,6 +13,7 @@ from torch import nn
 
 from phalanx.model.config import ModelConfig
 from phalanx.model.kv_cache import AttentionCache, KVCache, attention_mask
+from phalanx.model.latent_attention import LatentAttention
 from phalanx.model.moe import MoE
 from phalanx.model.rotary import apply_rotary, rotary_tables
 
@@ -74,7 +75,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg, layer)
+        self.attention = (LatentAttention if cfg.is_latent else Attention)(cfg, layer)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             self.feed_forward: nn.Module = MoE(cfg)
