@@ -2,6 +2,7 @@
 
 The presets of public models (`llama3-*`, `mixtral-8x7b`, `deepseek-v3`) are only shapes:
 the planner reads them and the model can be built on the meta device, never allocated here.
+`deepseek-v3` is the real architecture (multi-head latent attention, group-limited routing).
 """
 
 from __future__ import annotations
@@ -255,6 +256,9 @@ class ModelConfig:
         return cls(**{**values, "dense_layers": tuple(values.get("dense_layers", ()))})
 
 
+DEEPSEEK_V3_ATTENTION = dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                             v_head_dim=128, rope_interleave=True)
+
 PRESETS: dict[str, ModelConfig] = {
     cfg.name: cfg
     for cfg in [
@@ -262,6 +266,18 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig(name="tiny", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=256),
         # Tests: 4 KV heads for tp=4, six layers for the README's pp=4,split=1:2:2:1.
         ModelConfig(name="tiny-kv4", dim=64, n_layers=6, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=256),
+        # Tests and demos: every DeepSeek-V3 feature (compressed queries, YaRN past a 64-position
+        # original context, interleaved rope, a dense first layer, shared expert, 4 groups of 2
+        # experts with 2 groups per token, the learned routing bias, routed scaling), bytes in.
+        ModelConfig(
+            name="tiny-dsv3", dim=64, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=256,
+            kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            rope_interleave=True, rope_type="yarn", rope_factor=4.0, rope_original_max_seq_len=64,
+            rope_mscale=1.0, rope_mscale_all_dim=1.0, norm_eps=1e-6,
+            n_experts=8, experts_per_token=2, expert_ffn_dim=32, n_shared_experts=1, n_dense_layers=1,
+            router="sigmoid", router_bias_rate=1e-3, expert_groups=4, topk_groups=2,
+            routed_scaling_factor=2.5, norm_topk_prob=True,
+        ),
         ModelConfig(
             name="tiny-moe", dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128,
             n_experts=8, experts_per_token=2, expert_ffn_dim=64, max_seq_len=256,
@@ -291,12 +307,15 @@ PRESETS: dict[str, ModelConfig] = {
             ffn_dim=14336, n_experts=8, experts_per_token=2, expert_ffn_dim=14336,
             rope_theta=1e6, max_seq_len=32768,
         ),
-        # DeepSeek-V3 uses multi-head latent attention; we model its attention as GQA with the
-        # same head count, which matches its FLOPs to first order but not its KV-cache size.
+        # DeepSeek-V3/R1 as its config.json describes it (latent attention, YaRN for 160K, 8 groups
+        # of 32 experts with 4 groups per token, the bias updated at DeepSeek's 0.001).
         ModelConfig(
             name="deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
             ffn_dim=18432, n_experts=256, experts_per_token=8, expert_ffn_dim=2048,
-            n_shared_experts=1, n_dense_layers=3, max_seq_len=4096,
+            n_shared_experts=1, n_dense_layers=3, max_seq_len=163840, norm_eps=1e-6,
+            **DEEPSEEK_V3_ATTENTION, rope_type="yarn", rope_factor=40.0, rope_original_max_seq_len=4096,
+            rope_mscale=1.0, rope_mscale_all_dim=1.0, router="sigmoid", router_bias_rate=1e-3,
+            expert_groups=8, topk_groups=4, routed_scaling_factor=2.5, norm_topk_prob=True,
         ),
     ]
 }

@@ -154,6 +154,9 @@ DEEPSEEK_DEFAULTS = dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64
 """DeepseekV3Config's defaults for the fields a config.json may leave out (transformers reads
 an absent field as its default, and so does phalanx)."""
 
+DEEPSEEK_BIAS_RATE = 1e-3
+"""DeepSeek-V3's bias update speed gamma (arXiv 2412.19437, section 4.2), phalanx's router_bias_rate."""
+
 SAID: set[str] = set()
 """Notes already printed by this process (each is said once)."""
 
@@ -194,6 +197,9 @@ def _deepseek(fields: _Fields) -> dict:
         norm_topk_prob=fields.get("norm_topk_prob", True, bool),  # DeepseekV3Config's default
         expert_groups=get("n_group"), topk_groups=get("topk_group"),
         routed_scaling_factor=get("routed_scaling_factor", float),
+        # Training goes on balancing as DeepSeek-V3 was trained: the score-correction bias moves
+        # by 0.001 a step (its paper's bias update speed); inference never reads the rate.
+        router_bias_rate=DEEPSEEK_BIAS_RATE,
     )
 
 
