@@ -93,7 +93,7 @@ def main() -> None:
     from phalanx.generate.sampling import Sampling
 
     device = torch.device(args.device)
-    folder = write_model(Path(tempfile.mkdtemp()) / "llama", args)
+    folder = write_model(Path(tempfile.mkdtemp()) / args.arch, args)
     ours = hf.load(folder).to(device)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     theirs.generation_config.eos_token_id = None  # no stopping: both make exactly N tokens

@@ -27,14 +27,16 @@ from tests.moe_runs import TOLERANCE, compare, run_and_gather
 
 pytest.importorskip("transformers")
 LAYOUTS = [("tp=2", 0), ("dp=2,ep=2", 0), ("pp=2", 0), ("dp=2,zero=3", 0), ("dp=2,ep=2", 10)]
-"""(plan, expert slots): 10 slots for 8 experts puts two replicas on the ep ranks."""
+"""(plan, expert slots): 10 slots for 8 experts puts two replicas on the ep ranks, rebalanced
+after every step (the replicas follow the measured load)."""
 
 
 def _runs(cfg: TrainConfig, layouts) -> dict:
     out = {}
     for plan, slots in layouts:
         run = Path(cfg.out) / f"{plan.replace(',', '_').replace('=', '-') or 'one'}-{slots}"
-        out[plan, slots] = run_and_gather(cfg.replace(plan=plan, expert_slots=slots, out=str(run)))
+        out[plan, slots] = run_and_gather(cfg.replace(plan=plan, expert_slots=slots, rebalance_every=1 if slots else 0,
+                                                      out=str(run)))
     return out
 
 

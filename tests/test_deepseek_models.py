@@ -145,3 +145,26 @@ def test_fp8_block_quantized_checkpoint_is_dequantized_on_load(tmp_path):
     plain = tmp_path / "plain"
     hf.save(model, plain)  # written back unquantized, in fp32
     torch.testing.assert_close(hf_logits(plain, tokens()), model(tokens()).detach(), **TOL)
+
+
+def test_multi_token_prediction_layers_are_skipped_and_said(tmp_path, capsys):
+    """A published checkpoint holds its num_nextn_predict_layers=1 MTP layer as layer
+    num_hidden_layers: its tensors are skipped (said on stderr); a tensor of a layer beyond it
+    is still an error."""
+    from safetensors.torch import load_file, save_file
+
+    from phalanx.model import hf_config
+
+    folder = write_deepseek(tmp_path / "hf")
+    tensors = load_file(folder / "model.safetensors")
+    expected = hf_logits(folder, tokens())
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # layer 3 of 3: the MTP module
+    save_file(tensors, folder / "model.safetensors")
+    hf_config.SAID.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(hf.load(folder)(tokens()), expected, **TOL)
+    assert "num_nextn_predict_layers=1 multi-token prediction layer(s) skipped" in capsys.readouterr().err
+    tensors["model.layers.4.eh_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(UserError, match="'model.layers.4.eh_proj.weight' would be ignored"):
+        hf.load(folder)

@@ -4,7 +4,8 @@ Bytes start at ln(256) = 5.55 nats; 30 steps on the built-in corpus (Python's st
 lower the loss by at least 10% (they reach about half of it). A small batch (4 x 64 tokens)
 keeps the test to seconds of compute. The sigmoid router's score-correction bias moves by
 router_bias_rate each step (auxiliary-loss-free balancing), so after 30 steps it is not zero
-in the checkpoint the run leaves.
+in the checkpoint the run leaves; `phalanx export` turns that checkpoint into a
+`deepseek_v3` directory with transformers' logits equal to the run's model.
 """
 
 from __future__ import annotations
@@ -34,3 +35,16 @@ def test_tiny_dsv3_trains(tmp_path):
     model = load_checkpoint_model(path, ModelConfig.from_dict(meta["model"]))
     for layer in ("1", "2", "3"):
         assert model.layers[layer].feed_forward.router.expert_bias.abs().max() > 0, layer
+
+    # `phalanx export` writes the run as a deepseek_v3 directory, learned bias included, that
+    # transformers computes the same logits from (1e-4, as tests/test_deepseek_models.py).
+    import torch
+
+    from phalanx.hf.export_run import export_run
+    from tests.hf_models import hf_logits
+
+    exported = export_run(out, tmp_path / "hf")
+    assert json.loads((exported / "config.json").read_text())["model_type"] == "deepseek_v3"
+    tokens = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(0))  # past YaRN's 64
+    with torch.no_grad():
+        torch.testing.assert_close(hf_logits(exported, tokens), model(tokens), rtol=1e-4, atol=1e-4)
