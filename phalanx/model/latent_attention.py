@@ -100,7 +100,9 @@ class LatentAttention(nn.Module):
         latent space and attends to the latents directly, its rotated part to the shared
         rotated keys: one key "head" of rank + rope channels serves every query head (as in
         multi-query attention), with the latents themselves as values; the value
-        up-projection W_uv is applied to the attention output afterwards."""
+        up-projection W_uv is applied to the attention output afterwards. The query heads are
+        folded into the query rows of that one head, so the shared keys are never repeated
+        per head (as `enable_gqa` may do where no fused kernel takes the shapes)."""
         batch, seq, heads, _ = q_nope.shape
         weight = local_tensor(self.wkv_b.weight).view(heads, self.nope + self.value, self.rank)
         w_uk, w_uv = weight.split([self.nope, self.value], dim=1)  # (heads, nope, rank), (heads, value, rank)
@@ -108,6 +110,10 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1)  # (batch, heads, seq, rank + rope)
         latents, k_ropes, mask = cache.update(self.layer, latent[:, None], k_rope.transpose(1, 2), 0)
         keys = torch.cat([latents, k_ropes], dim=-1)  # (batch, 1, keys, rank + rope)
-        out = F.scaled_dot_product_attention(q, keys, latents, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.scale, enable_gqa=True)  # (batch, heads, seq, rank)
-        return torch.einsum("bhsr,hvr->bhsv", out, w_uv)  # (batch, heads, seq, value)
+        n_keys = keys.shape[2]
+        if mask is None:  # plain causal: the queries are the last `seq` of the keys
+            mask = torch.ones(seq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - seq)
+        mask = torch.broadcast_to(mask, (batch, heads, seq, n_keys)).reshape(batch, 1, heads * seq, n_keys)
+        out = F.scaled_dot_product_attention(q.reshape(batch, 1, heads * seq, -1), keys, latents, attn_mask=mask,
+                                             scale=self.scale)  # (batch, 1, heads * seq, rank)
+        return torch.einsum("bhsr,hvr->bhsv", out.view(batch, heads, seq, self.rank), w_uv)  # (batch, heads, seq, value)
