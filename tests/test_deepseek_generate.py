@@ -43,7 +43,8 @@ def _set_absorbed(model, absorbed: bool) -> None:
 def test_latent_cache_holds_the_latent_and_equals_decompressed_attention(checkpoint):
     """Every step's logits: absorbed latent cache = decompressed key/value cache = the whole
     context recomputed; the latent cache holds (batch, 1, positions, kv_lora_rank) and
-    (batch, 1, positions, qk_rope_head_dim) per layer, nothing per head."""
+    (batch, 1, positions, qk_rope_head_dim) per layer, nothing per head; a chunked prefill
+    reads the latents cached before it."""
     model = hf.load(checkpoint)
     runs = {}
     for mode in ("absorbed", "decompressed", "recompute"):
@@ -61,6 +62,14 @@ def test_latent_cache_holds_the_latent_and_equals_decompressed_attention(checkpo
         model(torch.tensor([_prompt()]), cache)
     assert tuple(cache.keys[0].shape) == (1, 1, 20, BASE["kv_lora_rank"])
     assert tuple(cache.values[0].shape) == (1, 1, 20, BASE["qk_rope_head_dim"])
+    # A prefill in chunks (later chunks decompress the latents cached before them), then steps.
+    tokens = torch.tensor([_prompt(24)])
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(max_len=24)
+        steps = [model(tokens[:, :10], cache), model(tokens[:, 10:16], cache)]
+        steps += [model(tokens[:, i:i + 1], cache) for i in range(16, 24)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
 def _transformers_greedy(folder, prompt: list[int], new: int) -> list[int]:

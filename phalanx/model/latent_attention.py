@@ -12,7 +12,8 @@ part are cached, (batch, 1, seq, kv_lora_rank) and (batch, 1, seq, qk_rope_head_
 the `AttentionCache.update` of `kv_cache.py`, and attention runs in the absorbed form: the key
 up-projection is folded into the query and the value up-projection applied after attention,
 so the cached latent is never decompressed (576 values per token and layer for DeepSeek-V3
-instead of 128 heads x (192 + 128)).
+instead of 128 heads x (192 + 128)). A prefill (many new queries per key) decompresses the
+latents it reads instead, the cheaper product there (as DeepSeek's and SGLang's servers do).
 """
 
 from __future__ import annotations
@@ -73,28 +74,35 @@ class LatentAttention(nn.Module):
         table = rope[:seq] if cache is None else rope[cache.positions(seq, x.device)]
         q_rope = self.rotate(q_rope, table)
         k_rope = self.rotate(k_rope[:, :, None], table)  # (batch, seq, 1, rope): one head shared by all
-        if cache is not None and self.absorbed:
-            out = self.absorbed_attention(q_nope, q_rope, latent, k_rope, cache)  # (batch, heads, seq, value)
+        if cache is None:
+            out = self.decompressed(q_nope, q_rope, latent, k_rope, attention_mask(seq, seq, 0, x.device))
+        elif not self.absorbed:  # the reference: every head's keys and values cached
+            out = self.decompressed(q_nope, q_rope, latent, k_rope, None, cache)
         else:
-            out = self.full_attention(q_nope, q_rope, latent, k_rope, cache)
+            latents, k_ropes, mask = cache.update(self.layer, latent[:, None], k_rope.transpose(1, 2), 0)
+            if seq > 1:  # a prefill: many queries per key, decompressing is the cheaper product
+                out = self.decompressed(q_nope, q_rope, latents[:, 0], k_ropes.transpose(1, 2), mask)
+            else:
+                out = self.absorbed_attention(q_nope, q_rope, latents, k_ropes, mask)  # (batch, heads, seq, value)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))  # (batch, seq, heads * value)
 
-    def full_attention(self, q_nope, q_rope, latent, k_rope, cache) -> torch.Tensor:
-        """Keys and values decompressed for every head, then ordinary attention."""
+    def decompressed(self, q_nope, q_rope, latent, k_rope, mask, cache: AttentionCache | None = None) -> torch.Tensor:
+        """Keys and values decompressed for every head from `latent` (batch, keys, rank) and
+        `k_rope` (batch, keys, 1, rope), then ordinary attention with `mask` (None: causal);
+        with a `cache`, the decompressed keys and values of the new tokens are what it holds."""
         batch, seq, heads, _ = q_nope.shape
-        kv = self.wkv_b(latent).view(batch, seq, heads, self.nope + self.value)
+        kv = self.wkv_b(latent).view(batch, latent.shape[1], heads, self.nope + self.value)
         k_nope, v = kv.split([self.nope, self.value], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # (batch, heads, seq, head_dim)
-        k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)
-        v = v.transpose(1, 2)  # (batch, heads, seq, value)
+        k = torch.cat([k_nope, k_rope.expand(-1, -1, heads, -1)], dim=-1).transpose(1, 2)  # (batch, heads, keys, head_dim)
+        v = v.transpose(1, 2)  # (batch, heads, keys, value)
         if cache is not None:
-            k, v, mask = cache.update(self.layer, k, v, 0)  # (batch, heads, keys, ...)
-        else:
-            mask = attention_mask(seq, seq, 0, q.device)
+            k, v, mask = cache.update(self.layer, k, v, 0)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
 
-    def absorbed_attention(self, q_nope, q_rope, latent, k_rope, cache) -> torch.Tensor:
-        """Attention over the cached latents without decompressing them.
+    def absorbed_attention(self, q_nope, q_rope, latents, k_ropes, mask) -> torch.Tensor:
+        """Attention over the cached latents (batch, 1, keys, rank) and rotated keys
+        (batch, 1, keys, rope) without decompressing them.
 
         q_nope . (W_uk c) = (W_uk^T q_nope) . c, so each head's plain query is mapped into the
         latent space and attends to the latents directly, its rotated part to the shared
@@ -108,7 +116,6 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = weight.split([self.nope, self.value], dim=1)  # (heads, nope, rank), (heads, value, rank)
         q_latent = torch.einsum("bshn,hnr->bhsr", q_nope, w_uk)  # (batch, heads, seq, rank)
         q = torch.cat([q_latent, q_rope.transpose(1, 2)], dim=-1)  # (batch, heads, seq, rank + rope)
-        latents, k_ropes, mask = cache.update(self.layer, latent[:, None], k_rope.transpose(1, 2), 0)
         keys = torch.cat([latents, k_ropes], dim=-1)  # (batch, 1, keys, rank + rope)
         n_keys = keys.shape[2]
         if mask is None:  # plain causal: the queries are the last `seq` of the keys
