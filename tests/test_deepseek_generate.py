@@ -92,3 +92,14 @@ def test_greedy_phalanx_generate_equals_transformers(capsys, checkpoint):
     ours = json.loads(capsys.readouterr().out)["new_ids"]
     assert ours == _transformers_greedy(checkpoint, prompt, NEW)
     assert len(set(ours)) > 3, "a degenerate model would repeat one token and prove little"
+
+
+def test_tp2_generation_equals_one_process(checkpoint):
+    """Under tp=2 each rank caches the latents (replicated: the down-projection is) and decodes
+    its own heads absorbed with its rows of wkv_b; the gathered logits pick one process's tokens."""
+    from phalanx.testing.fork_ranks import run_ranks
+    from tests.test_generate import GREEDY, _generate_on_rank, _one_process
+
+    expected = _one_process(str(checkpoint), GREEDY)
+    for rank_result in run_ranks(2, _generate_on_rank, str(checkpoint), "tp=2", GREEDY):
+        assert rank_result == expected
