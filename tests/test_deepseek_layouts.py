@@ -4,8 +4,8 @@ The first step's loss is computed from the loaded weights before any update, so 
 `transformers`' own loss on the same batch only if the latent projections, the router's
 score-correction bias and every expert were read right. Then tp=2 (heads split, the latent
 down-projections replicated with the rotated key's gradient summed, parallel/latent_tp.py),
-dp=2,ep=2 and dp=4,ep=4 (the shared expert on every rank), pp=2, dp=2,zero=3 and ep with expert slots are
-compared with one process over 3 steps: losses, every weight and buffer (the routing bias moves
+dp=2,ep=2 and dp=4,ep=4 (the shared expert on every rank), pp=2, dp=2,zero=3 and ep with
+rebalanced expert slots are compared with one process over 3 steps: losses, every weight and buffer (the routing bias moves
 by router_bias_rate from the step's global expert counts) and the gradient norm, 1e-4 as in
 tests/moe_runs.py (the layouts sum the same fp32 terms in another order, ~1e-7 relative per
 op; a wrong shard, a missing gradient sum over tp or ep moves them by far more).
