@@ -110,7 +110,7 @@ ROWS = [
         options=Options(tp_splits_experts=True),
         metric="tokens", space=SearchSpace(zero_levels=(1,), schedules=("1f1b", "interleaved", "dualpipev"),
                                            phalanx_trainer=False),
-        in_median=False, note="trained in FP8 with MLA attention; predicted in BF16 with MHA: not comparable"),
+        in_median=False, note="trained in FP8, predicted in BF16 (MLA and node-limited dispatch modelled): not comparable"),
 ]
 
 

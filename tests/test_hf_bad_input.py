@@ -21,7 +21,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden
 
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "bert"}, "model_type 'bert' is not supported"),
-    ({"model_type": "deepseek_v3"}, "can be planned for but not trained"),
+    ({"model_type": "qwen2_moe"}, "can be planned for but not trained"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "llama3 rope scaling lacks"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),

@@ -124,7 +124,7 @@ def test_hugging_face_configs_say_whether_to_normalize(value, expected):
     assert from_hf_dict(_qwen3_moe(**extra), source="config.json").routing_normalized is expected
     deepseek = {"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "intermediate_size": 48, "moe_intermediate_size": 16,
-                "n_routed_experts": 4, "num_experts_per_tok": 2, **extra}
+                "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, **extra}
     assert from_hf_dict(deepseek, source="config.json", trainable=False).routing_normalized is (value is not False)
     mixtral = {**_qwen3_moe(), "model_type": "mixtral", "num_local_experts": 4}
     assert from_hf_dict(mixtral, source="config.json").routing_normalized is True

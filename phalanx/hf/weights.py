@@ -15,11 +15,13 @@ for: `--init random`, a preset, or a bare config.json (no weights beside it).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from phalanx.errors import UserError
+from phalanx.hf.fp8_weights import BlockQuantized
 from phalanx.hf.names import IGNORED_CHECKPOINT_TENSORS, hf_names, is_expert_stack
 from phalanx.hf.safetensors_files import FLOAT_DTYPES, SafetensorsFiles, has_weights
 from phalanx.model.config import ModelConfig
@@ -30,11 +32,30 @@ def checkpoint_family(folder: Path) -> str:
     return read_json(config_path(folder)).get("model_type", "")
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Canonical parameter name -> full shape, from the model built on the meta device."""
+LOADED_BUFFERS = {"deepseek_v3": ".router.expert_bias"}
+"""Buffers a family's checkpoints hold (DeepSeek-V3's score-correction bias), by name ending."""
+
+
+def expected_shapes(cfg: ModelConfig, family: str = "") -> dict[str, tuple[int, ...]]:
+    """Canonical parameter name (and checkpointed buffer name) -> full shape, from the model
+    built on the meta device."""
     from phalanx.model.init import build_model
 
-    return {name: tuple(p.shape) for name, p in build_model(cfg).named_parameters()}
+    model = build_model(cfg)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if family in LOADED_BUFFERS:
+        shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name.endswith(LOADED_BUFFERS[family])})
+    return shapes
+
+
+def skipped_layers(folder: Path, cfg: ModelConfig) -> re.Pattern | None:
+    """DeepSeek-V3's multi-token prediction layers (`num_nextn_predict_layers`, numbered after
+    the model's own): their tensors are skipped on load (the config reader says so once)."""
+    extra = read_json(config_path(folder)).get("num_nextn_predict_layers") or 0
+    if not isinstance(extra, int) or extra < 1:
+        return None
+    numbers = "|".join(str(cfg.n_layers + i) for i in range(extra))
+    return re.compile(rf"model\.layers\.({numbers})\..*")
 
 
 class CheckpointWeights:
@@ -44,7 +65,9 @@ class CheckpointWeights:
         self.folder = Path(folder)
         self.cfg, self.family = cfg, checkpoint_family(self.folder)
         self.files = weight_files(self.folder)
-        self._check(expected_shapes(cfg))
+        self.fp8 = BlockQuantized.of(self.folder, self.files)
+        self.skipped = skipped_layers(self.folder, cfg)
+        self._check(expected_shapes(cfg, self.family))
 
     def _names(self, name: str) -> list[str]:
         return hf_names(name, self.family, self.cfg.n_experts)
@@ -61,11 +84,15 @@ class CheckpointWeights:
                 if found != tuple(per_tensor):
                     raise UserError(f"{self.folder}/{self.files.where[hf_name]}: tensor {hf_name!r} has shape "
                                     f"{list(found)}, the model needs {list(per_tensor)}")
-                if (dtype := self.files.dtype(hf_name)) not in FLOAT_DTYPES:
+                quantized = self.fp8 is not None and self.fp8.is_quantized(hf_name)  # read with its scales
+                if not quantized and (dtype := self.files.dtype(hf_name)) not in FLOAT_DTYPES:
                     raise UserError(f"{self.folder}/{self.files.where[hf_name]}: tensor {hf_name!r} is stored as {dtype}; "
                                     f"the model needs floating-point weights ({', '.join(FLOAT_DTYPES)}): a quantized "
                                     "checkpoint must be dequantized first")
-        unused = sorted(n for n in self.files.names() - wanted if not IGNORED_CHECKPOINT_TENSORS.match(n))
+        if self.fp8 is not None:
+            wanted |= self.fp8.scales_of(wanted)
+        unused = sorted(n for n in self.files.names() - wanted if not IGNORED_CHECKPOINT_TENSORS.match(n)
+                        and not (self.skipped and self.skipped.fullmatch(n)))
         if self.cfg.tie_embeddings and unused == ["lm_head.weight"]:
             unused = []  # some tied checkpoints store the shared matrix twice
         if unused:
@@ -73,13 +100,26 @@ class CheckpointWeights:
             raise UserError(f"{self.folder}: tensor {unused[0]!r}{more} would be ignored by the model; "
                             "the checkpoint does not match its config.json")
 
+    def _read(self, name: str, shape: tuple[int, ...], index: list[torch.Tensor | None]) -> torch.Tensor:
+        if self.fp8 is not None and self.fp8.is_quantized(name):
+            return self.fp8.read(name, shape, index)
+        return self.files.read(name, shape, index)
+
     def read(self, name: str, shape: torch.Size, index: list[torch.Tensor | None]) -> torch.Tensor:
         names = self._names(name)
         if not is_expert_stack(name):
-            return self.files.read(names[0], tuple(shape), index)
+            return self._read(names[0], tuple(shape), index)
         experts = index[0] if index[0] is not None else torch.arange(shape[0])
-        rows = [self.files.read(names[int(e)], tuple(shape[1:]), index[1:]) for e in experts]
+        rows = [self._read(names[int(e)], tuple(shape[1:]), index[1:]) for e in experts]
         return torch.stack(rows) if rows else torch.empty(0, *shape[1:])
+
+    def read_buffer(self, name: str) -> torch.Tensor | None:
+        """A checkpointed buffer's value (`fill_weights` asks after the parameters), else None."""
+        ending = LOADED_BUFFERS.get(self.family)
+        if ending is None or not name.endswith(ending):
+            return None
+        hf_name = self._names(name)[0]
+        return self.files.read(hf_name, self.files.shape(hf_name), [None])
 
 
 def weight_files(folder: Path) -> SafetensorsFiles:

@@ -33,7 +33,7 @@ def hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, family: str)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         name = canonical_name(name)
-        if name.endswith("router.expert_bias"):
+        if name.endswith("router.expert_bias") and family != "deepseek_v3":  # deepseek_v3: its score-correction bias
             if torch.count_nonzero(tensor):  # learned, then frozen by router_bias_rate=0
                 raise UserError(f"cannot export {cfg.name!r}: {name} is not zero (a learned balancing bias "
                                 "steers which experts are chosen; the exported families have no such bias)")

@@ -13,14 +13,15 @@ published checkpoints have them) and `rope_parameters` (as recent `transformers`
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 
-TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-SHAPE_ONLY = ("qwen2_moe", "deepseek_v3", "gpt2")
+TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+SHAPE_ONLY = ("qwen2_moe", "gpt2")
 
 
 def is_model_path(name: str) -> bool:
@@ -117,8 +118,11 @@ def _rope(fields: _Fields) -> dict:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return out
+    if kind == "yarn" and fields.family == "deepseek_v3":
+        return {**out, **_yarn(fields, scaling)}
     if kind != "llama3":
-        raise UserError(f"{fields.source}: rope type {kind!r} is not supported (supported: default, llama3)")
+        supported = "default, llama3, yarn" if fields.family == "deepseek_v3" else "default, llama3"
+        raise UserError(f"{fields.source}: rope type {kind!r} is not supported (supported: {supported})")
     try:
         out.update(rope_type="llama3", rope_factor=float(scaling["factor"]),
                    rope_low_freq_factor=float(scaling["low_freq_factor"]),
@@ -129,6 +133,76 @@ def _rope(fields: _Fields) -> dict:
     if scaling.get("attention_factor") not in (None, 1, 1.0):
         raise UserError(f"{fields.source}: rope attention_factor={scaling['attention_factor']} is not supported")
     return out
+
+
+def _yarn(fields: _Fields, scaling: dict) -> dict:
+    """YaRN's settings, with transformers' defaults (`_compute_yarn_parameters`)."""
+    max_len = fields.get("max_position_embeddings", 2048)
+    try:
+        original = int(scaling.get("original_max_position_embeddings") or max_len)
+        factor = float(scaling["factor"]) if scaling.get("factor") is not None else max_len / original
+        return dict(rope_type="yarn", rope_factor=factor, rope_original_max_seq_len=original,
+                    rope_beta_fast=float(scaling.get("beta_fast") or 32), rope_beta_slow=float(scaling.get("beta_slow") or 1),
+                    rope_mscale=float(scaling.get("mscale") or 0), rope_mscale_all_dim=float(scaling.get("mscale_all_dim") or 0),
+                    rope_attention_factor=float(scaling.get("attention_factor") or 0),
+                    rope_truncate=bool(scaling.get("truncate", True)))
+    except (TypeError, ValueError) as error:
+        raise UserError(f"{fields.source}: yarn rope scaling mangles a value ({error})") from None
+
+
+DEEPSEEK_DEFAULTS = dict(kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                         v_head_dim=128, n_group=8, topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1,
+                         first_k_dense_replace=3, rope_interleave=True)
+"""DeepseekV3Config's defaults for the fields a config.json may leave out (transformers reads
+an absent field as its default, and so does phalanx)."""
+
+DEEPSEEK_BIAS_RATE = 1e-3
+"""DeepSeek-V3's bias update speed gamma (arXiv 2412.19437, section 4.2), phalanx's router_bias_rate."""
+
+SAID: set[str] = set()
+"""Notes already printed by this process (each is said once)."""
+
+
+def _is_null(fields: _Fields, key: str) -> bool:
+    return key in fields.data and fields.data[key] is None
+
+
+def _deepseek(fields: _Fields) -> dict:
+    """Latent attention and DeepSeekMoE (docs/models.md lists each field and what is skipped)."""
+    def get(key: str, kind: type = int):
+        return fields.get(key, DEEPSEEK_DEFAULTS[key], kind)
+
+    fields.refuse("attention_bias", (False, None), "latent attention without biases")
+    fields.refuse("attention_dropout", (0, 0.0, None), "attention dropout changes training")
+    fields.refuse("scoring_func", ("sigmoid", None), "DeepSeek-V3 routes by sigmoid scores")
+    fields.refuse("topk_method", ("noaux_tc", None), "group-limited routing with the score-correction bias")
+    fields.refuse("moe_layer_freq", (1, None), "every layer after first_k_dense_replace has experts")
+    nope, rope = get("qk_nope_head_dim"), get("qk_rope_head_dim")
+    if fields.data.get("qk_head_dim") not in (None, nope + rope):
+        raise UserError(f"{fields.source}: inconsistent head split: qk_head_dim={fields.data['qk_head_dim']} but "
+                        f"qk_nope_head_dim={nope} + qk_rope_head_dim={rope} = {nope + rope}")
+    extra = fields.get("num_nextn_predict_layers", 0)
+    if extra and fields.source not in SAID:
+        SAID.add(fields.source)
+        print(f"phalanx: {fields.source}: num_nextn_predict_layers={extra} multi-token prediction layer(s) "
+              "skipped (the model predicts the next token only)", file=sys.stderr)
+    heads = fields.need("num_attention_heads")
+    return dict(
+        dim=fields.need("hidden_size"), n_heads=heads, n_kv_heads=fields.get("num_key_value_heads", heads),
+        # q_lora_rank null (present, not absent): plain query projections
+        kv_lora_rank=get("kv_lora_rank"), q_lora_rank=0 if _is_null(fields, "q_lora_rank") else get("q_lora_rank"),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=nope, v_head_dim=get("v_head_dim"), rope_interleave=get("rope_interleave", bool),
+        n_experts=fields.need("n_routed_experts"), experts_per_token=fields.need("num_experts_per_tok"),
+        expert_ffn_dim=fields.need("moe_intermediate_size"), n_shared_experts=get("n_shared_experts"),
+        n_dense_layers=get("first_k_dense_replace"), router="sigmoid",
+        norm_topk_prob=fields.get("norm_topk_prob", True, bool),  # DeepseekV3Config's default
+        expert_groups=get("n_group"), topk_groups=get("topk_group"),
+        routed_scaling_factor=get("routed_scaling_factor", float),
+        # Training goes on balancing as DeepSeek-V3 was trained: the score-correction bias moves
+        # by 0.001 a step (its paper's bias update speed); inference never reads the rate.
+        router_bias_rate=DEEPSEEK_BIAS_RATE,
+    )
 
 
 def _attention(fields: _Fields, family: str) -> dict:
@@ -178,7 +252,7 @@ def _trainable(data: dict, source: str, family: str) -> ModelConfig:
         ffn_dim=fields.need("intermediate_size"), norm_eps=fields.get("rms_norm_eps", 1e-6, float),
         max_seq_len=fields.get("max_position_embeddings", 2048),
         tie_embeddings=fields.get("tie_word_embeddings", False, bool),
-        **_attention(fields, family), **_rope(fields),
+        **(_deepseek(fields) if family == "deepseek_v3" else _attention(fields, family)), **_rope(fields),
     )
     if family in ("mixtral", "qwen3_moe"):
         values.update(_moe(fields, family))
@@ -204,25 +278,18 @@ def _shape_only(data: dict, source: str, family: str) -> ModelConfig:
         n_layers=fields.need("num_hidden_layers"), n_heads=heads, ffn_dim=fields.need("intermediate_size"),
         max_seq_len=fields.get("max_position_embeddings", 2048),
     )
-    if family == "qwen2_moe":
-        expert = fields.need("moe_intermediate_size")
-        shared = fields.get("shared_expert_intermediate_size", 0)
-        if shared % expert:
-            raise UserError(f"{source}: shared_expert_intermediate_size={shared} is not a multiple of "
-                            f"moe_intermediate_size={expert}; phalanx models shared experts as whole experts")
-        return ModelConfig(**common, n_kv_heads=fields.get("num_key_value_heads", heads),
-                           n_experts=fields.need("num_experts"), experts_per_token=fields.need("num_experts_per_tok"),
-                           expert_ffn_dim=expert, n_shared_experts=shared // expert,
-                           norm_topk_prob=fields.get("norm_topk_prob", False, bool),
-                           moe_every=fields.get("decoder_sparse_step", 1),
-                           dense_layers=tuple(sorted(fields.get("mlp_only_layers", [], list))))
-    # deepseek_v3: multi-head latent attention is modelled as plain attention with the same head count.
-    return ModelConfig(**common, n_kv_heads=heads, n_experts=fields.need("n_routed_experts"),
-                       norm_topk_prob=fields.get("norm_topk_prob", True, bool),  # DeepseekV3Config's default
-                       experts_per_token=fields.need("num_experts_per_tok"),
-                       expert_ffn_dim=fields.need("moe_intermediate_size"),
-                       n_shared_experts=fields.get("n_shared_experts", 0),
-                       n_dense_layers=fields.get("first_k_dense_replace", 0), router="sigmoid")
+    # qwen2_moe: shared experts as whole experts
+    expert = fields.need("moe_intermediate_size")
+    shared = fields.get("shared_expert_intermediate_size", 0)
+    if shared % expert:
+        raise UserError(f"{source}: shared_expert_intermediate_size={shared} is not a multiple of "
+                        f"moe_intermediate_size={expert}; phalanx models shared experts as whole experts")
+    return ModelConfig(**common, n_kv_heads=fields.get("num_key_value_heads", heads),
+                       n_experts=fields.need("num_experts"), experts_per_token=fields.need("num_experts_per_tok"),
+                       expert_ffn_dim=expert, n_shared_experts=shared // expert,
+                       norm_topk_prob=fields.get("norm_topk_prob", False, bool),
+                       moe_every=fields.get("decoder_sparse_step", 1),
+                       dense_layers=tuple(sorted(fields.get("mlp_only_layers", [], list))))
 
 
 def from_hf_dict(data: dict, *, source: str, trainable: bool = True) -> ModelConfig:

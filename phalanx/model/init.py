@@ -95,6 +95,12 @@ def fill_weights(model: nn.Module, device: torch.device | str, source: WeightSou
     for module in model.modules():
         if hasattr(module, "reset_buffers"):  # Transformer's rotary tables, routers' biases
             module.reset_buffers()
+    read_buffer = getattr(source, "read_buffer", None)  # a checkpoint's buffers (DeepSeek-V3's router bias)
+    if read_buffer is not None:
+        for name, buffer in model.named_buffers():
+            value = read_buffer(canonical_name(name))
+            if value is not None:
+                buffer.copy_(value.to(buffer.device, buffer.dtype))
     return model
 
 

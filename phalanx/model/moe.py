@@ -284,7 +284,8 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.capacity_factor = cfg.capacity_factor
         self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_per_token, score=cfg.router,
-                             bias_rate=cfg.router_bias_rate, normalize=cfg.routing_normalized)
+                             bias_rate=cfg.router_bias_rate, normalize=cfg.routing_normalized,
+                             groups=cfg.expert_groups, topk_groups=cfg.topk_groups, scale=cfg.routed_scaling_factor)
         self.experts: GroupedExperts = GroupedExperts(cfg.n_experts, cfg.dim, hidden)
         """Under expert parallelism a `ShardedExperts` (`phalanx.parallel.expert.apply_ep`)."""
         self.shared = None

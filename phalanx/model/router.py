@@ -54,11 +54,27 @@ class Routing:
         return torch.logsumexp(self.logits, dim=-1).square().mean()
 
 
+def best_groups_mask(choice: torch.Tensor, groups: int, topk_groups: int) -> torch.Tensor:
+    """(tokens, experts) bool: the experts of each token's `topk_groups` best groups.
+
+    Group-limited routing (DeepSeek-V3's node-limited routing): the experts fall into `groups`
+    equal contiguous groups (under expert parallelism, the experts of one node), each group is
+    ranked by the sum of its two best choice scores, and a token may only choose experts of
+    its best groups, so its dispatch reaches at most `topk_groups` nodes."""
+    tokens, n_experts = choice.shape
+    per_group = choice.view(tokens, groups, n_experts // groups)  # (tokens, groups, experts per group)
+    group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)  # (tokens, groups)
+    best = group_score.topk(topk_groups, dim=-1).indices  # (tokens, topk_groups)
+    chosen = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+    return chosen[:, :, None].expand_as(per_group).reshape(tokens, n_experts)
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, n_experts: int, top_k: int, *, score: str = "softmax", bias_rate: float = 0.0,
-                 normalize: bool = True):
+                 normalize: bool = True, groups: int = 1, topk_groups: int = 0, scale: float = 1.0):
         super().__init__()
         self.top_k, self.score, self.bias_rate, self.normalize = top_k, score, bias_rate, normalize
+        self.groups, self.topk_groups, self.scale = groups, topk_groups or groups, scale
         self.gate = nn.Linear(dim, n_experts, bias=False)
         # Persistent: a resumed run must keep balancing from where it was.
         self.register_buffer("expert_bias", torch.zeros(n_experts))
@@ -74,10 +90,14 @@ class Router(nn.Module):
         # bias_rate is: rate 0 freezes a learned bias (zero unless one was learned or loaded,
         # and adding zeros changes no score).
         choice = scores + self.expert_bias
+        if self.topk_groups < self.groups:
+            choice = choice.masked_fill(~best_groups_mask(choice, self.groups, self.topk_groups), float("-inf"))
         experts = choice.topk(self.top_k, dim=-1).indices  # (tokens, k)
         chosen = scores.gather(-1, experts)  # (tokens, k)
         if self.normalize:
             chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            chosen = chosen * self.scale  # DeepSeek's routed_scaling_factor, after normalizing
         return Routing(experts=experts, weights=chosen, scores=scores, logits=logits)
 
     @torch.no_grad()

@@ -11,25 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.model.attention_core import AttentionCore
 from phalanx.model.config import ModelConfig
 from phalanx.model.kv_cache import AttentionCache, KVCache, attention_mask
+from phalanx.model.latent_attention import LatentAttention
 from phalanx.model.moe import MoE
 from phalanx.model.rms_norm import RMSNorm
 from phalanx.model.rotary import apply_rotary, rotary_tables
 
 __all__ = ["Attention", "AttentionCore", "Block", "FeedForward", "KVCache", "Transformer"]
-
-
-class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(d)) v: the scores part of attention, without weights. A module of its
-    own so that `recompute=selective` (parallel/recompute.py) can recompute just this, as
-    Korthikanti et al.'s selective recomputation does."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        # Grouped-query attention without repeating k and v per query head (nor saving them
-        # repeated for backward): each kv head serves heads / kv_heads query heads.
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):
@@ -85,7 +75,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attention = Attention(cfg, layer)
+        self.attention = (LatentAttention if cfg.is_latent else Attention)(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             self.feed_forward: nn.Module = MoE(cfg)

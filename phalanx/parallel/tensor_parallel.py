@@ -85,9 +85,14 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from phalanx.parallel.latent_tp import latent_plan, reduce_rope_key_grad
+
     for block in model.layers.values():
-        # Only the entries whose module exists: a GeLU MLP has no gate matrix w3.
-        plan = {name: style for name, style in block_plan(sp).items() if _has_module(block, name)}
+        # Only the entries whose module exists: a GeLU MLP has no gate matrix w3, latent
+        # attention no wk/wv (its own split: parallel/latent_tp.py).
+        plan = {name: style for name, style in {**block_plan(sp), **latent_plan()}.items() if _has_module(block, name)}
+        if hasattr(block.attention, "wkv_a"):
+            reduce_rope_key_grad(block.attention, tp_mesh)
         if hasattr(block.feed_forward, "experts"):
             # MoE block: tp splits attention only. Every tp rank holds its ep share of whole
             # experts and routes the (replicated) tokens itself; experts are split by ep, and
@@ -136,6 +141,9 @@ def validate_tp(plan: Plan, cfg: ModelConfig, seq_len: int) -> list[str]:
     if cfg.n_experts and plan.sp:
         problems.append(f"sp=true with mixture-of-experts model {cfg.name!r} is not supported yet "
                         "(the expert output would need re-sharding along the sequence)")
+    if plan.sp and cfg.is_latent:
+        problems.append(f"sp=true with latent attention ({cfg.name!r}) is not supported yet "
+                        "(its replicated down-projections would see a sequence shard)")
     if plan.sp:
         problems.append(rules.sp_problem(tp, seq_len=seq_len))
     return [problem for problem in problems if problem]

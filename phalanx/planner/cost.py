@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.planner import comm
+from phalanx.planner import comm, latent_attention
 from phalanx.planner.dp_traffic import by_identity as _by_identity
 from phalanx.planner.dp_traffic import dp_time, replica_sum_time
 from phalanx.planner.hardware import Cluster
@@ -101,13 +101,13 @@ class Estimate:
 def layer_flops(model: ModelConfig, *, seq: int, moe: bool) -> tuple[float, float]:
     """(GEMM, attention-core) forward FLOPs of one layer for one sequence, Megatron's counting."""
     h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-    params = 2 * h * hq + 2 * h * hkv
+    params = latent_attention.attention_params(model) if model.is_latent else 2 * h * hq + 2 * h * hkv
     if moe:
         fe = model.moe_ffn_dim
         params += h * model.n_experts + 3 * h * fe * (model.experts_per_token + model.n_shared_experts)
     else:
         params += (3 if model.mlp == "swiglu" else 2) * h * model.ffn_dim
-    return 2.0 * seq * params, 4.0 * seq * seq * hq
+    return 2.0 * seq * params, 4.0 * seq * seq * latent_attention.core_width(model)
 
 
 @_by_identity

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig
+from phalanx.planner import latent_attention
 
 STATE_BYTES = (2, 4, 12)
 """(parameter, gradient, optimizer) bytes per parameter before sharding (`MIXED_ADAM`)."""
@@ -84,7 +85,7 @@ def param_counts(model: ModelConfig) -> ParamCounts:
     mlp_mats = 3 if model.mlp == "swiglu" else 2
     expert_mats = 3  # routed and shared experts are SwiGLU in the model code
     return ParamCounts(
-        attention=2 * h * h + 2 * h * hkv,
+        attention=latent_attention.attention_params(model) if model.is_latent else 2 * h * h + 2 * h * hkv,
         dense_mlp=mlp_mats * h * model.ffn_dim,
         experts=model.n_experts * expert_mats * h * model.moe_ffn_dim,
         moe_other=h * model.n_experts + model.n_shared_experts * expert_mats * h * model.moe_ffn_dim,
@@ -167,6 +168,9 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     if wide_norms:  # the norms' tensors twice as wide
         replicated += (4 if fused_norm else 8) * sbh
     split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
+    if model.is_latent:  # latents replicated, decompressed heads split (planner/latent_attention.py)
+        latent_replicated, split = latent_attention.training_activation_bytes(model, seq=s, mbs=b)
+        replicated += latent_replicated
     whole = 0.0
     if phalanx_model:
         replicated += 2 * 4 * s * b  # the two norms' rstd

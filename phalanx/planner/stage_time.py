@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig
-from phalanx.planner import comm
+from phalanx.planner import comm, dispatch, latent_attention
 from phalanx.planner.dp_traffic import by_identity as _by_identity
 from phalanx.planner.dp_traffic import collective_time as _collective
 from phalanx.planner.hardware import Cluster
@@ -134,7 +134,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     and dispatches 1/tp of the routed rows; router and shared experts still run on every tp
     rank (the all-gather of the rows over tp is charged with the all-to-all, `stage_cost`)."""
     tokens = mbs * seq
-    h, hq, hkv = model.dim, model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    h = model.dim
     one = functools.partial(gemm_time, cluster=cluster, peak=peak)
 
     def g(m: float, n: float, k: float) -> tuple[float, float, float]:
@@ -142,7 +142,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         # the same FLOPs, different output shapes, hence different wave fill.
         return one(m, n, k), one(m, k, n), one(n, k, m)
 
-    parts = [g(tokens, (hq + 2 * hkv) / tp, h), g(tokens, h, hq / tp)]
+    parts = [g(tokens, n, k) for n, k in latent_attention.gemm_shapes(model, tp)]  # q, k, v (or latents), o
     expert_tp = tp if tp_splits_experts else 1  # how many ways each expert's matrices are split
     fold = tp if fold_experts and not tp_splits_experts else 1  # tp ranks sharing the routed rows
     if moe:
@@ -164,7 +164,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
                                     tp_splits_experts=tp_splits_experts, fold_experts=fold_experts)
     elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
-        attention = 0.5 * 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+        attention = 0.5 * 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
         attention_b = 2.5 * attention
     else:
         # Two batched GEMMs over the whole s x s score matrix (the mask is applied after them),
@@ -172,7 +172,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         # scale-mask-softmax reads and writes 16-bit scores (4 bytes per score forward, 6 backward:
         # gradient and probabilities in, gradient out), GPT-style dropout on the probabilities
         # 5 more each way (2 in, 2 out, a 1-byte mask).
-        attention = 4 * tokens * seq * hq / tp / (peak * cluster.attention_efficiency)
+        attention = 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
         attention_b = 2 * attention
         scores = mbs * model.n_heads * seq * seq / tp
         dropout = 5 if model.mlp == "gelu" else 0
@@ -273,7 +273,9 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     t_regather = 2 * _collective(comm.reduce_scatter, cluster, dense.tp_bytes, lay.tp, 1) if regather else 0.0
     if lay.recompute == "full":
         t_regather *= 1 - rc_share
-    t_ep = _collective(comm.all_to_all, cluster, moe.ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
+    # Group-limited routing sends each token to at most topk_groups nodes (planner/dispatch.py).
+    ep_bytes = moe.ep_bytes * dispatch.copies_share(model, ep=lay.ep, local=comm.per_domain(cluster, size=lay.ep, stride=lay.tp))
+    t_ep = _collective(comm.all_to_all, cluster, ep_bytes, lay.ep, lay.tp) * 2 if n_moe else 0.0
     if n_moe and folds_experts(lay):
         # Folded: the ep group is lay.ep adjacent ranks of dp x tp, and the rows (all the
         # micro-batch's k assignments) are all-gathered back over tp; t_ep counts one direction
