@@ -194,7 +194,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     if not cfg.elastic:
         cfg = plan_for_world(cfg, world, model_cfg, saved_world=saved_world_size(found if cfg.resume else None))
         validate_for_model(resolve_plan(cfg.plan, world), model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                           dtype=cfg.dtype)
+                           dtype=cfg.dtype, compile=cfg.compile, float8=cfg.float8)
     from phalanx.hf.weights import initial_weights
 
     weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model

@@ -20,8 +20,10 @@ from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize, validate_for_model
+from phalanx.parallel.compile import uncompiled
 from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
+from phalanx.parallel.float8 import note_float8_device
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.tensor_parallel import loss_context
@@ -198,9 +200,11 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
     check_sequence_length(cfg, model_cfg)
     cfg, found = resume_point(cfg, run_dir, model_cfg, world_size, rank)  # the plan follows a changed world size
     plan = resolve_plan(cfg.plan, world_size)
-    plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
+    plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype,
+                              compile=cfg.compile, float8=cfg.float8)
     accum = plan.num_microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
+    note_float8_device(device, cfg.float8, rank)  # refused on a GPU without float8 matmuls
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
     check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
@@ -214,7 +218,8 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
     micro = per_rank // accum
     placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
     model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
-                        weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements)
+                        weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements,
+                        compile=cfg.compile, float8=cfg.float8)
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         WaitClock.install()
@@ -322,10 +327,11 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:
-        result.sample = generate(
-            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=model_cfg.max_seq_len, device=device, seed=cfg.seed,
-            pad_to=plan.tp if plan.sp else 1,
-            next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
-            tokenizer=corpus.tokenizer,
-        )
+        with uncompiled():  # one token at a time through a cache: each length would compile anew
+            result.sample = generate(
+                model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=model_cfg.max_seq_len, device=device, seed=cfg.seed,
+                pad_to=plan.tp if plan.sp else 1,
+                next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
+                tokenizer=corpus.tokenizer,
+            )
     return result

@@ -1,0 +1,130 @@
+"""`--float8` (torchao, tensorwise scaling) trains close to bf16, and is refused where it cannot run.
+
+The numerics run on this CPU: torch 2.13's `torch._scaled_mm` takes float8 operands there
+(nothing is faster; the run says so). Compared with the bf16 run of the same layout and steps:
+
+float8 keeps 4 significant bits for weights and activations (e4m3: each rounding moves a value
+by up to 2^-4 = 6% relative) and 3 for gradients (e5m2, 12.5%), against bf16's 8 (0.4%). A
+matmul over k = 64 to 128 terms averages independent roundings down to about 6% / sqrt(k), under
+1%, and the loss averages 256 tokens further. Measured on the tiny model over 4 AdamW steps
+(lr 3e-3): losses within 7e-3 of bf16 (5e-4 at the first step, before the weights part), the
+gradient norm within 1% at the first step and 5% after, weights' mean absolute difference 4.6e-4.
+Bounds, with room for another CPU's bf16 kernels:
+- FLOAT8_LOSS = 2e-2 on every step's loss;
+- FLOAT8_FIRST_GRAD_NORM = 3% at step 1 (the weights are still identical; only rounding differs:
+  a float8 matmul that ignored its scales, or a missing transpose in the backward, changes the
+  gradient by far more);
+- FLOAT8_GRAD_NORM = 15% later (AdamW moves each weight by about lr whatever its gradient,
+  so runs whose gradients differ by rounding part, as bf16_bounds.py explains for bf16);
+- FLOAT8_WEIGHT_MEAN = 1.5e-3, half of one step's move.
+The float8 run must also differ from bf16 (it ran through Float8Linear, not around it).
+
+FSDP2 (dp=2, zero=3) with float8 is compared with one float8 process within the same bounds:
+each rank scales its own half of the batch's activations (the scale is the amax of what the
+rank holds), so the two round activations differently, by float8's steps, not bf16's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchao.float8", reason="the float8 extra (torchao) is not installed")
+
+from phalanx.errors import UserError  # noqa: E402
+from phalanx.parallel.float8 import check_float8_device, torchao_float8  # noqa: E402
+from phalanx.testing.cli_errors import assert_cli_error  # noqa: E402
+from phalanx.testing.fork_ranks import run_ranks  # noqa: E402
+from phalanx.testing.weights import gathered_weights  # noqa: E402
+from phalanx.train.config import TrainConfig  # noqa: E402
+
+FLOAT8_LOSS = 2e-2
+FLOAT8_FIRST_GRAD_NORM = 3e-2
+FLOAT8_GRAD_NORM = 0.15
+FLOAT8_WEIGHT_MEAN = 1.5e-3
+
+
+def _train(cfg: TrainConfig, runs: list[tuple[str, bool]]) -> dict:
+    """On every rank: each (plan, float8) run; losses, grad norms (rank 0), weights, Float8Linear count."""
+    from phalanx.train.loop import train
+
+    out = {}
+    for plan, float8 in runs:
+        run = cfg.replace(plan=plan, float8=float8, out=f"{cfg.out}/{plan.replace(',', '_') or 'one'}-{float8}")
+        result = train(run, Path(run.out))
+        metrics = Path(run.out) / "metrics.jsonl"
+        norms = [json.loads(line)["grad_norm"] for line in metrics.read_text().splitlines()] if metrics.exists() else None
+        converted = sum(type(module).__name__ == "Float8Linear" for module in result.model.modules())
+        out[(plan, float8)] = (result.losses, norms, gathered_weights(result.model), converted)
+    return out
+
+
+def _assert_close(run, reference) -> None:
+    losses, norms, weights, _ = run
+    ref_losses, ref_norms, ref_weights, _ = reference
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < FLOAT8_LOSS, (losses, ref_losses)
+    if norms is not None:
+        for step, (norm, ref) in enumerate(zip(norms, ref_norms), start=1):
+            bound = FLOAT8_FIRST_GRAD_NORM if step == 1 else FLOAT8_GRAD_NORM
+            assert abs(norm - ref) < bound * ref, (step, norm, ref)
+    assert weights.keys() == ref_weights.keys()
+    diff = sum(float((value - ref_weights[name]).abs().sum()) for name, value in weights.items())
+    assert diff / sum(value.numel() for value in weights.values()) < FLOAT8_WEIGHT_MEAN
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> TrainConfig:
+    from phalanx.testing.small_corpus import ONE_FILE_CORPUS
+
+    return TrainConfig(
+        model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
+        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", dtype="bf16", out=str(tmp_path_factory.mktemp("f8")),
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process(base) -> dict:
+    return run_ranks(1, _train, base, [("", False), ("", True)], timeout_s=300)[0]
+
+
+def test_float8_close_to_bf16(one_process):
+    bf16, float8 = one_process[("", False)], one_process[("", True)]
+    assert float8[3] == 4 * 7 and bf16[3] == 0  # every block's wq wk wv wo w1 w2 w3; not the output layer
+    assert float8[0] != bf16[0]  # the matmuls really ran in float8
+    _assert_close(float8, bf16)
+
+
+def test_fsdp_float8_close_to_one_process(base, one_process):
+    ranks = run_ranks(2, _train, base, [("dp=2,zero=3", True)], timeout_s=300)
+    for rank_results in ranks:
+        _assert_close(rank_results[("dp=2,zero=3", True)], one_process[("", True)])
+
+
+def test_cpu_says_float8_is_not_faster():
+    assert "not faster" in check_float8_device(torch.device("cpu"))
+
+
+def test_gpu_without_float8_matmuls_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError, match=r"needs float8 matmuls \(CUDA compute capability >= 8.9\); NVIDIA A100-SXM4-80GB has 8.0"):
+        check_float8_device(torch.device("cuda", 0))
+
+
+def test_missing_torchao_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import raises ImportError
+    with pytest.raises(UserError, match=r"--float8 needs torchao: pip install 'phalanx\[float8\]'"):
+        torchao_float8()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "2", "--plan", "tp=2"], "--float8 with tp=2: torchao's float8 tensor-parallel styles are not wired in"),
+    (["--model", "tiny-moe"], "--float8 with an MoE model: its routed experts are not nn.Linear"),
+])
+def test_refused_layouts(tmp_path, capsys, argv, message):
+    assert_cli_error(["train", "--model", "tiny", "--float8", "--global-batch", "8", *argv, "--out", str(tmp_path / "r")],
+                     capsys, message)
