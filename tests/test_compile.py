@@ -21,7 +21,7 @@ backward takes about 20 s of CPU on this machine (seconds when inductor's on-dis
 holds it). The 2-rank cases set `PHALANX_TEST_COMPILE_BACKEND=aot_eager`: the same dynamo
 capture and AOT-autograd graphs, with DTensor ops, FSDP2 hooks around the block, checkpoint
 regions and pipeline stages, run without generating C++; inductor's code for the same block
-graph is what the one-process case checks. All four 2-rank layouts run in one launch.
+graph is what the one-process case checks. All five 2-rank layouts run in one launch.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ TOLERANCE = 1e-4
 # Gathering FSDP weights for the comparison warns about its two all-gathers; expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
-LAYOUTS = ["tp=2", "dp=2,zero=3,recompute=selective", "pp=2", "tiny-moe dp=2,ep=2"]
-"""Layouts on 2 ranks; a model name before the plan replaces tiny (the MoE case: attention
-compiled, experts eager, parallel/compile.py)."""
+LAYOUTS = ["dp=2", "tp=2,sp=true", "dp=2,zero=3,recompute=selective", "pp=2,schedule=interleaved,virtual=2",
+           "tiny-moe dp=2,ep=2"]
+"""Layouts on 2 ranks: DDP, tp with sp, FSDP2 with selective recompute, a pipeline of two chunks
+per rank, ep. A model name before the plan replaces tiny (the MoE case: attention compiled,
+experts eager, parallel/compile.py)."""
 
 
 def _train_twice(cfg: TrainConfig, layouts: list[str]) -> dict:
