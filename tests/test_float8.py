@@ -22,6 +22,8 @@ The float8 run must also differ from bf16 (it ran through Float8Linear, not arou
 FSDP2 (dp=2, zero=3) with float8 is compared with one float8 process within the same bounds:
 each rank scales its own half of the batch's activations (the scale is the amax of what the
 rank holds), so the two round activations differently, by float8's steps, not bf16's.
+
+With `--compile` it equals eager float8 within 1e-4 (the same operations, captured).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 pytest.importorskip("torchao.float8", reason="the float8 extra (torchao) is not installed")
 
 from phalanx.errors import UserError  # noqa: E402
+from phalanx.parallel.compile import BACKEND_ENV  # noqa: E402
 from phalanx.parallel.float8 import check_float8_device, torchao_float8  # noqa: E402
 from phalanx.testing.cli_errors import assert_cli_error  # noqa: E402
 from phalanx.testing.fork_ranks import run_ranks  # noqa: E402
@@ -48,18 +51,20 @@ FLOAT8_GRAD_NORM = 0.15
 FLOAT8_WEIGHT_MEAN = 1.5e-3
 
 
-def _train(cfg: TrainConfig, runs: list[tuple[str, bool]]) -> dict:
-    """On every rank: each (plan, float8) run; losses, grad norms (rank 0), weights, Float8Linear count."""
+def _train(cfg: TrainConfig, runs: list[tuple[str, bool, bool]]) -> dict:
+    """On every rank: each (plan, float8, compile) run; losses, grad norms (rank 0), weights,
+    Float8Linear count."""
     from phalanx.train.loop import train
 
     out = {}
-    for plan, float8 in runs:
-        run = cfg.replace(plan=plan, float8=float8, out=f"{cfg.out}/{plan.replace(',', '_') or 'one'}-{float8}")
+    for plan, float8, compile in runs:
+        run = cfg.replace(plan=plan, float8=float8, compile=compile,
+                          out=f"{cfg.out}/{plan.replace(',', '_') or 'one'}-{float8}-{compile}")
         result = train(run, Path(run.out))
         metrics = Path(run.out) / "metrics.jsonl"
         norms = [json.loads(line)["grad_norm"] for line in metrics.read_text().splitlines()] if metrics.exists() else None
         converted = sum(type(module).__name__ == "Float8Linear" for module in result.model.modules())
-        out[(plan, float8)] = (result.losses, norms, gathered_weights(result.model), converted)
+        out[(plan, float8, compile)] = (result.losses, norms, gathered_weights(result.model), converted)
     return out
 
 
@@ -88,20 +93,32 @@ def base(tmp_path_factory) -> TrainConfig:
 
 @pytest.fixture(scope="module")
 def one_process(base) -> dict:
-    return run_ranks(1, _train, base, [("", False), ("", True)], timeout_s=300)[0]
+    return run_ranks(1, _train, base, [("", False, False), ("", True, False)], timeout_s=300)[0]
 
 
 def test_float8_close_to_bf16(one_process):
-    bf16, float8 = one_process[("", False)], one_process[("", True)]
+    bf16, float8 = one_process[("", False, False)], one_process[("", True, False)]
     assert float8[3] == 4 * 7 and bf16[3] == 0  # every block's wq wk wv wo w1 w2 w3; not the output layer
     assert float8[0] != bf16[0]  # the matmuls really ran in float8
     _assert_close(float8, bf16)
 
 
 def test_fsdp_float8_close_to_one_process(base, one_process):
-    ranks = run_ranks(2, _train, base, [("dp=2,zero=3", True)], timeout_s=300)
+    ranks = run_ranks(2, _train, base, [("dp=2,zero=3", True, False)], timeout_s=300)
     for rank_results in ranks:
-        _assert_close(rank_results[("dp=2,zero=3", True)], one_process[("", True)])
+        _assert_close(rank_results[("dp=2,zero=3", True, False)], one_process[("", True, False)])
+
+
+def test_compiled_float8_equals_eager_float8(base, one_process, monkeypatch):
+    """`--compile --float8` traces the Float8Linear casts and scales into the block's graph and
+    computes what eager float8 computes: within the fp32 bound 1e-4 of tests/test_compile.py,
+    through `aot_eager` (the same captured graphs, as that file's multi-rank cases)."""
+    monkeypatch.setenv(BACKEND_ENV, "aot_eager")
+    compiled = run_ranks(1, _train, base, [("", True, True)], timeout_s=300)[0][("", True, True)]
+    eager = one_process[("", True, False)]
+    assert max(abs(a - b) for a, b in zip(compiled[0], eager[0])) < 1e-4, (compiled[0], eager[0])
+    for name, value in compiled[2].items():
+        torch.testing.assert_close(value, eager[2][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_cpu_says_float8_is_not_faster():

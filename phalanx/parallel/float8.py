@@ -22,9 +22,9 @@ Speed needs a GPU with float8 matmuls (compute capability >= 8.9: Ada, Hopper, B
 Elsewhere: on CPU, torch 2.13's `_scaled_mm` runs float8 operands, so the numerics can be
 checked (tests/test_float8.py) but nothing is faster, and the run says so; a CUDA device
 without float8 matmuls is refused in one line. Not composed yet, and refused with the reason:
-tensor parallelism (torchao's float8 tensor-parallel styles are not wired in) and expert
-parallelism (routed experts are not converted, so there is nothing for ep to add; dense models
-only). FSDP2's float8 all-gather (weights sent as float8) is not exposed: gloo has no float8
+tensor parallelism (torchao's float8 tensor-parallel styles are not wired in) and MoE
+models (their routed experts are stacked weights, not `nn.Linear`, and would stay in high
+precision: dense models only). FSDP2's float8 all-gather (weights sent as float8) is not exposed: gloo has no float8
 collectives, and it is only a speed option.
 """
 

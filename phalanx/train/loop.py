@@ -20,7 +20,6 @@ from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize, validate_for_model
-from phalanx.parallel.compile import uncompiled
 from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
 from phalanx.parallel.float8 import note_float8_device
@@ -327,11 +326,10 @@ def train(cfg: TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> T
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:
-        with uncompiled():  # one token at a time through a cache: each length would compile anew
-            result.sample = generate(
-                model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=model_cfg.max_seq_len, device=device, seed=cfg.seed,
-                pad_to=plan.tp if plan.sp else 1,
-                next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
-                tokenizer=corpus.tokenizer,
-            )
+        result.sample = generate(
+            model, cfg.sample_prompt, tokens=cfg.sample_tokens, max_seq_len=model_cfg.max_seq_len, device=device, seed=cfg.seed,
+            pad_to=plan.tp if plan.sp else 1,
+            next_logits=pipeline_next_logits(model, mesh, model_cfg.vocab_size) if pipeline is not None else None,
+            tokenizer=corpus.tokenizer,
+        )
     return result
