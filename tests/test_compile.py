@@ -17,13 +17,14 @@ break would also raise.
 
 Backends, and the compile-time budget: the one-process case runs inductor (C++ code generated
 and built with gcc), the path a user gets. With a cold inductor cache (a fresh
-TORCHINDUCTOR_CACHE_DIR, as on CI) it measured 47 s of CPU in all (user + sys, pytest included;
-the compile alone is about 34 s: benchmarks/compile_step.py --model tiny) and 100 s of wall time on the shared 2-core machine at load 12 to 34;
+TORCHINDUCTOR_CACHE_DIR, as on CI) it measured 42 to 47 s of CPU in all (user + sys, pytest
+included; the compile alone is about 34 s: benchmarks/compile_step.py --model tiny) and 53 to
+100 s of wall time on the shared 2-core machine (load 5 to 34);
 seconds of compile when the cache already holds the block. The 2-rank cases set
 `PHALANX_TEST_COMPILE_BACKEND=aot_eager`: the same dynamo capture and AOT-autograd graphs, with
 DTensor ops, FSDP2 hooks around the block, checkpoint regions and pipeline stages, run without
 generating C++ (inductor's code for the same block graph is what the one-process case checks);
-all five layouts, eager and compiled, in one launch: 76 s of CPU, 100 s wall at load 11.
+all six layouts, eager and compiled, in one launch: 88 s of CPU, 97 s wall at load 2 to 8.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ TOLERANCE = 1e-4
 # Gathering FSDP weights for the comparison warns about its two all-gathers; expected.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
-LAYOUTS = ["dp=2", "tp=2,sp=true", "dp=2,zero=3,recompute=selective", "pp=2,schedule=interleaved,virtual=2",
+LAYOUTS = ["dp=2", "tp=2", "tp=2,sp=true", "dp=2,zero=3,recompute=selective", "pp=2,schedule=interleaved,virtual=2",
            "tiny-moe dp=2,ep=2"]
-"""Layouts on 2 ranks: DDP, tp with sp, FSDP2 with selective recompute, a pipeline of two chunks
+"""Layouts on 2 ranks: DDP, tp (its embedding all-reduced, with sp reduce-scattered), FSDP2 with selective recompute, a pipeline of two chunks
 per rank, ep. A model name before the plan replaces tiny (the MoE case: attention compiled,
 experts eager, parallel/compile.py)."""
 
