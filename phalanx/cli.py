@@ -52,6 +52,11 @@ def _add_train(subparsers) -> None:
     parser.add_argument("--max-restarts", dest="max_restarts", type=int, default=None,
                         help="restart the workers this many times after one fails, resuming from the newest checkpoint "
                              "(default 3 with several processes, 0 for one)")
+    parser.add_argument("--compile", dest="compile", action="store_true", default=None,
+                        help="torch.compile each transformer block (docs/layout.md: what it composes with and costs)")
+    parser.add_argument("--float8", dest="float8", action="store_true", default=None,
+                        help="torchao float8 training of the blocks' linear layers (pip install 'phalanx[float8]'; "
+                             "faster only on GPUs with float8 matmuls)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
     parser.set_defaults(func=_run_train)
@@ -63,7 +68,8 @@ def _run_train(args) -> int:
 
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
     overrides.update(resume=args.resume, progress=args.progress, max_bad_steps=args.max_bad_steps,
-                     sync_checkpoint=args.sync_checkpoint, max_restarts=args.max_restarts)
+                     sync_checkpoint=args.sync_checkpoint, max_restarts=args.max_restarts,
+                     compile=args.compile, float8=args.float8)
     cfg = load_config(args.config, overrides)
     if "RANK" in os.environ and cfg.out and (message := earlier_user_error(Path(cfg.out))):
         if os.environ["RANK"] != "0":

@@ -3,6 +3,8 @@
 The order is fixed, and each step relies on the ones before it:
   1. pipeline split  - delete the layers this stage does not own (plain deletions), so every
                        later step only touches what this rank keeps;
+  1b. float8         - `--float8`: swap the blocks' linears for torchao's Float8Linear while
+                       they are plain modules, before any wrapper (parallel/float8.py);
   2. tensor parallel - swap the remaining parameters for DTensors sharded over "tp"
                        (`parallelize_module` needs the plain modules, before any wrapper);
   3. expert parallel - keep only this rank's experts, route tokens by all-to-all over "ep";
@@ -12,6 +14,10 @@ The order is fixed, and each step relies on the ones before it:
                        see the masters, and before recompute, so the copies serve the
                        recomputation too;
   5. recompute       - activation checkpointing wraps whole (already parallel) blocks;
+  5b. compile        - `--compile`: torch.compile each block (parallel/compile.py): after TP,
+                       the compute-weight hooks and recompute, so the graph holds their ops,
+                       before FSDP, whose hooks then run around the compiled block instead of
+                       being traced into it;
   6. FSDP            - shard what is left over "dp" at the plan's zero level, precision and
                        offload (wraps DTensors, so it comes after TP, and wraps the
                        checkpointed block, whose recompute then runs inside the unit's
@@ -31,8 +37,10 @@ from torch import nn
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import WeightSource, build_model
+from phalanx.parallel.compile import apply_compile, validate_compile
 from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_precision, uses_fsdp
 from phalanx.parallel.expert import apply_ep, validate_ep
+from phalanx.parallel.float8 import apply_float8, validate_float8
 from phalanx.parallel.materialize import materialize
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.mixed_precision import apply_compute_weights, mixed_precision
@@ -43,11 +51,14 @@ from phalanx.parallel.tensor_parallel import apply_tp, validate_tp
 from phalanx.plan import Plan
 
 
-def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32") -> Plan:
-    """Checks that need the model's shape, the batch and `--dtype`; raised before any worker
-    starts. Returns the plan with its precision filled in from `dtype` (`resolve_precision`)."""
+def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32",
+                       compile: bool = False, float8: bool = False) -> Plan:
+    """Checks that need the model's shape, the batch, `--dtype`, `--compile` and `--float8`;
+    raised before any worker starts. Returns the plan with its precision filled in from `dtype`
+    (`resolve_precision`)."""
     validate_ep(cfg, plan)
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
+    problems += validate_compile(plan, compile) + validate_float8(plan, float8, moe=cfg.n_experts > 0)
     if cfg.tie_embeddings and plan.pp > 1:
         problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
                         "would place on different stages; use tp or dp instead")
@@ -63,15 +74,18 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
 
 
 def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,
-                      weights: WeightSource | None, expert_slots: dict | None = None) -> nn.Module:
-    """Steps 2-7 for one model or pipeline chunk."""
+                      weights: WeightSource | None, expert_slots: dict | None = None, *,
+                      compile: bool = False, float8: bool = False) -> nn.Module:
+    """Steps 1b-7 for one model or pipeline chunk."""
     plan = mesh.plan
+    apply_float8(model, float8)
     if plan.tp > 1:
         apply_tp(model, mesh.tp_mesh(), sp=plan.sp)
     apply_ep(model, mesh, expert_slots)
     if mixed_precision(plan) and not uses_fsdp(plan):  # FSDP2 gathers the weights in bf16 itself
         apply_compute_weights(model, plan.param_dtype)
     apply_recompute(model, plan.recompute, plan.recompute_layers)
+    apply_compile(model, compile)
     if uses_fsdp(plan):
         apply_fsdp(model, mesh)
     return materialize(model, cfg, seed, mesh.device, weights)
@@ -79,16 +93,17 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
 
 def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int = 0,
                 microbatch_tokens: int = 0, weights: WeightSource | None = None,
-                expert_slots: dict | None = None) -> nn.Module:
+                expert_slots: dict | None = None, compile: bool = False, float8: bool = False) -> nn.Module:
     """This rank's model: a Transformer, or with pp > 1 a `StageModules` of its chunks.
 
     `weights`: where initial weights come from (a checkpoint, `phalanx.hf.weights`); default:
     drawn from `seed`. `seq_len` and `microbatch_tokens` only inform the pipeline split's cost
     estimate. `expert_slots`: {layer: SlotPlacement} with `--expert-slots` (else one slot per expert).
+    `compile`, `float8`: `--compile` and `--float8` (steps 5b and 1b).
     """
     plan = mesh.plan
     if plan.pp == 1:
-        model = _parallelize_part(build_model(cfg), cfg, mesh, seed, weights, expert_slots)
+        model = _parallelize_part(build_model(cfg), cfg, mesh, seed, weights, expert_slots, compile=compile, float8=float8)
         if plan.dp > 1 and not uses_fsdp(plan):
             model = apply_ddp(model, mesh)
         return model
@@ -99,5 +114,5 @@ def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int
     chunks, stages = [], stages_of_rank(plan, mesh.axis_rank("pp"))
     for stage in stages:
         chunk = keep_only(build_model(cfg), split[stage])
-        chunks.append(_parallelize_part(chunk, cfg, mesh, seed, weights, expert_slots))
+        chunks.append(_parallelize_part(chunk, cfg, mesh, seed, weights, expert_slots, compile=compile, float8=float8))
     return StageModules(chunks, stages)

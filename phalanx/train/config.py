@@ -89,6 +89,11 @@ class TrainConfig:
     rebalance_every: int = 0
     """Re-plan the expert slots from the moving load average every K steps, moving weights and
     optimizer state to their new slots; 0 = never."""
+    compile: bool = False
+    """`torch.compile` each transformer block (inductor, no graph breaks); `parallel/compile.py`."""
+    float8: bool = False
+    """torchao float8 training of the blocks' linear layers (tensorwise scaling; the `float8`
+    extra); fast only on GPUs with float8 matmuls, numerics only elsewhere; `parallel/float8.py`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TOML `resume = true` and older callers

@@ -21,6 +21,7 @@ from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
+from phalanx.parallel.float8 import note_float8_device
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.mixed_precision import autocast_for, release_before_step
@@ -178,6 +179,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     model_cfg = model_config(cfg.model)
     accum = job.microbatches  # gradient-accumulation micro-batches per dp rank
     device = pick_device(cfg.device)
+    note_float8_device(device, cfg.float8, rank)  # refused on a GPU without float8 matmuls
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
     check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
@@ -190,7 +192,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     micro = job.microbatch_size
     placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
     model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
-                        weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements)
+                        weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements,
+                        compile=cfg.compile, float8=cfg.float8)
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them

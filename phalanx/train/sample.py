@@ -9,6 +9,7 @@ from torch import nn
 from phalanx.data.tokenizer import ByteTokenizer
 from phalanx.generate.decoding import generate_ids
 from phalanx.generate.sampling import Sampling
+from phalanx.parallel.compile import uncompiled
 
 
 def generate(model: nn.Module, prompt: str, *, tokens: int, max_seq_len: int, device, seed: int = 0,
@@ -23,7 +24,8 @@ def generate(model: nn.Module, prompt: str, *, tokens: int, max_seq_len: int, de
     tokens = min(tokens, max_seq_len - len(prompt_ids))
     if tokens < 1 or not prompt_ids:
         return prompt
-    result = generate_ids(model, prompt_ids, max_new_tokens=tokens, max_len=max_seq_len, device=device,
-                          sampling=Sampling(temperature=temperature, top_k=top_k, seed=seed),
-                          pad_to=pad_to, next_logits=next_logits)
+    with uncompiled():  # `--compile`: the growing cache would compile the blocks anew for each length
+        result = generate_ids(model, prompt_ids, max_new_tokens=tokens, max_len=max_seq_len, device=device,
+                              sampling=Sampling(temperature=temperature, top_k=top_k, seed=seed),
+                              pad_to=pad_to, next_logits=next_logits)
     return tokenizer.decode(prompt_ids + result.new_ids)

@@ -75,7 +75,8 @@ def plan_for_world(cfg, world_size: int, model_cfg, *, saved_world: int | None, 
 
     try:
         adapted = dp_follows(plan, world_size, cfg.global_batch).validate(world_size)
-        validate_for_model(adapted, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype)
+        validate_for_model(adapted, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype,
+                           compile=cfg.compile, float8=cfg.float8)
     except UserError as error:
         raise UserError(f"--plan {plan} cannot follow the world size to {world_size} processes ({error}); "
                         f"{_a_plan_that_fits(cfg, world_size, model_cfg, gpu)}") from None
