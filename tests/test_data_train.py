@@ -145,7 +145,7 @@ def test_failed_worker_leaves_no_run_folder(tmp_path, tiny_config, monkeypatch):
     one that was there before."""
     import phalanx.launch as launch
 
-    monkeypatch.setattr(launch, "worker_main", lambda cfg_fields, run_dir: 2)
+    monkeypatch.setattr(launch, "worker_main", lambda cfg_fields, run_dir, job=None: 2)
     cfg = tiny_config.replace(nproc=1)
     assert launch.launch_train(cfg) == 2
     assert not Path(cfg.out).exists()
