@@ -1,0 +1,116 @@
+"""One engine step: the scheduler's batch through the model, then a token for each sequence
+whose chunk reached its end.
+
+The step's chunks are packed into one batch row (1, tokens) (`paged_cache.py`); the model is
+the training code's own `Transformer`, in whatever layout it was loaded (under tensor
+parallelism its vocabulary-sharded logits are gathered with `full_tensor()`), and only the
+last position of each sampling chunk is projected onto the vocabulary. Sampling reuses
+`phalanx generate`'s `pick_token`, with one seeded generator per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from phalanx.generate.sampling import Sampling, pick_token
+from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
+from phalanx.serve.scheduler import Scheduler, Sequence, Step
+
+
+@dataclass
+class RequestSampling:
+    """What a request asked for; `sampling` is `phalanx generate`'s."""
+    sampling: Sampling
+    logprobs: int | None = None
+    """Also return the sampled token's log-probability and this many top alternatives."""
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.generator = self.sampling.generator()
+
+
+def request_sampling(temperature: float, top_p: float, top_k: int | None, seed: int | None,
+                     logprobs: int | None = None) -> RequestSampling:
+    """OpenAI's fields as a Sampling: temperature 0 is greedy; no seed draws a random one."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    return RequestSampling(Sampling(greedy=temperature == 0, temperature=temperature or 1.0, top_k=top_k or 0,
+                                    top_p=top_p, seed=seed), logprobs)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    seq: Sequence
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+def step_layout(step: Step) -> tuple[list[int], list[ChunkLayout], list[int]]:
+    """The step's token ids in one row, the cache's view of each chunk, and the positions in
+    that row whose logits are read (the last of each sampling chunk)."""
+    ids, layouts, read_at = [], [], []
+    for chunk in step.chunks:
+        ids += chunk.seq.tokens[chunk.start:chunk.start + chunk.length]
+        layouts.append(ChunkLayout(chunk.seq.block_table, chunk.start, chunk.length))
+        if chunk.samples:
+            read_at.append(len(ids) - 1)
+    return ids, layouts, read_at
+
+
+def full_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(1, rows, vocab) logits, a vocabulary-sharded DTensor under tensor parallelism, as a
+    plain fp32 tensor (rows, vocab) on the CPU."""
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    return logits[0].float().cpu()
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, device: torch.device | str = "cpu",
+                 on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
+        """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests)."""
+        self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
+        self.on_logits = on_logits
+        self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
+        self.steps = 0
+
+    @torch.no_grad()
+    def forward(self, step: Step) -> torch.Tensor:
+        """The logits (sampling chunks, vocab) of a scheduled step."""
+        ids, layouts, read_at = step_layout(step)
+        self.cache.prepare(layouts)
+        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, tokens)
+        read = torch.tensor(read_at, dtype=torch.long, device=self.device)
+        return full_logits(self.model(tokens, self.cache, read_at=read))  # (sampling chunks, vocab)
+
+    def step(self) -> list[TokenEvent]:
+        """Schedule, run the model, sample; the new tokens (with the finished sequences)."""
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        logits = self.forward(step)
+        self.steps += 1
+        sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
+        sampled: dict[int, int] = {}
+        events = []
+        for row, chunk in zip(logits, sampling_chunks):
+            asked: RequestSampling = chunk.seq.payload
+            if self.on_logits is not None:
+                self.on_logits(chunk.seq, row)
+            token = pick_token(row, asked.sampling, asked.generator)
+            sampled[id(chunk.seq)] = token
+            logprob = top = None
+            if asked.logprobs is not None:
+                scores = torch.log_softmax(row, -1)  # of the model's distribution, before temperature
+                logprob = float(scores[token])
+                values, ids = scores.topk(asked.logprobs) if asked.logprobs else (scores[:0], scores[:0].long())
+                top = list(zip(ids.tolist(), values.tolist()))
+            events.append(TokenEvent(chunk.seq, token, logprob, top))
+        finished = {id(seq) for seq in self.scheduler.finish_step(step, sampled)}
+        return [TokenEvent(e.seq, e.token, e.logprob, e.top_logprobs, e.seq.finish_reason if id(e.seq) in finished else None)
+                for e in events]
