@@ -25,6 +25,16 @@ pytest.importorskip("transformers")
 TOL = 1e-5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread for these small steps: two spinning OpenMP threads on a shared machine
+    made each step many times slower (tests/serve_server.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     loaded: dict = {}
@@ -75,7 +85,7 @@ def _run(model, prompts: dict[str, list[int]], max_tokens: int, scheduler_out: l
     scheduler = Scheduler(**settings)
     engine = Engine(model, scheduler, on_logits=lambda seq, row: seen[seq.seq_id].append(row.clone()))
     for name, prompt in prompts.items():
-        scheduler.add(Sequence(name, prompt, max_tokens, payload=request_sampling(0, 1, None, 0)))
+        scheduler.add(Sequence(name, prompt, max_tokens, sampling=request_sampling(0, 1, None, 0)))
     while scheduler.has_work():
         engine.step()
     if scheduler_out is not None:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from phalanx.generate.sampling import Sampling, pick_token
+from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Scheduler, Sequence, Step
 
@@ -76,17 +77,26 @@ class Engine:
         """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests)."""
         self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
         self.on_logits = on_logits
+        self.expert_loads = ExpertLoads(model)
         self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
         self.steps = 0
 
-    @torch.no_grad()
     def forward(self, step: Step) -> torch.Tensor:
         """The logits (sampling chunks, vocab) of a scheduled step."""
-        ids, layouts, read_at = step_layout(step)
+        return self.run_model(*step_layout(step))
+
+    @torch.no_grad()
+    def run_model(self, ids: list[int], layouts: list[ChunkLayout], read_at: list[int]) -> torch.Tensor:
+        """What every rank of a parallel layout runs with the same arguments (its forwards are
+        collective): the step's tokens through the model, the logits (len(read_at), vocab)."""
         self.cache.prepare(layouts)
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, tokens)
         read = torch.tensor(read_at, dtype=torch.long, device=self.device)
         return full_logits(self.model(tokens, self.cache, read_at=read))  # (sampling chunks, vocab)
+
+    def take_expert_rows(self) -> list[list[int]] | None:
+        """Routed rows per rank of each MoE layer since the last call (None without MoE)."""
+        return self.expert_loads.take()
 
     def step(self) -> list[TokenEvent]:
         """Schedule, run the model, sample; the new tokens (with the finished sequences)."""
@@ -99,7 +109,7 @@ class Engine:
         sampled: dict[int, int] = {}
         events = []
         for row, chunk in zip(logits, sampling_chunks):
-            asked: RequestSampling = chunk.seq.payload
+            asked: RequestSampling = chunk.seq.sampling
             if self.on_logits is not None:
                 self.on_logits(chunk.seq, row)
             token = pick_token(row, asked.sampling, asked.generator)

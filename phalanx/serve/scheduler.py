@@ -40,15 +40,18 @@ class Sequence:
     prompt: list[int]
     max_tokens: int
     eos_ids: frozenset[int] = frozenset()
+    sampling: Any = None
+    """How the engine picks its tokens (`engine.RequestSampling`)."""
     payload: Any = None
-    """What the engine keeps with the sequence (sampling settings, its output channel)."""
+    """What the server keeps with it (its text so far, where its tokens go)."""
     tokens: list[int] = field(default_factory=list)
     """The prompt, then every generated token."""
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     """Hashes of its full blocks (prefix caching), as far as computed."""
-    arrival: float = 0.0
+    arrival: float | None = None
+    """When it was added (its request's arrival, if the caller set it)."""
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None
@@ -114,7 +117,8 @@ class Scheduler:
         self.check_fits(len(seq.prompt), seq.max_tokens)
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are waiting already (the most this server queues)")
-        seq.arrival = self.clock()
+        if seq.arrival is None:
+            seq.arrival = self.clock()
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
