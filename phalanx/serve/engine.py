@@ -18,7 +18,7 @@ import torch
 from phalanx.generate.sampling import Sampling, pick_token
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
-from phalanx.serve.scheduler import Scheduler, Sequence, Step
+from phalanx.serve.scheduler import Chunk, Scheduler, Sequence, Step
 
 
 @dataclass
@@ -51,24 +51,41 @@ class TokenEvent:
     finish_reason: str | None = None
 
 
-def step_layout(step: Step) -> tuple[list[int], list[ChunkLayout], list[int]]:
-    """The step's token ids in one row, the cache's view of each chunk, and the positions in
-    that row whose logits are read (the last of each sampling chunk)."""
-    ids, layouts, read_at = [], [], []
-    for chunk in step.chunks:
-        ids += chunk.seq.tokens[chunk.start:chunk.start + chunk.length]
-        layouts.append(ChunkLayout(chunk.seq.block_table, chunk.start, chunk.length))
-        if chunk.samples:
-            read_at.append(len(ids) - 1)
-    return ids, layouts, read_at
+@dataclass(frozen=True)
+class Forward:
+    """One forward of a step, as plain data (what rank 0 would send the other ranks): the token
+    ids, the cache's view of each chunk, and which tokens' logits are read (the last of each
+    sampling chunk), by index into `ids`."""
+    ids: list[int]
+    layouts: list[ChunkLayout]
+    read_at: list[int]
+
+
+def step_forwards(step: Step) -> tuple[list[Forward], list[Chunk]]:
+    """The step as at most two forwards, decodes (one sequence per row) and prompt chunks
+    (packed, paged_cache.py), and the sampling chunks in the order their logits come back."""
+    groups = [[c for c in step.chunks if c.length == 1], [c for c in step.chunks if c.length > 1]]
+    forwards, order = [], []
+    for chunks in groups:
+        if not chunks:
+            continue
+        ids, layouts, read_at = [], [], []
+        for chunk in chunks:
+            ids += chunk.seq.tokens[chunk.start:chunk.start + chunk.length]
+            layouts.append(ChunkLayout(chunk.seq.block_table, chunk.start, chunk.length))
+            if chunk.samples:
+                read_at.append(len(ids) - 1)
+                order.append(chunk)
+        forwards.append(Forward(ids, layouts, read_at))
+    return forwards, order
 
 
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(1, rows, vocab) logits, a vocabulary-sharded DTensor under tensor parallelism, as a
-    plain fp32 tensor (rows, vocab) on the CPU."""
+    """(batch, seq, vocab) logits, a vocabulary-sharded DTensor under tensor parallelism, as a
+    plain fp32 tensor (batch * seq, vocab) on the CPU."""
     if hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
-    return logits[0].float().cpu()
+    return logits.reshape(-1, logits.shape[-1]).float().cpu()
 
 
 class Engine:
@@ -81,18 +98,22 @@ class Engine:
         self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
         self.steps = 0
 
-    def forward(self, step: Step) -> torch.Tensor:
-        """The logits (sampling chunks, vocab) of a scheduled step."""
-        return self.run_model(*step_layout(step))
+    def forward(self, step: Step) -> tuple[torch.Tensor, list[Chunk]]:
+        """The logits (sampling chunks, vocab) of a scheduled step, and those chunks in order."""
+        forwards, order = step_forwards(step)
+        return torch.cat([self.run_model(forward) for forward in forwards]), order
 
     @torch.no_grad()
-    def run_model(self, ids: list[int], layouts: list[ChunkLayout], read_at: list[int]) -> torch.Tensor:
+    def run_model(self, forward: Forward) -> torch.Tensor:
         """What every rank of a parallel layout runs with the same arguments (its forwards are
-        collective): the step's tokens through the model, the logits (len(read_at), vocab)."""
-        self.cache.prepare(layouts)
-        tokens = torch.tensor([ids], dtype=torch.long, device=self.device)  # (1, tokens)
-        read = torch.tensor(read_at, dtype=torch.long, device=self.device)
-        return full_logits(self.model(tokens, self.cache, read_at=read))  # (sampling chunks, vocab)
+        collective): the tokens through the model, the logits (len(read_at), vocab)."""
+        self.cache.prepare(forward.layouts)
+        shape = self.cache.batch_shape()  # (sequences, 1) for decodes, (1, tokens) packed
+        tokens = torch.tensor(forward.ids, dtype=torch.long, device=self.device).view(shape)
+        read = torch.tensor(forward.read_at, dtype=torch.long, device=self.device)
+        if shape[1] == 1:
+            return full_logits(self.model(tokens, self.cache))[read]  # (sampling chunks, vocab)
+        return full_logits(self.model(tokens, self.cache, read_at=read))
 
     def take_expert_rows(self) -> list[list[int]] | None:
         """Routed rows per rank of each MoE layer since the last call (None without MoE)."""
@@ -103,9 +124,8 @@ class Engine:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
-        logits = self.forward(step)
+        logits, sampling_chunks = self.forward(step)
         self.steps += 1
-        sampling_chunks = [chunk for chunk in step.chunks if chunk.samples]
         sampled: dict[int, int] = {}
         events = []
         for row, chunk in zip(logits, sampling_chunks):
