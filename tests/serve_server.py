@@ -33,7 +33,8 @@ class ServeProcess:
     def __init__(self, model: Path, *flags: str, env: dict | None = None):
         command = [sys.executable, "-m", "phalanx", "serve", "--model", str(model), "--port", "0", *flags]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, **ONE_THREAD, **(env or {})})
+                                        env={**os.environ, **ONE_THREAD, **(env or {})},
+                                        start_new_session=True)  # stop() ends its workers too
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
@@ -88,9 +89,12 @@ class ServeProcess:
         self.process.send_signal(sig)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(30)
+        """Kill the server and any workers it started (its process group)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(30)
 
 
 def transformers_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[tuple[list[int], torch.Tensor]]:

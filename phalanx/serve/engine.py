@@ -90,10 +90,12 @@ def full_logits(logits: torch.Tensor) -> torch.Tensor:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, scheduler: Scheduler, device: torch.device | str = "cpu",
-                 on_logits: Callable[[Sequence, torch.Tensor], None] | None = None):
-        """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests)."""
+                 on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None):
+        """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests).
+        `channel`: rank 0's `rank_loop.RankChannel` under a parallel layout (the other ranks
+        run the same forwards)."""
         self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
-        self.on_logits = on_logits
+        self.on_logits, self.channel = on_logits, channel
         self.expert_loads = ExpertLoads(model)
         self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
         self.steps = 0
@@ -101,6 +103,8 @@ class Engine:
     def forward(self, step: Step) -> tuple[torch.Tensor, list[Chunk]]:
         """The logits (sampling chunks, vocab) of a scheduled step, and those chunks in order."""
         forwards, order = step_forwards(step)
+        if self.channel is not None:
+            self.channel.send(forwards)
         return torch.cat([self.run_model(forward) for forward in forwards]), order
 
     @torch.no_grad()
@@ -114,6 +118,12 @@ class Engine:
         if shape[1] == 1:
             return full_logits(self.model(tokens, self.cache))[read]  # (sampling chunks, vocab)
         return full_logits(self.model(tokens, self.cache, read_at=read))
+
+    def close(self) -> None:
+        """Stop the other ranks, if any."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     def take_expert_rows(self) -> list[list[int]] | None:
         """Routed rows per rank of each MoE layer since the last call (None without MoE)."""

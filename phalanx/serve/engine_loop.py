@@ -117,19 +117,20 @@ class EngineLoop:
                 if not (self._incoming or self._aborts or self._end_all or self._stop or self.scheduler.has_work()):
                     self._wake.wait(IDLE_WAIT_S)
                 if self._stop:
+                    engine.close()
                     return
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, []
                 end_all, self._end_all = self._end_all, None
             self._apply(incoming, aborts, end_all)
-            if self.scheduler.has_work():
-                try:
+            try:
+                if self.scheduler.has_work():
                     self._step(engine)
-                except Exception:  # a bug: every request of the batch gets an error, the server goes on
-                    traceback.print_exc(file=sys.stderr)
-                    self._end_everything("the engine failed on this batch (a bug; see the server's log)")
+                self.metrics.after_step(self.scheduler, 0, engine.take_expert_rows())
+            except Exception:  # a bug: every request of the batch gets an error, the server goes on
+                traceback.print_exc(file=sys.stderr)
+                self._end_everything("the engine failed on this batch (a bug; see the server's log)")
             self._waiting = len(self.scheduler.waiting)
-            self.metrics.after_step(self.scheduler, 0, engine.take_expert_rows())
 
     def _apply(self, incoming: list[Handle], aborts: list[Handle], end_all: str | None) -> None:
         for handle in incoming:

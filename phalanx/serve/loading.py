@@ -44,8 +44,22 @@ def load_serving_model(source, mesh, dtype):
     return load_model(source, mesh).to(dtype).eval()
 
 
-def kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
-    """The size of the block pool (see the module docstring)."""
+def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> int:
+    """The size of the block pool (see the module docstring). `agree`: every rank takes the
+    smallest over the ranks (free GPU memory differs), since all index the same blocks."""
+    import torch
+
+    blocks = _kv_blocks(job, cfg, tp, device, dtype)
+    if agree:
+        import torch.distributed as dist
+
+        count = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        blocks = int(count)
+    return blocks
+
+
+def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
     import torch
 
     if job["num_kv_blocks"]:
