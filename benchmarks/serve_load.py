@@ -68,6 +68,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summary(name: str, outputs: list[int], wall: float, ttft: list[float] | None, tpot: list[float] | None, args) -> dict:
+    print(f"  {name}: {wall:.1f} s", file=sys.stderr, flush=True)  # progress
     row = {"arm": name, "output_tokens_per_s": sum(outputs) / wall, "wall_s": wall}
     if ttft is not None:
         met = sum(1 for a, b in zip(ttft, tpot) if a <= args.slo_ttft and b <= args.slo_tpot)

@@ -26,7 +26,7 @@ START_TIMEOUT_S = 240
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 """The server's torch on one thread: on a machine shared by many processes, two OpenMP threads
-that spin at every barrier made a tiny model's step 40x slower (0.9 s against 0.02 s)."""
+that spin at every barrier made a tiny model's steps many times slower."""
 
 
 class ServeProcess:
