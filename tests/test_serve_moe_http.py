@@ -1,10 +1,11 @@
 """`phalanx serve` of mixture-of-experts models (qwen3_moe with a dense layer among the MoE
 ones, mixtral) through HTTP with the `openai` client: 32 concurrent greedy completions, each
 equal to `transformers`' greedy generation under the near-tie rule of tests/serve_server.py,
-and the per-rank expert loads in /metrics."""
+and the per-rank expert loads in /metrics; Ctrl-C (SIGINT) then stops the server with 130."""
 
 from __future__ import annotations
 
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -31,6 +32,8 @@ def test_concurrent_greedy_equals_transformers(tmp_path, family):
             answers = list(pool.map(lambda p: client.completions.create(
                 model=server.name, prompt=p, max_tokens=new, temperature=0, extra_body={"return_token_ids": True}), prompts))
         samples = server.metrics()
+        server.signal(signal.SIGINT)  # Ctrl-C: the same graceful stop as SIGTERM, exit 130
+        assert server.process.wait(60) == 130
     finally:
         server.stop()
     for answer, (reference, logits) in zip(answers, transformers_greedy(folder, prompts, new)):
