@@ -1,4 +1,4 @@
-"""`phalanx` command line: train, prepare, export, generate (and, from the planner, plan /
+"""`phalanx` command line: train, prepare, export, generate, serve (and, from the planner, plan /
 simulate / calibrate; balance, match, blur). Subcommands import their heavy modules when run."""
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     from phalanx.generate.cli import register as register_generate
 
     register_generate(subparsers)
+    from phalanx.serve.cli import register as register_serve  # argparse only; uvicorn and torch when run
+
+    register_serve(subparsers)
     try:
         from phalanx.planner.cli import register
     except ImportError:

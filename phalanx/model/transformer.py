@@ -112,10 +112,13 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, cache: AttentionCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: AttentionCache | None = None, last_only: bool = False,
+                read_at: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab). With a `cache` (kv_cache.py), the
         tokens follow the positions it holds, and their keys and values are added to it. `last_only`: the
-        logits of the last position only (batch, 1, vocab), all generation reads of a prefill."""
+        logits of the last position only (batch, 1, vocab), all generation reads of a prefill.
+        `read_at`: the logits of these positions only (batch, len(read_at), vocab): a serving step
+        packs several sequences into one row and reads the last position of each."""
         # A pipeline stage without the embedding receives hidden states instead of ids.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
@@ -124,6 +127,8 @@ class Transformer(nn.Module):
             cache.advance(tokens.shape[1])
         if last_only:
             h = h[:, -1:]  # (batch, 1, dim)
+        elif read_at is not None:
+            h = h[:, read_at]  # (batch, len(read_at), dim)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -1,0 +1,14 @@
+"""`phalanx serve`: an OpenAI-compatible server over the training code's own model.
+
+One job per file:
+- `block_manager`: the KV cache's blocks (free list, reference counts, prefix cache), plain data;
+- `scheduler`: which sequences run each step and how many tokens each feeds, plain data;
+- `paged_cache`: the paged KV cache that attention reads and writes (the AttentionCache
+  protocol of phalanx/model/kv_cache.py);
+- `engine`: one step: the scheduler's batch through the model, then sampling;
+- `detokenize`: ids to text pieces that never split a character or show a stop string;
+- `api`, `api_requests`, `chat_template`, `metrics`, `server`: HTTP and what it shows;
+- `cli`: the `phalanx serve` command.
+
+Importing this package does not import torch (`phalanx serve --help` stays cheap).
+"""

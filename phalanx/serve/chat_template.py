@@ -1,0 +1,62 @@
+"""Chat messages to prompt text, with the model directory's own template.
+
+The template is `chat_template.jinja` beside the tokenizer (transformers 5 saves it there),
+else `tokenizer_config.json`'s `chat_template` (a string, or a list of named templates, of which
+"default"), rendered with jinja2 in a sandbox, as transformers renders it: `messages`,
+`add_generation_prompt=True`, `bos_token`, `eos_token`, `raise_exception`.
+
+Without either, the documented plain fallback: one line `role: content` per message, then
+`assistant:` (docs/serve.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _token_text(value) -> str:
+    if isinstance(value, dict):  # an AddedToken as saved by older tokenizers
+        return value.get("content", "")
+    return value or ""
+
+
+class ChatTemplate:
+    def __init__(self, model_dir: Path | None):
+        self.source, text, config = "plain", None, {}
+        if model_dir is not None:
+            config_path = Path(model_dir) / "tokenizer_config.json"
+            if config_path.is_file():
+                config = json.loads(config_path.read_text())
+            jinja_path = Path(model_dir) / "chat_template.jinja"
+            if jinja_path.is_file():
+                text, self.source = jinja_path.read_text(), str(jinja_path)
+            elif config.get("chat_template"):
+                text = config["chat_template"]
+                if isinstance(text, list):
+                    named = {entry.get("name"): entry.get("template") for entry in text}
+                    text = named.get("default") or next(iter(named.values()))
+                self.source = str(config_path)
+        self.tokens = {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}
+        self.template = None
+        if text:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise ValueError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+            env.globals["raise_exception"] = raise_exception
+            self.template = env.from_string(text)
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text; ValueError when the template refuses the messages."""
+        if self.template is None:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+        except ValueError:
+            raise
+        except Exception as error:  # a template error is the request's (e.g. a role it does not know)
+            raise ValueError(f"the chat template failed: {error}") from None

@@ -1,0 +1,188 @@
+"""`phalanx serve`: an OpenAI-compatible HTTP server over a model directory or a run.
+
+Importing this module does not import torch, uvicorn or starlette (`phalanx serve --help`
+stays cheap); the command does.
+"""
+
+from __future__ import annotations
+
+import math
+
+from phalanx.errors import UserError
+
+DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
+            "max_waiting": 256, "shutdown_grace": 30.0}
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Continuous batching over a paged KV cache, behind /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health and /metrics (docs/serve.md).")
+    add = parser.add_argument
+    add("--model", required=True, help="Hugging Face model directory (with weights), or a run directory of phalanx train")
+    add("--step", type=int, default=None, help="with a run directory: the checkpoint of this step (default: the newest)")
+    add("--tokenizer", default="", help="tokenizer.json or 'bytes' (default: the model directory's tokenizer.json, else bytes)")
+    add("--host", default=DEFAULTS["host"], help="address to bind (default 127.0.0.1: this machine only)")
+    add("--port", type=int, default=DEFAULTS["port"], help="port (default 8000; 0: a free one, printed)")
+    add("--served-model-name", default="", help="the model's name in the API (default: --model as given)")
+    add("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"],
+        help=f"most sequences in one step's batch (default {DEFAULTS['max_num_seqs']})")
+    add("--max-num-batched-tokens", type=int, default=DEFAULTS["max_num_batched_tokens"],
+        help=f"most tokens one step feeds the model; longer prompts are prefilled in chunks (default {DEFAULTS['max_num_batched_tokens']})")
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--kv-cache-memory", type=float, default=None, metavar="GIB",
+                        help="GiB of KV cache (default: 1 on CPU, 90%% of the GPU memory left after the weights)")
+    memory.add_argument("--num-kv-blocks", type=int, default=None, metavar="N", help="KV cache blocks, instead of --kv-cache-memory")
+    add("--block-size", type=int, default=DEFAULTS["block_size"], help=f"positions per KV block (default {DEFAULTS['block_size']})")
+    add("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 request")
+    add("--dtype", choices=("fp32", "bf16"), default=None, help="weights and cache dtype (default: fp32 on CPU, bf16 on GPU)")
+    add("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto, cpu or cuda")
+    add("--max-waiting", type=int, default=DEFAULTS["max_waiting"],
+        help=f"most requests waiting for a seat; more get 429 (default {DEFAULTS['max_waiting']})")
+    add("--shutdown-grace", type=float, default=DEFAULTS["shutdown_grace"],
+        help=f"seconds running requests may take to finish after SIGTERM or Ctrl-C (default {DEFAULTS['shutdown_grace']:g})")
+    add("--nproc", type=int, default=1, help="local worker processes (default 1)")
+    add("--plan", default="", help="parallel layout, e.g. tp=2 (default: one process)")
+    parser.set_defaults(func=_run)
+
+
+def _at_least(args, name: str, low: int) -> None:
+    value = getattr(args, name)
+    if value is not None and value < low:
+        raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def prepare_job(args) -> dict:
+    """Every flag checked before any weights are read, as plain data."""
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_waiting", "nproc"):
+        _at_least(args, name, 1)
+    if args.kv_cache_memory is not None and not (args.kv_cache_memory > 0 and math.isfinite(args.kv_cache_memory)):
+        raise UserError(f"--kv-cache-memory must be a positive number of GiB, got {args.kv_cache_memory}")
+    if not args.shutdown_grace >= 0:
+        raise UserError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty")
+    plan = _check_plan(args)
+    return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": args.host, "port": args.port,
+            "served_model_name": args.served_model_name or args.model, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
+            "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size, "api_key": args.api_key,
+            "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
+            "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan}
+
+
+def _check_plan(args) -> str:
+    """Tensor-parallel layouts only, for now (docs/serve.md: not there yet)."""
+    import os
+
+    from phalanx.plan import plan_from_string
+
+    world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
+    plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
+    if plan.world_size != plan.tp or plan.sp or plan.ep > 1:
+        raise UserError(f"phalanx serve runs tensor-parallel layouts (tp=N) for now; plan {plan.to_string()} "
+                        "(dp, pp, ep, sp) is not there yet (docs/serve.md)")
+    return plan.to_string()
+
+
+def _run(args) -> int:
+    import os
+
+    job = prepare_job(args)
+    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or job["nproc"] == 1:
+        return worker_main(job)
+    return _launch(job)
+
+
+def _launch(job: dict) -> int:
+    """`--nproc N`: N local workers started as `phalanx train`'s are; SIGTERM to this process
+    reaches them all (rank 0 drains, the others wait for it) and ends with 0, Ctrl-C with 130."""
+    import signal
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from phalanx.launch import check_nproc
+    from phalanx.worker_group import start_elastic
+
+    check_nproc(job["nproc"], job["device"])
+    try:
+        start_elastic(_elastic_entry, (job,), job["nproc"], job["device"], grace_s=int(job["shutdown_grace"]) + 15)
+    except SignalException as stop:
+        return 0 if stop.sigval == signal.SIGTERM else 130
+    except KeyboardInterrupt:
+        return 130
+    except ChildFailedError as error:
+        codes = {failure.exitcode for failure in error.failures.values()}
+        if codes <= {2}:
+            return 2  # a user error, printed by rank 0
+        print(f"phalanx: a worker failed: {error.get_first_failure()[1].message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _elastic_entry(job: dict) -> None:
+    import sys
+
+    status = worker_main(job)
+    if status:
+        sys.exit(status)
+
+
+def worker_main(job: dict) -> int:
+    """Every rank: rank 0 serves (HTTP, scheduler, sampling), the others follow its forwards."""
+    from phalanx.worker_group import run_in_group
+
+    status = run_in_group(job["device"], lambda: _rank_main(job))
+    return 2 if status is None else status
+
+
+def _rank_main(job: dict) -> int:
+    import torch.distributed as dist
+
+    from phalanx.generate.model_source import resolve_model, text_codec
+
+    source = resolve_model(job["model"], job["step"])
+    parallel = dist.is_initialized() and dist.get_world_size() > 1
+    if parallel and dist.get_rank() != 0:
+        from phalanx.serve.rank_loop import follow
+
+        follow(build_engine(job, source))
+        return 0
+    codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
+    from phalanx.serve.chat_template import ChatTemplate
+    from phalanx.serve.metrics import ServeMetrics
+    from phalanx.serve.rank_loop import RankChannel
+    from phalanx.serve.server import serve
+
+    cfg = source.cfg
+    channel = RankChannel() if parallel else None
+    return serve(job, lambda: build_engine(job, source, channel), codec, ChatTemplate(source.tokenizer_dir),
+                 ServeMetrics(moe=cfg.n_experts > 0), cfg.max_seq_len, cfg.vocab_size)
+
+
+def build_engine(job: dict, source, channel=None):
+    """The model (this rank's part), the block pool sized for it, the scheduler, the engine."""
+    import torch.distributed as dist
+
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.plan import plan_from_string
+    from phalanx.serve.engine import Engine
+    from phalanx.serve.loading import kv_blocks, load_serving_model, pick_device, pick_dtype
+    from phalanx.serve.scheduler import Scheduler
+
+    device = pick_device(job["device"])
+    dtype = pick_dtype(job["dtype"], device)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = build_mesh(plan_from_string(job["plan"], world_size), device)
+    model = load_serving_model(source, mesh, dtype)
+    num_blocks = kv_blocks(job, source.cfg, mesh.plan.tp, device, dtype, agree=world_size > 1)
+    # Preempted sequences wait too: the bound on new requests is the engine loop's.
+    scheduler = Scheduler(num_blocks=num_blocks, block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
+                          max_num_batched_tokens=job["max_num_batched_tokens"],
+                          max_waiting=job["max_waiting"] + job["max_num_seqs"])
+    return Engine(model, scheduler, device, channel=channel)

@@ -1,0 +1,156 @@
+"""One engine step: the scheduler's batch through the model, then a token for each sequence
+whose chunk reached its end.
+
+The step's chunks are packed into one batch row (1, tokens) (`paged_cache.py`); the model is
+the training code's own `Transformer`, in whatever layout it was loaded (under tensor
+parallelism its vocabulary-sharded logits are gathered with `full_tensor()`), and only the
+last position of each sampling chunk is projected onto the vocabulary. Sampling reuses
+`phalanx generate`'s `pick_token`, with one seeded generator per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from phalanx.generate.sampling import Sampling, pick_token
+from phalanx.serve.expert_loads import ExpertLoads
+from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
+from phalanx.serve.scheduler import Chunk, Scheduler, Sequence, Step
+
+
+@dataclass
+class RequestSampling:
+    """What a request asked for; `sampling` is `phalanx generate`'s."""
+    sampling: Sampling
+    logprobs: int | None = None
+    """Also return the sampled token's log-probability and this many top alternatives."""
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.generator = self.sampling.generator()
+
+
+def request_sampling(temperature: float, top_p: float, top_k: int | None, seed: int | None,
+                     logprobs: int | None = None) -> RequestSampling:
+    """OpenAI's fields as a Sampling: temperature 0 is greedy; no seed draws a random one."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    return RequestSampling(Sampling(greedy=temperature == 0, temperature=temperature or 1.0, top_k=top_k or 0,
+                                    top_p=top_p, seed=seed), logprobs)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    seq: Sequence
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward of a step, as plain data (what rank 0 would send the other ranks): the token
+    ids, the cache's view of each chunk, and which tokens' logits are read (the last of each
+    sampling chunk), by index into `ids`."""
+    ids: list[int]
+    layouts: list[ChunkLayout]
+    read_at: list[int]
+
+
+def step_forwards(step: Step) -> tuple[list[Forward], list[Chunk]]:
+    """The step as at most two forwards, decodes (one sequence per row) and prompt chunks
+    (packed, paged_cache.py), and the sampling chunks in the order their logits come back."""
+    groups = [[c for c in step.chunks if c.length == 1], [c for c in step.chunks if c.length > 1]]
+    forwards, order = [], []
+    for chunks in groups:
+        if not chunks:
+            continue
+        ids, layouts, read_at = [], [], []
+        for chunk in chunks:
+            ids += chunk.seq.tokens[chunk.start:chunk.start + chunk.length]
+            layouts.append(ChunkLayout(chunk.seq.block_table, chunk.start, chunk.length))
+            if chunk.samples:
+                read_at.append(len(ids) - 1)
+                order.append(chunk)
+        forwards.append(Forward(ids, layouts, read_at))
+    return forwards, order
+
+
+def full_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(batch, seq, vocab) logits, a vocabulary-sharded DTensor under tensor parallelism, as a
+    plain fp32 tensor (batch * seq, vocab) on the CPU."""
+    if hasattr(logits, "full_tensor"):
+        logits = logits.full_tensor()
+    return logits.reshape(-1, logits.shape[-1]).float().cpu()
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, scheduler: Scheduler, device: torch.device | str = "cpu",
+                 on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None):
+        """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests).
+        `channel`: rank 0's `rank_loop.RankChannel` under a parallel layout (the other ranks
+        run the same forwards)."""
+        self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
+        self.on_logits, self.channel = on_logits, channel
+        self.expert_loads = ExpertLoads(model)
+        self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
+        self.steps = 0
+
+    def forward(self, step: Step) -> tuple[torch.Tensor, list[Chunk]]:
+        """The logits (sampling chunks, vocab) of a scheduled step, and those chunks in order."""
+        forwards, order = step_forwards(step)
+        if self.channel is not None:
+            self.channel.send(forwards)
+        return torch.cat([self.run_model(forward) for forward in forwards]), order
+
+    @torch.no_grad()
+    def run_model(self, forward: Forward) -> torch.Tensor:
+        """What every rank of a parallel layout runs with the same arguments (its forwards are
+        collective): the tokens through the model, the logits (len(read_at), vocab)."""
+        self.cache.prepare(forward.layouts)
+        shape = self.cache.batch_shape()  # (sequences, 1) for decodes, (1, tokens) packed
+        tokens = torch.tensor(forward.ids, dtype=torch.long, device=self.device).view(shape)
+        read = torch.tensor(forward.read_at, dtype=torch.long, device=self.device)
+        if shape[1] == 1:
+            return full_logits(self.model(tokens, self.cache))[read]  # (sampling chunks, vocab)
+        return full_logits(self.model(tokens, self.cache, read_at=read))
+
+    def close(self) -> None:
+        """Stop the other ranks, if any."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def take_expert_rows(self) -> list[list[int]] | None:
+        """Routed rows per rank of each MoE layer since the last call (None without MoE)."""
+        return self.expert_loads.take()
+
+    def step(self) -> list[TokenEvent]:
+        """Schedule, run the model, sample; the new tokens (with the finished sequences)."""
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        logits, sampling_chunks = self.forward(step)
+        self.steps += 1
+        sampled: dict[int, int] = {}
+        events = []
+        for row, chunk in zip(logits, sampling_chunks):
+            asked: RequestSampling = chunk.seq.sampling
+            if self.on_logits is not None:
+                self.on_logits(chunk.seq, row)
+            token = pick_token(row, asked.sampling, asked.generator)
+            sampled[id(chunk.seq)] = token
+            logprob = top = None
+            if asked.logprobs is not None:
+                scores = torch.log_softmax(row, -1)  # of the model's distribution, before temperature
+                logprob = float(scores[token])
+                values, ids = scores.topk(asked.logprobs) if asked.logprobs else (scores[:0], scores[:0].long())
+                top = list(zip(ids.tolist(), values.tolist()))
+            events.append(TokenEvent(chunk.seq, token, logprob, top))
+        finished = {id(seq) for seq in self.scheduler.finish_step(step, sampled)}
+        return [TokenEvent(e.seq, e.token, e.logprob, e.top_logprobs, e.seq.finish_reason if id(e.seq) in finished else None)
+                for e in events]

@@ -1,0 +1,168 @@
+"""The thread that owns the engine: it loads the model, then runs steps while there is work,
+and hands each request's new text to the HTTP handler waiting for it.
+
+HTTP handlers (on the asyncio loop) only `submit` and `abort`; both just queue the change,
+which the engine thread applies before its next step, so a new request joins the batch at
+the next step and a disconnected client's blocks are freed at the next step. Text is
+detokenized here (`detokenize.py`), so that a stop string ends the sequence at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+from phalanx.serve.detokenize import IncrementalText
+from phalanx.serve.scheduler import QueueFull, Scheduler, Sequence
+
+IDLE_WAIT_S = 0.5
+
+
+class NotAccepting(Exception):
+    """The model is still loading, or the server is shutting down (503)."""
+
+
+@dataclass
+class Piece:
+    text: str
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Handle:
+    seq: Sequence
+    text: IncrementalText
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
+
+    def put(self, piece: Piece) -> None:
+        """From the engine thread: into the handler's queue, on its loop."""
+        if piece.finish_reason or piece.error:
+            self.done = True
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+
+
+class EngineLoop:
+    def __init__(self, build: Callable[[], object], max_waiting: int, metrics,
+                 on_load_error: Callable[[BaseException], None]):
+        """`build()` (in the engine thread) loads the model and returns the Engine (with its
+        scheduler, sized once the weights are in memory)."""
+        self.build, self.max_waiting, self.metrics, self.on_load_error = build, max_waiting, metrics, on_load_error
+        self.scheduler: Scheduler | None = None
+        self.ready = threading.Event()
+        self.accepting = True
+        self._wake = threading.Condition()
+        self._incoming: list[Handle] = []
+        self._aborts: list[Handle] = []
+        self._end_all: str | None = None
+        self._stop = False
+        self._waiting = 0
+        self.thread = threading.Thread(target=self._run, name="phalanx-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, seq: Sequence, text: IncrementalText) -> Handle:
+        if not self.ready.is_set():
+            raise NotAccepting("the model is still loading")
+        if not self.accepting:
+            raise NotAccepting("the server is shutting down")
+        self.scheduler.check_fits(len(seq.prompt), seq.max_tokens)  # ValueError: never fits
+        handle = Handle(seq, text, asyncio.get_running_loop())
+        seq.payload = handle
+        with self._wake:
+            if self._waiting + len(self._incoming) >= self.max_waiting:
+                raise QueueFull(f"{self.max_waiting} requests are waiting already; try again later")
+            self._incoming.append(handle)
+            self._wake.notify()
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        if not handle.done:
+            with self._wake:
+                self._aborts.append(handle)
+                self._wake.notify()
+
+    def end_all(self, message: str) -> None:
+        """End every request still running or waiting with an error (the shutdown grace ran out)."""
+        with self._wake:
+            self._end_all = message
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        try:
+            engine = self.build()
+        except BaseException as error:  # reported by the server, which then exits
+            self.on_load_error(error)
+            return
+        self.scheduler = engine.scheduler
+        self.ready.set()
+        while True:
+            with self._wake:
+                if not (self._incoming or self._aborts or self._end_all or self._stop or self.scheduler.has_work()):
+                    self._wake.wait(IDLE_WAIT_S)
+                if self._stop:
+                    engine.close()
+                    return
+                incoming, self._incoming = self._incoming, []
+                aborts, self._aborts = self._aborts, []
+                end_all, self._end_all = self._end_all, None
+            self._apply(incoming, aborts, end_all)
+            try:
+                if self.scheduler.has_work():
+                    self._step(engine)
+                self.metrics.after_step(self.scheduler, 0, engine.take_expert_rows())
+            except Exception:  # a bug: every request of the batch gets an error, the server goes on
+                traceback.print_exc(file=sys.stderr)
+                self._end_everything("the engine failed on this batch (a bug; see the server's log)")
+            self._waiting = len(self.scheduler.waiting)
+
+    def _apply(self, incoming: list[Handle], aborts: list[Handle], end_all: str | None) -> None:
+        for handle in incoming:
+            try:
+                self.scheduler.add(handle.seq)
+            except (QueueFull, ValueError) as error:
+                handle.put(Piece("", error=str(error)))
+        for handle in aborts:
+            if self.scheduler.abort(handle.seq):
+                handle.done = True
+                self.metrics.request_done(handle.seq, "abort")
+        if end_all:
+            self._end_everything(end_all)
+
+    def _end_everything(self, message: str) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.abort(seq, "error")
+            self.metrics.request_done(seq, "error")
+            seq.payload.put(Piece("", error=message))
+
+    def _step(self, engine) -> None:
+        events = engine.step()
+        for event in events:
+            seq, handle = event.seq, event.seq.payload
+            finish = event.finish_reason
+            piece = "" if finish == "stop" and event.token in seq.eos_ids else handle.text.add(event.token)
+            if handle.text.stopped and finish is None:
+                self.scheduler.finish(seq, "stop")
+                finish = "stop"
+            elif finish:
+                piece += handle.text.finish()
+            handle.put(Piece(piece, event.token, event.logprob, event.top_logprobs, finish))
+            if finish:
+                self.metrics.request_done(seq, finish)
+        self.metrics.generation_tokens.inc(len(events))

@@ -1,0 +1,80 @@
+"""This rank's model for serving, and how many KV blocks fit.
+
+The model is loaded as `phalanx generate` loads it (`generate.model_source.load_model`: each
+rank reads only its slices), then cast to `--dtype`. The block pool is `--num-kv-blocks`, or
+what `--kv-cache-memory` GiB holds (keys and values of every layer, this rank's kv heads), by
+default 1 GiB on CPU and 90% of the device memory left after the weights on a GPU, but never
+more than `--max-num-seqs` sequences of the model's whole context need.
+"""
+
+from __future__ import annotations
+
+from phalanx.errors import UserError
+from phalanx.serve.paged_cache import bytes_per_block
+
+GIB = 1 << 30
+CPU_DEFAULT_KV_GIB = 1.0
+GPU_MEMORY_FRACTION = 0.9
+
+
+def pick_device(name: str):
+    import torch
+    import torch.distributed as dist
+
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but torch sees no CUDA device")
+    local_rank = dist.get_node_local_rank(fallback_rank=0) if dist.is_initialized() else 0
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def pick_dtype(name: str, device):
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def load_serving_model(source, mesh, dtype):
+    from phalanx.generate.model_source import load_model
+
+    return load_model(source, mesh).to(dtype).eval()
+
+
+def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> int:
+    """The size of the block pool (see the module docstring). `agree`: every rank takes the
+    smallest over the ranks (free GPU memory differs), since all index the same blocks."""
+    import torch
+
+    blocks = _kv_blocks(job, cfg, tp, device, dtype)
+    if agree:
+        import torch.distributed as dist
+
+        count = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        blocks = int(count)
+    return blocks
+
+
+def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
+    import torch
+
+    if job["num_kv_blocks"]:
+        return job["num_kv_blocks"]
+    per_block = bytes_per_block(job["block_size"], cfg.n_layers, max(1, cfg.n_kv_heads // tp), cfg.head_dim,
+                                torch.empty((), dtype=dtype).element_size())
+    if job["kv_cache_memory"]:
+        budget = job["kv_cache_memory"] * GIB
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * GPU_MEMORY_FRACTION
+    else:
+        budget = CPU_DEFAULT_KV_GIB * GIB
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise UserError(f"--kv-cache-memory {job['kv_cache_memory']} GiB holds no KV block of {per_block} bytes")
+    needed = job["max_num_seqs"] * -(-cfg.max_seq_len // job["block_size"])
+    return blocks if job["kv_cache_memory"] else min(blocks, needed)

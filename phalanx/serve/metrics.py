@@ -1,0 +1,91 @@
+"""What /metrics shows, in the Prometheus text format (prometheus_client), in a registry of
+the server's own (so tests and several servers in one process do not share counters).
+
+Updated by the engine thread after every step (`after_step`) and when a request ends
+(`request_done`); the names are listed with their meaning in docs/serve.md.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+EXPERT_WINDOW = 64
+"""Engine steps over which phalanx_expert_imbalance is taken."""
+
+
+class ServeMetrics:
+    def __init__(self, moe: bool = False):
+        self.registry = registry = CollectorRegistry()
+        self.running = Gauge("phalanx_requests_running", "Requests in the running batch", registry=registry)
+        self.waiting = Gauge("phalanx_requests_waiting", "Requests waiting to run (preempted ones included)", registry=registry)
+        self.blocks_used = Gauge("phalanx_kv_blocks_used", "KV cache blocks held by sequences", registry=registry)
+        self.blocks_free = Gauge("phalanx_kv_blocks_free", "KV cache blocks free (prefix-cached ones included)", registry=registry)
+        self.prefix_queries = Counter("phalanx_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=registry)
+        self.prefix_hits = Counter("phalanx_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=registry)
+        self.preemptions = Counter("phalanx_preemptions", "Sequences preempted (freed, requeued, recomputed)", registry=registry)
+        self.prompt_tokens = Counter("phalanx_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
+        self.generation_tokens = Counter("phalanx_generation_tokens", "Tokens generated", registry=registry)
+        self.finished = Counter("phalanx_requests_finished", "Requests ended, by reason (stop, length, abort, error)",
+                                ["finish_reason"], registry=registry)
+        self.ttft = Histogram("phalanx_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
+                              registry=registry)
+        self.tpot = Histogram("phalanx_time_per_output_token_seconds", "Mean time per token after the first, per request",
+                              buckets=TOKEN_BUCKETS, registry=registry)
+        self.e2e = Histogram("phalanx_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS,
+                             registry=registry)
+        self._shown: dict[int, float] = {}
+        self.moe = moe
+        if moe:
+            self.imbalance = Gauge("phalanx_expert_imbalance", "(max - mean) / mean of the routed rows per rank, the "
+                                   f"largest over MoE layers, over the last {EXPERT_WINDOW} engine steps", registry=registry)
+            self.expert_rows = Counter("phalanx_expert_rows", "Routed rows computed per rank (all MoE layers)", ["rank"],
+                                       registry=registry)
+            self._window: deque[list[list[int]]] = deque(maxlen=EXPERT_WINDOW)  # per step: per layer, rows per rank
+
+    def after_step(self, scheduler, generated: int, expert_rows: list[list[int]] | None = None) -> None:
+        """`expert_rows`: this step's routed rows per rank of each MoE layer, (layers, ranks)."""
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.blocks_used.set(scheduler.blocks.num_used)
+        self.blocks_free.set(scheduler.blocks.num_free)
+        self._counter_to(self.prefix_queries, scheduler.prefix_query_tokens)
+        self._counter_to(self.prefix_hits, scheduler.prefix_hit_tokens)
+        self._counter_to(self.preemptions, scheduler.preemptions)
+        self.generation_tokens.inc(generated)
+        if self.moe and expert_rows:
+            self._window.append(expert_rows)
+            for rank, rows in enumerate(map(sum, zip(*expert_rows))):
+                self.expert_rows.labels(rank=str(rank)).inc(rows)
+            self.imbalance.set(max(imbalance([sum(step[layer][rank] for step in self._window)
+                                              for rank in range(len(expert_rows[0]))])
+                                   for layer in range(len(expert_rows))))
+
+    def _counter_to(self, counter: Counter, total: float) -> None:
+        """Counters follow the scheduler's totals (it counts; they show)."""
+        delta = total - self._shown.get(id(counter), 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._shown[id(counter)] = total
+
+    def request_done(self, seq, reason: str) -> None:
+        self.finished.labels(finish_reason=reason).inc()
+        self.prompt_tokens.inc(len(seq.prompt))
+        if seq.first_token_at is None or seq.finished_at is None:
+            return
+        self.ttft.observe(seq.first_token_at - seq.arrival)
+        self.e2e.observe(seq.finished_at - seq.arrival)
+        if len(seq.output) > 1:
+            self.tpot.observe((seq.finished_at - seq.first_token_at) / (len(seq.output) - 1))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def imbalance(rows_per_rank: list[int]) -> float:
+    """(max - mean) / mean; 0 when nothing was routed."""
+    mean = sum(rows_per_rank) / len(rows_per_rank)
+    return (max(rows_per_rank) - mean) / mean if mean else 0.0

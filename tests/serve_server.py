@@ -1,0 +1,127 @@
+"""A real `phalanx serve` process on 127.0.0.1 for the HTTP tests, and the reference they
+compare with: `transformers`' greedy generation, with the near-tie rule.
+
+fp32 kernels differ with the batch shape (a one-row matmul and a 32-row one part by ~1e-5), so
+a served greedy continuation may leave the reference's only where the reference's two most
+likely tokens are within NEAR_TIE of each other; anywhere else the ids must be equal.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+NEAR_TIE = 1e-3
+START_TIMEOUT_S = 240
+
+
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""The server's torch on one thread: on a machine shared by many processes, two OpenMP threads
+that spin at every barrier made a tiny model's steps many times slower."""
+
+
+class ServeProcess:
+    def __init__(self, model: Path, *flags: str, env: dict | None = None):
+        command = [sys.executable, "-m", "phalanx", "serve", "--model", str(model), "--port", "0", *flags]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, **ONE_THREAD, **(env or {})},
+                                        start_new_session=True)  # stop() ends its workers too
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True).start()
+        try:
+            line = self.lines.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            self.stop()
+            raise RuntimeError(f"phalanx serve printed nothing in {START_TIMEOUT_S} s: {''.join(self.stderr)}") from None
+        prefix = "phalanx: serving "
+        assert line.startswith(prefix) and " on http://127.0.0.1:" in line, line
+        self.name = line[len(prefix):line.rindex(" on http://")]
+        self.url = line.strip().rsplit(" on ", 1)[1]
+        self.wait_healthy()
+
+    @staticmethod
+    def _read(stream, put) -> None:
+        for line in stream:
+            put(line)
+
+    def status(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.status("/health") != 200:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"phalanx serve never became healthy: {''.join(self.stderr)}")
+            time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        """The samples of /metrics, keyed by name with labels ('x_total{rank="0"}')."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def client(self, api_key: str = "none"):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+
+    def stop(self) -> None:
+        """Kill the server and any workers it started (its process group)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(30)
+
+
+def transformers_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[tuple[list[int], torch.Tensor]]:
+    """Each prompt's greedy continuation by `transformers` (no end-of-text stop: the tiny
+    checkpoints have no tokenizer), with the logits of every step."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            # An explicit mask: transformers would otherwise mask out prompt ids equal to pad_token_id.
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                                 output_logits=True, return_dict_in_generate=True)
+            results.append((out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()))
+    return results
+
+
+def assert_greedy_equal(ours: list[int], reference: list[int], logits: torch.Tensor) -> None:
+    """Equal token for token, or first different at a near-tie of the reference's top-2 logits."""
+    for step, (a, b) in enumerate(zip(ours, reference)):
+        if a != b:
+            top = logits[step].topk(2).values
+            gap = float(top[0] - top[1])
+            assert gap < NEAR_TIE, f"step {step}: served {a}, transformers {b}, top-2 logits apart by {gap:.2e}"
+            return
+    assert len(ours) == len(reference)

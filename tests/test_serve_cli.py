@@ -1,0 +1,42 @@
+"""`phalanx serve`'s flags: each mistake one line (exit 2) before any weights are read, and
+`--help` without torch or the HTTP stack."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from phalanx.testing.cli_errors import assert_cli_error
+from tests.hf_models import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(write_checkpoint(tmp_path_factory.mktemp("serve_cli") / "llama", "llama"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--num-kv-blocks", "0"], "--num-kv-blocks must be >= 1"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive number"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+    (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--nproc", "2", "--plan", "dp=2"], "tensor-parallel layouts (tp=N) for now"),
+    (["--nproc", "2", "--plan", "tp=4"], "tp=4"),
+])
+def test_bad_flags(model, capsys, flags, message):
+    assert_cli_error(["serve", "--model", model, *flags], capsys, message)
+
+
+def test_missing_model(capsys):
+    assert_cli_error(["serve", "--model", "/nonexistent/model"], capsys, "/nonexistent/model")
+
+
+def test_help_imports_no_torch():
+    code = ("import sys\nfrom phalanx.cli import build_parser\nbuild_parser()\n"
+            "heavy = [m for m in ('torch', 'uvicorn', 'starlette', 'prometheus_client') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -1,0 +1,70 @@
+"""Pieces of streamed text, and the engine loop's bounded waiting queue, without a model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from phalanx.serve.detokenize import IncrementalText
+from phalanx.serve.engine_loop import EngineLoop, NotAccepting
+from phalanx.serve.scheduler import QueueFull, Scheduler, Sequence
+
+
+def _bytes(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _pieces(text: IncrementalText, ids: list[int]) -> list[str]:
+    return [text.add(i) for i in ids] + [text.finish()]
+
+
+def test_a_character_is_never_split():
+    """"a€b" is 1 + 3 + 1 bytes: the euro sign comes out whole, with its last byte."""
+    ids = list("a€b".encode())
+    assert _pieces(IncrementalText(_bytes), ids) == ["a", "", "", "€", "b", ""]
+
+
+def test_invalid_bytes_still_end_up_in_the_text():
+    """A lone continuation byte decodes to U+FFFD and stays so: held back until the next
+    token, then given out; the pieces always add up to the whole decoding."""
+    ids = [0x61, 0x80, 0x62, 0xE2, 0x82]
+    pieces = _pieces(IncrementalText(_bytes), ids)
+    assert "".join(pieces) == _bytes(ids) == "a\ufffdb\ufffd"
+
+
+def test_stop_string_is_held_back_and_cut():
+    """Stop "END": "xEN" may be its start, so "EN" waits; "D" completes it: the text ends
+    before it and the sequence stops."""
+    text = IncrementalText(_bytes, ["END"])
+    pieces = [text.add(i) for i in b"abxEND"]
+    assert "".join(pieces) == "abx" and text.stopped and text.finish() == ""
+    other = IncrementalText(_bytes, ["END"])
+    assert "".join(_pieces(other, list(b"abENx"))) == "abENx" and not other.stopped
+
+
+def test_waiting_queue_is_bounded_and_loading_refuses():
+    """submit: 503 (NotAccepting) until the model is loaded, then QueueFull (429) once
+    `max_waiting` requests wait, before anything reaches the scheduler."""
+    scheduler = Scheduler(num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, max_waiting=8)
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.scheduler = scheduler
+    loop = EngineLoop(lambda: engine, max_waiting=2, metrics=None, on_load_error=print)
+
+    async def submit_all():
+        with pytest.raises(NotAccepting):
+            loop.submit(Sequence("early", [1], 1), IncrementalText(_bytes))
+        loop.scheduler = scheduler  # as the engine thread does once the model is loaded
+        loop.ready.set()
+        for name in "ab":
+            loop.submit(Sequence(name, [1], 1), IncrementalText(_bytes))
+        with pytest.raises(QueueFull):
+            loop.submit(Sequence("c", [1], 1), IncrementalText(_bytes))
+        with pytest.raises(ValueError, match="KV blocks"):
+            loop.submit(Sequence("huge", [1] * 40, 1), IncrementalText(_bytes))
+
+    asyncio.run(submit_all())
