@@ -58,7 +58,8 @@ def write_model(folder: Path, args) -> Path:
 
 def make_requests(args) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
-    return [([rng.randrange(args.vocab) for _ in range(rng.randint(16, 256))], rng.randint(16, 128))
+    (low, high), (out_low, out_high) = ((16, 32), (4, 8)) if args.quick else ((16, 256), (16, 128))
+    return [([rng.randrange(args.vocab) for _ in range(rng.randint(low, high))], rng.randint(out_low, out_high))
             for _ in range(args.requests)]
 
 
@@ -229,7 +230,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run that tests the script, not the engine (device_check.sh --dry-run): a 2-layer "
+                             "hidden-64 llama, 4 requests at once, prompts 16-32, outputs 4-8, no open loops")
     args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.heads, args.vocab, args.requests, args.concurrency, args.rates = 64, 2, 4, 512, 4, 4, ""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -256,7 +262,7 @@ def main() -> None:
         rows.append(static_batch_arm(model, requests, device, args))
         rows.append(continuous_arm(model, requests, args))
     print(f"{'mixtral 8x2' if args.moe else 'llama'} hidden {args.hidden}, {args.layers} layers, {args.requests} requests "
-          f"(prompts 16-256, outputs 16-128, seed {args.seed}), device {args.device}, threads {args.threads or 'default'}, "
+          f"(prompts {'16-32' if args.quick else '16-256'}, outputs {'4-8' if args.quick else '16-128'}, seed {args.seed}), device {args.device}, threads {args.threads or 'default'}, "
           f"load {os.getloadavg()[0]:.1f}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot * 1000:g} ms")
     show(rows)
     ours = rows[0]["output_tokens_per_s"]
