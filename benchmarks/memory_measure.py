@@ -114,7 +114,7 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
     from phalanx.parallel.apply import parallelize, validate_for_model
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
-    from phalanx.train.loop import pick_device
+    from phalanx.local_device import pick_device
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = model_config(model_name)

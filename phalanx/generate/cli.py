@@ -108,7 +108,7 @@ def run_job(job: dict):
     from phalanx.generate.sampling import Sampling
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
-    from phalanx.train.loop import pick_device
+    from phalanx.local_device import pick_device
 
     source = resolve_model(job["model"], job["step"])
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)

@@ -172,7 +172,8 @@ def build_engine(job: dict, source, channel=None):
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
     from phalanx.serve.engine import Engine
-    from phalanx.serve.loading import kv_blocks, load_serving_model, pick_device, pick_dtype
+    from phalanx.local_device import pick_device
+    from phalanx.serve.loading import kv_blocks, load_serving_model, pick_dtype
     from phalanx.serve.scheduler import Scheduler
 
     device = pick_device(job["device"])

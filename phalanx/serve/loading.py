@@ -17,19 +17,6 @@ CPU_DEFAULT_KV_GIB = 1.0
 GPU_MEMORY_FRACTION = 0.9
 
 
-def pick_device(name: str):
-    import torch
-    import torch.distributed as dist
-
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but torch sees no CUDA device")
-    local_rank = dist.get_node_local_rank(fallback_rank=0) if dist.is_initialized() else 0
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
-
-
 def pick_dtype(name: str, device):
     import torch
 

@@ -17,6 +17,7 @@ from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.data.tokenizer import save_tokenizer_files
 from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
+from phalanx.local_device import pick_device
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.data_parallel import set_gradient_sync
@@ -66,16 +67,6 @@ class TrainResult:
     steps_done: int = 0
     model: object = None
     """The trained (parallelized) model, for tests that compare weights."""
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise UserError("device=cuda was asked for, but torch sees no CUDA device")
-    local_rank = dist.get_node_local_rank(fallback_rank=0) if dist.is_initialized() else 0
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
 
 
 def peak_memory_mb(device: torch.device) -> float:
