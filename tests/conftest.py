@@ -1,6 +1,28 @@
+import os
+
 import pytest
 
+from phalanx.process_count import usable_cores
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
+
+
+def _share_cores_among_xdist_workers() -> None:
+    """Under `pytest -n N`, each worker gets its share of the cores for torch's intra-op
+    threads, and so do the processes it starts (OMP_NUM_THREADS is inherited). Two workers of
+    two threads each on two cores oversubscribe them, and OpenMP's spin-waiting threads then
+    burn CPU doing nothing: test_deepseek_models.py + test_serve_engine.py took 29.1 s of user
+    CPU with two threads and 18.8 s with one, at the same wall time (-p no:cacheprovider, this
+    2-core machine, other work running)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, usable_cores() // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+_share_cores_among_xdist_workers()
 
 
 @pytest.fixture(scope="session", autouse=True)
