@@ -95,7 +95,7 @@ def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipe
     for i in range(cfg.eval_batches):
         inputs, targets = rank_batch(
             tokens, seed=EVAL_SEED, step=i, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-            dp_rank=mesh.dp_rank, dp_size=mesh.plan.dp,
+            dp_rank=mesh.batch_rank, dp_size=mesh.batch_ranks, cp=mesh.cp, cp_rank=mesh.cp_rank,
         )
         inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
         if pipeline is not None:
@@ -230,7 +230,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                 group["lr"] = lr
             inputs, targets = rank_batch(
                 corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                dp_rank=mesh.dp_rank, dp_size=plan.dp,
+                dp_rank=mesh.batch_rank, dp_size=plan.dp, cp=plan.cp, cp_rank=mesh.cp_rank,
             )
             inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq)
             clock = WaitClock() if pipeline is not None else None

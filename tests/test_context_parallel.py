@@ -1,0 +1,183 @@
+"""Context parallelism computes what one process computes, alone and beside dp, tp, pp, zero=3
+and expert parallelism; its checkpoints resume on other cp degrees.
+
+Each layout trains for 2 AdamW steps on the same global batches (4 sequences of 32 tokens: a
+chunk of cp=4 holds 4 positions, of cp=2 8) from the same weights and must match one process
+in the loss of every step, the validation loss, the clipped-by gradient norm of every step and
+every rank's copy of every weight, within 1e-4 (fp32). What legitimately differs is the order
+of float additions: a rank's softmax runs over its keys in the gathered (rank, chunk) order
+instead of position order, the key/value gradients are summed over the cp ranks by the
+reduce-scatter, and gradients are averaged over dp x cp ranks; each is ~1e-7 relative per
+operation (measured differences: below 1e-6). A wrong chunk (positions or mask off by one
+chunk), a missing gradient sum over cp or a mean over the wrong ranks moves the losses and
+weights by >1e-3 and fails; so does a rotary table read at local instead of absolute positions.
+
+Layouts of one world size run in one launch of forked gloo ranks, one after another.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.errors import UserError
+from phalanx.testing.fork_ranks import run_ranks
+from phalanx.testing.small_corpus import ONE_FILE_CORPUS
+from phalanx.testing.weights import gathered_weights
+from phalanx.train.config import TrainConfig
+from phalanx.train.loop import train
+
+TOLERANCE = 1e-4
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+LAYOUTS = {
+    4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "pp=2,cp=2", "dp=2,cp=2,zero=3", "tiny-moe dp=2,cp=2,ep=4"],
+    2: ["cp=2", "resume cp=2"],
+}
+"""A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
+checkpoint (the cp=4 layout saves one every step) on this plan."""
+
+
+def _dir(layout: str) -> str:
+    return layout.replace(" ", "_").replace(",", "_").replace("=", "-") or "one"
+
+
+def _settings(cfg: TrainConfig, layout: str) -> TrainConfig:
+    *words, plan = layout.split(" ")
+    cfg = cfg.replace(plan=plan, out=f"{cfg.out}/{_dir(layout)}")
+    if plan == "cp=4":
+        cfg = cfg.replace(ckpt_every=1)
+    for word in words:
+        cfg = cfg.replace(resume=True) if word == "resume" else cfg.replace(model=word)
+    return cfg
+
+
+def _resume_dir(cfg: TrainConfig, layout: str) -> None:
+    """The cp=4 run's folder without its step-2 checkpoint, as `layout`'s run folder (rank 0)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        target = Path(cfg.out) / _dir(layout)
+        shutil.copytree(Path(cfg.out) / _dir("cp=4"), target, ignore=shutil.ignore_patterns("step_000002"))
+        (target / "metrics.jsonl").unlink()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
+    """On every rank: each layout's losses, validation loss and this rank's full weights."""
+    out = {}
+    for layout in layouts:
+        if layout.startswith("resume"):
+            _resume_dir(cfg, layout)
+        settings = _settings(cfg, layout)
+        result = train(settings, Path(settings.out))
+        out[layout] = (result.losses, result.val_loss, gathered_weights(result.model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_config(tmp_path_factory):
+    return TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=2, global_batch=4, seq_len=32, lr=3e-3, warmup_steps=1,
+                       eval_every=2, ckpt_every=0, sample_tokens=0, progress=False, device="cpu",
+                       out=str(tmp_path_factory.mktemp("cp")))
+
+
+@pytest.fixture(scope="module")
+def results(base_config):
+    """{world: [rank results]}: one process of each model first, then the cp launches, then
+    the cp=4 checkpoint resumed on one process."""
+    out = {1: run_ranks(1, _train_layouts, base_config, ["dp=1", "tiny-moe dp=1"])}
+    for world, layouts in LAYOUTS.items():
+        out[world] = run_ranks(world, _train_layouts, base_config, layouts, timeout_s=400)
+    out["resume-1"] = run_ranks(1, _train_layouts, base_config, ["resume dp=1"])
+    return out
+
+
+def _norms(cfg: TrainConfig, layout: str) -> list[float]:
+    lines = (Path(cfg.out) / _dir(layout) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["grad_norm"] for line in lines]
+
+
+@pytest.mark.parametrize("world, layout", [(w, p) for w, plans in LAYOUTS.items() for p in plans if "resume" not in p])
+def test_layout_matches_single_process(world, layout, results, base_config):
+    reference = "tiny-moe dp=1" if layout.startswith("tiny-moe") else "dp=1"
+    ref_losses, ref_val, ref_weights = results[1][0][reference]
+    for losses, val_loss, weights in (rank[layout] for rank in results[world]):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOLERANCE, (losses, ref_losses)
+        assert abs(val_loss - ref_val) < TOLERANCE
+        assert weights.keys() <= ref_weights.keys()
+        for name, value in weights.items():
+            torch.testing.assert_close(value, ref_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+    for norm, ref in zip(_norms(base_config, layout), _norms(base_config, reference), strict=True):
+        assert abs(norm - ref) < TOLERANCE * ref
+
+
+@pytest.mark.parametrize("world, layout", [(2, "resume cp=2"), ("resume-1", "resume dp=1")])
+def test_cp4_checkpoint_resumes_on_fewer_ranks(world, layout, results):
+    """DCP reshards the cp=4 run's step-1 checkpoint onto cp=2 and onto one process: step 2's
+    loss and the final weights are the uninterrupted run's (tolerance as above)."""
+    ref_losses, ref_val, ref_weights = results[1][0]["dp=1"]
+    for losses, val_loss, weights in (rank[layout] for rank in results[world]):
+        assert len(losses) == 1 and abs(losses[0] - ref_losses[1]) < TOLERANCE
+        assert abs(val_loss - ref_val) < TOLERANCE
+        for name, value in weights.items():
+            torch.testing.assert_close(value, ref_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+
+
+@pytest.mark.parametrize("seq_len, cp", [(32, 2), (64, 4), (256, 8)])
+def test_every_cp_rank_does_the_same_causal_work_within_one_chunk(seq_len, cp):
+    """Query-key pairs under the causal mask per cp rank: within one chunk's share of the mean
+    (a chunk's share: the mean over the 2 x cp chunks of one chunk's pairs)."""
+    from phalanx.layout_rules import causal_pairs
+
+    pairs = [causal_pairs(seq_len, cp, rank) for rank in range(cp)]
+    assert sum(pairs) == seq_len * (seq_len + 1) // 2  # every pair once
+    mean = sum(pairs) / cp
+    chunk_share = mean / 2  # a rank holds two chunks
+    assert max(abs(p - mean) for p in pairs) <= chunk_share
+    if cp >= 4:  # the bound bites: contiguous quarters of the sequence would break it
+        contiguous_first = sum(p + 1 for p in range(seq_len // cp))
+        assert mean - contiguous_first > chunk_share
+
+
+def test_sliding_window_mask_matches_the_cache_mask():
+    """With one cp rank the explicit mask is the one kv_cache.py builds (causal, and a window)."""
+    from phalanx.model.kv_cache import attention_mask
+    from phalanx.parallel.context_parallel import ContextParallel
+
+    view = ContextParallel(1, 0, None, doc_mask=False).view(16, "cpu")
+    k = torch.zeros(1, 1, 16, 4)
+    for window in (0, 5):
+        _, _, mask = view.update(0, k, k, window)
+        expected = attention_mask(16, 16, window, "cpu")
+        assert torch.equal(mask, expected if expected is not None else torch.ones(16, 16).tril().bool())
+
+
+@pytest.mark.parametrize("plan, extra, message", [
+    ("cp=2", {"seq_len": 34}, "seq_len=34 must divide by 2 x cp = 4 (cp=2)"),
+    ("tp=2,cp=2,sp=true", {"seq_len": 36, "nproc": 4}, "seq_len=36 must divide by 2 x cp x tp = 2 x 2 x 2 = 8"),
+    ("cp=3", {"nproc": 2}, "dp=1 x cp=3 x tp=1 x pp=1 = 3, but 2 processes were started"),
+    ("dp=2,cp=2,ep=3", {"nproc": 4, "model": "tiny-moe"}, "ep=3 must divide dp x cp = 2 x 2 = 4"),
+])
+def test_bad_cp_plans_fail_before_launch(tmp_path, monkeypatch, plan, extra, message):
+    from phalanx import launch
+
+    monkeypatch.setattr(launch, "launch_with_restarts", lambda *a, **k: pytest.fail("a worker was started"))
+    cfg = TrainConfig(model="tiny", global_batch=8, seq_len=32, device="cpu", out=str(tmp_path / "run"), nproc=2,
+                      plan=plan).replace(**extra)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        launch.launch_train(cfg)
+
+
+def test_generate_refuses_cp(results, base_config, capsys):
+    from phalanx.testing.cli_errors import assert_cli_error
+
+    run = Path(base_config.out) / _dir("cp=4")
+    assert_cli_error(["generate", "--model", str(run), "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                      "--plan", "cp=2", "--nproc", "2"], capsys, "phalanx generate does not run context parallelism")
