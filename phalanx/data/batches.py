@@ -36,6 +36,18 @@ def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in rules.cp_chunks(cp, rank)])
 
 
+def rank_documents(
+    document_starts: np.ndarray, n_tokens: int, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int,
+    dp_size: int,
+) -> torch.Tensor:
+    """For `--doc-mask`: which document each input position of this dp rank's whole sequences
+    (not cut for cp) belongs to, (per_rank, seq_len) int64 (`rank_batch`'s windows)."""
+    starts = window_starts(n_tokens, seq_len, global_batch, seed, step)
+    per_rank = global_batch // dp_size
+    positions = starts[dp_rank * per_rank : (dp_rank + 1) * per_rank, None] + np.arange(seq_len)  # (per_rank, seq_len)
+    return torch.from_numpy(np.searchsorted(document_starts, positions, side="right").astype(np.int64))
+
+
 def rank_batch(
     tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int, dp_size: int,
     cp: int = 1, cp_rank: int = 0,
