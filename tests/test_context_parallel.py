@@ -246,3 +246,21 @@ def test_doc_mask_equals_running_the_documents_separately():
         unmasked = plain(tokens)
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
     assert (unmasked[:, 5:] - alone[:, 5:]).abs().max() > 1e-3
+
+
+def test_prepare_records_where_documents_start(tmp_path):
+    """Document starts per split, also when the split falls back to the tail of the tokens (the
+    validation split then starts inside the document that was cut)."""
+    from phalanx.data.prepared import open_prepared
+    from phalanx.data.prepare import prepare
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ("abc", "defgh", "ij")))
+    prepare([str(tmp_path / "docs.jsonl")], tokenizer="bytes", out=str(tmp_path / "all"), val_fraction=0, workers=1,
+            progress=False)
+    assert open_prepared(tmp_path / "all").train_documents.tolist() == [0, 3, 8]  # bytes: no end-of-text token
+    (tmp_path / "one.txt").write_text("x" * 100)
+    prepare([str(tmp_path / "one.txt")], tokenizer="bytes", out=str(tmp_path / "tail"), val_fraction=0.1, workers=1,
+            progress=False)
+    tail = open_prepared(tmp_path / "tail")
+    assert tail.manifest["split_by"] == "tail"
+    assert tail.train_documents.tolist() == [0] and tail.val_documents.tolist() == [0]
