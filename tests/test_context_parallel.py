@@ -37,11 +37,12 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 LAYOUTS = {
     4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "pp=2,cp=2", "dp=2,cp=2,zero=3", "tiny-moe dp=2,cp=2,ep=4"],
-    2: ["cp=2", "resume cp=2", "docmask cp=2"],
+    2: ["cp=2", "resume cp=2", "docmask cp=2,recompute=full"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
-`--doc-mask` on packed short documents (`_packed_documents`)."""
+`--doc-mask` on packed short documents (`_packed_documents`), here with full recomputation,
+which gathers keys and values again in backward and needs the document ids there too."""
 
 
 def _dir(layout: str) -> str:

@@ -8,8 +8,9 @@ each attention layer all-gathers its keys and values over the cp group (one coll
 and runs its queries against all of them under an explicit mask built from absolute positions:
 a query chunk sees a key set of another length, where `is_causal=True`'s top-left alignment
 would be wrong. With grouped-query attention the keys and values are a fraction of the
-activations (8 KV heads of 32 for Llama 3: 1/8 of a tp all-reduce's bytes per layer), which is
-why Llama 3 chose the gather over a ring (docs/layout.md says more).
+activations (8 KV heads of 32 for Llama 3: half a hidden state per token, where tp all-reduces
+the whole hidden state twice per layer), which is why Llama 3 chose the gather over a ring
+(docs/layout.md says more).
 
 The gather's backward sums each rank's key/value gradients over the cp ranks whose queries
 used them and hands each its own part: a reduce-scatter. The loss is each rank's mean over its
@@ -26,7 +27,6 @@ attention inside each document of a packed sequence (`document_ids`), with or wi
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,11 @@ from torch import nn
 from phalanx import layout_rules as rules
 from phalanx.data.batches import chunk_positions
 
-_DOCUMENTS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("phalanx_documents", default=None)
+_documents: list[torch.Tensor | None] = [None]
 """The document id of every position of the micro-batch in flight, (batch, seq), set by
-`document_ids` around its forward and backward (recomputation runs the forward again there)."""
+`document_ids` around its forward and backward (recomputation runs the forward again there).
+A module variable, not a ContextVar: on CUDA, autograd runs the backward, and so the
+recomputed forward, on its own device threads, which a ContextVar set here would not reach."""
 
 
 @contextlib.contextmanager
@@ -45,11 +47,11 @@ def document_ids(ids: torch.Tensor | None):
     """Attention under `--doc-mask` keeps queries to keys of their own document: `ids`
     (batch, seq) numbers the documents of each whole (not chunked) sequence. Wrap the forward
     and the backward."""
-    token = _DOCUMENTS.set(ids)
+    before, _documents[0] = _documents[0], ids
     try:
         yield
     finally:
-        _DOCUMENTS.reset(token)
+        _documents[0] = before
 
 
 def _gather_single(output: torch.Tensor, local: torch.Tensor, group) -> None:
@@ -127,7 +129,7 @@ class ContextParallel:
             seq = local_len * self.cp
             self._positions[key] = (chunk_positions(seq, self.cp, self.rank, device),
                                     torch.cat([chunk_positions(seq, self.cp, r, device) for r in range(self.cp)]))
-        documents = _DOCUMENTS.get()
+        documents = _documents[0]
         if self.doc_mask and documents is None:
             raise RuntimeError("--doc-mask: no document ids for this forward (wrap it in document_ids)")
         return SequenceView(*self._positions[key], self.group, self.cp, documents if self.doc_mask else None)
