@@ -40,7 +40,7 @@ class Plan:
     (`phalanx.parallel.context_parallel`). Weights are replicated over cp, so gradients reduce
     and zero levels shard over dp x cp."""
     ep: int = 1
-    """Expert-parallel degree, carved out of the dp ranks (must divide dp), or with ep_over_tp out
+    """Expert-parallel degree, carved out of the dp x cp ranks (must divide dp x cp), or with ep_over_tp out
     of the dp x tp ranks (must divide dp x tp)."""
     ep_over_tp: bool = False
     """MoE parallel folding: the ep group is drawn from the dp x tp ranks of a stage and each tp

@@ -8,7 +8,7 @@ every rank's copy of every weight, within 1e-4 (fp32). What legitimately differs
 of float additions: a rank's softmax runs over its keys in the gathered (rank, chunk) order
 instead of position order, the key/value gradients are summed over the cp ranks by the
 reduce-scatter, and gradients are averaged over dp x cp ranks; each is ~1e-7 relative per
-operation (measured differences: below 1e-6). A wrong chunk (positions or mask off by one
+operation (measured loss differences: below 1e-6). A wrong chunk (positions or mask off by one
 chunk), a missing gradient sum over cp or a mean over the wrong ranks moves the losses and
 weights by >1e-3 and fails; so does a rotary table read at local instead of absolute positions.
 
