@@ -174,17 +174,24 @@ def test_every_cp_rank_does_the_same_causal_work_within_one_chunk(seq_len, cp):
         assert mean - contiguous_first > chunk_share
 
 
-def test_sliding_window_mask_matches_the_cache_mask():
-    """With one cp rank the explicit mask is the one kv_cache.py builds (causal, and a window)."""
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_chunk_masks_put_together_are_the_whole_sequence_mask(cp):
+    """Each cp rank's mask (its queries against the gathered keys, in rank order), its rows and
+    columns put back at their absolute positions, is the mask kv_cache.py builds for the whole
+    sequence: causal, and with a sliding window (which cp therefore supports)."""
+    from phalanx.data.batches import chunk_positions
     from phalanx.model.kv_cache import attention_mask
     from phalanx.parallel.context_parallel import ContextParallel
 
-    view = ContextParallel(1, 0, None, doc_mask=False).view(16, "cpu")
-    k = torch.zeros(1, 1, 16, 4)
+    seq = 32
+    keys = torch.cat([chunk_positions(seq, cp, r) for r in range(cp)])
     for window in (0, 5):
-        _, _, mask = view.update(0, k, k, window)
-        expected = attention_mask(16, 16, window, "cpu")
-        assert torch.equal(mask, expected if expected is not None else torch.ones(16, 16).tril().bool())
+        whole = torch.zeros(seq, seq, dtype=torch.bool)
+        for rank in range(cp):
+            mask = ContextParallel(cp, rank, None, doc_mask=False).view(seq // cp, "cpu").mask(window)
+            whole[chunk_positions(seq, cp, rank)[:, None], keys[None, :]] = mask
+        expected = attention_mask(seq, seq, window, "cpu")
+        assert torch.equal(whole, expected if expected is not None else torch.ones(seq, seq).tril().bool())
 
 
 @pytest.mark.parametrize("plan, extra, message", [

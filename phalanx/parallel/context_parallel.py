@@ -102,6 +102,11 @@ class SequenceView:
         if self.cp > 1:
             both = _GatherOverCp.apply(torch.stack([k, v]), self.group, self.cp)  # (2, batch, kv_heads, keys, head_dim)
             k, v = both.unbind(0)
+        return k, v, self.mask(window)
+
+    def mask(self, window: int) -> torch.Tensor:
+        """Which of the gathered keys each of this rank's queries sees: (seq, keys) bool, or
+        (batch, 1, seq, keys) with documents."""
         query, key = self.queries[:, None], self.keys[None, :]
         visible = key <= query  # (seq, keys): causal on absolute positions, any key order
         if window:
@@ -110,7 +115,7 @@ class SequenceView:
             docs = self.documents.to(query.device)  # (batch, whole seq)
             same = docs[:, self.queries][:, :, None] == docs[:, self.keys][:, None, :]  # (batch, seq, keys)
             visible = (visible & same)[:, None]  # (batch, 1, seq, keys)
-        return k, v, visible
+        return visible
 
     def advance(self, seq: int) -> None:
         pass
