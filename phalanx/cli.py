@@ -57,6 +57,9 @@ def _add_train(subparsers) -> None:
     parser.add_argument("--float8", dest="float8", action="store_true", default=None,
                         help="torchao float8 training of the blocks' linear layers (pip install 'phalanx[float8]'; "
                              "faster only on GPUs with float8 matmuls)")
+    parser.add_argument("--doc-mask", dest="doc_mask", action="store_true", default=None,
+                        help="attention stays inside each document of a packed sequence (needs --data prepared by "
+                             "phalanx prepare, which records where documents start)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
     parser.set_defaults(func=_run_train)
@@ -69,7 +72,7 @@ def _run_train(args) -> int:
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
     overrides.update(resume=args.resume, progress=args.progress, max_bad_steps=args.max_bad_steps,
                      sync_checkpoint=args.sync_checkpoint, max_restarts=args.max_restarts,
-                     compile=args.compile, float8=args.float8)
+                     compile=args.compile, float8=args.float8, doc_mask=args.doc_mask)
     cfg = load_config(args.config, overrides)
     if "RANK" in os.environ and cfg.out and (message := earlier_user_error(Path(cfg.out))):
         if os.environ["RANK"] != "0":

@@ -184,7 +184,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model
     # The data too: a missing or short split, a tokenizer larger than the model, bad UTF-8.
     check_corpus(open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model), model=cfg.model,
-                 model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
+                 model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0, doc_mask=cfg.doc_mask)
     created = not run_dir.exists()
     # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
     lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)

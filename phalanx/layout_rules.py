@@ -59,9 +59,14 @@ def sp_problem(tp: int, *, seq_len: int) -> str:
     return ""
 
 
-def ep_dp_problem(ep: int, *, dp: int, tp: int = 1, over_tp: bool = False) -> str:
-    """Expert parallelism is carved out of the data-parallel ranks, or with ep_over_tp=true out
-    of the dp x tp ranks (MoE parallel folding, phalanx/parallel/expert_fold.py)."""
+def ep_dp_problem(ep: int, *, dp: int, tp: int = 1, over_tp: bool = False, cp: int = 1) -> str:
+    """Expert parallelism is carved out of the data-parallel ranks (dp x cp of them: cp ranks
+    hold different tokens, like dp ranks), or with ep_over_tp=true out of the dp x tp ranks
+    (MoE parallel folding, phalanx/parallel/expert_fold.py)."""
+    if cp > 1 and not over_tp:
+        if (dp * cp) % ep:
+            return f"ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp} (experts are spread over the dp x cp ranks)"
+        return ""
     if over_tp:
         if tp == 1 or ep == 1:
             return (f"ep_over_tp=true spreads experts over the tp ranks too and needs tp > 1 and ep > 1, "
@@ -214,3 +219,29 @@ def pipeline_problem(schedule: str, *, pp: int, virtual: int, microbatches: int,
 def layers_per_rank(n_layers: int, pp: int, chunks: int) -> int:
     """Layers on the most loaded pipeline rank (chunks of ceil(L / (pp * chunks)) layers)."""
     return chunks * math.ceil(n_layers / (pp * chunks))
+
+
+def cp_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two of a sequence's 2 x cp equal chunks that context-parallel rank `rank` holds: i
+    and 2cp-1-i, an early chunk (little causal work: few keys before it) with a late one
+    (much), so every rank of the group does the same attention work (docs/layout.md)."""
+    return rank, 2 * cp - 1 - rank
+
+
+def cp_problem(cp: int, *, seq_len: int, tp: int = 1, sp: bool = False) -> str:
+    """Context parallelism cuts each sequence into 2 x cp chunks (x tp with sp, whose norms
+    then split each rank's part over the tp ranks)."""
+    if cp == 1:
+        return ""
+    unit = 2 * cp * (tp if sp else 1)
+    if seq_len % unit:
+        spelled = f"2 x cp x tp = 2 x {cp} x {tp} = {unit} (cp={cp} with sp=true)" if sp else f"2 x cp = {unit} (cp={cp})"
+        return f"seq_len={seq_len} must divide by {spelled}: each sequence is cut into {unit} equal chunks"
+    return ""
+
+
+def causal_pairs(seq_len: int, cp: int, rank: int) -> int:
+    """Query-key pairs under the causal mask that cp rank `rank` computes: position p sees the
+    p + 1 keys 0..p (the load-balance test and the planner's attention work per rank)."""
+    chunk = seq_len // (2 * cp)
+    return sum(sum(p + 1 for p in range(c * chunk, (c + 1) * chunk)) for c in cp_chunks(cp, rank))

@@ -1,12 +1,13 @@
 """A parallel layout as plain data, and the `--plan` string grammar that writes it.
 
     dp=2,tp=2,pp=2,ep=2,zero=3,sp=true,schedule=interleaved,virtual=2,microbatches=8
+    dp=2,cp=4             (each sequence split over 4 context-parallel ranks)
     pp=2,split=3:1        (hand-given layers per pipeline stage)
     dp=4,zero=3,offload=true,param_dtype=bf16,reduce_dtype=fp32
 
 The planner emits this same dataclass, so a chosen plan can be printed, saved, edited and run.
-Rank order (documented in docs/layout.md): tp is innermost (fastest links), then dp, then pp
-outermost; ep is carved out of the dp ranks.
+Rank order (documented in docs/layout.md): tp is innermost (fastest links), then cp, then dp,
+then pp outermost; ep is carved out of the dp x cp ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ DTYPES = ("bf16", "fp32")
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """How one training job is spread over `dp * tp * pp` processes."""
+    """How one training job is spread over `dp * cp * tp * pp` processes."""
 
     dp: int = 1
     """Data-parallel degree: copies (or shards, with zero) of the model, each on its batch slice."""
@@ -33,8 +34,13 @@ class Plan:
     """Tensor-parallel degree: each layer's matrices split across this many ranks."""
     pp: int = 1
     """Pipeline-parallel degree: number of stages."""
+    cp: int = 1
+    """Context-parallel degree: each sequence cut into 2 x cp chunks, two per rank, attention
+    over the whole sequence by gathering keys and values over the cp ranks
+    (`phalanx.parallel.context_parallel`). Weights are replicated over cp, so gradients reduce
+    and zero levels shard over dp x cp."""
     ep: int = 1
-    """Expert-parallel degree, carved out of the dp ranks (must divide dp), or with ep_over_tp out
+    """Expert-parallel degree, carved out of the dp x cp ranks (must divide dp x cp), or with ep_over_tp out
     of the dp x tp ranks (must divide dp x tp)."""
     ep_over_tp: bool = False
     """MoE parallel folding: the ep group is drawn from the dp x tp ranks of a stage and each tp
@@ -98,7 +104,13 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def weight_replicas(self) -> int:
+        """Ranks that hold the same weights and different tokens: dp x cp (gradients are
+        reduced, zero levels sharded and experts spread over them)."""
+        return self.dp * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -120,14 +132,14 @@ class Plan:
     def validate(self, world_size: int | None = None) -> "Plan":
         """Check the plan on its own and against `world_size` processes; return it."""
         problems = []
-        for name in ("dp", "tp", "pp", "ep", "replicate", "virtual"):
+        for name in ("dp", "cp", "tp", "pp", "ep", "replicate", "virtual"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         if self.microbatches < 0:
             problems.append(f"microbatches={self.microbatches} must be at least 1")
         if problems:
             raise UserError("invalid plan: " + "; ".join(problems))
-        if problem := rules.ep_dp_problem(self.ep, dp=self.dp, tp=self.tp, over_tp=self.ep_over_tp):
+        if problem := rules.ep_dp_problem(self.ep, dp=self.dp, tp=self.tp, over_tp=self.ep_over_tp, cp=self.cp):
             problems.append(problem)
         if self.zero == 1:
             problems.append("zero=1 (optimizer state only) is not offered: PyTorch's ZeroRedundancyOptimizer "
@@ -136,12 +148,12 @@ class Plan:
             problems.append(f"zero={self.zero} must be 0, 2 or 3")
         if self.offload and self.zero != 3:
             problems.append(f"offload=true needs zero=3 (FSDP2 offloads sharded parameters), got zero={self.zero}")
-        elif self.offload and self.dp == 1:
+        elif self.offload and self.weight_replicas == 1:
             problems.append("offload=true needs dp > 1 (FSDP2 over the data-parallel ranks offloads), got dp=1")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("", *DTYPES):
                 problems.append(f"{name}={getattr(self, name)!r} is not one of {', '.join(DTYPES)}")
-        if self.reduce_dtype == "bf16" and self.dp == 1:
+        if self.reduce_dtype == "bf16" and self.weight_replicas == 1:
             problems.append("reduce_dtype=bf16 needs dp > 1 (with dp=1 no gradient is reduced)")
         if self.replicate > 1 and not self.shards_dp:
             problems.append(f"replicate={self.replicate} (HSDP) needs zero=2 or 3 (fsdp=true), got zero={self.zero}")
@@ -165,7 +177,7 @@ class Plan:
             problems.append(f"split={self.split} divides layers between pipeline stages, but pp=1")
         if world_size is not None and self.world_size != world_size:
             problems.append(
-                f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size}, "
+                f"dp={self.dp}{f' x cp={self.cp}' if self.cp > 1 else ''} x tp={self.tp} x pp={self.pp} = {self.world_size}, "
                 f"but {world_size} process{' was' if world_size == 1 else 'es were'} started"
             )
         if problems:

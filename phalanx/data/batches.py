@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 
 
@@ -28,10 +29,35 @@ def take_windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[
     return data[:, :-1], data[:, 1:]
 
 
+def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """The positions of a sequence that context-parallel rank `rank` holds, its two chunks of
+    the 2 x cp in order (`layout_rules.cp_chunks`): (seq_len / cp,)."""
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in rules.cp_chunks(cp, rank)])
+
+
+def rank_documents(
+    document_starts: np.ndarray, n_tokens: int, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int,
+    dp_size: int,
+) -> torch.Tensor:
+    """For `--doc-mask`: which document each input position of this dp rank's whole sequences
+    (not cut for cp) belongs to, (per_rank, seq_len) int64 (`rank_batch`'s windows)."""
+    starts = window_starts(n_tokens, seq_len, global_batch, seed, step)
+    per_rank = global_batch // dp_size
+    positions = starts[dp_rank * per_rank : (dp_rank + 1) * per_rank, None] + np.arange(seq_len)  # (per_rank, seq_len)
+    return torch.from_numpy(np.searchsorted(document_starts, positions, side="right").astype(np.int64))
+
+
 def rank_batch(
-    tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int, dp_size: int
+    tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int, dp_size: int,
+    cp: int = 1, cp_rank: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's contiguous slice of the step's global batch."""
+    """This data-parallel rank's contiguous slice of the step's global batch; with context
+    parallelism, of each sequence only this cp rank's positions (`chunk_positions`)."""
     starts = window_starts(len(tokens), seq_len, global_batch, seed, step)
     per_rank = global_batch // dp_size
-    return take_windows(tokens, starts[dp_rank * per_rank : (dp_rank + 1) * per_rank], seq_len)
+    inputs, targets = take_windows(tokens, starts[dp_rank * per_rank : (dp_rank + 1) * per_rank], seq_len)
+    if cp == 1:
+        return inputs, targets
+    mine = chunk_positions(seq_len, cp, cp_rank)
+    return inputs[:, mine], targets[:, mine]  # each (per_rank, seq_len / cp)

@@ -40,6 +40,10 @@ class Corpus:
     """What the ids mean: the run's tokenizer (for a prepared directory, the one it was made with)."""
     id_bound: int = 256
     """Every token id is below this (the tokenizer's vocabulary, or a `.bin`'s largest id + 1)."""
+    train_documents: np.ndarray | None = None
+    """Where each document of `train` starts (a prepared directory's record), for `--doc-mask`;
+    None where the data does not say."""
+    val_documents: np.ndarray | None = None
 
 
 def _is_validation(relative: str) -> bool:
@@ -149,7 +153,7 @@ def load_corpus(path: str | None, tokenizer: Tokenizer | None = None) -> Corpus:
         m = data.manifest
         return Corpus(data.train, data.val, f"{path}: {m['train']['tokens']:,} train / {m['val']['tokens']:,} "
                       f"validation tokens of {m['documents']:,} documents ({m['tokenizer']['name']})",
-                      tok, data.vocab_size)
+                      tok, data.vocab_size, data.train_documents, data.val_documents)
     if target.is_dir():
         files = text_files(target)
         return _from_files(files, target, f"{path} ({len(files)} files)", tok)
@@ -183,9 +187,13 @@ def open_training_data(*, data: str, tokenizer: str, model: str) -> Corpus:
     return load_corpus(data, run_tokenizer(tokenizer, model=model, data=data))
 
 
-def check_corpus(corpus: Corpus, *, model: str, model_vocab: int, seq_len: int, needs_val: bool) -> None:
+def check_corpus(corpus: Corpus, *, model: str, model_vocab: int, seq_len: int, needs_val: bool,
+                 doc_mask: bool = False) -> None:
     """Refuse, in one line, data this model cannot train on: found before any worker starts."""
     tok = corpus.tokenizer
+    if doc_mask and corpus.train_documents is None:
+        raise UserError(f"--doc-mask needs to know where documents start, which {corpus.description.split(':')[0]} "
+                        "does not record; give --data a directory made by phalanx prepare (prepare it again if it is older)")
     if tok.vocab_size > model_vocab:
         raise UserError(f"tokenizer {tok.name!r} has a vocabulary of {tok.vocab_size:,} tokens, more than "
                         f"model {model!r}'s {model_vocab:,}; choose a model with a larger vocabulary or another --tokenizer")

@@ -3,7 +3,8 @@ that training memory-maps (format: docs/data.md).
 
 Worker processes encode chunks of documents; the parent writes their tokens in document order,
 so the result does not depend on the number of workers. Each document is followed by the
-tokenizer's end-of-text token where it has one. A document goes to validation when a hash of
+tokenizer's end-of-text token where it has one, and where each document starts is recorded
+(`<split>_documents.npy`, for `phalanx train --doc-mask`). A document goes to validation when a hash of
 its position in the input falls below `val_fraction`: deterministic, streaming (no count needed
 up front) and spread over the whole input. Everything is written into a temporary folder
 beside the target and renamed into place at the end, so an error leaves nothing half written.
@@ -140,8 +141,9 @@ def _init_worker(spec: str, forked: bool = False) -> None:
     _worker_tokenizer = load_tokenizer(spec)
 
 
-def _encode_chunk(task: tuple[int, list, int, float, str]) -> tuple[np.ndarray, np.ndarray, int, int, int]:
-    """(train tokens, val tokens, train documents, val documents, source bytes) of one chunk."""
+def _encode_chunk(task: tuple[int, list, int, float, str]) -> tuple[np.ndarray, np.ndarray, list, list, int]:
+    """(train tokens, val tokens, train document lengths, val document lengths (each with its
+    end-of-text token), source bytes) of one chunk."""
     position, texts, source_bytes, val_fraction, dtype = task
     tok = _worker_tokenizer
     eos = [] if tok.eos_id is None else [tok.eos_id]
@@ -150,7 +152,8 @@ def _encode_chunk(task: tuple[int, list, int, float, str]) -> tuple[np.ndarray, 
         split = val if is_validation(position + i, val_fraction) else train
         split += [ids, eos]
     join = lambda parts: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
-    return join(train), join(val), len(train) // 2, len(val) // 2, source_bytes
+    lengths = lambda parts: [len(ids) + len(eos) for ids in parts[::2]]  # noqa: E731
+    return join(train), join(val), lengths(train), lengths(val), source_bytes
 
 
 class _ShardWriter:
@@ -192,19 +195,29 @@ def _ranges(shards: list[dict], start: int, stop: int) -> list[list]:
     return pieces
 
 
-def _split_record(train: _ShardWriter, val: _ShardWriter, counts: dict, val_fraction: float) -> tuple[dict, dict, str]:
-    """The train and val records of data.json, and how the split was made."""
+def _document_starts(lengths: list[int]) -> np.ndarray:
+    """Where each document starts in its split's token sequence (int64)."""
+    return np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64) if lengths else np.zeros(0, np.int64)
+
+
+def _split_record(train: _ShardWriter, val: _ShardWriter, counts: dict, val_fraction: float,
+                  lengths: dict) -> tuple[dict, dict, str, dict]:
+    """The train and val records of data.json, how the split was made, and each split's
+    document starts."""
     if (train.tokens and val.tokens) or val_fraction == 0:
         return ({"documents": counts["train"], "tokens": train.tokens, "ranges": _ranges(train.shards, 0, train.tokens)},
                 {"documents": counts["val"], "tokens": val.tokens, "ranges": _ranges(val.shards, 0, val.tokens)},
-                "documents")
+                "documents", {name: _document_starts(lengths[name]) for name in ("train", "val")})
     # Too few documents to split (one text file is one document), so all fell on one side:
     # hold out the last val_fraction of the tokens instead, so that both splits have data.
     whole = train if train.tokens else val
     cut = whole.tokens - math.ceil(whole.tokens * val_fraction)
+    starts = _document_starts(lengths["train"] or lengths["val"])
+    # The validation split starts inside the document that straddles the cut.
+    val_starts = np.concatenate([[0], starts[starts > cut] - cut]).astype(np.int64)
     return ({"documents": counts["train"] + counts["val"], "tokens": cut, "ranges": _ranges(whole.shards, 0, cut)},
             {"documents": 0, "tokens": whole.tokens - cut, "ranges": _ranges(whole.shards, cut, whole.tokens)},
-            "tail")
+            "tail", {"train": starts[starts < cut], "val": val_starts})
 
 
 def _target(out: str) -> Path:
@@ -239,15 +252,18 @@ def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text"
     try:
         writers = {"train": _ShardWriter(staging, "train"), "val": _ShardWriter(staging, "val")}
         counts = {"train": 0, "val": 0}
+        lengths: dict[str, list[int]] = {"train": [], "val": []}
         tasks = ((p, texts, b, val_fraction, dtype.str) for p, texts, b in _chunks(files, field=field, any_bytes=tok.reads_any_bytes))
         bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="prepare",
                    disable=not progress, smoothing=0.1)
         with _encoder(tokenizer or "bytes", workers) as encode:
-            for train_ids, val_ids, n_train, n_val, used in encode(tasks):
+            for train_ids, val_ids, train_lengths, val_lengths, used in encode(tasks):
                 writers["train"].write(train_ids)
                 writers["val"].write(val_ids)
-                counts["train"] += n_train
-                counts["val"] += n_val
+                counts["train"] += len(train_lengths)
+                counts["val"] += len(val_lengths)
+                lengths["train"] += train_lengths
+                lengths["val"] += val_lengths
                 bar.update(used)
                 bar.set_postfix(tokens=f"{writers['train'].tokens + writers['val'].tokens:,}", refresh=False)
         bar.close()
@@ -255,7 +271,10 @@ def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text"
             writer.close()
         if not counts["train"] + counts["val"]:
             raise UserError(f"no documents found in {', '.join(sources)} (empty files or field {field!r} always empty)")
-        train, val, how = _split_record(writers["train"], writers["val"], counts, val_fraction)
+        train, val, how, starts = _split_record(writers["train"], writers["val"], counts, val_fraction, lengths)
+        for name, record in (("train", train), ("val", val)):
+            record["document_starts"] = f"{name}_documents.npy"
+            np.save(staging / record["document_starts"], starts[name])
         manifest = {
             "format": FORMAT,
             "tokenizer": {"name": tok.name, "file": save_tokenizer_files(tok, staging), "fingerprint": tok.fingerprint,

@@ -53,6 +53,10 @@ class Prepared:
     manifest: dict
     train: np.ndarray | TokenRanges
     val: np.ndarray | TokenRanges
+    train_documents: np.ndarray | None = None
+    """Where each train document starts (int64 offsets into `train`); None when the directory
+    was prepared before document starts were recorded."""
+    val_documents: np.ndarray | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -101,4 +105,14 @@ def open_prepared(root: Path) -> Prepared:
         int(manifest["vocab_size"]), manifest["tokenizer"]["fingerprint"]  # noqa: B018 (presence checks)
     except (KeyError, TypeError, ValueError) as error:
         raise UserError(f"{where} is malformed ({type(error).__name__}: {error}); prepare the directory again") from None
-    return Prepared(root, manifest, train, val)
+    return Prepared(root, manifest, train, val, *(_document_starts(root, manifest[name]) for name in ("train", "val")))
+
+
+def _document_starts(root: Path, record: dict) -> np.ndarray | None:
+    name = record.get("document_starts")
+    if not name:
+        return None
+    try:
+        return np.load(root / name, mmap_mode="r")
+    except (OSError, ValueError) as error:
+        raise UserError(f"{root / name}: unreadable document starts ({error}); prepare the directory again") from None

@@ -85,6 +85,9 @@ def prepare_job(args) -> dict:
     check_context(len(prompt), args.max_new_tokens, source.cfg.max_seq_len)
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
+    if plan.cp > 1:  # one sequence at a time, decoded a token per step: nothing to split
+        raise UserError(f"phalanx generate does not run context parallelism (plan {plan.to_string()}); "
+                        "use tp=N, or generate on one process")
     if plan.world_size != plan.tp:  # dp would only repeat the work; pp and ep: not built yet
         raise UserError(f"phalanx generate runs tensor-parallel layouts (tp=N, optionally sp=true); "
                         f"plan {plan.to_string()} has dp={plan.dp}, pp={plan.pp}")

@@ -7,6 +7,11 @@ The order is fixed, and each step relies on the ones before it:
                        they are plain modules, before any wrapper (parallel/float8.py);
   2. tensor parallel - swap the remaining parameters for DTensors sharded over "tp"
                        (`parallelize_module` needs the plain modules, before any wrapper);
+  2b. context parallel - `cp` (or `--doc-mask`): a pre-hook on every attention layer hands it
+                       the whole sequence's keys and values over "cp" and an explicit mask
+                       (parallel/context_parallel.py); after TP, whose sequence-parallel
+                       gather must run first, and before recompute, whose recomputation then
+                       gathers again in backward;
   3. expert parallel - keep only this rank's experts, route tokens by all-to-all over "ep";
   4. compute weights - in bf16 where FSDP does not cast (one process, DDP, tp or pp without
                        dp): hooks give each module bf16 copies of its fp32 masters during its
@@ -38,11 +43,12 @@ from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import WeightSource, build_model
 from phalanx.parallel.compile import apply_compile, validate_compile
+from phalanx.parallel.context_parallel import apply_context_parallel, validate_cp
 from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_precision, uses_fsdp
 from phalanx.parallel.expert import apply_ep, validate_ep
 from phalanx.parallel.float8 import apply_float8, validate_float8
 from phalanx.parallel.materialize import materialize
-from phalanx.parallel.mesh import ParallelMesh
+from phalanx.parallel.mesh import ParallelMesh, weights_view
 from phalanx.parallel.mixed_precision import apply_compute_weights, mixed_precision
 from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank, validate_pp
 from phalanx.parallel.recompute import apply_recompute
@@ -52,12 +58,13 @@ from phalanx.plan import Plan
 
 
 def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32",
-                       compile: bool = False, float8: bool = False) -> Plan:
-    """Checks that need the model's shape, the batch, `--dtype`, `--compile` and `--float8`;
-    raised before any worker starts. Returns the plan with its precision filled in from `dtype`
-    (`resolve_precision`)."""
-    validate_ep(cfg, plan)
+                       compile: bool = False, float8: bool = False, doc_mask: bool = False) -> Plan:
+    """Checks that need the model's shape, the batch, `--dtype`, `--compile`, `--float8` and
+    `--doc-mask`; raised before any worker starts. Returns the plan with its precision filled
+    in from `dtype` (`resolve_precision`)."""
+    validate_ep(cfg, weights_view(plan))  # experts spread over dp x cp ranks
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
+    problems += validate_cp(plan, cfg, seq_len, compile=compile, doc_mask=doc_mask)
     problems += validate_compile(plan, compile) + validate_float8(plan, float8, moe=cfg.n_experts > 0)
     if cfg.tie_embeddings and plan.pp > 1:
         problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
@@ -75,12 +82,13 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
 
 def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,
                       weights: WeightSource | None, expert_slots: dict | None = None, *,
-                      compile: bool = False, float8: bool = False) -> nn.Module:
+                      compile: bool = False, float8: bool = False, doc_mask: bool = False) -> nn.Module:
     """Steps 1b-7 for one model or pipeline chunk."""
     plan = mesh.plan
     apply_float8(model, float8)
     if plan.tp > 1:
         apply_tp(model, mesh.tp_mesh(), sp=plan.sp)
+    apply_context_parallel(model, mesh, doc_mask=doc_mask)
     apply_ep(model, mesh, expert_slots)
     if mixed_precision(plan) and not uses_fsdp(plan):  # FSDP2 gathers the weights in bf16 itself
         apply_compute_weights(model, plan.param_dtype)
@@ -93,17 +101,19 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
 
 def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int = 0,
                 microbatch_tokens: int = 0, weights: WeightSource | None = None,
-                expert_slots: dict | None = None, compile: bool = False, float8: bool = False) -> nn.Module:
+                expert_slots: dict | None = None, compile: bool = False, float8: bool = False,
+                doc_mask: bool = False) -> nn.Module:
     """This rank's model: a Transformer, or with pp > 1 a `StageModules` of its chunks.
 
     `weights`: where initial weights come from (a checkpoint, `phalanx.hf.weights`); default:
     drawn from `seed`. `seq_len` and `microbatch_tokens` only inform the pipeline split's cost
     estimate. `expert_slots`: {layer: SlotPlacement} with `--expert-slots` (else one slot per expert).
-    `compile`, `float8`: `--compile` and `--float8` (steps 5b and 1b).
+    `compile`, `float8`, `doc_mask`: `--compile`, `--float8` and `--doc-mask` (steps 5b, 1b, 2b).
     """
     plan = mesh.plan
     if plan.pp == 1:
-        model = _parallelize_part(build_model(cfg), cfg, mesh, seed, weights, expert_slots, compile=compile, float8=float8)
+        model = _parallelize_part(build_model(cfg), cfg, mesh, seed, weights, expert_slots, compile=compile, float8=float8,
+                                  doc_mask=doc_mask)
         if plan.dp > 1 and not uses_fsdp(plan):
             model = apply_ddp(model, mesh)
         return model
@@ -114,5 +124,6 @@ def parallelize(cfg: ModelConfig, mesh: ParallelMesh, *, seed: int, seq_len: int
     chunks, stages = [], stages_of_rank(plan, mesh.axis_rank("pp"))
     for stage in stages:
         chunk = keep_only(build_model(cfg), split[stage])
-        chunks.append(_parallelize_part(chunk, cfg, mesh, seed, weights, expert_slots, compile=compile, float8=float8))
+        chunks.append(_parallelize_part(chunk, cfg, mesh, seed, weights, expert_slots, compile=compile, float8=float8,
+                                        doc_mask=doc_mask))
     return StageModules(chunks, stages)

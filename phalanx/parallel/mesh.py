@@ -1,9 +1,16 @@
 """One explicit object for the process layout: the plan, this rank's place, and the meshes.
 
-Rank order: tp innermost (neighbouring ranks, the fastest links), then dp, then pp outermost,
-so rank = (pp_rank * dp + dp_rank) * tp + tp_rank. A one-process run has no process group
-and no DeviceMesh: every accessor still answers (size 1, rank 0) so training code has no
-special cases.
+Rank order: tp innermost (neighbouring ranks, the fastest links), then cp, then dp, then pp
+outermost, so rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. A one-process
+run has no process group and no DeviceMesh: every accessor still answers (size 1, rank 0) so
+training code has no special cases.
+
+Context parallelism and the weights: cp ranks hold the same weights and different tokens, as
+dp ranks do, so everything that places, reduces or shards weights (DDP, FSDP's zero levels,
+expert parallelism, HSDP) sees one data-parallel axis "dp" of dp x cp ranks: `mesh.plan` is
+the plan with dp x cp as its dp (`weights_view`), and with cp innermost of the two, that axis's
+rank dp_rank * cp + cp_rank is exactly the rank order above. Only the data loader and the
+attention layers tell the cp ranks apart (`batch_rank`, `cp_rank`, `cp_group`).
 """
 
 from __future__ import annotations
@@ -16,9 +23,15 @@ import torch.distributed as dist
 from phalanx.plan import Plan
 
 
+def weights_view(plan: Plan) -> Plan:
+    """`plan` as the weights see it: the dp x cp ranks as one data-parallel axis (see above)."""
+    return plan if plan.cp == 1 else plan.replace(dp=plan.dp * plan.cp, cp=1)
+
+
 @dataclass
 class ParallelMesh:
     plan: Plan
+    """The plan as the weights see it (`weights_view`: dp is dp x cp)."""
     device: torch.device
     world_size: int = 1
     rank: int = 0
@@ -26,6 +39,8 @@ class ParallelMesh:
     """DeviceMesh with axes ("pp", "dp", "tp"), or None for a single process."""
     _split_meshes: dict = field(default_factory=dict)
     """split_dp's meshes, one per split (creating one makes process groups)."""
+    cp: int = 1
+    """Context-parallel degree: the adjacent ranks of the "dp" axis that share their sequences."""
 
     @property
     def distributed(self) -> bool:
@@ -44,7 +59,27 @@ class ParallelMesh:
 
     @property
     def dp_rank(self) -> int:
+        """Rank on the weights' data-parallel axis (dp x cp ranks)."""
         return self.axis_rank("dp")
+
+    @property
+    def batch_rank(self) -> int:
+        """Which slice of the global batch this rank reads: its dp rank of the user's plan."""
+        return self.dp_rank // self.cp
+
+    @property
+    def batch_ranks(self) -> int:
+        """How many slices the global batch is cut into: the user's dp."""
+        return self.plan.dp // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dp_rank % self.cp
+
+    def cp_group(self):
+        """The process group of the cp ranks that share this rank's sequences (every rank
+        must call this the first time: it creates process groups)."""
+        return self.split_dp("batch", "cp", self.cp)["cp"].get_group() if self.distributed and self.cp > 1 else None
 
     def split_dp(self, outer: str, inner: str, inner_size: int):
         """A DeviceMesh ("pp", outer, inner, "tp") that splits the dp axis into
@@ -121,5 +156,7 @@ def build_mesh(plan: Plan, device: torch.device) -> ParallelMesh:
     plan.validate(world_size)
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = init_device_mesh(device.type, (plan.pp, plan.dp, plan.tp), mesh_dim_names=("pp", "dp", "tp"))
-    return ParallelMesh(plan=plan, device=device, world_size=world_size, rank=dist.get_rank(), device_mesh=device_mesh)
+    weights = weights_view(plan)
+    device_mesh = init_device_mesh(device.type, (weights.pp, weights.dp, weights.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return ParallelMesh(plan=weights, device=device, world_size=world_size, rank=dist.get_rank(),
+                        device_mesh=device_mesh, cp=plan.cp)

@@ -94,6 +94,9 @@ class TrainConfig:
     float8: bool = False
     """torchao float8 training of the blocks' linear layers (tensorwise scaling; the `float8`
     extra); fast only on GPUs with float8 matmuls, numerics only elsewhere; `parallel/float8.py`."""
+    doc_mask: bool = False
+    """Attention stays inside each document of a packed sequence (the document starts a prepared
+    directory records); with or without cp; `parallel/context_parallel.py`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TOML `resume = true` and older callers

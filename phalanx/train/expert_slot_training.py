@@ -49,6 +49,9 @@ def slot_placements(cfg, model_cfg, plan) -> dict[int, SlotPlacement] | None:
     neither is set (today's layout). Bad settings give one-line errors."""
     if not cfg.expert_slots and not cfg.rebalance_every:
         return None
+    from phalanx.parallel.mesh import weights_view
+
+    plan = weights_view(plan)  # experts spread over dp x cp ranks
     flags = f"--expert-slots={cfg.expert_slots}" if cfg.expert_slots else f"--rebalance-every={cfg.rebalance_every}"
     experts, slots = model_cfg.n_experts, cfg.expert_slots or model_cfg.n_experts
     # The rules live in layout_rules, which the planner reads too (`phalanx plan --expert-slots`).

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from phalanx.data.batches import rank_batch
+from phalanx.data.batches import rank_batch, rank_documents
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.data.tokenizer import save_tokenizer_files
 from phalanx.errors import UserError
@@ -20,6 +20,7 @@ from phalanx.hf.weights import initial_weights
 from phalanx.local_device import pick_device
 from phalanx.model.config import model_config
 from phalanx.parallel.apply import parallelize
+from phalanx.parallel.context_parallel import document_ids
 from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
 from phalanx.parallel.float8 import note_float8_device
@@ -88,20 +89,29 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
+def step_documents(starts, tokens, cfg: TrainConfig, mesh: ParallelMesh, *, seed: int, step: int):
+    """With `--doc-mask`, the document ids of this rank's sequences of `step` (else None)."""
+    if not cfg.doc_mask:
+        return None
+    return rank_documents(starts, len(tokens), seed=seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+                          dp_rank=mesh.batch_rank, dp_size=mesh.batch_ranks)
+
+
 @torch.no_grad()
-def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipeline=None) -> float:
+def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipeline=None, documents=None) -> float:
+    """`documents`: where the documents of `tokens` start, for `--doc-mask`."""
     model.eval()
     total = torch.zeros((), device=mesh.device)
     for i in range(cfg.eval_batches):
         inputs, targets = rank_batch(
             tokens, seed=EVAL_SEED, step=i, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-            dp_rank=mesh.dp_rank, dp_size=mesh.plan.dp,
+            dp_rank=mesh.batch_rank, dp_size=mesh.batch_ranks, cp=mesh.cp, cp_rank=mesh.cp_rank,
         )
         inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
         if pipeline is not None:
             total += pipeline_forward_loss(model, mesh, inputs, targets, autocast=autocast)
         else:
-            with loss_context(mesh.plan):
+            with loss_context(mesh.plan), document_ids(step_documents(documents, tokens, cfg, mesh, seed=EVAL_SEED, step=i)):
                 total += _plain(batch_loss(model, inputs, targets, autocast))
     model.train()
     return float(mesh.all_reduce_mean(total / cfg.eval_batches))
@@ -173,7 +183,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     note_float8_device(device, cfg.float8, rank)  # refused on a GPU without float8 matmuls
     mesh = build_mesh(plan, device)
     corpus = open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model)
-    check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0)
+    check_corpus(corpus, model=cfg.model, model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0,
+                 doc_mask=cfg.doc_mask)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a data error leaves no empty run folder
     except OSError as error:
@@ -184,7 +195,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     placements = slot_placements(cfg, model_cfg, plan)  # --expert-slots / --rebalance-every, else None
     model = parallelize(model_cfg, mesh, seed=cfg.seed, seq_len=cfg.seq_len, microbatch_tokens=micro * cfg.seq_len,
                         weights=initial_weights(cfg.model, cfg.init, model_cfg), expert_slots=placements,
-                        compile=cfg.compile, float8=cfg.float8)
+                        compile=cfg.compile, float8=cfg.float8, doc_mask=cfg.doc_mask)
     pipeline = make_pipeline(model, mesh) if plan.pp > 1 else None
     if pipeline is not None:
         moe_aux_loss.aux_losses_in_backward(model)  # the schedule's loss_fn cannot see them
@@ -230,9 +241,10 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                 group["lr"] = lr
             inputs, targets = rank_batch(
                 corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                dp_rank=mesh.dp_rank, dp_size=plan.dp,
+                dp_rank=mesh.batch_rank, dp_size=plan.dp, cp=plan.cp, cp_rank=mesh.cp_rank,
             )
-            inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq)
+            inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq / cp)
+            documents = step_documents(corpus.train_documents, corpus.train, cfg, mesh, seed=cfg.seed, step=step)
             clock = WaitClock() if pipeline is not None else None
             if pipeline is not None:
                 loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast, clock=clock)
@@ -241,7 +253,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                 for i in range(accum):
                     set_gradient_sync(model, i == accum - 1)
                     rows = slice(i * micro, (i + 1) * micro)
-                    with loss_context(plan):  # the backward too: loss_parallel has its own
+                    # The backward too: loss_parallel has its own, recomputation needs the documents.
+                    with loss_context(plan), document_ids(None if documents is None else documents[rows]):
                         loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
                         (loss + moe_aux_loss.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
                     loss_sum += _plain(loss.detach())
@@ -273,7 +286,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
             if slots is not None:
                 meta["expert_slots"] = slots.state_dict()
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline)
+                record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline,
+                                                                    corpus.val_documents)
             # Saved before the row is written, so the row can say how long the loop waited on it.
             record["ckpt_wait_s"] = save(done)[0] if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) else 0.0
             if metrics:

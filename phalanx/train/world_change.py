@@ -22,11 +22,13 @@ from phalanx.plan import Plan, parse_plan
 
 
 def dp_follows(plan: Plan, world_size: int, global_batch: int) -> Plan:
-    """`plan` with dp = world_size / (tp x pp) and micro-batches of the same size; UserError
-    when tp x pp does not divide the world size."""
-    if world_size % (plan.tp * plan.pp):
-        raise UserError(f"tp={plan.tp} x pp={plan.pp} = {plan.tp * plan.pp} does not divide {world_size} processes")
-    dp = world_size // (plan.tp * plan.pp)
+    """`plan` with dp = world_size / (cp x tp x pp) and micro-batches of the same size;
+    UserError when cp x tp x pp does not divide the world size."""
+    fixed = plan.cp * plan.tp * plan.pp
+    if world_size % fixed:
+        cp = f"cp={plan.cp} x " if plan.cp > 1 else ""
+        raise UserError(f"{cp}tp={plan.tp} x pp={plan.pp} = {fixed} does not divide {world_size} processes")
+    dp = world_size // fixed
     micro_size = max(1, global_batch // plan.dp // plan.num_microbatches)  # sequences per micro-batch before
     per_rank = global_batch // dp
     adapted = plan.replace(dp=dp)

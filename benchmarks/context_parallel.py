@@ -1,0 +1,146 @@
+"""Context parallelism: per-rank activation memory of cp = 1, 2, 4 and step time of cp = 1, 2.
+
+    PYTHONPATH=. python benchmarks/context_parallel.py            # about 2 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/context_parallel.py --steps 12 # a longer step-time median
+
+Model `small` (dim 192, 6 layers, 6 query heads and 2 KV heads), fp32, global batch 2 x 1024
+tokens in every row, so tokens per step are fixed and each cp rank holds 1024 / cp positions
+of each sequence.
+
+Memory: cp forked gloo ranks build the model as `phalanx train` does (`parallelize`) and run
+one training forward and the loss of their chunks under PyTorch's `MemTracker`; a row's figure
+is rank 0's "Activation" bytes after the forward minus before it (what the backward will read;
+every rank holds the same amount). Expect less than 1/cp: each rank also keeps the gathered
+keys and values of the whole sequence for its attention backward (docs/layout.md).
+
+Step time: `phalanx train` (the trainer's own loop, `train()`) on cp processes, median
+`step_time_s` of the steps after the first. On the 2-core development machine cp=2 puts one
+rank per core; the ratio says how much of the ideal 0.5 the gathers and the halved matrix
+sizes leave, not what a GPU would show.
+
+Each row prints its ratio against cp=1 measured in the same run, and beside it the planner's
+prediction for the same layout (`phalanx plan --fix cp=N,... --json`, the `activations` of its
+memory breakdown and its `step_time_s`, cluster `local`), or "planner: no cp yet" where the
+planner's rows carry no `cp`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODEL, SEQ, BATCH = "small", 1024, 2
+
+
+def measure_activations(plan_text: str) -> int:
+    """On one rank of a started group: activation bytes held after the training forward."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    from phalanx.data.batches import chunk_positions
+    from phalanx.model.config import model_config
+    from phalanx.parallel.apply import parallelize
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.plan import plan_from_string
+    from phalanx.train.loss import token_loss
+
+    cfg = model_config(MODEL)
+    mesh = build_mesh(plan_from_string(plan_text, dist.get_world_size()), torch.device("cpu"))
+    model = parallelize(cfg, mesh, seed=0, seq_len=SEQ)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    mine = chunk_positions(SEQ, mesh.cp, mesh.cp_rank)
+    inputs, targets = tokens[:, :-1][:, mine], tokens[:, 1:][:, mine]  # (batch, seq / cp)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        token_loss(model(inputs), targets).backward()
+    snapshots = tracker.memory_tracking[model].snapshots
+    device = torch.device("cpu")
+    held = [snapshots[state][0][device].get("Activation", 0) for state in (_ModState.POST_FW, _ModState.PRE_FW)]
+    return held[0] - held[1]
+
+
+def step_times(cp: int, steps: int, out: str) -> list[float]:
+    """On every rank: train `steps` steps of cp=`cp`; rank 0's step_time_s of each."""
+    import torch.distributed as dist
+
+    from phalanx.testing.small_corpus import ONE_FILE_CORPUS
+    from phalanx.train.config import TrainConfig
+    from phalanx.train.loop import train
+
+    cfg = TrainConfig(model=MODEL, data=ONE_FILE_CORPUS, steps=steps, global_batch=BATCH, seq_len=SEQ, warmup_steps=1,
+                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, device="cpu", plan=f"cp={cp}",
+                      out=f"{out}/cp{cp}", sync_checkpoint=True)
+    train(cfg, Path(cfg.out))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
+    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    return [row["step_time_s"] for row in rows if "step_time_s" in row]
+
+
+def planner_row(cp: int) -> dict | None:
+    """The planner's row for cp=`cp` on cp devices, or None when its rows carry no cp."""
+    fix = f"cp={cp},dp=1,tp=1,pp=1,zero=0,recompute=none,mbs={BATCH}" if cp > 1 else f"dp=1,tp=1,pp=1,recompute=none,mbs={BATCH}"
+    command = [sys.executable, "-m", "phalanx", "plan", "--model", MODEL, "--global-batch", str(BATCH), "--seq-len",
+               str(SEQ), "--gpus", str(cp), "--dtype", "fp32", "--fix", fix, "--json", "--top", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    if done.returncode != 0:
+        return None
+    plans = json.loads(done.stdout)["plans"]
+    if not plans or (cp > 1 and plans[0].get("cp") != cp):
+        return None
+    return plans[0]
+
+
+def _predicted(row: dict | None, base: dict | None, value) -> str:
+    if row is None:
+        return "planner: no cp yet"
+    if base is None:
+        return "planner: no cp=1 row"
+    return f"planner {value(row):.4g} (ratio {value(row) / value(base):.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6, help="training steps per step-time row (the first is dropped)")
+    args = parser.parse_args(argv)
+    import torch
+
+    from phalanx.testing.fork_ranks import preload_rank_imports, run_ranks
+
+    preload_rank_imports()
+    print(f"model {MODEL}, fp32, global batch {BATCH} x {SEQ} tokens, torch {torch.__version__}, gloo on CPU, "
+          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f} at start")
+    planner = {cp: planner_row(cp) for cp in (1, 2, 4)}
+    activations = lambda row: row["memory_breakdown_gib"]["activations"] * 1024  # noqa: E731  (MiB)
+
+    print("\nactivation memory per rank after the forward (MemTracker), MiB")
+    base = None
+    for cp in (1, 2, 4):
+        measured = run_ranks(cp, measure_activations, "dp=1" if cp == 1 else f"cp={cp}", timeout_s=600.0)[0] / 2**20
+        base = base or measured
+        print(f"  cp={cp}: {measured:8.2f} MiB  ratio {measured / base:.3f} (1/cp = {1 / cp:.3f})   "
+              f"{_predicted(planner[cp], planner[1], activations)}", flush=True)
+
+    print(f"\nstep time, median of steps 2..{args.steps} (phalanx train)")
+    with tempfile.TemporaryDirectory() as out:
+        base = None
+        for cp in (1, 2):
+            times = run_ranks(cp, step_times, cp, args.steps, out, timeout_s=600.0)[0][1:]
+            median = statistics.median(times)
+            base = base or median
+            print(f"  cp={cp}: {median:.3f} s (spread {min(times):.3f}-{max(times):.3f})  ratio {median / base:.3f}   "
+                  f"{_predicted(planner[cp], planner[1], lambda row: row['step_time_s'])}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end (the machine is shared: timings are noisy)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
