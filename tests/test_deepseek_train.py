@@ -1,9 +1,10 @@
 """`phalanx train --model tiny-dsv3` learns, and its routing bias keeps learning.
 
-Bytes start at ln(256) = 5.55 nats; 30 steps on the built-in corpus (Python's stdlib) must
-lower the loss by at least 10% (they reach about half of it). A small batch (4 x 64 tokens)
+Bytes start at ln(256) = 5.55 nats; 12 steps on the built-in corpus (Python's stdlib) must
+lower the loss by at least 10% (measured: the mean of steps 8-12 is 4.07 from 5.62, and 30
+steps reach about half). A small batch (4 x 64 tokens)
 keeps the test to seconds of compute. The sigmoid router's score-correction bias moves by
-router_bias_rate each step (auxiliary-loss-free balancing), so after 30 steps it is not zero
+router_bias_rate each step (auxiliary-loss-free balancing), so after 12 steps it is not zero
 in the checkpoint the run leaves; `phalanx export` turns that checkpoint into a
 `deepseek_v3` directory with transformers' logits equal to the run's model.
 """
@@ -20,12 +21,12 @@ from phalanx.cli import main
 def test_tiny_dsv3_trains(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--model", "tiny-dsv3", "--steps", "30", "--nproc", "1", "--global-batch", "4", "--seq-len", "64",
+        main(["train", "--model", "tiny-dsv3", "--steps", "12", "--nproc", "1", "--global-batch", "4", "--seq-len", "64",
               "--lr", "1e-2", "--eval-every", "0", "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress",
               "--out", str(out)])
     assert exit_info.value.code == 0
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 30 and losses[0] > 5.0
+    assert len(losses) == 12 and losses[0] > 5.0
     assert sum(losses[-5:]) / 5 <= 0.9 * losses[0], losses
 
     from phalanx.hf.export_run import find_checkpoint, load_checkpoint_model
