@@ -120,13 +120,27 @@ def active_experts_per_rank(model: ModelConfig, layout: ServeLayout, tokens: flo
     return e / layout.ep * (1 - (1 - k / e) ** group_tokens)
 
 
-def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbytes: float, copies: float = 1.0) -> float:
+def _fill(d: float, half: float) -> float:
+    return d / (d + half)
+
+
+def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbytes: float, copies: float = 1.0,
+            *, grouped: bool = False) -> float:
     """`copies` x the GEMMs of `shapes` ((n, k) each) over `rows` token rows: the weights'
-    bytes or the GEMM's time, whichever is longer (roofline), summed."""
+    bytes or the GEMM's time, whichever is longer (roofline), summed. Copies are layers run
+    one after another, or with `grouped` experts run as one grouped GEMM (as MoE kernels do):
+    their output tiles fill the SMs' waves together, so the wave fill is that of copies x rows
+    rows, while the small-dimension charge stays that of `rows`."""
     total = 0.0
     for n, k in shapes:
         read = n * k * wbytes / bw
-        compute = gemm_time(rows, n, k, cluster=cluster, peak=peak) if rows > 0 else 0.0
+        compute = 0.0
+        if rows > 0 and grouped:
+            half = cluster.matmul_half_dim
+            whole = gemm_time(copies * rows, n, k, cluster=cluster, peak=peak)
+            compute = whole * _fill(copies * rows, half) / _fill(rows, half) / copies
+        elif rows > 0:
+            compute = gemm_time(rows, n, k, cluster=cluster, peak=peak)
         total += max(read, compute)
     return copies * total
 
@@ -168,7 +182,7 @@ def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, deco
         # A rank's routed rows: its ep group's tokens x k spread over ep ranks = tokens x k, balanced
         # over its active experts.
         rows_per_expert = tokens * model.experts_per_token / max(active, 1e-9)
-        routed = _linear(cluster, peak, bw, rows_per_expert, expert_shapes, wb, active)
+        routed = _linear(cluster, peak, bw, rows_per_expert, expert_shapes, wb, active, grouped=True)
         experts = moe_layers * (router + shared_t + routed)
     head = _linear(cluster, peak, bw, min(tokens, decodes + (1 if prefill_tokens else 0)),
                    [(model.vocab_size / tp, h)], wb)
