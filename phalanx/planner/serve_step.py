@@ -40,7 +40,7 @@ from phalanx.planner import comm, latent_attention
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.memory import param_counts
 from phalanx.planner.serve_costs import ServeCosts, serve_costs_for
-from phalanx.planner.stage_time import gemm_time
+from phalanx.planner.stage_time import GEMM_TILE, gemm_time
 
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
 """Bytes per weight: fp4 (NVFP4) keeps one fp8 scale per 16 values."""
@@ -124,6 +124,21 @@ def _fill(d: float, half: float) -> float:
     return d / (d + half)
 
 
+def _grouped_gemm_time(cluster: Cluster, peak: float, groups: float, rows: float, n: float, k: float) -> float:
+    """Seconds of one grouped GEMM: `groups` products of (rows x k)(k x n) in one launch. Each
+    group's output has its own tiles (ceil(rows/128) x ceil(n/256), or transposed), and all
+    groups' tiles share the SMs' waves; the small-dimension charge is each group's."""
+    half = cluster.matmul_half_dim
+    eff = cluster.matmul_efficiency * _fill(rows, half) * _fill(n, half) * _fill(k, half)
+    if cluster.sm_count > 0:
+        best = 0.0
+        for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
+            tiles = math.ceil(groups) * math.ceil(rows / tm) * math.ceil(n / tn)
+            best = max(best, tiles / (math.ceil(tiles / cluster.sm_count) * cluster.sm_count))
+        eff *= best
+    return 2.0 * groups * rows * n * k / (peak * eff)
+
+
 def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbytes: float, copies: float = 1.0,
             *, grouped: bool = False) -> float:
     """`copies` x the GEMMs of `shapes` ((n, k) each) over `rows` token rows: the weights'
@@ -136,9 +151,7 @@ def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbyte
         read = n * k * wbytes / bw
         compute = 0.0
         if rows > 0 and grouped:
-            half = cluster.matmul_half_dim
-            whole = gemm_time(copies * rows, n, k, cluster=cluster, peak=peak)
-            compute = whole * _fill(copies * rows, half) / _fill(rows, half) / copies
+            compute = _grouped_gemm_time(cluster, peak, copies, rows, n, k) / copies
         elif rows > 0:
             compute = gemm_time(rows, n, k, cluster=cluster, peak=peak)
         total += max(read, compute)
