@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"phalanx {command} --serve")
     add_serve_flags(parser)
     if command == "simulate":
-        from phalanx.planner.serve_simulate import add_simulate_flags, run_serve_simulate
+        from phalanx.planner.serve_sim_report import add_simulate_flags, run_serve_simulate
 
         add_simulate_flags(parser)
         args = parser.parse_args(rest)

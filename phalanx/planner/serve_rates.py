@@ -8,7 +8,7 @@ step, so requests finish at B / (osl s) per second and their prompts add P = B i
 prompt tokens to every step (at most the step's token budget less the decodes: past that the
 running batch cannot be kept full). The step time s = step(B decodes at mean context
 isl + osl/2, P prompt tokens) is the TPOT; a new prompt runs in ceil(isl / budget) chunks of
-such steps (TTFT).
+steps carrying the decodes (TTFT, after half a step's wait for the running one).
 Under `--rate` the running batch follows from Little's law, B = lambda (osl s(B) + TTFT),
 solved by iteration (overload when it exceeds max_batch); the wait for the step's prompt
 budget is M/D/1's rho / (2 (1 - rho)) steps; TPOT p99 is the step of a request whose lifetime
@@ -98,10 +98,15 @@ def colocated(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
     isl, osl, mbt = load.isl, load.osl, s.max_batch_tokens
 
     def steady(b: float, extra_prompts: float = 0.0):
-        prompt = min(b * isl / osl + extra_prompts, max(mbt - b, 0.0))
+        """(step seconds, TTFT, step breakdown) at a running batch of b: a new prompt waits
+        half a step for the running one to end, then runs in chunks of the budget the
+        decodes leave, each chunk's step carrying the decodes too."""
+        room = max(mbt - b, 1.0)
+        prompt = min(b * isl / osl + extra_prompts, room)
         sec, parts = s.step(b, prompt, load)
-        chunks = math.ceil(isl / max(mbt - b, 1.0))
-        return sec, (chunks + 0.5) * sec, parts
+        chunk = min(float(isl), room)
+        chunk_sec, _ = s.step(b, max(chunk, prompt), load)
+        return sec, 0.5 * sec + math.ceil(isl / room) * chunk_sec, parts
 
     def sustainable(b: float) -> float:
         """Running batch the step's prompt budget can keep full: b isl / osl <= mbt - b."""
