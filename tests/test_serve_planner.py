@@ -137,3 +137,31 @@ def test_json_keys_serve_command_and_no_torch():
     assert plan["tpot_ms_p99"] >= plan["tpot_ms_p50"] > 0
     assert plan["dp"] * plan["tp"] * plan["pp"] * plan["instances"] == 8
     assert "fp4 weights" in plan["not_in_phalanx_serve"]
+
+
+def test_disaggregated_plans_split_the_gpus(capsys):
+    """`--disaggregate on`: every plan is a prefill side and a decode side of whole
+    allocations that add up to --gpus, with the prefill side's own `phalanx serve` command;
+    its TPOT is the decode side's step with no prompt in it. `off`: colocated plans only."""
+    from phalanx.cli import main
+
+    argv = ["plan", "--serve", "--model", "llama3-70b", "--cluster", "dgx-h100", "--gpus", "16", "--isl", "4000",
+            "--osl", "500", "--weight-dtype", "fp8", "--json"]
+    for mode in ("on", "off"):
+        with pytest.raises(SystemExit) as exit:
+            main([*argv, "--disaggregate", mode])
+        assert exit.value.code == 0
+        plans = json.loads(capsys.readouterr().out)["plans"]
+        if mode == "on":
+            split = plans
+            assert all(p["prefill_gpus"] + p["decode_gpus"] == 16 and p["prefill_gpus"] % 8 == 0 for p in plans)
+            assert all(p["prefill"]["serve"].startswith("phalanx serve") for p in plans)
+            assert all("prefill/decode disaggregation" in p["not_in_phalanx_serve"] for p in plans)
+        else:
+            colocated = plans
+    dec = split[0]
+    layout = ServeLayout(tp=dec["tp"], pp=dec["pp"], dp=dec["dp"], ep=dec["ep"], weight_dtype="fp8")
+    alone = decode_step_time(MODELS["llama3-70b"], CLUSTERS["dgx-h100"], layout, batch=dec["running_batch"],
+                             context=4000 + 500 / 2)
+    assert dec["tpot_ms_p50"] == pytest.approx(alone * 1e3, rel=1e-9)  # no prompt tokens in a decode step
+    assert colocated and all(p["prefill_gpus"] == p["decode_gpus"] == 16 for p in colocated)

@@ -14,6 +14,7 @@ import sys
 from phalanx.errors import UserError
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.model_spec import model_from_name
+from phalanx.planner.serve_disagg import disaggregated
 from phalanx.planner.serve_rates import ServeLoad
 from phalanx.planner.serve_report import explain, serve_record, table
 from phalanx.planner.serve_search import parse_serve_fix, search_serving
@@ -93,13 +94,19 @@ def run_serve_plan(args) -> int:
     model = model_from_name(args.model)
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]
     fixed = parse_serve_fix(args.fix)
-    if args.disaggregate == "on":
-        raise UserError("--disaggregate on: prefill/decode disaggregation is not planned yet; use auto or off")
+    if args.disaggregate == "on" and load.phase != "both":
+        raise UserError(f"--disaggregate on splits GPUs between both phases; --phase {load.phase} rates one side alone")
     results = []
     for cluster in clusters:
         cluster.check_device_count(args.gpus)
         weight, kv = dtypes_for(args, cluster)
         result = search_serving(model, cluster, load, gpus=args.gpus, fixed=fixed, weight_dtype=weight, kv_dtype=kv)
+        if load.phase == "both" and args.disaggregate != "off":
+            split, rated = disaggregated(model, cluster, load, gpus=args.gpus, fixed=fixed, weight_dtype=weight,
+                                         kv_dtype=kv)
+            result.considered += rated
+            both = (result.ranked if args.disaggregate == "auto" else []) + split
+            result.ranked = sorted(both, key=lambda plan: plan.key, reverse=True)[:10]
         if not result.considered:
             raise UserError(f"no serving layout of {args.gpus} GPUs matches --fix {args.fix} on {cluster.name} "
                             f"(tp divides n_heads={model.n_heads} and stays within a fast domain of "

@@ -92,6 +92,11 @@ def explain(ranked: list[ServePlan], *, tpot_ms: float | None, ttft_ms: float | 
         if r.overloaded:
             lines.append(f"#{rank}: overloaded (the load exceeds what {p.max_batch} sequences per rank serve)")
             continue
+        if (abs(r.goodput - best.rates.goodput) <= 1e-9 * max(best.rates.goodput, 1.0)
+                and r.output_tps_gpu >= 0.999 * best.rates.output_tps_gpu):
+            lines.append(f"#{rank}: the same goodput and tokens/s at this load, but a slower step: TPOT p50 "
+                         f"{r.tpot_p50_s * 1e3:.3g} ms against {best.rates.tpot_p50_s * 1e3:.3g}")
+            continue
         # Seconds per output token per GPU, by cause: the winner's and this plan's.
         def per_token(plan: ServePlan) -> dict[str, float]:
             scale = plan.layout.tp * plan.layout.pp / max(plan.rates.batch, 1e-9)
