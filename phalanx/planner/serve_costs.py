@@ -36,14 +36,29 @@ class ServeCosts:
     and values into a new tensor per layer (docs/serve.md, "Not there yet")."""
     token_s: float = 0.0
     """Per token fed per step beyond its FLOPs and bytes (element-wise passes, copies)."""
+    request_s: float = 0.0
+    """Per request, on its way to the first token beyond the steps: HTTP parsing, tokenizing,
+    the engine thread taking it in, the first streamed chunk back (measured through the server)."""
+    group_step_s: tuple[tuple[int, float], ...] = ()
+    """(tp ranks, seconds) per step a tp group adds beyond its all-reduces' alpha-beta time:
+    rank 0 broadcasting each forward's description, the gathered logits, and on a shared CPU
+    every collective waiting for all its ranks to be scheduled (measured through the server)."""
     flops_scale: float = 1.0
     """Measured GEMM rate over the cluster's `peak_tflops x matmul_efficiency` (CPU fit; 1 on GPUs)."""
     bandwidth_scale: float = 1.0
     """Measured weight-streaming rate over the cluster's bandwidth (CPU fit; 1 on GPUs)."""
 
+    def group_step(self, tp: int) -> float:
+        return next((sec for size, sec in self.group_step_s if size == tp), 0.0)
+
     def problems(self) -> list[str]:
         out = []
+        for size, sec in self.group_step_s:
+            if size < 2 or not sec >= 0:
+                out.append(f"group_step_s row [{size}, {sec}] needs a group of >= 2 ranks and seconds >= 0")
         for f in dataclasses.fields(self):
+            if f.name == "group_step_s":
+                continue
             value = getattr(self, f.name)
             if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
                 out.append(f"{f.name}={value!r} must be a finite number >= 0")
@@ -75,7 +90,12 @@ def load_serve_costs(path: Path) -> ServeCosts:
     unknown = sorted(set(data) - fields - {"source"})
     if unknown:
         raise UserError(f"{path}: unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(fields))}")
-    costs = ServeCosts(**{k: v for k, v in data.items() if k in fields})
+    values = {k: v for k, v in data.items() if k in fields}
+    try:
+        values["group_step_s"] = tuple((int(n), float(sec)) for n, sec in values.get("group_step_s", ()))
+    except (TypeError, ValueError):
+        raise UserError(f"{path}: group_step_s must be a list of [tp ranks, seconds]") from None
+    costs = ServeCosts(**values)
     if costs.problems():
         raise UserError(f"{path}: " + "; ".join(costs.problems()))
     return costs

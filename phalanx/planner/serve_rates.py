@@ -106,7 +106,7 @@ def colocated(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
         sec, parts = s.step(b, prompt, load)
         chunk = min(float(isl), room)
         chunk_sec, _ = s.step(b, max(chunk, prompt), load)
-        return sec, 0.5 * sec + math.ceil(isl / room) * chunk_sec, parts
+        return sec, s.costs.request_s + 0.5 * sec + math.ceil(isl / room) * chunk_sec, parts
 
     def sustainable(b: float) -> float:
         """Running batch the step's prompt budget can keep full: b isl / osl <= mbt - b."""
@@ -184,7 +184,7 @@ def phase_only(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
     if load.phase == "prefill":
         tokens = max(s.max_batch_tokens, load.isl)
         sec, parts = s.step(0, tokens, load)
-        ttft, _ = s.step(0, load.isl, load)
+        ttft = s.step(0, load.isl, load)[0] + s.costs.request_s
         inp = ranks * tokens / sec / gpus
         return Rates(batch=0, ttft_s=ttft, tpot_p50_s=0.0, tpot_p99_s=0.0, output_tps_gpu=0.0, input_tps_gpu=inp,
                      goodput=ranks * tokens / load.isl / sec, breakdown=parts)

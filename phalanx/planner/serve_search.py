@@ -152,6 +152,8 @@ def search_serving(model: ModelConfig, cluster: Cluster, load: ServeLoad, *, gpu
     result = ServeSearchResult()
     costs = serve_costs_for(cluster)
     budgets = (fixed["max_batch_tokens"],) if "max_batch_tokens" in fixed else BUDGETS
+    if load.phase == "decode" and "max_batch_tokens" not in fixed:
+        budgets = BUDGETS[:1]  # decode steps carry no prompt tokens: the budget changes only the workspace
     plans = []
     for layout, instances in layouts(model, cluster, gpus, fixed, weight_dtype=weight_dtype, kv_dtype=kv_dtype):
         best = None

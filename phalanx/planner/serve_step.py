@@ -224,7 +224,7 @@ def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, deco
         same = tp * layout.dp * 2 <= cluster.fast_domain
         pp_comm = comm.send(cluster, tokens * h * ab, same_domain=same)
     sequences = decodes + (1 if prefill_tokens else 0)
-    framework = (costs.step_s + layers * costs.layer_s + sequences * costs.sequence_s
+    framework = (costs.step_s + costs.group_step(tp) + layers * costs.layer_s + sequences * costs.sequence_s
                  + decodes * layers * costs.sequence_layer_s + tokens * costs.token_s)
     return StepTime({
         "weights_and_gemms": attention + dense + experts + head,
