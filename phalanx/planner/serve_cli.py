@@ -30,7 +30,7 @@ def serve_argv(argv: list[str]) -> bool:
 
 def add_serve_flags(p: argparse.ArgumentParser) -> None:
     """The flags `plan --serve` and `simulate --serve` share."""
-    p.add_argument("--serve", action="store_true", required=True, help="plan serving, not training")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # what brought the argv here
     p.add_argument("--model", required=True, help="preset name, project JSON or Hugging Face config.json")
     p.add_argument("--cluster", action="append", help="preset or file; repeat to compare clusters (default local)")
     p.add_argument("--gpus", type=int, required=True, help="devices in all")
