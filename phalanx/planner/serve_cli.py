@@ -133,8 +133,9 @@ def run_serve_plan(args) -> int:
               f"search took {result.seconds:.2f} s")
         print()
     if not all(r.ranked for _, r in results):
-        print("no serving layout holds one sequence of isl + osl tokens; try more GPUs, fp8 weights or a shorter "
-              "context", file=sys.stderr)
+        pinned = f" (or the --fix max_batch={fixed['max_batch']} sequences)" if "max_batch" in fixed else ""
+        print(f"no serving layout holds one sequence of isl + osl tokens{pinned} in its KV cache; try more GPUs, "
+              "fp8 weights or a shorter context", file=sys.stderr)
         return 1
     return 0
 

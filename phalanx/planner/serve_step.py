@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, latent_attention
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.memory import param_counts
 from phalanx.planner.serve_costs import ServeCosts, serve_costs_for
 from phalanx.planner.stage_time import GEMM_TILE, gemm_time
 
@@ -178,7 +177,6 @@ def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, deco
     layers, moe_layers = stage_layers(model, layout.pp)
     dense_layers = layers - moe_layers
     h = model.dim
-    c = param_counts(model)
 
     attention = _linear(cluster, peak, bw, tokens, latent_attention.gemm_shapes(model, tp), wb, layers)
     f = model.ffn_dim
