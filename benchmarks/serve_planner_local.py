@@ -7,9 +7,10 @@ then a real `phalanx serve` (one thread per process, as the HTTP tests run it) g
 Poisson arrivals through HTTP, each request streamed and timed; the planner predicts the same
 layout, block pool, batch limits and load (`serve_search.evaluate`). What the engine's steps
 alone do not show is probed on each server with three requests sent one at a time, before
-the rates: a tp group's cost per step (`group_step_s`, from the TPOT at 2 processes: the forward's
-broadcast and gloo collectives on shared cores), then the request's cost beyond its steps
-(`request_s`, from the TTFT: the HTTP path, and at 2 processes the prompt's own collectives). Prints per run the
+the rates: what a decode step costs beyond the engine's own, from the TPOT (at 1 process per
+sequence, `sequence_s`: streaming its token through the server's thread; at 2 processes the tp
+group's `group_step_s`: the forward's broadcast and gloo collectives on shared cores), then
+the request's cost beyond its steps (`request_s`, from the TTFT: the HTTP path). Prints per run the
 median TTFT and TPOT, measured and predicted, their errors, and the median |error| over runs
 (target 20%). On a shared machine the measured figures move with the load: `uptime` is
 printed before and after.
@@ -110,13 +111,18 @@ def main() -> None:
             # the HTTP path per request (1 process) and a tp group's per-step cost (2 processes).
             ttft0, tpot0 = sequential(server, args)
             pt0, pp0 = predict(model, cluster, costs, args, procs=procs, rate=1e-3, seqs=seqs, mbt=mbt)
-            if procs > 1:  # first the group's step from the TPOT, then what TTFT has beyond its steps
-                costs = dataclasses.replace(costs, group_step_s=((procs, max(0.0, tpot0 - pp0)),), request_s=0.0)
-                pt0, pp0 = predict(model, cluster, costs, args, procs=procs, rate=1e-3, seqs=seqs, mbt=mbt)
+            # First what a step costs beyond the engine's own (1 process: streaming each sequence's
+            # token, per sequence; 2: the group's step), then what TTFT has beyond its steps.
+            if procs == 1:
+                costs = dataclasses.replace(costs, sequence_s=costs.sequence_s + max(0.0, tpot0 - pp0))
+            else:
+                costs = dataclasses.replace(costs, group_step_s=((procs, max(0.0, tpot0 - pp0)),))
+            pt0, _ = predict(model, cluster, dataclasses.replace(costs, request_s=0.0), args, procs=procs, rate=1e-3,
+                             seqs=seqs, mbt=mbt)
             costs = dataclasses.replace(costs, request_s=max(0.0, ttft0 - pt0))
             print(f"probe at {procs} process(es), requests one at a time: TTFT {ttft0 * 1e3:.1f} ms, TPOT "
-                  f"{tpot0 * 1e3:.1f} ms; request_s {costs.request_s * 1e3:.1f} ms, group step "
-                  f"{costs.group_step(procs) * 1e3:.1f} ms", flush=True)
+                  f"{tpot0 * 1e3:.1f} ms; per sequence {costs.sequence_s * 1e3:.1f} ms, request "
+                  f"{costs.request_s * 1e3:.1f} ms, group step {costs.group_step(procs) * 1e3:.1f} ms", flush=True)
             for i, rate in enumerate(float(x) for x in args.rates.split(",")):
                 ttft, tpot = measured(server, args, rate, seed=i)
                 pt, pp = predict(model, cluster, costs, args, procs=procs, rate=rate, seqs=seqs, mbt=mbt)
