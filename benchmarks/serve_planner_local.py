@@ -6,11 +6,12 @@ First the engine's constants are fitted from a short timing of its own steps in 
 then a real `phalanx serve` (one thread per process, as the HTTP tests run it) gets seeded
 Poisson arrivals through HTTP, each request streamed and timed; the planner predicts the same
 layout, block pool, batch limits and load (`serve_search.evaluate`). What the engine's steps
-alone do not show is probed on each server with three requests sent one at a time, before
-the rates: what a decode step costs beyond the engine's own, from the TPOT (at 1 process per
-sequence, `sequence_s`: streaming its token through the server's thread; at 2 processes the tp
-group's `group_step_s`: the forward's broadcast and gloo collectives on shared cores), then
-the request's cost beyond its steps (`request_s`, from the TTFT: the HTTP path). Prints per run the
+alone do not show is probed on each server before the rates, with three requests sent one at
+a time (and at 1 process four at once): what a decode step costs beyond the engine's own, from
+the TPOTs (at 1 process per step and per sequence, `step_s` and `sequence_s`: streaming each
+token through the server's thread; at 2 processes the tp group's `group_step_s`: the forward's
+broadcast and gloo collectives on shared cores), then the request's cost beyond its steps
+(`request_s`, from the TTFT: the HTTP path). Prints per run the
 median TTFT and TPOT, measured and predicted, their errors, and the median |error| over runs
 (target 20%). On a shared machine the measured figures move with the load: `uptime` is
 printed before and after.
@@ -63,9 +64,20 @@ def sequential(server, args, count: int = 3) -> tuple[float, float]:
     return statistics.median(r[0] for r in out), statistics.median(r[1] for r in out)
 
 
-def predict(model, cluster, costs, args, *, procs: int, rate: float, seqs: int, mbt: int) -> tuple[float, float]:
+def burst(server, args, count: int = 4) -> float:
+    """Median TPOT of `count` requests sent at once (the probe's second point)."""
+    import random
+
+    rng = random.Random(98)
+    requests = [([rng.randrange(args.vocab) for _ in range(args.isl)], args.osl) for _ in range(count)]
+    results, _ = asyncio.run(_drive(server.url, server.name, requests, [0.0] * count))
+    return statistics.median(r[1] for r in results)
+
+
+def predict(model, cluster, costs, args, *, procs: int, rate: float | None, seqs: int, mbt: int,
+            concurrency: int | None = None) -> tuple[float, float]:
     layout = ServeLayout(tp=procs, weight_dtype="fp32", kv_dtype="fp32")
-    plan = evaluate(model, cluster, layout, 1, ServeLoad(isl=args.isl, osl=args.osl, rate=rate),
+    plan = evaluate(model, cluster, layout, 1, ServeLoad(isl=args.isl, osl=args.osl, rate=rate, concurrency=concurrency),
                     max_batch=seqs, max_batch_tokens=mbt, world=procs, costs=costs)
     return plan.rates.ttft_s, plan.rates.tpot_p50_s
 
@@ -111,17 +123,23 @@ def main() -> None:
             # the HTTP path per request (1 process) and a tp group's per-step cost (2 processes).
             ttft0, tpot0 = sequential(server, args)
             pt0, pp0 = predict(model, cluster, costs, args, procs=procs, rate=1e-3, seqs=seqs, mbt=mbt)
-            # First what a step costs beyond the engine's own (1 process: streaming each sequence's
-            # token, per sequence; 2: the group's step), then what TTFT has beyond its steps.
+            # First what a decode step costs beyond the engine's own, from the TPOT of one
+            # sequence and of four at once: per step and per sequence (streaming its token
+            # through the server's thread) at 1 process, the tp group's per step at 2; then
+            # what TTFT has beyond its steps.
             if procs == 1:
-                costs = dataclasses.replace(costs, sequence_s=costs.sequence_s + max(0.0, tpot0 - pp0))
+                tpot4 = burst(server, args)
+                _, pp4 = predict(model, cluster, costs, args, procs=procs, rate=None, seqs=seqs, mbt=mbt, concurrency=4)
+                per_seq = max(0.0, ((tpot4 - pp4) - (tpot0 - pp0)) / 3)
+                per_step = max(0.0, tpot0 - pp0 - per_seq)
+                costs = dataclasses.replace(costs, step_s=costs.step_s + per_step, sequence_s=costs.sequence_s + per_seq)
             else:
                 costs = dataclasses.replace(costs, group_step_s=((procs, max(0.0, tpot0 - pp0)),))
             pt0, _ = predict(model, cluster, dataclasses.replace(costs, request_s=0.0), args, procs=procs, rate=1e-3,
                              seqs=seqs, mbt=mbt)
             costs = dataclasses.replace(costs, request_s=max(0.0, ttft0 - pt0))
             print(f"probe at {procs} process(es), requests one at a time: TTFT {ttft0 * 1e3:.1f} ms, TPOT "
-                  f"{tpot0 * 1e3:.1f} ms; per sequence {costs.sequence_s * 1e3:.1f} ms, request "
+                  f"{tpot0 * 1e3:.1f} ms; per step {costs.step_s * 1e3:.1f} ms, per sequence {costs.sequence_s * 1e3:.1f} ms, request "
                   f"{costs.request_s * 1e3:.1f} ms, group step {costs.group_step(procs) * 1e3:.1f} ms", flush=True)
             for i, rate in enumerate(float(x) for x in args.rates.split(",")):
                 ttft, tpot = measured(server, args, rate, seed=i)
