@@ -114,10 +114,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse(argv: list[str] | None):
+    """The subcommand to run: `plan --serve` / `simulate --serve` take the serving planner's own
+    flags (phalanx/planner/serve_cli.py), everything else the parser above."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from phalanx.planner.serve_cli import main as serve_main, serve_argv
+
+    if serve_argv(argv):
+        return lambda: serve_main(argv)
     args = build_parser().parse_args(argv)
+    return lambda: args.func(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run = _parse(argv)
     try:
-        status = args.func(args)
+        status = run()
     except UserError as error:
         print(f"phalanx: error: {error}", file=sys.stderr)
         status = 2

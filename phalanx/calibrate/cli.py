@@ -11,10 +11,22 @@ def register(subparsers) -> None:
     c.add_argument("--max-procs", type=int, default=4, help="largest collective group size to measure")
     c.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     c.add_argument("--quick", action="store_true", help="fewer sizes and repeats (for tests)")
+    c.add_argument("--serve", action="store_true",
+                   help="instead: time phalanx serve's engine steps and fit the serving planner's constants "
+                        "(serve-local.json beside the cluster file; docs/serve_planner.md)")
+    c.add_argument("--model", default="small", help="with --serve: the model shape whose steps are timed")
     c.set_defaults(func=run_calibrate)
 
 
 def run_calibrate(args) -> int:
+    if args.serve:
+        from pathlib import Path
+
+        from phalanx.calibrate.serve_steps import calibrate_serve
+        from phalanx.planner.serve_costs import serve_costs_path
+
+        calibrate_serve(args.model, Path(args.out) if args.out else serve_costs_path())
+        return 0
     from phalanx.calibrate.command import calibrate_command
 
     return calibrate_command(args)

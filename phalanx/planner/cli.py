@@ -29,6 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--fix", default="", help="pin knobs with the --plan grammar plus mbs= and zero=")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--serve", action="store_true",
+                   help="plan serving instead (its own flags: phalanx plan --serve --help; docs/serve_planner.md)")
     p.set_defaults(func=run_plan)
 
     from phalanx.calibrate.cli import register as register_calibrate
@@ -131,11 +133,14 @@ def _print_side_by_side(model_name: str, args, results) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from phalanx.planner.serve_cli import main as serve_main, serve_argv  # plan/simulate --serve: own flags
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m phalanx.planner.cli")
     register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = None if serve_argv(argv) else parser.parse_args(argv)
     try:
-        return args.func(args)
+        return serve_main(argv) if args is None else args.func(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -41,6 +41,10 @@ class Cluster:
     """Devices that share the fast link (NVLink island); 1 when devices only meet over PCIe/network."""
     peak_tflops: float = 989.0
     """Dense bf16 peak of one device, TFLOP/s (the MFU denominator)."""
+    fp8_tflops: float = 0.0
+    """Dense fp8 tensor-core peak, TFLOP/s (serving plans with fp8 weights); 0: no fp8 units."""
+    fp4_tflops: float = 0.0
+    """Dense fp4 tensor-core peak, TFLOP/s (serving plans with fp4 weights); 0: no fp4 units."""
     memory_gib: float = 80.0
     """Device memory."""
     memory_reserved_gib: float = 4.0
@@ -127,7 +131,7 @@ class Cluster:
                      "comm_sm_fraction"):
             if getattr(self, name) > 1:
                 problems.append(f"{name}={getattr(self, name)} is a fraction of peak, at most 1")
-        for name in ("memory_reserved_gib", "intra_latency_us", "inter_latency_us", "matmul_half_dim",
+        for name in ("fp8_tflops", "fp4_tflops", "memory_reserved_gib", "intra_latency_us", "inter_latency_us", "matmul_half_dim",
                      "comm_sm_fraction", "thread_speedup"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
@@ -195,7 +199,8 @@ class Cluster:
 
 
 # Presets. Link figures are the measured ones of published-figures.md section 2; peak and
-# memory are the vendors' datasheet values. The efficiency fields keep their defaults (one
+# memory are the vendors' datasheet values (fp8/fp4 peaks dense, i.e. half the sheets'
+# "with sparsity" figures, as published-figures.md section 5 lists them). The efficiency fields keep their defaults (one
 # set for every GPU, see docs/planner.md) so that no preset is tuned to a published run.
 PRESETS: dict[str, Cluster] = {
     c.name: c
@@ -204,23 +209,33 @@ PRESETS: dict[str, Cluster] = {
         Cluster(name="dgx-a100", peak_tflops=312.0, sm_count=108, memory_gib=80.0, hbm_tbs=2.04,
                 intra_bw_gbs=229.0, inter_bw_gbs=24.0),
         # DGX H100: NVLink4 (about 370 GB/s effective), 8x NDR 400 Gb/s (46-48 GB/s).
-        Cluster(name="dgx-h100", peak_tflops=989.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
+        # FP8 1,979 dense (NVIDIA H100 Tensor Core GPU datasheet, SXM: 3,958 with sparsity); no fp4.
+        Cluster(name="dgx-h100", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
                 intra_bw_gbs=370.0, inter_bw_gbs=47.0),
         # DGX H200: same NVLink4 (about 475 GB/s all-reduce bus bw measured), 141 GB HBM3e.
         # Device figures from NVIDIA's H200 Tensor Core GPU datasheet (H200 SXM): 989 TFLOP/s
         # dense BF16 (the sheet's 1,979 counts 2:4 sparsity), 141 GB HBM3e at 4.8 TB/s; the
         # H100's Hopper die, so its 132 SMs (shared/reference/published-figures.md, "Hardware").
-        Cluster(name="dgx-h200", peak_tflops=989.0, sm_count=132, memory_gib=141.0, hbm_tbs=4.8,
+        Cluster(name="dgx-h200", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=141.0, hbm_tbs=4.8,
                 intra_bw_gbs=475.0, inter_bw_gbs=47.0),
         # GB200 NVL72: 72 GPUs in one NVLink domain (835-847 GB/s at 4-8 GiB), 400 Gb/s NIC each.
-        Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0, sm_count=148,
+        # GB200 NVL72 datasheet per GPU, dense: BF16 2.5 PF, FP8 5, FP4 10 (published-figures.md section 5).
+        Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0, fp8_tflops=5000.0,
+                fp4_tflops=10000.0, sm_count=148,
                 memory_gib=186.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0),
+        # DGX B200 datasheet: 8 B200, 1,440 GB HBM3e (180 GB each), 64 TB/s HBM (8 TB/s each),
+        # 72 PF FP8 training and 144 PF FP4 inference per system with sparsity, so per GPU dense
+        # BF16 2.25 PF, FP8 4.5, FP4 9 (published-figures.md section 5); 148 SMs (Blackwell die).
+        # NVLink 5 (900 GB/s per direction): the bus bandwidth measured on GB200's NVLink 5
+        # (840 GB/s) for want of a published 8-GPU figure; 8x ConnectX-7 400 Gb/s as the DGX H100.
+        Cluster(name="dgx-b200", peak_tflops=2250.0, fp8_tflops=4500.0, fp4_tflops=9000.0, sm_count=148,
+                memory_gib=180.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0),
         # 8x H100 PCIe without NVLink bridges: every collective goes through PCIe Gen5 x16
         # (about 28 GB/s all-reduce bus bw measured on such boxes), so the fast domain is 1.
-        Cluster(name="pcie-h100", fast_domain=1, peak_tflops=756.0, sm_count=114, memory_gib=80.0, hbm_tbs=2.0,
+        Cluster(name="pcie-h100", fast_domain=1, peak_tflops=756.0, fp8_tflops=1513.0, sm_count=114, memory_gib=80.0, hbm_tbs=2.0,
                 intra_bw_gbs=28.0, inter_bw_gbs=28.0, inter_latency_us=5.0),
         # H800 (DeepSeek-V3 report: NVLink about 160 GB/s, IB 50 GB/s per GPU): same core as H100.
-        Cluster(name="hgx-h800", peak_tflops=989.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
+        Cluster(name="hgx-h800", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
                 intra_bw_gbs=160.0, inter_bw_gbs=47.0),
         # This machine before `phalanx calibrate` has measured it: a rough CPU guess.
         Cluster(name="local", devices_per_node=os.cpu_count() or 1, fast_domain=os.cpu_count() or 1,
@@ -322,7 +337,7 @@ def load_cluster_file(path: str | Path) -> Cluster:
     return cluster_from_dict(data, source=str(path))
 
 
-GPU_PRESETS = (("GB200", "gb200-nvl72"), ("H800", "hgx-h800"), ("H200", "dgx-h200"), ("H100", "dgx-h100"),
+GPU_PRESETS = (("GB200", "gb200-nvl72"), ("B200", "dgx-b200"), ("H800", "hgx-h800"), ("H200", "dgx-h200"), ("H100", "dgx-h100"),
                ("A100", "dgx-a100"))
 """A GPU's name (as CUDA reports it) -> the preset of the machines it comes in."""
 

@@ -1,0 +1,110 @@
+"""What a serving engine costs per step beyond FLOPs, bytes and collectives, and where the
+figures come from.
+
+On this CPU they are measured: `phalanx calibrate --serve` times `phalanx serve`'s own engine
+on a small model at a few batch sizes and contexts, fits these constants (planner/
+serve_fit.py) together with the CPU's effective FLOP rate and bandwidth, and writes them to
+`serve-local.json` beside the training calibration (`--cluster local` then reads it). On the
+GPU presets they are what the engines whose published runs the validation uses (TensorRT-LLM,
+SGLang) spend with CUDA graphs and overlapped scheduling: launches and Python per layer are
+captured in the graph (0); the host's scheduling and sampling per step is set on the visible
+half of the published rows only (benchmarks/serve_planner_published.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.errors import UserError
+from phalanx.planner.hardware import Cluster, local_cluster_path
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeCosts:
+    """Framework seconds of one engine step on one rank, by what they grow with."""
+    step_s: float = 0.0
+    """Per step: scheduling the batch, sampling, detokenizing, the step's host launch."""
+    layer_s: float = 0.0
+    """Per layer per step: kernel launches and Python (0 under CUDA graphs)."""
+    sequence_s: float = 0.0
+    """Per sequence per step: its sampling, block table and token bookkeeping."""
+    sequence_layer_s: float = 0.0
+    """Per decoding sequence per layer: phalanx's paged cache gathers each sequence's keys
+    and values into a new tensor per layer (docs/serve.md, "Not there yet")."""
+    token_s: float = 0.0
+    """Per token fed per step beyond its FLOPs and bytes (element-wise passes, copies)."""
+    request_s: float = 0.0
+    """Per request, on its way to the first token beyond the steps: HTTP parsing, tokenizing,
+    the engine thread taking it in, the first streamed chunk back (measured through the server)."""
+    group_step_s: tuple[tuple[int, float], ...] = ()
+    """(tp ranks, seconds) per step a tp group adds beyond its all-reduces' alpha-beta time:
+    rank 0 broadcasting each forward's description, the gathered logits, and on a shared CPU
+    every collective waiting for all its ranks to be scheduled (measured through the server)."""
+    flops_scale: float = 1.0
+    """Measured GEMM rate over the cluster's `peak_tflops x matmul_efficiency` (CPU fit; 1 on GPUs)."""
+    bandwidth_scale: float = 1.0
+    """Measured weight-streaming rate over the cluster's bandwidth (CPU fit; 1 on GPUs)."""
+
+    def group_step(self, tp: int) -> float:
+        return next((sec for size, sec in self.group_step_s if size == tp), 0.0)
+
+    def problems(self) -> list[str]:
+        out = []
+        for size, sec in self.group_step_s:
+            if size < 2 or not sec >= 0:
+                out.append(f"group_step_s row [{size}, {sec}] needs a group of >= 2 ranks and seconds >= 0")
+        for f in dataclasses.fields(self):
+            if f.name == "group_step_s":
+                continue
+            value = getattr(self, f.name)
+            if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
+                out.append(f"{f.name}={value!r} must be a finite number >= 0")
+        for name in ("flops_scale", "bandwidth_scale"):
+            if isinstance(getattr(self, name), (int, float)) and not getattr(self, name) > 0:
+                out.append(f"{name} must be positive")
+        return out
+
+
+GPU_ENGINE = ServeCosts(step_s=2e-3)
+"""TensorRT-LLM / SGLang on a GPU: 2 ms of host work per step that the GPU waits for
+(scheduling, sampling, the between-step synchronization; set on the visible published rows)."""
+
+CPU_GUESS = ServeCosts(step_s=2e-3, layer_s=3e-4, sequence_s=2e-4, sequence_layer_s=1e-4)
+"""`phalanx serve` on a CPU before `phalanx calibrate --serve` has measured it: rough."""
+
+
+def serve_costs_path() -> Path:
+    """`serve-local.json`, beside the cluster file `phalanx calibrate` writes."""
+    return local_cluster_path().with_name("serve-local.json")
+
+
+def load_serve_costs(path: Path) -> ServeCosts:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read serving calibration {str(path)!r}: {exc}") from None
+    fields = {f.name for f in dataclasses.fields(ServeCosts)}
+    unknown = sorted(set(data) - fields - {"source"})
+    if unknown:
+        raise UserError(f"{path}: unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(fields))}")
+    values = {k: v for k, v in data.items() if k in fields}
+    try:
+        values["group_step_s"] = tuple((int(n), float(sec)) for n, sec in values.get("group_step_s", ()))
+    except (TypeError, ValueError):
+        raise UserError(f"{path}: group_step_s must be a list of [tp ranks, seconds]") from None
+    costs = ServeCosts(**values)
+    if costs.problems():
+        raise UserError(f"{path}: " + "; ".join(costs.problems()))
+    return costs
+
+
+def serve_costs_for(cluster: Cluster) -> ServeCosts:
+    """The engine costs a plan on `cluster` assumes: this CPU's measured ones (or the guess),
+    or the GPU engines'."""
+    if not cluster.shared_compute:
+        return GPU_ENGINE
+    path = serve_costs_path()
+    return load_serve_costs(path) if path.exists() else CPU_GUESS

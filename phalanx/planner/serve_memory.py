@@ -1,0 +1,77 @@
+"""A serving rank's memory: its weights, the step's working memory, and what is left for the
+KV cache, hence how many sequences (`max_batch`) of isl + osl tokens a dp rank can hold.
+
+The pool is sized as vLLM sizes it (serving-facts.md): a fraction `KV_UTILIZATION` of the
+device (vLLM's `gpu_memory_utilization`, 0.9) less the weights and the step's activations,
+never more than the device less the cluster's reserve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from phalanx.model.config import ModelConfig
+from phalanx.planner.hardware import Cluster
+from phalanx.planner.memory import param_counts
+from phalanx.planner.serve_step import WEIGHT_BYTES, ServeLayout, act_bytes, kv_bytes_per_token_layer, stage_layers
+
+KV_UTILIZATION = 0.9
+BLOCK_SIZE = 16
+"""Positions per KV block (vLLM's and phalanx serve's default): a sequence wastes at most one."""
+MAX_BATCH_LIMIT = 1024
+"""The most sequences per dp rank the search gives a step (TensorRT-LLM's and SGLang's
+running-batch limits are of this order; past it the sampling and scheduling host work grows
+faster than the batch pays)."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    weights: float
+    workspace: float
+    kv_pool: float
+    """Bytes, on the most loaded rank."""
+    kv_per_token: float
+    """Bytes one token's cache takes on a rank (its stage's layers)."""
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, int(self.kv_pool // self.kv_per_token))
+
+
+def weight_bytes(model: ModelConfig, layout: ServeLayout) -> float:
+    """Weights on the most loaded rank: dense parts over tp, routed experts over ep x tp,
+    the embedding and output head over tp (both counted on the stage, conservatively)."""
+    c = param_counts(model)
+    layers, moe_layers = stage_layers(model, layout.pp)
+    dense = layers * (c.attention + c.norms) + (layers - moe_layers) * c.dense_mlp + moe_layers * c.moe_other
+    heads = 1 if model.tie_embeddings else 2
+    dense += heads * c.embedding
+    routed = moe_layers * c.experts / layout.ep
+    return (dense + routed) / layout.tp * WEIGHT_BYTES[layout.weight_dtype]
+
+
+def workspace_bytes(model: ModelConfig, layout: ServeLayout, max_batch_tokens: int, max_batch: int) -> float:
+    """The step's transient tensors: a few hidden-size activations per token, the widest
+    feed-forward's intermediate, and fp32 logits of the sampled rows."""
+    ffn = max(model.ffn_dim, model.experts_per_token * model.moe_ffn_dim if model.n_experts else 0)
+    per_token = act_bytes(layout) * (4 * model.dim + 3 * ffn / layout.tp)
+    return max_batch_tokens * per_token + max_batch * model.vocab_size / layout.tp * 4
+
+
+def rank_memory(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, max_batch_tokens: int,
+                max_batch: int = MAX_BATCH_LIMIT) -> RankMemory:
+    weights = weight_bytes(model, layout)
+    workspace = workspace_bytes(model, layout, max_batch_tokens, max_batch)
+    total = min(cluster.memory_gib * KV_UTILIZATION * 2**30, cluster.usable_bytes)
+    layers, _ = stage_layers(model, layout.pp)
+    per_token = layers * kv_bytes_per_token_layer(model, layout)
+    return RankMemory(weights, workspace, max(0.0, total - weights - workspace), per_token)
+
+
+def max_batch_for(mem: RankMemory, *, isl: int, osl: int, pp: int = 1) -> int:
+    """Sequences of isl + osl positions a dp rank's pool holds whole (whole blocks each), at
+    most MAX_BATCH_LIMIT per pipeline micro-batch; 0 when not one fits."""
+    blocks = math.ceil((isl + osl) / BLOCK_SIZE)
+    fit = mem.kv_tokens // (blocks * BLOCK_SIZE)
+    return int(min(fit, MAX_BATCH_LIMIT * pp))

@@ -1,0 +1,248 @@
+"""The serving step model: how long one engine step takes on one rank, torch-free.
+
+`step_time(model, cluster, layout, decodes=B, context=C, prefill_tokens=P)` is the function
+other code calls (the serving planner's search, its simulator, an SLO scheduler): one forward
+of B decoding sequences of mean context C plus P prompt tokens on one dp rank of `layout`.
+
+Per layer of the most loaded pipeline stage, on one device:
+  Weights are read from HBM once per step, whatever the batch: attention and dense
+    feed-forwards split over tp, routed experts over ep x tp, and of those only the experts
+    some token of the step chose (a step's tokens over the ep group, each choosing k of E,
+    touch E/ep (1 - (1 - k/E)^T) of a rank's experts). Each linear costs
+    max(its weight bytes / bandwidth, its GEMM time) (`stage_time.gemm_time`: small token
+    counts fill the GEMM badly): decode is bound by the bytes, a long prefill by the FLOPs.
+  The attention core reads every decoding sequence's KV cache once: the model's real cache
+    (`kv_cache_values_per_token`: grouped-query attention's KV heads, of which a tp rank holds
+    n_kv/tp, or latent attention's one latent of kv_lora_rank + qk_rope_head_dim values, the
+    same on every tp rank) and computes 2 C heads (dk + dv) FLOPs per token (latent
+    attention absorbed, as every MLA serving kernel runs it: dk = kv_lora_rank + rope,
+    dv = kv_lora_rank); prompt tokens attend causally to their prefix (heads x head_dims
+    decompressed). Each side costs max(bytes / bandwidth, FLOPs / attention peak).
+  TP: two all-reduces per layer of the step's tokens x dim (comm.all_reduce).
+  EP: dispatch (fp8 under fp8/fp4 weights, as DeepEP sends it, else the activations' dtype)
+    and combine (activations' dtype) of T k dim per MoE layer, an all-to-all over the ep
+    group whose members are tp ranks apart (comm.all_to_all: inside the NVLink domain or
+    through each GPU's NIC).
+  PP: one send of the tokens' activations per stage boundary (comm.send).
+Framework costs (`ServeCosts`, named where they are set): a fixed host cost per step
+(scheduling, sampling, detokenization), per layer (kernel launches without CUDA graphs,
+Python), per sequence and per sequence-layer (phalanx's paged cache gathers each sequence's
+keys per layer); zero on the GPU presets but for the step's host cost, measured on this CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from phalanx.model.config import ModelConfig
+from phalanx.planner import comm, latent_attention
+from phalanx.planner.hardware import Cluster
+from phalanx.planner.serve_costs import ServeCosts, serve_costs_for
+from phalanx.planner.stage_time import GEMM_TILE, gemm_time
+
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
+"""Bytes per weight: fp4 (NVFP4) keeps one fp8 scale per 16 values."""
+KV_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeLayout:
+    """One serving instance's layout: dp ranks (attention data parallelism: each runs its own
+    sequences) of tp x pp devices; ep (carved from dp, as in training) spreads the routed
+    experts, which tp splits further. Devices per instance: dp x tp x pp."""
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    pp: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def plan_string(self) -> str:
+        """The layout in `--plan` grammar (phalanx serve's)."""
+        parts = [f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "ep") if getattr(self, k) > 1]
+        return ",".join(parts) or "dp=1"
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step's predicted seconds, by cause (they sum to `seconds`)."""
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.breakdown.values())
+
+
+def act_bytes(layout: ServeLayout) -> float:
+    """Activations run in the weights' compute dtype: fp32 where the weights are (this CPU),
+    else bf16 (fp8/fp4 GEMMs take bf16 activations quantized on the fly)."""
+    return 4.0 if layout.weight_dtype == "fp32" else 2.0
+
+
+def gemm_peak(cluster: Cluster, dtype: str, world: int) -> float:
+    """FLOP/s of one rank's GEMMs in the weights' dtype (fp8/fp4 tensor cores where present)."""
+    base = cluster.peak_flops_per_rank(world)
+    if dtype == "fp8" and cluster.fp8_tflops:
+        return base * cluster.fp8_tflops / cluster.peak_tflops
+    if dtype == "fp4" and cluster.fp4_tflops:
+        return base * cluster.fp4_tflops / cluster.peak_tflops
+    return base
+
+
+def kv_bytes_per_token_layer(model: ModelConfig, layout: ServeLayout) -> float:
+    """One token's cache in one layer on one tp rank: GQA's KV heads split over tp (replicated
+    past n_kv_heads ranks); latent attention's single latent, whole on every tp rank."""
+    values = model.kv_cache_values_per_token
+    if not model.is_latent:
+        values = values / min(layout.tp, model.n_kv_heads)
+    return values * KV_BYTES[layout.kv_dtype]
+
+
+def stage_layers(model: ModelConfig, pp: int) -> tuple[int, int]:
+    """(layers, MoE layers) of the most loaded pipeline stage."""
+    layers = math.ceil(model.n_layers / pp)
+    return layers, math.ceil(model.n_moe_layers / pp)
+
+
+def active_experts_per_rank(model: ModelConfig, layout: ServeLayout, tokens: float) -> float:
+    """Expected distinct routed experts of one rank that `tokens` per dp rank touch in a step
+    (every ep member's tokens reach every member's experts)."""
+    if not model.n_experts or tokens <= 0:
+        return 0.0
+    e, k = model.n_experts, model.experts_per_token
+    group_tokens = tokens * layout.ep
+    return e / layout.ep * (1 - (1 - k / e) ** group_tokens)
+
+
+def _fill(d: float, half: float) -> float:
+    return d / (d + half)
+
+
+def _grouped_gemm_time(cluster: Cluster, peak: float, groups: float, rows: float, n: float, k: float) -> float:
+    """Seconds of one grouped GEMM: `groups` products of (rows x k)(k x n) in one launch. Each
+    group's output has its own tiles (ceil(rows/128) x ceil(n/256), or transposed), and all
+    groups' tiles share the SMs' waves; the small-dimension charge is each group's."""
+    half = cluster.matmul_half_dim
+    eff = cluster.matmul_efficiency * _fill(rows, half) * _fill(n, half) * _fill(k, half)
+    if cluster.sm_count > 0:
+        best = 0.0
+        for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
+            tiles = math.ceil(groups) * math.ceil(rows / tm) * math.ceil(n / tn)
+            best = max(best, tiles / (math.ceil(tiles / cluster.sm_count) * cluster.sm_count))
+        eff *= best
+    return 2.0 * groups * rows * n * k / (peak * eff)
+
+
+def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbytes: float, copies: float = 1.0,
+            *, grouped: bool = False) -> float:
+    """`copies` x the GEMMs of `shapes` ((n, k) each) over `rows` token rows: the weights'
+    bytes or the GEMM's time, whichever is longer (roofline), summed. Copies are layers run
+    one after another, or with `grouped` experts run as one grouped GEMM (as MoE kernels do):
+    their output tiles fill the SMs' waves together, so the wave fill is that of copies x rows
+    rows, while the small-dimension charge stays that of `rows`."""
+    total = 0.0
+    for n, k in shapes:
+        read = n * k * wbytes / bw
+        compute = 0.0
+        if rows > 0 and grouped:
+            compute = _grouped_gemm_time(cluster, peak, copies, rows, n, k) / copies
+        elif rows > 0:
+            compute = gemm_time(rows, n, k, cluster=cluster, peak=peak)
+        total += max(read, compute)
+    return copies * total
+
+
+def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, decodes: float, context: float,
+              prefill_tokens: float = 0.0, prefill_context: float | None = None, world: int | None = None,
+              costs: ServeCosts | None = None) -> StepTime:
+    """Seconds of one engine step on one dp rank: `decodes` sequences of mean `context` tokens
+    each decoding one token, plus `prefill_tokens` prompt tokens whose prefix is
+    `prefill_context` tokens on average (default: half a chunk, i.e. a fresh prompt). `world`:
+    devices sharing one CPU node (shared_compute; default the layout's). Pipeline parallelism:
+    the time of one stage for this rank's batch (the caller splits the batch into pp
+    micro-batches)."""
+    world = world or layout.gpus
+    costs = costs or serve_costs_for(cluster)
+    tp, ab = layout.tp, act_bytes(layout)
+    wb = WEIGHT_BYTES[layout.weight_dtype]
+    peak = gemm_peak(cluster, layout.weight_dtype, world) * costs.flops_scale
+    bw = cluster.memory_bw_per_rank(world) * costs.bandwidth_scale
+    attn_peak = cluster.peak_flops_per_rank(world) * cluster.attention_efficiency * costs.flops_scale
+    tokens = decodes + prefill_tokens
+    layers, moe_layers = stage_layers(model, layout.pp)
+    dense_layers = layers - moe_layers
+    h = model.dim
+
+    attention = _linear(cluster, peak, bw, tokens, latent_attention.gemm_shapes(model, tp), wb, layers)
+    f = model.ffn_dim
+    mlp_shapes = [(2 * f / tp, h), (h, f / tp)] if model.mlp == "swiglu" else [(f / tp, h), (h, f / tp)]
+    dense = _linear(cluster, peak, bw, tokens, mlp_shapes, wb, dense_layers)
+    experts = 0.0
+    if moe_layers:
+        fe = model.moe_ffn_dim
+        shared = model.n_shared_experts
+        expert_shapes = [(2 * fe / tp, h), (h, fe / tp)]
+        router = _linear(cluster, peak, bw, tokens, [(model.n_experts, h)], wb)
+        shared_t = _linear(cluster, peak, bw, tokens, [(2 * shared * fe / tp, h), (h, shared * fe / tp)], wb) if shared else 0.0
+        active = active_experts_per_rank(model, layout, tokens)
+        # A rank's routed rows: its ep group's tokens x k spread over ep ranks = tokens x k, balanced
+        # over its active experts.
+        rows_per_expert = tokens * model.experts_per_token / max(active, 1e-9)
+        routed = _linear(cluster, peak, bw, rows_per_expert, expert_shapes, wb, active, grouped=True)
+        experts = moe_layers * (router + shared_t + routed)
+    head = _linear(cluster, peak, bw, min(tokens, decodes + (1 if prefill_tokens else 0)),
+                   [(model.vocab_size / tp, h)], wb)
+
+    kv_layer = kv_bytes_per_token_layer(model, layout)
+    heads = model.n_heads / tp
+    if model.is_latent:  # absorbed MLA for decode: scores over the latent + rope, values over the latent
+        dec_width = heads * (model.kv_lora_rank + model.qk_rope_head_dim + model.kv_lora_rank)
+    else:
+        dec_width = heads * (model.head_dim + model.value_dim)
+    dec_attn = layers * max(decodes * context * kv_layer / bw, 2 * decodes * context * dec_width / attn_peak)
+    pre_ctx = prefill_context if prefill_context is not None else prefill_tokens / 2
+    pre_width = heads * (model.head_dim + model.value_dim)
+    pre_attn = layers * 2 * prefill_tokens * pre_ctx * pre_width / attn_peak if prefill_tokens else 0.0
+
+    tp_comm = layers * 2 * comm.all_reduce(cluster, tokens * h * ab, size=tp, stride=1) if tp > 1 else 0.0
+    ep_comm = 0.0
+    if moe_layers and layout.ep > 1:
+        k = model.experts_per_token
+        dispatch_bytes = 1.0 if layout.weight_dtype in ("fp8", "fp4") else ab
+        rows = tokens * k * h / tp
+        ep_comm = moe_layers * (comm.all_to_all(cluster, rows * dispatch_bytes, size=layout.ep, stride=tp)
+                                + comm.all_to_all(cluster, rows * ab, size=layout.ep, stride=tp))
+    pp_comm = 0.0
+    if layout.pp > 1:
+        same = tp * layout.dp * 2 <= cluster.fast_domain
+        pp_comm = comm.send(cluster, tokens * h * ab, same_domain=same)
+    sequences = decodes + (1 if prefill_tokens else 0)
+    framework = (costs.step_s + costs.group_step(tp) + layers * costs.layer_s + sequences * costs.sequence_s
+                 + decodes * layers * costs.sequence_layer_s + tokens * costs.token_s)
+    return StepTime({
+        "weights_and_gemms": attention + dense + experts + head,
+        "attention_decode": dec_attn, "attention_prefill": pre_attn,
+        "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "framework": framework,
+    })
+
+
+def decode_step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, batch: int, context: float,
+                     world: int | None = None, costs: ServeCosts | None = None) -> float:
+    """Seconds per output token of `batch` sequences at mean `context` decoding alone on one
+    dp rank (no prompt in the step): the pp stages in turn, each on batch / pp sequences."""
+    micro = batch / layout.pp
+    return layout.pp * step_time(model, cluster, layout, decodes=micro, context=context, world=world,
+                                 costs=costs).seconds
+
+
+def prefill_step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, tokens: int, context: float = 0.0,
+                      world: int | None = None, costs: ServeCosts | None = None) -> float:
+    """Seconds to run `tokens` prompt tokens (after `context` cached ones) through one dp rank,
+    through all pp stages, alone in the step."""
+    return layout.pp * step_time(model, cluster, layout, decodes=0, context=0, prefill_tokens=tokens,
+                                 prefill_context=context + tokens / 2, world=world, costs=costs).seconds
