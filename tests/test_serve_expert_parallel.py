@@ -190,3 +190,29 @@ def test_expert_parallel_needs_experts(tmp_path, capsys):
     capsys.readouterr()  # transformers' progress bars
     assert_cli_error(["serve", "--model", str(dense), "--nproc", "2", "--plan", "dp=2,ep=2"], capsys,
                      "needs a mixture-of-experts model")
+
+
+def test_expert_placement_starts_from_a_training_runs_loads(skewed, tmp_path):
+    """`--expert-placement RUN_DIR`: the first placement is the balancer's for the per-expert
+    loads the run's metrics.jsonl recorded (summed over its steps), so the expert that was hot
+    in training starts with a replica on each rank; a run of another model is a one-line error."""
+    import json
+
+    from phalanx.balance.solve import rebalance
+    from phalanx.errors import UserError
+    from phalanx.model.hf_config import read_model_config
+    from phalanx.plan import plan_from_string
+    from phalanx.serve.expert_placement import first_placement
+
+    hot = [[90, 2, 2, 2, 2, 2], [2, 2, 2, 2, 2, 90]]  # per MoE layer (0 and 2), tokens per expert
+    records = [{"step": step, "moe": {"0": {"expert_tokens": hot[0]}, "2": {"expert_tokens": hot[1]}}} for step in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    cfg, plan = read_model_config(skewed), plan_from_string("dp=2,ep=2", 2)
+    job = {"expert_slots": 8, "rebalance_every": 0, "expert_placement": str(tmp_path)}
+    placed = first_placement(job, cfg, plan)
+    assert (placed == rebalance([[2 * x for x in row] for row in hot], 8, 1, 1, 2, policy="global").phy2log).all()
+    for row, expert in zip(placed, (0, 5)):
+        assert set(row[:4]) & {expert} and set(row[4:]) & {expert}  # a replica on each rank
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"moe": {"0": {"expert_tokens": [1] * 4}}}) + "\n")
+    with pytest.raises(UserError, match="1 MoE layers x 4 experts; this model has 2 x 6"):
+        first_placement(job, cfg, plan)
