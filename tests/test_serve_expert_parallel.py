@@ -3,7 +3,8 @@
 differ from one process's, so fp32 sums part by ~1e-6; anywhere else the ids must be equal):
 
 - `--plan dp=2,ep=2` (attention data parallelism: each rank runs its own sequences, tokens
-  travel to their experts by all-to-all, a rank with nothing to run steps with filler forwards)
+  travel to their experts by all-to-all, a rank with nothing to run steps with filler forwards;
+  SIGTERM then stops both ranks, exit 0)
   with live expert re-placement (`--expert-slots 8 --rebalance-every 10`) on a router skewed
   towards experts 0-2: outputs equal before any move, during one (32 concurrent streams, none
   fails) and after; the imbalance of the routed rows per rank falls.
@@ -14,6 +15,7 @@ Both count every routed row once in /metrics (filler forwards' rows are not traf
 
 from __future__ import annotations
 
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -110,15 +112,20 @@ def assert_rows_counted_once(samples: dict, requests: int) -> None:
 
 
 def test_dp2_ep2_live_rebalance_keeps_outputs_and_evens_the_load(skewed):
-    """Engine steps are what --rebalance-every counts. Before: 6 one-token requests (each done
-    in its prompt's step): at most 6 steps, fewer than EVERY, so no move yet. During: 32 streams
+    """Engine steps are what --rebalance-every counts. Before: one request alone (2 steps), then
+    6 concurrent one-token requests (each done in its prompt's step): at most 8 steps, fewer
+    than EVERY, so no move yet. During: 32 streams
     whose prompts (~450 tokens) take the two ranks ~10 steps at 24 tokens each per step, then
     3 decodes: they run across step EVERY + 1, where the first move is made. After: 24 requests
     (8 compared), whose rows per rank are measured against the before phase's."""
-    before, during, after = prompts(3, 6), prompts(4, 32), prompts(5, 24)
+    alone, before, during, after = prompts(2, 1), prompts(3, 6), prompts(4, 32), prompts(5, 24)
     server = ServeProcess(skewed, "--nproc", "2", "--plan", "dp=2,ep=2", "--expert-slots", "8",
-                          "--rebalance-every", str(EVERY), "--block-size", "8", "--max-num-batched-tokens", "24")
+                          "--rebalance-every", str(EVERY), "--block-size", "8", "--max-num-batched-tokens", "24",
+                          "--shutdown-grace", "1")
     try:
+        # One request alone (2 steps) runs on rank 0, while rank 1 steps with filler forwards.
+        served_alone = complete(server, alone, 2)
+        at_alone = server.metrics()
         served_before = complete(server, before, 1)
         at_before = server.metrics()
         assert at_before["phalanx_expert_rebalances_total"] == 0
@@ -127,18 +134,21 @@ def test_dp2_ep2_live_rebalance_keeps_outputs_and_evens_the_load(skewed):
         assert at_during["phalanx_expert_rebalances_total"] >= 1
         served_after = complete(server, after, 4)[:8]
         at_after = server.metrics()
+        server.signal(signal.SIGTERM)  # rank 0 drains and stops the other rank; the launcher exits 0
+        assert server.process.wait(120) == 0
     finally:
         server.stop()
     assert [reason for _, reason in streamed] == ["length"] * 32  # none failed
-    for ids, (reference, logits) in zip(served_before, greedy_reference(skewed, before, 1)):
+    for ids, (reference, logits) in zip(served_alone + served_before,
+                                        greedy_reference(skewed, alone, 2) + greedy_reference(skewed, before, 1)):
         assert_greedy_equal(ids, reference, logits)
     for (ids, _), (reference, logits) in zip(streamed, greedy_reference(skewed, during, 4)):
         assert_greedy_equal(ids, reference, logits)
     for ids, (reference, logits) in zip(served_after, greedy_reference(skewed, after[:8], 4)):
         assert_greedy_equal(ids, reference, logits)
-    assert_rows_counted_once(at_after, 6 + 32 + 24)
+    assert_rows_counted_once(at_after, 1 + 6 + 32 + 24)
     # The moves evened the load: rows per rank after them, against before any move.
-    skew_before = imbalance(rank_rows(at_before))
+    skew_before = imbalance([b - a for a, b in zip(rank_rows(at_alone), rank_rows(at_before))])
     skew_after = imbalance([a - b for a, b in zip(rank_rows(at_after), rank_rows(at_during))])
     print(f"imbalance of rows per rank: {skew_before:.3f} before any move, {skew_after:.3f} after")
     assert skew_after < skew_before, (skew_before, skew_after)
