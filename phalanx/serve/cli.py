@@ -89,7 +89,8 @@ def _check_plan(args) -> str:
 
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
-    if plan.pp > 1 or plan.sp or plan.zero or (plan.dp > 1 and plan.tp > 1) or (plan.ep > 1 and plan.tp > 1 and not plan.ep_over_tp):
+    ep_beside_tp = plan.ep > 1 and plan.tp > 1 and not plan.ep_over_tp
+    if plan.pp > 1 or plan.sp or plan.zero or (plan.dp > 1 and plan.tp > 1) or ep_beside_tp:
         raise UserError(f"phalanx serve runs tp=N, dp=N[,ep=M] and tp=N,ep=M,ep_over_tp=true; plan {plan.to_string()} "
                         "(pp, sp, zero, or dp beside tp) is not there yet (docs/serve.md)")
     return plan.to_string()
