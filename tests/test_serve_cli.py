@@ -24,7 +24,7 @@ def model(tmp_path_factory):
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
     (["--block-size", "0"], "--block-size must be >= 1"),
     (["--api-key", " "], "--api-key is empty"),
-    (["--nproc", "2", "--plan", "dp=2"], "tensor-parallel layouts (tp=N) for now"),
+    (["--nproc", "4", "--plan", "dp=2,tp=2"], "dp beside tp) is not there yet"),
     (["--nproc", "2", "--plan", "tp=4"], "tp=4"),
 ])
 def test_bad_flags(model, capsys, flags, message):

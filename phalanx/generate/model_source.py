@@ -65,8 +65,9 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
     return ModelSource(cfg, folder, False, folder)
 
 
-def load_model(source: ModelSource, mesh):
-    """This rank's part of the model in the mesh's layout, with the source's weights."""
+def load_model(source: ModelSource, mesh, expert_slots: dict | None = None):
+    """This rank's part of the model in the mesh's layout, with the source's weights
+    (`expert_slots`: `parallelize`'s, for `phalanx serve --expert-slots`)."""
     from phalanx.parallel.apply import parallelize
 
     weights = None
@@ -74,7 +75,7 @@ def load_model(source: ModelSource, mesh):
         from phalanx.hf.weights import CheckpointWeights
 
         weights = CheckpointWeights(source.weights_dir, source.cfg)
-    model = parallelize(source.cfg, mesh, seed=0, weights=weights)
+    model = parallelize(source.cfg, mesh, seed=0, weights=weights, expert_slots=expert_slots)
     if source.is_run:
         _load_run_checkpoint(model, source)
     return model.eval()

@@ -43,7 +43,9 @@ def register(subparsers) -> None:
     add("--shutdown-grace", type=float, default=DEFAULTS["shutdown_grace"],
         help=f"seconds running requests may take to finish after SIGTERM or Ctrl-C (default {DEFAULTS['shutdown_grace']:g})")
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
-    add("--plan", default="", help="parallel layout, e.g. tp=2 (default: one process)")
+    add("--plan", default="", help="parallel layout: tp=N, dp=N,ep=N (attention data parallelism, experts over the "
+                                   "ranks) or tp=N,ep=N,ep_over_tp=true (default: one process)")
+    _add_expert_flags(add)
     parser.set_defaults(func=_run)
 
 
@@ -66,32 +68,56 @@ def prepare_job(args) -> dict:
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     plan = _check_plan(args)
+    for name in ("expert_slots", "rebalance_every"):
+        _at_least(args, name, 0)
     return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": args.host, "port": args.port,
             "served_model_name": args.served_model_name or args.model, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
             "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size, "api_key": args.api_key,
             "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
-            "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan}
+            "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
+            "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
+            "expert_placement": args.expert_placement}
 
 
 def _check_plan(args) -> str:
-    """Tensor-parallel layouts only, for now (docs/serve.md: not there yet)."""
+    """The layouts serving runs: tp=N; dp=N with experts over ep (attention data parallelism,
+    ep carved from dp); tp=N,ep=N,ep_over_tp=true (experts over the tp ranks)."""
     import os
 
     from phalanx.plan import plan_from_string
 
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
-    if plan.world_size != plan.tp or plan.sp or plan.ep > 1:
-        raise UserError(f"phalanx serve runs tensor-parallel layouts (tp=N) for now; plan {plan.to_string()} "
-                        "(dp, pp, ep, sp) is not there yet (docs/serve.md)")
+    ep_beside_tp = plan.ep > 1 and plan.tp > 1 and not plan.ep_over_tp
+    if plan.pp > 1 or plan.sp or plan.zero or (plan.dp > 1 and plan.tp > 1) or ep_beside_tp:
+        raise UserError(f"phalanx serve runs tp=N, dp=N[,ep=M] and tp=N,ep=M,ep_over_tp=true; plan {plan.to_string()} "
+                        "(pp, sp, zero, or dp beside tp) is not there yet (docs/serve.md)")
     return plan.to_string()
+
+
+def _check_for_model(job: dict) -> None:
+    """Before any worker starts: the plan's ep and the expert-slot flags against the model."""
+    from phalanx import layout_rules as rules
+    from phalanx.generate.model_source import resolve_model
+    from phalanx.plan import plan_from_string
+
+    cfg = resolve_model(job["model"], job["step"]).cfg
+    plan = plan_from_string(job["plan"], job["nproc"])
+    if problem := rules.ep_problem(plan.ep, dp=plan.dp, n_experts=cfg.n_experts, model=cfg.name, tp=plan.tp,
+                                   over_tp=plan.ep_over_tp):
+        raise UserError(f"invalid plan: {problem}")
+    from phalanx.serve.expert_placement import first_placement
+
+    first_placement(job, cfg, plan)
 
 
 def _run(args) -> int:
     import os
 
     job = prepare_job(args)
+    if "RANK" not in os.environ:
+        _check_for_model(job)
     if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or job["nproc"] == 1:
         return worker_main(job)
     return _launch(job)
@@ -161,29 +187,61 @@ def _rank_main(job: dict) -> int:
 
     cfg = source.cfg
     channel = RankChannel() if parallel else None
-    return serve(job, lambda: build_engine(job, source, channel), codec, ChatTemplate(source.tokenizer_dir),
-                 ServeMetrics(moe=cfg.n_experts > 0), cfg.max_seq_len, cfg.vocab_size)
+    metrics = ServeMetrics(moe=cfg.n_experts > 0)
+    return serve(job, lambda: build_engine(job, source, channel, metrics), codec, ChatTemplate(source.tokenizer_dir),
+                 metrics, cfg.max_seq_len, cfg.vocab_size)
 
 
-def build_engine(job: dict, source, channel=None):
-    """The model (this rank's part), the block pool sized for it, the scheduler, the engine."""
+def build_engine(job: dict, source, channel=None, metrics=None):
+    """The model (this rank's part), the block pool sized for it, the scheduler(s), the engine.
+    `metrics`: rank 0's, which counts live expert rebalances."""
     import torch.distributed as dist
 
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
     from phalanx.serve.engine import Engine
     from phalanx.local_device import pick_device
+    from phalanx.serve.expert_placement import first_placement, slot_placements
     from phalanx.serve.loading import kv_blocks, load_serving_model, pick_dtype
     from phalanx.serve.scheduler import Scheduler
 
     device = pick_device(job["device"])
     dtype = pick_dtype(job["dtype"], device)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    mesh = build_mesh(plan_from_string(job["plan"], world_size), device)
-    model = load_serving_model(source, mesh, dtype)
-    num_blocks = kv_blocks(job, source.cfg, mesh.plan.tp, device, dtype, agree=world_size > 1)
-    # Preempted sequences wait too: the bound on new requests is the engine loop's.
-    scheduler = Scheduler(num_blocks=num_blocks, block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
-                          max_num_batched_tokens=job["max_num_batched_tokens"],
-                          max_waiting=job["max_waiting"] + job["max_num_seqs"])
-    return Engine(model, scheduler, device, channel=channel)
+    plan = plan_from_string(job["plan"], world_size)
+    mesh = build_mesh(plan, device)
+    phy2log = first_placement(job, source.cfg, plan)
+    slots = None if phy2log is None else slot_placements(phy2log, source.cfg, plan.ep)
+    model = load_serving_model(source, mesh, dtype, slots)
+    num_blocks = kv_blocks(job, source.cfg, plan.tp, device, dtype, agree=world_size > 1)
+
+    def scheduler() -> Scheduler:
+        # Preempted sequences wait too: the bound on new requests is the engine loop's.
+        return Scheduler(num_blocks=num_blocks, block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
+                         max_num_batched_tokens=job["max_num_batched_tokens"],
+                         max_waiting=job["max_waiting"] + job["max_num_seqs"])
+
+    if plan.dp == 1:
+        return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep)
+    from phalanx.serve.dp_assign import DPSchedulers
+    from phalanx.serve.dp_engine import DPEngine
+    from phalanx.serve.expert_placement import LivePlacement
+
+    rank = dist.get_rank()
+    live = None if phy2log is None else LivePlacement(model, phy2log, source.cfg.n_experts, plan.ep,
+                                                     job["rebalance_every"], planner=rank == 0)
+    schedulers = DPSchedulers([scheduler() for _ in range(plan.dp if rank == 0 else 1)])
+    return DPEngine(model, schedulers, device, dp_rank=mesh.axis_rank("dp"), channel=channel, expert_ranks=plan.ep,
+                    placement=live, on_rebalance=None if metrics is None else metrics.rebalanced)
+
+
+def _add_expert_flags(add) -> None:
+    """Live wide expert parallelism (`--plan dp=N,ep=N`): docs/serve.md."""
+    add("--expert-slots", type=int, default=0, metavar="S",
+        help="expert slots per MoE layer over the ep ranks (>= experts, a multiple of ep): hot experts get "
+             "replicas (default 0: one slot per expert)")
+    add("--rebalance-every", type=int, default=0, metavar="K",
+        help="re-place experts from the measured loads every K engine steps, moving weights between ranks "
+             "while serving (default 0: never)")
+    add("--expert-placement", default="", metavar="RUN_DIR",
+        help="start from the placement for the expert loads a phalanx train run recorded (its metrics.jsonl)")

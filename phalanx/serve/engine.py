@@ -90,13 +90,15 @@ def full_logits(logits: torch.Tensor) -> torch.Tensor:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, scheduler: Scheduler, device: torch.device | str = "cpu",
-                 on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None):
+                 on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None,
+                 expert_ranks: int = 1):
         """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests).
         `channel`: rank 0's `rank_loop.RankChannel` under a parallel layout (the other ranks
-        run the same forwards)."""
+        run the same forwards). `expert_ranks`: the ep degree (the ranks expert loads are
+        counted over)."""
         self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
         self.on_logits, self.channel = on_logits, channel
-        self.expert_loads = ExpertLoads(model)
+        self.expert_loads = ExpertLoads(model, expert_ranks)
         self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
         self.steps = 0
 
@@ -119,6 +121,11 @@ class Engine:
             return full_logits(self.model(tokens, self.cache))[read]  # (sampling chunks, vocab)
         return full_logits(self.model(tokens, self.cache, read_at=read))
 
+    def run_order(self, forwards: list[Forward]) -> None:
+        """A rank other than 0: run the forwards rank 0 sent (`rank_loop.follow`)."""
+        for forward in forwards:
+            self.run_model(forward)
+
     def close(self) -> None:
         """Stop the other ranks, if any."""
         if self.channel is not None:
@@ -136,6 +143,10 @@ class Engine:
             return []
         logits, sampling_chunks = self.forward(step)
         self.steps += 1
+        return self.sample(self.scheduler, step, logits, sampling_chunks)
+
+    def sample(self, scheduler: Scheduler, step: Step, logits: torch.Tensor, sampling_chunks: list[Chunk]) -> list[TokenEvent]:
+        """A token for each sampling chunk from its logits row, then `scheduler` closes the step."""
         sampled: dict[int, int] = {}
         events = []
         for row, chunk in zip(logits, sampling_chunks):
@@ -151,6 +162,6 @@ class Engine:
                 values, ids = scores.topk(asked.logprobs) if asked.logprobs else (scores[:0], scores[:0].long())
                 top = list(zip(ids.tolist(), values.tolist()))
             events.append(TokenEvent(chunk.seq, token, logprob, top))
-        finished = {id(seq) for seq in self.scheduler.finish_step(step, sampled)}
+        finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
         return [TokenEvent(e.seq, e.token, e.logprob, e.top_logprobs, e.seq.finish_reason if id(e.seq) in finished else None)
                 for e in events]

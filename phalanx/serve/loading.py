@@ -25,10 +25,18 @@ def pick_dtype(name: str, device):
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def load_serving_model(source, mesh, dtype):
+def load_serving_model(source, mesh, dtype, expert_slots: dict | None = None):
+    """Under attention data parallelism (dp > 1) every rank keeps its replica of the dense
+    weights as loaded: the DDP wrapper `parallelize` puts around a dp model for training (it
+    would broadcast buffers before every forward) is taken off."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from phalanx.generate.model_source import load_model
 
-    return load_model(source, mesh).to(dtype).eval()
+    model = load_model(source, mesh, expert_slots)
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model.to(dtype).eval()
 
 
 def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> int:

@@ -45,6 +45,7 @@ class ServeMetrics:
             self.expert_rows = Counter("phalanx_expert_rows", "Routed rows computed per rank (all MoE layers)", ["rank"],
                                        registry=registry)
             self._window: deque[list[list[int]]] = deque(maxlen=EXPERT_WINDOW)  # per step: per layer, rows per rank
+            self._add_rebalance_metrics(registry)
 
     def after_step(self, scheduler, generated: int, expert_rows: list[list[int]] | None = None) -> None:
         """`expert_rows`: this step's routed rows per rank of each MoE layer, (layers, ranks)."""
@@ -80,6 +81,31 @@ class ServeMetrics:
         self.e2e.observe(seq.finished_at - seq.arrival)
         if len(seq.output) > 1:
             self.tpot.observe((seq.finished_at - seq.first_token_at) / (len(seq.output) - 1))
+
+    def _add_rebalance_metrics(self, registry) -> None:
+        """Live expert re-placement (`--rebalance-every`): how often slots moved, and the last
+        move's per-rank imbalance, averaged over the MoE layers."""
+        self.rebalances = Counter("phalanx_expert_rebalances", "Expert re-placements that moved slots between ranks "
+                                  "while serving", registry=registry)
+        self.slots_moved = Counter("phalanx_expert_slots_moved", "Expert slots whose expert changed at a re-placement",
+                                   registry=registry)
+        self.imbalance_before = Gauge("phalanx_expert_imbalance_before_rebalance", "The last re-placement's (max - mean)"
+                                      " / mean of the routed rows per rank before it (measured moving average), mean "
+                                      "over MoE layers", registry=registry)
+        self.imbalance_after = Gauge("phalanx_expert_imbalance_after_rebalance", "The same after it (the balancer's "
+                                     "prediction for the new placement from the same loads)", registry=registry)
+
+    def rebalanced(self, event) -> None:
+        """An `ExpertRebalancer` event whose placement moves slots (from the engine thread)."""
+        import sys
+
+        self.rebalances.inc()
+        self.slots_moved.inc(event.moved_slots)
+        self.imbalance_before.set(event.imbalance_before)
+        self.imbalance_after.set(event.imbalance_after)
+        print(f"phalanx: expert rebalance at step {event.step}: imbalance {event.imbalance_before:.3f} -> "
+              f"{event.imbalance_after:.3f} (predicted), {event.moved_slots} slots moved, {event.bytes_moved} bytes "
+              "between ranks", file=sys.stderr, flush=True)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
