@@ -114,11 +114,12 @@ def layer_flops(model: ModelConfig, *, seq: int, moe: bool) -> tuple[float, floa
 def step_flops(model: ModelConfig, workload: Workload, recompute: str) -> tuple[float, float]:
     """(model, hardware) FLOPs of one step: 3 passes; hardware adds the recomputed forward."""
     s = workload.seq_len
-    gemm_total = attn_total = 0.0
-    for i in range(model.n_layers):
-        gemm, attn = layer_flops(model, seq=s, moe=model.is_moe_layer(i))
-        gemm_total += gemm
-        attn_total += attn
+    # Layers repeat: dense ones and MoE ones each cost the same, so count them, not loop over them.
+    n_moe = model.n_moe_layers
+    dense_gemm, dense_attn = layer_flops(model, seq=s, moe=False)
+    moe_gemm, moe_attn = layer_flops(model, seq=s, moe=True) if n_moe else (0.0, 0.0)
+    gemm_total = (model.n_layers - n_moe) * dense_gemm + n_moe * moe_gemm
+    attn_total = (model.n_layers - n_moe) * dense_attn + n_moe * moe_attn
     logits = 2.0 * s * model.dim * model.vocab_size
     model_flops = 3 * workload.global_batch * (gemm_total + attn_total + logits)
     extra = {"none": 0.0, "selective": attn_total, "full": gemm_total + attn_total}[recompute]

@@ -96,7 +96,7 @@ def param_counts(model: ModelConfig) -> ParamCounts:
 
 def total_params(model: ModelConfig) -> int:
     c = param_counts(model)
-    moe_layers = sum(model.is_moe_layer(i) for i in range(model.n_layers))
+    moe_layers = model.n_moe_layers
     dense_layers = model.n_layers - moe_layers
     heads = 1 if model.tie_embeddings else 2
     return (model.n_layers * (c.attention + c.norms) + dense_layers * c.dense_mlp

@@ -37,8 +37,7 @@ formulas): a search passes the very same objects thousands of times."""
 def _counts(model: ModelConfig) -> tuple[ParamCounts, int]:
     hit = _COUNTS.get(id(model))
     if hit is None or hit[0] is not model:
-        moe = sum(model.is_moe_layer(i) for i in range(model.n_layers))
-        hit = _COUNTS[id(model)] = (model, param_counts(model), moe)
+        hit = _COUNTS[id(model)] = (model, param_counts(model), model.n_moe_layers)
     return hit[1], hit[2]
 
 

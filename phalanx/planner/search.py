@@ -287,11 +287,23 @@ def _fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Wo
     if one <= usable:
         return evaluate(model, cluster, workload, lay.replace(recompute_layers=1), options)
     k = 1 + math.ceil((one - usable) / ((one - full.memory_bytes) / (chunk - 1)))
-    while k < chunk:
+    for _ in range(2):  # rounding: a step or two up
+        if k >= chunk:
+            return None
         if memory(k) <= usable:
             return evaluate(model, cluster, workload, lay.replace(recompute_layers=k), options)
         k += 1
-    return None
+    # Beyond that, bisect (memory never rises with k): a chunk may hold 10^11 layers.
+    low, high = k, chunk  # memory(low - 1) does not fit; memory(chunk) (all) does
+    while low < high:
+        mid = (low + high) // 2
+        if memory(mid) <= usable:
+            high = mid
+        else:
+            low = mid + 1
+    if low >= chunk:
+        return None
+    return evaluate(model, cluster, workload, lay.replace(recompute_layers=low), options)
 
 
 def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
