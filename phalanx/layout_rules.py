@@ -214,3 +214,15 @@ def pipeline_problem(schedule: str, *, pp: int, virtual: int, microbatches: int,
 def layers_per_rank(n_layers: int, pp: int, chunks: int) -> int:
     """Layers on the most loaded pipeline rank (chunks of ceil(L / (pp * chunks)) layers)."""
     return chunks * math.ceil(n_layers / (pp * chunks))
+
+
+def cp_problem(cp: int, *, seq_len: int, tp: int = 1, sp: bool = False) -> str:
+    """Context parallelism cuts each sequence into 2 x cp chunks (x tp with sp, whose norms
+    then split each rank's part over the tp ranks)."""
+    if cp == 1:
+        return ""
+    unit = 2 * cp * (tp if sp else 1)
+    if seq_len % unit:
+        spelled = f"2 x cp x tp = 2 x {cp} x {tp} = {unit} (cp={cp} with sp=true)" if sp else f"2 x cp = {unit} (cp={cp})"
+        return f"seq_len={seq_len} must divide by {spelled}: each sequence is cut into {unit} equal chunks"
+    return ""

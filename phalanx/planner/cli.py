@@ -73,7 +73,7 @@ def run_plan(args) -> int:
             print()
             print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
             slots = f" --expert-slots {args.expert_slots}" if args.expert_slots else ""  # what phalanx train needs beside it
-            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}{slots}"
+            print(f"best plan: --plan {result.ranked[0].layout.plan_string()}{slots}"
                   f"  (mbs={result.ranked[0].layout.mbs}, zero={result.ranked[0].layout.zero})")
         print(f"{result.considered} layouts considered, {result.pruned_memory} pruned for memory "
               f"(> {cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB usable), "
@@ -114,7 +114,7 @@ def _rejected(model, cluster, workload, est, options) -> str:
 def _print_side_by_side(model_name: str, args, results) -> None:
     print(f"best plan for {model_name} on {args.gpus} GPUs, global batch {args.global_batch} x {args.seq_len}")
     names = [c.name for c, _ in results]
-    fields = ["dp", "tp", "pp", "ep", "mbs", "microbatches", "schedule", "virtual", "recompute", "zero",
+    fields = ["dp", "cp", "tp", "pp", "ep", "mbs", "microbatches", "schedule", "virtual", "recompute", "zero",
               "step_time_s", "step_time_band", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu"]
     rows = []
     records = [plan_record(r.ranked[0], step_time_band(c)) if r.ranked else None for c, r in results]
