@@ -154,7 +154,7 @@ ROWS += [
         gpus=gpus, global_batch=gb, seq_len=2048,
         fixed=dict(dp=gpus, tp=1, pp=1, zero=3, mbs=mbs, microbatches=accumulate, recompute="full" if ckpt else "none",
                    offload=False),  # the table's runs keep their shards on the GPUs
-        published=tokens, metric="tokens", space=COMPOSER_FSDP, searched=dict(tp=1, pp=1), options=COMPOSER,
+        published=tokens, metric="tokens", space=COMPOSER_FSDP, searched=dict(tp=1, pp=1, cp=1), options=COMPOSER,
         group="decide" if i % 2 == 0 else "hold-out")  # the split, fixed before any row was run
     for i, (name, gpus, mbs, accumulate, gb, ckpt, tokens) in enumerate(MPT_H100)
 ]

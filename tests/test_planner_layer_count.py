@@ -91,3 +91,13 @@ def test_deep_zbv_bubble_between_p_and_2p_micro_batches_is_within_two_percent():
         for m in (120, 199):
             assert v_bubble("zbv", 100, m, 1.0, b, w) == pytest.approx(_timed_bubble("zbv", 100, m, 1.0, b, w),
                                                                        rel=0.02)
+
+
+def test_building_a_model_deeper_than_a_process_builds_is_refused_first():
+    """The layer count's bound moved from ModelConfig to building (`MAX_BUILT_LAYERS`): the
+    refusal comes before one module is made."""
+    from phalanx.errors import UserError
+    from phalanx.model.init import build_model
+
+    with pytest.raises(UserError, match="n_layers=16,385 is above 16,384, the most a process builds"):
+        build_model(ModelConfig(n_layers=16385, dim=8, n_heads=2, n_kv_heads=2, ffn_dim=8, vocab_size=16))

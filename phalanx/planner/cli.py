@@ -16,7 +16,8 @@ from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.plan_flags import add_plan_flags, options_for
 from phalanx.planner.report import COLUMNS, explain, format_table, plan_record, table_rows
-from phalanx.planner.search import SearchSpace, fit_hints, fix_problems, parse_fix, search
+from phalanx.planner.memory_fit import fit_hints
+from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
 from phalanx.planner.validation import step_time_band
 
 

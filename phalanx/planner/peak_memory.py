@@ -186,10 +186,14 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         return scale * hit[2] + (cp_mask if recompute != "full" else 0.0)
 
     # The trainer's cp attention takes an explicit boolean mask of this rank's queries by the
-    # whole sequence's keys, built by each layer and saved for its backward
-    # (parallel/context_parallel.SequenceView.mask): 1 byte per query-key pair.
+    # whole sequence's keys, built by each layer (parallel/context_parallel.SequenceView.mask),
+    # which scaled_dot_product_attention turns into an additive mask in the activations' dtype
+    # and keeps for backward, beside the boolean one: 1 + activation bytes per query-key pair
+    # (measured: benchmarks/context_parallel.py's small model held 96.1 and 51.0 MiB at cp=2 and
+    # 4, 4.9 bytes per pair above the other tensors in an fp32 run).
     local_seq = workload.seq_len // lay.cp
-    cp_mask = local_seq * workload.seq_len if lay.cp > 1 and options.phalanx_trainer else 0.0
+    # One mask serves the micro-batch's sequences (broadcast; --doc-mask's is per sequence).
+    cp_mask = (1 + precision.activation) * local_seq * workload.seq_len if lay.cp > 1 and options.phalanx_trainer else 0.0
 
     share = recompute_share(model, lay)  # the other layers keep all their activations
     stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))

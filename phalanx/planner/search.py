@@ -27,6 +27,7 @@ from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import PLAN_HAS_CP, Layout, Workload
+from phalanx.planner.memory_fit import fewest_recomputed_layers
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -236,7 +237,7 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         est = evaluate(model, cluster, workload, layout, options)
         fitting.append(est)
         if "recompute_layers" not in fixed and "recompute" not in fixed:  # a fixed mode means all blocks
-            partial = _fewest_recomputed_layers(model, cluster, workload, est, options)
+            partial = fewest_recomputed_layers(model, cluster, workload, est, options)
             if partial is not None:
                 considered += 1
                 fitting.append(partial)
@@ -280,45 +281,6 @@ def _fastest(model: ModelConfig, cluster: Cluster, workload: Workload, layouts: 
         if est.step_time_s < below and (found is None or est.step_time_s < found.step_time_s):
             found = est
     return found
-
-
-def _fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Workload, full: Estimate,
-                              options: Options) -> Estimate | None:
-    """The layout of `full` (every block recomputed, fitting) with the fewest checkpointed
-    blocks per chunk that still fits (`recompute_layers`), when that is some but not all; else None.
-
-    Memory falls linearly with the checkpointed blocks, so two memory figures (1 block, all)
-    place the answer; a step or two up covers rounding. Only the answer is priced."""
-    lay = full.layout
-    chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
-    if lay.recompute == "none" or lay.recompute_layers or chunk < 2:
-        return None
-    usable = cluster.usable_bytes
-
-    def memory(k: int) -> float:
-        return sum(memory_breakdown(model, workload, lay.replace(recompute_layers=k), options).values())
-
-    one = memory(1)
-    if one <= usable:
-        return evaluate(model, cluster, workload, lay.replace(recompute_layers=1), options)
-    k = 1 + math.ceil((one - usable) / ((one - full.memory_bytes) / (chunk - 1)))
-    for _ in range(2):  # rounding: a step or two up
-        if k >= chunk:
-            return None
-        if memory(k) <= usable:
-            return evaluate(model, cluster, workload, lay.replace(recompute_layers=k), options)
-        k += 1
-    # Beyond that, bisect (memory never rises with k): a chunk may hold 10^11 layers.
-    low, high = k, chunk  # memory(low - 1) does not fit; memory(chunk) (all) does
-    while low < high:
-        mid = (low + high) // 2
-        if memory(mid) <= usable:
-            high = mid
-        else:
-            low = mid + 1
-    if low >= chunk:
-        return None
-    return evaluate(model, cluster, workload, lay.replace(recompute_layers=low), options)
 
 
 def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
@@ -399,24 +361,4 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
         if problem := rules.pipeline_problem(str(fixed["schedule"]), pp=pp, virtual=virtual, microbatches=m,
                                              n_layers=model.n_layers):
             out.append(problem)
-    return out
-
-
-def fit_hints(model: ModelConfig, cluster: Cluster, workload: Workload, est: Estimate,
-              options: Options = Options()) -> list[str]:
-    """For a layout that does not fit: single changes that make it fit, with their GiB and time."""
-    lay = est.layout
-    tries = []
-    if lay.recompute != "full" or lay.recompute_layers:
-        tries.append(lay.replace(recompute="full", recompute_layers=0))
-    tries += [lay.replace(zero=z) for z in (2, 3) if z > lay.zero]
-    if lay.mbs > 1:
-        tries.append(lay.replace(mbs=1, microbatches=lay.microbatches * lay.mbs))
-    out = []
-    for alt in tries:
-        if slots_problem(model, alt, options):
-            continue  # e.g. zero 2/3 with edp dividing neither expert dim (layout_rules)
-        other = evaluate(model, cluster, workload, alt, options)
-        if other.fits:
-            out.append(f"{alt.to_string()} ({other.memory_gib:.1f} GiB, {other.step_time_s:.4g} s)")
     return out
