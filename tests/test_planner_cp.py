@@ -99,6 +99,7 @@ def test_sequence_length_must_divide_into_the_chunks(tmp_path, capsys):
     assert_cli_error([*argv, "--seq-len", "20", "--fix", "cp=2,tp=2,sp=true"], capsys,
                      "seq_len=20 must divide by 2 x cp x tp = 2 x 2 x 2 = 8 (cp=2 with sp=true)")
     assert_cli_error([*argv, "--seq-len", "64", "--fix", "cp=0"], capsys, "cp=0 must be at least 1")
+    assert_cli_error([*argv, "--seq-len", "64", "--cp-overlap"], capsys, "the phalanx trainer all-gathers keys and values")
 
 
 def test_long_sequences_cp_beats_tp_on_llama_8b():

@@ -50,8 +50,9 @@ class Layout:
     """One candidate: a Plan with every knob fixed, its micro-batch size and the ZeRO-1 flag.
 
     Built from a plan, `Layout(plan, mbs=2)`, or spelled flat with the plan's keys,
-    `Layout(dp=4, tp=2, microbatches=8, mbs=2, zero=1)`, where zero=1 sets `zero1` (and the
-    plan's zero=0) and microbatches defaults to 1 rather than the trainer's "pick one" (0).
+    `Layout(dp=4, cp=2, tp=2, microbatches=8, mbs=2, zero=1)`, where zero=1 sets `zero1` (and
+    the plan's zero=0) and microbatches defaults to 1 rather than the trainer's "pick one" (0).
+    `cp` (context parallelism) goes into the plan where the Plan has it (`PLAN_HAS_CP`).
     Every plan key reads through it (`layout.dp`, `layout.schedule`, `layout.world_size`), and
     `layout.zero` is 1 for the distributed optimizer, else the plan's level.
     """
