@@ -85,8 +85,9 @@ def parse_fix(text: str) -> dict[str, object]:
             fixed[key] = int(raw)
         except ValueError:
             raise UserError(f"plan key {key}={raw!r} must be an integer") from None
-        if key == "cp" and fixed[key] < 1:
-            raise UserError(f"plan key cp={raw} must be at least 1")
+    for key in ("dp", "cp", "tp", "pp", "ep"):  # a degree of 0 would divide by zero below
+        if int(fixed.get(key, 1)) < 1:
+            raise UserError(f"plan key {key}={fixed[key]} must be at least 1")
     if "fsdp" in given:
         if "zero" in fixed and (fixed["zero"] == 3) != plan.fsdp:
             raise UserError(f"fsdp={str(plan.fsdp).lower()} contradicts zero={fixed['zero']}")
