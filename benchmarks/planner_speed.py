@@ -7,6 +7,11 @@ runs the command in a fresh interpreter; a bare `python -c pass` is timed beside
 same run (the machine is shared, so the fixed cost of starting Python moves with the load).
 
     PYTHONPATH=. python benchmarks/planner_speed.py [--repeats 5] [--zero-levels 0,1,2,3] [--against DIR]
+    PYTHONPATH=. python benchmarks/planner_speed.py --layers 1000000000000
+
+--layers N times instead `phalanx plan` for a model of N small layers (DEEP, dense and MoE
+ones, 64 H100s) against the same model with 12 layers, alternating, and prints the ratio: the
+planner's time should not grow with the declared depth (issue 25).
 
 --against DIR times the same command from another source tree (say `git archive <commit> |
 tar -x -C DIR`), alternating with this one's runs, and prints the ratio of the two: a
@@ -28,6 +33,9 @@ from pathlib import Path
 MODEL = {"name": "gpt-1t", "n_layers": 128, "dim": 25600, "n_heads": 160, "n_kv_heads": 160, "ffn_dim": 102400,
          "mlp": "gelu", "vocab_size": 51200, "max_seq_len": 2048}
 TARGET_S = 1.0
+DEEP = {"name": "deep", "dim": 8, "n_heads": 2, "n_kv_heads": 2, "ffn_dim": 4, "vocab_size": 256, "n_experts": 2,
+        "experts_per_token": 2, "n_dense_layers": 3, "moe_every": 2}
+"""Layers small enough that 10^12 of them stay under ModelConfig's parameter bound."""
 
 
 def timed(argv: list[str], pythonpath: str | None = None) -> tuple[float, str]:
@@ -46,7 +54,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--zero-levels", default="0,1,2,3", help="the search space's ZeRO levels (default: all)")
     parser.add_argument("--against", default="", help="another source tree to time the same command from")
+    parser.add_argument("--layers", type=int, default=0, help="time a DEEP model of this many layers against 12")
     args = parser.parse_args()
+    if args.layers:
+        return depth(args.layers, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "gpt-1t.json"
         model.write_text(json.dumps(MODEL))
@@ -74,6 +85,30 @@ def main() -> None:
         print(f"the same command from {args.against}: fastest {min(others):.2f} s, median "
               f"{statistics.median(others):.2f} s; this tree takes {best / min(others):.2f}x of it at the fastest, "
               f"{median / statistics.median(others):.2f}x at the median")
+
+
+def depth(layers: int, repeats: int) -> None:
+    """`phalanx plan` on DEEP with `layers` layers against 12, alternating in one run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = {}
+        for n in (12, layers):
+            path = Path(tmp) / f"deep-{n}.json"
+            path.write_text(json.dumps({**DEEP, "n_layers": n}))
+            argv[n] = [sys.executable, "-m", "phalanx", "plan", "--model", str(path), "--cluster", "dgx-h100",
+                       "--gpus", "64", "--global-batch", "64", "--seq-len", "1024", "--top", "1"]
+        times: dict[int, list[float]] = {12: [], layers: []}
+        for n in argv:
+            subprocess.run(argv[n], capture_output=True)  # warm the file cache and the bytecode
+        for _ in range(repeats):
+            for n in argv:
+                start = time.perf_counter()
+                run = subprocess.run(argv[n], capture_output=True, text=True)
+                times[n].append(time.perf_counter() - start)
+                if run.returncode > 1:  # 1: planned, nothing fits (the deep model's weights do not)
+                    sys.exit(f"command failed ({run.returncode}): {' '.join(argv[n])}\n{run.stderr}")
+    deep, shallow = statistics.median(times[layers]), statistics.median(times[12])
+    print(f"whole `phalanx plan` command, median of {repeats}: {layers:,} layers {deep:.2f} s, 12 layers "
+          f"{shallow:.2f} s; ratio {deep / shallow:.2f}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def test_a_model_of_a_trillion_layers_is_refused_at_once(tmp_path, capsys):
                                  "vocab_size": 256}))
     began = time.perf_counter()
     assert_cli_error(["plan", "--model", str(model), "--gpus", "8", "--global-batch", "64", "--seq-len", "1024"], capsys,
-                     "n_layers=1,000,000,000,000 is above 16,384", "far above any published model")
+                     "about 4.1e+16 parameters is above 1e+15")
     assert time.perf_counter() - began < 60  # bound of the old behaviour (days), not a speed target
 
 

@@ -38,8 +38,9 @@ def test_parse_fix_maps_fsdp_and_mbs():
     assert parse_fix("fsdp=true,schedule=zbv") == {"zero": 3, "schedule": "zbv"}
     with pytest.raises(UserError, match="contradicts"):
         parse_fix("fsdp=true,zero=1")
-    with pytest.raises(UserError, match="unknown plan key 'cp'"):
-        parse_fix("cp=2")
+    assert parse_fix("cp=2,dp=4") == {"cp": 2, "dp": 4}
+    with pytest.raises(UserError, match="unknown plan key 'xp'"):
+        parse_fix("xp=2")
 
 
 def test_fix_pins_knobs_and_searches_the_rest():

@@ -244,7 +244,15 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(layer) for layer in range(self.n_layers))
+        """How many layers `is_moe_layer` picks, in closed form: the planner reads it for models of
+        any declared depth, so its work must not grow with the layer count."""
+        if not self.n_experts:
+            return 0
+        first, every = max(0, min(self.n_dense_layers, self.n_layers)), self.moe_every
+        # Layers i in [first, n_layers) with (i + 1) % every == 0: multiples of `every` in (first, n_layers].
+        count = self.n_layers // every - first // every
+        return count - sum(1 for layer in set(self.dense_layers)
+                           if first <= layer < self.n_layers and (layer + 1) % every == 0)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -17,7 +17,9 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
+from phalanx.model.shape_bounds import build_problem
 from phalanx.model.transformer import Transformer
 
 # Wrappers that insert themselves into parameter names; stripped so names match the model's.
@@ -32,6 +34,8 @@ def canonical_name(name: str) -> str:
 
 def build_model(cfg: ModelConfig) -> Transformer:
     """The model with every tensor on the meta device: shapes only, no memory."""
+    if problem := build_problem(cfg):  # before one module of a 10^12-layer model file is made
+        raise UserError(problem)
     with torch.device("meta"):
         return Transformer(cfg)
 

@@ -11,15 +11,22 @@ about 256,000 tokens; and the largest training clusters hold about 10^5 GPUs of 
 
 from __future__ import annotations
 
-WHY = "far above any published model; a larger value is a typo, and the planner's work grows with it"
+WHY = "far above any published model; a larger value is a typo"
 
 LIMITS = {
-    "n_layers": 2**14, "dim": 2**20, "ffn_dim": 2**22, "expert_ffn_dim": 2**22, "head_dim": 2**14,
+    "dim": 2**20, "ffn_dim": 2**22, "expert_ffn_dim": 2**22, "head_dim": 2**14,
     "n_heads": 2**16, "n_kv_heads": 2**16, "vocab_size": 2**24, "max_seq_len": 2**27, "n_experts": 2**16,
-    "experts_per_token": 2**16, "n_shared_experts": 2**10, "n_dense_layers": 2**14, "sliding_window": 2**27,
+    "experts_per_token": 2**16, "n_shared_experts": 2**10, "sliding_window": 2**27,
     "rope_original_max_seq_len": 2**27,
 }
+"""The layer count is not here: the planner prices repeated layers by their count (issue 25),
+so a shape is bounded in depth by its parameters alone, and a model built in one process by
+`MAX_BUILT_LAYERS`."""
 MAX_PARAMETERS = 10**15
+MAX_BUILT_LAYERS = 2**14
+"""Layers a process builds (`phalanx.model.init.build_model`): each is a few dozen Python
+objects that every verb running a model visits one by one (building, sharding, checkpointing),
+so that work grows with the depth; 130 times the deepest published model (Llama 3 405B, 126)."""
 
 
 def approximate_parameters(cfg) -> int:
@@ -41,3 +48,11 @@ def shape_problems(cfg) -> list[str]:
         return [f"about {params:.2g} parameters is above {MAX_PARAMETERS:.0e} (what the largest clusters' memory "
                 "holds for training)"]
     return []
+
+
+def build_problem(cfg) -> str:
+    """Why a process should not build `cfg`'s modules (`MAX_BUILT_LAYERS`), or ""."""
+    if cfg.n_layers > MAX_BUILT_LAYERS:
+        return (f"model {cfg.name!r}: n_layers={cfg.n_layers:,} is above {MAX_BUILT_LAYERS:,}, the most a process "
+                "builds (far above any published model; `phalanx plan` prices any depth)")
+    return ""

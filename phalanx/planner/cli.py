@@ -16,7 +16,8 @@ from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.plan_flags import add_plan_flags, options_for
 from phalanx.planner.report import COLUMNS, explain, format_table, plan_record, table_rows
-from phalanx.planner.search import SearchSpace, fit_hints, fix_problems, parse_fix, search
+from phalanx.planner.memory_fit import fit_hints
+from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
 from phalanx.planner.validation import step_time_band
 
 
@@ -75,7 +76,7 @@ def run_plan(args) -> int:
             print()
             print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
             slots = f" --expert-slots {args.expert_slots}" if args.expert_slots else ""  # what phalanx train needs beside it
-            print(f"best plan: --plan {result.ranked[0].layout.plan.to_string()}{slots}"
+            print(f"best plan: --plan {result.ranked[0].layout.plan_string()}{slots}"
                   f"  (mbs={result.ranked[0].layout.mbs}, zero={result.ranked[0].layout.zero})")
         print(f"{result.considered} layouts considered, {result.pruned_memory} pruned for memory "
               f"(> {cluster.memory_gib - cluster.memory_reserved_gib:.1f} GiB usable), "
@@ -116,7 +117,7 @@ def _rejected(model, cluster, workload, est, options) -> str:
 def _print_side_by_side(model_name: str, args, results) -> None:
     print(f"best plan for {model_name} on {args.gpus} GPUs, global batch {args.global_batch} x {args.seq_len}")
     names = [c.name for c, _ in results]
-    fields = ["dp", "tp", "pp", "ep", "mbs", "microbatches", "schedule", "virtual", "recompute", "zero",
+    fields = ["dp", "cp", "tp", "pp", "ep", "mbs", "microbatches", "schedule", "virtual", "recompute", "zero",
               "step_time_s", "step_time_band", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu"]
     rows = []
     records = [plan_record(r.ranked[0], step_time_band(c)) if r.ranked else None for c, r in results]

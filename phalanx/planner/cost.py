@@ -52,8 +52,8 @@ CLIP_BYTES_PER_PARAM = 12
 """Gradient-norm clipping: read the fp32 gradient for the norm (4), read and write it scaled (8)."""
 GRAD_ZERO_BYTES_PER_PARAM = 4
 """Zeroing the fp32 gradient-accumulation buffer before the next step (written once)."""
-BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
-                  "overhead")
+BREAKDOWN_KEYS = ("compute", "recompute", "tp_comm", "ep_comm", "cp_comm", "pp_comm", "bubble", "dp_comm",
+                  "optimizer", "overhead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,11 +114,12 @@ def layer_flops(model: ModelConfig, *, seq: int, moe: bool) -> tuple[float, floa
 def step_flops(model: ModelConfig, workload: Workload, recompute: str) -> tuple[float, float]:
     """(model, hardware) FLOPs of one step: 3 passes; hardware adds the recomputed forward."""
     s = workload.seq_len
-    gemm_total = attn_total = 0.0
-    for i in range(model.n_layers):
-        gemm, attn = layer_flops(model, seq=s, moe=model.is_moe_layer(i))
-        gemm_total += gemm
-        attn_total += attn
+    # Layers repeat: dense ones and MoE ones each cost the same, so count them, not loop over them.
+    n_moe = model.n_moe_layers
+    dense_gemm, dense_attn = layer_flops(model, seq=s, moe=False)
+    moe_gemm, moe_attn = layer_flops(model, seq=s, moe=True) if n_moe else (0.0, 0.0)
+    gemm_total = (model.n_layers - n_moe) * dense_gemm + n_moe * moe_gemm
+    attn_total = (model.n_layers - n_moe) * dense_attn + n_moe * moe_attn
     logits = 2.0 * s * model.dim * model.vocab_size
     model_flops = 3 * workload.global_batch * (gemm_total + attn_total + logits)
     extra = {"none": 0.0, "selective": attn_total, "full": gemm_total + attn_total}[recompute]
@@ -130,12 +131,15 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
     out = []
     lay = layout
     if lay.world_size != world_size:
-        out.append(f"dp={lay.dp} x tp={lay.tp} x pp={lay.pp} = {lay.world_size}, not {world_size} GPUs")
+        out.append(f"dp={lay.dp} x cp={lay.cp} x tp={lay.tp} x pp={lay.pp} = {lay.world_size}, not {world_size} GPUs")
     for problem in (
             rules.tp_problem(lay.tp, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim,
                              vocab_size=model.vocab_size, expert_ffn_dim=model.moe_ffn_dim,
                              n_experts=model.n_experts, padded=True),
-            rules.ep_problem(lay.ep, dp=lay.dp, n_experts=model.n_experts, tp=lay.tp, over_tp=lay.ep_over_tp),
+            rules.ep_problem(lay.ep, dp=lay.dp if lay.ep_over_tp else lay.replicas, n_experts=model.n_experts, tp=lay.tp,
+                             over_tp=lay.ep_over_tp),
+            rules.cp_problem(lay.cp, seq_len=workload.seq_len, tp=lay.tp, sp=lay.sp),
+            "ep_over_tp=true with cp > 1 is not planned" if lay.cp > 1 and lay.ep_over_tp else "",
             rules.pipeline_problem(lay.schedule, pp=lay.pp, virtual=lay.virtual, microbatches=lay.microbatches,
                                    n_layers=model.n_layers)):
         if problem:
@@ -163,7 +167,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     world = lay.world_size
     memory_bw = cluster.memory_bw_per_rank(world)
     fw, queue = cluster.framework, cluster.queueing(world)
-    tokens = lay.mbs * seq
+    tokens = lay.mbs * seq // lay.cp  # per rank: cp splits each sequence
     sc = stage_cost(model, cluster, workload, lay, options)
     stage, n, n_moe, rc_share = sc.times, sc.layers, sc.moe_layers, sc.recomputed_share
     per_mb = stage.f + stage.b + stage.w + stage.r
@@ -172,7 +176,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     # Pipeline sends on the critical path: each micro-batch (per chunk) each way, plus fill/drain.
     if p > 1:
         boundary_bytes = tokens * model.dim * BF16 / (lay.tp if lay.sp else 1)
-        same = lay.tp * lay.dp * 2 <= cluster.fast_domain
+        same = lay.tp * lay.replicas * 2 <= cluster.fast_domain
         t_send = comm.send(cluster, boundary_bytes, same_domain=same)
         pp_comm = 2 * t_send * (m * v + p - 1)
         # The pipeline runtime's own cost per action beyond compute and bytes (CPUs, measured).
@@ -184,7 +188,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     regathered = rc_share if lay.recompute == "full" and options.recompute_regathers else 0.0
     dp_comm = dp_time(cluster, lay, options, shared_params, expert_params, stage, n, regathered)
     dp_comm += replica_sum_time(cluster, model, lay, options.expert_slots, n_moe)
-    shards = lay.dp // lay.replicate
+    shards = lay.replicas // lay.replicate
     local_state = shared_params / (shards if lay.zero else 1) + expert_params / (expert_shards(lay, shards) if lay.zero else 1)
     # The gradient buffer is whole under zero 0 and 1 (each rank accumulates all its gradients,
     # then reduce-scatters them), sharded like the optimizer state under zero 2 and 3.
@@ -201,6 +205,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
         "recompute": m * sc.recompute,
         "tp_comm": m * sc.tp_comm,
         "ep_comm": m * sc.ep_comm,
+        "cp_comm": m * sc.cp_comm,
         "pp_comm": pp_comm,
         "bubble": bubble,
         "dp_comm": dp_comm,

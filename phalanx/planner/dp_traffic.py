@@ -54,13 +54,13 @@ def dp_time(cluster: Cluster, lay: Layout, options: Options, shared: float, expe
              st: StageTimes, n_layers: int, regathered: float = 0.0) -> float:
     """Exposed data-parallel seconds per step. `regathered`: the share of layers whose full
     recompute re-runs the forward under zero 3, gathering their parameters once more."""
-    if lay.dp == 1:
+    if lay.replicas == 1:  # dp x cp: the ranks whose gradients are summed
         return 0.0
     fw, queue = cluster.framework, cluster.queueing(lay.world_size)
     g = options.grad_reduce_bytes
     gathered = options.precision.gathered  # FSDP gathers in param_dtype: bf16, or fp32 in an fp32 run
-    shard = lay.dp // lay.replicate
-    groups = [(shared, shard, lay.tp)]  # (params, group size, stride)
+    shard = lay.replicas // lay.replicate
+    groups = [(shared, shard, lay.tp)]  # (params, group size, stride): dp x cp ranks sit tp apart
     if experts:
         # edp ranks: same place in each ep group, ep groups being adjacent dp ranks (tp * ep
         # ranks apart), or, folded, adjacent ranks of dp x tp (ep ranks apart).
@@ -150,8 +150,8 @@ def replica_sum_time(cluster: Cluster, model: ModelConfig, lay: Layout, expert_s
         return 0.0
     one_expert = param_counts_of(model).experts / experts
     nbytes = min(experts, expert_slots - experts) * one_expert * FP32_GRAD
-    if rules.runs_fsdp(lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp):
-        nbytes /= lay.dp // lay.ep
+    if rules.runs_fsdp(lay.replicas, zero=lay.zero, tp=lay.tp, pp=lay.pp):
+        nbytes /= lay.replicas // lay.ep
     # ep ranks are adjacent dp ranks (tp apart); slots run only without folding over tp.
     return moe_layers * collective_time(comm.all_reduce, cluster, nbytes, lay.ep, lay.tp)
 

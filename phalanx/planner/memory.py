@@ -96,7 +96,7 @@ def param_counts(model: ModelConfig) -> ParamCounts:
 
 def total_params(model: ModelConfig) -> int:
     c = param_counts(model)
-    moe_layers = sum(model.is_moe_layer(i) for i in range(model.n_layers))
+    moe_layers = model.n_moe_layers
     dense_layers = model.n_layers - moe_layers
     heads = 1 if model.tie_embeddings else 2
     return (model.n_layers * (c.attention + c.norms) + dense_layers * c.dense_mlp
@@ -119,7 +119,7 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
                            moe: bool, flash: bool = True, sp_regather: bool = True, fused_norm: bool = True,
                            phalanx_model: bool = False, autocast_fp32: bool = False,
                            wide_norms: bool = False, tp_splits_experts: bool = True,
-                           fold_experts: bool = False) -> float:
+                           fold_experts: bool = False, cp: int = 1) -> float:
     """Activation bytes one layer keeps for backward for one micro-batch on one device.
 
     recompute: "full" keeps the layer's input only; "selective" (Korthikanti et al.'s, the
@@ -154,8 +154,11 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
     fold_experts: the trainer's ep_over_tp=true (MoE parallel folding): each tp rank computes 1/tp
     of the routed rows, so the routed experts' activations are divided by tp; the rows gathered
     back over tp (saved by the weighting multiply) and the shared experts' stay whole.
+    cp: context parallelism keeps seq / cp of each sequence's positions on a rank, and every
+    tensor above counts those, except keys and values: attention saves the whole sequence's,
+    gathered over the cp ranks, for backward (4 seq b h_kv; parallel/context_parallel.py).
     """
-    s, b, h = seq, mbs, model.dim
+    s, b, h = seq // cp, mbs, model.dim
     sbh = s * b * h
     if recompute == "full":
         return (4 if autocast_fp32 else 2) * sbh / (tp if sp else 1)  # only the layer input is kept
@@ -167,7 +170,7 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         replicated += 4 * sbh
     if wide_norms:  # the norms' tensors twice as wide
         replicated += (4 if fused_norm else 8) * sbh
-    split = 2 * sbh + 4 * s * b * hkv + 2 * sbh  # q, k and v, output projection input
+    split = 2 * sbh + 4 * seq * b * hkv + 2 * sbh  # q, k and v (the whole sequence's), output projection input
     if model.is_latent:  # latents replicated, decompressed heads split (planner/latent_attention.py)
         latent_replicated, split = latent_attention.training_activation_bytes(model, seq=s, mbs=b)
         replicated += latent_replicated
@@ -207,7 +210,7 @@ def layer_activation_bytes(model: ModelConfig, *, seq: int, mbs: int, tp: int, s
         split += 4 * s * b * model.ffn_dim
     total = replicated / (tp if sp else 1) + split / tp + whole
     if not flash and recompute == "none":
-        total += (5 if dropout else 2) * model.n_heads * s * s * b / tp
+        total += (5 if dropout else 2) * model.n_heads * s * seq * b / tp
     return total
 
 

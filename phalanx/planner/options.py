@@ -71,6 +71,12 @@ class Options:
     peak_memory.py): no dropout masks, the norms' and flash attention's small fp32 row
     statistics; torch DDP's reducer buckets, a second copy of the gradients
     (`gradient_as_bucket_view=False`)."""
+    cp_overlap: bool = False
+    """Context parallelism passes key/value blocks around a ring while attention runs on the
+    blocks at hand (Megatron-Core's, torchtitan's), so attention compute hides the transfer
+    where it is longer. False: the keys and values are all-gathered before attention needs
+    them, on the critical path (Llama 3's choice, paper section 3.3.2, and the phalanx
+    trainer's, parallel/context_parallel.py), and their gradients reduce-scattered after."""
     expert_slots: int = 0
     """The trainer's `--expert-slots S` (docs/expert_slots.md): each ep rank holds S / ep expert
     slots, replicas of hot experts included, with their gradients and optimizer state, instead of

@@ -37,8 +37,7 @@ formulas): a search passes the very same objects thousands of times."""
 def _counts(model: ModelConfig) -> tuple[ParamCounts, int]:
     hit = _COUNTS.get(id(model))
     if hit is None or hit[0] is not model:
-        moe = sum(model.is_moe_layer(i) for i in range(model.n_layers))
-        hit = _COUNTS[id(model)] = (model, param_counts(model), moe)
+        hit = _COUNTS[id(model)] = (model, param_counts(model), model.n_moe_layers)
     return hit[1], hit[2]
 
 
@@ -106,6 +105,13 @@ def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int, options: O
     return c, shared, n_moe * c.experts * slots_per_expert(model, options) / (split * lay.ep)
 
 
+def kv_gather_bytes(model: ModelConfig, mbs: int, seq: int, tp: int) -> float:
+    """Bytes of one layer's keys and values of the whole sequence on one rank (its tp share of
+    the KV heads), in 16-bit: what context parallelism all-gathers over the cp ranks forward,
+    and reduce-scatters the gradients of backward."""
+    return mbs * seq * model.n_kv_heads * (model.head_dim + model.value_dim) / tp * BF16
+
+
 def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
                      options: Options) -> dict[str, float]:
     """The peak bytes by cause that `evaluate` reports, without the time model: a search
@@ -119,7 +125,7 @@ def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
 def fsdp_replicates(lay: Layout, options: Options) -> bool:
     """Whether the phalanx trainer runs this layout's replicated data parallelism (zero 0) as FSDP2
     with shard size 1: beside tp or pp, which torch DDP does not take."""
-    return options.phalanx_trainer and lay.zero == 0 and lay.dp > 1 and (lay.tp > 1 or lay.pp > 1)
+    return options.phalanx_trainer and lay.zero == 0 and lay.replicas > 1 and (lay.tp > 1 or lay.pp > 1)
 
 
 def compute_copies(lay: Layout, options: Options) -> bool:
@@ -127,14 +133,14 @@ def compute_copies(lay: Layout, options: Options) -> bool:
     16-bit run where FSDP2 does not gather the weights in param_dtype (one process, DDP, tp or pp
     without dp; parallel/data_parallel.uses_fsdp), so the trainer's own forward hooks cast them
     (parallel/mixed_precision.py)."""
-    fsdp = rules.runs_fsdp(lay.dp, zero=lay.zero, tp=lay.tp, pp=lay.pp)
+    fsdp = rules.runs_fsdp(lay.replicas, zero=lay.zero, tp=lay.tp, pp=lay.pp)
     return options.phalanx_trainer and options.precision.gathered < options.precision.param and not fsdp
 
 
 def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
                 shared: float, experts: float, c) -> tuple[dict[str, float], dict[str, float]]:
     """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
-    shard = lay.dp // lay.replicate
+    shard = lay.replicas // lay.replicate  # zero levels shard over dp x cp
     precision = options.precision
     zero = lay.zero
     if fsdp_replicates(lay, options):
@@ -160,14 +166,14 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         if lay.offload:
             extra = offloaded_bytes(shards=expert_shards(lay, shard), params=experts, precision=precision)
             host = {k: v + extra[k] for k, v in host.items()}
-    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp)
+    kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, sp=lay.sp, cp=lay.cp)
     scale = precision.activation / 2  # the formulas count 16-bit elements
 
     copies = compute_copies(lay, options)
     wide = precision.activation < 4 and not options.fused_norm  # fp32 norm tensors
 
     def per_layer(moe: bool, recompute: str) -> float:
-        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, moe, recompute, wide,
+        key = (id(model), id(options), workload.seq_len, lay.mbs, lay.tp, lay.sp, lay.cp, moe, recompute, wide,
                folds_experts(lay))
         hit = _ACTIVATIONS.get(key)
         if hit is None or hit[0] is not model or hit[1] is not options:
@@ -177,7 +183,17 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
                                            tp_splits_experts=options.tp_splits_experts,
                                            fold_experts=folds_experts(lay), **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
-        return scale * hit[2]
+        return scale * hit[2] + (cp_mask if recompute != "full" else 0.0)
+
+    # The trainer's cp attention takes an explicit boolean mask of this rank's queries by the
+    # whole sequence's keys, built by each layer (parallel/context_parallel.SequenceView.mask),
+    # which scaled_dot_product_attention turns into an additive mask in the activations' dtype
+    # and keeps for backward, beside the boolean one: 1 + activation bytes per query-key pair
+    # (measured: benchmarks/context_parallel.py's small model held 96.1 and 51.0 MiB at cp=2 and
+    # 4, 4.9 bytes per pair above the other tensors in an fp32 run).
+    local_seq = workload.seq_len // lay.cp
+    # One mask serves the micro-batch's sequences (broadcast; --doc-mask's is per sequence).
+    cp_mask = (1 + precision.activation) * local_seq * workload.seq_len if lay.cp > 1 and options.phalanx_trainer else 0.0
 
     share = recompute_share(model, lay)  # the other layers keep all their activations
     stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))
@@ -185,8 +201,8 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     in_flight = in_flight_microbatches(schedule=lay.schedule, pp=lay.pp, virtual=lay.virtual,
                                        microbatches=lay.microbatches)
     rematerialised = per_layer(n_moe > 0, "none") if lay.recompute != "none" else 0.0
-    logits = lay.mbs * workload.seq_len * model.vocab_size / lay.tp * precision.logit
-    sbh = lay.mbs * workload.seq_len * model.dim
+    logits = lay.mbs * local_seq * model.vocab_size / lay.tp * precision.logit
+    sbh = lay.mbs * local_seq * model.dim
     norms = 1 if options.fused_norm else 2  # tensors each norm keeps of its input's size
     if wide:  # the final norm's tensors in fp32
         logits += norms * sbh / (lay.tp if lay.sp else 1) * (4 - precision.activation)
@@ -216,15 +232,15 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     # but never at the activation peak: in both schedules' orders each steady-state W follows
     # its input gradient at once, and the deferred ones wait in the cool-down, after the last
     # forward, while activations only fall (tests/test_planner_memory.py counts it on the orders).
-    tokens_bytes = lay.mbs * workload.seq_len * model.dim * BF16
+    tokens_bytes = lay.mbs * local_seq * model.dim * BF16
     buffers = 0.0
-    if lay.dp > 1 and options.phalanx_trainer and lay.zero == 0 and lay.tp == 1 and lay.pp == 1:
+    if lay.replicas > 1 and options.phalanx_trainer and lay.zero == 0 and lay.tp == 1 and lay.pp == 1:
         # torch DDP (the trainer's zero=0 without tp or pp; experts under ep are left out of it):
         # its reducer allocates every bucket's flat gradient tensor when it is built and keeps
         # them, a second copy of the gradients (DDP's documentation of gradient_as_bucket_view,
         # which the trainer leaves False); each bucket only as large as its parameters.
         buffers += precision.grad * shared
-    elif lay.dp > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
+    elif lay.replicas > 1:  # gradient buckets in flight (one reducing, one filling), or one unit's staging
         buffers += 2 * BUCKET_BYTES if zero <= 1 else 4 * layer_shared
         if zero == 3 and lay.pp == 1:  # the next layer's all-gather output, prefetched (GATHERED_LAYERS)
             buffers += precision.gathered * (GATHERED_LAYERS - 1) * layer_shared
@@ -232,5 +248,7 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         buffers += 2 * tokens_bytes
     if lay.pp > 1:  # send and receive buffers, both directions
         buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
+    if lay.cp > 1:  # the layer running's gathered keys and values, and their gradients' reduce-scatter input
+        buffers += 2 * kv_gather_bytes(model, lay.mbs, workload.seq_len, lay.tp)
     out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
     return out, host

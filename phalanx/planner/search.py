@@ -1,8 +1,9 @@
 """Enumerate every valid layout, prune those that do not fit, rank the rest by step time.
 
 The space: tp over divisors of the world size up to the fast domain (and dividing the heads),
-pp over divisors up to the layer count, dp the rest (dividing the global batch), ep over
-divisors of dp that divide the expert count, every micro-batch size that divides the
+pp over divisors up to the layer count, cp over divisors that cut each sequence into 2 x cp
+chunks of at least `SearchSpace.min_cp_chunk` positions, dp the rest (dividing the global
+batch), ep over divisors of dp x cp that divide the expert count, every micro-batch size that divides the
 per-rank batch (up to `max_mbs`), each schedule with its virtual stages, each recompute
 mode and each ZeRO level allowed. Knobs this cost model proves dominated are not searched
 (a `--fix` still evaluates them): sp=false when tp > 1 (same bytes as SP, more memory),
@@ -25,7 +26,8 @@ from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
 from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
-from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.layout import PLAN_HAS_CP, Layout, Workload
+from phalanx.planner.memory_fit import fewest_recomputed_layers
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -41,6 +43,11 @@ class SearchSpace:
     max_mbs: int = 16
     sequence_parallel: bool = True
     """Use sp with tp > 1; False for implementations that lack it."""
+    min_cp_chunk: int = 1024
+    """cp is searched only where each of a sequence's 2 x cp chunks keeps at least this many
+    positions (Llama 3's 131,072-token stage: 4,096 with cp 16). A bound on the search's size,
+    which each cp value multiplies, not a claim of the cost model: what cp buys is activation
+    memory per sequence, which short sequences do not need. `--fix cp=N` evaluates any cp."""
     phalanx_trainer: bool = True
     """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
     padding), sp needs tp to divide seq_len and no experts; tp leaves the MoE blocks whole (pair
@@ -68,16 +75,19 @@ def divisors(n: int) -> list[int]:
 
 def parse_fix(text: str) -> dict[str, object]:
     """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
-    plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
+    plan, extras = parse_plan(text, extra_keys=("mbs", "zero") + (() if PLAN_HAS_CP else ("cp",)))
     given = {item.partition("=")[0].strip().lower() for item in text.split(",") if item.strip()}
     fixed: dict[str, object] = {}
-    for key in given - {"mbs", "zero", "fsdp"}:
+    for key in given - {"mbs", "zero", "fsdp", *extras}:
         fixed[key] = getattr(plan, key)
     for key, raw in extras.items():
         try:
             fixed[key] = int(raw)
         except ValueError:
             raise UserError(f"plan key {key}={raw!r} must be an integer") from None
+    for key in ("dp", "cp", "tp", "pp", "ep"):  # a degree of 0 would divide by zero below
+        if int(fixed.get(key, 1)) < 1:
+            raise UserError(f"plan key {key}={fixed[key]} must be at least 1")
     if "fsdp" in given:
         if "zero" in fixed and (fixed["zero"] == 3) != plan.fsdp:
             raise UserError(f"fsdp={str(plan.fsdp).lower()} contradicts zero={fixed['zero']}")
@@ -110,7 +120,7 @@ def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
 
 
 def _plans(space: SearchSpace, fixed: dict[str, object], *, dp: int, tp: int, pp: int, ep: int, microbatches: int,
-           fold: bool, sp_ok: bool, n_layers: int):
+           fold: bool, sp_ok: bool, n_layers: int, cp: int = 1):
     """(plan, zero level) for each schedule, recompute mode and zero level the space allows
     for one split of the devices and of the batch (zero level 1 is a planning knob: ZeRO-1)."""
     f = fixed.get
@@ -125,10 +135,10 @@ def _plans(space: SearchSpace, fixed: dict[str, object], *, dp: int, tp: int, pp
                 offload = bool(f("offload", False))
                 if space.phalanx_trainer and pp > 1 and zero == 3 and 2 in zeros and not offload:
                     continue  # the trainer keeps weights gathered under pp: zero 3 runs as zero 2
-                if offload and (zero != 3 or dp == 1):
+                if offload and (zero != 3 or dp * cp == 1):
                     continue  # FSDP2 offloads the shards of zero 3 over dp > 1
                 sp = fixed.get("sp", tp > 1 and sp_ok)
-                yield Plan(dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, schedule=schedule, virtual=v,
+                yield Plan(**({"cp": cp} if PLAN_HAS_CP else {}), dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, schedule=schedule, virtual=v,
                            recompute=rc, zero=0 if zero == 1 else zero, sp=bool(sp), replicate=int(f("replicate", 1)),
                            offload=offload, ep_over_tp=fold), zero
 
@@ -147,17 +157,24 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
         sp_problem = rules.sp_problem(tp, seq_len=workload.seq_len)
         # The trainer runs no sp with experts (parallel/tensor_parallel.validate_tp).
         sp_ok = space.sequence_parallel and not (space.phalanx_trainer and (sp_problem or model.n_experts))
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp:
+        for pp, cp in ((pp, cp) for pp in divisors(world_size // tp) for cp in divisors(world_size // (tp * pp))):
+            dp = world_size // (tp * pp * cp)
+            if f("pp", pp) != pp or f("dp", dp) != dp or pp > model.n_layers or gb % dp or f("cp", cp) != cp:
+                continue
+            if rules.cp_problem(cp, seq_len=workload.seq_len) or (
+                    "cp" not in fixed and cp > 1 and workload.seq_len < 2 * cp * space.min_cp_chunk):
+                continue
+            cp_sp_ok = sp_ok and not rules.cp_problem(cp, seq_len=workload.seq_len, tp=tp, sp=True)
+            if fixed.get("sp") and not cp_sp_ok and rules.cp_problem(cp, seq_len=workload.seq_len, tp=tp, sp=True):
                 continue
             # The trainer's ep_over_tp=true (MoE parallel folding): ep over dp x tp, tp ranks
-            # splitting the expert rows instead of repeating them; tried beside the duplicated one.
-            folds = (False, True) if space.phalanx_trainer and tp > 1 and model.n_experts else (False,)
+            # splitting the expert rows instead of repeating them; tried beside the duplicated one
+            # (without cp, whose ranks hold other tokens: ep is then carved from dp x cp).
+            folds = (False, True) if space.phalanx_trainer and tp > 1 and model.n_experts and cp == 1 else (False,)
             for fold in folds:
                 if bool(f("ep_over_tp", fold)) != fold:
                     continue
-                ranks = dp * tp if fold else dp
+                ranks = dp * tp if fold else dp * cp
                 eps = ([e for e in divisors(ranks) if model.n_experts % e == 0 and (e > 1 or not fold)]
                        if model.n_experts else [1])
                 for ep in eps:
@@ -174,8 +191,8 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                         if f("microbatches", m) != m:
                             continue
                         for plan, zero in _plans(space, fixed, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m, fold=fold,
-                                                 sp_ok=sp_ok, n_layers=model.n_layers):
-                            yield Layout(plan, mbs=mbs, zero1=zero == 1)
+                                                 sp_ok=cp_sp_ok, n_layers=model.n_layers, cp=cp):
+                            yield Layout(plan, mbs=mbs, zero1=zero == 1, cp=cp)
 
 
 def slots_problem(model: ModelConfig, layout: Layout, options: Options) -> str:
@@ -184,8 +201,8 @@ def slots_problem(model: ModelConfig, layout: Layout, options: Options) -> str:
         return ""
     return rules.expert_slots_layout_problem(
         options.expert_slots, ep=layout.ep, over_tp=layout.ep_over_tp, tp=layout.tp, pp=layout.pp,
-        fsdp=rules.runs_fsdp(layout.dp, zero=layout.zero, tp=layout.tp, pp=layout.pp),
-        edp=layout.dp // layout.ep, expert_shape=(model.moe_ffn_dim, model.dim), offload=layout.offload)
+        fsdp=rules.runs_fsdp(layout.replicas, zero=layout.zero, tp=layout.tp, pp=layout.pp),
+        edp=layout.replicas // layout.ep, expert_shape=(model.moe_ffn_dim, model.dim), offload=layout.offload)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -221,7 +238,7 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         est = evaluate(model, cluster, workload, layout, options)
         fitting.append(est)
         if "recompute_layers" not in fixed and "recompute" not in fixed:  # a fixed mode means all blocks
-            partial = _fewest_recomputed_layers(model, cluster, workload, est, options)
+            partial = fewest_recomputed_layers(model, cluster, workload, est, options)
             if partial is not None:
                 considered += 1
                 fitting.append(partial)
@@ -251,7 +268,7 @@ def _fastest(model: ModelConfig, cluster: Cluster, workload: Workload, layouts: 
     bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO level: one per rest
     bounded = []
     for i, lay in enumerate(layouts):
-        key = (lay.tp, lay.pp, lay.ep, lay.ep_over_tp, lay.mbs, lay.microbatches, lay.sp, lay.schedule, lay.virtual,
+        key = (lay.tp, lay.cp, lay.pp, lay.ep, lay.ep_over_tp, lay.mbs, lay.microbatches, lay.sp, lay.schedule, lay.virtual,
                lay.recompute, lay.recompute_layers)
         if key not in bounds:
             bounds[key] = step_time_lower_bound(model, cluster, workload, lay, options)
@@ -265,33 +282,6 @@ def _fastest(model: ModelConfig, cluster: Cluster, workload: Workload, layouts: 
         if est.step_time_s < below and (found is None or est.step_time_s < found.step_time_s):
             found = est
     return found
-
-
-def _fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Workload, full: Estimate,
-                              options: Options) -> Estimate | None:
-    """The layout of `full` (every block recomputed, fitting) with the fewest checkpointed
-    blocks per chunk that still fits (`recompute_layers`), when that is some but not all; else None.
-
-    Memory falls linearly with the checkpointed blocks, so two memory figures (1 block, all)
-    place the answer; a step or two up covers rounding. Only the answer is priced."""
-    lay = full.layout
-    chunk = math.ceil(model.n_layers / (lay.pp * lay.virtual))
-    if lay.recompute == "none" or lay.recompute_layers or chunk < 2:
-        return None
-    usable = cluster.usable_bytes
-
-    def memory(k: int) -> float:
-        return sum(memory_breakdown(model, workload, lay.replace(recompute_layers=k), options).values())
-
-    one = memory(1)
-    if one <= usable:
-        return evaluate(model, cluster, workload, lay.replace(recompute_layers=1), options)
-    k = 1 + math.ceil((one - usable) / ((one - full.memory_bytes) / (chunk - 1)))
-    while k < chunk:
-        if memory(k) <= usable:
-            return evaluate(model, cluster, workload, lay.replace(recompute_layers=k), options)
-        k += 1
-    return None
 
 
 def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len: int,
@@ -310,6 +300,8 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
         cluster = cluster_from_name(cluster)
     workload = Workload(global_batch=global_batch, seq_len=seq_len)
     options = trainer_options(dtype, cluster, expert_slots=expert_slots)
+    if not PLAN_HAS_CP:  # the trainer's Plan cannot say cp yet
+        fixed = {**(fixed or {}), "cp": 1}
     result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space,
                     options=options, keep=1)
     if not result.ranked:
@@ -331,13 +323,15 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
     """Why no layout of `world_size` devices matches a `--fix` (the pinned knobs' own rules) or
     runs `--expert-slots` (no ep the layouts allow divides S)."""
     f = fixed.get
-    tp, pp = int(f("tp", 1)), int(f("pp", 1))
+    tp, pp, cp = int(f("tp", 1)), int(f("pp", 1)), int(f("cp", 1))
     out = []
-    if world_size % (tp * pp):
-        out.append(f"tp={tp} x pp={pp} = {tp * pp} does not divide {world_size} GPUs")
-    dp = int(f("dp", world_size // (tp * pp) if world_size % (tp * pp) == 0 else 0))
-    if "dp" in fixed and dp * tp * pp != world_size:
-        out.append(f"dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp}, not {world_size} GPUs")
+    if world_size % (tp * pp * cp):
+        out.append(f"cp={cp} x tp={tp} x pp={pp} = {cp * tp * pp} does not divide {world_size} GPUs")
+    dp = int(f("dp", world_size // (tp * pp * cp) if world_size % (tp * pp * cp) == 0 else 0))
+    if "dp" in fixed and dp * cp * tp * pp != world_size:
+        out.append(f"dp={dp} x cp={cp} x tp={tp} x pp={pp} = {dp * cp * tp * pp}, not {world_size} GPUs")
+    if problem := rules.cp_problem(cp, seq_len=workload.seq_len, tp=tp, sp=bool(f("sp", False))):
+        out.append(problem)
     if dp and workload.global_batch % dp:
         out.append(f"dp={dp} does not divide global batch {workload.global_batch}")
     if dp and "mbs" in fixed and (workload.global_batch // dp) % int(fixed["mbs"]):
@@ -368,24 +362,4 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
         if problem := rules.pipeline_problem(str(fixed["schedule"]), pp=pp, virtual=virtual, microbatches=m,
                                              n_layers=model.n_layers):
             out.append(problem)
-    return out
-
-
-def fit_hints(model: ModelConfig, cluster: Cluster, workload: Workload, est: Estimate,
-              options: Options = Options()) -> list[str]:
-    """For a layout that does not fit: single changes that make it fit, with their GiB and time."""
-    lay = est.layout
-    tries = []
-    if lay.recompute != "full" or lay.recompute_layers:
-        tries.append(lay.replace(recompute="full", recompute_layers=0))
-    tries += [lay.replace(zero=z) for z in (2, 3) if z > lay.zero]
-    if lay.mbs > 1:
-        tries.append(lay.replace(mbs=1, microbatches=lay.microbatches * lay.mbs))
-    out = []
-    for alt in tries:
-        if slots_problem(model, alt, options):
-            continue  # e.g. zero 2/3 with edp dividing neither expert dim (layout_rules)
-        other = evaluate(model, cluster, workload, alt, options)
-        if other.fits:
-            out.append(f"{alt.to_string()} ({other.memory_gib:.1f} GiB, {other.step_time_s:.4g} s)")
     return out

@@ -198,7 +198,7 @@ def simulate(est: Estimate, cluster) -> tuple[list[Event], float]:
     send_s = 0.0
     if lay.pp > 1:
         nbytes = lay.mbs * est.seq_len * est.hidden_size * BF16 / (lay.tp if lay.sp else 1)
-        send_s = comm.send(cluster, nbytes, same_domain=lay.tp * lay.dp * 2 <= cluster.fast_domain)
+        send_s = comm.send(cluster, nbytes, same_domain=lay.tp * lay.replicas * 2 <= cluster.fast_domain)
     events, pipeline_end = pipeline_timeline(est, send_s)
     ends = []
     for rank in range(lay.pp):
@@ -303,7 +303,7 @@ def simulate_command(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     title = f"{model.name} on {cluster.name}: {est.layout.to_string()}"
-    write_chrome_trace(events, out / "trace.json", ranks_per_stage=est.layout.dp * est.layout.tp, title=title)
+    write_chrome_trace(events, out / "trace.json", ranks_per_stage=est.layout.replicas * est.layout.tp, title=title)
     write_png(events, out / "timeline.png", title=title)
     print(f"layout: {est.layout.to_string()}")
     print(f"simulated step {step:.4g} s; cost model {est.step_time_s:.4g} s")

@@ -24,6 +24,12 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     re-gather the inputs SP stores sharded); exposed, or pipelined with the GEMMs with `tp_overlap`.
   EP: dispatch + combine all-to-all of T k h / tp bf16 forward, the same backward; DualPipe
     (dualpipev) overlaps them with the other micro-batch's compute, as it was designed to.
+  CP: T = mbs * seq / cp tokens per rank attend to all seq keys (the causal work is even over
+    the group by the chunking); one all-gather of the whole sequence's keys and values
+    (2 seq h_kv / tp bf16) over the cp group forward, a reduce-scatter of their gradients
+    backward, exposed (`Options.cp_overlap`: hidden behind attention compute); the group is
+    tp-strided, inside the NVLink domain while tp x cp fits in it. The phalanx trainer's
+    explicit mask keeps the kernel from skipping masked blocks: the full T x seq FLOPs.
 Full recompute under zbv re-runs each block's forward once more per weight tensor, in the
   W slots (Options.split_backward_recompute: PyTorch's split backward).
 The last stage's logits and loss are charged to the most loaded stage as well.
@@ -44,7 +50,7 @@ from phalanx.planner.peak_memory import folds_experts
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.options import Options
 from phalanx.planner.memory import layer_activation_bytes, layers_per_stage
-from phalanx.planner.peak_memory import BF16, moe_layer_count, recompute_share
+from phalanx.planner.peak_memory import BF16, kv_gather_bytes, moe_layer_count, recompute_share
 
 LOSS_BYTES_F = 22
 """HBM bytes per logit element of cross-entropy on fp32 logits (the trainer's
@@ -68,6 +74,8 @@ class LayerCost:
     tp_bytes: float
     ep_bytes: float
     gemm_f: float
+    cp_bytes: float = 0.0
+    """The whole sequence's keys and values that the cp group all-gathers (0 without cp)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +131,8 @@ def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) ->
 @_by_identity
 def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
                moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float,
-               tp_splits_experts: bool = True, fold_experts: bool = False) -> LayerCost:
+               tp_splits_experts: bool = True, fold_experts: bool = False, cp: int = 1,
+               explicit_mask: bool = False) -> LayerCost:
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch.
 
     `tp_splits_experts`: False where the MoE block stays out of tensor parallelism (the phalanx
@@ -132,8 +141,10 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     the bytes of a split MoE block per device. `fold_experts`: the trainer's ep_over_tp=true
     (MoE parallel folding): `ep` spans dp x tp, each device holds n_experts / ep whole experts
     and dispatches 1/tp of the routed rows; router and shared experts still run on every tp
-    rank (the all-gather of the rows over tp is charged with the all-to-all, `stage_cost`)."""
-    tokens = mbs * seq
+    rank (the all-gather of the rows over tp is charged with the all-to-all, `stage_cost`).
+    `cp`: this rank's seq / cp positions of each sequence against every key; `explicit_mask`:
+    attention under a boolean mask (the phalanx trainer's cp), every block computed."""
+    tokens = mbs * seq // cp
     h = model.dim
     one = functools.partial(gemm_time, cluster=cluster, peak=peak)
 
@@ -161,10 +172,11 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         parts += [g(tokens, model.ffn_dim / tp, h), g(tokens, h, model.ffn_dim / tp)]
     gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True,
-                                    tp_splits_experts=tp_splits_experts, fold_experts=fold_experts)
+                                    tp_splits_experts=tp_splits_experts, fold_experts=fold_experts, cp=cp)
     elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
-        attention = 0.5 * 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
+        causal = 1.0 if explicit_mask and cp > 1 else 0.5
+        attention = causal * 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
         attention_b = 2.5 * attention
     else:
         # Two batched GEMMs over the whole s x s score matrix (the mask is applied after them),
@@ -174,7 +186,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         # 5 more each way (2 in, 2 out, a 1-byte mask).
         attention = 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
         attention_b = 2 * attention
-        scores = mbs * model.n_heads * seq * seq / tp
+        scores = tokens * model.n_heads * seq / tp
         dropout = 5 if model.mlp == "gelu" else 0
         attention += scores * (4 + dropout) / memory_bw
         attention_b += scores * (6 + dropout) / memory_bw
@@ -186,6 +198,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         tp_bytes=tokens * h * BF16,
         ep_bytes=tokens * model.experts_per_token * h * BF16 / (expert_tp * fold) if moe else 0.0,
         gemm_f=gemm,
+        cp_bytes=kv_gather_bytes(model, mbs, seq, tp) if cp > 1 else 0.0,
     )
 
 
@@ -206,7 +219,8 @@ def layer_costs(model: ModelConfig, cluster: Cluster, workload: Workload, lay: L
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp,
               peak=cluster.peak_flops_per_rank(world), flash=options.flash_attention,
               memory_bw=cluster.memory_bw_per_rank(world), overhead=overhead,
-              tp_splits_experts=options.tp_splits_experts, fold_experts=folds_experts(lay))
+              tp_splits_experts=options.tp_splits_experts, fold_experts=folds_experts(lay), cp=lay.cp,
+              explicit_mask=options.phalanx_trainer)
     dense = layer_cost(model, cluster, moe=False, **kw)
     return dense, layer_cost(model, cluster, moe=True, **kw) if moe else dense
 
@@ -225,6 +239,8 @@ class StageCost:
     """Exposed tensor-parallel collectives: forward, backward and the recompute's."""
     ep_comm: float
     """Exposed expert all-to-alls: forward, backward and the recompute's."""
+    cp_comm: float
+    """Exposed context-parallel key/value gathers and gradient reduce-scatters, the recompute's too."""
     layers: int
     moe_layers: int
     recomputed_share: float
@@ -246,7 +262,7 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     overhead = fw.layer_overhead_us * 1e-6 * queue
     if lay.tp > 1:
         overhead += (cluster.framework.tp_layer_overhead_us * 1e-6 + (cluster.framework.sp_layer_overhead_us * 1e-6 if lay.sp else 0.0)
-                     + cluster.framework.tp_element_overhead_ns * 1e-9 * lay.mbs * seq * model.dim) * cluster.queueing(world)
+                     + cluster.framework.tp_element_overhead_ns * 1e-9 * (lay.mbs * seq // lay.cp) * model.dim) * cluster.queueing(world)
     dense, moe = layer_costs(model, cluster, workload, lay, options, overhead=overhead, moe=n_moe > 0)
 
     # Exposed communication per layer per micro-batch, forward and backward: two all-reduces
@@ -287,9 +303,16 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     tp_f = n_dense * exposed(t_tp, dense.gemm_f) + n_moe * exposed(t_tp_moe, moe.gemm_f)
     tp_b = tp_f + n_dense * exposed(t_regather, dense.gemm_f) + n_moe * exposed(t_regather, moe.gemm_f)
     ep_f = n_moe * t_ep
+    # Context parallelism: per layer one gather forward, one reduce-scatter (the same cost)
+    # backward; folded into the tp terms below, which carry the same exposure rules.
+    t_cp = _collective(comm.all_gather, cluster, dense.cp_bytes, lay.cp, lay.tp) if lay.cp > 1 else 0.0
+    if options.cp_overlap:
+        t_cp = max(t_cp - dense.attention_f, 0.0) + sm * min(t_cp, dense.attention_f)
+    cp_f = n * t_cp
+    tp_f, tp_b = tp_f + cp_f, tp_b + cp_f
 
     # Logits and loss on the last stage (vocab split over tp).
-    tokens = lay.mbs * seq
+    tokens = lay.mbs * seq // lay.cp
     vocab = model.vocab_size / lay.tp
     logit_f, logit_b, logit_w = (gemm_time(a, b, c, cluster=cluster, peak=peak) for a, b, c in
                                  ((tokens, vocab, model.dim), (tokens, model.dim, vocab), (vocab, model.dim, tokens)))
@@ -322,6 +345,7 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
                        f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     recomputed_tp = tp_f * rc_share if lay.recompute == "full" else 0.0
     recomputed_ep = ep_f * rc_share if lay.recompute == "full" else 0.0
+    recomputed_cp = cp_f * rc_share if lay.recompute == "full" else 0.0
     return StageCost(times=stage, compute=comp_f + comp_b + comp_w, recompute=comp_r + comp_rw,
-                     tp_comm=tp_f + tp_b + recomputed_tp, ep_comm=2 * ep_f + recomputed_ep, layers=n,
-                     moe_layers=n_moe, recomputed_share=rc_share)
+                     tp_comm=tp_f + tp_b + recomputed_tp - (2 * cp_f + recomputed_cp), ep_comm=2 * ep_f + recomputed_ep,
+                     cp_comm=2 * cp_f + recomputed_cp, layers=n, moe_layers=n_moe, recomputed_share=rc_share)

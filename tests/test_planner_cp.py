@@ -1,0 +1,120 @@
+"""The planner's context parallelism (issue 24): the layout's cp, what it divides and what it
+adds, the rules it obeys, and cp priced against tp on the same physics.
+
+Exact checks compare the cost model with the formula it states (1e-12 relative: the same
+floating-point terms in another order); the law compares two layouts' predictions.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from phalanx.model.config import PRESETS, ModelConfig
+from phalanx.planner import cli, comm
+from phalanx.planner.cost import evaluate
+from phalanx.planner.hardware import PRESETS as CLUSTERS
+from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.memory import layer_activation_bytes
+from phalanx.planner.options import Options
+from phalanx.planner.peak_memory import kv_gather_bytes
+from phalanx.planner.search import SearchSpace, search
+from phalanx.testing.cli_errors import assert_cli_error
+
+H100 = CLUSTERS["dgx-h100"]
+GQA = ModelConfig(name="gqa", dim=1024, n_layers=4, n_heads=16, n_kv_heads=4, ffn_dim=2816, vocab_size=32000,
+                  max_seq_len=65536)
+LONG = Workload(global_batch=8, seq_len=16384)
+
+
+def test_layout_world_and_round_trip_through_fix(tmp_path, capsys):
+    """world = dp x cp x tp x pp; a `--json` row carries cp, and its `fix` string plans it again."""
+    lay = Layout(dp=2, cp=4, tp=2, pp=1, microbatches=4, mbs=1)
+    assert lay.world_size == 16 and lay.replicas == 8 and "cp=4" in lay.to_string()
+    argv = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "64", "--global-batch", "64",
+            "--seq-len", "131072", "--top", "1", "--json"]
+    assert cli.main([*argv, "--fix", "cp=8,tp=1,pp=1,recompute=full"]) == 0  # all blocks: a fix that round-trips
+    row = json.loads(capsys.readouterr().out)["plans"][0]
+    assert row["cp"] == 8 and row["dp"] == 8 and "cp=8" in row["plan"]
+    assert cli.main([*argv, "--fix", row["fix"]]) == 0
+    again = json.loads(capsys.readouterr().out)["plans"][0]
+    assert again["fix"] == row["fix"] and again["step_time_s"] == row["step_time_s"]
+
+
+def test_activations_divide_by_cp_except_the_gathered_keys_and_values():
+    """Every stored tensor holds seq / cp positions, but attention saves the whole sequence's
+    keys and values (4 seq b h_kv bytes at 16 bits)."""
+    kw = dict(seq=16384, mbs=1, tp=1, sp=False, recompute="none", moe=False)
+    whole = layer_activation_bytes(GQA, **kw)
+    kv = 4 * 16384 * GQA.n_kv_heads * GQA.head_dim
+    assert layer_activation_bytes(GQA, cp=4, **kw) == pytest.approx((whole - kv) / 4 + kv, rel=1e-12)
+    assert layer_activation_bytes(GQA, cp=4, **{**kw, "recompute": "full"}) == pytest.approx(
+        layer_activation_bytes(GQA, **{**kw, "recompute": "full"}) / 4, rel=1e-12)
+
+
+def test_cp_traffic_is_one_gather_forward_and_one_reduce_scatter_backward_per_layer():
+    """4 layers x 2 micro-batches x 2 passes of an all-gather of the whole sequence's keys and
+    values (2 seq h_kv / tp bf16 elements), over a group tp ranks apart: inside the NVLink domain
+    while tp x cp fits in it (8 GPUs), across it beyond."""
+    for tp, cp in ((2, 4), (4, 4)):
+        lay = Layout(dp=1, cp=cp, tp=tp, sp=True, microbatches=8, mbs=1)
+        est = evaluate(GQA, H100, LONG, lay)
+        nbytes = kv_gather_bytes(GQA, 1, LONG.seq_len, tp)
+        assert nbytes == 2 * LONG.seq_len * GQA.n_kv_heads * GQA.head_dim / tp * 2
+        per_layer = comm.all_gather(H100, nbytes, size=cp, stride=tp)
+        assert est.breakdown["cp_comm"] == pytest.approx(8 * 2 * GQA.n_layers * per_layer, rel=1e-12)
+        assert comm.per_domain(H100, size=cp, stride=tp) == (cp if tp * cp <= 8 else 8 // tp)
+    # Context parallelism shares each sequence's compute: the ranks of cp=4 do a quarter of one's.
+    one = evaluate(GQA, H100, LONG, Layout(dp=1, microbatches=8, mbs=1))
+    four = evaluate(GQA, H100, LONG, Layout(dp=1, cp=4, microbatches=8, mbs=1))
+    assert four.world_size == 4 and four.breakdown["compute"] < one.breakdown["compute"] / 3.5
+
+
+def test_ring_overlap_hides_the_transfer_behind_attention():
+    """Options.cp_overlap (a ring): at 16k tokens attention per layer outlasts the gather, so
+    only the SM share of the hidden transfer is left."""
+    lay = Layout(dp=1, cp=4, microbatches=8, mbs=1)
+    gathered = evaluate(GQA, H100, LONG, lay).breakdown["cp_comm"]
+    ring = evaluate(GQA, H100, LONG, lay, Options(cp_overlap=True)).breakdown["cp_comm"]
+    assert ring == pytest.approx(gathered * H100.hidden_comm_cost, rel=1e-9) and ring < gathered
+
+
+def test_zero_shards_and_experts_spread_over_dp_x_cp():
+    """Parameters are replicated over cp: zero 3 over dp=2 x cp=2 shards like dp=4, and ep may
+    take all four ranks."""
+    moe = PRESETS["small-moe"]
+    work = Workload(global_batch=2, seq_len=256)
+    a = evaluate(moe, H100, work, Layout(dp=2, cp=2, ep=4, zero=3, microbatches=1, mbs=1))
+    b = evaluate(moe, H100, work, Layout(dp=4, cp=1, ep=4, zero=3, microbatches=1, mbs=1))
+    for key in ("parameters", "gradients", "optimizer_state"):
+        assert a.memory_breakdown[key] == pytest.approx(b.memory_breakdown[key], rel=1e-12)
+    found = search(moe, H100, work, world_size=4, fixed={"cp": 2, "ep": 4}, space=SearchSpace(min_cp_chunk=1))
+    assert found.ranked and all((e.layout.dp, e.layout.cp, e.layout.ep) == (2, 2, 4) for e in found.ranked)
+
+
+def test_sequence_length_must_divide_into_the_chunks(tmp_path, capsys):
+    argv = ["plan", "--model", "tiny", "--gpus", "4", "--global-batch", "4"]
+    assert_cli_error([*argv, "--seq-len", "36", "--fix", "cp=4"], capsys, "seq_len=36 must divide by 2 x cp = 8 (cp=4)")
+    assert_cli_error([*argv, "--seq-len", "20", "--fix", "cp=2,tp=2,sp=true"], capsys,
+                     "seq_len=20 must divide by 2 x cp x tp = 2 x 2 x 2 = 8 (cp=2 with sp=true)")
+    assert_cli_error([*argv, "--seq-len", "64", "--fix", "cp=0"], capsys, "cp=0 must be at least 1")
+    assert_cli_error([*argv, "--seq-len", "64", "--cp-overlap"], capsys, "the phalanx trainer all-gathers keys and values")
+
+
+def test_long_sequences_cp_beats_tp_on_llama_8b():
+    """Llama-3.1-8B's shape (32 heads, 8 KV heads) at 131,072 tokens, global batch 64, on 64
+    H100s, both at dp=8 on the published implementations' physics (`Options()`): tp=8's
+    collectives carry every token's hidden state (4 per layer, 2 s h bytes each), cp=8's only
+    the keys and values (2 per layer of 2 s h_kv x 2 bytes: h_kv = h / 4), so cp spends a
+    fraction of tp's time communicating and wins the step."""
+    model, work = PRESETS["llama3-8b"], Workload(global_batch=64, seq_len=131072)
+    assert (model.n_heads, model.n_kv_heads) == (32, 8)
+    best = {}
+    for name, fix in (("cp", {"dp": 8, "cp": 8, "tp": 1, "pp": 1}), ("tp", {"dp": 8, "cp": 1, "tp": 8, "pp": 1})):
+        result = search(model, H100, work, world_size=64, fixed=fix, options=Options(),
+                        space=SearchSpace(phalanx_trainer=False), keep=1)
+        best[name] = result.ranked[0]
+    cp, tp = best["cp"], best["tp"]
+    assert cp.breakdown["cp_comm"] < tp.breakdown["tp_comm"] / 4
+    assert cp.step_time_s < tp.step_time_s
