@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from phalanx.balance import incremental, measure
-from phalanx.balance.placement import Problem, check_problem, greedy
+from phalanx.balance.packing import spread
+from phalanx.balance.placement import Problem, check_problem, greedy, group_bounds
 from phalanx.balance.refine import refine as refine_swaps
 from phalanx.errors import UserError
 
@@ -98,14 +99,37 @@ def rebalance(load, replicas: int, groups: int, nodes: int, gpus: int, *, policy
         previous = incremental.check_previous(previous, problem)
     frame = greedy(load, problem)
     if refine:
-        layers, experts = load.shape
-        node_load = np.take_along_axis(load, frame.local2log.reshape(layers, experts), axis=1)
-        unit = node_load.reshape(frame.count.shape) / frame.count  # (rows, node experts): one replica's load
-        frame.slots = refine_swaps(frame.slots, unit)[0]
+        frame.slots = refine_swaps(frame.slots, frame.unit(load))[0]
     phy2log = frame.phy2log()
+    if refine and problem.frame_nodes > 1:
+        phy2log = _uneven_groups_where_better(load, problem, phy2log)
     if previous is not None:
         phy2log = _closer_to(previous, phy2log, load, problem, refine)
     return Result(phy2log, problem, time.perf_counter() - start, previous)
+
+
+def _uneven_groups_where_better(load: np.ndarray, problem: Problem, phy2log: np.ndarray) -> np.ndarray:
+    """Per layer, the placement with nodes holding unequal numbers of groups, where that is more balanced.
+
+    With one hot group, equal numbers of groups per node leave its node above the others by
+    more than any packing within the node can mend; letting that node hold fewer groups lowers it.
+    Only the layers where the unequal assignment differs in its counts are built again.
+    """
+    layers, experts = load.shape
+    n, groups = problem.nodes, problem.groups
+    group_load = load.reshape(layers, groups, -1).sum(axis=2)  # (layers, groups)
+    node = spread(group_load, n, *group_bounds(problem))[0]
+    redo = np.flatnonzero((node[:, :, None] == np.arange(n)).sum(axis=1).max(axis=1) > groups // n)
+    if not redo.size:
+        return phy2log
+    uneven = greedy(load[redo], problem, even_groups=False)
+    uneven.slots = refine_swaps(uneven.slots, uneven.unit(load[redo]))[0]
+    candidate = uneven.phy2log()
+    score = lambda l, p: measure.balancedness(measure.gpu_loads(l, p, problem.gpus))  # noqa: E731
+    better = redo[score(load[redo], candidate) > score(load[redo], phy2log[redo])]
+    phy2log = phy2log.copy()
+    phy2log[better] = candidate[np.searchsorted(redo, better)]
+    return phy2log
 
 
 def _closer_to(previous: np.ndarray, fresh: np.ndarray, load: np.ndarray, problem: Problem, refined: bool) -> np.ndarray:
