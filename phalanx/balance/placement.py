@@ -99,12 +99,15 @@ class NodeFrame:
         local = self.slots.reshape(layers * nodes, -1)
         return np.take_along_axis(self.local2log.reshape(layers * nodes, width), local, axis=1).reshape(layers, -1)
 
-    def unit(self, load: np.ndarray) -> np.ndarray:
-        """(rows, width): the load one replica of each node-local id carries (0 where no expert)."""
+    def node_load(self, load: np.ndarray) -> np.ndarray:
+        """(rows, width): the load of the expert behind each node-local id (0 where none)."""
         layers, nodes, width = self.local2log.shape
         ids = self.local2log.reshape(layers, -1)
-        node_load = np.where(ids >= 0, np.take_along_axis(load, np.maximum(ids, 0), axis=1), 0.0)
-        return node_load.reshape(layers * nodes, width) / np.maximum(self.count, 1)
+        return np.where(ids >= 0, np.take_along_axis(load, np.maximum(ids, 0), axis=1), 0.0).reshape(layers * nodes, width)
+
+    def unit(self, load: np.ndarray) -> np.ndarray:
+        """(rows, width): the load one replica of each node-local id carries (0 where none)."""
+        return self.node_load(load) / np.maximum(self.count, 1)
 
 
 def group_bounds(problem: Problem) -> tuple[int, int]:
@@ -121,13 +124,15 @@ def group_bounds(problem: Problem) -> tuple[int, int]:
     return max(low, groups - (n - 1) * high), high
 
 
-def greedy(load: np.ndarray, problem: Problem, *, distinct: bool = True, even_groups: bool = True) -> NodeFrame:
+def greedy(load: np.ndarray, problem: Problem, *, distinct: bool = True, even_groups: bool = True,
+           node_of_group: np.ndarray | None = None) -> NodeFrame:
     """The construction: groups onto nodes, replicas within nodes, replicas onto GPUs.
 
     `distinct=True` caps each expert's replicas at its node's GPUs and never packs two on one
     GPU; `distinct=False` is the reference, which does neither. `even_groups=False` (with the
     hierarchical policy) lets nodes hold different numbers of groups, within `group_bounds`:
     where one group is hot, its node can then hold fewer others (the node's slots stay the same).
+    `node_of_group` (layers, groups), within those bounds, sets the nodes instead of step 1.
     """
     layers, experts = load.shape
     n = problem.frame_nodes
@@ -136,7 +141,12 @@ def greedy(load: np.ndarray, problem: Problem, *, distinct: bool = True, even_gr
 
     # 1. groups onto nodes: node-local id = position of the group on its node * group_size + k
     group_load = load.reshape(layers, groups, group_size).sum(axis=2)  # (layers, groups)
-    if even_groups or n == 1:
+    if node_of_group is not None:
+        node = node_of_group
+        on_node = node[:, :, None] == np.arange(n)  # (layers, groups, nodes)
+        position = (np.cumsum(on_node, axis=1) - 1)[on_node].reshape(layers, groups)  # earlier groups on its node
+        width = group_bounds(problem)[1] * group_size
+    elif even_groups or n == 1:
         node, position = pack(group_load, n)
         width = experts // n  # ids per node
     else:
