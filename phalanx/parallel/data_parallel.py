@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from phalanx import layout_rules as rules
-from phalanx.errors import UserError
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
+from phalanx.plan_model_checks import resolve_precision  # noqa: F401 (the rule's home; imported from here too)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -38,25 +38,6 @@ def uses_fsdp(plan: Plan) -> bool:
     DDP, but it accepts DTensor parameters and pipeline stages, which DDP does not
     (the rule's home: `layout_rules.runs_fsdp`, which the planner reads too)."""
     return rules.runs_fsdp(plan.dp, zero=plan.zero, tp=plan.tp, pp=plan.pp)
-
-
-def resolve_precision(plan: Plan, dtype: str) -> Plan:
-    """`plan` with param_dtype and reduce_dtype filled in from `--dtype` (bf16 -> bf16 and fp32,
-    fp32 -> fp32 and fp32).
-
-    param_dtype is the dtype of the weights the forward computes with, in every layout: bf16 is
-    mixed precision (bf16 copies of fp32 masters, `mixed_precision.py`), fp32 with `--dtype bf16`
-    the older autocast over fp32 weights. bf16 weights with `--dtype fp32` would compute in bf16
-    while the run says fp32, so that is refused in favour of `--dtype bf16`.
-    """
-    param = plan.param_dtype or dtype
-    reduce = plan.reduce_dtype or "fp32"
-    if param == "bf16" and dtype == "fp32":
-        raise UserError(
-            "invalid plan: param_dtype=bf16 with --dtype fp32 would compute in bf16; use --dtype bf16, which "
-            "computes with bf16 copies of fp32 master weights in every layout"
-        )
-    return plan.replace(param_dtype=param, reduce_dtype=reduce)
 
 
 def fsdp_options(plan: Plan, device: torch.device) -> dict:
