@@ -64,7 +64,7 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
     apply_recompute(model, plan.recompute, plan.recompute_layers)
     apply_compile(model, compile)
     if uses_fsdp(plan):
-        apply_fsdp(model, mesh)
+        apply_fsdp(model, mesh, units_below_block=not compile)
     return materialize(model, cfg, seed, mesh.device, weights)
 
 

@@ -55,21 +55,45 @@ def fsdp_options(plan: Plan, device: torch.device) -> dict:
     return {"reshard_after_forward": plan.zero == 3 and plan.pp == 1, "mp_policy": mixed, "offload_policy": offload}
 
 
-def apply_fsdp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, units_below_block: bool = True) -> nn.Module:
     """Shard each transformer block, then the rest (embedding, norm, output) at the root.
 
     Per-block units let FSDP gather one block's weights at a time; whether they are freed after
     forward follows the zero level (see the module docstring). `model` may be a pipeline chunk
-    (some parts deleted).
+    (some parts deleted). At zero=3 without pp, units go below the block too (`sub_block_units`):
+    the attention, and each linear of a dense MLP, so FSDP gathers, prefetches and reduces
+    a fraction of a block at a time (the 530B model's blocks hold 5 billion parameters each:
+    gathered whole they alone need tens of GiB). `units_below_block=False` keeps one unit per
+    block: `--compile` does (a unit inside a compiled block would have FSDP's hooks traced into
+    its graph).
     """
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.fsdp_mesh()
     options = fsdp_options(mesh.plan, mesh.device)
+    below = units_below_block and mesh.plan.zero == 3 and mesh.plan.pp == 1
     for block in model.layers.values():
+        for unit in sub_block_units(block) if below else ():
+            fully_shard(unit, mesh=dp_mesh, **options)
         fully_shard(block, mesh=dp_mesh, **options)
     fully_shard(model, mesh=dp_mesh, **options)
     return model
+
+
+def sub_block_units(block: nn.Module) -> list[nn.Module]:
+    """The FSDP units below a block: its attention, and each linear of a dense MLP (an MoE's
+    experts are their own units already, parallel/expert.py; its router stays with the block).
+    Found by name, so a block wrapped for recompute (`_checkpoint_wrapped_module.`) works too."""
+    from phalanx.model.transformer import FeedForward
+
+    units = []
+    for name, module in block.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "attention":
+            units.append(module)
+        elif leaf == "feed_forward" and isinstance(module, FeedForward):
+            units += [linear for linear in (module.w1, module.w3, module.w2) if linear is not None]
+    return units
 
 
 def apply_ddp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
