@@ -76,8 +76,9 @@ parallel/: `torch._foreach_norm` and `torch._foreach_mul_` (grad_norm.py),
 sequence_parallel.py), `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`
 (recompute.py), `torch.distributed.tensor.placement_types._StridedShard` (materialize.py).
 tests/test_private_torch_apis.py checks that each exists in the installed torch (2.13 here);
-whether they exist in torch 2.11 was not checked against its source this session: that test,
-run by CI on torch 2.11, is the check.
+whether they exist in torch 2.11 could not be checked against its source (the code index at
+hand holds an older pytorch/pytorch, version.txt 2.0.1, and the repository is too large to
+fetch here): that test, run by CI on torch 2.11, is the check.
 """
 
 from __future__ import annotations
