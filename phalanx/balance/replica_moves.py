@@ -20,6 +20,7 @@ import numpy as np
 from phalanx.balance.refine import refine
 
 _RELATIVE_GAIN = 1e-12  # as in refine.py: a move must beat rounding noise
+MOVE_CANDIDATES = 16  # new-replica candidates per move search (all ids where a row has fewer)
 
 
 def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: int,
@@ -66,21 +67,30 @@ def _best_moves(active, slots, expert_load, count, cap):
     cx = np.take_along_axis(cnt, x, axis=1)
     lx = np.take_along_axis(weight, x, axis=1)
     gain_x = np.where(cx >= 2, lx / np.maximum(cx - 1, 1) - lx / cx, np.inf)  # (n, c): more on x's other GPUs
-    gain_y = weight / (cnt + 1) - share  # (n, ids): less on y's GPUs (<= 0)
+    # Candidates for the new replica: the MOVE_CANDIDATES ids with the highest load per replica
+    # that may take one more (another replica helps a hot id most), not on the top GPU already.
+    open_ = (cnt >= 1) & (cnt < cap) & ~holds[here, top]  # (n, ids)
+    k = min(MOVE_CANDIDATES, ids)
+    cand = np.argsort(np.where(open_, -share, np.inf), axis=1, kind="stable")[:, :k]  # (n, k)
+    cy, ly = np.take_along_axis(cnt, cand, axis=1), np.take_along_axis(weight, cand, axis=1)
+    gain_y = ly / (cy + 1) - ly / np.maximum(cy, 1)  # (n, k): less on y's GPUs (<= 0)
+    hy = np.take_along_axis(holds, np.broadcast_to(cand[:, None, :], (n, gpus, k)), axis=2)  # (n, gpus, k)
     hx = np.take_along_axis(holds, np.broadcast_to(x[:, None, :], (n, gpus, c)), axis=2).transpose(0, 2, 1)  # (n, c, gpus)
-    # (n, c, ids, gpus): every GPU's load after moving slot i of the top GPU from x to y
+    # (n, c, k, gpus): every GPU's load after moving slot i of the top GPU from x to candidate y
     new = (load[:, None, None, :] + hx[:, :, None, :] * np.where(np.isinf(gain_x), 0, gain_x)[:, :, None, None]
-           + holds.transpose(0, 2, 1)[:, None, :, :] * gain_y[:, None, :, None])
-    on_top = np.take_along_axis(new, top[:, None, None, None].repeat(c, 1).repeat(ids, 2), axis=3)[..., 0]
+           + hy.transpose(0, 2, 1)[:, None, :, :] * gain_y[:, None, :, None])
+    at_top = top[:, None, None, None].repeat(c, 1).repeat(k, 2)
+    on_top = np.take_along_axis(new, at_top, axis=3)[..., 0]
     # The top GPU itself: it loses x entirely (not x's larger share) and gains y's new share.
-    on_top = on_top - np.where(np.isinf(gain_x), 0, gain_x + lx / cx)[:, :, None] + (weight / (cnt + 1))[:, None, :]
-    np.put_along_axis(new, top[:, None, None, None].repeat(c, 1).repeat(ids, 2), on_top[..., None], axis=3)
-    worst = new.max(axis=3)  # (n, c, ids)
-    allowed = (cx >= 2)[:, :, None] & ((cnt >= 1) & (cnt < cap))[:, None, :] & ~holds[here, top][:, None, :]
+    on_top = on_top - np.where(np.isinf(gain_x), 0, gain_x + lx / cx)[:, :, None] + (ly / (cy + 1))[:, None, :]
+    np.put_along_axis(new, at_top, on_top[..., None], axis=3)
+    worst = new.max(axis=3)  # (n, c, k)
+    allowed = (cx >= 2)[:, :, None] & np.take_along_axis(open_, cand, axis=1)[:, None, :]
     worst = np.where(allowed, worst, np.inf)
     best = worst.reshape(n, -1).argmin(axis=1)
-    i, y = np.unravel_index(best, (c, ids))
-    gains = worst[here, i, y] < top_load * (1 - _RELATIVE_GAIN)
+    i, j = np.unravel_index(best, (c, k))
+    y = cand[here, j]
+    gains = worst[here, i, j] < top_load * (1 - _RELATIVE_GAIN)
     return active[gains], top[gains], i[gains], y[gains]
 
 
