@@ -9,8 +9,8 @@ FSDP is applied on the meta device, before weights exist, so that no rank ever a
 full model; DDP needs real weights and is applied after materialization.
 
 The zero level (`Plan.zero`) maps onto FSDP2 as follows:
-  zero=3  `reshard_after_forward=True`: parameters sharded, gathered per block in forward and
-          again in backward;
+  zero=3  `reshard_after_forward=True`: parameters sharded, gathered per unit in forward and
+          again in backward (units below the block: `apply_fsdp`);
   zero=2  `reshard_after_forward=False`: gathered in forward and kept until the block's backward;
           gradients and optimizer state stay sharded;
   zero=0  DDP (pure data parallelism), or FSDP2 as HSDP with shard size 1 under tp or pp.
