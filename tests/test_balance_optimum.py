@@ -92,12 +92,12 @@ def _loads(kind: str, layers: int, experts: int, seed: int) -> np.ndarray:
 # (experts, replicas, groups, nodes, gpus): hierarchical with 2 to 4 groups per node; global
 # with 2 and 3 slots per GPU.
 CASES = {"hierarchical": (12, 16, 6, 2, 4), "global 2 per GPU": (6, 8, 1, 1, 4), "global 3 per GPU": (6, 12, 1, 1, 4)}
-KNOWN_GAP = pytest.mark.xfail(strict=True, reason="global policy, permuted Zipf loads: 1.3-4.7% below the optimum in some "
-                              "layers; the kicks of replica_moves.py that reach it cost more than the balancer's time budget")
+KNOWN_GAP = pytest.mark.xfail(strict=True, reason="global policy, permuted Zipf loads, 3 slots per GPU: 2.6% below the "
+                              "optimum in two layers; more kicks of replica_moves.py reach it, at more than the time budget")
 
 
 @pytest.mark.parametrize("case, kind", [
-    pytest.param(case, kind, id=f"{name}-{kind}", marks=KNOWN_GAP if (name.startswith("global") and kind == "zipf") else ())
+    pytest.param(case, kind, id=f"{name}-{kind}", marks=KNOWN_GAP if (name == "global 3 per GPU" and kind == "zipf") else ())
     for name, case in CASES.items() for kind in ("hot group", "zipf", "lognormal")])
 def test_within_two_percent_of_the_optimum(case, kind):
     experts, replicas, groups, nodes, gpus = case

@@ -21,6 +21,7 @@ from phalanx.balance.refine import refine
 
 _RELATIVE_GAIN = 1e-12  # as in refine.py: a move must beat rounding noise
 MOVE_CANDIDATES = 16  # new-replica candidates per move search (all ids where a row has fewer)
+WIDE_MOVE_CANDIDATES = 4  # the same where the freed slot may be on any GPU (gpus x more slots)
 
 
 def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: int,
@@ -37,6 +38,10 @@ def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: 
     active = np.arange(len(slots))
     for _ in range(max_rounds):
         row, a, i, y = _best_moves(active, slots, expert_load, count, cap)
+        stuck = np.setdiff1d(active, row, assume_unique=True)
+        if stuck.size:  # as refine.py: the wider search only where the narrow one found nothing
+            more = _best_moves(stuck, slots, expert_load, count, cap, any_gpu=True)
+            row, a, i, y = (np.concatenate(pair) for pair in zip((row, a, i, y), more))
         if not row.size:
             break
         x = slots[row, a, i]
@@ -48,10 +53,12 @@ def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: 
     return slots, count
 
 
-def _best_moves(active, slots, expert_load, count, cap):
-    """For each row in `active`, the best move off its most loaded GPU, if one lowers it.
+def _best_moves(active, slots, expert_load, count, cap, any_gpu: bool = False):
+    """For each row in `active`, the best replica move, if one lowers its most loaded GPU.
 
-    Returns (row, top GPU, position there, new id), one entry per row that has such a move.
+    The slot given up is one of the most loaded GPU's, or with `any_gpu` any slot: giving a hot
+    expert its last missing replica on another GPU lowers its share on the top GPU too.
+    Returns (row, GPU of the slot, position there, new id), one entry per row that has one.
     """
     n, (_, gpus, c), ids = len(active), slots.shape, expert_load.shape[1]
     here = np.arange(n)
@@ -63,35 +70,44 @@ def _best_moves(active, slots, expert_load, count, cap):
     load = np.take_along_axis(share, held.reshape(n, -1), axis=1).reshape(n, gpus, c).sum(axis=2)  # (n, gpus)
     top = load.argmax(axis=1)
     top_load = load[here, top]
-    x = held[here, top]  # (n, c): the ids on the top GPU
+    if any_gpu:
+        gpu = np.broadcast_to(np.arange(gpus).repeat(c), (n, gpus * c))  # (n, s): every slot
+        x = held.reshape(n, -1)
+    else:
+        gpu = np.broadcast_to(top[:, None], (n, c))  # (n, s): the top GPU's slots
+        x = held[here, top]
+    s = x.shape[1]
     cx = np.take_along_axis(cnt, x, axis=1)
     lx = np.take_along_axis(weight, x, axis=1)
-    gain_x = np.where(cx >= 2, lx / np.maximum(cx - 1, 1) - lx / cx, np.inf)  # (n, c): more on x's other GPUs
+    gain_x = np.where(cx >= 2, lx / np.maximum(cx - 1, 1) - lx / cx, 0.0)  # (n, s): more on x's other GPUs
     # Candidates for the new replica: the MOVE_CANDIDATES ids with the highest load per replica
-    # that may take one more (another replica helps a hot id most), not on the top GPU already.
-    open_ = (cnt >= 1) & (cnt < cap) & ~holds[here, top]  # (n, ids)
-    k = min(MOVE_CANDIDATES, ids)
+    # that may take one more (another replica helps a hot id most).
+    open_ = (cnt >= 1) & (cnt < cap)  # (n, ids)
+    k = min(WIDE_MOVE_CANDIDATES if any_gpu else MOVE_CANDIDATES, ids)
     cand = np.argsort(np.where(open_, -share, np.inf), axis=1, kind="stable")[:, :k]  # (n, k)
     cy, ly = np.take_along_axis(cnt, cand, axis=1), np.take_along_axis(weight, cand, axis=1)
     gain_y = ly / (cy + 1) - ly / np.maximum(cy, 1)  # (n, k): less on y's GPUs (<= 0)
     hy = np.take_along_axis(holds, np.broadcast_to(cand[:, None, :], (n, gpus, k)), axis=2)  # (n, gpus, k)
-    hx = np.take_along_axis(holds, np.broadcast_to(x[:, None, :], (n, gpus, c)), axis=2).transpose(0, 2, 1)  # (n, c, gpus)
-    # (n, c, k, gpus): every GPU's load after moving slot i of the top GPU from x to candidate y
-    new = (load[:, None, None, :] + hx[:, :, None, :] * np.where(np.isinf(gain_x), 0, gain_x)[:, :, None, None]
+    hx = np.take_along_axis(holds, np.broadcast_to(x[:, None, :], (n, gpus, s)), axis=2).transpose(0, 2, 1)  # (n, s, gpus)
+    # (n, s, k, gpus): every GPU's load after slot s goes from x to candidate y
+    new = (load[:, None, None, :] + hx[:, :, None, :] * gain_x[:, :, None, None]
            + hy.transpose(0, 2, 1)[:, None, :, :] * gain_y[:, None, :, None])
-    at_top = top[:, None, None, None].repeat(c, 1).repeat(k, 2)
-    on_top = np.take_along_axis(new, at_top, axis=3)[..., 0]
-    # The top GPU itself: it loses x entirely (not x's larger share) and gains y's new share.
-    on_top = on_top - np.where(np.isinf(gain_x), 0, gain_x + lx / cx)[:, :, None] + (ly / (cy + 1))[:, None, :]
-    np.put_along_axis(new, at_top, on_top[..., None], axis=3)
-    worst = new.max(axis=3)  # (n, c, k)
-    allowed = (cx >= 2)[:, :, None] & np.take_along_axis(open_, cand, axis=1)[:, None, :]
+    at = np.broadcast_to(gpu[:, :, None, None], (n, s, k, 1))
+    there = np.take_along_axis(new, at, axis=3)[..., 0]
+    # The slot's own GPU loses x entirely (not x's larger share) and gains y's new share.
+    there = there - (gain_x + lx / cx)[:, :, None] + (ly / (cy + 1))[:, None, :]
+    np.put_along_axis(new, at, there[..., None], axis=3)
+    worst = new.max(axis=3)  # (n, s, k)
+    y_there = np.take_along_axis(hy, np.broadcast_to(gpu[:, :, None], (n, s, k)), axis=1)  # (n, s, k): y on that GPU already
+    allowed = (cx >= 2)[:, :, None] & np.take_along_axis(open_, cand, axis=1)[:, None, :] & ~y_there
     worst = np.where(allowed, worst, np.inf)
     best = worst.reshape(n, -1).argmin(axis=1)
-    i, j = np.unravel_index(best, (c, k))
+    i, j = np.unravel_index(best, (s, k))
     y = cand[here, j]
     gains = worst[here, i, j] < top_load * (1 - _RELATIVE_GAIN)
-    return active[gains], top[gains], i[gains], y[gains]
+    g = gpu[here, i]
+    position = i % c if any_gpu else i
+    return active[gains], g[gains], position[gains], y[gains]
 
 
 def improve_with_kicks(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: int, kicks: int,
