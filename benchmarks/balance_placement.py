@@ -11,6 +11,14 @@ Balancedness is mean / max GPU load, the mean over layers. Times are the median 
 seconds of this process (time.process_time: on a shared machine, wall time counts the others)
 (the first, warm-up call not counted). Drift: the loads times log-normal noise (sigma 0.1),
 re-planned from scratch and from the previous plan (`previous=`).
+
+Optimality (issue 23 item 8: within 2% of the best placement an optimizing method finds under
+the same rules): per layer against an integer program on small cases (scipy's milp, exact where
+it says "proved") and against simulated annealing with swaps and replica moves (8 chains from
+several group-to-node assignments, benchmarks/placement_optimum.py) on large ones, including the
+issue's trace: token counts sampled from Zipf(1.2) over 64 experts (seed 0, unshuffled, so the
+hottest experts share a group), 8 layers into 80 slots on 8 GPUs over 2 nodes, 16 groups.
+`--quick` skips this section (minutes of CPU).
 """
 
 from __future__ import annotations
@@ -24,11 +32,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from phalanx.balance import measure  # noqa: E402
 from phalanx.balance.loads import read_load  # noqa: E402
 from phalanx.balance.placement import check_problem, greedy  # noqa: E402
 from phalanx.balance.solve import rebalance  # noqa: E402
+from placement_optimum import integer_program, local_search  # noqa: E402
 
 # (layers, experts, replicas, groups, nodes, gpus, policy)
 SIZES = [
@@ -83,8 +93,49 @@ def compare(name: str, load: np.ndarray, replicas: int, groups: int, nodes: int,
 DRIFT: list[str] = []
 
 
+def issue_trace() -> np.ndarray:
+    """Issue 23's trace: per layer, 100,000 tokens' experts drawn from Zipf(1.2) mod 64, seed 0."""
+    rng = np.random.default_rng(0)
+    return np.stack([np.bincount((rng.zipf(1.2, 100_000) - 1) % 64, minlength=64) for _ in range(8)]).astype(float)
+
+
+def optimality() -> None:
+    print()
+    print("optimality: phalanx against an optimizing method under the same rules (balancedness, mean over layers;")
+    print("worst = the lowest per-layer ratio phalanx / optimizer; proved = the integer program's optimum is proven)")
+    print(f"{'trace':<44} {'method':<16} {'phalanx':>8} {'optimum':>8} {'ratio':>7} {'worst':>7} {'proved':>7} {'s':>6}")
+    eplb = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                     [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]], float)
+    cases = [("DeepSeek EPLB example 2x12 -> 16 on 8/2 hier", eplb, (16, 4, 2, 8), "milp"),
+             ("zipf 4x12 -> 16 on 4/2 hier (6 groups)", synthetic("zipf", 4, 12, 1), (16, 6, 2, 4), "milp"),
+             ("lognormal 4x12 -> 16 on 4/2 hier (6 groups)", synthetic("lognormal", 4, 12, 1), (16, 6, 2, 4), "milp"),
+             ("zipf 4x6 -> 12 on 4 glob", synthetic("zipf", 4, 6, 2), (12, 1, 1, 4), "milp"),
+             ("lognormal 4x8 -> 12 on 4 glob", synthetic("lognormal", 4, 8, 2), (12, 1, 1, 4), "milp"),
+             ("issue 23: zipf tokens 8x64 -> 80 on 8/2 hier", issue_trace(), (80, 16, 2, 8), "anneal"),
+             ("zipf 8x64 -> 80 on 8/2 hier (4 groups)", synthetic("zipf", 8, 64, 72), (80, 4, 2, 8), "anneal"),
+             ("lognormal 8x64 -> 80 on 8/1 glob", synthetic("lognormal", 8, 64, 72), (80, 1, 1, 8), "anneal"),
+             ("zipf 58x256 -> 288 on 32/4 hier", synthetic("zipf", 58, 256, 314), (288, 8, 4, 32), "anneal")]
+    for name, load, (replicas, groups, nodes, gpus), method in cases:
+        layers, experts = load.shape
+        problem = check_problem(layers, experts, replicas, groups, nodes, gpus)
+        ours = rebalance(load, replicas, groups, nodes, gpus).phy2log
+        top = measure.gpu_loads(load, ours, gpus).max(axis=1)
+        start = time.process_time()
+        if method == "milp":
+            solved = [integer_program(row, problem, seconds=60) for row in load]
+            best, proved = np.array([x for x, _ in solved]), all(ok for _, ok in solved)
+        else:
+            best, proved = local_search(load, problem, ours, iterations=4000 if layers * experts > 10_000 else 10_000), False
+        best = np.minimum(best, top)  # phalanx's own placement is a valid one too
+        mean = load.sum(axis=1) / gpus
+        ratio = best / top  # = phalanx balancedness / optimizer balancedness, per layer
+        print(f"{name:<44} {method:<16} {(mean / top).mean():>8.4f} {(mean / best).mean():>8.4f} {ratio.mean():>7.4f} "
+              f"{ratio.min():>7.4f} {'yes' if proved else '-':>7} {time.process_time() - start:>6.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="skip the optimality section")
     parser.add_argument("--run", help="a `phalanx train` run directory of an MoE model (or its metrics.jsonl)")
     args = parser.parse_args()
     print("balancedness (mean/max GPU load, mean over layers): none = one replica per expert; ref = reference greedy;")
@@ -109,6 +160,8 @@ def main() -> None:
     print("drift: re-planning after the loads drift (x lognormal(0, 0.1)); moved = slots whose expert changed vs the previous plan")
     print(f"{'trace':<40} {'slots':>6} {'ref moved':>9} {'ref bal':>7} {'scr moved':>9} {'scr bal':>7} {'inc moved':>9} {'inc bal':>7} {'fewer':>8} {'inc ms':>7}")
     print("\n".join(DRIFT))
+    if not args.quick:
+        optimality()
 
 
 if __name__ == "__main__":

@@ -244,3 +244,10 @@ def plan_from_string(text: str, world_size: int | None = None) -> Plan:
     """Parse and validate a `--plan` string for the trainer."""
     plan, _ = parse_plan(text)
     return plan.validate(world_size)
+
+
+def weights_view(plan: Plan) -> Plan:
+    """`plan` as the weights see it: the dp x cp ranks as one data-parallel axis (cp ranks hold
+    the same parameters and different tokens, so gradients reduce, zero levels shard and
+    experts spread over dp x cp; parallel/mesh.py)."""
+    return plan if plan.cp == 1 else plan.replace(dp=plan.dp * plan.cp, cp=1)

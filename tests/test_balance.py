@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from phalanx.balance import measure
-from phalanx.balance.placement import check_problem, greedy
+from phalanx.balance.placement import check_problem, greedy, group_bounds
 from phalanx.balance.solve import rebalance
 
 EPLB_WEIGHT = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
@@ -87,7 +87,8 @@ def test_rules_and_never_worse_than_reference(case, kind, policy):
         for layer in range(layers):
             nodes_of_group = [set(node[np.isin(phy2log[layer], range(g * experts // groups, (g + 1) * experts // groups))]) for g in range(groups)]
             assert all(len(s) == 1 for s in nodes_of_group)
-            assert sorted(len([g for g in nodes_of_group if n in g]) for n in range(nodes)) == [groups // nodes] * nodes
+            low, high = group_bounds(check_problem(layers, experts, replicas, groups, nodes, gpus, policy))
+            assert all(low <= len([g for g in nodes_of_group if n in g]) <= high for n in range(nodes))
     # Refined: at least the reference greedy's balancedness in every layer where the reference
     # keeps the rule (there the construction is the reference's, and refinement only lowers the
     # top GPU). Where it breaks it, two replicas on one GPU split an expert's load unevenly

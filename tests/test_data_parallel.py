@@ -129,3 +129,19 @@ def test_single_process_training_lowers_loss(tiny_config):
     # Bytes start at ln(256) = 5.55 nats; 30 steps on Python source reach well under 4.
     assert losses[0] > 5.0
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
+
+
+def test_fsdp_units_below_the_block_are_attention_and_each_mlp_linear():
+    """zero=3 shards the attention and each linear of a dense MLP as FSDP units of their own
+    (the block keeps its norms; an MoE block keeps its router, its experts being units already);
+    the zero=3 cases above run them against one process."""
+    from phalanx.model.config import model_config
+    from phalanx.model.transformer import Transformer
+    from phalanx.parallel.data_parallel import sub_block_units
+
+    dense = Transformer(model_config("tiny")).layers["0"]
+    mlp = dense.feed_forward
+    assert sub_block_units(dense) == [dense.attention] + [linear for linear in (mlp.w1, mlp.w3, mlp.w2) if linear is not None]
+    moe = Transformer(model_config("tiny-moe"))
+    block = next(b for b in moe.layers.values() if not hasattr(b.feed_forward, "w1"))
+    assert sub_block_units(block) == [block.attention]

@@ -20,6 +20,16 @@ def test_job_module_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_resolving_a_job_imports_neither_parallel_nor_torch():
+    """The plan's checks against the model (tp, pp, ep, compile, float8, batch, precision) are
+    torch-free (phalanx/plan_model_checks.py): working out a tp=2,pp=2 job imports no parallel/."""
+    code = ("import sys; from phalanx.train.config import TrainConfig; from phalanx.train.job import resolve_job; "
+            "job = resolve_job(TrainConfig(model='tiny', data='x', global_batch=8, seq_len=32, plan='tp=2,pp=2', "
+            "device='cpu'), 4, None, run_dir='r'); assert job.plan.tp == 2 and job.plan.pp == 2; "
+            "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('phalanx.parallel')]; assert not loaded, loaded")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_a_fresh_job_holds_the_parsed_plan_and_its_micro_batches(tiny_config):
     """No plan on 4 processes: dp=4, precision filled in from --dtype, the settings' plan left
     empty (what the checkpoint records), micro-batches of global_batch / dp / microbatches."""

@@ -32,11 +32,14 @@ def _gathers_per_step(recompute: str) -> int:
 
 
 def test_recompute_inside_an_fsdp_unit_gathers_nothing_more():
-    # Each block and the root is a unit gathered forward and again backward (resharded after
-    # forward): 2 (4 + 1) = 10 for the tiny model's 4 blocks. The checkpointed block re-runs its
+    # Each unit is gathered forward and again backward (resharded after forward): per block the
+    # block itself, its attention and each MLP linear (data_parallel.sub_block_units), and the
+    # root: 2 (4 x 5 + 1) = 42 for the tiny model's 4 SwiGLU blocks. The checkpointed block re-runs its
     # forward inside its unit's backward, after that gather, so recompute adds no all-gather:
     # the planner's Options.recompute_regathers=False.
     none = run_ranks(2, _gathers_per_step, "none")
     full = run_ranks(2, _gathers_per_step, "full")
-    assert none == [2 * (model_config("tiny").n_layers + 1)] * 2
+    cfg = model_config("tiny")
+    per_block = 1 + 1 + (3 if cfg.mlp == "swiglu" else 2)
+    assert none == [2 * (cfg.n_layers * per_block + 1)] * 2
     assert full == none

@@ -92,3 +92,12 @@ def test_recompute_is_chosen_only_where_it_pays(tmp_path, capsys, label, model, 
     best = plan(tmp_path, capsys, model, gpus, batch, free)
     assert best is not None
     assert best["recompute"] == ("none" if label == "18.4B" else "full")
+
+
+def test_zero3_without_model_parallelism_fits_the_530b_model(tmp_path, capsys):
+    """Narayanan et al. Table 2: ZeRO-3 over 640 GPUs, micro-batch 4, full recompute, for the
+    530B model. With one FSDP unit per 5-billion-parameter block it needed 103.1 GiB; with the
+    trainer's units below the block (attention, each MLP linear: parallel/data_parallel.py
+    `sub_block_units`, followed by `peak_memory.fsdp_unit_params`) it fits in 80 GB."""
+    best = plan(tmp_path, capsys, gpt(128, 20480, 105), 640, 2560, "tp=1,pp=1,dp=640,zero=3,mbs=4,recompute=full,sp=false")
+    assert best is not None and best["memory_gib_per_gpu"] <= 80

@@ -8,6 +8,8 @@
   room (the lower pack on a tie). With `expert` given, a pack never takes two items of one
   expert; where every pack with room already holds the item's expert, a repair swap makes room
   (see `_repair`).
+* `spread(weight, packs, low, high)`: as `pack`, into packs of `low` to `high` items (groups
+  onto nodes, where nodes need not hold equal numbers of groups).
 
 These are the steps DeepSeek's EPLB describes (its README and docstrings); with `cap` unbounded
 and no `expert`, they are that reference's greedy algorithm, tie-breaking included. The loop runs
@@ -19,25 +21,60 @@ from __future__ import annotations
 import numpy as np
 
 
-def replicate(load: np.ndarray, slots: int, cap: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def replicate(load: np.ndarray, slots: int, cap: int | None = None,
+              present: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Replicas for `slots` slots: (slot -> expert (rows, slots), replicas per expert (rows, experts)).
 
-    Slot e < experts holds expert e; the extra slots follow in the order they were handed out.
-    `load` is (rows, experts), non-negative. The caller ensures `slots <= experts * cap`.
+    Slot e < (experts in the row) holds expert e; the extra slots follow in the order they were
+    handed out. `load` is (rows, experts), non-negative. `present` (rows, experts), when given,
+    marks the experts a row has: they are its first ones (ids 0..k-1), the rest are padding that
+    gets no replica (rows of a node frame whose nodes hold different numbers of experts). The
+    caller ensures each row's experts <= slots <= its experts * cap.
     """
     rows, experts = load.shape
-    count = np.ones((rows, experts), dtype=np.int64)
+    count = np.ones((rows, experts), dtype=np.int64) if present is None else present.astype(np.int64)
     slot_expert = np.empty((rows, slots), dtype=np.int64)
     slot_expert[:, :experts] = np.arange(experts)
+    filled = count.sum(axis=1)  # (rows,): the next slot each row fills
     every_row = np.arange(rows)
-    for slot in range(experts, slots):
-        per_replica = load / count
+    for _ in range(slots - int(filled.min())):
+        per_replica = load / np.maximum(count, 1)
+        per_replica[count == 0] = -np.inf
         if cap is not None:
             per_replica[count >= cap] = -np.inf
         hottest = per_replica.argmax(axis=1)  # first maximum: the lower index on a tie
-        slot_expert[:, slot] = hottest
-        count[every_row, hottest] += 1
+        open_ = filled < slots
+        slot_expert[every_row[open_], filled[open_]] = hottest[open_]
+        count[every_row[open_], hottest[open_]] += 1
+        filled += open_
     return slot_expert, count
+
+
+def spread(weight: np.ndarray, packs: int, low: int, high: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items into packs of `low` to `high` items each: (pack of each item, its position), (rows, items).
+
+    Heaviest item first (a stable sort) into the lightest pack that has room, except that once
+    the items left are just enough to bring every pack up to `low`, only packs below `low` take
+    them. The caller ensures packs * low <= items <= packs * high.
+    """
+    rows, items = weight.shape
+    order = np.argsort(-weight, axis=1, kind="stable")
+    every_row = np.arange(rows)
+    pack_load = np.zeros((rows, packs))
+    pack_count = np.zeros((rows, packs), dtype=np.int64)
+    item_pack = np.empty((rows, items), dtype=np.int64)
+    item_rank = np.empty((rows, items), dtype=np.int64)
+    for step in range(items):
+        item = order[:, step]
+        cost = np.where(pack_count < high, pack_load, np.inf)
+        forced = np.maximum(low - pack_count, 0).sum(axis=1) >= items - step  # (rows,)
+        cost[forced[:, None] & (pack_count >= low)] = np.inf
+        choice = cost.argmin(axis=1)
+        item_pack[every_row, item] = choice
+        item_rank[every_row, item] = pack_count[every_row, choice]
+        pack_load[every_row, choice] += weight[every_row, item]
+        pack_count[every_row, choice] += 1
+    return item_pack, item_rank
 
 
 def pack(weight: np.ndarray, packs: int, expert: np.ndarray | None = None, experts: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from phalanx.balance.packing import pack, replicate
+from phalanx.balance.packing import pack, replicate, spread
 from phalanx.errors import UserError
 
 POLICIES = ("auto", "hierarchical", "global")
@@ -89,45 +89,87 @@ def check_problem(layers: int, experts: int, replicas: int, groups: int, nodes: 
 class NodeFrame:
     """A placement in the node frame (rows = layers x frame nodes, layer-major)."""
 
-    local2log: np.ndarray  # (layers, nodes, m): the expert behind each node-local id
+    local2log: np.ndarray  # (layers, nodes, width): the expert behind each node-local id, -1 for none
     slots: np.ndarray  # (rows, gpus per node, slots per GPU): node-local id in each slot
-    count: np.ndarray  # (rows, m): replicas of each node-local expert
+    count: np.ndarray  # (rows, width): replicas of each node-local id (0 where it names no expert)
 
     def phy2log(self) -> np.ndarray:
         """(layers, replicas): the expert each slot holds; node k's slots follow node k-1's."""
-        layers, nodes, m = self.local2log.shape
+        layers, nodes, width = self.local2log.shape
         local = self.slots.reshape(layers * nodes, -1)
-        return np.take_along_axis(self.local2log.reshape(layers * nodes, m), local, axis=1).reshape(layers, -1)
+        return np.take_along_axis(self.local2log.reshape(layers * nodes, width), local, axis=1).reshape(layers, -1)
+
+    def node_load(self, load: np.ndarray) -> np.ndarray:
+        """(rows, width): the load of the expert behind each node-local id (0 where none)."""
+        layers, nodes, width = self.local2log.shape
+        ids = self.local2log.reshape(layers, -1)
+        return np.where(ids >= 0, np.take_along_axis(load, np.maximum(ids, 0), axis=1), 0.0).reshape(layers * nodes, width)
+
+    def unit(self, load: np.ndarray) -> np.ndarray:
+        """(rows, width): the load one replica of each node-local id carries (0 where none)."""
+        return self.node_load(load) / np.maximum(self.count, 1)
 
 
-def greedy(load: np.ndarray, problem: Problem, *, distinct: bool = True) -> NodeFrame:
+def group_bounds(problem: Problem) -> tuple[int, int]:
+    """The fewest and most groups a node may hold (hierarchical policy), given the two rules.
+
+    Every expert needs a slot on its node (at most node slots / group size groups), and no GPU
+    holds an expert twice (at least node slots / (group size x GPUs per node) groups). Equal
+    numbers per node, the reference's choice, lie within these bounds (check_problem).
+    """
+    n, groups = problem.nodes, problem.groups
+    group_size, node_gpus, node_slots = problem.experts // groups, problem.gpus // n, problem.replicas // n
+    low, high = -(-node_slots // (group_size * node_gpus)), node_slots // group_size
+    high = min(high, groups - (n - 1) * low)
+    return max(low, groups - (n - 1) * high), high
+
+
+def greedy(load: np.ndarray, problem: Problem, *, distinct: bool = True, even_groups: bool = True,
+           node_of_group: np.ndarray | None = None) -> NodeFrame:
     """The construction: groups onto nodes, replicas within nodes, replicas onto GPUs.
 
     `distinct=True` caps each expert's replicas at its node's GPUs and never packs two on one
-    GPU; `distinct=False` is the reference, which does neither.
+    GPU; `distinct=False` is the reference, which does neither. `even_groups=False` (with the
+    hierarchical policy) lets nodes hold different numbers of groups, within `group_bounds`:
+    where one group is hot, its node can then hold fewer others (the node's slots stay the same).
+    `node_of_group` (layers, groups), within those bounds, sets the nodes instead of step 1.
     """
     layers, experts = load.shape
     n = problem.frame_nodes
     groups = problem.groups if n > 1 else 1
     group_size, node_gpus = experts // groups, problem.gpus // n
-    m = experts // n  # experts per node
 
     # 1. groups onto nodes: node-local id = position of the group on its node * group_size + k
     group_load = load.reshape(layers, groups, group_size).sum(axis=2)  # (layers, groups)
-    node, position = pack(group_load, n)
-    log2local = (node * m + position * group_size)[:, :, None] + np.arange(group_size)  # (layers, groups, group_size)
-    local2log = np.empty((layers, experts), dtype=np.int64)
+    if node_of_group is not None:
+        node = node_of_group
+        on_node = node[:, :, None] == np.arange(n)  # (layers, groups, nodes)
+        position = (np.cumsum(on_node, axis=1) - 1)[on_node].reshape(layers, groups)  # earlier groups on its node
+        width = group_bounds(problem)[1] * group_size
+    elif even_groups or n == 1:
+        node, position = pack(group_load, n)
+        width = experts // n  # ids per node
+    else:
+        low, high = group_bounds(problem)
+        node, position = spread(group_load, n, low, high)
+        width = high * group_size
+    log2local = (node * width + position * group_size)[:, :, None] + np.arange(group_size)  # (layers, groups, group_size)
+    local2log = np.full((layers, n * width), -1, dtype=np.int64)
     np.put_along_axis(local2log, log2local.reshape(layers, experts), np.arange(experts)[None, :], axis=1)
-    local2log = local2log.reshape(layers, n, m)
+    local2log = local2log.reshape(layers, n, width)
+    present = (local2log >= 0).reshape(layers * n, width)
 
-    # 2. replicas within each node, (rows, m) with rows = layers * n
-    node_load = np.take_along_axis(load, local2log.reshape(layers, experts), axis=1).reshape(layers * n, m)
-    replica_expert, count = replicate(node_load, problem.replicas // n, node_gpus if distinct else None)
+    # 2. replicas within each node, (rows, width) with rows = layers * n
+    frame = NodeFrame(local2log, np.empty(0, dtype=np.int64), np.ones((layers * n, width), dtype=np.int64))
+    node_load = frame.unit(load)  # one replica each: the experts' loads
+    replica_expert, frame.count = replicate(node_load, problem.replicas // n, node_gpus if distinct else None,
+                                            None if present.all() else present)
 
     # 3. replicas onto the node's GPUs; a slot's place is gpu * slots_per_gpu + position
-    per_replica = np.take_along_axis(node_load / count, replica_expert, axis=1)  # (rows, node slots)
-    gpu, position = pack(per_replica, node_gpus, replica_expert if distinct else None, m)
+    per_replica = np.take_along_axis(frame.unit(load), replica_expert, axis=1)  # (rows, node slots)
+    gpu, position = pack(per_replica, node_gpus, replica_expert if distinct else None, width)
     c = problem.slots_per_gpu
     slots = np.empty_like(replica_expert)
     np.put_along_axis(slots, gpu * c + position, replica_expert, axis=1)
-    return NodeFrame(local2log, slots.reshape(layers * n, node_gpus, c), count)
+    frame.slots = slots.reshape(layers * n, node_gpus, c)
+    return frame

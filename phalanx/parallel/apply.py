@@ -39,45 +39,21 @@ from __future__ import annotations
 
 from torch import nn
 
-from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import WeightSource, build_model
-from phalanx.parallel.compile import apply_compile, validate_compile
-from phalanx.parallel.context_parallel import apply_context_parallel, validate_cp
-from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, resolve_precision, uses_fsdp
-from phalanx.parallel.expert import apply_ep, validate_ep
-from phalanx.parallel.float8 import apply_float8, validate_float8
+from phalanx.parallel.compile import apply_compile
+from phalanx.parallel.context_parallel import apply_context_parallel
+from phalanx.parallel.data_parallel import apply_ddp, apply_fsdp, uses_fsdp
+from phalanx.parallel.expert import apply_ep
+from phalanx.parallel.float8 import apply_float8
 from phalanx.parallel.materialize import materialize
-from phalanx.parallel.mesh import ParallelMesh, weights_view
+from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.mixed_precision import apply_compute_weights, mixed_precision
-from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank, validate_pp
+from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank
 from phalanx.parallel.recompute import apply_recompute
 from phalanx.parallel.stage_split import split_stages
-from phalanx.parallel.tensor_parallel import apply_tp, validate_tp
-from phalanx.plan import Plan
-
-
-def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32",
-                       compile: bool = False, float8: bool = False, doc_mask: bool = False) -> Plan:
-    """Checks that need the model's shape, the batch, `--dtype`, `--compile`, `--float8` and
-    `--doc-mask`; raised before any worker starts. Returns the plan with its precision filled
-    in from `dtype` (`resolve_precision`)."""
-    validate_ep(cfg, weights_view(plan))  # experts spread over dp x cp ranks
-    problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
-    problems += validate_cp(plan, cfg, seq_len, compile=compile, doc_mask=doc_mask)
-    problems += validate_compile(plan, compile) + validate_float8(plan, float8, moe=cfg.n_experts > 0)
-    if cfg.tie_embeddings and plan.pp > 1:
-        problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
-                        "would place on different stages; use tp or dp instead")
-    micro = plan.dp * plan.num_microbatches
-    if global_batch % micro:
-        problems.append(
-            f"global_batch={global_batch} must divide evenly into dp={plan.dp} ranks x "
-            f"microbatches={plan.num_microbatches} (= {micro} micro-batches)"
-        )
-    if problems:
-        raise UserError("invalid plan for this model: " + "; ".join(problems))
-    return resolve_precision(plan, dtype)
+from phalanx.parallel.tensor_parallel import apply_tp
+from phalanx.plan_model_checks import validate_for_model  # noqa: F401 (the rule's home; imported from here too)
 
 
 def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,
@@ -95,7 +71,7 @@ def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, se
     apply_recompute(model, plan.recompute, plan.recompute_layers)
     apply_compile(model, compile)
     if uses_fsdp(plan):
-        apply_fsdp(model, mesh)
+        apply_fsdp(model, mesh, units_below_block=not compile)
     return materialize(model, cfg, seed, mesh.device, weights)
 
 

@@ -30,33 +30,12 @@ import os
 
 from torch import nn
 
-from phalanx.plan import Plan
+from phalanx.plan_model_checks import REFUSED_SCHEDULES, validate_compile  # noqa: F401 (the rule's home; imported from here too)
 
 BACKEND_ENV = "PHALANX_TEST_COMPILE_BACKEND"
 """Test hook: the torch.compile backend (default inductor). The multi-rank tests set
 `aot_eager`: the same dynamo capture and AOT-autograd forward and backward graphs, without
 inductor's code generation (tests/test_compile.py says why)."""
-
-REFUSED_SCHEDULES = ("zbv", "dualpipev")
-"""Schedules whose backward runs in two passes, input gradients first, then weight gradients
-through the retained graph: a compiled block's backward is one function, compiled with donated
-buffers (AOT autograd frees its saved tensors as it goes), which cannot be run a second time
-(torch: "requires create_graph=False and retain_graph=False")."""
-
-
-def validate_compile(plan: Plan, enabled: bool) -> list[str]:
-    """Problems of `--compile` with this plan (empty when it composes)."""
-    if not enabled:
-        return []
-    problems = []
-    if plan.pp > 1 and plan.schedule in REFUSED_SCHEDULES:
-        problems.append(f"--compile with schedule={plan.schedule}: its backward runs twice per micro-batch (input, then "
-                        "weight gradients), which a compiled block's one-shot backward does not allow; use 1f1b, gpipe "
-                        "or interleaved")
-    if plan.sp:
-        problems.append("--compile with sp=true: sequence parallelism's shard-saving hooks (parallel/sequence_parallel.py) "
-                        "read the saved-tensor hooks stack, which dynamo cannot trace; use tp without sp, or no --compile")
-    return problems
 
 
 def _is_moe(block: nn.Module) -> bool:

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import layout_rules as rules
 from phalanx.data.batches import chunk_positions
 
 _documents: list[torch.Tensor | None] = [None]
@@ -155,22 +154,3 @@ def apply_context_parallel(model: nn.Module, mesh, *, doc_mask: bool = False) ->
     for block in model.layers.values():
         block.attention.register_forward_pre_hook(context.hook)
     return model
-
-
-def validate_cp(plan, cfg, seq_len: int, *, compile: bool = False, doc_mask: bool = False) -> list[str]:
-    """Why `plan.cp` (or `--doc-mask`) cannot run `cfg` (empty if it can)."""
-    problems = []
-    if doc_mask and plan.pp > 1:
-        problems.append(f"--doc-mask with pp={plan.pp} is not supported yet (the pipeline schedules split "
-                        "micro-batches without their document ids)")
-    if (plan.cp > 1 or doc_mask) and cfg.is_latent:
-        what = f"cp={plan.cp}" if plan.cp > 1 else "--doc-mask"
-        problems.append(f"{what} with latent attention ({cfg.name!r}) is not supported yet")
-    if plan.cp == 1:
-        return problems
-    problems.append(rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp))
-    if compile:
-        problems.append(f"cp={plan.cp} with --compile is not supported yet (the key/value gather runs in a hook)")
-    if plan.ep_over_tp:
-        problems.append(f"cp={plan.cp} with ep_over_tp=true is not supported yet")
-    return [problem for problem in problems if problem]

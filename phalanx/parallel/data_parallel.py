@@ -9,8 +9,8 @@ FSDP is applied on the meta device, before weights exist, so that no rank ever a
 full model; DDP needs real weights and is applied after materialization.
 
 The zero level (`Plan.zero`) maps onto FSDP2 as follows:
-  zero=3  `reshard_after_forward=True`: parameters sharded, gathered per block in forward and
-          again in backward;
+  zero=3  `reshard_after_forward=True`: parameters sharded, gathered per unit in forward and
+          again in backward (units below the block: `apply_fsdp`);
   zero=2  `reshard_after_forward=False`: gathered in forward and kept until the block's backward;
           gradients and optimizer state stay sharded;
   zero=0  DDP (pure data parallelism), or FSDP2 as HSDP with shard size 1 under tp or pp.
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from phalanx import layout_rules as rules
-from phalanx.errors import UserError
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
+from phalanx.plan_model_checks import resolve_precision  # noqa: F401 (the rule's home; imported from here too)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -38,25 +38,6 @@ def uses_fsdp(plan: Plan) -> bool:
     DDP, but it accepts DTensor parameters and pipeline stages, which DDP does not
     (the rule's home: `layout_rules.runs_fsdp`, which the planner reads too)."""
     return rules.runs_fsdp(plan.dp, zero=plan.zero, tp=plan.tp, pp=plan.pp)
-
-
-def resolve_precision(plan: Plan, dtype: str) -> Plan:
-    """`plan` with param_dtype and reduce_dtype filled in from `--dtype` (bf16 -> bf16 and fp32,
-    fp32 -> fp32 and fp32).
-
-    param_dtype is the dtype of the weights the forward computes with, in every layout: bf16 is
-    mixed precision (bf16 copies of fp32 masters, `mixed_precision.py`), fp32 with `--dtype bf16`
-    the older autocast over fp32 weights. bf16 weights with `--dtype fp32` would compute in bf16
-    while the run says fp32, so that is refused in favour of `--dtype bf16`.
-    """
-    param = plan.param_dtype or dtype
-    reduce = plan.reduce_dtype or "fp32"
-    if param == "bf16" and dtype == "fp32":
-        raise UserError(
-            "invalid plan: param_dtype=bf16 with --dtype fp32 would compute in bf16; use --dtype bf16, which "
-            "computes with bf16 copies of fp32 master weights in every layout"
-        )
-    return plan.replace(param_dtype=param, reduce_dtype=reduce)
 
 
 def fsdp_options(plan: Plan, device: torch.device) -> dict:
@@ -74,21 +55,45 @@ def fsdp_options(plan: Plan, device: torch.device) -> dict:
     return {"reshard_after_forward": plan.zero == 3 and plan.pp == 1, "mp_policy": mixed, "offload_policy": offload}
 
 
-def apply_fsdp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, units_below_block: bool = True) -> nn.Module:
     """Shard each transformer block, then the rest (embedding, norm, output) at the root.
 
     Per-block units let FSDP gather one block's weights at a time; whether they are freed after
     forward follows the zero level (see the module docstring). `model` may be a pipeline chunk
-    (some parts deleted).
+    (some parts deleted). At zero=3 without pp, units go below the block too (`sub_block_units`):
+    the attention, and each linear of a dense MLP, so FSDP gathers, prefetches and reduces
+    a fraction of a block at a time (the 530B model's blocks hold 5 billion parameters each:
+    gathered whole they alone need tens of GiB). `units_below_block=False` keeps one unit per
+    block: `--compile` does (a unit inside a compiled block would have FSDP's hooks traced into
+    its graph).
     """
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.fsdp_mesh()
     options = fsdp_options(mesh.plan, mesh.device)
+    below = units_below_block and mesh.plan.zero == 3 and mesh.plan.pp == 1
     for block in model.layers.values():
+        for unit in sub_block_units(block) if below else ():
+            fully_shard(unit, mesh=dp_mesh, **options)
         fully_shard(block, mesh=dp_mesh, **options)
     fully_shard(model, mesh=dp_mesh, **options)
     return model
+
+
+def sub_block_units(block: nn.Module) -> list[nn.Module]:
+    """The FSDP units below a block: its attention, and each linear of a dense MLP (an MoE's
+    experts are their own units already, parallel/expert.py; its router stays with the block).
+    Found by name, so a block wrapped for recompute (`_checkpoint_wrapped_module.`) works too."""
+    from phalanx.model.transformer import FeedForward
+
+    units = []
+    for name, module in block.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "attention":
+            units.append(module)
+        elif leaf == "feed_forward" and isinstance(module, FeedForward):
+            units += [linear for linear in (module.w1, module.w3, module.w2) if linear is not None]
+    return units
 
 
 def apply_ddp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:

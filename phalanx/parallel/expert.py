@@ -37,15 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import layout_rules as rules
 from phalanx.errors import UserError
-from phalanx.model.config import ModelConfig
 from phalanx.model.moe import GroupedExperts, grouped_expert_ffn, prefer_block_loop
 from phalanx.parallel.data_parallel import fsdp_options, uses_fsdp
 from phalanx.parallel.expert_dispatch import combine, plan_dispatch, regroup_by_expert, return_rows, send_rows
 from phalanx.parallel.expert_fold import TpFold, gather_from_tp, scatter_to_tp
 from phalanx.parallel.mesh import ParallelMesh
-from phalanx.plan import Plan
+from phalanx.plan_model_checks import validate_ep  # noqa: F401 (the rule's home; imported from here too)
 
 
 @dataclass(frozen=True)
@@ -166,13 +164,6 @@ def _hook_gradients_each_forward(reduce: _ReduceOverEdp):
                 hooked[name] = id(param)
 
     return attach
-
-
-def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
-    """The model-dependent rules for ep (layout_rules; Plan.validate checks that ep divides dp)."""
-    if problem := rules.ep_problem(plan.ep, dp=plan.dp, n_experts=cfg.n_experts, model=cfg.name, tp=plan.tp,
-                                   over_tp=plan.ep_over_tp):
-        raise UserError(f"invalid plan: {problem}")
 
 
 def shard_experts(experts: GroupedExperts, group, ep_rank: int, ep: int, mesh=None,

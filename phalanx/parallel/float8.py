@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import UserError
-from phalanx.plan import Plan
+from phalanx.plan_model_checks import validate_float8  # noqa: F401 (the rule's home; imported from here too)
 
 TORCHAO_PIN = "torchao>=0.17,<0.19"
 """What the `float8` extra installs: 0.17 and 0.18 are the releases built for torch >= 2.11
@@ -46,20 +46,6 @@ TORCHAO_PIN = "torchao>=0.17,<0.19"
 
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first GPUs with float8 tensor-core matmuls (Ada, H100 is 9.0)."""
-
-
-def validate_float8(plan: Plan, enabled: bool, *, moe: bool) -> list[str]:
-    """Problems of `--float8` with this plan and model (empty when it composes)."""
-    if not enabled:
-        return []
-    problems = []
-    if plan.tp > 1:
-        problems.append(f"--float8 with tp={plan.tp}: torchao's float8 tensor-parallel styles are not wired in "
-                        "yet; use dp, zero or pp")
-    if moe:
-        problems.append("--float8 with an MoE model: its routed experts are not nn.Linear and would stay in "
-                        "high precision; use a dense model")
-    return problems
 
 
 @contextlib.contextmanager

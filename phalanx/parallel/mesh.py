@@ -20,12 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from phalanx.plan import Plan
-
-
-def weights_view(plan: Plan) -> Plan:
-    """`plan` as the weights see it: the dp x cp ranks as one data-parallel axis (see above)."""
-    return plan if plan.cp == 1 else plan.replace(dp=plan.dp * plan.cp, cp=1)
+from phalanx.plan import Plan, weights_view  # noqa: F401 (imported from here too)
 
 
 @dataclass

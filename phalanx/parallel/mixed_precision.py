@@ -68,6 +68,17 @@ the gradients, their norm and AdamW's arithmetic on the fp32 masters.
 copy of its input, about twice the activation memory. A user would want it to rule bf16
 rounding of the residual stream out as the cause of a divergence, or to fine-tune from an
 fp32 checkpoint whose small residual updates bf16 would round away.
+
+Private PyTorch APIs: this module uses none (hooks and `Tensor.to` are public). Elsewhere in
+parallel/: `torch._foreach_norm` and `torch._foreach_mul_` (grad_norm.py),
+`torch._C._autograd._top_saved_tensors_default_hooks` (sequence_parallel.py),
+`torch.distributed._functional_collectives.AsyncCollectiveTensor` (compile.py,
+sequence_parallel.py), `torch.distributed.algorithms._checkpoint.checkpoint_wrapper`
+(recompute.py), `torch.distributed.tensor.placement_types._StridedShard` (materialize.py).
+tests/test_private_torch_apis.py checks that each exists in the installed torch (2.13 here);
+whether they exist in torch 2.11 could not be checked against its source (the code index at
+hand holds an older pytorch/pytorch, version.txt 2.0.1, and the repository is too large to
+fetch here): that test, run by CI on torch 2.11, is the check.
 """
 
 from __future__ import annotations

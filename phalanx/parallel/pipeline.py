@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from phalanx import layout_rules as rules
-from phalanx.errors import UserError
-from phalanx.model.config import ModelConfig
 from phalanx.model.transformer import Transformer
 from phalanx.plan import Plan
+from phalanx.plan_model_checks import validate_pp  # noqa: F401 (the rule's home; imported from here too)
 
 SINGLE_STAGE = ("gpipe", "1f1b")
 
@@ -112,24 +111,6 @@ def _metadata_forward_in_eval(stage) -> None:
 
         setattr(stage, name, in_eval)
         return
-
-
-def validate_pp(plan: Plan, cfg: ModelConfig) -> list[str]:
-    """Why the pipeline part of `plan` cannot run `cfg` (empty if it can)."""
-    if plan.pp == 1:
-        return []
-    problems = []
-    if plan.split:
-        from phalanx.parallel.stage_split import parse_split
-
-        try:
-            parse_split(plan.split, plan.pp * plan.virtual, cfg.n_layers)
-        except UserError as error:
-            problems.append(str(error))
-    if problem := rules.pipeline_problem(plan.schedule, pp=plan.pp, virtual=plan.virtual,
-                                         microbatches=plan.num_microbatches, n_layers=cfg.n_layers, model=cfg.name):
-        problems.insert(0, problem)
-    return problems
 
 
 def build_schedule(plan: Plan, stage_modules: list[nn.Module], stage_indices: list[int], pp_group,

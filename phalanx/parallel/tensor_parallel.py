@@ -23,10 +23,9 @@ import contextlib
 
 from torch import nn
 
-from phalanx import layout_rules as rules
-from phalanx.model.config import ModelConfig
 from phalanx.parallel.sequence_parallel import gather_sequence
 from phalanx.plan import Plan
+from phalanx.plan_model_checks import validate_tp  # noqa: F401 (the rule's home; imported from here too)
 
 
 def block_plan(sp: bool) -> dict[str, object]:
@@ -129,21 +128,3 @@ def loss_context(plan: Plan):
     return contextlib.nullcontext()
 
 
-def validate_tp(plan: Plan, cfg: ModelConfig, seq_len: int) -> list[str]:
-    """Why `cfg` cannot be split `plan.tp` ways (empty if it can)."""
-    tp = plan.tp
-    if tp == 1:
-        return []
-    # MoE blocks stay out of tp (whole experts per rank; ep_over_tp splits the rows, not the
-    # matrices), so no expert size is split.
-    problems = [rules.tp_problem(tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim,
-                                 vocab_size=cfg.vocab_size, model=cfg.name)]
-    if cfg.n_experts and plan.sp:
-        problems.append(f"sp=true with mixture-of-experts model {cfg.name!r} is not supported yet "
-                        "(the expert output would need re-sharding along the sequence)")
-    if plan.sp and cfg.is_latent:
-        problems.append(f"sp=true with latent attention ({cfg.name!r}) is not supported yet "
-                        "(its replicated down-projections would see a sequence shard)")
-    if plan.sp:
-        problems.append(rules.sp_problem(tp, seq_len=seq_len))
-    return [problem for problem in problems if problem]

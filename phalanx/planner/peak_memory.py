@@ -137,6 +137,24 @@ def compute_copies(lay: Layout, options: Options) -> bool:
     return options.phalanx_trainer and options.precision.gathered < options.precision.param and not fsdp
 
 
+def fsdp_unit_params(model: ModelConfig, lay: Layout, options: Options, c, *, zero: int, moe: bool, split: int) -> float:
+    """Parameters (per tp rank) of the largest FSDP unit of a layer, not counting routed experts:
+    what FSDP gathers, prefetches and reduces at once (`layer_params` of state_bytes, and the
+    unit staging and prefetch buffers).
+
+    A whole block, except in the phalanx trainer at zero=3 without pp, whose units go below the
+    block (parallel/data_parallel.sub_block_units): the attention, each linear of a dense MLP,
+    and the rest of the block (norms; an MoE's router and shared experts) as the block's own unit.
+    """
+    block = (c.attention + c.norms) / lay.tp + (c.moe_other / split if moe else c.dense_mlp / lay.tp)
+    if not options.phalanx_trainer or zero != 3 or lay.pp > 1:
+        return block
+    if moe:
+        return max(c.attention / lay.tp, c.norms / lay.tp + c.moe_other / split)
+    linears = 3 if model.mlp == "swiglu" else 2
+    return max(c.attention, c.dense_mlp / linears, c.norms) / lay.tp
+
+
 def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Options, n: int, n_moe: int,
                 shared: float, experts: float, c) -> tuple[dict[str, float], dict[str, float]]:
     """Peak bytes on the most loaded device, by cause; and what offload keeps on the host."""
@@ -150,7 +168,7 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         # stage's parameters twice, benchmarks/README.md).
         zero, shard = 2, 1
     split = expert_tp(lay, options)
-    layer_shared = (c.attention + c.norms) / lay.tp + (c.moe_other / split if n_moe else c.dense_mlp / lay.tp)
+    layer_shared = fsdp_unit_params(model, lay, options, c, zero=zero, moe=bool(n_moe), split=split)
     root = (stage_heads(model, lay) * c.embedding + model.dim) / lay.tp  # embedding, output, final norm
     state = state_bytes(zero=zero, shards=shard, params=shared, layer_params=layer_shared,
                         microbatches=lay.microbatches, pp=lay.pp, precision=precision, offload=lay.offload,

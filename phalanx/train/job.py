@@ -10,8 +10,7 @@ process computes, and where it starts. Torch-free at import; below both the laun
   3. the plan, parsed once: `--plan auto` decided by the planner (with room for the run's
      expert slots), no plan = dp over every process, a user's plan following a changed world
      size (`world_change.py`); then checked against the world size, the model, the batch and
-     `--dtype` (`parallel.apply.validate_for_model`, imported only here: those rules still
-     live beside the code that applies them);
+     `--dtype` (`plan_model_checks.validate_for_model`, torch-free: parallel/ is not imported);
   4. the settings a resume may not change (`resume_settings.py`), and a line for each that did.
 
 Deterministic in its inputs, so a launcher, rank 0 of a user's torchrun, or every rank alike
@@ -94,7 +93,7 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
     `gpu`: this machine's GPU name, for `--plan auto` without `--cluster`; `log`: called with
     each line to say (the planner's choice, what a resume changed), once per run."""
     from phalanx.model.config import model_config
-    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan_model_checks import validate_for_model
 
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)

@@ -73,7 +73,7 @@ def plan_for_world(cfg, world_size: int, model_cfg, *, saved_world: int | None, 
     changed = elastic or (saved_world is not None and saved_world != world_size)
     if plan.world_size == world_size or not changed:
         return plan, cfg.plan
-    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan_model_checks import validate_for_model
 
     try:
         adapted = dp_follows(plan, world_size, cfg.global_batch).validate(world_size)
