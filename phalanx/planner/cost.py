@@ -154,7 +154,7 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
         out.append(f"replicate={lay.replicate} must divide dp={lay.dp}")
     try:
         lay.plan.validate()
-    except Exception as exc:  # UserError: reuse the trainer's own rules verbatim
+    except UserError as exc:  # the trainer's own rules, verbatim
         out.append(str(exc).removeprefix("invalid plan: "))
     return out
 

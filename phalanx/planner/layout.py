@@ -10,13 +10,11 @@ the search offers it only when asked (`--zero-levels 1`), to model those runs.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from phalanx.errors import UserError
 from phalanx.plan import Plan
 
-PLAN_HAS_CP = any(f.name == "cp" for f in dataclasses.fields(Plan))
 """Whether the trainer's Plan carries context parallelism (issue 24 adds `Plan.cp`). Until it
 does, the layout holds cp itself, as it holds the planner-only ZeRO-1 flag, and the layout's
 world size and `--fix` string include it; once it does, cp lives in the plan like dp."""
@@ -52,7 +50,6 @@ class Layout:
     Built from a plan, `Layout(plan, mbs=2)`, or spelled flat with the plan's keys,
     `Layout(dp=4, cp=2, tp=2, microbatches=8, mbs=2, zero=1)`, where zero=1 sets `zero1` (and
     the plan's zero=0) and microbatches defaults to 1 rather than the trainer's "pick one" (0).
-    `cp` (context parallelism) goes into the plan where the Plan has it (`PLAN_HAS_CP`).
     Every plan key reads through it (`layout.dp`, `layout.schedule`, `layout.world_size`), and
     `layout.zero` is 1 for the distributed optimizer, else the plan's level.
     """
@@ -71,14 +68,14 @@ class Layout:
         if plan is None:
             if plan_keys.get("zero") == 1:
                 plan_keys["zero"], zero1 = 0, True
-            if PLAN_HAS_CP and cp is not None:
-                plan_keys["cp"], cp = cp, None
+            if cp is not None:
+                plan_keys["cp"] = cp
             plan = Plan(**{"microbatches": 1, **plan_keys})
-        elif PLAN_HAS_CP and cp is not None and cp != plan.cp:
+        elif cp is not None and cp != plan.cp:
             plan = plan.replace(cp=cp)
         if zero1 and plan.zero:
             raise UserError(f"zero=1 (the distributed optimizer) contradicts the plan's zero={plan.zero}")
-        cp = plan.cp if PLAN_HAS_CP else (cp or 1)
+        cp = plan.cp
         if cp < 1:
             raise UserError(f"cp={cp} must be at least 1")
         # The plan's keys read through the layout (`layout.dp` is `layout.plan.dp`), and `zero`
@@ -86,16 +83,13 @@ class Layout:
         # rather than looked up through properties, since a search reads them a million times.
         # `replicas`: the ranks holding the same weights and different tokens, dp x cp, over
         # which gradients are reduced, zero levels shard and experts spread.
-        world = plan.world_size if PLAN_HAS_CP else plan.world_size * cp
+        world = plan.world_size
         self.__dict__.update(vars(plan), cp=cp, replicas=plan.dp * cp, world_size=world,
                              zero=1 if zero1 else plan.zero, plan=plan, mbs=mbs, zero1=zero1)
 
     def plan_string(self) -> str:
-        """The `--plan` string of what the trainer runs (cp included, however the plan holds it)."""
-        keys = self.plan.to_string().split(",")
-        if self.cp > 1 and not PLAN_HAS_CP:
-            keys.insert(1 if keys[0].startswith("dp=") else 0, f"cp={self.cp}")
-        return ",".join(keys)
+        """The `--plan` string of what the trainer runs."""
+        return self.plan.to_string()
 
     def to_string(self) -> str:
         """A `--fix` string that gives back exactly this layout (the zero level always named)."""

@@ -26,7 +26,7 @@ from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
 from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
-from phalanx.planner.layout import PLAN_HAS_CP, Layout, Workload
+from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory_fit import fewest_recomputed_layers
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +75,7 @@ def divisors(n: int) -> list[int]:
 
 def parse_fix(text: str) -> dict[str, object]:
     """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
-    plan, extras = parse_plan(text, extra_keys=("mbs", "zero") + (() if PLAN_HAS_CP else ("cp",)))
+    plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
     given = {item.partition("=")[0].strip().lower() for item in text.split(",") if item.strip()}
     fixed: dict[str, object] = {}
     for key in given - {"mbs", "zero", "fsdp", *extras}:
@@ -138,7 +138,7 @@ def _plans(space: SearchSpace, fixed: dict[str, object], *, dp: int, tp: int, pp
                 if offload and (zero != 3 or dp * cp == 1):
                     continue  # FSDP2 offloads the shards of zero 3 over dp > 1
                 sp = fixed.get("sp", tp > 1 and sp_ok)
-                yield Plan(**({"cp": cp} if PLAN_HAS_CP else {}), dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, schedule=schedule, virtual=v,
+                yield Plan(cp=cp, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, schedule=schedule, virtual=v,
                            recompute=rc, zero=0 if zero == 1 else zero, sp=bool(sp), replicate=int(f("replicate", 1)),
                            offload=offload, ep_over_tp=fold), zero
 
@@ -300,7 +300,7 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
         cluster = cluster_from_name(cluster)
     workload = Workload(global_batch=global_batch, seq_len=seq_len)
     options = trainer_options(dtype, cluster, expert_slots=expert_slots)
-    if not PLAN_HAS_CP:  # the trainer's Plan cannot say cp yet
+    if model.is_latent:  # the trainer's context parallelism does not cover latent attention yet
         fixed = {**(fixed or {}), "cp": 1}
     result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space,
                     options=options, keep=1)
