@@ -6,8 +6,8 @@ First the engine's constants are fitted from a short timing of its own steps in 
 then a real `phalanx serve` (one thread per process, as the HTTP tests run it) gets seeded
 Poisson arrivals through HTTP, each request streamed and timed; the planner predicts the same
 layout, block pool, batch limits and load (`serve_search.evaluate`). What the engine's steps
-alone do not show is probed on each server before the rates, with three requests sent one at
-a time (and at 1 process four at once): what a decode step costs beyond the engine's own, from
+alone do not show is probed on each server before the rates (after one warm-up request), with
+three requests sent one at a time (and at 1 process four at once): what a decode step costs beyond the engine's own, from
 the TPOTs (at 1 process per step and per sequence, `step_s` and `sequence_s`: streaming each
 token through the server's thread; at 2 processes the tp group's `group_step_s`: the forward's
 broadcast and gloo collectives on shared cores), then the request's cost beyond its steps
@@ -121,6 +121,7 @@ def main() -> None:
         try:
             # The probe: requests one at a time calibrate what the engine steps alone do not show,
             # the HTTP path per request (1 process) and a tp group's per-step cost (2 processes).
+            sequential(server, args, count=1)  # warm-up: a fresh server's first request is slower
             ttft0, tpot0 = sequential(server, args)
             pt0, pp0 = predict(model, cluster, costs, args, procs=procs, rate=1e-3, seqs=seqs, mbt=mbt)
             # First what a decode step costs beyond the engine's own, from the TPOT of one

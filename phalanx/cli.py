@@ -118,10 +118,11 @@ def _parse(argv: list[str] | None):
     """The subcommand to run: `plan --serve` / `simulate --serve` take the serving planner's own
     flags (phalanx/planner/serve_cli.py), everything else the parser above."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    from phalanx.planner.serve_cli import main as serve_main, serve_argv
+    if "--serve" in argv:  # only then the serving planner's modules
+        from phalanx.planner.serve_cli import main as serve_main, serve_argv
 
-    if serve_argv(argv):
-        return lambda: serve_main(argv)
+        if serve_argv(argv):
+            return lambda: serve_main(argv)
     args = build_parser().parse_args(argv)
     return lambda: args.func(args)
 

@@ -109,8 +109,9 @@ def test_bad_input_is_one_line(args, says, capsys):
     assert exit.value.code == 2 and len(lines) == 1 and says in lines[0], err
 
 
-def test_json_keys_serve_command_and_no_torch():
-    """Several clusters in one call, the issue's JSON keys, and no torch import."""
+def test_json_keys_serve_command_and_no_torch(tmp_path):
+    """Several clusters in one call, the issue's JSON keys; neither `plan --serve` nor
+    `simulate --serve` imports torch."""
     code = (
         "import sys, io, contextlib, json\n"
         "from phalanx.cli import main\n"
@@ -122,8 +123,14 @@ def test_json_keys_serve_command_and_no_torch():
         "              '--weight-dtype', 'fp4', '--json'])\n"
         "    except SystemExit as e:\n"
         "        assert e.code == 0, e.code\n"
+        "    try:\n"
+        "        main(['simulate', '--serve', '--model', 'tiny', '--cluster', 'dgx-h100', '--gpus', '1', '--isl', '32',\n"
+        f"              '--osl', '8', '--rate', '5', '--rates', '5', '--requests', '5', '--out', {str(tmp_path)!r}])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
-        "print(buf.getvalue())\n")
+        "buf.seek(0); text = buf.getvalue(); text = text[:text.rindex('}') + 1]\n"
+        "print(text)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout)

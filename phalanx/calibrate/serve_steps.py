@@ -95,6 +95,7 @@ def calibrate_serve(model_name: str, out_path, *, log=print) -> dict:
                         f"fit median error {error:.1%}, {torch.get_num_threads()} threads"}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(record, indent=2))
-    log(f"fit: {', '.join(f'{k}={v:.3g}' for k, v in dataclasses.asdict(costs).items())}; median error {error:.1%}")
+    fitted = {k: v for k, v in dataclasses.asdict(costs).items() if isinstance(v, float)}
+    log(f"fit: {', '.join(f'{k}={v:.3g}' for k, v in fitted.items())}; median error {error:.1%}")
     log(f"wrote {out_path}")
     return record

@@ -50,6 +50,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="prefill and decode on separate GPUs (auto: whichever ranks higher)")
     p.add_argument("--fix", default="", help="pin tp=,ep=,dp=,pp=,max_batch=,max_batch_tokens=,instances=")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--top", type=int, default=10, help="plans to print")
     for flag in TRAINING_FLAGS:
         p.add_argument(flag, dest="training_" + flag[2:].replace("-", "_"), nargs="?", const=True,
                        default=None, help=argparse.SUPPRESS)
@@ -94,19 +95,22 @@ def run_serve_plan(args) -> int:
     model = model_from_name(args.model)
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]
     fixed = parse_serve_fix(args.fix)
+    if args.top < 1:
+        raise UserError(f"--top={args.top} must be at least 1 (plans to print)")
     if args.disaggregate == "on" and load.phase != "both":
         raise UserError(f"--disaggregate on splits GPUs between both phases; --phase {load.phase} rates one side alone")
     results = []
     for cluster in clusters:
         cluster.check_device_count(args.gpus)
         weight, kv = dtypes_for(args, cluster)
-        result = search_serving(model, cluster, load, gpus=args.gpus, fixed=fixed, weight_dtype=weight, kv_dtype=kv)
+        result = search_serving(model, cluster, load, gpus=args.gpus, fixed=fixed, weight_dtype=weight, kv_dtype=kv,
+                                keep=args.top)
         if load.phase == "both" and args.disaggregate != "off":
             split, rated = disaggregated(model, cluster, load, gpus=args.gpus, fixed=fixed, weight_dtype=weight,
                                          kv_dtype=kv)
             result.considered += rated
             both = (result.ranked if args.disaggregate == "auto" else []) + split
-            result.ranked = sorted(both, key=lambda plan: plan.key, reverse=True)[:10]
+            result.ranked = sorted(both, key=lambda plan: plan.key, reverse=True)[:args.top]
         if not result.considered:
             raise UserError(f"no serving layout of {args.gpus} GPUs matches --fix {args.fix} on {cluster.name} "
                             f"(tp divides n_heads={model.n_heads} and stays within a fast domain of "

@@ -2,7 +2,7 @@
 the rest only decode, and each request's KV cache crosses from one to the other.
 
 For every split of the GPUs into a prefill and a decode side that are both whole allocations
-(cluster.check_device_count), each side gets its own best layout from the phase-only search
+(cluster.check_device_count; at most MAX_SPLITS, evenly spaced), each side gets its own best layout from the phase-only search
 (`--phase prefill`: input tokens/s; `--phase decode`: output tokens/s within the TPOT target).
 The deployment serves the smaller of the two sides' request rates; TTFT is the prompt's
 prefill alone plus the transfer of its whole KV cache (every layer, all heads) through the
@@ -22,10 +22,18 @@ from phalanx.planner.serve_search import ServePlan, phalanx_serve_gaps, search_s
 from phalanx.planner.serve_step import KV_BYTES
 
 
+MAX_SPLITS = 4
+"""Splits tried at most, evenly spaced: each costs two phase-only searches, and the search
+must stay under a second for a rack."""
+
+
 def _splits(cluster: Cluster, gpus: int) -> list[int]:
-    """Prefill GPU counts p such that p and gpus - p are both allocations a job gets."""
+    """Prefill GPU counts p such that p and gpus - p are both allocations a job gets, at most
+    MAX_SPLITS of them, evenly spaced in whole nodes (or whole GPUs below a node)."""
+    unit = cluster.devices_per_node if gpus > cluster.devices_per_node and not cluster.shared_compute else 1
+    step = max(unit, (gpus // MAX_SPLITS) // unit * unit)
     out = []
-    for p in range(1, gpus):
+    for p in range(step, gpus, step):
         try:
             cluster.check_device_count(p)
             cluster.check_device_count(gpus - p)

@@ -32,6 +32,7 @@ keys per layer); zero on the GPU presets but for the step's host cost, measured 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -103,8 +104,10 @@ def kv_bytes_per_token_layer(model: ModelConfig, layout: ServeLayout) -> float:
     return values * KV_BYTES[layout.kv_dtype]
 
 
+@functools.lru_cache(maxsize=256)
 def stage_layers(model: ModelConfig, pp: int) -> tuple[int, int]:
-    """(layers, MoE layers) of the most loaded pipeline stage."""
+    """(layers, MoE layers) of the most loaded pipeline stage (cached: counting the MoE layers
+    walks every layer, and a search asks thousands of times)."""
     layers = math.ceil(model.n_layers / pp)
     return layers, math.ceil(model.n_moe_layers / pp)
 
