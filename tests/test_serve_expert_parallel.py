@@ -201,6 +201,7 @@ def test_requests_go_to_the_least_busy_dp_rank():
     (["--plan", "dp=2,ep=2", "--expert-slots", "7"], "not a multiple of ep=2"),
     (["--plan", "tp=2,ep=2,ep_over_tp=true", "--rebalance-every", "4"], "ep_over_tp"),
     (["--plan", "dp=2,ep=4"], "ep=4"),
+    (["--plan", "dp=2"], "has dp=2, ep=1"),
     (["--plan", "dp=2,ep=2", "--rebalance-every", "-1"], "--rebalance-every must be >= 0"),
     (["--plan", "dp=2,ep=2", "--expert-placement", "/nonexistent/run"], "/nonexistent/run"),
 ])
