@@ -82,15 +82,32 @@ def stream(server: ServeProcess, batch: list[list[int]], new: int) -> list[tuple
         return list(pool.map(one, batch))
 
 
-def greedy_reference(folder, batch: list[list[int]], new: int):
-    """`transformers_greedy` on one thread: its per-token overhead dominates, and two OpenMP
-    threads on a shared machine made it several times slower."""
+ALONE, BEFORE, DURING, AFTER, OVER_TP = prompts(2, 1), prompts(3, 6), prompts(4, 32), prompts(5, 24), prompts(6, 8)
+NEW = 4
+"""Every prompt the tests send, and the most tokens any asks for."""
+
+
+@pytest.fixture(scope="module")
+def greedy(skewed):
+    """{prompt: (transformers' greedy NEW tokens, their logits)} for every prompt, in one call
+    (loading the reference model is most of its cost) and on one thread (two OpenMP threads on
+    a shared machine made it several times slower). Greedy is prefix-consistent: a request for
+    fewer tokens compares with the first ones."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return transformers_greedy(folder, batch, new)
+        batch = ALONE + BEFORE + DURING + AFTER[:8] + OVER_TP
+        return {tuple(p): result for p, result in zip(batch, transformers_greedy(skewed, batch, NEW))}
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_all_equal(greedy: dict, batch: list[list[int]], served: list[list[int]], new: int) -> None:
+    """Each served continuation (asked for `new` tokens) equals the reference's first `new`."""
+    assert len(served) == len(batch)
+    for prompt, ids in zip(batch, served):
+        reference, logits = greedy[tuple(prompt)]
+        assert_greedy_equal(ids, reference[:new], logits)
 
 
 def rank_rows(samples: dict) -> list[float]:
@@ -111,14 +128,14 @@ def assert_rows_counted_once(samples: dict, requests: int) -> None:
     assert sum(rank_rows(samples)) == MOE_LAYERS * TOP_K * fed
 
 
-def test_dp2_ep2_live_rebalance_keeps_outputs_and_evens_the_load(skewed):
+def test_dp2_ep2_live_rebalance_keeps_outputs_and_evens_the_load(skewed, greedy):
     """Engine steps are what --rebalance-every counts. Before: one request alone (2 steps), then
     6 concurrent one-token requests (each done in its prompt's step): at most 8 steps, fewer
     than EVERY, so no move yet. During: 32 streams
     whose prompts (~450 tokens) take the two ranks ~10 steps at 24 tokens each per step, then
     3 decodes: they run across step EVERY + 1, where the first move is made. After: 24 requests
     (8 compared), whose rows per rank are measured against the before phase's."""
-    alone, before, during, after = prompts(2, 1), prompts(3, 6), prompts(4, 32), prompts(5, 24)
+    alone, before, during, after = ALONE, BEFORE, DURING, AFTER
     server = ServeProcess(skewed, "--nproc", "2", "--plan", "dp=2,ep=2", "--expert-slots", "8",
                           "--rebalance-every", str(EVERY), "--block-size", "8", "--max-num-batched-tokens", "24",
                           "--shutdown-grace", "1")
@@ -129,23 +146,20 @@ def test_dp2_ep2_live_rebalance_keeps_outputs_and_evens_the_load(skewed):
         served_before = complete(server, before, 1)
         at_before = server.metrics()
         assert at_before["phalanx_expert_rebalances_total"] == 0
-        streamed = stream(server, during, 4)
+        streamed = stream(server, during, NEW)
         at_during = server.metrics()
         assert at_during["phalanx_expert_rebalances_total"] >= 1
-        served_after = complete(server, after, 4)[:8]
+        served_after = complete(server, after, NEW)[:8]
         at_after = server.metrics()
         server.signal(signal.SIGTERM)  # rank 0 drains and stops the other rank; the launcher exits 0
         assert server.process.wait(120) == 0
     finally:
         server.stop()
     assert [reason for _, reason in streamed] == ["length"] * 32  # none failed
-    for ids, (reference, logits) in zip(served_alone + served_before,
-                                        greedy_reference(skewed, alone, 2) + greedy_reference(skewed, before, 1)):
-        assert_greedy_equal(ids, reference, logits)
-    for (ids, _), (reference, logits) in zip(streamed, greedy_reference(skewed, during, 4)):
-        assert_greedy_equal(ids, reference, logits)
-    for ids, (reference, logits) in zip(served_after, greedy_reference(skewed, after[:8], 4)):
-        assert_greedy_equal(ids, reference, logits)
+    assert_all_equal(greedy, alone, served_alone, 2)
+    assert_all_equal(greedy, before, served_before, 1)
+    assert_all_equal(greedy, during, [ids for ids, _ in streamed], NEW)
+    assert_all_equal(greedy, after[:8], served_after, NEW)
     assert_rows_counted_once(at_after, 1 + 6 + 32 + 24)
     # The moves evened the load: rows per rank after them, against before any move.
     skew_before = imbalance([b - a for a, b in zip(rank_rows(at_alone), rank_rows(at_before))])
@@ -155,16 +169,15 @@ def test_dp2_ep2_live_rebalance_keeps_outputs_and_evens_the_load(skewed):
     assert at_after["phalanx_expert_imbalance_after_rebalance"] < at_after["phalanx_expert_imbalance_before_rebalance"]
 
 
-def test_tp2_ep2_over_tp_equals_transformers(skewed):
-    batch = prompts(6, 8)
+def test_tp2_ep2_over_tp_equals_transformers(skewed, greedy):
+    batch = OVER_TP
     server = ServeProcess(skewed, "--nproc", "2", "--plan", "tp=2,ep=2,ep_over_tp=true", "--block-size", "8")
     try:
-        served = complete(server, batch, 4)
+        served = complete(server, batch, NEW)
         samples = server.metrics()
     finally:
         server.stop()
-    for ids, (reference, logits) in zip(served, greedy_reference(skewed, batch, 4)):
-        assert_greedy_equal(ids, reference, logits)
+    assert_all_equal(greedy, batch, served, NEW)
     assert_rows_counted_once(samples, 8)
 
 
@@ -188,6 +201,7 @@ def test_requests_go_to_the_least_busy_dp_rank():
     (["--plan", "dp=2,ep=2", "--expert-slots", "7"], "not a multiple of ep=2"),
     (["--plan", "tp=2,ep=2,ep_over_tp=true", "--rebalance-every", "4"], "ep_over_tp"),
     (["--plan", "dp=2,ep=4"], "ep=4"),
+    (["--plan", "dp=2"], "has dp=2, ep=1"),
     (["--plan", "dp=2,ep=2", "--rebalance-every", "-1"], "--rebalance-every must be >= 0"),
     (["--plan", "dp=2,ep=2", "--expert-placement", "/nonexistent/run"], "/nonexistent/run"),
 ])

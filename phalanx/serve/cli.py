@@ -81,8 +81,8 @@ def prepare_job(args) -> dict:
 
 
 def _check_plan(args) -> str:
-    """The layouts serving runs: tp=N; dp=N with experts over ep (attention data parallelism,
-    ep carved from dp); tp=N,ep=N,ep_over_tp=true (experts over the tp ranks)."""
+    """The layouts serving runs: tp=N; dp=N,ep=N (attention data parallelism, every dp rank an
+    expert rank); tp=N,ep=M,ep_over_tp=true (experts over the tp ranks)."""
     import os
 
     from phalanx.plan import plan_from_string
@@ -91,8 +91,11 @@ def _check_plan(args) -> str:
     plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
     ep_beside_tp = plan.ep > 1 and plan.tp > 1 and not plan.ep_over_tp
     if plan.pp > 1 or plan.sp or plan.zero or (plan.dp > 1 and plan.tp > 1) or ep_beside_tp:
-        raise UserError(f"phalanx serve runs tp=N, dp=N[,ep=M] and tp=N,ep=M,ep_over_tp=true; plan {plan.to_string()} "
+        raise UserError(f"phalanx serve runs tp=N, dp=N,ep=N and tp=N,ep=M,ep_over_tp=true; plan {plan.to_string()} "
                         "(pp, sp, zero, or dp beside tp) is not there yet (docs/serve.md)")
+    if plan.dp > 1 and plan.ep != plan.dp:
+        raise UserError(f"phalanx serve runs attention data parallelism as dp=N,ep=N (every rank an expert rank); "
+                        f"plan {plan.to_string()} has dp={plan.dp}, ep={plan.ep}: not there yet (docs/serve.md)")
     return plan.to_string()
 
 

@@ -1,4 +1,4 @@
-"""Attention data parallelism on rank 0's side (`--plan dp=N[,ep=M]`): one scheduler per dp rank,
+"""Attention data parallelism on rank 0's side (`--plan dp=N,ep=N`): one scheduler per dp rank,
 each over its own rank's KV blocks, and which of them a new request joins.
 
 Each dp rank runs its own sequences in its own paged cache, so a sequence lives on one rank from

@@ -1,4 +1,4 @@
-"""One engine step under attention data parallelism (`--plan dp=N[,ep=M]`, docs/serve.md).
+"""One engine step under attention data parallelism (`--plan dp=N,ep=N`, docs/serve.md).
 
 Rank 0 holds one scheduler per dp rank (`dp_assign.py`); each step every scheduler picks its
 rank's batch, and rank 0 broadcasts all of them at once (`DPStep`: per dp rank its forwards, as

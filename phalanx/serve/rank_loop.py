@@ -3,7 +3,7 @@ and before every forward sends the other ranks its plain-data description (`engi
 token ids, block tables, positions, which logits are read), so every rank runs the same
 forward, collectives included, on its own slice of the weights and its own kv heads.
 Sampling happens on rank 0 only (every rank holds the gathered logits anyway).
-Under attention data parallelism (`--plan dp=N[,ep=M]`) the message holds each dp rank's own
+Under attention data parallelism (`--plan dp=N,ep=N`) the message holds each dp rank's own
 forwards instead, and the logits come back to rank 0 (`dp_engine.py`).
 
 The other ranks ignore SIGTERM and SIGINT (the launcher forwards them to every worker): they
