@@ -44,7 +44,40 @@ def register(subparsers) -> None:
         help=f"seconds running requests may take to finish after SIGTERM or Ctrl-C (default {DEFAULTS['shutdown_grace']:g})")
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
     add("--plan", default="", help="parallel layout, e.g. tp=2 (default: one process)")
+    _add_slo_flags(add)
     parser.set_defaults(func=_run)
+
+
+def _add_slo_flags(add) -> None:
+    add("--ttft-ms", type=float, default=None, metavar="X",
+        help="time-to-first-token target: a request that cannot meet it is refused at arrival (429)")
+    add("--tpot-ms", type=float, default=None, metavar="Y",
+        help="time-per-output-token target: each step's batch and prefill chunk are sized to keep running requests within it")
+
+
+def _check_slo(args) -> dict:
+    for name in ("ttft_ms", "tpot_ms"):
+        value = getattr(args, name, None)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive number of milliseconds, got {value}")
+    return {"ttft_ms": getattr(args, "ttft_ms", None), "tpot_ms": getattr(args, "tpot_ms", None)}
+
+
+def slo_policy(job: dict):
+    """The SLO scheduler's policy for --ttft-ms/--tpot-ms (slo_policy.py), or None without them."""
+    from phalanx.serve.slo_policy import SloPolicy
+
+    targets = slo_targets(job)
+    return None if targets is None else SloPolicy(targets, job["max_num_batched_tokens"])
+
+
+def slo_targets(job: dict):
+    from phalanx.serve.slo_policy import SloTargets
+
+    if job.get("ttft_ms") is None and job.get("tpot_ms") is None:
+        return None
+    ms = lambda value: None if value is None else value / 1000  # noqa: E731
+    return SloTargets(ttft_s=ms(job.get("ttft_ms")), tpot_s=ms(job.get("tpot_ms")))
 
 
 def _at_least(args, name: str, low: int) -> None:
@@ -71,7 +104,7 @@ def prepare_job(args) -> dict:
             "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
             "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size, "api_key": args.api_key,
             "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
-            "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan}
+            "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan, **_check_slo(args)}
 
 
 def _check_plan(args) -> str:
@@ -162,7 +195,7 @@ def _rank_main(job: dict) -> int:
     cfg = source.cfg
     channel = RankChannel() if parallel else None
     return serve(job, lambda: build_engine(job, source, channel), codec, ChatTemplate(source.tokenizer_dir),
-                 ServeMetrics(moe=cfg.n_experts > 0), cfg.max_seq_len, cfg.vocab_size)
+                 ServeMetrics(moe=cfg.n_experts > 0, slo=slo_targets(job)), cfg.max_seq_len, cfg.vocab_size)
 
 
 def build_engine(job: dict, source, channel=None):
@@ -185,5 +218,5 @@ def build_engine(job: dict, source, channel=None):
     # Preempted sequences wait too: the bound on new requests is the engine loop's.
     scheduler = Scheduler(num_blocks=num_blocks, block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
                           max_num_batched_tokens=job["max_num_batched_tokens"],
-                          max_waiting=job["max_waiting"] + job["max_num_seqs"])
+                          max_waiting=job["max_waiting"] + job["max_num_seqs"], slo=slo_policy(job))
     return Engine(model, scheduler, device, channel=channel)
