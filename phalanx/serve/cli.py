@@ -45,7 +45,8 @@ def register(subparsers) -> None:
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
     add("--plan", default="", help="parallel layout, e.g. tp=2 (default: one process)")
     _add_slo_flags(add)
-    parser.set_defaults(func=_run)
+    _add_pool_flags(add)
+    parser.set_defaults(func=_run, serve_parser=parser)
 
 
 def _add_slo_flags(add) -> None:
@@ -53,6 +54,14 @@ def _add_slo_flags(add) -> None:
         help="time-to-first-token target: a request that cannot meet it is refused at arrival (429)")
     add("--tpot-ms", type=float, default=None, metavar="Y",
         help="time-per-output-token target: each step's batch and prefill chunk are sized to keep running requests within it")
+
+
+def _add_pool_flags(add) -> None:
+    add("--pool", action="append", default=None, metavar="NAME:PLAN",
+        help="a pool of ranks in its own layout for one request class (repeat: --pool latency:tp=2 "
+             "--pool throughput:tp=1); requests pick theirs by X-Phalanx-Class or service_tier")
+    add("--pool-move-after", type=float, default=10.0, metavar="S",
+        help="seconds one pool idles while another queues past its seats before ranks move to it (default 10)")
 
 
 def _check_slo(args) -> dict:
@@ -125,6 +134,10 @@ def _run(args) -> int:
     import os
 
     job = prepare_job(args)
+    if getattr(args, "pool", None):
+        from phalanx.serve.pool_main import run_pools
+
+        return run_pools(args, job)
     if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or job["nproc"] == 1:
         return worker_main(job)
     return _launch(job)
