@@ -114,6 +114,14 @@ def test_a_pool_whose_layout_cannot_split_keeps_its_ranks():
     assert router.plan_move(5.0) is None
 
 
+def test_service_tier_is_checked_by_a_single_server_too():
+    from phalanx.serve.api_requests import ApiError, parse_completion
+
+    parse_completion({"prompt": "x", "service_tier": "flex"})
+    with pytest.raises(ApiError, match="service_tier must be one of priority, auto, default, flex"):
+        parse_completion({"prompt": "x", "service_tier": "fast"})
+
+
 def test_metrics_of_instances_merge_into_one_family_each():
     text = ('# HELP x_total X\n# TYPE x_total counter\nx_total{reason="a"} 1.0\n'
             '# HELP y Y\n# TYPE y gauge\ny 2.0\n')

@@ -24,6 +24,7 @@ from typing import Callable
 from phalanx.errors import UserError
 
 SERVICE_TIERS = {"priority": "latency", "auto": "throughput", "default": "throughput", "flex": "throughput"}
+"""OpenAI's service_tier values (api_requests.SERVICE_TIERS) and the class each one means."""
 NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
