@@ -3,7 +3,7 @@ a simulated clock, then one real server on 127.0.0.1 with two small pools (laten
 throughput: tp=1) and the `openai` client: requests go to their class's pool, and under a
 one-sided load a rank moves from the idle latency pool to the queued throughput pool (latency
 re-shards to tp=1, throughput starts a second instance) while every request completes.
-Outputs are compared with `transformers`' greedy generation, as a single pool's are in
+Every instance gets the front's other flags (here --tpot-ms). Outputs are compared with `transformers`' greedy generation, as a single pool's are in
 tests/test_serve_http.py (near-tie rule of tests/serve_server.py: tp=2 sums row-parallel
 matmuls in another order, ~1e-6)."""
 
@@ -152,7 +152,8 @@ def pools(tmp_path_factory):
     prompts = [torch.randint(0, VOCAB, (int(n),), generator=generator).tolist()
                for n in torch.randint(4, 25, (12,), generator=generator)]
     server = ServeProcess(folder, "--pool", "latency:tp=2", "--pool", "throughput:tp=1", "--max-num-seqs", "1",
-                          "--block-size", "8", "--pool-move-after", "0.5", "--shutdown-grace", "1")
+                          "--block-size", "8", "--pool-move-after", "0.5", "--shutdown-grace", "1",
+                          "--tpot-ms", "1000")  # passed on to every instance: their SLO counters below
     try:
         yield server, prompts, transformers_greedy(folder, prompts, NEW)
     finally:
@@ -184,6 +185,10 @@ def test_requests_are_routed_by_class_and_equal_one_process(pools):
     metrics = server.metrics()
     assert metrics['phalanx_pool_requests_total{pool="latency"}'] == 3
     assert metrics['phalanx_pool_requests_total{pool="throughput"}'] == 2
+    # Every instance schedules for --tpot-ms and counts each finished request as attained or missed.
+    for pool, count in (("latency", 3), ("throughput", 2)):
+        assert sum(v for k, v in metrics.items() if k.startswith(("phalanx_slo_attained_total", "phalanx_slo_missed_total"))
+                   and f'pool="{pool}"' in k) == count
 
 
 def test_a_rank_moves_to_the_queued_pool_and_no_request_fails(pools):

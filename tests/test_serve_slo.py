@@ -87,6 +87,21 @@ def test_online_fit_learns_the_step_time_from_measured_steps():
         assert fit.predict(shape) == pytest.approx(device_seconds(shape), rel=0.02)
 
 
+def test_the_fit_stays_bounded_and_right_over_a_long_unvaried_run():
+    """5,000 decode-only steps of one shape (nothing about prefill in them), then prefill
+    steps: the uncertainty the forgetting inflates stays capped, and the fit still learns."""
+    fit = OnlineStepFit(StepPrior(*TRUE))
+    same = StepShape(16, 0, 4000)
+    for _ in range(5000):
+        fit.observe(same, device_seconds(same))
+    assert all(fit.cov[i][i] <= cap * (1 + 1e-9) for i, cap in enumerate(fit._cov_cap))
+    assert fit.predict(same) == pytest.approx(device_seconds(same), rel=1e-3)
+    for prefill in (100, 300, 500, 200):
+        shape = StepShape(16, prefill, 4000 + prefill)
+        fit.observe(shape, device_seconds(shape))
+    assert fit.predict(StepShape(16, 400, 4400)) == pytest.approx(device_seconds(StepShape(16, 400, 4400)), rel=0.02)
+
+
 def test_unconstrained_scheduler_misses_tpot_the_slo_scheduler_keeps_it():
     """The same load both ways. Without targets, steps carry up to 512 prompt tokens beside the
     decodes and the running requests' TPOT goes above 40 ms. With --tpot-ms 40, once the fit

@@ -90,6 +90,9 @@ class PoolFront:
                 while (instance := self.router.pick(pool)) is None:
                     if not self.accepting:
                         raise ApiError(503, "the server is shutting down", code="not_ready")
+                    if not pool.instances and not self.router.moving:
+                        raise ApiError(503, f"pool {pool.name} has no engine: {self.failed}", code="engine_failed",
+                                       kind="server_error")
                     await self.changed.wait()
             finally:
                 pool.held -= 1
@@ -141,11 +144,11 @@ class PoolFront:
             await self.release(instance)
         return Response(content, status_code=answer.status, headers=headers, media_type=kind)
 
-    async def any_instance_get(self, path: str) -> Response:
+    async def any_instance_get(self, path: str, headers: list[tuple[str, str]]) -> Response:
         for pool in self.router.pools.values():
             for instance in pool.instances:
                 if instance.ready and instance.address:
-                    answer = await forward(instance.address, "GET", path, [])
+                    answer = await forward(instance.address, "GET", path, headers)
                     return Response(await read_all(answer), status_code=answer.status, media_type="application/json")
         return JSONResponse({"status": "loading"}, status_code=503)
 
@@ -193,6 +196,8 @@ class PoolFront:
         except BackendFailed as error:
             self.failed = f"a pool move failed: {error}"
             log(self.failed)
+            for pool in (move.donor, move.receiver):  # what did not start is gone; the rest serves
+                pool.instances = [i for i in pool.instances if i.ready]
         finally:
             self.router.moving = False
             self.router.moves += 1
@@ -200,6 +205,8 @@ class PoolFront:
                 pool.idle_since = pool.queued_since = None
             self.moves.labels(**{"from": move.donor.name, "to": move.receiver.name}).inc()
             self._show_layout()
+            async with self.changed:
+                self.changed.notify_all()
         log(f"pool move done in {time.monotonic() - began:.1f} s: {self.layout()}")
 
     async def _donor_side(self, move: Move) -> None:
@@ -230,7 +237,7 @@ def build_front_app(front: PoolFront) -> Starlette:
         return await front.generate(request)
 
     async def models(request: Request) -> Response:
-        return await front.any_instance_get("/v1/models")
+        return await front.any_instance_get("/v1/models", list(request.headers.items()))
 
     async def health(request: Request) -> Response:
         started = all(any(i.ready for i in p.instances) or front.router.moving for p in front.router.pools.values())

@@ -75,6 +75,7 @@ class OnlineStepFit:
         self.cov = [[(1.0 / (prior.weight * t * t) if i == j else 0.0) for j, t in enumerate(typical)]
                     for i in range(len(typical))]
         self.observed = 0
+        self._cov_cap = [self.cov[i][i] for i in range(len(typical))]
 
     def predict(self, shape: StepShape) -> float:
         return max(0.0, sum(max(0.0, c) * x for c, x in zip(self.coef, shape.features())))
@@ -88,4 +89,8 @@ class OnlineStepFit:
         error = seconds - sum(c * v for c, v in zip(self.coef, x))
         self.coef = [c + g * error for c, g in zip(self.coef, gain)]
         self.cov = [[(self.cov[i][j] - gain[i] * px[j]) / self.forget for j in range(n)] for i in range(n)]
+        # Forgetting inflates the uncertainty of what the steps do not vary (hours of decode-only
+        # steps say nothing new about prefill): capped at the prior's, it stays finite.
+        scale = [min(1.0, (self._cov_cap[i] / self.cov[i][i]) ** 0.5) if self.cov[i][i] > 0 else 1.0 for i in range(n)]
+        self.cov = [[self.cov[i][j] * scale[i] * scale[j] for j in range(n)] for i in range(n)]
         self.observed += 1
