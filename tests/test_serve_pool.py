@@ -192,20 +192,23 @@ def test_requests_are_routed_by_class_and_equal_one_process(pools):
 
 
 def test_a_rank_moves_to_the_queued_pool_and_no_request_fails(pools):
-    """12 throughput requests at once (one seat) while latency idles: a rank moves (the log's
+    """12 throughput requests in flight (one seat) while latency idles: a rank moves (the log's
     event line, /metrics). Latency requests sent during the move are held until latency's
     re-sharded instance is up. Every request completes with transformers' tokens, and
     afterwards throughput runs two instances, one of them on the moved rank."""
     server, prompts, references = pools
     with ThreadPoolExecutor(16) as pool:
-        first = [pool.submit(_complete, server, p) for p in prompts]
+        first: list[tuple[int, object]] = []  # (prompt index, future): 12 in flight until the move starts
         deadline = time.monotonic() + 300
         while not any("phalanx: pool move:" in line for line in server.stderr):
             assert time.monotonic() < deadline, "".join(server.stderr)
-            time.sleep(0.2)
+            while sum(not f.done() for _, f in first) < len(prompts):
+                index = len(first) % len(prompts)
+                first.append((index, pool.submit(_complete, server, prompts[index])))
+            time.sleep(0.05)
         # One at a time, within latency's seat: held during the move, not a queue that pulls ranks back.
         during = pool.submit(lambda: [_complete(server, p, service_tier="priority") for p in prompts[:2]])
-        _check([f.result() for f in first], references)
+        _check([f.result() for _, f in first], [references[i] for i, _ in first])
         _check(during.result(), references[:2])
     while not server.metrics().get('phalanx_pool_moves_total{from="latency",to="throughput"}'):
         assert time.monotonic() < deadline, "".join(server.stderr)

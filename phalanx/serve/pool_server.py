@@ -170,8 +170,12 @@ class PoolFront:
         """Every CHECK_EVERY_S: note the pools' loads, and make a move when one is due."""
         while self.accepting:
             now = time.monotonic()
-            self.router.observe(now)
-            move = self.router.plan_move(now)
+            try:
+                self.router.observe(now)
+                move = self.router.plan_move(now)
+            except Exception as error:  # a bug: say so, keep serving without moves
+                log(f"error: the pool watcher failed ({error!r}); ranks no longer move")
+                raise
             if move is not None:
                 self.router.moving = True
                 asyncio.get_running_loop().create_task(self.execute(move))
