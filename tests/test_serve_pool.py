@@ -224,3 +224,12 @@ def test_a_rank_moves_to_the_queued_pool_and_no_request_fails(pools):
     serving = {k.split('instance="')[1].split('"')[0] for k, v in finished.items() if 'pool="throughput"' in k and v}
     assert len(serving) == 2, finished  # the new instance served too
     assert not any("error" in k or "abort" in k for k in finished), finished
+
+
+def test_sigterm_stops_the_front_and_every_instance(pools):
+    """Last on the shared server: SIGTERM drains every instance and the front exits 0."""
+    import signal
+
+    server, prompts, references = pools
+    server.signal(signal.SIGTERM)
+    assert server.process.wait(120) == 0, "".join(server.stderr)
