@@ -16,6 +16,14 @@ Prints per arm: output tokens/s, TTFT and TPOT p50/p99, goodput (requests/s meet
 --slo-ttft and TPOT <= --slo-tpot), then phalanx's throughput ratios against (a), (b), (c).
 
     .venv/bin/python benchmarks/serve_load.py [--moe] [--device cuda] [--threads 1]
+
+`--slo`: the latency targets instead (`phalanx serve --ttft-ms/--tpot-ms`, docs/serve.md): the
+same seeded Poisson load at `--slo-rate` through two servers, one without targets and one with
+`--ttft-ms` = --slo-ttft and `--tpot-ms` = --slo-tpot. Prints per arm TPOT p50/p99, the share of
+served requests within the TPOT target, refusals (429 at arrival), attainment (requests within
+both targets, over all sent) and goodput, then goodput with targets / without.
+
+    .venv/bin/python benchmarks/serve_load.py --slo [--slo-rate 6] [--slo-tpot 0.1] [--slo-ttft 1.0]
 """
 
 from __future__ import annotations
@@ -82,10 +90,15 @@ def summary(name: str, outputs: list[int], wall: float, ttft: list[float] | None
 
 async def _one(client, prompt, out, start_at, began) -> tuple[float, float, int]:
     await asyncio.sleep(max(0.0, start_at - (time.perf_counter() - began)))
+    import openai
+
     sent = time.perf_counter()
     times = []
-    stream = await client.completions.create(model=client.served_name, prompt=prompt, max_tokens=out, temperature=0,
-                                             stream=True, logprobs=0)
+    try:
+        stream = await client.completions.create(model=client.served_name, prompt=prompt, max_tokens=out,
+                                                 temperature=0, stream=True, logprobs=0)
+    except openai.RateLimitError:  # refused at arrival (--ttft-ms admission)
+        return float("inf"), float("inf"), 0
     async for _ in stream:
         times.append(time.perf_counter())
     ttft = times[0] - sent
@@ -112,10 +125,10 @@ def phalanx_arm(name: str, server, requests, arrivals, args) -> dict:
     return summary(name, outputs, wall, [r[0] for r in results], [r[1] for r in results], args)
 
 
-def start_server(folder: Path, args):
+def start_server(folder: Path, args, *extra: str):
     from tests.serve_server import ServeProcess
 
-    return ServeProcess(folder, "--block-size", str(args.block_size), "--num-kv-blocks", str(args.num_kv_blocks),
+    return ServeProcess(folder, *extra, "--block-size", str(args.block_size), "--num-kv-blocks", str(args.num_kv_blocks),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs",
                         str(args.concurrency), "--device", args.device,
                         env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else {"OMP_NUM_THREADS": ""})
@@ -211,6 +224,53 @@ def show(rows: list[dict]) -> None:
         print(f"{row['arm']:58} {row['output_tokens_per_s']:>9.1f}{times}")
 
 
+def poisson(count: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    arrivals, at = [], 0.0
+    for _ in range(count):
+        arrivals.append(at)
+        at += rng.expovariate(rate)
+    return arrivals
+
+
+def slo_arm(name: str, server, requests, arrivals, args) -> dict:
+    results, wall = asyncio.run(_drive(server.url, server.name, requests, arrivals))
+    served = [r for r in results if r[2]]
+    ttft, tpot = [r[0] for r in served], [r[1] for r in served]
+    row = summary(name, [r[2] for r in served], wall, ttft, tpot, args)
+    row["refused"] = len(results) - len(served)
+    row["tpot_within"] = sum(t <= args.slo_tpot for t in tpot) / max(1, len(served))
+    row["attained"] = sum(a <= args.slo_ttft and b <= args.slo_tpot for a, b in zip(ttft, tpot)) / len(results)
+    return row
+
+
+def slo_main(args, requests) -> None:
+    arrivals = poisson(len(requests), args.slo_rate, args.seed + 1)
+    targets = ("--ttft-ms", f"{args.slo_ttft * 1000:g}", "--tpot-ms", f"{args.slo_tpot * 1000:g}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_model(Path(tmp) / "model", args)
+        for name, extra in (("phalanx serve, no targets", ()), ("phalanx serve " + " ".join(targets), targets)):
+            server = start_server(folder, args, *extra)
+            try:
+                phalanx_arm("warm-up", server, requests[:2], [0.0, 0.0], args)
+                rows.append(slo_arm(name, server, requests, arrivals, args))
+            finally:
+                server.stop()
+    print(f"llama hidden {args.hidden}, {args.layers} layers, {args.requests} requests at Poisson {args.slo_rate:g} req/s "
+          f"(seed {args.seed}), device {args.device}, threads {args.threads or 'default'}, load {os.getloadavg()[0]:.1f}; "
+          f"targets TTFT {args.slo_ttft} s, TPOT {args.slo_tpot * 1000:g} ms")
+    print(f"{'arm':44} {'out tok/s':>9} {'TPOT p50':>9} {'p99':>7} {'TPOT ok':>8} {'refused':>8} {'attained':>9} {'goodput':>8}")
+    for row in rows:
+        print(f"{row['arm']:44} {row['output_tokens_per_s']:>9.1f} {row['tpot_p50']:>9.3f} {row['tpot_p99']:>7.3f} "
+              f"{row['tpot_within']:>8.0%} {row['refused']:>8} {row['attained']:>9.0%} {row['goodput_req_per_s']:>8.2f}")
+    base = rows[0]["goodput_req_per_s"]
+    print(f"goodput with targets / without: {rows[1]['goodput_req_per_s'] / base:.2f}x" if base else
+          f"goodput without targets is 0; with them {rows[1]['goodput_req_per_s']:.2f} req/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--moe", action="store_true", help="a small mixtral (8 experts, top 2) instead of the llama")
@@ -233,6 +293,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run that tests the script, not the engine (device_check.sh --dry-run): a 2-layer "
                              "hidden-64 llama, 4 requests at once, prompts 16-32, outputs 4-8, no open loops")
+    parser.add_argument("--slo", action="store_true", help="the latency-target comparison instead (see above)")
+    parser.add_argument("--slo-rate", type=float, default=6.0, help="--slo: Poisson arrivals, requests/s")
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.heads, args.vocab, args.requests, args.concurrency, args.rates = 64, 2, 4, 512, 4, 4, ""
@@ -240,6 +302,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     requests = make_requests(args)
+    if args.slo:
+        return slo_main(args, requests)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_model(Path(tmp) / "model", args)
@@ -249,11 +313,7 @@ def main() -> None:
             rows.append(phalanx_arm(f"phalanx serve, closed loop of {args.concurrency}", server, requests,
                                     [0.0] * len(requests), args))
             for rate in [float(r) for r in args.rates.split(",") if r]:
-                rng = random.Random(args.seed + 1)
-                arrivals, at = [], 0.0
-                for _ in requests:
-                    arrivals.append(at)
-                    at += rng.expovariate(rate)
+                arrivals = poisson(len(requests), rate, args.seed + 1)
                 rows.append(phalanx_arm(f"phalanx serve, Poisson {rate:g} req/s", server, requests, arrivals, args))
         finally:
             server.stop()

@@ -8,7 +8,11 @@ One job per file:
 - `engine`: one step: the scheduler's batch through the model, then sampling;
 - `detokenize`: ids to text pieces that never split a character or show a stop string;
 - `api`, `api_requests`, `chat_template`, `metrics`, `server`: HTTP and what it shows;
-- `cli`: the `phalanx serve` command.
+- `cli`: the `phalanx serve` command;
+- `slo_policy`, `slo_step_time`: `--ttft-ms/--tpot-ms`, step sizes and admission from a
+  step-time predictor learned online;
+- `pool_router`, `pool_server`, `pool_backend`, `pool_proxy`, `pool_metrics`, `pool_main`:
+  `--pool NAME:PLAN`, per-class pools of engines behind one endpoint, and rank moves between them.
 
 Importing this package does not import torch (`phalanx serve --help` stays cheap).
 """

@@ -26,6 +26,7 @@ from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import request_sampling
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
 from phalanx.serve.scheduler import QueueFull, Sequence
+from phalanx.serve.slo_policy import SloUnattainable
 
 DISCONNECT_POLL_S = 0.5
 
@@ -110,6 +111,8 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
             handle = state.engine.submit(seq, IncrementalText(state.codec.decode, gen.stop))
         except QueueFull as error:
             raise ApiError(429, str(error), code="queue_full") from None
+        except SloUnattainable as error:
+            raise ApiError(429, str(error), code="ttft_target_unattainable") from None
         except NotAccepting as error:
             raise ApiError(503, str(error), code="not_ready") from None
         except ValueError as error:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from phalanx.serve.pool_router import SERVICE_TIERS
+
 MAX_LOGPROBS = 5
 MAX_STOPS = 4
 
@@ -111,6 +113,9 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
             raise _bad("stream_options must be an object", "stream_options")
         gen.include_usage = _flag(options, "include_usage")
     gen.return_token_ids = _flag(body, "return_token_ids")
+    tier = body.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:  # it picks a pool under --pool (pool_router.py)
+        raise _bad(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}", "service_tier")
 
 
 def parse_completion(body) -> Generation:

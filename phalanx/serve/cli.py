@@ -46,7 +46,49 @@ def register(subparsers) -> None:
     add("--plan", default="", help="parallel layout: tp=N, dp=N,ep=N (attention data parallelism, experts over the "
                                    "ranks) or tp=N,ep=N,ep_over_tp=true (default: one process)")
     _add_expert_flags(add)
-    parser.set_defaults(func=_run)
+    _add_slo_flags(add)
+    _add_pool_flags(add)
+    parser.set_defaults(func=_run, serve_parser=parser)
+
+
+def _add_slo_flags(add) -> None:
+    add("--ttft-ms", type=float, default=None, metavar="X",
+        help="time-to-first-token target: a request that cannot meet it is refused at arrival (429)")
+    add("--tpot-ms", type=float, default=None, metavar="Y",
+        help="time-per-output-token target: each step's batch and prefill chunk are sized to keep running requests within it")
+
+
+def _add_pool_flags(add) -> None:
+    add("--pool", action="append", default=None, metavar="NAME:PLAN",
+        help="a pool of ranks in its own layout for one request class (repeat: --pool latency:tp=2 "
+             "--pool throughput:tp=1); requests pick theirs by X-Phalanx-Class or service_tier")
+    add("--pool-move-after", type=float, default=10.0, metavar="S",
+        help="seconds one pool idles while another queues past its seats before ranks move to it (default 10)")
+
+
+def _check_slo(args) -> dict:
+    for name in ("ttft_ms", "tpot_ms"):
+        value = getattr(args, name, None)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive number of milliseconds, got {value}")
+    return {"ttft_ms": getattr(args, "ttft_ms", None), "tpot_ms": getattr(args, "tpot_ms", None)}
+
+
+def slo_policy(job: dict):
+    """The SLO scheduler's policy for --ttft-ms/--tpot-ms (slo_policy.py), or None without them."""
+    from phalanx.serve.slo_policy import SloPolicy
+
+    targets = slo_targets(job)
+    return None if targets is None else SloPolicy(targets, job["max_num_batched_tokens"])
+
+
+def slo_targets(job: dict):
+    from phalanx.serve.slo_policy import SloTargets
+
+    if job.get("ttft_ms") is None and job.get("tpot_ms") is None:
+        return None
+    ms = lambda value: None if value is None else value / 1000  # noqa: E731
+    return SloTargets(ttft_s=ms(job.get("ttft_ms")), tpot_s=ms(job.get("tpot_ms")))
 
 
 def _at_least(args, name: str, low: int) -> None:
@@ -70,6 +112,10 @@ def prepare_job(args) -> dict:
     plan = _check_plan(args)
     for name in ("expert_slots", "rebalance_every"):
         _at_least(args, name, 0)
+    slo = _check_slo(args)
+    if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and "dp=" in plan:
+        raise UserError(f"--ttft-ms/--tpot-ms with plan {plan} is not there yet: the latency targets size one "
+                        "scheduler's steps, and dp ranks each have their own (use tp=N, or pools: --pool)")
     return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": args.host, "port": args.port,
             "served_model_name": args.served_model_name or args.model, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
@@ -77,7 +123,7 @@ def prepare_job(args) -> dict:
             "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
             "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
             "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
-            "expert_placement": args.expert_placement}
+            "expert_placement": args.expert_placement, **slo}
 
 
 def _check_plan(args) -> str:
@@ -90,9 +136,9 @@ def _check_plan(args) -> str:
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
     plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
     ep_beside_tp = plan.ep > 1 and plan.tp > 1 and not plan.ep_over_tp
-    if plan.pp > 1 or plan.sp or plan.zero or (plan.dp > 1 and plan.tp > 1) or ep_beside_tp:
+    if plan.pp > 1 or plan.cp > 1 or plan.sp or plan.zero or (plan.dp > 1 and plan.tp > 1) or ep_beside_tp:
         raise UserError(f"phalanx serve runs tp=N, dp=N,ep=N and tp=N,ep=M,ep_over_tp=true; plan {plan.to_string()} "
-                        "(pp, sp, zero, or dp beside tp) is not there yet (docs/serve.md)")
+                        "(pp, cp, sp, zero, or dp beside tp) is not there yet (docs/serve.md)")
     if plan.dp > 1 and plan.ep != plan.dp:
         raise UserError(f"phalanx serve runs attention data parallelism as dp=N,ep=N (every rank an expert rank); "
                         f"plan {plan.to_string()} has dp={plan.dp}, ep={plan.ep}: not there yet (docs/serve.md)")
@@ -119,6 +165,10 @@ def _run(args) -> int:
     import os
 
     job = prepare_job(args)
+    if getattr(args, "pool", None):
+        from phalanx.serve.pool_main import run_pools
+
+        return run_pools(args, job)
     if "RANK" not in os.environ:
         _check_for_model(job)
     if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or job["nproc"] == 1:
@@ -190,7 +240,7 @@ def _rank_main(job: dict) -> int:
 
     cfg = source.cfg
     channel = RankChannel() if parallel else None
-    metrics = ServeMetrics(moe=cfg.n_experts > 0)
+    metrics = ServeMetrics(moe=cfg.n_experts > 0, slo=slo_targets(job))
     return serve(job, lambda: build_engine(job, source, channel, metrics), codec, ChatTemplate(source.tokenizer_dir),
                  metrics, cfg.max_seq_len, cfg.vocab_size)
 
@@ -222,7 +272,7 @@ def build_engine(job: dict, source, channel=None, metrics=None):
         # Preempted sequences wait too: the bound on new requests is the engine loop's.
         return Scheduler(num_blocks=num_blocks, block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
                          max_num_batched_tokens=job["max_num_batched_tokens"],
-                         max_waiting=job["max_waiting"] + job["max_num_seqs"])
+                         max_waiting=job["max_waiting"] + job["max_num_seqs"], slo=slo_policy(job))
 
     if plan.dp == 1:
         return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep)

@@ -31,6 +31,9 @@ class BlockTotals:
 
 
 class DPSchedulers:
+    slo = None
+    """Latency targets (--ttft-ms/--tpot-ms) are refused with dp > 1 (serve/cli.py)."""
+
     def __init__(self, schedulers: list[Scheduler]):
         self.parts = schedulers
         self.block_size = schedulers[0].block_size

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.scheduler import QueueFull, Scheduler, Sequence
+from phalanx.serve.slo_policy import QueueShape
 
 IDLE_WAIT_S = 0.5
 
@@ -66,6 +68,8 @@ class EngineLoop:
         self._end_all: str | None = None
         self._stop = False
         self._waiting = 0
+        self._queue = QueueShape(0, 0)
+        """What a new request queues behind, as of the last step (for SLO admission)."""
         self.thread = threading.Thread(target=self._run, name="phalanx-engine", daemon=True)
 
     def start(self) -> None:
@@ -79,9 +83,13 @@ class EngineLoop:
         self.scheduler.check_fits(len(seq.prompt), seq.max_tokens)  # ValueError: never fits
         handle = Handle(seq, text, asyncio.get_running_loop())
         seq.payload = handle
+        seq.arrival = time.monotonic()  # the scheduler's clock: TTFT counts from here
         with self._wake:
             if self._waiting + len(self._incoming) >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are waiting already; try again later")
+            if self.scheduler.slo is not None:  # SloUnattainable: its TTFT target cannot be met
+                queue = self._queue.plus([len(h.seq.tokens) for h in self._incoming])
+                self.scheduler.slo.check_admission(queue, len(seq.prompt))
             self._incoming.append(handle)
             self._wake.notify()
         return handle
@@ -131,6 +139,8 @@ class EngineLoop:
                 traceback.print_exc(file=sys.stderr)
                 self._end_everything("the engine failed on this batch (a bug; see the server's log)")
             self._waiting = len(self.scheduler.waiting)
+            if self.scheduler.slo is not None:
+                self._queue = self.scheduler.queue_shape()
 
     def _apply(self, incoming: list[Handle], aborts: list[Handle], end_all: str | None) -> None:
         for handle in incoming:
@@ -152,7 +162,10 @@ class EngineLoop:
             seq.payload.put(Piece("", error=message))
 
     def _step(self, engine) -> None:
+        began = time.monotonic()
         events = engine.step()
+        if self.scheduler.slo is not None:  # what this step's shape took, for the step-time fit
+            self.scheduler.slo.observe(self.scheduler.last_step, time.monotonic() - began)
         for event in events:
             seq, handle = event.seq, event.seq.payload
             finish = event.finish_reason

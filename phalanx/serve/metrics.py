@@ -18,7 +18,8 @@ EXPERT_WINDOW = 64
 
 
 class ServeMetrics:
-    def __init__(self, moe: bool = False):
+    def __init__(self, moe: bool = False, slo=None):
+        """`slo`: the `slo_policy.SloTargets` of --ttft-ms/--tpot-ms, or None."""
         self.registry = registry = CollectorRegistry()
         self.running = Gauge("phalanx_requests_running", "Requests in the running batch", registry=registry)
         self.waiting = Gauge("phalanx_requests_waiting", "Requests waiting to run (preempted ones included)", registry=registry)
@@ -46,6 +47,9 @@ class ServeMetrics:
                                        registry=registry)
             self._window: deque[list[list[int]]] = deque(maxlen=EXPERT_WINDOW)  # per step: per layer, rows per rank
             self._add_rebalance_metrics(registry)
+        self.slo = slo
+        if slo is not None:
+            self._add_slo_metrics()
 
     def after_step(self, scheduler, generated: int, expert_rows: list[list[int]] | None = None) -> None:
         """`expert_rows`: this step's routed rows per rank of each MoE layer, (layers, ranks)."""
@@ -57,6 +61,9 @@ class ServeMetrics:
         self._counter_to(self.prefix_hits, scheduler.prefix_hit_tokens)
         self._counter_to(self.preemptions, scheduler.preemptions)
         self.generation_tokens.inc(generated)
+        if self.slo is not None and scheduler.slo is not None:
+            self._counter_to(self.slo_rejected, scheduler.slo.rejected)
+            self.slo_prefill_budget.set(scheduler.slo.last_prefill_budget)
         if self.moe and expert_rows:
             self._window.append(expert_rows)
             for rank, rows in enumerate(map(sum, zip(*expert_rows))):
@@ -79,8 +86,24 @@ class ServeMetrics:
             return
         self.ttft.observe(seq.first_token_at - seq.arrival)
         self.e2e.observe(seq.finished_at - seq.arrival)
-        if len(seq.output) > 1:
-            self.tpot.observe((seq.finished_at - seq.first_token_at) / (len(seq.output) - 1))
+        tpot = (seq.finished_at - seq.first_token_at) / (len(seq.output) - 1) if len(seq.output) > 1 else None
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        if self.slo is not None and reason in ("stop", "length"):
+            met = self.slo.met(seq.first_token_at - seq.arrival, tpot)
+            (self.slo_attained if met else self.slo_missed).inc()
+
+    def _add_slo_metrics(self) -> None:
+        """--ttft-ms/--tpot-ms: requests that ended (stop or length) within every target or
+        not, those refused at arrival, and the prefill chunk the TPOT target leaves."""
+        registry = self.registry
+        self.slo_attained = Counter("phalanx_slo_attained", "Finished requests within every latency target",
+                                    registry=registry)
+        self.slo_missed = Counter("phalanx_slo_missed", "Finished requests beyond a latency target", registry=registry)
+        self.slo_rejected = Counter("phalanx_slo_rejected", "Requests refused at arrival: their TTFT target could "
+                                    "not be met", registry=registry)
+        self.slo_prefill_budget = Gauge("phalanx_slo_prefill_budget_tokens", "Prompt tokens a step with decodes may "
+                                        "add within the TPOT target (last chosen)", registry=registry)
 
     def _add_rebalance_metrics(self, registry) -> None:
         """Live expert re-placement (`--rebalance-every`): how often slots moved, and the last

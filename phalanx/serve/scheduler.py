@@ -14,6 +14,9 @@ When a running sequence needs a block and none is free, the newest running seque
 preempted: its blocks are freed, it goes back to the front of the waiting queue with its
 generated tokens kept, and its whole context is recomputed when it runs again (no swapping;
 nothing lost or truncated). No waiting request joins in a step that preempted.
+With latency targets (`slo`, `slo_policy.py`) the prefill chunk of a step is what its decodes'
+TPOT target leaves room for, and a waiting request joins only if the batch with it stays
+within that target.
 
 A sequence's `num_computed` counts the tokens whose keys and values are in the cache; the
 tokens from there to the end are what it still has to feed. Logits are read (and a token
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from phalanx.serve.block_manager import BlockManager, block_hash
+from phalanx.serve.slo_policy import QueueShape
 
 
 class QueueFull(Exception):
@@ -92,7 +96,8 @@ class Step:
 
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int, prefix_caching: bool = True, clock: Callable[[], float] = time.monotonic):
+                 max_waiting: int, prefix_caching: bool = True, clock: Callable[[], float] = time.monotonic,
+                 slo=None):
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens, self.max_waiting, self.clock = max_num_batched_tokens, max_waiting, clock
@@ -101,6 +106,16 @@ class Scheduler:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.preemptions = 0
+        self.slo = slo
+        """An `slo_policy.SloPolicy`, or None: batches bounded by the flags alone."""
+        self.last_step: Step | None = None
+
+    def queue_shape(self) -> QueueShape:
+        """What a request arriving now queues behind (for the SLO policy's admission)."""
+        decoding = [s for s in self.running if len(s.tokens) - s.num_computed == 1]
+        ahead = [len(s.tokens) - s.num_computed for s in self.running if len(s.tokens) - s.num_computed > 1]
+        ahead += [len(s.tokens) for s in self.waiting]
+        return QueueShape(len(decoding), sum(len(s.tokens) for s in decoding), tuple(ahead))
 
     def blocks_needed(self, positions: int) -> int:
         return -(-positions // self.block_size)
@@ -141,6 +156,8 @@ class Scheduler:
         chunks: dict[int, Chunk] = {}  # id(seq) -> its chunk, in scheduling order
         preempted: list[Sequence] = []
         for decoding in (True, False):
+            if not decoding and self.slo is not None:
+                budget = self.slo.prefill_budget(len(chunks), sum(c.start + c.length for c in chunks.values()), budget)
             for seq in list(self.running):
                 if seq not in self.running or id(seq) in chunks:
                     continue
@@ -162,6 +179,9 @@ class Scheduler:
                 chunks[id(seq)] = Chunk(seq, seq.num_computed, length)
                 budget -= length
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            if self.slo is not None and not self.slo.may_join([len(s.tokens) for s in self.running],
+                                                               len(self.waiting[0].tokens)):
+                break
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break
@@ -169,7 +189,8 @@ class Scheduler:
             self._insert_running(chunk.seq)
             chunks[id(chunk.seq)] = chunk
             budget -= chunk.length
-        return Step(list(chunks.values()), preempted)
+        self.last_step = Step(list(chunks.values()), preempted)
+        return self.last_step
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """The first chunk of a waiting sequence, after taking its cached prefix, or None when

@@ -1,0 +1,138 @@
+"""`phalanx serve --pool NAME:PLAN [--pool ...]`: the flags checked, then the front
+(`pool_server.py`) on uvicorn with every pool's instances started beside it.
+
+Every flag but --pool, --pool-move-after, --host, --port, --nproc and --plan is passed on to each
+instance, so an instance is what `phalanx serve --nproc N --plan PLAN` with the same flags is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from phalanx.errors import UserError
+
+FRONT_ONLY = {"pool", "pool_move_after", "host", "port", "nproc", "plan", "func", "serve_parser", "command"}
+
+
+def instance_flags(args, parser) -> list[str]:
+    """The command-line flags (as given, defaults left out) every instance shares."""
+    flags: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in FRONT_ONLY or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value == action.default:
+            continue
+        option = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        if action.nargs == 0:
+            flags.append(option)
+        else:
+            for item in value if isinstance(value, list) else [value]:
+                flags += [option, str(item)]
+    return flags
+
+
+def check_pools(args, job: dict):
+    """The pools as specs, every layout checked against `phalanx serve`'s rules and the model's
+    shape before anything starts."""
+    from phalanx.serve.pool_router import parse_pools
+
+    if args.nproc != 1 or args.plan:
+        raise UserError("--pool sets each pool's layout and ranks; drop --nproc and --plan")
+    if not args.pool_move_after > 0:
+        raise UserError(f"--pool-move-after must be > 0 seconds, got {args.pool_move_after}")
+    specs = parse_pools(args.pool)  # the flags' own spelling first, then the model
+    cfg = _model_config(job)
+
+    def check_plan(plan: str, world: int) -> None:
+        from types import SimpleNamespace
+
+        from phalanx.layout_rules import tp_problem
+        from phalanx.plan import plan_from_string
+        from phalanx.serve.cli import _check_plan
+
+        _check_plan(SimpleNamespace(plan=plan, nproc=world))
+        problem = tp_problem(plan_from_string(plan).tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                             ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, expert_ffn_dim=cfg.moe_ffn_dim,
+                             n_experts=cfg.n_experts)
+        if problem:
+            raise UserError(f"--pool ...:{plan}: {problem}")
+
+    for spec in specs:
+        check_plan(spec.plan, spec.world)
+    return specs, check_plan
+
+
+def _model_config(job: dict):
+    """The model's shape, without torch for a model directory."""
+    from phalanx.generate.model_source import is_run_dir
+
+    if is_run_dir(job["model"]):
+        from phalanx.generate.model_source import resolve_model
+
+        return resolve_model(job["model"], job["step"]).cfg
+    from phalanx.model.hf_config import read_model_config
+
+    return read_model_config(job["model"])
+
+
+def run_pools(args, job: dict) -> int:
+    specs, check_plan = check_pools(args, job)
+    flags = instance_flags(args, args.serve_parser)
+    return asyncio.run(_serve(job, specs, flags, check_plan, args.pool_move_after))
+
+
+async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: float) -> int:
+    import uvicorn
+
+    from phalanx.serve.pool_backend import BackendFailed
+    from phalanx.serve.pool_router import Router
+    from phalanx.serve.pool_server import PoolFront, build_front_app, log
+    from phalanx.serve.server import PhalanxServer
+
+    def layout_ok(plan: str) -> bool:
+        from phalanx.plan import plan_from_string
+
+        try:
+            check_plan(plan, plan_from_string(plan).world_size)
+            return True
+        except UserError:
+            return False
+
+    router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok)
+    front = PoolFront(router, flags, job["device"])
+    config = uvicorn.Config(build_front_app(front), host=job["host"], port=job["port"], log_level="warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10)
+    host = job["host"]
+    shown = f"[{host}]" if ":" in host else host
+    loop = asyncio.get_running_loop()
+
+    def listening(port: int) -> None:
+        print(f"phalanx: serving {job['served_model_name']} on http://{shown}:{port}", flush=True)
+
+    def stopping(sig: int) -> None:
+        loop.create_task(front.stop_all())
+
+    server = PhalanxServer(config, listening, stopping)
+    failure: list[BaseException] = []
+
+    async def start() -> None:
+        try:
+            await front.start_all()
+            log(f"pools up: {front.layout()}")
+            await front.watch()
+        except BackendFailed as error:
+            failure.append(error)
+            log(f"error: {error}")
+            server.should_exit = True
+
+    starting = loop.create_task(start())
+    try:
+        await server.serve()
+    finally:
+        starting.cancel()
+        await front.stop_all()
+    if failure:
+        return 1
+    return 130 if server.stop_signal == signal.SIGINT else 0

@@ -1,0 +1,263 @@
+"""`phalanx serve --pool NAME:PLAN ...`: one endpoint in front of per-class pools of engines.
+
+The front (this process, no model in it) starts every pool's instances (`pool_backend.py`),
+routes each request to its class's pool (`pool_router.py`) and relays the answer
+(`pool_proxy.py`); a request finds its pool re-sharding is held here until the pool has an
+instance again, so none fails. Every quarter second it checks whether ranks should move from an
+idle pool to a queued one, and if so moves them: the donor's instance is drained (no new
+requests; those running finish), stopped and restarted on fewer ranks, and the receiver takes
+the freed ranks. Each move is a line in the log (`phalanx: pool move: ...`) and is counted in
+/metrics (`phalanx_pool_moves_total{from,to}`, `phalanx_pool_ranks{pool}`), beside every
+instance's own metrics labelled with its pool and instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from phalanx.serve.api_requests import ApiError
+from phalanx.serve.pool_backend import Backend, BackendFailed, backend_command, visible_devices
+from phalanx.serve.pool_metrics import merge_metrics
+from phalanx.serve.pool_proxy import forward, read_all
+from phalanx.serve.pool_router import Instance, Move, Pool, Router, UnknownClass
+
+CHECK_EVERY_S = 0.25
+DRAIN_POLL_S = 0.05
+
+
+def log(message: str) -> None:
+    print(f"phalanx: {message}", file=sys.stderr, flush=True)
+
+
+class PoolFront:
+    def __init__(self, router: Router, flags: list[str], device: str):
+        self.router, self.flags, self.device = router, flags, device
+        self.backends: dict[int, Backend] = {}  # by instance ident
+        self.changed = asyncio.Condition()
+        self.accepting = True
+        self.failed: str | None = None
+        self.registry = registry = CollectorRegistry()
+        self.moves = Counter("phalanx_pool_moves", "Rank moves between pools (drain, re-shard, resume)",
+                             ["from", "to"], registry=registry)
+        self.ranks = Gauge("phalanx_pool_ranks", "Ranks each pool holds", ["pool"], registry=registry)
+        self.instances = Gauge("phalanx_pool_instances", "Engine instances each pool runs", ["pool"], registry=registry)
+        self.routed = Counter("phalanx_pool_requests", "Requests routed to each pool", ["pool"], registry=registry)
+        self.held = Gauge("phalanx_pool_requests_held", "Requests waiting in the router for a pool's instance",
+                          ["pool"], registry=registry)
+        self._show_layout()
+
+    def _show_layout(self) -> None:
+        for pool in self.router.pools.values():
+            self.ranks.labels(pool=pool.name).set(pool.ranks)
+            self.instances.labels(pool=pool.name).set(len(pool.instances))
+            self.held.labels(pool=pool.name).set(pool.held)
+
+    def layout(self) -> str:
+        return "; ".join(f"{p.name}: " + " + ".join(f"{i.plan} (ranks {','.join(map(str, i.ranks))})"
+                                                      for i in p.instances) for p in self.router.pools.values())
+
+    async def start_instance(self, pool: Pool, instance: Instance) -> None:
+        label = f"pool {pool.name} instance {instance.ident} {instance.plan}"
+        backend = Backend(label, backend_command(self.flags, instance.plan, len(instance.ranks)),
+                          visible_devices(instance.ranks, self.device))
+        self.backends[instance.ident] = backend
+        instance.address = await backend.start()
+        async with self.changed:
+            instance.ready = True
+            self.changed.notify_all()
+
+    async def start_all(self) -> None:
+        await asyncio.gather(*(self.start_instance(pool, instance) for pool in self.router.pools.values()
+                               for instance in list(pool.instances)))
+
+    # Requests
+
+    async def acquire(self, pool: Pool) -> Instance:
+        """The instance to send a request to: held here while the pool has none open."""
+        async with self.changed:
+            pool.held += 1
+            self._show_layout()
+            try:
+                while (instance := self.router.pick(pool)) is None:
+                    if not self.accepting:
+                        raise ApiError(503, "the server is shutting down", code="not_ready")
+                    if not pool.instances and not self.router.moving:
+                        raise ApiError(503, f"pool {pool.name} has no engine: {self.failed}", code="engine_failed",
+                                       kind="server_error")
+                    await self.changed.wait()
+            finally:
+                pool.held -= 1
+                self._show_layout()
+            instance.in_flight += 1
+            pool.routed += 1
+            self.routed.labels(pool=pool.name).inc()
+            return instance
+
+    async def release(self, instance: Instance) -> None:
+        async with self.changed:
+            instance.in_flight -= 1
+            self.changed.notify_all()
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.body()
+        try:
+            parsed = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            parsed = None  # the engine answers 400 for it
+        tier = parsed.get("service_tier") if isinstance(parsed, dict) else None
+        try:
+            pool = self.router.classify(request.headers.get("x-phalanx-class"), tier)
+            instance = await self.acquire(pool)
+        except UnknownClass as error:
+            return JSONResponse(ApiError(400, str(error), "service_tier", "unknown_class").body(), status_code=400)
+        except ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        try:
+            answer = await forward(instance.address, "POST", request.url.path, list(request.headers.items()), body)
+        except OSError as error:
+            await self.release(instance)
+            message = f"pool {pool.name}'s engine did not answer: {error}"
+            return JSONResponse(ApiError(503, message, code="engine_failed", kind="server_error").body(), status_code=503)
+        headers = {name: value for name, value in answer.headers if name.lower() != "content-type"}
+        kind = dict((n.lower(), v) for n, v in answer.headers).get("content-type", "application/json")
+        if kind.startswith("text/event-stream"):
+            async def relay():
+                try:
+                    async for piece in answer.body:
+                        yield piece
+                finally:
+                    await answer.body.aclose()
+                    await self.release(instance)
+            return StreamingResponse(relay(), status_code=answer.status, headers=headers, media_type=kind)
+        try:
+            content = await read_all(answer)
+        finally:
+            await self.release(instance)
+        return Response(content, status_code=answer.status, headers=headers, media_type=kind)
+
+    async def any_instance_get(self, path: str, headers: list[tuple[str, str]]) -> Response:
+        for pool in self.router.pools.values():
+            for instance in pool.instances:
+                if instance.ready and instance.address:
+                    answer = await forward(instance.address, "GET", path, headers)
+                    return Response(await read_all(answer), status_code=answer.status, media_type="application/json")
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    async def metrics_text(self) -> bytes:
+        texts = []
+        for pool in self.router.pools.values():
+            for instance in pool.instances:
+                if instance.ready and instance.ident in self.backends:
+                    try:
+                        texts.append(({"pool": pool.name, "instance": str(instance.ident)},
+                                      await self.backends[instance.ident].metrics()))
+                    except OSError:
+                        continue  # stopping for a move
+        return generate_latest(self.registry) + merge_metrics(texts).encode()
+
+    # Moves
+
+    async def watch(self) -> None:
+        """Every CHECK_EVERY_S: note the pools' loads, and make a move when one is due."""
+        while self.accepting:
+            now = time.monotonic()
+            try:
+                self.router.observe(now)
+                move = self.router.plan_move(now)
+            except Exception as error:  # a bug: say so, keep serving without moves
+                log(f"error: the pool watcher failed ({error!r}); ranks no longer move")
+                raise
+            if move is not None:
+                self.router.moving = True
+                asyncio.get_running_loop().create_task(self.execute(move))
+            await asyncio.sleep(CHECK_EVERY_S)
+
+    async def drain(self, instance: Instance) -> None:
+        async with self.changed:
+            instance.draining = True
+            self.changed.notify_all()
+        while instance.in_flight:
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.backends.pop(instance.ident).stop()
+
+    async def execute(self, move: Move) -> None:
+        began = time.monotonic()
+        log(f"pool move: {move.describe()}")
+        try:
+            await self.drain(move.give)
+            move.donor.instances.remove(move.give)
+            # Both sides start at once: loading the weights is most of a move's time.
+            await asyncio.gather(self._donor_side(move), self._receiver_side(move))
+        except BackendFailed as error:
+            self.failed = f"a pool move failed: {error}"
+            log(self.failed)
+            for pool in (move.donor, move.receiver):  # what did not start is gone; the rest serves
+                pool.instances = [i for i in pool.instances if i.ready]
+        finally:
+            self.router.moving = False
+            self.router.moves += 1
+            for pool in (move.donor, move.receiver):  # a fresh start for the next decision
+                pool.idle_since = pool.queued_since = None
+            self.moves.labels(**{"from": move.donor.name, "to": move.receiver.name}).inc()
+            self._show_layout()
+            async with self.changed:
+                self.changed.notify_all()
+        log(f"pool move done in {time.monotonic() - began:.1f} s: {self.layout()}")
+
+    async def _donor_side(self, move: Move) -> None:
+        if move.donor_keeps:
+            instance = self.router.new_instance(f"tp={len(move.donor_keeps)}", move.donor_keeps)
+            move.donor.instances.append(instance)
+            await self.start_instance(move.donor, instance)
+
+    async def _receiver_side(self, move: Move) -> None:
+        ranks = move.freed
+        if move.grow is not None:
+            await self.drain(move.grow)
+            move.receiver.instances.remove(move.grow)
+            ranks = move.grow.ranks + move.freed
+        instance = self.router.new_instance(move.receiver_plan, tuple(sorted(ranks)))
+        move.receiver.instances.append(instance)
+        await self.start_instance(move.receiver, instance)
+
+    async def stop_all(self) -> None:
+        self.accepting = False
+        async with self.changed:
+            self.changed.notify_all()
+        await asyncio.gather(*(backend.stop() for backend in list(self.backends.values())))
+
+
+def build_front_app(front: PoolFront) -> Starlette:
+    async def generate(request: Request) -> Response:
+        return await front.generate(request)
+
+    async def models(request: Request) -> Response:
+        return await front.any_instance_get("/v1/models", list(request.headers.items()))
+
+    async def health(request: Request) -> Response:
+        started = all(any(i.ready for i in p.instances) or front.router.moving for p in front.router.pools.values())
+        if not front.accepting or not started:
+            return JSONResponse({"status": "loading" if front.accepting else "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok", "pools": front.layout()})
+
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(await front.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(routes=[
+        Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ])
