@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from phalanx.testing.fork_ranks import run_ranks
 
     rows = [(name, cfg, tp, sp) for name, cfg in SHAPES.items() for tp, sp in LAYOUTS
-            if not (sp and cfg.n_experts)]  # sp with experts is refused (tensor_parallel.validate_tp)
+            if not (sp and cfg.n_experts)]  # sp with experts is refused (plan_model_checks.validate_tp)
     rows = [row for row in rows if args.only is None or args.only in f"{row[0]} tp={row[2]},sp={row[3]}"]
     if not rows:
         raise SystemExit(f"no row matches --only {args.only!r}")

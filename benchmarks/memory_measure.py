@@ -111,7 +111,8 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
     from torch.utils.weak import WeakIdKeyDictionary
 
     from phalanx.model.config import model_config
-    from phalanx.parallel.apply import parallelize, validate_for_model
+    from phalanx.parallel.apply import parallelize
+    from phalanx.plan_model_checks import validate_for_model
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
     from phalanx.local_device import pick_device

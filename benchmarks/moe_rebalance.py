@@ -176,7 +176,7 @@ def _rank(args) -> dict:
     import torch.distributed as dist
 
     from phalanx.parallel.expert_slots import SlotPlacement
-    from phalanx.train.expert_rebalance import ExpertRebalancer, initial_placement
+    from phalanx.balance.rebalancer import ExpertRebalancer, initial_placement
 
     rank = dist.get_rank()
     cfg, state = _full_layer(args)

@@ -6,7 +6,6 @@ with workers that die with their parent and stale staging folders cleaned."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import struct
 import subprocess

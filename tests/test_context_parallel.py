@@ -213,7 +213,7 @@ def test_bad_cp_plans_fail_before_launch(tmp_path, monkeypatch, plan, extra, mes
 
 def test_doc_mask_with_pipelines_is_refused():
     from phalanx.model.config import model_config
-    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan_model_checks import validate_for_model
     from phalanx.plan import Plan
 
     with pytest.raises(UserError, match="--doc-mask with pp=2 is not supported yet"):

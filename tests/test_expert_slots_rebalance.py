@@ -1,4 +1,4 @@
-"""Load average, rebalance decision and its event row (`phalanx.train.expert_rebalance`), torch-free.
+"""Load average, rebalance decision and its event row (`phalanx.balance.rebalancer`), torch-free.
 
 The figures of the event row are recomputed here by hand from the same loads (the moving
 average written out, the balancer's measures applied to the placements before and after); the
@@ -17,7 +17,7 @@ from phalanx.balance import measure
 from phalanx.balance.solve import rebalance
 from phalanx.errors import UserError
 from phalanx.balance.slot_copies import copy_sources, remote_copies
-from phalanx.train.expert_rebalance import ExpertRebalancer, initial_placement, loads_from_record
+from phalanx.balance.rebalancer import ExpertRebalancer, initial_placement, loads_from_record
 
 LAYERS, EXPERTS, SLOTS, EP = 2, 8, 12, 4
 
@@ -137,5 +137,5 @@ def test_bad_input():
 
 
 def test_imports_no_torch():
-    code = "import sys, phalanx.train.expert_rebalance; assert 'torch' not in sys.modules"
+    code = "import sys, phalanx.balance.rebalancer; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -42,7 +42,8 @@ def test_bf16_weights_under_fp32_is_a_one_line_error(tmp_path, capsys):
 
 def _one_process_model(plan_text: str, model: str = "tiny"):
     from phalanx.model.config import model_config
-    from phalanx.parallel.apply import parallelize, validate_for_model
+    from phalanx.parallel.apply import parallelize
+    from phalanx.plan_model_checks import validate_for_model
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
 

@@ -29,7 +29,7 @@ def test_bf16_weights_under_fp32_refused_in_every_layout(text):
     """bf16 compute weights are mixed precision in every layout: asked for under --dtype fp32,
     the run would compute in bf16 while it says fp32, so --dtype bf16 is named instead."""
     from phalanx.model.config import model_config
-    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan_model_checks import validate_for_model
 
     with pytest.raises(UserError) as error:
         validate_for_model(plan_from_string(text, None), model_config("tiny"), global_batch=8, seq_len=32, dtype="fp32")
@@ -44,7 +44,7 @@ def test_bf16_weights_under_fp32_refused_in_every_layout(text):
 )
 def test_precision_defaults_follow_dtype(text, dtype, param, reduce):
     from phalanx.model.config import model_config
-    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan_model_checks import validate_for_model
 
     plan = validate_for_model(plan_from_string(text, None), model_config("tiny"), global_batch=8, seq_len=32, dtype=dtype)
     assert (plan.param_dtype, plan.reduce_dtype) == (param, reduce)

@@ -1,7 +1,7 @@
 """Which old expert slot each slot of a new placement copies its weights from; torch-free.
 
 A placement question, so it lives with the balancer: the trainer's rebalancer counts the bytes a
-move sends with it (`phalanx.train.expert_rebalance`), and the weight move itself
+move sends with it (`phalanx.balance.rebalancer`), and the weight move itself
 (`phalanx.parallel.expert_slot_moves`) follows it, so the two always agree.
 """
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from pathlib import Path
 
 from phalanx.calibrate.compute import (OVERHEAD_MODEL, OVERHEAD_TOKENS, measure_attention, measure_bandwidth,
                                        measure_matmuls, measure_overheads)

@@ -91,7 +91,7 @@ def prepare_job(args) -> dict:
     if plan.world_size != plan.tp:  # dp would only repeat the work; pp and ep: not built yet
         raise UserError(f"phalanx generate runs tensor-parallel layouts (tp=N, optionally sp=true); "
                         f"plan {plan.to_string()} has dp={plan.dp}, pp={plan.pp}")
-    from phalanx.parallel.apply import validate_for_model
+    from phalanx.plan_model_checks import validate_for_model
 
     # Sequence parallelism splits the context over the tp ranks; decoding pads it on the right
     # to a multiple of tp (decoding.py), so the length checked is the padded one.

@@ -53,7 +53,6 @@ from phalanx.parallel.pipeline import StageModules, keep_only, stages_of_rank
 from phalanx.parallel.recompute import apply_recompute
 from phalanx.parallel.stage_split import split_stages
 from phalanx.parallel.tensor_parallel import apply_tp
-from phalanx.plan_model_checks import validate_for_model  # noqa: F401 (the rule's home; imported from here too)
 
 
 def _parallelize_part(model: nn.Module, cfg: ModelConfig, mesh: ParallelMesh, seed: int,

@@ -30,7 +30,6 @@ import os
 
 from torch import nn
 
-from phalanx.plan_model_checks import REFUSED_SCHEDULES, validate_compile  # noqa: F401 (the rule's home; imported from here too)
 
 BACKEND_ENV = "PHALANX_TEST_COMPILE_BACKEND"
 """Test hook: the torch.compile backend (default inductor). The multi-rank tests set

@@ -27,7 +27,6 @@ from torch import nn
 from phalanx import layout_rules as rules
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
-from phalanx.plan_model_checks import resolve_precision  # noqa: F401 (the rule's home; imported from here too)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -1,6 +1,6 @@
 """Moving expert slots to a new placement, weights and optimizer state, over an ep group.
 
-After a rebalance (`phalanx.train.expert_rebalance`) every rank knows the old and the new
+After a rebalance (`phalanx.balance.rebalancer`) every rank knows the old and the new
 placement (the same on all ranks), so every rank can work out, without asking, which rows it
 sends to whom and which it receives: `copy_sources` names the old slot each new slot reads.
 A changed slot whose expert was already on its rank is a local copy; the rest travel in one

@@ -6,7 +6,7 @@ each slot holds one expert (a hot expert may be held by several slots: replicas)
 expert in order (`SlotPlacement.one_per_expert`) is today's layout exactly: slot e = expert e.
 
 Routing must add no collective: every rank of the ep group holds the same placement and the
-same load average (`phalanx.train.expert_rebalance`), so every rank computes the same routing
+same load average (`phalanx.balance.rebalancer`), so every rank computes the same routing
 tables. For a token on source rank r routed to expert e (`SlotRouter`):
   1. r holds a replica of e: that one (the rows never leave the rank);
   2. else some ranks of r's node hold one: those, in fixed proportions (below);

@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from phalanx.errors import UserError
-from phalanx.plan_model_checks import validate_float8  # noqa: F401 (the rule's home; imported from here too)
 
 TORCHAO_PIN = "torchao>=0.17,<0.19"
 """What the `float8` extra installs: 0.17 and 0.18 are the releases built for torch >= 2.11

@@ -21,7 +21,6 @@ from torch import nn
 from phalanx import layout_rules as rules
 from phalanx.model.transformer import Transformer
 from phalanx.plan import Plan
-from phalanx.plan_model_checks import validate_pp  # noqa: F401 (the rule's home; imported from here too)
 
 SINGLE_STAGE = ("gpipe", "1f1b")
 

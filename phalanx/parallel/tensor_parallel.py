@@ -25,7 +25,6 @@ from torch import nn
 
 from phalanx.parallel.sequence_parallel import gather_sequence
 from phalanx.plan import Plan
-from phalanx.plan_model_checks import validate_tp  # noqa: F401 (the rule's home; imported from here too)
 
 
 def block_plan(sp: bool) -> dict[str, object]:

@@ -155,7 +155,7 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
         if _tp_problem(model, tp, space):
             continue
         sp_problem = rules.sp_problem(tp, seq_len=workload.seq_len)
-        # The trainer runs no sp with experts (parallel/tensor_parallel.validate_tp).
+        # The trainer runs no sp with experts (plan_model_checks.validate_tp).
         sp_ok = space.sequence_parallel and not (space.phalanx_trainer and (sp_problem or model.n_experts))
         for pp, cp in ((pp, cp) for pp in divisors(world_size // tp) for cp in divisors(world_size // (tp * pp))):
             dp = world_size // (tp * pp * cp)

@@ -43,7 +43,7 @@ class NewPlacement:
 def first_placement(job: dict, cfg, plan) -> np.ndarray | None:
     """(MoE layers, S) slot -> expert rows to start from, or None without expert slots; every
     setting checked with a one-line error (the training rules: `layout_rules`)."""
-    from phalanx.train.expert_rebalance import initial_placement  # torch-free, shared with training
+    from phalanx.balance.rebalancer import initial_placement  # torch-free, shared with training
 
     slots, every, run = job["expert_slots"], job["rebalance_every"], job["expert_placement"]
     if not (slots or every or run):
@@ -87,7 +87,7 @@ class LivePlacement:
         self.phy2log = np.array(phy2log, dtype=np.int64)  # (MoE layers, S)
         self.rebalancer = None
         if every and planner:
-            from phalanx.train.expert_rebalance import ExpertRebalancer  # torch-free, shared with training
+            from phalanx.balance.rebalancer import ExpertRebalancer  # torch-free, shared with training
 
             weights = [self.modules[0][1].w1, self.modules[0][1].w2, self.modules[0][1].w3]
             self.rebalancer = ExpertRebalancer(self.phy2log, n_experts, ep, every=every, slot_bytes=slot_bytes(weights))

@@ -2,7 +2,7 @@
 
 The pieces (placement and routing, replica gradient sums, slot moves, the rebalancer) live in
 `phalanx.parallel.expert_slots`, `expert_slot_grads`, `expert_slot_moves` and
-`phalanx.train.expert_rebalance`; this module is the trainer's side of them:
+`phalanx.balance.rebalancer`; this module is the trainer's side of them:
   * `slot_placements`: check the flags and give each MoE layer its first placement;
   * `SlotTraining.sum_replica_grads`: after the last micro-batch's backward, before clipping,
     so every replica of an expert takes the same update (the unreplicated model's math);
@@ -28,7 +28,7 @@ from phalanx.parallel.expert import ShardedExperts, _layer_of
 from phalanx.parallel.expert_slot_grads import sum_replica_param_grads
 from phalanx.parallel.expert_slot_moves import move_expert_slots, slot_bytes
 from phalanx.parallel.expert_slots import SlotPlacement, SlotRouter
-from phalanx.train.expert_rebalance import ExpertRebalancer, initial_placement, loads_from_record
+from phalanx.balance.rebalancer import ExpertRebalancer, initial_placement, loads_from_record
 
 
 def _node_size(plan) -> int | None:

@@ -1,4 +1,4 @@
-"""When and where expert slots move during training (`--rebalance-every K`); torch-free.
+"""When and where expert slots move, in training (`--rebalance-every K`) and while serving; torch-free.
 
 The trainer already sums each step's tokens per expert over the data-parallel ranks
 (`phalanx.train.moe_stats.end_step`: `expert_tokens` per MoE layer, identical on every rank).
