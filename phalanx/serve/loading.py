@@ -2,7 +2,8 @@
 
 The model is loaded as `phalanx generate` loads it (`generate.model_source.load_model`: each
 rank reads only its slices), then cast to `--dtype`. The block pool is `--num-kv-blocks`, or
-what `--kv-cache-memory` GiB holds (keys and values of every layer, this rank's kv heads), by
+what `--kv-cache-memory` GiB holds (every layer's keys and values of this rank's kv heads, or
+latent attention's latent and rotated key: `paged_cache.kv_channels_per_position`), by
 default 1 GiB on CPU and 90% of the device memory left after the weights on a GPU, but never
 more than `--max-num-seqs` sequences of the model's whole context need.
 """
@@ -10,7 +11,7 @@ more than `--max-num-seqs` sequences of the model's whole context need.
 from __future__ import annotations
 
 from phalanx.errors import UserError
-from phalanx.serve.paged_cache import bytes_per_block
+from phalanx.serve.paged_cache import bytes_per_block, kv_channels_per_position
 
 GIB = 1 << 30
 CPU_DEFAULT_KV_GIB = 1.0
@@ -59,7 +60,7 @@ def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
 
     if job["num_kv_blocks"]:
         return job["num_kv_blocks"]
-    per_block = bytes_per_block(job["block_size"], cfg.n_layers, max(1, cfg.n_kv_heads // tp), cfg.head_dim,
+    per_block = bytes_per_block(job["block_size"], cfg.n_layers, kv_channels_per_position(cfg, tp),
                                 torch.empty((), dtype=dtype).element_size())
     if job["kv_cache_memory"]:
         budget = job["kv_cache_memory"] * GIB

@@ -36,9 +36,19 @@ class ChunkLayout:
     length: int
 
 
-def bytes_per_block(block_size: int, n_layers: int, kv_heads: int, head_dim: int, element_size: int) -> int:
-    """Keys and values of one block over every layer (this rank's kv heads)."""
-    return 2 * n_layers * kv_heads * head_dim * block_size * element_size
+def kv_channels_per_position(cfg, tp: int = 1) -> int:
+    """What one layer keeps per position on this rank: the keys and values of this rank's kv
+    heads, or with latent attention the compressed latent and the rotated key, one pair shared
+    by every head and whole on every tp rank (parallel/latent_tp.py), cached through `update`
+    as (batch, 1, seq, kv_lora_rank) and (batch, 1, seq, qk_rope_head_dim)."""
+    if cfg.is_latent:
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2 * max(1, cfg.n_kv_heads // tp) * cfg.head_dim
+
+
+def bytes_per_block(block_size: int, n_layers: int, channels: int, element_size: int) -> int:
+    """One block over every layer, `channels` per position and layer (`kv_channels_per_position`)."""
+    return n_layers * channels * block_size * element_size
 
 
 class PagedKVCache:
