@@ -44,6 +44,7 @@ class Verb:
 TRAIN_BASE = ["train", "--model", "tiny", "--data", "<text>", "--steps", "1", "--global-batch", "2", "--seq-len", "16",
               "--no-progress", "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu", "--nproc", "1", "--out", "<out>"]
 PLAN_BASE = ["--model", "<model>", "--cluster", "dgx-h100", "--global-batch", "64", "--seq-len", "1024"]
+SERVE_PLAN_BASE = ["--model", "<model>", "--cluster", "dgx-h100", "--gpus", "8", "--isl", "128", "--osl", "64"]
 BAD_NUMBERS = ("nan", "inf", "negative")
 COUNTS = ("negative", "huge")
 
@@ -81,6 +82,16 @@ VERBS: dict[str, Verb] = {
     "match": Verb(["match", "--patterns", "<patterns>", "<text>"],
                   files={"--patterns": (".txt", ("missing", "directory", "empty")), "<text>": (".txt", ("missing", "directory"))},
                   numbers={"--nproc": COUNTS}),
+    "serve": Verb(["serve", "--model", "<hf>", "--port", "0"], files={"--model": "", "--tokenizer": ".json"},
+                  numbers={"--port": COUNTS, "--max-num-seqs": COUNTS, "--max-num-batched-tokens": COUNTS,
+                           "--num-kv-blocks": COUNTS, "--block-size": COUNTS, "--kv-cache-memory": BAD_NUMBERS,
+                           "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS, "--nproc": COUNTS}),
+    "plan --serve": Verb(["plan", "--serve", *SERVE_PLAN_BASE], files={"--model": ".json", "--cluster": ".toml"},
+                         numbers={"--gpus": COUNTS, "--isl": COUNTS, "--osl": COUNTS, "--concurrency": COUNTS,
+                                  "--rate": BAD_NUMBERS, "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS}),
+    "simulate --serve": Verb(["simulate", "--serve", *SERVE_PLAN_BASE, "--rate", "2", "--out", "<out>"],
+                             files={"--model": ".json", "--cluster": ".toml"}, outputs={"--out": "folder"},
+                             numbers={"--gpus": COUNTS, "--isl": COUNTS, "--osl": COUNTS, "--rate": BAD_NUMBERS}),
     "blur": Verb(["blur", "<png>", "<out.png>", "--sigma", "1"], files={"<png>": ".png"}, outputs={"<out.png>": "file"},
                  numbers={"--sigma": (*BAD_NUMBERS, "huge"), "--tiles": ("negative",), "--nproc": COUNTS}),
 }
@@ -200,7 +211,8 @@ def test_bad_input(verb, name, where, kind, good, tmp_path, monkeypatch, capsys,
         Path(bad).write_text(row.contents[name][kind])
     else:
         bad = HUGE_INT if kind == "huge" and name not in ("--lr", "--val-fraction", "--temperature", "--top-p", "--sigma",
-                                                          "--collective-timeout") else NUMBER_KINDS[kind]
+                                                          "--collective-timeout", "--kv-cache-memory", "--ttft-ms",
+                                                          "--tpot-ms", "--rate") else NUMBER_KINDS[kind]
     argv = _with(row.argv, name, bad)
     # <out...>: an output of this test's own (its name as given), any other <name> a good input.
     argv = [good.get(part.strip("<>"), str(tmp_path / part.strip("<>"))) if part.startswith("<") else part for part in argv]

@@ -18,6 +18,7 @@ from phalanx.planner.serve_disagg import disaggregated
 from phalanx.planner.serve_rates import ServeLoad
 from phalanx.planner.serve_report import explain, serve_record, table
 from phalanx.planner.serve_search import parse_serve_fix, search_serving
+from phalanx.serving_bounds import check_counts
 
 TRAINING_FLAGS = ("--global-batch", "--seq-len", "--dtype", "--zero-levels", "--any-runtime", "--tp-overlap",
                   "--sp-regather", "--expert-slots", "--plan")
@@ -67,6 +68,7 @@ def load_from(args) -> ServeLoad:
     for name, value, least in checks:
         if value < least:
             raise UserError(f"{name}={value} must be at least {least}")
+    check_counts(isl_plus_osl=args.isl + args.osl, concurrency=args.concurrency)
     for name, value in (("--rate", args.rate), ("--ttft-ms", args.ttft_ms), ("--tpot-ms", args.tpot_ms)):
         if value is not None and not (value > 0 and value != float("inf")):
             raise UserError(f"{name}={value} must be a positive number")

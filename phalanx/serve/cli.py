@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from phalanx.errors import UserError
+from phalanx.serving_bounds import check_counts
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
             "max_waiting": 256, "shutdown_grace": 30.0}
@@ -109,11 +110,13 @@ def prepare_job(args) -> dict:
         raise UserError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
+    check_counts(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 block_size=args.block_size)
     plan = _check_plan(args)
     for name in ("expert_slots", "rebalance_every"):
         _at_least(args, name, 0)
     slo = _check_slo(args)
-    if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and "dp=" in plan:
+    if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and _data_parallel(plan):
         raise UserError(f"--ttft-ms/--tpot-ms with plan {plan} is not there yet: the latency targets size one "
                         "scheduler's steps, and dp ranks each have their own (use tp=N, or pools: --pool)")
     return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": args.host, "port": args.port,
@@ -143,6 +146,12 @@ def _check_plan(args) -> str:
         raise UserError(f"phalanx serve runs attention data parallelism as dp=N,ep=N (every rank an expert rank); "
                         f"plan {plan.to_string()} has dp={plan.dp}, ep={plan.ep}: not there yet (docs/serve.md)")
     return plan.to_string()
+
+
+def _data_parallel(plan: str) -> bool:
+    from phalanx.plan import plan_from_string
+
+    return plan_from_string(plan, None).dp > 1
 
 
 def _check_for_model(job: dict) -> None:

@@ -58,10 +58,15 @@ def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> in
 def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
     import torch
 
-    if job["num_kv_blocks"]:
-        return job["num_kv_blocks"]
     per_block = bytes_per_block(job["block_size"], cfg.n_layers, kv_channels_per_position(cfg, tp),
                                 torch.empty((), dtype=dtype).element_size())
+    if job["num_kv_blocks"]:
+        held = _device_memory(device)
+        if job["num_kv_blocks"] * per_block > held:
+            raise UserError(f"--num-kv-blocks {job['num_kv_blocks']} of {per_block:,} bytes need "
+                            f"{job['num_kv_blocks'] * per_block / GIB:,.1f} GiB; this {device.type} device has "
+                            f"{held / GIB:,.1f} GiB")
+        return job["num_kv_blocks"]
     if job["kv_cache_memory"]:
         budget = job["kv_cache_memory"] * GIB
     elif device.type == "cuda":
@@ -74,3 +79,14 @@ def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
         raise UserError(f"--kv-cache-memory {job['kv_cache_memory']} GiB holds no KV block of {per_block} bytes")
     needed = job["max_num_seqs"] * -(-cfg.max_seq_len // job["block_size"])
     return blocks if job["kv_cache_memory"] else min(blocks, needed)
+
+
+def _device_memory(device) -> int:
+    """All the memory the block pool could ever use: the GPU's, or the host's RAM."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
