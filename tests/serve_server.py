@@ -37,13 +37,16 @@ class ServeProcess:
                                         start_new_session=True)  # stop() ends its workers too
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []
-        threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.process.stdout, self.lines.put, True), daemon=True).start()
         threading.Thread(target=self._read, args=(self.process.stderr, self.stderr.append), daemon=True).start()
         try:
             line = self.lines.get(timeout=START_TIMEOUT_S)
         except queue.Empty:
+            line = None
+        if not line:  # None: nothing in time; "": the server exited first (no waiting for the timeout)
             self.stop()
-            raise RuntimeError(f"phalanx serve printed nothing in {START_TIMEOUT_S} s: {''.join(self.stderr)}") from None
+            why = f"exit {self.process.returncode}" if line == "" else f"nothing printed in {START_TIMEOUT_S} s"
+            raise RuntimeError(f"phalanx serve did not start ({why}): {''.join(self.stderr)}")
         prefix = "phalanx: serving "
         assert line.startswith(prefix) and " on http://127.0.0.1:" in line, line
         self.name = line[len(prefix):line.rindex(" on http://")]
@@ -51,9 +54,11 @@ class ServeProcess:
         self.wait_healthy()
 
     @staticmethod
-    def _read(stream, put) -> None:
+    def _read(stream, put, say_end: bool = False) -> None:
         for line in stream:
             put(line)
+        if say_end:
+            put("")  # the stream closed: the process has exited
 
     def status(self, path: str) -> int:
         try:
