@@ -66,6 +66,22 @@ def test_measured_rank_loads_are_the_before_figure():
     assert event.imbalance_before == pytest.approx(1 / 3, rel=1e-12)
 
 
+def test_no_move_without_a_predicted_gain_and_the_measure_restarts_after_one():
+    start = initial_placement(1, 4, 4, 2)
+    rebalancer = ExpertRebalancer(start, 4, 2, every=1, slot_bytes=8, decay=0.5)
+    # Measured arrivals already even (1/2 each): nothing the balancer could promise beats that.
+    event = rebalancer.observe(1, [[4.0, 3, 2, 1]], rank_tokens=[[5.0, 5.0]])
+    assert (event.moved_slots, event.bytes_moved) == (0, 0)
+    assert event.imbalance_after == event.imbalance_before == 0
+    np.testing.assert_array_equal(rebalancer.phy2log, start)
+    # Skewed arrivals: the move is made, and the next decision measures only the new placement.
+    event = rebalancer.observe(2, [[4.0, 3, 2, 1]], rank_tokens=[[10.0, 0.0]])
+    assert event.moved_slots > 0 and event.imbalance_after < event.imbalance_before
+    assert rebalancer.rank_load is None
+    event = rebalancer.observe(3, [[4.0, 3, 2, 1]], rank_tokens=[[6.0, 4.0]])
+    assert event.imbalance_before == pytest.approx(0.2, rel=1e-12)  # (6 - 5) / 5, not mixed with [10, 0]
+
+
 def test_loads_from_the_trainers_moe_record():
     # dp=4 as edp=2 x ep=2: dp ranks 0, 2 are ep rank 0; 1, 3 are ep rank 1. Layers "3" and "1".
     record = {

@@ -204,8 +204,11 @@ def test_rebalancing_keeps_one_process_losses(rebalanced):
     events = [r for r in results[0][2] if r.get("event") == "rebalance"]
     assert [e["step"] for e in events] == [2, 4]
     assert events[0]["moved_slots"] > 0 and events[0]["bytes_moved"] > 0
-    for event in events:
-        assert event["imbalance_after"] < event["imbalance_before"], event
+    for event in events:  # a move is made only for a predicted gain; without one nothing changes
+        if event["moved_slots"]:
+            assert event["imbalance_after"] < event["imbalance_before"], event
+        else:
+            assert event["imbalance_after"] == event["imbalance_before"] and event["bytes_moved"] == 0, event
     # And measured: the tokens each ep rank computed are more even after the move.
     measured = [sum(layer["rank_imbalance"] for layer in r["moe"].values()) / len(r["moe"]) for r in _steps(results[0][2])]
     assert max(measured[2:]) < 0.5 * min(measured[:2]), measured

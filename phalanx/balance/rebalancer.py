@@ -11,7 +11,9 @@ The event row it returns is the one metrics.jsonl records (docs/expert_slots.md)
 `{"event": "rebalance", "step", "imbalance_before", "imbalance_after", "moved_slots", "bytes_moved"}`
 with per-rank imbalance (max - mean) / mean, averaged over the MoE layers: measured before
 (the average of the tokens each ep rank received, when the trainer passes them) and predicted
-after (the balancer's model: a replica carries load / replicas of its expert).
+after (the balancer's model: a replica carries load / replicas of its expert). A new placement
+that the model predicts no more even than the measured one is not made (`moved_slots` 0, the
+imbalance after = before); after a move the measured average starts again, on the new placement.
 
 `phalanx.balance.slot_copies.copy_sources` decides which old slot each new slot copies from;
 the weight move (`phalanx.parallel.expert_slot_moves`) and `bytes_moved` both use it, so the
@@ -116,14 +118,25 @@ class ExpertRebalancer:
             return None
         old = self.phy2log
         before = self.rank_load if self.rank_load is not None else measure.gpu_loads(self.expert_load, old, self.ep)
+        imbalance_before = float(measure.imbalance(before).mean())
         # One node, global policy: phalanx's routers pick experts without group limits, so the
         # balancer's hierarchical policy (groups packed onto nodes) has nothing to work with.
         result = rebalance(self.expert_load, old.shape[1], 1, 1, self.ep, policy="global", previous=old)
+        imbalance_after = float(measure.imbalance(measure.gpu_loads(self.expert_load, result.phy2log, self.ep)).mean())
+        if imbalance_after >= imbalance_before:
+            # A move sends weights and stalls a step; one that promises no less imbalance than
+            # what is measured now (an even load, or the balancer's best is already in place)
+            # is not made: the placement, and so the imbalance, stay as they are.
+            return RebalanceEvent(step=step, imbalance_before=imbalance_before, imbalance_after=imbalance_before,
+                                  moved_slots=0, bytes_moved=0)
         self.phy2log = result.phy2log
+        if measure.moved_slots(self.phy2log, old):
+            # The measured arrivals were the old placement's: the next decision measures the new one.
+            self.rank_load = None
         return RebalanceEvent(
             step=step,
-            imbalance_before=float(measure.imbalance(before).mean()),
-            imbalance_after=float(measure.imbalance(measure.gpu_loads(self.expert_load, self.phy2log, self.ep)).mean()),
+            imbalance_before=imbalance_before,
+            imbalance_after=imbalance_after,
             moved_slots=measure.moved_slots(self.phy2log, old),
             bytes_moved=remote_copies(old, self.phy2log, self.ep) * self.slot_bytes,
         )
