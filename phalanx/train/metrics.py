@@ -70,14 +70,16 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_loss(metrics_path: Path, png_path: Path) -> None:
-    """Train loss per step, and validation loss where it was measured."""
-    import matplotlib
+    """Train loss per step, and validation loss where it was measured.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    A bare `Figure` with fixed margins, not pyplot with `tight_layout`: every run draws this,
+    and dropping the layout pass took a plot of 4 steps from 0.22 to 0.16 s of CPU (2-core machine)."""
+    from matplotlib.figure import Figure
 
     records = read_metrics(metrics_path)
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure = Figure(figsize=(7, 4))
+    figure.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.96)  # room for the axis labels
+    axes = figure.add_subplot()
     axes.plot([r["step"] for r in records], [r["loss"] for r in records], label="train", linewidth=1)
     val = [r for r in records if "val_loss" in r]
     if val:
@@ -86,6 +88,4 @@ def plot_loss(metrics_path: Path, png_path: Path) -> None:
     axes.set_ylabel("loss (nats per token)")
     axes.grid(alpha=0.3)
     axes.legend()
-    figure.tight_layout()
     figure.savefig(png_path, dpi=100)
-    plt.close(figure)
