@@ -61,6 +61,8 @@ def _add_train(subparsers) -> None:
                         help="attention stays inside each document of a packed sequence (needs --data prepared by "
                              "phalanx prepare, which records where documents start)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    parser.add_argument("--no-plot", dest="plot", action="store_false", default=None,
+                        help="no loss.png / experts.png at the end (metrics.jsonl and TensorBoard keep every figure)")
     parser.add_argument("--rdzv-endpoint", default="", help="host:port of the rendezvous (default: 127.0.0.1 and a free port)")
     parser.set_defaults(func=_run_train)
 
@@ -70,7 +72,7 @@ def _run_train(args) -> int:
     from phalanx.train.restarts import earlier_user_error
 
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
-    overrides.update(resume=args.resume, progress=args.progress, max_bad_steps=args.max_bad_steps,
+    overrides.update(resume=args.resume, progress=args.progress, plot=args.plot, max_bad_steps=args.max_bad_steps,
                      sync_checkpoint=args.sync_checkpoint, max_restarts=args.max_restarts,
                      compile=args.compile, float8=args.float8, doc_mask=args.doc_mask)
     cfg = load_config(args.config, overrides)

@@ -14,7 +14,7 @@ from phalanx.cli import main
 from phalanx.errors import UserError
 from phalanx.testing.cli_errors import assert_cli_error
 
-TINY = ["--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--sample-tokens", "0"]
+TINY = ["--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--no-plot", "--sample-tokens", "0"]
 
 
 def _fails(argv, capsys, message):
@@ -89,7 +89,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_checkpoint(tmp_path):
     message, status 130, no traceback, and the last checkpoint left to resume from."""
     run = tmp_path / "run"
     command = [sys.executable, "-m", "phalanx", "train", "--model", "tiny", "--steps", "100000", "--global-batch", "4",
-               "--seq-len", "16", "--ckpt-every", "2", "--nproc", "2", "--no-progress", "--out", str(run)]
+               "--seq-len", "16", "--ckpt-every", "2", "--nproc", "2", "--no-progress", "--no-plot", "--out", str(run)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60

@@ -42,7 +42,7 @@ class Verb:
 
 
 TRAIN_BASE = ["train", "--model", "tiny", "--data", "<text>", "--steps", "1", "--global-batch", "2", "--seq-len", "16",
-              "--no-progress", "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu", "--nproc", "1", "--out", "<out>"]
+              "--no-progress", "--no-plot", "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu", "--nproc", "1", "--out", "<out>"]
 PLAN_BASE = ["--model", "<model>", "--cluster", "dgx-h100", "--global-batch", "64", "--seq-len", "1024"]
 SERVE_PLAN_BASE = ["--model", "<model>", "--cluster", "dgx-h100", "--gpus", "8", "--isl", "128", "--osl", "64"]
 BAD_NUMBERS = ("nan", "inf", "negative")

@@ -32,7 +32,7 @@ def four_checkpoints(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("damage") / "run"
     cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, warmup_steps=1, eval_every=0, ckpt_every=1,
-                      keep_checkpoints=4, sample_tokens=0, progress=False, device="cpu", out=str(out))
+                      keep_checkpoints=4, sample_tokens=0, progress=False, plot=False, device="cpu", out=str(out))
     return cfg, run_ranks(1, _losses, cfg)[0]
 
 
@@ -108,7 +108,7 @@ def test_garbage_phalanx_json_does_not_block_a_fresh_run(tmp_path):
     folder.mkdir(parents=True)
     (folder / "phalanx.json").write_text("garbage")
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress",
+        main(["train", "--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--no-plot",
               "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu", "--nproc", "1", "--out", str(tmp_path / "r")])
     assert exit_info.value.code == 0
     assert latest_checkpoint(tmp_path / "r")[0] == 2

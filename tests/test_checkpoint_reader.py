@@ -20,7 +20,7 @@ from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
 from tests.test_checkpoint_damage import _flip, _no_metadata, _truncate
 
-TRAIN = ["--model", "tiny", "--data", ONE_FILE_CORPUS, "--global-batch", "4", "--seq-len", "16", "--no-progress",
+TRAIN = ["--model", "tiny", "--data", ONE_FILE_CORPUS, "--global-batch", "4", "--seq-len", "16", "--no-progress", "--no-plot",
          "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu", "--nproc", "1"]
 
 
@@ -37,7 +37,7 @@ def two_checkpoints(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("reader") / "run"
     cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=2, global_batch=4, seq_len=16, warmup_steps=1, eval_every=0,
-                      ckpt_every=1, keep_checkpoints=2, sample_tokens=0, progress=False, device="cpu", out=str(out),
+                      ckpt_every=1, keep_checkpoints=2, sample_tokens=0, progress=False, plot=False, device="cpu", out=str(out),
                       sync_checkpoint=True)
     run_ranks(1, _train, cfg)
     return out

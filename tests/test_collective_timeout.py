@@ -44,7 +44,7 @@ def test_stalled_rank_under_the_launcher_is_restarted(tmp_path, capsys, monkeypa
     monkeypatch.setenv(STALL_ENV, "1:3:12")
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--model", "tiny", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--sample-tokens", "0",
+        main(["train", "--model", "tiny", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--no-plot", "--sample-tokens", "0",
               "--eval-every", "0", "--device", "cpu", "--ckpt-every", "2", "--sync-checkpoint", "--steps", "4",
               "--nproc", "2", "--collective-timeout", "10", "--out", str(run)])
     err = capsys.readouterr().err

@@ -109,7 +109,7 @@ def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def base_config(tmp_path_factory):
     return TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=2, global_batch=4, seq_len=32, lr=3e-3, warmup_steps=1,
-                       eval_every=2, ckpt_every=0, sample_tokens=0, progress=False, device="cpu",
+                       eval_every=2, ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu",
                        out=str(tmp_path_factory.mktemp("cp")))
 
 

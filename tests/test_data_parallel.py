@@ -71,7 +71,7 @@ def config(tmp_path_factory):
 
     return TrainConfig(
         model="tiny", steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
-        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(tmp_path_factory.mktemp("dp")),
+        ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", out=str(tmp_path_factory.mktemp("dp")),
     )
 
 

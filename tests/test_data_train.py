@@ -21,7 +21,7 @@ from phalanx.testing.tokenizers import sample_text, train_bpe
 from phalanx.train.loop import train
 from phalanx.testing.cli_errors import assert_cli_error
 
-TINY = ["--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress",
+TINY = ["--model", "tiny", "--steps", "2", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--no-plot",
         "--sample-tokens", "0", "--nproc", "1"]
 
 

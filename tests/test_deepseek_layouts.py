@@ -57,7 +57,7 @@ def _setup(tmp_path) -> tuple[Path, TrainConfig]:
     data = tmp_path / "text.txt"
     data.write_bytes(bytes(range(256)) * 40)
     cfg = TrainConfig(model=str(folder), data=str(data), steps=3, global_batch=4, seq_len=32, lr=1e-3, warmup_steps=1,
-                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(tmp_path / "runs"))
+                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", out=str(tmp_path / "runs"))
     return folder, cfg
 
 

@@ -22,7 +22,7 @@ def test_tiny_dsv3_trains(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model", "tiny-dsv3", "--steps", "12", "--nproc", "1", "--global-batch", "4", "--seq-len", "64",
-              "--lr", "1e-2", "--eval-every", "0", "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress",
+              "--lr", "1e-2", "--eval-every", "0", "--ckpt-every", "0", "--sample-tokens", "0", "--no-progress", "--no-plot",
               "--out", str(out)])
     assert exit_info.value.code == 0
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]

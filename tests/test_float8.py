@@ -88,7 +88,7 @@ def base(tmp_path_factory) -> TrainConfig:
 
     return TrainConfig(
         model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
-        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", dtype="bf16", out=str(tmp_path_factory.mktemp("f8")),
+        ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", dtype="bf16", out=str(tmp_path_factory.mktemp("f8")),
     )
 
 

@@ -56,7 +56,7 @@ def test_layouts_start_from_the_checkpoint(tmp_path, family):
     data = tmp_path / "text.txt"
     data.write_bytes(bytes(range(256)) * 40)
     cfg = TrainConfig(model=str(folder), data=str(data), steps=2, global_batch=4, seq_len=32, lr=1e-3, warmup_steps=1,
-                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(tmp_path / "runs"))
+                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", out=str(tmp_path / "runs"))
     (ref_losses, ref_norms), = run_ranks(1, _train, cfg, [""])[0].values()
     assert abs(ref_losses[0] - _hf_first_loss(folder, cfg)) < TOLERANCE
     for rank_results in run_ranks(2, _train, cfg, LAYOUTS[family], timeout_s=300):

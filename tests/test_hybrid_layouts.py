@@ -128,7 +128,7 @@ def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
 def base_config(tmp_path_factory):
     return TrainConfig(
         model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=4,
-        ckpt_every=0, sample_tokens=8, progress=False, device="cpu", out=str(tmp_path_factory.mktemp("layouts")),
+        ckpt_every=0, sample_tokens=8, progress=False, plot=False, device="cpu", out=str(tmp_path_factory.mktemp("layouts")),
     )
 
 

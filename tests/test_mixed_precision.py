@@ -189,7 +189,7 @@ def _train_all(out: str) -> tuple:
     from phalanx.train.config import TrainConfig
 
     cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1,
-                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, device="cpu", dtype="bf16", out=out)
+                      eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", dtype="bf16", out=out)
     reference = run_ranks(1, _train_layouts, cfg, ["tiny ", "tiny-moe "])[0]
     return cfg, reference, run_ranks(2, _train_layouts, cfg, LAYOUTS, timeout_s=600)
 

@@ -117,7 +117,7 @@ def test_random_weights_only_when_asked_for(folder, tmp_path, capsys):
     assert initial_weights(str(folder / "config.json"), "auto", cfg) is None  # a bare config.json: its shape
     assert initial_weights("tiny", "auto", model_config("tiny")) is None
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--model", "tiny", "--steps", "1", "--global-batch", "2", "--seq-len", "16", "--no-progress",
+        main(["train", "--model", "tiny", "--steps", "1", "--global-batch", "2", "--seq-len", "16", "--no-progress", "--no-plot",
               "--sample-tokens", "0", "--eval-every", "0", "--device", "cpu", "--nproc", "1", "--out", str(tmp_path / "r")])
     assert exit_info.value.code == 0
     assert "parameters, random initialization from seed 0) on 1 process" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from phalanx.train.checkpoint import latest_checkpoint
 from phalanx.train.metrics import parse_lines, read_metrics
 from phalanx.train.restarts import FAULT_ENV, USER_ERROR_FILE
 
-TINY = ["train", "--model", "tiny", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--sample-tokens", "0",
+TINY = ["train", "--model", "tiny", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--no-plot", "--sample-tokens", "0",
         "--eval-every", "0", "--device", "cpu", "--ckpt-every", "2"]
 
 

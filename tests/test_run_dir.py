@@ -14,7 +14,7 @@ from phalanx.launch import lock_run_dir
 from phalanx.train.config import load_config
 from phalanx.train.metrics import parse_lines
 
-TINY = ["train", "--model", "tiny", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--sample-tokens", "0",
+TINY = ["train", "--model", "tiny", "--global-batch", "4", "--seq-len", "16", "--no-progress", "--no-plot", "--sample-tokens", "0",
         "--eval-every", "0", "--device", "cpu", "--nproc", "1"]
 
 
@@ -40,6 +40,7 @@ def test_resume_auto_starts_fresh_then_resumes(tmp_path, capsys):
     assert _run([*TINY, "--steps", "2", "--resume", "auto", "--out", run], capsys)[0] == 0  # no checkpoint: fresh
     assert _run([*TINY, "--steps", "3", "--resume", "auto", "--out", run], capsys)[0] == 0  # from step 2
     assert _steps(tmp_path / "r") == [1, 2, 3]
+    assert not (tmp_path / "r" / "loss.png").exists()  # --no-plot (test_launch.py sees the default draw it)
     _fails([*TINY, "--steps", "4", "--out", run], capsys, "already holds a run")  # no flag: refused as before
 
 

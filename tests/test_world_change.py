@@ -47,7 +47,7 @@ def four_process_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("world") / "run"
     cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=3, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
-                      ckpt_every=2, sample_tokens=0, progress=False, device="cpu", plan="dp=2,tp=2", out=str(out))
+                      ckpt_every=2, sample_tokens=0, progress=False, plot=False, device="cpu", plan="dp=2,tp=2", out=str(out))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DIE_IN_SAVE_ENV, "3")
         with pytest.raises(RuntimeError, match="rank 0: died without a result"):
@@ -87,7 +87,7 @@ def test_plan_that_cannot_follow_names_one_that_does(four_process_run, tmp_path,
     resumed = _from_step_2(cfg, tmp_path)
     line = assert_cli_error(
         ["train", "--model", "tiny", "--data", ONE_FILE_CORPUS, "--steps", "3", "--global-batch", "12", "--seq-len", "32", "--device", "cpu",
-         "--plan", "dp=2,tp=2", "--nproc", "3", "--resume", "--out", resumed.out, "--no-progress"],
+         "--plan", "dp=2,tp=2", "--nproc", "3", "--resume", "--out", resumed.out, "--no-progress", "--no-plot"],
         capsys, "--plan dp=2,tp=2 cannot follow the world size to 3 processes", "does not divide 3",
         "a plan that fits: --plan", one_line=False, ignore=("phalanx: warning",))
     assert "dp=3" in line, line

@@ -83,6 +83,10 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (CUDA if present), 'cpu' or 'cuda'."""
     progress: bool = True
+    plot: bool = True
+    """Draw loss.png (and experts.png for MoE models) at the end; off (`--no-plot`), metrics.jsonl
+    and TensorBoard still hold every figure. A plot costs about 0.1 s of CPU: a large share of a
+    seconds-long run (the test suite's thousands of tiny runs leave it off)."""
     expert_slots: int = 0
     """Physical expert slots per MoE layer over the ep group (>= experts, a multiple of ep);
     0 = one slot per expert, the plain ep layout (docs/expert_slots.md)."""

@@ -304,7 +304,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     progress.close()
     if result.stopped_by:
         return result  # the launcher says where to continue from
-    if rank == 0:
+    if rank == 0 and cfg.plot:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:
