@@ -41,7 +41,7 @@ def tiny_config(tmp_path):
 
     return TrainConfig(
         model="tiny", data=ONE_FILE_CORPUS, steps=4, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
-        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(tmp_path / "run"),
+        ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", out=str(tmp_path / "run"),
     )
 
 
@@ -54,7 +54,7 @@ def moe_config(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe")
     return TrainConfig(
         model="tiny-moe", steps=STEPS, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
-        ckpt_every=0, sample_tokens=0, progress=False, device="cpu", out=str(out / "run"),
+        ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", out=str(out / "run"),
     )
 
 
@@ -65,3 +65,26 @@ def moe_reference(moe_config):
     from tests.moe_runs import run_and_gather
 
     return run_ranks(1, run_and_gather, moe_config.replace(out=moe_config.out + "-ref"))[0]
+
+
+
+HEAVIEST_FIRST = (
+    "test_device_check", "test_hybrid_layouts", "test_context_parallel", "test_compile", "test_launch", "test_restarts",
+    "test_expert_slots_training", "test_float8", "test_serve_pool", "test_calibrate", "test_mixed_precision",
+    "test_serve_expert_parallel", "test_collective_timeout", "test_serve_parallel_http", "test_data_parallel",
+    "test_serve_moe_http", "test_expert_checkpoint", "test_expert_fold", "test_serve_http",
+)
+"""Modules by their share of the suite's time, largest first (`pytest -n 2 --durations=100`,
+2026-12-01)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heaviest modules first, pytest's order otherwise (a module's tests stay together).
+
+    `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each module goes whole to
+    one worker, so a module-scoped fixture (a shared launch, a server) is set up once (plain load
+    scheduling split test_serve_pool.py over both workers, and each started its pools: 30 s
+    apiece), and modules are handed out in this order, longest first, so that the small ones
+    fill in at the end instead of one long module running alone on one worker."""
+    rank = {name: index for index, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
