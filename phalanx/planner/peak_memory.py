@@ -105,11 +105,22 @@ def stage_params(model: ModelConfig, lay: Layout, n: int, n_moe: int, options: O
     return c, shared, n_moe * c.experts * slots_per_expert(model, options) / (split * lay.ep)
 
 
-def kv_gather_bytes(model: ModelConfig, mbs: int, seq: int, tp: int) -> float:
+def gathered_kv_bytes(model: ModelConfig, mbs: int, seq: int, tp: int) -> float:
     """Bytes of one layer's keys and values of the whole sequence on one rank (its tp share of
-    the KV heads), in 16-bit: what context parallelism all-gathers over the cp ranks forward,
-    and reduce-scatters the gradients of backward."""
+    the KV heads), in 16-bit: what attention reads under context parallelism (for latent
+    attention, decompressed on the rank from the gathered latent)."""
     return mbs * seq * model.n_kv_heads * (model.head_dim + model.value_dim) / tp * BF16
+
+
+def kv_gather_bytes(model: ModelConfig, mbs: int, seq: int, tp: int) -> float:
+    """Bytes one rank holds of what context parallelism all-gathers per layer over the cp ranks
+    forward (and reduce-scatters the gradients of backward): the keys and values of its KV
+    heads, or with latent attention the latent and the rotated shared key (kv_lora_rank +
+    qk_rope_head_dim per token, whole on every tp rank: parallel/context_parallel.py gathers
+    those and decompresses per rank; DeepSeek-V3: 576 values against 128 x (192 + 128))."""
+    if model.is_latent:
+        return mbs * seq * (model.kv_lora_rank + model.qk_rope_head_dim) * BF16
+    return gathered_kv_bytes(model, mbs, seq, tp)
 
 
 def memory_breakdown(model: ModelConfig, workload: Workload, layout: Layout,
@@ -267,6 +278,6 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     if lay.pp > 1:  # send and receive buffers, both directions
         buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
     if lay.cp > 1:  # the layer running's gathered keys and values, and their gradients' reduce-scatter input
-        buffers += 2 * kv_gather_bytes(model, lay.mbs, workload.seq_len, lay.tp)
+        buffers += 2 * gathered_kv_bytes(model, lay.mbs, workload.seq_len, lay.tp)
     out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
     return out, host
