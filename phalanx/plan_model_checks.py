@@ -143,14 +143,9 @@ def validate_cp(plan: Plan, cfg: ModelConfig, seq_len: int, *, compile: bool = F
     if doc_mask and plan.pp > 1:
         problems.append(f"--doc-mask with pp={plan.pp} is not supported yet (the pipeline schedules split "
                         "micro-batches without their document ids)")
-    if (plan.cp > 1 or doc_mask) and cfg.is_latent:
-        what = f"cp={plan.cp}" if plan.cp > 1 else "--doc-mask"
-        problems.append(f"{what} with latent attention ({cfg.name!r}) is not supported yet")
     if plan.cp == 1:
         return problems
     problems.append(rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp))
     if compile:
         problems.append(f"cp={plan.cp} with --compile is not supported yet (the key/value gather runs in a hook)")
-    if plan.ep_over_tp:
-        problems.append(f"cp={plan.cp} with ep_over_tp=true is not supported yet")
     return [problem for problem in problems if problem]

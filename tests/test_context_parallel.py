@@ -1,5 +1,6 @@
 """Context parallelism computes what one process computes, alone and beside dp, tp, pp, zero=3
-and expert parallelism; its checkpoints resume on other cp degrees.
+and expert parallelism (over dp x cp, and folded over tp), with latent attention; its
+checkpoints resume on other cp degrees.
 
 Each layout trains for 2 AdamW steps on the same global batches (4 sequences of 32 tokens: a
 chunk of cp=4 holds 4 positions, of cp=2 8) from the same weights and must match one process
@@ -36,13 +37,17 @@ TOLERANCE = 1e-4
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 LAYOUTS = {
-    4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "pp=2,cp=2", "dp=2,cp=2,zero=3", "tiny-moe dp=2,cp=2,ep=4"],
+    4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "pp=2,cp=2", "dp=2,cp=2,zero=3", "tiny-dsv3 dp=2,cp=2,ep=4",
+        "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
     2: ["cp=2", "resume cp=2", "docmask cp=2,recompute=full"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
 `--doc-mask` on packed short documents (`_packed_documents`), here with full recomputation,
-which gathers keys and values again in backward and needs the document ids there too."""
+which gathers keys and values again in backward and needs the document ids there too.
+tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
+MoE with the learned routing bias, experts over dp x cp; tiny-moe with ep_over_tp folds the
+experts over the dp x cp x tp ranks."""
 
 
 def _dir(layout: str) -> str:
@@ -118,7 +123,7 @@ def results(base_config):
     """{world: [rank results]}: one process of each model first, then the cp launches, then
     the cp=4 checkpoint resumed on one process."""
     _packed_documents(base_config)  # before the launches: no rank makes it
-    out = {1: run_ranks(1, _train_layouts, base_config, ["dp=1", "tiny-moe dp=1", "docmask dp=1"])}
+    out = {1: run_ranks(1, _train_layouts, base_config, ["dp=1", "tiny-moe dp=1", "tiny-dsv3 dp=1", "docmask dp=1"])}
     for world, layouts in LAYOUTS.items():
         out[world] = run_ranks(world, _train_layouts, base_config, layouts, timeout_s=400)
     out["resume-1"] = run_ranks(1, _train_layouts, base_config, ["resume dp=1"])
@@ -132,7 +137,7 @@ def _norms(cfg: TrainConfig, layout: str) -> list[float]:
 
 @pytest.mark.parametrize("world, layout", [(w, p) for w, plans in LAYOUTS.items() for p in plans if "resume" not in p])
 def test_layout_matches_single_process(world, layout, results, base_config):
-    reference = {"tiny-moe": "tiny-moe dp=1", "docmask": "docmask dp=1"}.get(layout.split(" ")[0], "dp=1")
+    reference = " ".join([*layout.split(" ")[:-1], "dp=1"])  # the same model and data on one process
     ref_losses, ref_val, ref_weights = results[1][0][reference]
     held: set[str] = set()  # pipeline stages hold their own layers; together, all of them
     for losses, val_loss, weights in (rank[layout] for rank in results[world]):
@@ -199,6 +204,7 @@ def test_chunk_masks_put_together_are_the_whole_sequence_mask(cp):
     ("tp=2,cp=2,sp=true", {"seq_len": 36, "nproc": 4}, "seq_len=36 must divide by 2 x cp x tp = 2 x 2 x 2 = 8"),
     ("cp=3", {"nproc": 2}, "dp=1 x cp=3 x tp=1 x pp=1 = 3, but 2 processes were started"),
     ("dp=2,cp=2,ep=3", {"nproc": 4, "model": "tiny-moe"}, "ep=3 must divide dp x cp = 2 x 2 = 4"),
+    ("tp=2,cp=2,ep=3,ep_over_tp=true", {"nproc": 4, "model": "tiny-moe"}, "ep=3 must divide dp x cp x tp = 1 x 2 x 2 = 4"),
     ("cp=2", {"doc_mask": True}, "--doc-mask needs to know where documents start"),
 ])
 def test_bad_cp_plans_fail_before_launch(tmp_path, monkeypatch, plan, extra, message):
@@ -228,11 +234,13 @@ def test_generate_refuses_cp(results, base_config, capsys):
                       "--plan", "cp=2", "--nproc", "2"], capsys, "phalanx generate does not run context parallelism")
 
 
-def test_doc_mask_equals_running_the_documents_separately():
+@pytest.mark.parametrize("model", ["tiny", "tiny-dsv3"])
+def test_doc_mask_equals_running_the_documents_separately(model):
     """One packed sequence of three documents under the document mask gives each document the
     logits it gets alone (rotary attention depends on position differences only, so the packed
     documents' later absolute positions change nothing but float rounding: 1e-5). Without the
-    mask the later documents see the earlier ones and differ."""
+    mask the later documents see the earlier ones and differ. tiny-dsv3: latent attention, whose
+    mask comes with its latents through the same view."""
     from phalanx.model.config import model_config
     from phalanx.model.init import build_model
     from phalanx.parallel.context_parallel import apply_context_parallel, document_ids
@@ -240,7 +248,7 @@ def test_doc_mask_equals_running_the_documents_separately():
     from phalanx.parallel.mesh import ParallelMesh
     from phalanx.plan import Plan
 
-    cfg = model_config("tiny")
+    cfg = model_config(model)
     one = ParallelMesh(plan=Plan(), device=torch.device("cpu"))
     masked = apply_context_parallel(materialize(build_model(cfg), cfg, 0, "cpu"), one, doc_mask=True)
     plain = materialize(build_model(cfg), cfg, 0, "cpu")

@@ -99,8 +99,11 @@ class SequenceView:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.cp > 1:
-            both = _GatherOverCp.apply(torch.stack([k, v]), self.group, self.cp)  # (2, batch, kv_heads, keys, head_dim)
-            k, v = both.unbind(0)
+            # One collective of both, side by side on the channels: latent attention's pair
+            # (its latent and its rotated shared key) differ in width.
+            width = k.shape[-1]
+            both = _GatherOverCp.apply(torch.cat([k, v], dim=-1), self.group, self.cp)  # (batch, kv_heads, keys, k + v channels)
+            k, v = both[..., :width], both[..., width:]
         return k, v, self.mask(window)
 
     def mask(self, window: int) -> torch.Tensor:
