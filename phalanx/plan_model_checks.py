@@ -21,7 +21,7 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
     in from `dtype` (`resolve_precision`)."""
     validate_ep(cfg, weights_view(plan))  # experts spread over dp x cp ranks
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
-    problems += validate_cp(plan, cfg, seq_len, compile=compile, doc_mask=doc_mask)
+    problems += validate_cp(plan, cfg, seq_len, doc_mask=doc_mask)
     problems += validate_compile(plan, compile) + validate_float8(plan, float8, moe=cfg.n_experts > 0)
     if cfg.tie_embeddings and plan.pp > 1:
         problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
@@ -137,7 +137,7 @@ def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
         raise UserError(f"invalid plan: {problem}")
 
 
-def validate_cp(plan: Plan, cfg: ModelConfig, seq_len: int, *, compile: bool = False, doc_mask: bool = False) -> list[str]:
+def validate_cp(plan: Plan, cfg: ModelConfig, seq_len: int, *, doc_mask: bool = False) -> list[str]:
     """Why `plan.cp` (or `--doc-mask`) cannot run `cfg` (empty if it can)."""
     problems = []
     if doc_mask and plan.pp > 1:
@@ -146,6 +146,4 @@ def validate_cp(plan: Plan, cfg: ModelConfig, seq_len: int, *, compile: bool = F
     if plan.cp == 1:
         return problems
     problems.append(rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp))
-    if compile:
-        problems.append(f"cp={plan.cp} with --compile is not supported yet (the key/value gather runs in a hook)")
     return [problem for problem in problems if problem]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from phalanx.errors import UserError
+from phalanx.parallel.compile import BACKEND_ENV
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
 from phalanx.testing.weights import gathered_weights
@@ -39,12 +41,14 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 LAYOUTS = {
     4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "pp=2,cp=2", "dp=2,cp=2,zero=3", "tiny-dsv3 dp=2,cp=2,ep=4",
         "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
-    2: ["cp=2", "resume cp=2", "docmask cp=2,recompute=full"],
+    2: ["cp=2", "resume cp=2", "docmask cp=2,recompute=full", "compile docmask cp=2"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
 `--doc-mask` on packed short documents (`_packed_documents`), here with full recomputation,
-which gathers keys and values again in backward and needs the document ids there too.
+which gathers keys and values again in backward and needs the document ids there too;
+"compile" trains with `--compile` (aot_eager, as tests/test_compile.py's ranks: dynamo's capture
+and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather.
 tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
 MoE with the learned routing bias, experts over dp x cp; tiny-moe with ep_over_tp folds the
 experts over the dp x cp x tp ranks."""
@@ -56,25 +60,29 @@ def _dir(layout: str) -> str:
 
 def _settings(cfg: TrainConfig, layout: str) -> TrainConfig:
     *words, plan = layout.split(" ")
+    module_dir = cfg.out
     cfg = cfg.replace(plan=plan, out=f"{cfg.out}/{_dir(layout)}")
     if plan == "cp=4":
         cfg = cfg.replace(ckpt_every=1)
     for word in words:
-        if word == "docmask":
-            cfg = cfg.replace(doc_mask=True, data=_packed_documents(cfg))
+        if word == "compile":
+            os.environ[BACKEND_ENV] = "aot_eager"  # in this forked rank only: tests/test_compile.py says why
+            cfg = cfg.replace(compile=True)
+        elif word == "docmask":
+            cfg = cfg.replace(doc_mask=True, data=_packed_documents(module_dir))
         else:
             cfg = cfg.replace(resume=True) if word == "resume" else cfg.replace(model=word)
     return cfg
 
 
-def _packed_documents(cfg: TrainConfig) -> str:
+def _packed_documents(module_dir: str) -> str:
     """A prepared directory of short documents (8 to 40 bytes: a 32-token window spans two or
     more), made once per module."""
     import random
 
     from phalanx.data.prepare import prepare
 
-    base = Path(cfg.out.split("/docmask")[0])  # the module's folder
+    base = Path(module_dir)
     target = base / "packed-data"
     if not target.exists():
         text, rng, docs = Path(ONE_FILE_CORPUS).read_text()[:30000], random.Random(0), []
@@ -101,13 +109,20 @@ def _resume_dir(cfg: TrainConfig, layout: str) -> None:
 
 def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
     """On every rank: each layout's losses, validation loss and this rank's full weights."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     out = {}
     for layout in layouts:
         if layout.startswith("resume"):
             _resume_dir(cfg, layout)
         settings = _settings(cfg, layout)
+        torch._dynamo.reset()  # a compiled layout's counts are its own
+        counters.clear()
         result = train(settings, Path(settings.out))
         out[layout] = (result.losses, result.val_loss, gathered_weights(result.model))
+        if settings.compile:
+            out[f"{layout} counters"] = {key: dict(value) for key, value in counters.items()}
     return out
 
 
@@ -122,7 +137,7 @@ def base_config(tmp_path_factory):
 def results(base_config):
     """{world: [rank results]}: one process of each model first, then the cp launches, then
     the cp=4 checkpoint resumed on one process."""
-    _packed_documents(base_config)  # before the launches: no rank makes it
+    _packed_documents(base_config.out)  # before the launches: no rank makes it
     out = {1: run_ranks(1, _train_layouts, base_config, ["dp=1", "tiny-moe dp=1", "tiny-dsv3 dp=1", "docmask dp=1"])}
     for world, layouts in LAYOUTS.items():
         out[world] = run_ranks(world, _train_layouts, base_config, layouts, timeout_s=400)
@@ -137,7 +152,8 @@ def _norms(cfg: TrainConfig, layout: str) -> list[float]:
 
 @pytest.mark.parametrize("world, layout", [(w, p) for w, plans in LAYOUTS.items() for p in plans if "resume" not in p])
 def test_layout_matches_single_process(world, layout, results, base_config):
-    reference = " ".join([*layout.split(" ")[:-1], "dp=1"])  # the same model and data on one process
+    # The same model and data on one process, eager.
+    reference = " ".join([*(word for word in layout.split(" ")[:-1] if word != "compile"), "dp=1"])
     ref_losses, ref_val, ref_weights = results[1][0][reference]
     held: set[str] = set()  # pipeline stages hold their own layers; together, all of them
     for losses, val_loss, weights in (rank[layout] for rank in results[world]):
@@ -149,6 +165,17 @@ def test_layout_matches_single_process(world, layout, results, base_config):
     assert held == ref_weights.keys()
     for norm, ref in zip(_norms(base_config, layout), _norms(base_config, reference), strict=True):
         assert abs(norm - ref) < TOLERANCE * ref
+
+
+def test_compiled_blocks_hold_the_gather_in_one_graph(results):
+    """Under --compile the cp hook and the key/value gather are traced into each block's graph
+    (fullgraph=True raises at a break): no break, the four alike blocks share one graph, plus one
+    for validation under no_grad, and AOT autograd compiled every one (forward and backward)."""
+    for rank in results[2]:
+        counts = rank["compile docmask cp=2 counters"]
+        assert not counts.get("graph_break"), counts
+        assert counts["stats"]["unique_graphs"] == 2, counts  # a recompile or a split graph adds one
+        assert counts["aot_autograd"]["ok"] == counts["aot_autograd"]["total"] >= 1, counts
 
 
 @pytest.mark.parametrize("world, layout", [(2, "resume cp=2"), ("resume-1", "resume dp=1")])
