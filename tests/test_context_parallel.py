@@ -39,14 +39,18 @@ TOLERANCE = 1e-4
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 LAYOUTS = {
-    4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "pp=2,cp=2", "dp=2,cp=2,zero=3", "tiny-dsv3 dp=2,cp=2,ep=4",
-        "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
-    2: ["cp=2", "resume cp=2", "docmask cp=2,recompute=full", "compile docmask cp=2"],
+    4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "docmask pp=2,cp=2,recompute=full", "dp=2,cp=2,zero=3",
+        "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
+    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
 `--doc-mask` on packed short documents (`_packed_documents`), here with full recomputation,
-which gathers keys and values again in backward and needs the document ids there too;
+which gathers keys and values again in backward and needs the document ids there too (under
+pp=2's 1f1b schedule, those of the micro-batch being recomputed, whose backward follows the
+next micro-batch's forward on stage 0; the suite's pp=2 x cp=2 layout, the mask on top);
+they also sample 4 tokens at the end, which every rank generates over the whole prompt (through
+the pipeline with pp, where the sampling forwards step around cp's and the mask's view);
 "compile" trains with `--compile` (aot_eager, as tests/test_compile.py's ranks: dynamo's capture
 and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather.
 tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
@@ -69,7 +73,7 @@ def _settings(cfg: TrainConfig, layout: str) -> TrainConfig:
             os.environ[BACKEND_ENV] = "aot_eager"  # in this forked rank only: tests/test_compile.py says why
             cfg = cfg.replace(compile=True)
         elif word == "docmask":
-            cfg = cfg.replace(doc_mask=True, data=_packed_documents(module_dir))
+            cfg = cfg.replace(doc_mask=True, data=_packed_documents(module_dir), sample_tokens=4)
         else:
             cfg = cfg.replace(resume=True) if word == "resume" else cfg.replace(model=word)
     return cfg
@@ -120,7 +124,7 @@ def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
         torch._dynamo.reset()  # a compiled layout's counts are its own
         counters.clear()
         result = train(settings, Path(settings.out))
-        out[layout] = (result.losses, result.val_loss, gathered_weights(result.model))
+        out[layout] = (result.losses, result.val_loss, gathered_weights(result.model), result.sample)
         if settings.compile:
             out[f"{layout} counters"] = {key: dict(value) for key, value in counters.items()}
     return out
@@ -154,10 +158,11 @@ def _norms(cfg: TrainConfig, layout: str) -> list[float]:
 def test_layout_matches_single_process(world, layout, results, base_config):
     # The same model and data on one process, eager.
     reference = " ".join([*(word for word in layout.split(" ")[:-1] if word != "compile"), "dp=1"])
-    ref_losses, ref_val, ref_weights = results[1][0][reference]
+    ref_losses, ref_val, ref_weights, ref_sample = results[1][0][reference]
     held: set[str] = set()  # pipeline stages hold their own layers; together, all of them
-    for losses, val_loss, weights in (rank[layout] for rank in results[world]):
+    for losses, val_loss, weights, sample in (rank[layout] for rank in results[world]):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOLERANCE, (losses, ref_losses)
+        assert sample == ref_sample  # "docmask" layouts sample a few tokens at the end
         assert abs(val_loss - ref_val) < TOLERANCE
         for name, value in weights.items():
             torch.testing.assert_close(value, ref_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
@@ -172,7 +177,7 @@ def test_compiled_blocks_hold_the_gather_in_one_graph(results):
     (fullgraph=True raises at a break): no break, the four alike blocks share one graph, plus one
     for validation under no_grad, and AOT autograd compiled every one (forward and backward)."""
     for rank in results[2]:
-        counts = rank["compile docmask cp=2 counters"]
+        counts = rank["compile docmask cp=2,recompute=full counters"]
         assert not counts.get("graph_break"), counts
         assert counts["stats"]["unique_graphs"] == 2, counts  # a recompile or a split graph adds one
         assert counts["aot_autograd"]["ok"] == counts["aot_autograd"]["total"] >= 1, counts
@@ -182,8 +187,8 @@ def test_compiled_blocks_hold_the_gather_in_one_graph(results):
 def test_cp4_checkpoint_resumes_on_fewer_ranks(world, layout, results):
     """DCP reshards the cp=4 run's step-1 checkpoint onto cp=2 and onto one process: step 2's
     loss and the final weights are the uninterrupted run's (tolerance as above)."""
-    ref_losses, ref_val, ref_weights = results[1][0]["dp=1"]
-    for losses, val_loss, weights in (rank[layout] for rank in results[world]):
+    ref_losses, ref_val, ref_weights, _ = results[1][0]["dp=1"]
+    for losses, val_loss, weights, _ in (rank[layout] for rank in results[world]):
         assert len(losses) == 1 and abs(losses[0] - ref_losses[1]) < TOLERANCE
         assert abs(val_loss - ref_val) < TOLERANCE
         for name, value in weights.items():
@@ -242,15 +247,6 @@ def test_bad_cp_plans_fail_before_launch(tmp_path, monkeypatch, plan, extra, mes
                       plan=plan).replace(**extra)
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         launch.launch_train(cfg)
-
-
-def test_doc_mask_with_pipelines_is_refused():
-    from phalanx.model.config import model_config
-    from phalanx.plan_model_checks import validate_for_model
-    from phalanx.plan import Plan
-
-    with pytest.raises(UserError, match="--doc-mask with pp=2 is not supported yet"):
-        validate_for_model(Plan(pp=2), model_config("tiny"), global_batch=8, seq_len=32, doc_mask=True)
 
 
 def test_generate_refuses_cp(results, base_config, capsys):

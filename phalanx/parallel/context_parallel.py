@@ -37,10 +37,12 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
 from phalanx.data.batches import chunk_positions
+from phalanx.model.kv_cache import attention_mask
 
 _documents: list[torch.Tensor | None] = [None]
 """The document id of every position of the micro-batch in flight, (batch, seq), set by
-`document_ids` around its forward and backward (recomputation runs the forward again there).
+`document_ids` around its forward and backward (recomputation runs the forward again there);
+under pp, around each stage's forward and backward of one micro-batch (`pipeline.MicrobatchDocuments`).
 A module variable, not a ContextVar: on CUDA, autograd runs the backward, and so the
 recomputed forward, on its own device threads, which a ContextVar set here would not reach."""
 
@@ -107,6 +109,23 @@ class SequenceView:
             same = docs[:, self.queries][:, :, None] == docs[:, self.keys][:, None, :]  # (batch, seq, keys)
             visible = (visible & same)[:, None]  # (batch, 1, seq, keys)
         return visible
+
+    def advance(self, seq: int) -> None:
+        pass
+
+
+class WholeSequence:
+    """An `AttentionCache` that holds nothing: each forward's attention sees its own tokens from
+    position 0, causally, as without a cache. Passed where every rank runs a whole sequence
+    without a KV cache (a pipeline's sampling forwards), so that the cp and `--doc-mask` hook,
+    which leaves real caches alone, leaves this forward alone too."""
+
+    def positions(self, seq: int, device) -> torch.Tensor:
+        return torch.arange(seq, device=device)  # (seq,)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return k, v, attention_mask(k.shape[2], k.shape[2], window, k.device)
 
     def advance(self, seq: int) -> None:
         pass
