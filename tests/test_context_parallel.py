@@ -1,6 +1,6 @@
 """Context parallelism computes what one process computes, alone and beside dp, tp, pp, zero=3
-and expert parallelism (over dp x cp, and folded over tp), with latent attention; its
-checkpoints resume on other cp degrees.
+and expert parallelism (over dp x cp, and folded over tp), with latent attention, `--compile`
+and `--doc-mask` (through pipelines too); its checkpoints resume on other cp degrees.
 
 Each layout trains for 2 AdamW steps on the same global batches (4 sequences of 32 tokens: a
 chunk of cp=4 holds 4 positions, of cp=2 8) from the same weights and must match one process
@@ -11,7 +11,9 @@ instead of position order, the key/value gradients are summed over the cp ranks 
 reduce-scatter, and gradients are averaged over dp x cp ranks; each is ~1e-7 relative per
 operation (measured loss differences: below 1e-6). A wrong chunk (positions or mask off by one
 chunk), a missing gradient sum over cp or a mean over the wrong ranks moves the losses and
-weights by >1e-3 and fails; so does a rotary table read at local instead of absolute positions.
+weights by >1e-3 and fails; so does a rotary table read at local instead of absolute positions,
+and so do another micro-batch's document ids under pp. `--compile` (aot_eager) runs the same
+operations in the same order, decomposed, within the same bound.
 
 Layouts of one world size run in one launch of forked gloo ranks, one after another.
 """
