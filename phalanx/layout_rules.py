@@ -61,7 +61,7 @@ def sp_problem(tp: int, *, seq_len: int) -> str:
 
 def ep_dp_problem(ep: int, *, dp: int, tp: int = 1, over_tp: bool = False, cp: int = 1) -> str:
     """Expert parallelism is carved out of the data-parallel ranks (dp x cp of them: cp ranks
-    hold different tokens, like dp ranks), or with ep_over_tp=true out of the dp x tp ranks
+    hold different tokens, like dp ranks), or with ep_over_tp=true out of the dp x cp x tp ranks
     (MoE parallel folding, phalanx/parallel/expert_fold.py)."""
     if cp > 1 and not over_tp:
         if (dp * cp) % ep:
@@ -71,8 +71,9 @@ def ep_dp_problem(ep: int, *, dp: int, tp: int = 1, over_tp: bool = False, cp: i
         if tp == 1 or ep == 1:
             return (f"ep_over_tp=true spreads experts over the tp ranks too and needs tp > 1 and ep > 1, "
                     f"got tp={tp}, ep={ep}")
-        if (dp * tp) % ep:
-            return f"ep={ep} must divide dp x tp = {dp * tp} (ep_over_tp=true spreads experts over dp x tp ranks)"
+        if (dp * cp * tp) % ep:
+            ranks = f"dp x cp x tp = {dp} x {cp} x {tp} = {dp * cp * tp}" if cp > 1 else f"dp x tp = {dp * tp}"
+            return f"ep={ep} must divide {ranks} (ep_over_tp=true spreads experts over those ranks)"
         return ""
     if dp % ep:
         return f"ep={ep} must divide dp={dp} (experts are spread over data-parallel ranks)"

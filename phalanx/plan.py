@@ -41,7 +41,7 @@ class Plan:
     and zero levels shard over dp x cp."""
     ep: int = 1
     """Expert-parallel degree, carved out of the dp x cp ranks (must divide dp x cp), or with ep_over_tp out
-    of the dp x tp ranks (must divide dp x tp)."""
+    of the dp x cp x tp ranks (must divide dp x cp x tp)."""
     ep_over_tp: bool = False
     """MoE parallel folding: the ep group is drawn from the dp x tp ranks of a stage and each tp
     rank sends 1/tp of an MoE layer's token-expert assignments, so tp ranks no longer run the

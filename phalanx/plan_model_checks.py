@@ -15,13 +15,13 @@ from phalanx.plan import Plan, weights_view
 
 
 def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32",
-                       compile: bool = False, float8: bool = False, doc_mask: bool = False) -> Plan:
-    """Checks that need the model's shape, the batch, `--dtype`, `--compile`, `--float8` and
-    `--doc-mask`; raised before any worker starts. Returns the plan with its precision filled
+                       compile: bool = False, float8: bool = False) -> Plan:
+    """Checks that need the model's shape, the batch, `--dtype`, `--compile` and `--float8`;
+    raised before any worker starts. Returns the plan with its precision filled
     in from `dtype` (`resolve_precision`)."""
     validate_ep(cfg, weights_view(plan))  # experts spread over dp x cp ranks
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
-    problems += validate_cp(plan, cfg, seq_len, compile=compile, doc_mask=doc_mask)
+    problems += validate_cp(plan, seq_len)
     problems += validate_compile(plan, compile) + validate_float8(plan, float8, moe=cfg.n_experts > 0)
     if cfg.tie_embeddings and plan.pp > 1:
         problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
@@ -137,20 +137,9 @@ def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
         raise UserError(f"invalid plan: {problem}")
 
 
-def validate_cp(plan: Plan, cfg: ModelConfig, seq_len: int, *, compile: bool = False, doc_mask: bool = False) -> list[str]:
-    """Why `plan.cp` (or `--doc-mask`) cannot run `cfg` (empty if it can)."""
-    problems = []
-    if doc_mask and plan.pp > 1:
-        problems.append(f"--doc-mask with pp={plan.pp} is not supported yet (the pipeline schedules split "
-                        "micro-batches without their document ids)")
-    if (plan.cp > 1 or doc_mask) and cfg.is_latent:
-        what = f"cp={plan.cp}" if plan.cp > 1 else "--doc-mask"
-        problems.append(f"{what} with latent attention ({cfg.name!r}) is not supported yet")
+def validate_cp(plan: Plan, seq_len: int) -> list[str]:
+    """Why `plan.cp` cannot cut sequences of `seq_len` (empty if it can). cp composes with every
+    other part of a plan, latent attention, `--compile` and `--doc-mask` (docs/layout.md)."""
     if plan.cp == 1:
-        return problems
-    problems.append(rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp))
-    if compile:
-        problems.append(f"cp={plan.cp} with --compile is not supported yet (the key/value gather runs in a hook)")
-    if plan.ep_over_tp:
-        problems.append(f"cp={plan.cp} with ep_over_tp=true is not supported yet")
-    return [problem for problem in problems if problem]
+        return []
+    return [problem for problem in [rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp)] if problem]

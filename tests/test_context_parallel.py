@@ -1,5 +1,6 @@
 """Context parallelism computes what one process computes, alone and beside dp, tp, pp, zero=3
-and expert parallelism; its checkpoints resume on other cp degrees.
+and expert parallelism (over dp x cp, and folded over tp), with latent attention, `--compile`
+and `--doc-mask` (through pipelines too); its checkpoints resume on other cp degrees.
 
 Each layout trains for 2 AdamW steps on the same global batches (4 sequences of 32 tokens: a
 chunk of cp=4 holds 4 positions, of cp=2 8) from the same weights and must match one process
@@ -10,7 +11,9 @@ instead of position order, the key/value gradients are summed over the cp ranks 
 reduce-scatter, and gradients are averaged over dp x cp ranks; each is ~1e-7 relative per
 operation (measured loss differences: below 1e-6). A wrong chunk (positions or mask off by one
 chunk), a missing gradient sum over cp or a mean over the wrong ranks moves the losses and
-weights by >1e-3 and fails; so does a rotary table read at local instead of absolute positions.
+weights by >1e-3 and fails; so does a rotary table read at local instead of absolute positions,
+and so do another micro-batch's document ids under pp. `--compile` (aot_eager) runs the same
+operations in the same order, decomposed, within the same bound.
 
 Layouts of one world size run in one launch of forked gloo ranks, one after another.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import pytest
 import torch
 
 from phalanx.errors import UserError
+from phalanx.parallel.compile import BACKEND_ENV
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
 from phalanx.testing.weights import gathered_weights
@@ -36,13 +41,23 @@ TOLERANCE = 1e-4
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 LAYOUTS = {
-    4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "pp=2,cp=2", "dp=2,cp=2,zero=3", "tiny-moe dp=2,cp=2,ep=4"],
-    2: ["cp=2", "resume cp=2", "docmask cp=2,recompute=full"],
+    4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "docmask pp=2,cp=2,recompute=full", "dp=2,cp=2,zero=3",
+        "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
+    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
 `--doc-mask` on packed short documents (`_packed_documents`), here with full recomputation,
-which gathers keys and values again in backward and needs the document ids there too."""
+which gathers keys and values again in backward and needs the document ids there too (under
+pp=2's 1f1b schedule, those of the micro-batch being recomputed, whose backward follows the
+next micro-batch's forward on stage 0; the suite's pp=2 x cp=2 layout, the mask on top);
+they also sample 4 tokens at the end, which every rank generates over the whole prompt (through
+the pipeline with pp, where the sampling forwards step around cp's and the mask's view);
+"compile" trains with `--compile` (aot_eager, as tests/test_compile.py's ranks: dynamo's capture
+and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather.
+tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
+MoE with the learned routing bias, experts over dp x cp; tiny-moe with ep_over_tp folds the
+experts over the dp x cp x tp ranks."""
 
 
 def _dir(layout: str) -> str:
@@ -51,25 +66,29 @@ def _dir(layout: str) -> str:
 
 def _settings(cfg: TrainConfig, layout: str) -> TrainConfig:
     *words, plan = layout.split(" ")
+    module_dir = cfg.out
     cfg = cfg.replace(plan=plan, out=f"{cfg.out}/{_dir(layout)}")
     if plan == "cp=4":
         cfg = cfg.replace(ckpt_every=1)
     for word in words:
-        if word == "docmask":
-            cfg = cfg.replace(doc_mask=True, data=_packed_documents(cfg))
+        if word == "compile":
+            os.environ[BACKEND_ENV] = "aot_eager"  # in this forked rank only: tests/test_compile.py says why
+            cfg = cfg.replace(compile=True)
+        elif word == "docmask":
+            cfg = cfg.replace(doc_mask=True, data=_packed_documents(module_dir), sample_tokens=4)
         else:
             cfg = cfg.replace(resume=True) if word == "resume" else cfg.replace(model=word)
     return cfg
 
 
-def _packed_documents(cfg: TrainConfig) -> str:
+def _packed_documents(module_dir: str) -> str:
     """A prepared directory of short documents (8 to 40 bytes: a 32-token window spans two or
     more), made once per module."""
     import random
 
     from phalanx.data.prepare import prepare
 
-    base = Path(cfg.out.split("/docmask")[0])  # the module's folder
+    base = Path(module_dir)
     target = base / "packed-data"
     if not target.exists():
         text, rng, docs = Path(ONE_FILE_CORPUS).read_text()[:30000], random.Random(0), []
@@ -96,13 +115,20 @@ def _resume_dir(cfg: TrainConfig, layout: str) -> None:
 
 def _train_layouts(cfg: TrainConfig, layouts: list[str]) -> dict:
     """On every rank: each layout's losses, validation loss and this rank's full weights."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     out = {}
     for layout in layouts:
         if layout.startswith("resume"):
             _resume_dir(cfg, layout)
         settings = _settings(cfg, layout)
+        torch._dynamo.reset()  # a compiled layout's counts are its own
+        counters.clear()
         result = train(settings, Path(settings.out))
-        out[layout] = (result.losses, result.val_loss, gathered_weights(result.model))
+        out[layout] = (result.losses, result.val_loss, gathered_weights(result.model), result.sample)
+        if settings.compile:
+            out[f"{layout} counters"] = {key: dict(value) for key, value in counters.items()}
     return out
 
 
@@ -117,8 +143,8 @@ def base_config(tmp_path_factory):
 def results(base_config):
     """{world: [rank results]}: one process of each model first, then the cp launches, then
     the cp=4 checkpoint resumed on one process."""
-    _packed_documents(base_config)  # before the launches: no rank makes it
-    out = {1: run_ranks(1, _train_layouts, base_config, ["dp=1", "tiny-moe dp=1", "docmask dp=1"])}
+    _packed_documents(base_config.out)  # before the launches: no rank makes it
+    out = {1: run_ranks(1, _train_layouts, base_config, ["dp=1", "tiny-moe dp=1", "tiny-dsv3 dp=1", "docmask dp=1"])}
     for world, layouts in LAYOUTS.items():
         out[world] = run_ranks(world, _train_layouts, base_config, layouts, timeout_s=400)
     out["resume-1"] = run_ranks(1, _train_layouts, base_config, ["resume dp=1"])
@@ -132,11 +158,13 @@ def _norms(cfg: TrainConfig, layout: str) -> list[float]:
 
 @pytest.mark.parametrize("world, layout", [(w, p) for w, plans in LAYOUTS.items() for p in plans if "resume" not in p])
 def test_layout_matches_single_process(world, layout, results, base_config):
-    reference = {"tiny-moe": "tiny-moe dp=1", "docmask": "docmask dp=1"}.get(layout.split(" ")[0], "dp=1")
-    ref_losses, ref_val, ref_weights = results[1][0][reference]
+    # The same model and data on one process, eager.
+    reference = " ".join([*(word for word in layout.split(" ")[:-1] if word != "compile"), "dp=1"])
+    ref_losses, ref_val, ref_weights, ref_sample = results[1][0][reference]
     held: set[str] = set()  # pipeline stages hold their own layers; together, all of them
-    for losses, val_loss, weights in (rank[layout] for rank in results[world]):
+    for losses, val_loss, weights, sample in (rank[layout] for rank in results[world]):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < TOLERANCE, (losses, ref_losses)
+        assert sample == ref_sample  # "docmask" layouts sample a few tokens at the end
         assert abs(val_loss - ref_val) < TOLERANCE
         for name, value in weights.items():
             torch.testing.assert_close(value, ref_weights[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
@@ -146,12 +174,23 @@ def test_layout_matches_single_process(world, layout, results, base_config):
         assert abs(norm - ref) < TOLERANCE * ref
 
 
+def test_compiled_blocks_hold_the_gather_in_one_graph(results):
+    """Under --compile the cp hook and the key/value gather are traced into each block's graph
+    (fullgraph=True raises at a break): no break, the four alike blocks share one graph, plus one
+    for validation under no_grad, and AOT autograd compiled every one (forward and backward)."""
+    for rank in results[2]:
+        counts = rank["compile docmask cp=2,recompute=full counters"]
+        assert not counts.get("graph_break"), counts
+        assert counts["stats"]["unique_graphs"] == 2, counts  # a recompile or a split graph adds one
+        assert counts["aot_autograd"]["ok"] == counts["aot_autograd"]["total"] >= 1, counts
+
+
 @pytest.mark.parametrize("world, layout", [(2, "resume cp=2"), ("resume-1", "resume dp=1")])
 def test_cp4_checkpoint_resumes_on_fewer_ranks(world, layout, results):
     """DCP reshards the cp=4 run's step-1 checkpoint onto cp=2 and onto one process: step 2's
     loss and the final weights are the uninterrupted run's (tolerance as above)."""
-    ref_losses, ref_val, ref_weights = results[1][0]["dp=1"]
-    for losses, val_loss, weights in (rank[layout] for rank in results[world]):
+    ref_losses, ref_val, ref_weights, _ = results[1][0]["dp=1"]
+    for losses, val_loss, weights, _ in (rank[layout] for rank in results[world]):
         assert len(losses) == 1 and abs(losses[0] - ref_losses[1]) < TOLERANCE
         assert abs(val_loss - ref_val) < TOLERANCE
         for name, value in weights.items():
@@ -199,6 +238,7 @@ def test_chunk_masks_put_together_are_the_whole_sequence_mask(cp):
     ("tp=2,cp=2,sp=true", {"seq_len": 36, "nproc": 4}, "seq_len=36 must divide by 2 x cp x tp = 2 x 2 x 2 = 8"),
     ("cp=3", {"nproc": 2}, "dp=1 x cp=3 x tp=1 x pp=1 = 3, but 2 processes were started"),
     ("dp=2,cp=2,ep=3", {"nproc": 4, "model": "tiny-moe"}, "ep=3 must divide dp x cp = 2 x 2 = 4"),
+    ("tp=2,cp=2,ep=3,ep_over_tp=true", {"nproc": 4, "model": "tiny-moe"}, "ep=3 must divide dp x cp x tp = 1 x 2 x 2 = 4"),
     ("cp=2", {"doc_mask": True}, "--doc-mask needs to know where documents start"),
 ])
 def test_bad_cp_plans_fail_before_launch(tmp_path, monkeypatch, plan, extra, message):
@@ -211,15 +251,6 @@ def test_bad_cp_plans_fail_before_launch(tmp_path, monkeypatch, plan, extra, mes
         launch.launch_train(cfg)
 
 
-def test_doc_mask_with_pipelines_is_refused():
-    from phalanx.model.config import model_config
-    from phalanx.plan_model_checks import validate_for_model
-    from phalanx.plan import Plan
-
-    with pytest.raises(UserError, match="--doc-mask with pp=2 is not supported yet"):
-        validate_for_model(Plan(pp=2), model_config("tiny"), global_batch=8, seq_len=32, doc_mask=True)
-
-
 def test_generate_refuses_cp(results, base_config, capsys):
     from phalanx.testing.cli_errors import assert_cli_error
 
@@ -228,11 +259,13 @@ def test_generate_refuses_cp(results, base_config, capsys):
                       "--plan", "cp=2", "--nproc", "2"], capsys, "phalanx generate does not run context parallelism")
 
 
-def test_doc_mask_equals_running_the_documents_separately():
+@pytest.mark.parametrize("model", ["tiny", "tiny-dsv3"])
+def test_doc_mask_equals_running_the_documents_separately(model):
     """One packed sequence of three documents under the document mask gives each document the
     logits it gets alone (rotary attention depends on position differences only, so the packed
     documents' later absolute positions change nothing but float rounding: 1e-5). Without the
-    mask the later documents see the earlier ones and differ."""
+    mask the later documents see the earlier ones and differ. tiny-dsv3: latent attention, whose
+    mask comes with its latents through the same view."""
     from phalanx.model.config import model_config
     from phalanx.model.init import build_model
     from phalanx.parallel.context_parallel import apply_context_parallel, document_ids
@@ -240,7 +273,7 @@ def test_doc_mask_equals_running_the_documents_separately():
     from phalanx.parallel.mesh import ParallelMesh
     from phalanx.plan import Plan
 
-    cfg = model_config("tiny")
+    cfg = model_config(model)
     one = ParallelMesh(plan=Plan(), device=torch.device("cpu"))
     masked = apply_context_parallel(materialize(build_model(cfg), cfg, 0, "cpu"), one, doc_mask=True)
     plain = materialize(build_model(cfg), cfg, 0, "cpu")

@@ -14,6 +14,12 @@ up-projection is folded into the query and the value up-projection applied after
 so the cached latent is never decompressed (576 values per token and layer for DeepSeek-V3
 instead of 128 heads x (192 + 128)). A prefill (many new queries per key) decompresses the
 latents it reads instead, the cheaper product there (as DeepSeek's and SGLang's servers do).
+
+Training under context parallelism or `--doc-mask` takes the cache path too: the "cache" is
+then a `SequenceView` (parallel/context_parallel.py) whose `positions` are this rank's absolute
+positions and whose `update` returns the latents and rotated keys of the whole sequence,
+gathered over the cp ranks, with an explicit mask; the prefill branch decompresses them here.
+So only the latents travel, never the per-head keys and values.
 """
 
 from __future__ import annotations
@@ -82,7 +88,7 @@ class LatentAttention(nn.Module):
             out = self.decompressed(q_nope, q_rope, latent, k_rope, None, cache)
         else:
             latents, k_ropes, mask = cache.update(self.layer, latent[:, None], k_rope.transpose(1, 2), 0)
-            if seq > 1:  # a prefill: many queries per key, decompressing is the cheaper product
+            if seq > 1:  # a prefill (or cp's view): many queries per key, decompressing is the cheaper product
                 out = self.decompressed(q_nope, q_rope, latents[:, 0], k_ropes.transpose(1, 2), mask)
             else:
                 out = self.absorbed_attention(q_nope, q_rope, latents, k_ropes, mask)  # (batch, heads, seq, value)

@@ -20,6 +20,9 @@ per-expert loop and for expert parallelism's all-to-all split sizes) and keep st
 the module, which dynamo cannot capture in one graph; so in an MoE block only its attention
 is compiled (`fullgraph=True` too), and the router and experts run eagerly.
 
+Under context parallelism each block's graph also holds the hook that hands attention its view
+of the sequence and the key/value gather (a functional collective), as docs/layout.md says.
+
 What `--compile` does not compose with is refused in `validate_compile` (one line, before any
 worker starts), with the reason.
 """

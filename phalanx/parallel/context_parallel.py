@@ -22,6 +22,10 @@ for the positions of its tokens and for the keys it sees. A forward pre-hook on 
 layer hands it a `SequenceView` that answers from the cp group instead of a cache; generation
 (which passes a real cache) is left alone. With `--doc-mask`, the same view also keeps
 attention inside each document of a packed sequence (`document_ids`), with or without cp.
+
+Under `--compile` (parallel/compile.py compiles each block) the hook and the gather are traced
+into the block's one graph: dynamo inlines a submodule's hooks, and the gather is torch's
+functional all-gather, whose reduce-scatter lands in the compiled backward.
 """
 
 from __future__ import annotations
@@ -29,14 +33,16 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch.distributed import _functional_collectives as funcol
 
 from phalanx.data.batches import chunk_positions
+from phalanx.model.kv_cache import attention_mask
 
 _documents: list[torch.Tensor | None] = [None]
 """The document id of every position of the micro-batch in flight, (batch, seq), set by
-`document_ids` around its forward and backward (recomputation runs the forward again there).
+`document_ids` around its forward and backward (recomputation runs the forward again there);
+under pp, around each stage's forward and backward of one micro-batch (`pipeline.MicrobatchDocuments`).
 A module variable, not a ContextVar: on CUDA, autograd runs the backward, and so the
 recomputed forward, on its own device threads, which a ContextVar set here would not reach."""
 
@@ -53,35 +59,20 @@ def document_ids(ids: torch.Tensor | None):
         _documents[0] = before
 
 
-def _gather_single(output: torch.Tensor, local: torch.Tensor, group) -> None:
-    # all_gather_single is the new name (torch 2.13); all_gather_into_tensor the older one.
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, local, group=group)
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+"""torch's traceable all-gather on dim 0 (a functional collective) whose backward is a sum
+reduce-scatter: its torch 2.13 name, else the older one (torch 2.11, 2.12)."""
 
 
-def _reduce_scatter_single(output: torch.Tensor, parts: torch.Tensor, group) -> None:
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, parts, group=group)
+def gather_over_cp(local: torch.Tensor, group) -> torch.Tensor:
+    """(..., L, c) on each of cp ranks -> (..., cp * L, c), rank r's positions at r*L..(r+1)*L.
 
-
-class _GatherOverCp(torch.autograd.Function):
-    """(..., L, c) on each of cp ranks -> (..., cp * L, c), rank r's positions at r*L..(r+1)*L;
-    backward: the sum of every rank's gradient of this rank's part (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group, cp: int) -> torch.Tensor:
-        ctx.group, ctx.cp = group, cp
-        local = local.contiguous()
-        stacked = local.new_empty((cp * local.shape[0], *local.shape[1:]))  # ranks stacked on dim 0
-        _gather_single(stacked, local, group)
-        stacked = stacked.view(cp, *local.shape)  # (cp, ..., L, c)
-        return stacked.movedim(0, -3).flatten(-3, -2)  # (..., cp * L, c)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        *lead, keys, channels = grad.shape
-        parts = grad.reshape(*lead, ctx.cp, keys // ctx.cp, channels).movedim(-3, 0).contiguous()  # (cp, ..., L, c)
-        mine = grad.new_empty(parts.shape[1:])
-        _reduce_scatter_single(mine, parts.flatten(0, 1), ctx.group)
-        return mine, None, None
+    Its backward sums every rank's gradient of this rank's part (a reduce-scatter): torch's
+    functional collective registers it, and dynamo traces it into a compiled block's forward
+    and backward graphs (`--compile`), where a process-group call in an autograd.Function of
+    our own would rely on dynamo rewriting it."""
+    stacked = _all_gather(local.movedim(-2, 0).contiguous(), 0, group)  # (cp * L, ..., c)
+    return stacked.movedim(0, -2)  # (..., cp * L, c)
 
 
 class SequenceView:
@@ -99,8 +90,11 @@ class SequenceView:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.cp > 1:
-            both = _GatherOverCp.apply(torch.stack([k, v]), self.group, self.cp)  # (2, batch, kv_heads, keys, head_dim)
-            k, v = both.unbind(0)
+            # One collective of both, side by side on the channels: latent attention's pair
+            # (its latent and its rotated shared key) differ in width.
+            width = k.shape[-1]
+            both = gather_over_cp(torch.cat([k, v], dim=-1), self.group)  # (batch, kv_heads, keys, k + v channels)
+            k, v = both[..., :width], both[..., width:]
         return k, v, self.mask(window)
 
     def mask(self, window: int) -> torch.Tensor:
@@ -120,23 +114,40 @@ class SequenceView:
         pass
 
 
+class WholeSequence:
+    """An `AttentionCache` that holds nothing: each forward's attention sees its own tokens from
+    position 0, causally, as without a cache. Passed where every rank runs a whole sequence
+    without a KV cache (a pipeline's sampling forwards), so that the cp and `--doc-mask` hook,
+    which leaves real caches alone, leaves this forward alone too."""
+
+    def positions(self, seq: int, device) -> torch.Tensor:
+        return torch.arange(seq, device=device)  # (seq,)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return k, v, attention_mask(k.shape[2], k.shape[2], window, k.device)
+
+    def advance(self, seq: int) -> None:
+        pass
+
+
 class ContextParallel:
     """Hands every attention layer of this rank its `SequenceView` (see the module docstring)."""
 
     def __init__(self, cp: int, rank: int, group, doc_mask: bool):
         self.cp, self.rank, self.group, self.doc_mask = cp, rank, group, doc_mask
-        self._positions: dict = {}
 
     def view(self, local_len: int, device) -> SequenceView:
-        key = (local_len, str(device))
-        if key not in self._positions:
-            seq = local_len * self.cp
-            self._positions[key] = (chunk_positions(seq, self.cp, self.rank, device),
-                                    torch.cat([chunk_positions(seq, self.cp, r, device) for r in range(self.cp)]))
+        # Positions made afresh for every layer (a few aranges), not cached on this object: under
+        # --compile the hook runs inside the block's graph, where a cache filled on the first
+        # call changes what the guards see and compiles the block a second time.
+        seq = local_len * self.cp
+        queries = chunk_positions(seq, self.cp, self.rank, device)  # (local_len,)
+        keys = torch.cat([chunk_positions(seq, self.cp, r, device) for r in range(self.cp)])  # (seq,) in rank order
         documents = _documents[0]
         if self.doc_mask and documents is None:
             raise RuntimeError("--doc-mask: no document ids for this forward (wrap it in document_ids)")
-        return SequenceView(*self._positions[key], self.group, self.cp, documents if self.doc_mask else None)
+        return SequenceView(queries, keys, self.group, self.cp, documents if self.doc_mask else None)
 
     def hook(self, module: nn.Module, args: tuple):
         if len(args) > 2 and args[2] is not None:

@@ -13,12 +13,14 @@ layout-independent init and weight comparison all see ordinary parameter names.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from phalanx import layout_rules as rules
+from phalanx.parallel.context_parallel import document_ids
 from phalanx.model.transformer import Transformer
 from phalanx.plan import Plan
 
@@ -70,6 +72,52 @@ class StageModules(nn.Module):
         return self
 
 
+class MicrobatchDocuments:
+    """`--doc-mask` through a schedule: each stage's forward and backward of micro-batch i runs
+    under the document ids of micro-batch i (`context_parallel.document_ids`).
+
+    A schedule runs the micro-batches of a step in its own order, forwards of some between the
+    backwards of others (1f1b, interleaved, the V shapes), and recomputation (`recompute=full`)
+    runs a micro-batch's forward again inside its backward; so the ids are set around every
+    call that runs one micro-batch on a stage, by its index, not once per step."""
+
+    CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    """PipelineStage's methods that run one micro-batch, its index their first argument."""
+
+    def __init__(self, n_microbatches: int):
+        self.n_microbatches = n_microbatches
+        self.parts: tuple[torch.Tensor, ...] | None = None
+
+    def wrap(self, stage) -> None:
+        for name in self.CALLS:
+            original = getattr(stage, name, None)
+            if original is None:
+                continue
+
+            def run(index, *args, _original=original, **kwargs):
+                if self.parts is None:
+                    return _original(index, *args, **kwargs)
+                with document_ids(self.parts[index]):
+                    return _original(index, *args, **kwargs)
+
+            setattr(stage, name, run)
+
+    @contextlib.contextmanager
+    def step(self, documents: torch.Tensor | None):
+        """Around one `schedule.step`: `documents` (batch, seq) of this rank's whole batch,
+        cut as the schedule cuts the inputs (`tensor_split` on dim 0)."""
+        if documents is None:
+            yield
+            return
+        self.parts = documents.tensor_split(self.n_microbatches)
+        try:
+            # Also the first step's shape-inference forward, which runs on micro-batch 0's shapes.
+            with document_ids(self.parts[0]):
+                yield
+        finally:
+            self.parts = None
+
+
 @dataclass
 class Pipeline:
     """Everything the training step needs to run one rank's share of the pipeline."""
@@ -79,6 +127,7 @@ class Pipeline:
     n_stages: int
     has_first: bool
     has_last: bool
+    documents: MicrobatchDocuments
 
 
 _METADATA_FORWARDS = ("_forward_metadata_inference", "_shape_inference")
@@ -122,8 +171,10 @@ def build_schedule(plan: Plan, stage_modules: list[nn.Module], stage_indices: li
         pl.PipelineStage(module, index, n_stages, device, group=pp_group)
         for module, index in zip(stage_modules, stage_indices)
     ]
+    documents = MicrobatchDocuments(plan.num_microbatches)
     for stage in stages:
         _metadata_forward_in_eval(stage)
+        documents.wrap(stage)
     kinds = {
         "gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved": pl.ScheduleInterleaved1F1B,
         "zbv": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV,
@@ -135,7 +186,7 @@ def build_schedule(plan: Plan, stage_modules: list[nn.Module], stage_indices: li
     schedule = kind(target, n_microbatches=plan.num_microbatches, loss_fn=loss_fn, scale_grads=True)
     return Pipeline(
         schedule=schedule, stage_indices=stage_indices, n_stages=n_stages,
-        has_first=0 in stage_indices, has_last=n_stages - 1 in stage_indices,
+        has_first=0 in stage_indices, has_last=n_stages - 1 in stage_indices, documents=documents,
     )
 
 

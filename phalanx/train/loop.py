@@ -108,10 +108,11 @@ def evaluate(model, tokens, cfg: TrainConfig, mesh: ParallelMesh, autocast, pipe
             dp_rank=mesh.batch_rank, dp_size=mesh.batch_ranks, cp=mesh.cp, cp_rank=mesh.cp_rank,
         )
         inputs, targets = inputs.to(mesh.device), targets.to(mesh.device)
+        ids = step_documents(documents, tokens, cfg, mesh, seed=EVAL_SEED, step=i)
         if pipeline is not None:
-            total += pipeline_forward_loss(model, mesh, inputs, targets, autocast=autocast)
+            total += pipeline_forward_loss(model, mesh, inputs, targets, autocast=autocast, documents=ids)
         else:
-            with loss_context(mesh.plan), document_ids(step_documents(documents, tokens, cfg, mesh, seed=EVAL_SEED, step=i)):
+            with loss_context(mesh.plan), document_ids(ids):
                 total += _plain(batch_loss(model, inputs, targets, autocast))
     model.train()
     return float(mesh.all_reduce_mean(total / cfg.eval_batches))
@@ -247,7 +248,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
             documents = step_documents(corpus.train_documents, corpus.train, cfg, mesh, seed=cfg.seed, step=step)
             clock = WaitClock() if pipeline is not None else None
             if pipeline is not None:
-                loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast, clock=clock)
+                loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast, clock=clock,
+                                         documents=documents)
             else:
                 loss_sum = torch.zeros((), device=device)
                 for i in range(accum):

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from phalanx.parallel.context_parallel import WholeSequence, document_ids
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.pipeline import Pipeline, build_schedule, stages_of_rank
 from phalanx.parallel.tensor_parallel import loss_context
@@ -67,11 +68,13 @@ class WaitClock:
 
 
 def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor,
-                  *, autocast, clock: WaitClock | None = None) -> torch.Tensor:
+                  *, autocast, clock: WaitClock | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Forward and backward of this dp rank's batch; returns its mean loss, the same on
-    every pp rank. `clock`: adds up the time the schedule waited on transfers."""
+    every pp rank. `clock`: adds up the time the schedule waited on transfers. `documents`:
+    with `--doc-mask`, the batch's document ids (batch, seq), cut per micro-batch."""
     losses: list[torch.Tensor] = []
-    with loss_context(mesh.plan), autocast(), (clock.timing() if clock else contextlib.nullcontext()):
+    with loss_context(mesh.plan), autocast(), (clock.timing() if clock else contextlib.nullcontext()), \
+            pipeline.documents.step(documents):
         kwargs = {"target": targets if pipeline.has_last else None, "losses": losses}
         args = (inputs,) if pipeline.has_first else ()
         pipeline.schedule.step(*args, **kwargs)
@@ -103,7 +106,7 @@ def bubble_record(clock: WaitClock, step_time_s: float, plan, mesh: ParallelMesh
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def pipeline_forward(model, mesh: ParallelMesh, inputs: torch.Tensor, *, on_output) -> None:
+def pipeline_forward(model, mesh: ParallelMesh, inputs: torch.Tensor, *, on_output, cache=None) -> None:
     """Forward only, `inputs` as one micro-batch, stage after stage through the pp ranks;
     calls `on_output(logits)` on the rank holding the last stage. Used for validation and
     sampling: simpler than a schedule's `eval` (which the V-shaped schedules do not support),
@@ -112,6 +115,7 @@ def pipeline_forward(model, mesh: ParallelMesh, inputs: torch.Tensor, *, on_outp
     Hidden states travel between the pp ranks that hold consecutive stages, preceded by their
     shape and dtype (the receiver does not know the sequence split or the autocast dtype).
     Each rank visits its stages in increasing order, so the sends form one chain: no cycles.
+    `cache`: an `AttentionCache` every chunk's attention asks instead (sampling's `WholeSequence`).
     """
     plan = mesh.plan
     group = mesh.group("pp")
@@ -129,7 +133,7 @@ def pipeline_forward(model, mesh: ParallelMesh, inputs: torch.Tensor, *, on_outp
             dist.recv(header, group=group, group_src=source)  # (batch, seq, dim, dtype index)
             hidden = torch.empty(tuple(header[:3].tolist()), dtype=_DTYPES[int(header[3])], device=mesh.device)
             dist.recv(hidden, group=group, group_src=source)
-        hidden = chunks[stage](hidden)
+        hidden = chunks[stage](hidden) if cache is None else chunks[stage](hidden, cache)
         if stage == n_stages - 1:
             on_output(hidden)
         elif owner[stage + 1] != me:
@@ -140,15 +144,16 @@ def pipeline_forward(model, mesh: ParallelMesh, inputs: torch.Tensor, *, on_outp
 
 @torch.no_grad()
 def pipeline_forward_loss(model, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor, *,
-                          autocast) -> torch.Tensor:
-    """Mean loss of (inputs, targets) through the pipeline, the same on every pp rank."""
+                          autocast, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean loss of (inputs, targets) through the pipeline, the same on every pp rank.
+    `documents`: with `--doc-mask`, their document ids (batch, seq)."""
     loss = torch.zeros((), device=mesh.device)
 
     def keep_loss(logits) -> None:
         value = token_loss(logits, targets)
         loss.copy_((value.full_tensor() if hasattr(value, "full_tensor") else value).float())
 
-    with loss_context(mesh.plan), autocast():
+    with loss_context(mesh.plan), autocast(), document_ids(documents):
         pipeline_forward(model, mesh, inputs, on_output=keep_loss)
     dist.all_reduce(loss, group=mesh.group("pp"))  # only the last stage's rank adds a value
     return loss
@@ -166,7 +171,9 @@ def pipeline_next_logits(model, mesh: ParallelMesh, vocab_size: int):
             full = output.full_tensor() if hasattr(output, "full_tensor") else output  # (1, seq, vocab)
             logits.copy_(full[0, position].float())
 
-        pipeline_forward(model, mesh, ids, on_output=keep)
+        # Every rank runs the whole prompt (no KV cache here): attention over it alone, not
+        # cp's view of a sequence split over ranks nor --doc-mask's documents.
+        pipeline_forward(model, mesh, ids, on_output=keep, cache=WholeSequence())
         dist.all_reduce(logits, group=mesh.group("pp"))  # only the last stage's rank adds a value
         return logits
 
