@@ -18,7 +18,7 @@ from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import layer_activation_bytes
 from phalanx.planner.options import Options
-from phalanx.planner.peak_memory import kv_gather_bytes
+from phalanx.planner.peak_memory import gathered_kv_bytes, kv_gather_bytes
 from phalanx.planner.search import SearchSpace, search
 from phalanx.testing.cli_errors import assert_cli_error
 
@@ -69,6 +69,20 @@ def test_cp_traffic_is_one_gather_forward_and_one_reduce_scatter_backward_per_la
     one = evaluate(GQA, H100, LONG, Layout(dp=1, microbatches=8, mbs=1))
     four = evaluate(GQA, H100, LONG, Layout(dp=1, cp=4, microbatches=8, mbs=1))
     assert four.world_size == 4 and four.breakdown["compute"] < one.breakdown["compute"] / 3.5
+
+
+def test_latent_attention_gathers_its_latent_and_searches_cp():
+    """Latent attention's cp gathers the latent and the rotated shared key per token, whole on
+    every tp rank (parallel/context_parallel.py), not the decompressed heads: DeepSeek-V3's
+    512 + 64 values against 128 heads x (192 + 128); the search offers it cp like any model."""
+    v3 = PRESETS["deepseek-v3"]
+    assert kv_gather_bytes(v3, 1, 4096, 8) == 4096 * (512 + 64) * 2
+    assert gathered_kv_bytes(v3, 1, 4096, 8) == 4096 * 128 * (192 + 128) / 8 * 2  # what attention reads, decompressed
+    tiny = PRESETS["tiny-dsv3"]
+    lay = Layout(dp=1, cp=2, microbatches=2, mbs=1)
+    est = evaluate(tiny, H100, Workload(global_batch=2, seq_len=256), lay)
+    per_layer = comm.all_gather(H100, kv_gather_bytes(tiny, 1, 256, 1), size=2, stride=1)
+    assert est.breakdown["cp_comm"] == pytest.approx(2 * 2 * tiny.n_layers * per_layer, rel=1e-12)
 
 
 def test_ring_overlap_hides_the_transfer_behind_attention():

@@ -139,7 +139,7 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
             rules.ep_problem(lay.ep, dp=lay.dp if lay.ep_over_tp else lay.replicas, n_experts=model.n_experts, tp=lay.tp,
                              over_tp=lay.ep_over_tp),
             rules.cp_problem(lay.cp, seq_len=workload.seq_len, tp=lay.tp, sp=lay.sp),
-            "ep_over_tp=true with cp > 1 is not planned" if lay.cp > 1 and lay.ep_over_tp else "",
+            "ep_over_tp=true with cp > 1 is not priced by the planner yet (the trainer runs it: give the plan by hand)" if lay.cp > 1 and lay.ep_over_tp else "",
             rules.pipeline_problem(lay.schedule, pp=lay.pp, virtual=lay.virtual, microbatches=lay.microbatches,
                                    n_layers=model.n_layers)):
         if problem:

@@ -300,8 +300,6 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
         cluster = cluster_from_name(cluster)
     workload = Workload(global_batch=global_batch, seq_len=seq_len)
     options = trainer_options(dtype, cluster, expert_slots=expert_slots)
-    if model.is_latent:  # the trainer's context parallelism does not cover latent attention yet
-        fixed = {**(fixed or {}), "cp": 1}
     result = search(model, cluster, workload, world_size=world_size, fixed=fixed, space=space,
                     options=options, keep=1)
     if not result.ranked:
