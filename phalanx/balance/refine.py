@@ -4,7 +4,7 @@ The greedy packing (heaviest replica first into the lightest GPU) can leave the 
 uneven; a swap of a heavier replica on the most loaded GPU for a lighter one elsewhere moves
 their difference `d` across. Each round, in every row (a layer, or a layer's node) at once:
 take the row's most loaded GPU `a`; try every (replica on `a`, replica on the least loaded GPU)
-pair, and only where none helps, every (replica on `a`, replica on any GPU) pair; keep the pairs
+pair, and only where none helps, every pair with the WIDE_PARTNERS least loaded GPUs; keep the pairs
 where neither expert is then on one GPU twice and both GPUs end below `a`'s old load, and take
 the pair whose larger new load is lowest (the first such pair on a tie). A row stops when no
 swap lowers its most loaded GPU; every accepted swap lowers the row's sorted loads
@@ -21,6 +21,8 @@ import numpy as np
 
 # A swap must lower the top load by more than rounding noise (relative), or it is not taken.
 _RELATIVE_GAIN = 1e-12
+WIDE_PARTNERS = 8
+"""GPUs searched for a swap partner where the least loaded one has none: the 8 least loaded."""
 
 
 def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
@@ -47,10 +49,10 @@ def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
             break
         # Most rounds find their swap with the least loaded GPU; only rows where it has none
         # search all GPUs (8-32x the work), and rows where that fails too are done.
-        row, a, i, b, j = _best_swaps(active, slots, item, load, holds, least_loaded_only=True)
+        row, a, i, b, j = _best_swaps(active, slots, item, load, holds, partners=1)
         stuck = np.setdiff1d(active, row, assume_unique=True)
         if stuck.size:
-            more = _best_swaps(stuck, slots, item, load, holds, least_loaded_only=False)
+            more = _best_swaps(stuck, slots, item, load, holds, partners=WIDE_PARTNERS)
             row, a, i, b, j = (np.concatenate(pair) for pair in zip((row, a, i, b, j), more))
         if not row.size:
             break
@@ -67,7 +69,7 @@ def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
     return slots, swaps
 
 
-def _best_swaps(active, slots, item, load, holds, least_loaded_only: bool):
+def _best_swaps(active, slots, item, load, holds, partners: int):
     """For each row in `active`, the best swap off its most loaded GPU, if one lowers it.
 
     Returns (row, top GPU, position there, other GPU, position there), one entry per row
@@ -78,10 +80,12 @@ def _best_swaps(active, slots, item, load, holds, least_loaded_only: bool):
     row_load = load[active]  # (n, gpus)
     top = row_load.argmax(axis=1)
     top_load = row_load[here, top]
-    if least_loaded_only:
+    if partners == 1:
         partner = row_load.argmin(axis=1)[:, None]  # (n, 1)
-    else:
+    elif partners >= gpus:
         partner = np.broadcast_to(np.arange(gpus), (n, gpus))  # (n, gpus)
+    else:  # the least loaded GPUs: a swap with a heavier one rarely lowers the top more
+        partner = np.argpartition(row_load, partners, axis=1)[:, :partners]  # (n, partners)
     k = partner.shape[1]
     top_item, top_expert = item[active, top], slots[active, top]  # (n, c)
     other_item = item[active[:, None], partner].reshape(n, k * c)  # (n, k*c): partner GPUs' slots

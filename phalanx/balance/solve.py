@@ -15,7 +15,8 @@ from phalanx.balance import incremental, measure
 from phalanx.balance.node_assignments import lightest_assignments
 from phalanx.balance.packing import pack, spread
 from phalanx.balance.placement import NodeFrame, Problem, check_problem, greedy, group_bounds
-from phalanx.balance.replica_moves import improve_with_kicks
+from phalanx.balance.count_revision import revise_counts
+from phalanx.balance.replica_moves import improve, improve_with_kicks
 from phalanx.errors import UserError
 
 
@@ -119,7 +120,12 @@ def _improve(frame: NodeFrame, load: np.ndarray, problem: Problem) -> None:
     """Swaps and replica moves (replica_moves.py) on the frame, in place."""
     cap = problem.gpus // problem.frame_nodes
     kicks = min(MOST_KICKS, KICK_BUDGET // frame.slots.size)
-    frame.slots, frame.count = improve_with_kicks(frame.slots, frame.node_load(load), frame.count, cap, kicks)
+    weight = frame.node_load(load)
+    slots, count = improve(frame.slots, weight, frame.count, cap)
+    slots, count = revise_counts(slots, weight, count, cap)
+    if kicks:
+        slots, count = improve_with_kicks(slots, weight, count, cap, kicks)
+    frame.slots, frame.count = slots, count
 
 
 def _better_node_assignments(load: np.ndarray, problem: Problem, phy2log: np.ndarray) -> np.ndarray:
