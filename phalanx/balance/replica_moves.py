@@ -27,21 +27,23 @@ GOOD_ENOUGH = 2e-4
 
 
 def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: int,
-            max_rounds: int = 16) -> tuple[np.ndarray, np.ndarray]:
+            max_rounds: int = 16, settled: float = GOOD_ENOUGH) -> tuple[np.ndarray, np.ndarray]:
     """(slots, count) after swaps and replica moves; the inputs are not changed.
 
     `slots` (rows, gpus, slots per GPU) holds row-local ids; `expert_load` (rows, ids) is each
     id's load (0 for ids naming no expert, which have count 0 and are never given a replica);
     `count` (rows, ids) its replicas; `cap` the most replicas an id may have (GPUs per row).
+    Rows within `settled` (relative) of their lower bound get no replica moves.
     """
     count = count.copy()
     unit = lambda: expert_load / np.maximum(count, 1)  # noqa: E731
     # A row this close to its lower bound has at most GOOD_ENOUGH to gain: it stops there.
-    good_enough = lower_bound(expert_load, cap, slots.shape[1]) * (1 + GOOD_ENOUGH)
+    bound = lower_bound(expert_load, cap, slots.shape[1])
+    good_enough = bound * (1 + GOOD_ENOUGH)
     slots = refine(slots, unit(), good_enough=good_enough)[0]
     active = np.arange(len(slots))
     for _ in range(max_rounds):
-        active = active[top_load(slots[active], unit()[active]) > good_enough[active]]
+        active = active[top_load(slots[active], unit()[active]) > bound[active] * (1 + max(settled, GOOD_ENOUGH))]
         if not active.size:
             break
         row, a, i, y = _best_moves(active, slots, expert_load, count, cap)

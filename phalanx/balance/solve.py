@@ -15,7 +15,7 @@ from phalanx.balance import incremental, measure
 from phalanx.balance.node_assignments import lightest_assignments
 from phalanx.balance.packing import pack, spread
 from phalanx.balance.placement import NodeFrame, Problem, check_problem, greedy, group_bounds
-from phalanx.balance.count_revision import revise_counts
+from phalanx.balance.count_revision import AT_BOUND, revise_counts
 from phalanx.balance.replica_moves import improve, improve_with_kicks
 from phalanx.errors import UserError
 
@@ -121,7 +121,7 @@ def _improve(frame: NodeFrame, load: np.ndarray, problem: Problem) -> None:
     cap = problem.gpus // problem.frame_nodes
     kicks = min(MOST_KICKS, KICK_BUDGET // frame.slots.size)
     weight = frame.node_load(load)
-    slots, count = improve(frame.slots, weight, frame.count, cap)
+    slots, count = improve(frame.slots, weight, frame.count, cap, settled=AT_BOUND)
     slots, count = revise_counts(slots, weight, count, cap)
     if kicks:
         slots, count = improve_with_kicks(slots, weight, count, cap, kicks)
