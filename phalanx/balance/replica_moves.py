@@ -47,7 +47,9 @@ def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: 
         if not active.size:
             break
         row, a, i, y = _best_moves(active, slots, expert_load, count, cap)
-        stuck = np.setdiff1d(active, row, assume_unique=True)
+        unmoved = np.ones(len(slots), dtype=bool)
+        unmoved[row] = False
+        stuck = active[unmoved[active]]  # active rows without a move (a mask: setdiff1d sorts)
         if stuck.size:  # as refine.py: the wider search only where the narrow one found nothing
             more = _best_moves(stuck, slots, expert_load, count, cap, any_gpu=True)
             row, a, i, y = (np.concatenate(pair) for pair in zip((row, a, i, y), more))
