@@ -84,7 +84,7 @@ def _moves(expert_load: np.ndarray, count: np.ndarray, top: np.ndarray, cap: int
 
 
 def revise_counts(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: int,
-                  donors: int = 3, receivers: int = 4, rounds: int = 2) -> tuple[np.ndarray, np.ndarray]:
+                  donors: int = 3, receivers: int = 4, rounds: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(slots, count) with, per row, the best repacked count vector found; never worse than the input.
 
     `slots` (rows, gpus, slots per GPU), `expert_load` (rows, ids) and `count` (rows, ids) as in
