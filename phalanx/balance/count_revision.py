@@ -6,11 +6,13 @@ two more replicas together than the node has GPUs (6 + 4 on 8 GPUs), so two GPUs
 of both, while one replica fewer of each (5 + 3, the two freed slots to lukewarm experts) packs
 every GPU to about the node's mean. No single swap or replica move (replica_moves.py) reaches
 that: taking one replica off either hot expert first raises its other GPUs' loads. Here, in each
-row that is not yet at its lower bound, count vectors one or two transfers away are built (a
-transfer: one replica fewer for a donor, one of the most replicated heavy ids, one more for a
-receiver, one of the highest loads per replica that may take another), each packed from scratch
-(packing.pack_replicas) and refined by swaps, all candidates of all rows in one batch; a row
-takes its best candidate where that lowers its top load, and the search repeats from there.
+row more than AT_BOUND above its lower bound, the count vectors one or two transfers away are
+built (a transfer: one replica fewer for a donor, one of the 3 highest loads per replica among
+ids with two or more, one more for a receiver, one of the 4 highest that may take another), all
+candidates of all rows in one batch. Where they are many, a screen (where the 2 x gpus largest
+replicas land) keeps one per row; the rest are packed from scratch (packing.pack_replicas) and
+given a few swap rounds; a row takes its best where that lowers its top load, and, with
+`rounds` > 1, the search repeats from there. The rows changed are refined to the end.
 """
 
 from __future__ import annotations
