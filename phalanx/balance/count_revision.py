@@ -11,8 +11,8 @@ built (a transfer: one replica fewer for a donor, one of the 3 highest loads per
 ids with two or more, one more for a receiver, one of the 4 highest that may take another), all
 candidates of all rows in one batch. Where they are many, a screen (where the 2 x gpus largest
 replicas land) keeps one per row; the rest are packed from scratch (packing.pack_replicas) and
-given a few swap rounds; a row takes its best where that lowers its top load, and, with
-`rounds` > 1, the search repeats from there. The rows changed are refined to the end.
+refined by swaps; a row takes its best where that lowers its top load, and, with `rounds` > 1,
+the search repeats from there.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ FULL_EVALUATION_SLOTS = 4_000
 """Above this many candidate slots per round, candidates are screened by an estimate first."""
 SCREENED_KEEP = 1
 """Candidates per row that pass the screen and are packed in full."""
-TRIAL_ROUNDS = 1
-"""Swap rounds per GPU a repacked candidate gets before candidates are compared."""
 MOST_CANDIDATES = 8_000
 """Candidates per round at most (rows x transfers); fewer donors and receivers above it."""
 
@@ -97,7 +95,6 @@ def revise_counts(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray,
     top = top_load(slots, expert_load / np.maximum(count, 1))
     bound = lower_bound(expert_load, cap, gpus)
     active = np.flatnonzero(top > bound * (1 + AT_BOUND))
-    changed = np.zeros(rows, dtype=bool)
     while donors * receivers > 1 and len(active) * len(_transfers(donors, receivers)) > MOST_CANDIDATES:
         donors, receivers = max(1, donors - 1), max(1, receivers - 1)
     for _ in range(rounds):
@@ -110,11 +107,11 @@ def revise_counts(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray,
         for column in range(4):  # one id per trial and column: plain fancy indexing adds right
             trial_count[np.arange(len(row)), touched[:, column]] += delta[:, column]
         if len(row) * gpus * c > FULL_EVALUATION_SLOTS:
-            keep = _screen(row, expert_load[active[row]], trial_count, gpus, cap)
+            keep = _screen(row, expert_load[active[row]], trial_count, gpus)
             row, trial_count = row[keep], trial_count[keep]
         trial_load = expert_load[active[row]]
         unit = trial_load / np.maximum(trial_count, 1)
-        trial = refine(pack_replicas(unit, replicas_of(trial_count), gpus), unit, max_rounds=TRIAL_ROUNDS * gpus,
+        trial = refine(pack_replicas(unit, replicas_of(trial_count), gpus), unit,
                        good_enough=bound[active[row]] * (1 + GOOD_ENOUGH))[0]
         trial_top = top_load(trial, unit)
         # Per active row, its best trial (the first on a tie).
@@ -123,17 +120,11 @@ def revise_counts(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray,
         won = first[trial_top[first] < top[active[row[first]]] * (1 - _RELATIVE_GAIN)]
         target = active[row[won]]
         slots[target], count[target], top[target] = trial[won], trial_count[won], trial_top[won]
-        changed[target] = True
         active = target[top[target] > bound[target] * (1 + AT_BOUND)]
-    # Trials got TRIAL_ROUNDS swap rounds per GPU, enough to rank them; the winners get the rest.
-    changed = np.flatnonzero(changed)
-    if changed.size:
-        unit = expert_load[changed] / np.maximum(count[changed], 1)
-        slots[changed] = refine(slots[changed], unit, good_enough=bound[changed] * (1 + GOOD_ENOUGH))[0]
     return slots, count
 
 
-def _screen(row: np.ndarray, expert_load: np.ndarray, count: np.ndarray, gpus: int, cap: int) -> np.ndarray:
+def _screen(row: np.ndarray, expert_load: np.ndarray, count: np.ndarray, gpus: int) -> np.ndarray:
     """Indices of the SCREENED_KEEP trials per row with the lowest estimated top load.
 
     The estimate places only the 2 x gpus largest replicas (the ones that collide on a GPU),
@@ -148,13 +139,10 @@ def _screen(row: np.ndarray, expert_load: np.ndarray, count: np.ndarray, gpus: i
     k = min(2 * gpus, share.shape[1])
     top_ids = np.argpartition(-share, k - 1, axis=1)[:, :k] if k < share.shape[1] else np.broadcast_to(np.arange(k), (trials, k))
     top_ids = np.take_along_axis(top_ids, np.argsort(-np.take_along_axis(share, top_ids, axis=1), axis=1, kind="stable"), axis=1)
-    copies = np.arange(cap) < np.take_along_axis(count, top_ids, axis=1)[:, :, None]  # (trials, k, cap): replica exists
-    replica_id = np.broadcast_to(top_ids[:, :, None], copies.shape)[copies]  # replicas, heaviest id first, per trial
-    per_trial = copies.sum(axis=(1, 2))
-    start = np.cumsum(per_trial) - per_trial
-    pick = start[:, None] + np.arange(2 * gpus)  # (trials, 2 gpus): each trial's first 2 x gpus replicas
-    enough = per_trial >= 2 * gpus
-    big = np.where(enough[:, None], replica_id[np.minimum(pick, len(replica_id) - 1)], -1)
+    # Replica p (0 .. 2 gpus - 1, heaviest first) belongs to the first id whose cumulative count exceeds p.
+    reach = np.cumsum(np.take_along_axis(count, top_ids, axis=1), axis=1)  # (trials, k)
+    owner = (reach[:, None, :] <= np.arange(2 * gpus)[None, :, None]).sum(axis=2)  # (trials, 2 gpus)
+    big = np.where(owner < k, np.take_along_axis(top_ids, np.minimum(owner, k - 1), axis=1), -1)
     big_share = np.where(big >= 0, np.take_along_axis(share, np.maximum(big, 0), axis=1), 0.0)
     load = big_share[:, :gpus].copy()  # (trials, gpus): the first round, one per GPU
     taken = np.zeros((trials, gpus), dtype=bool)
