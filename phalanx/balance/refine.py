@@ -22,6 +22,8 @@ import numpy as np
 # A swap must lower the top load by more than rounding noise (relative), or it is not taken.
 _RELATIVE_GAIN = 1e-12
 WIDE_PARTNERS = 8
+FEW_ROWS = 32
+"""At most this many rows left: one wide search per round instead of a narrow one first."""
 """GPUs searched for a swap partner where the least loaded one has none: the 8 least loaded."""
 
 
@@ -49,10 +51,15 @@ def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
             break
         # Most rounds find their swap with the least loaded GPU; only rows where it has none
         # search the WIDE_PARTNERS least loaded (8x the work), and rows where that fails too are done.
-        row, a, i, b, j = _best_swaps(active, slots, item, load, holds, partners=1)
-        unswapped = np.ones(rows, dtype=bool)
-        unswapped[row] = False
-        stuck = active[unswapped[active]]  # active rows without a swap (a mask: setdiff1d sorts)
+        # With few rows left, a call's fixed cost outweighs the work: the wide search alone.
+        if len(active) > FEW_ROWS:
+            row, a, i, b, j = _best_swaps(active, slots, item, load, holds, partners=1)
+            unswapped = np.ones(rows, dtype=bool)
+            unswapped[row] = False
+            stuck = active[unswapped[active]]  # active rows without a swap (a mask: setdiff1d sorts)
+        else:
+            row = a = i = b = j = np.empty(0, dtype=np.int64)
+            stuck = active
         if stuck.size:
             more = _best_swaps(stuck, slots, item, load, holds, partners=WIDE_PARTNERS)
             row, a, i, b, j = (np.concatenate(pair) for pair in zip((row, a, i, b, j), more))
