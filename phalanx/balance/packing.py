@@ -10,6 +10,8 @@
   (see `_repair`).
 * `spread(weight, packs, low, high)`: as `pack`, into packs of `low` to `high` items (groups
   onto nodes, where nodes need not hold equal numbers of groups).
+* `pack_replicas(unit, replica_expert, gpus)`: `pack` of one row's replicas onto its GPUs, as
+  slots (rows, gpus, slots per GPU); `replicas_of(count)` lists the replicas a count vector gives.
 
 These are the steps DeepSeek's EPLB describes (its README and docstrings); with `cap` unbounded
 and no `expert`, they are that reference's greedy algorithm, tie-breaking included. The loop runs
@@ -89,30 +91,58 @@ def pack(weight: np.ndarray, packs: int, expert: np.ndarray | None = None, exper
     if size == 1:  # one item per pack: item i in pack i, as the reference does
         return np.broadcast_to(np.arange(items), (rows, items)).copy(), np.zeros((rows, items), dtype=np.int64)
     order = np.argsort(-weight, axis=1, kind="stable")  # (rows, items), heaviest first
+    sorted_weight = np.take_along_axis(weight, order, axis=1)
     every_row = np.arange(rows)
     pack_load = np.zeros((rows, packs))
+    room_load = np.zeros((rows, packs))  # pack_load, inf where the pack is full
     pack_count = np.zeros((rows, packs), dtype=np.int64)
     item_pack = np.full((rows, items), -1, dtype=np.int64)
     item_rank = np.full((rows, items), -1, dtype=np.int64)
-    holds = np.zeros((rows, packs, experts), dtype=bool) if expert is not None else None
+    # (rows, experts, packs): expert-major, so one step's lookup reads a contiguous row per layer
+    holds = np.zeros((rows, experts, packs), dtype=bool) if expert is not None else None
+    sorted_expert = np.take_along_axis(expert, order, axis=1) if expert is not None else None
     for step in range(items):
         item = order[:, step]  # (rows,)
-        cost = np.where(pack_count < size, pack_load, np.inf)  # (rows, packs)
         if holds is not None:
-            item_expert = expert[every_row, item]
-            cost[holds[every_row, :, item_expert]] = np.inf
+            item_expert = sorted_expert[:, step]
+            cost = np.where(holds[every_row, item_expert], np.inf, room_load)  # (rows, packs)
+        else:
+            cost = room_load
         choice = cost.argmin(axis=1)
         stuck = np.isinf(cost[every_row, choice])
-        for row in np.flatnonzero(stuck):
-            choice[row] = _repair(row, int(item[row]), weight, expert, size, item_pack, item_rank, pack_load, pack_count, holds)
+        if stuck.any():
+            for row in np.flatnonzero(stuck):
+                choice[row] = _repair(row, int(item[row]), weight, expert, size, item_pack, item_rank, pack_load, pack_count, holds)
+                room_load[row] = np.where(pack_count[row] < size, pack_load[row], np.inf)
         rank = pack_count[every_row, choice]
         item_pack[every_row, item] = choice
         item_rank[every_row, item] = rank
-        pack_load[every_row, choice] += weight[every_row, item]
-        pack_count[every_row, choice] += 1
+        pack_load[every_row, choice] += sorted_weight[:, step]
+        pack_count[every_row, choice] = rank + 1
+        room_load[every_row, choice] = np.where(rank + 1 < size, pack_load[every_row, choice], np.inf)
         if holds is not None:
-            holds[every_row, choice, item_expert] = True
+            holds[every_row, item_expert, choice] = True
     return item_pack, item_rank
+
+
+def pack_replicas(unit: np.ndarray, replica_expert: np.ndarray, gpus: int, distinct: bool = True) -> np.ndarray:
+    """Replicas onto GPUs with `pack`: (rows, gpus, slots per GPU), the id in each slot.
+
+    `unit` (rows, ids) is the load one replica of each id carries; `replica_expert` (rows,
+    slots) names each replica's id. With `distinct`, no GPU holds an id twice.
+    """
+    rows, slots = replica_expert.shape
+    per_replica = np.take_along_axis(unit, replica_expert, axis=1)  # (rows, slots)
+    gpu, position = pack(per_replica, gpus, replica_expert if distinct else None, unit.shape[1])
+    placed = np.empty_like(replica_expert)
+    np.put_along_axis(placed, gpu * (slots // gpus) + position, replica_expert, axis=1)  # slot = gpu * per GPU + position
+    return placed.reshape(rows, gpus, slots // gpus)
+
+
+def replicas_of(count: np.ndarray) -> np.ndarray:
+    """(rows, slots): each row's ids, id k repeated count[k] times, in increasing order."""
+    rows, ids = count.shape
+    return np.repeat(np.tile(np.arange(ids), rows), count.ravel()).reshape(rows, -1)
 
 
 def _repair(row, item, weight, expert, size, item_pack, item_rank, pack_load, pack_count, holds) -> int:
@@ -129,9 +159,9 @@ def _repair(row, item, weight, expert, size, item_pack, item_rank, pack_load, pa
     has_room = np.flatnonzero(pack_count[row] < size)
     open_ = int(has_room[np.argmin(pack_load[row, has_room])])
     best = None
-    for full in np.flatnonzero((pack_count[row] == size) & ~holds[row, :, e]):
+    for full in np.flatnonzero((pack_count[row] == size) & ~holds[row, e]):
         for moved in np.flatnonzero(item_pack[row] == full):
-            if holds[row, open_, expert[row, moved]]:
+            if holds[row, expert[row, moved], open_]:
                 continue
             w = weight[row, moved]
             worse = max(pack_load[row, full] - w + weight[row, item], pack_load[row, open_] + w)
@@ -143,9 +173,9 @@ def _repair(row, item, weight, expert, size, item_pack, item_rank, pack_load, pa
     item_pack[row, moved], item_rank[row, moved] = open_, pack_count[row, open_]
     pack_load[row, open_] += w
     pack_count[row, open_] += 1
-    holds[row, open_, moved_expert] = True
+    holds[row, moved_expert, open_] = True
     pack_load[row, full] -= w
-    holds[row, full, moved_expert] = False
+    holds[row, moved_expert, full] = False
     # The caller gives the item the last position of `full` (its count after the decrement);
     # the item that held that position takes the freed one, so positions stay 0..size-1.
     last = np.flatnonzero((item_pack[row] == full) & (item_rank[row] == size - 1))

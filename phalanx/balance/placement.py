@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from phalanx.balance.packing import pack, replicate, spread
+from phalanx.balance.packing import pack, pack_replicas, replicate, spread
 from phalanx.errors import UserError
 
 POLICIES = ("auto", "hierarchical", "global")
@@ -165,11 +165,6 @@ def greedy(load: np.ndarray, problem: Problem, *, distinct: bool = True, even_gr
     replica_expert, frame.count = replicate(node_load, problem.replicas // n, node_gpus if distinct else None,
                                             None if present.all() else present)
 
-    # 3. replicas onto the node's GPUs; a slot's place is gpu * slots_per_gpu + position
-    per_replica = np.take_along_axis(frame.unit(load), replica_expert, axis=1)  # (rows, node slots)
-    gpu, position = pack(per_replica, node_gpus, replica_expert if distinct else None, width)
-    c = problem.slots_per_gpu
-    slots = np.empty_like(replica_expert)
-    np.put_along_axis(slots, gpu * c + position, replica_expert, axis=1)
-    frame.slots = slots.reshape(layers * n, node_gpus, c)
+    # 3. replicas onto the node's GPUs
+    frame.slots = pack_replicas(frame.unit(load), replica_expert, node_gpus, distinct)
     return frame

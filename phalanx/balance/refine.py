@@ -4,7 +4,7 @@ The greedy packing (heaviest replica first into the lightest GPU) can leave the 
 uneven; a swap of a heavier replica on the most loaded GPU for a lighter one elsewhere moves
 their difference `d` across. Each round, in every row (a layer, or a layer's node) at once:
 take the row's most loaded GPU `a`; try every (replica on `a`, replica on the least loaded GPU)
-pair, and only where none helps, every (replica on `a`, replica on any GPU) pair; keep the pairs
+pair, and only where none helps, every pair with the WIDE_PARTNERS least loaded GPUs; keep the pairs
 where neither expert is then on one GPU twice and both GPUs end below `a`'s old load, and take
 the pair whose larger new load is lowest (the first such pair on a tie). A row stops when no
 swap lowers its most loaded GPU; every accepted swap lowers the row's sorted loads
@@ -21,6 +21,10 @@ import numpy as np
 
 # A swap must lower the top load by more than rounding noise (relative), or it is not taken.
 _RELATIVE_GAIN = 1e-12
+WIDE_PARTNERS = 8
+FEW_ROWS = 32
+"""At most this many rows left: one wide search per round instead of a narrow one first."""
+"""GPUs searched for a swap partner where the least loaded one has none: the 8 least loaded."""
 
 
 def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
@@ -46,11 +50,18 @@ def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
         if not active.size:
             break
         # Most rounds find their swap with the least loaded GPU; only rows where it has none
-        # search all GPUs (8-32x the work), and rows where that fails too are done.
-        row, a, i, b, j = _best_swaps(active, slots, item, load, holds, least_loaded_only=True)
-        stuck = np.setdiff1d(active, row, assume_unique=True)
+        # search the WIDE_PARTNERS least loaded (8x the work), and rows where that fails too are done.
+        # With few rows left, a call's fixed cost outweighs the work: the wide search alone.
+        if len(active) > FEW_ROWS:
+            row, a, i, b, j = _best_swaps(active, slots, item, load, holds, partners=1)
+            unswapped = np.ones(rows, dtype=bool)
+            unswapped[row] = False
+            stuck = active[unswapped[active]]  # active rows without a swap (a mask: setdiff1d sorts)
+        else:
+            row = a = i = b = j = np.empty(0, dtype=np.int64)
+            stuck = active
         if stuck.size:
-            more = _best_swaps(stuck, slots, item, load, holds, least_loaded_only=False)
+            more = _best_swaps(stuck, slots, item, load, holds, partners=WIDE_PARTNERS)
             row, a, i, b, j = (np.concatenate(pair) for pair in zip((row, a, i, b, j), more))
         if not row.size:
             break
@@ -67,7 +78,7 @@ def refine(slots: np.ndarray, unit: np.ndarray, max_rounds: int | None = None,
     return slots, swaps
 
 
-def _best_swaps(active, slots, item, load, holds, least_loaded_only: bool):
+def _best_swaps(active, slots, item, load, holds, partners: int):
     """For each row in `active`, the best swap off its most loaded GPU, if one lowers it.
 
     Returns (row, top GPU, position there, other GPU, position there), one entry per row
@@ -78,27 +89,30 @@ def _best_swaps(active, slots, item, load, holds, least_loaded_only: bool):
     row_load = load[active]  # (n, gpus)
     top = row_load.argmax(axis=1)
     top_load = row_load[here, top]
-    if least_loaded_only:
+    if partners == 1:
         partner = row_load.argmin(axis=1)[:, None]  # (n, 1)
-    else:
+    elif partners >= gpus:
         partner = np.broadcast_to(np.arange(gpus), (n, gpus))  # (n, gpus)
+    else:  # the least loaded GPUs: a swap with a heavier one rarely lowers the top more
+        partner = np.argpartition(row_load, partners, axis=1)[:, :partners]  # (n, partners)
     k = partner.shape[1]
     top_item, top_expert = item[active, top], slots[active, top]  # (n, c)
-    other_item = item[active[:, None], partner].reshape(n, k * c)  # (n, k*c): partner GPUs' slots
+    other_item = item[active[:, None], partner]  # (n, k, c): partner GPUs' slots
     other_expert = slots[active[:, None], partner]  # (n, k, c)
-    other_load = np.repeat(row_load[here[:, None], partner], c, axis=1)  # (n, k*c)
+    other_load = row_load[here[:, None], partner]  # (n, k)
     # Searched in float32 (half the memory traffic); the chosen swap is checked in float64.
     # A pair with d <= 0, or on the top GPU itself, leaves a load >= top_load: never chosen.
-    d = top_item.astype(np.float32)[:, :, None] - other_item.astype(np.float32)[:, None, :]  # (n, c, k*c): load moved off the top GPU
-    worst = np.maximum(top_load.astype(np.float32)[:, None, None] - d, other_load.astype(np.float32)[:, None, :] + d)
-    # Gathered per GPU, then widened to its slots: far fewer lookups than per slot pair.
+    # All (n, c, k, c) by broadcasting: top slot, partner GPU, partner slot.
+    d = top_item.astype(np.float32)[:, :, None, None] - other_item.astype(np.float32)[:, None, :, :]  # load moved off the top GPU
+    worst = np.maximum(top_load.astype(np.float32)[:, None, None, None] - d, other_load.astype(np.float32)[:, None, :, None] + d)
+    # Gathered per GPU and broadcast over its slots: far fewer lookups than per slot pair.
     top_expert_there = holds[active[:, None, None], partner[:, None, :], top_expert[:, :, None]]  # (n, c, k)
-    other_expert_on_top = holds[active[:, None, None], top[:, None, None], other_expert].reshape(n, k * c)
-    np.putmask(worst, np.repeat(top_expert_there, c, axis=2) | other_expert_on_top[:, None, :], np.inf)
+    other_expert_on_top = holds[active[:, None, None], top[:, None, None], other_expert]  # (n, k, c)
+    np.copyto(worst, np.inf, where=top_expert_there[:, :, :, None] | other_expert_on_top[:, None, :, :])
     best = worst.reshape(n, -1).argmin(axis=1)
-    i, slot = np.unravel_index(best, (c, k * c))
-    moved = top_item[here, i] - other_item[here, slot]
-    exact = np.maximum(top_load - moved, other_load[here, slot] + moved)
-    allowed = ~(top_expert_there[here, i, slot // c] | other_expert_on_top[here, slot])
+    i, g, j = np.unravel_index(best, (c, k, c))
+    moved = top_item[here, i] - other_item[here, g, j]
+    exact = np.maximum(top_load - moved, other_load[here, g] + moved)
+    allowed = ~(top_expert_there[here, i, g] | other_expert_on_top[here, g, j])
     gains = allowed & (moved > 0) & (exact < top_load * (1 - _RELATIVE_GAIN))
-    return active[gains], top[gains], i[gains], partner[here, slot // c][gains], slot[gains] % c
+    return active[gains], top[gains], i[gains], partner[here, g][gains], j[gains]

@@ -22,23 +22,34 @@ from phalanx.balance.refine import refine
 _RELATIVE_GAIN = 1e-12  # as in refine.py: a move must beat rounding noise
 MOVE_CANDIDATES = 16  # new-replica candidates per move search (all ids where a row has fewer)
 WIDE_MOVE_CANDIDATES = 4  # the same where the freed slot may be on any GPU (gpus x more slots)
+GOOD_ENOUGH = 2e-4
+"""A row whose top load is within this (relative) of its lower bound is not improved further."""
 
 
 def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: int,
-            max_rounds: int = 16) -> tuple[np.ndarray, np.ndarray]:
+            max_rounds: int = 16, settled: float = GOOD_ENOUGH) -> tuple[np.ndarray, np.ndarray]:
     """(slots, count) after swaps and replica moves; the inputs are not changed.
 
     `slots` (rows, gpus, slots per GPU) holds row-local ids; `expert_load` (rows, ids) is each
     id's load (0 for ids naming no expert, which have count 0 and are never given a replica);
     `count` (rows, ids) its replicas; `cap` the most replicas an id may have (GPUs per row).
+    Rows within `settled` (relative) of their lower bound get no replica moves.
     """
     count = count.copy()
     unit = lambda: expert_load / np.maximum(count, 1)  # noqa: E731
-    slots = refine(slots, unit())[0]
+    # A row this close to its lower bound has at most GOOD_ENOUGH to gain: it stops there.
+    bound = lower_bound(expert_load, cap, slots.shape[1])
+    good_enough = bound * (1 + GOOD_ENOUGH)
+    slots = refine(slots, unit(), good_enough=good_enough)[0]
     active = np.arange(len(slots))
     for _ in range(max_rounds):
+        active = active[top_load(slots[active], unit()[active]) > bound[active] * (1 + max(settled, GOOD_ENOUGH))]
+        if not active.size:
+            break
         row, a, i, y = _best_moves(active, slots, expert_load, count, cap)
-        stuck = np.setdiff1d(active, row, assume_unique=True)
+        unmoved = np.ones(len(slots), dtype=bool)
+        unmoved[row] = False
+        stuck = active[unmoved[active]]  # active rows without a move (a mask: setdiff1d sorts)
         if stuck.size:  # as refine.py: the wider search only where the narrow one found nothing
             more = _best_moves(stuck, slots, expert_load, count, cap, any_gpu=True)
             row, a, i, y = (np.concatenate(pair) for pair in zip((row, a, i, y), more))
@@ -48,7 +59,7 @@ def improve(slots: np.ndarray, expert_load: np.ndarray, count: np.ndarray, cap: 
         slots[row, a, i] = y
         count[row, x] -= 1
         count[row, y] += 1
-        slots[row] = refine(slots[row], unit()[row])[0]
+        slots[row] = refine(slots[row], unit()[row], good_enough=good_enough[row])[0]
         active = row
     return slots, count
 
@@ -124,7 +135,7 @@ def improve_with_kicks(slots: np.ndarray, expert_load: np.ndarray, count: np.nda
         return slots, count
     rng = np.random.default_rng(seed)
     every_row = np.arange(rows)
-    top = lambda s, n: _top_load(s, expert_load / np.maximum(n, 1))  # noqa: E731
+    top = lambda s, n: top_load(s, expert_load / np.maximum(n, 1))  # noqa: E731
     best_top = top(slots, count)
     current, current_count = slots, count
     for kick in range(kicks):
@@ -155,7 +166,13 @@ def improve_with_kicks(slots: np.ndarray, expert_load: np.ndarray, count: np.nda
     return slots, count
 
 
-def _top_load(slots: np.ndarray, unit: np.ndarray) -> np.ndarray:
-    """(rows,): the most loaded GPU's load."""
+def lower_bound(expert_load: np.ndarray, cap: int, gpus: int) -> np.ndarray:
+    """(rows,): no placement's top GPU load is lower: the mean GPU load, and the heaviest id's
+    load over the most replicas it may have (each on its own GPU)."""
+    return np.maximum(expert_load.sum(axis=1) / gpus, expert_load.max(axis=1) / cap)
+
+
+def top_load(slots: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    """(rows,): the most loaded GPU's load, `unit` (rows, ids) the load of one replica of each id."""
     rows = len(slots)
     return np.take_along_axis(unit, slots.reshape(rows, -1), axis=1).reshape(slots.shape).sum(axis=2).max(axis=1)

@@ -1,7 +1,8 @@
 """`rebalance`: the whole placement for all layers, torch-free, and its report.
 
-Order: check the input; greedy construction (placement.py); refinement (refine.py); with a
-previous placement, the cheaper-to-move choice per layer (incremental.py).
+Order: check the input; greedy construction (placement.py); refinement (swaps and replica
+moves, replica_moves.py; replica counts revisited, count_revision.py; kicks on small layouts);
+with a previous placement, the cheaper-to-move choice per layer (incremental.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from phalanx.balance import incremental, measure
 from phalanx.balance.node_assignments import lightest_assignments
 from phalanx.balance.packing import pack, spread
 from phalanx.balance.placement import NodeFrame, Problem, check_problem, greedy, group_bounds
-from phalanx.balance.replica_moves import improve_with_kicks
+from phalanx.balance.count_revision import AT_BOUND, revise_counts
+from phalanx.balance.replica_moves import improve, improve_with_kicks
 from phalanx.errors import UserError
 
 
@@ -116,10 +118,18 @@ layouts, where a greedy placement is coarse, get the most; 8 x 64 into 80 slots 
 
 
 def _improve(frame: NodeFrame, load: np.ndarray, problem: Problem) -> None:
-    """Swaps and replica moves (replica_moves.py) on the frame, in place."""
+    """Swaps and replica moves (replica_moves.py), then other replica counts (count_revision.py),
+    then kicks where the layout is small, on the frame, in place."""
     cap = problem.gpus // problem.frame_nodes
     kicks = min(MOST_KICKS, KICK_BUDGET // frame.slots.size)
-    frame.slots, frame.count = improve_with_kicks(frame.slots, frame.node_load(load), frame.count, cap, kicks)
+    weight = frame.node_load(load)
+    slots, count = improve(frame.slots, weight, frame.count, cap, settled=AT_BOUND)
+    # Small layouts (those that get kicks) also get a second round of count revision; on large
+    # ones its fixed cost (a pack of every slot of a node, one step per slot) buys little.
+    slots, count = revise_counts(slots, weight, count, cap, rounds=2 if kicks else 1)
+    if kicks:
+        slots, count = improve_with_kicks(slots, weight, count, cap, kicks)
+    frame.slots, frame.count = slots, count
 
 
 def _better_node_assignments(load: np.ndarray, problem: Problem, phy2log: np.ndarray) -> np.ndarray:
