@@ -97,8 +97,14 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_command(command: list[str], timeout_s: float, env: dict) -> tuple[int | None, str, float, float]:
-    """(exit status or None when it timed out, its output, wall seconds, CPU seconds)."""
+def run_command(command: list[str], timeout_s: float, env: dict, *, dry_run: bool = False) -> tuple[int | None, str, float, float]:
+    """(exit status or None when it timed out, its output, wall seconds, CPU seconds). A dry
+    run forks the command from a process that imported torch once (device_check_forks.py)."""
+    if dry_run:
+        from device_check_forks import run_forked
+
+        code, output, _, seconds, cpu_s = run_forked(command[1:], ROOT, env, timeout_s)
+        return code, output, seconds, cpu_s
     began = time.perf_counter()
     cpu_before = _children_cpu_s()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -131,7 +137,7 @@ def run_part(part: Part, ctx: Context, env: dict, log, alone: bool) -> dict:
     timeout = min(step.timeout_s, left)
     record.update(command=shown(step.command), timeout_s=round(timeout))
     print(f"device_check: {part.name}: {record['command']}  (at most {timeout:.0f} s)", flush=True)
-    code, output, seconds, cpu_s = run_command(step.command, timeout, env)
+    code, output, seconds, cpu_s = run_command(step.command, timeout, env, dry_run=ctx.dry_run)
     with LOG_LOCK:
         log.write(f"\n===== {part.name} ({shown(step.command)}) =====\n{output}\n")
         log.flush()
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
     if args.dry_run:
         env_vars["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a machine with a GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # also for the forkserver the dry run's commands fork from
     result = {"environment": environment(args.dry_run), "started": stamp.isoformat(timespec="seconds"),
               "budget_s": args.budget_s, "parts": []}
     chosen = set(filter(None, args.only.split(","))) or {p.name for p in PARTS}

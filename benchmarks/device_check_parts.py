@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -46,6 +47,21 @@ class Context:
 
     def python(self, *args: str) -> list[str]:
         return [sys.executable, *args]
+
+    def run_short(self, command: list[str]) -> tuple[int | None, str, str]:
+        """(exit status or None when it timed out, stdout, stderr) of a command between parts:
+        forked from the dry run's torch-loaded forkserver (device_check_forks.py), else its own
+        interpreter."""
+        if self.dry_run:
+            from device_check_forks import run_forked
+
+            code, out, err, _, _ = run_forked(command[1:], ROOT, dict(os.environ), self.short_timeout(), stderr_apart=True)
+            return code, out, err
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=self.short_timeout())
+        except subprocess.TimeoutExpired:
+            return None, "", ""
+        return done.returncode, done.stdout, done.stderr
 
     def short_timeout(self) -> float:
         """Seconds for a command between parts: at most 60 (a loaded machine's dry run: more),
@@ -204,10 +220,11 @@ def train_planner(ctx: Context) -> dict:
                "--global-batch", str(batch), "--seq-len", str(sizes["seq_len"]), "--json", "--top", "1",
                "--dtype", "fp32" if ctx.dry_run else "bf16",
                "--fix", f"dp=1,tp=1,pp=1,mbs={batch},recompute=none,zero=0"]
-    done = subprocess.run(ctx.python(*command), cwd=ROOT, capture_output=True, text=True, timeout=ctx.short_timeout())
-    if done.returncode != 0 or not done.stdout.strip():
-        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1], "command": _shown(command)}
-    best = json.loads(done.stdout)["plans"][0]
+    code, stdout, stderr = ctx.run_short(ctx.python(*command))
+    if code != 0 or not stdout.strip():
+        return {"error": (stderr.strip().splitlines() or ["no output" if code is not None else "timed out"])[-1],
+                "command": _shown(command)}
+    best = json.loads(stdout)["plans"][0]
     return {"cluster": ctx.cluster, "tokens_per_s": best["tokens_per_s"], "mfu": best["mfu"],
             "step_time_s": best["step_time_s"], "step_time_band": best["step_time_band"],
             "memory_gib": best["memory_gib_per_gpu"], "command": _shown(command)}
@@ -358,12 +375,8 @@ eager, compiled and compiled float8 arms in that one run, with their ratios."""
 def help_text(ctx: Context, script: str) -> str:
     """`script --help`, read once per run ("" when it fails)."""
     if script not in ctx.helps:
-        try:
-            done = subprocess.run(ctx.python(script, "--help"), cwd=ROOT, capture_output=True, text=True,
-                                  timeout=ctx.short_timeout())
-            ctx.helps[script] = done.stdout if done.returncode == 0 else ""
-        except subprocess.TimeoutExpired:
-            ctx.helps[script] = ""
+        code, stdout, _ = ctx.run_short(ctx.python(script, "--help"))
+        ctx.helps[script] = stdout if code == 0 else ""
     return ctx.helps[script]
 
 

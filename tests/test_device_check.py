@@ -4,8 +4,9 @@ its benchmark's output, so a changed output line or a broken command fails here 
 first GPU; without a CUDA device the script refuses in one line (exit 2); a spent budget runs
 nothing more and says so.
 
-The dry run is ~40 s of CPU (six subprocesses that import torch, one of them transformers);
-its wall time follows the machine's load.
+The dry run is ~45 s of CPU (seven parts forked from one process that imported torch once,
+benchmarks/device_check_forks.py: 66 s when each was its own interpreter); its wall time
+follows the machine's load.
 """
 
 from __future__ import annotations
