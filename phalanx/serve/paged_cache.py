@@ -122,6 +122,12 @@ class PagedKVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self.write(layer, k, v)
+        seen_k, seen_v = self.gather(layer)
+        return seen_k, seen_v, self.mask(window)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' keys and values into their slots of the layer's pools."""
         if layer not in self.keys:
             slots = self.num_blocks * self.block_size
             self.keys[layer] = k.new_zeros((slots, k.shape[1], k.shape[3]))  # (slots, kv_heads, channels)
@@ -130,13 +136,17 @@ class PagedKVCache:
         # (tokens, kv_heads, channels) from (1, kv_heads, tokens, channels) or (tokens, kv_heads, 1, channels)
         keys[self._write] = k[:, :, 0] if self._rows else k[0].transpose(0, 1)
         values[self._write] = v[:, :, 0] if self._rows else v[0].transpose(0, 1)
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values every new token sees, from the layer's pools."""
+        keys, values = self.keys[layer], self.values[layer]
         if self._rows:
             seen_k = keys[self._read].transpose(1, 2)  # (sequences, kv_heads, longest, channels)
             seen_v = values[self._read].transpose(1, 2)
         else:
             seen_k = keys[self._read].transpose(0, 1)[None]  # (1, kv_heads, keys, channels)
             seen_v = values[self._read].transpose(0, 1)[None]
-        return seen_k, seen_v, self.mask(window)
+        return seen_k, seen_v
 
     def advance(self, seq: int) -> None:
         pass
