@@ -19,6 +19,7 @@ from phalanx.generate.sampling import Sampling
 from phalanx.serve.engine import Engine, request_sampling
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Scheduler, Sequence
+from tests.deepseek_models import write_deepseek
 from tests.hf_models import VOCAB, write_checkpoint
 
 pytest.importorskip("transformers")
@@ -41,7 +42,8 @@ def models(tmp_path_factory):
 
     def get(family: str):
         if family not in loaded:
-            loaded[family] = hf.load(write_checkpoint(tmp_path_factory.mktemp(family) / "hf", family))
+            folder = tmp_path_factory.mktemp(family) / "hf"
+            loaded[family] = hf.load(write_deepseek(folder) if family == "deepseek" else write_checkpoint(folder, family))
         return loaded[family]
 
     return get
@@ -51,19 +53,22 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_paged_attention_equals_contiguous_cache(models, family):
+@pytest.mark.parametrize("family,ragged", [("llama", True), ("mistral", True), ("mistral", False), ("deepseek", False)],
+                         ids=["llama-ragged", "mistral-ragged", "mistral-masked", "deepseek-masked"])
+def test_paged_attention_equals_contiguous_cache(models, family, ragged):
     """A prompt of 20 in a scattered block table (blocks 5, 2, 7 of 4 positions... and on),
     prefilled in two chunks, then 10 one-token steps: every step's logits against
     `generate_ids` with the contiguous KVCache; mistral's window of 8 is shorter than the 30
-    positions, so the paged mask must drop old keys too."""
+    positions, so the paged attention must drop old keys too. Both ways the cache serves
+    attention: per sequence over its own keys (ragged, the engine's) and padded keys with a
+    mask (what latent attention's absorbed form reads: deepseek, as the engine runs it)."""
     model = models(family)
-    prompt, new = _prompt(20, 1), 10
+    prompt, new = [t % model.cfg.vocab_size for t in _prompt(20, 1)], 10
     reference: list[torch.Tensor] = []
     ids = generate_ids(model, prompt, max_new_tokens=new, max_len=128, sampling=Sampling(greedy=True),
                        on_logits=reference.append).new_ids
     table = [5, 2, 7, 0, 9, 3, 11, 1]  # 8 blocks of 4: 32 positions, none in order
-    cache = PagedKVCache(num_blocks=12, block_size=4)
+    cache = PagedKVCache(num_blocks=12, block_size=4, ragged=ragged)
     tokens = prompt + ids
     ours = []
     with torch.no_grad():

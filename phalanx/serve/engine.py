@@ -99,8 +99,14 @@ class Engine:
         self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
         self.on_logits, self.channel = on_logits, channel
         self.expert_loads = ExpertLoads(model, expert_ranks)
-        self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
+        self.cache = self.new_cache(scheduler.blocks.num_blocks, scheduler.block_size)
         self.steps = 0
+
+    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless
+        latent attention's absorbed form needs the padded keys and their mask."""
+        cfg = getattr(self.model, "cfg", None)
+        return PagedKVCache(num_blocks, block_size, self.device, ragged=not getattr(cfg, "is_latent", False))
 
     def forward(self, step: Step) -> tuple[torch.Tensor, list[Chunk]]:
         """The logits (sampling chunks, vocab) of a scheduled step, and those chunks in order."""
