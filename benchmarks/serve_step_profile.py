@@ -17,13 +17,15 @@ parts it calls; torch on the CPU is synchronous, so a timer measures the work):
 - model rest: the rest of the model forward (embedding, projections, MLP, norms, logits);
 - sampling: picking each token and its logprobs (`Engine.sample` without the scheduler);
 - detokenize: new text per token (`IncrementalText`).
-Prints per part the mean ms of the steps where every running sequence decodes (one token
+Prints per part the median ms of the steps where every running sequence decodes (one token
 each, 32 of them, the steady state of serve_load's closed loop) and the total over the run,
 then the run's output tokens/s and the decode step against the bound: the same model's
 batched forward on `phalanx generate`'s contiguous KVCache, 32 rows at the decode steps'
-mean context length (no scheduling, no block tables).
+mean context length (no scheduling, no block tables). The load runs `--repeats` times, each
+after a measurement of the bound, and every figure is the median over the runs: the machine
+this runs on is shared, and its load moves within a run.
 
-    .venv/bin/python benchmarks/serve_step_profile.py [--threads 1] [--requests 32] [--torch-profile]
+    .venv/bin/python benchmarks/serve_step_profile.py [--threads 1] [--repeats 3] [--torch-profile]
 """
 
 from __future__ import annotations
@@ -151,20 +153,22 @@ def contiguous_decode_ms(model, batch: int, context: int, vocab: int, repeats: i
     return statistics.median(times) * 1000
 
 
-def show(steps, generated: int, wall: float, bound_ms: float, batch: int, context: int) -> None:
-    decodes = [s for s in steps if s[0] and s[1] == batch]
-    print(f"{len(steps)} steps, {len(decodes)} of them {batch} decodes (mean context {context}); ms per step")
-    print(f"{'part':12} {'decode step':>11} {'share':>6} {'whole run s':>11}")
-    measured = 0.0
+def show(runs: list, bounds: list[float], batch: int, context: int) -> None:
+    """Per part the median over every run's steps of `batch` decodes; the run's wall and
+    tokens/s, and the bound, as medians over the runs (the machine may be shared)."""
+    decodes = [s for steps, _, _ in runs for s in steps if s[0] and s[1] == batch]
+    step_ms = statistics.median(s[4] for s in decodes) * 1000 if decodes else float("nan")
+    bound_ms = statistics.median(bounds)
+    print(f"{len(runs[0][0])} steps a run, {len(decodes) // len(runs)} of them {batch} decodes (mean context {context}); "
+          f"medians over {len(runs)} runs")
+    print(f"{'part':12} {'decode step ms':>14} {'share':>6} {'whole run s':>11}")
     for part in PARTS:
-        mean = statistics.mean(s[3].get(part, 0.0) for s in decodes) * 1000 if decodes else float("nan")
-        total = sum(s[3].get(part, 0.0) for s in steps)
-        measured += mean
-        step_ms = statistics.mean(s[4] for s in decodes) * 1000 if decodes else float("nan")
-        print(f"{part:12} {mean:>11.2f} {mean / step_ms:>6.0%} {total:>11.2f}")
-    step_ms = statistics.mean(s[4] for s in decodes) * 1000 if decodes else float("nan")
-    print(f"{'(untimed)':12} {step_ms - measured:>11.2f} {(step_ms - measured) / step_ms:>6.0%}")
-    print(f"{'step':12} {step_ms:>11.2f} {'':>6} {wall:>11.2f}")
+        mean = statistics.median(s[3].get(part, 0.0) for s in decodes) * 1000 if decodes else float("nan")
+        total = statistics.median(sum(s[3].get(part, 0.0) for s in steps) for steps, _, _ in runs)
+        print(f"{part:12} {mean:>14.2f} {mean / step_ms:>6.0%} {total:>11.2f}")
+    wall = statistics.median(w for _, _, w in runs)
+    generated = runs[0][1]
+    print(f"{'step':12} {step_ms:>14.2f} {'':>6} {wall:>11.2f}")
     print(f"bound: the same {batch} rows on a contiguous KVCache at context {context}: {bound_ms:.2f} ms per step")
     print(f"decode step / bound: {step_ms / bound_ms:.2f}x; whole run {generated / wall:.1f} output tok/s, "
           f"bound {batch / bound_ms * 1000:.1f} tok/s ({generated / wall / (batch / bound_ms * 1000):.2f}x of it)")
@@ -175,8 +179,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the whole load, each after a bound measurement")
     parser.add_argument("--torch-profile", action="store_true",
-                        help="also torch.profiler's table of ops over the decode steps of a second run")
+                        help="also torch.profiler's table of ops over one more run")
     args = parser.parse_args()
     # serve_load.py's model, requests and engine flags.
     args.hidden, args.layers, args.heads, args.vocab, args.moe, args.quick = 512, 4, 8, 4096, False, False
@@ -190,14 +195,16 @@ def main() -> None:
         model = hf.load(write_model(Path(tmp) / "model", args))
     timers = Timers()
     instrument(timers)
-    run_engine(model, requests[:2], args, timers)  # warm-up
-    steps, generated, wall = run_engine(model, requests, args, timers)
+    steps, _, _ = run_engine(model, requests, args, timers)  # warm-up, and the decode steps' context
     decodes = [s for s in steps if s[0] and s[1] == args.concurrency]
     context = round(statistics.mean(s[2] for s in decodes)) if decodes else 128
-    bound_ms = contiguous_decode_ms(model, args.concurrency, context, args.vocab, repeats=20)
+    runs, bounds = [], []
+    for _ in range(args.repeats):  # interleaved, so that a change of the machine's load hits both
+        bounds.append(contiguous_decode_ms(model, args.concurrency, context, args.vocab, repeats=10))
+        runs.append(run_engine(model, requests, args, timers))
     print(f"llama hidden {args.hidden}, {args.layers} layers, {args.requests} requests (serve_load.py's, seed "
           f"{args.seed}), in-process engine, threads {args.threads or 'default'}, load {os.getloadavg()[0]:.1f}")
-    show(steps, generated, wall, bound_ms, args.concurrency, context)
+    show(runs, bounds, args.concurrency, context)
     if args.torch_profile:
         from torch.profiler import profile
 
