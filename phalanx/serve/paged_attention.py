@@ -1,15 +1,15 @@
-"""Attention over a serving step's ragged batch: each sequence's queries against exactly its
-own keys, one `scaled_dot_product_attention` per sequence, no padding and no mask over other
-sequences' keys.
+"""Attention over a serving step's ragged batch: each sequence's queries against its own keys
+only, never a mask over other sequences' keys.
 
-The paged cache (`paged_cache.py`) gathers the keys of every sequence of the step into one
-flat tensor, sequence after sequence, (1, kv_heads, keys, channels), and hands attention a
-`RaggedAttention` in place of a mask (`AttentionCore` calls its `attend`). Padding every
-decode to the longest sequence of the batch and masking the rest, as one batched call does,
-computed and gathered 2-3x the keys of serve_load.py's mixed lengths, and a masked kernel
-over them cost more than the model's projections of the step
-(benchmarks/serve_step_profile.py). What a sequence computes here does not depend on what
-else runs in the step, which is batch invariance by construction.
+The paged cache (`paged_cache.py`) gathers the keys of the step's sequences into one flat
+tensor, (1, kv_heads, keys, channels), and hands attention a `RaggedAttention` in place of a
+mask (`AttentionCore` calls its `attend`). A prompt chunk's queries attend in one call over
+its sequence's keys. Decodes of nearly equal length share a call, their keys padded to the
+longest of them (`PADDING_KEYS`). Padding every decode to the longest sequence of the batch,
+as one batched call does, gathered and scored 2-3x the keys of serve_load.py's mixed lengths,
+and cost more than the model's projections of the step (benchmarks/serve_step_profile.py).
+A sequence's result depends on what runs beside it only through the padded, masked keys of
+its group (probability 0), i.e. in float rounding.
 
 Latent attention's absorbed form reads the mask itself, so the cache keeps the padded, masked
 tensors for it (`PagedKVCache(ragged=False)`).
@@ -25,26 +25,66 @@ import torch.nn.functional as F
 from phalanx.model.kv_cache import attention_mask
 
 
+PADDING_KEYS = 64
+"""Decodes whose key counts differ by at most this share one attention call, padded to the
+longest of them and masked: a call's fixed cost (~50-100 us on one CPU thread) weighs as much
+as gathering and scoring a few hundred keys, so a few calls over nearly equal lengths beat both
+one call per sequence and one call padded to the longest of the batch."""
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of nearly the same length, attended in one call."""
+    rows: torch.Tensor
+    """(n,) their batch rows."""
+    counts: list[int]
+    """Each one's keys (its positions so far, the new one included)."""
+    key_offset: int
+    """Where their keys start in the flat keys: each row's padded to `longest`, row after row."""
+
+    @property
+    def longest(self) -> int:
+        return max(self.counts)
+
+
+def decode_groups(counts: list[int], device) -> list[DecodeGroup]:
+    """The decodes grouped by key count: longest first, a new group when a row is more than
+    PADDING_KEYS shorter than its group's longest."""
+    order = sorted(range(len(counts)), key=lambda row: -counts[row])
+    members: list[list[int]] = []
+    for row in order:
+        if members and counts[members[-1][0]] - counts[row] <= PADDING_KEYS:
+            members[-1].append(row)
+        else:
+            members.append([row])
+    groups, offset = [], 0
+    for rows in members:
+        groups.append(DecodeGroup(torch.tensor(rows, device=device), [counts[row] for row in rows], offset))
+        offset += len(rows) * counts[rows[0]]
+    return groups
+
+
 @dataclass
 class RaggedAttention:
-    """One forward's sequences: per sequence where its new queries are in the batch and where
-    its keys are in the flat keys. Decodes come one sequence per batch row (sequences, 1);
-    prompt chunks packed into one row (1, tokens)."""
+    """One forward's sequences: prompt chunks packed into one row (1, tokens), each chunk's
+    queries and keys by offset and count; or decodes, one sequence per batch row
+    (sequences, 1), in `groups` of nearly equal length."""
     rows: bool
     key_offsets: list[int]
-    """Where each sequence's keys start in the flat keys."""
+    """Where each sequence's keys start in the flat keys (packed chunks)."""
     key_counts: list[int]
     """How many keys it has: its positions so far, the new ones included."""
     query_offsets: list[int]
-    """Where its new tokens start in the packed row (rows: its row)."""
+    """Where its new tokens start in the packed row."""
     query_counts: list[int]
+    groups: list[DecodeGroup] = field(default_factory=list)
     window: int = 0
     """A sliding window (0: none): a query sees itself and the window - 1 positions before."""
     _masks: list = field(default_factory=list)
 
     def with_window(self, window: int) -> "RaggedAttention":
         return RaggedAttention(self.rows, self.key_offsets, self.key_counts, self.query_offsets, self.query_counts,
-                               window)
+                               self.groups, window)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """q (sequences, heads, 1, head_dim) or (1, heads, tokens, head_dim), k and v the flat
@@ -64,16 +104,30 @@ class RaggedAttention:
         return out
 
     def _decodes(self, q, k, v, scale) -> torch.Tensor:
-        """One query per sequence, which sees all its keys (within the window): no mask. The
-        query heads that share a kv head are folded into that head's query rows,
-        (1, kv_heads, heads / kv_heads, head_dim), the same products as grouped-query
-        attention without a kernel that repeats or strides over k and v."""
+        """One query per sequence, which sees all its keys (within the window). The query
+        heads that share a kv head are folded into that head's query rows,
+        (sequences, kv_heads, heads / kv_heads, head_dim): the same products as grouped-query
+        attention, without a kernel that repeats k and v per query head."""
         sequences, heads, _, dim = q.shape
         kv_heads = k.shape[1]
         folded = q.reshape(sequences, kv_heads, heads // kv_heads, dim)  # (sequences, kv_heads, group, head_dim)
         out = q.new_empty((sequences, kv_heads, heads // kv_heads, v.shape[-1]))
-        for row, (key_start, keys) in enumerate(zip(self.key_offsets, self.key_counts)):
-            first = key_start + max(0, keys - self.window) if self.window else key_start
-            out[row] = F.scaled_dot_product_attention(folded[row:row + 1], k[:, :, first:key_start + keys],
-                                                      v[:, :, first:key_start + keys], scale=scale)[0]
+        if not self._masks:
+            self._masks = [self._decode_mask(group, q.device) for group in self.groups]
+        for group, mask in zip(self.groups, self._masks):
+            n, longest = len(group.counts), group.longest
+            span = slice(group.key_offset, group.key_offset + n * longest)
+            keys = k[0, :, span].view(kv_heads, n, longest, -1).transpose(0, 1)  # (n, kv_heads, longest, channels)
+            values = v[0, :, span].view(kv_heads, n, longest, -1).transpose(0, 1)
+            out.index_copy_(0, group.rows, F.scaled_dot_product_attention(folded.index_select(0, group.rows), keys,
+                                                                          values, attn_mask=mask, scale=scale))
         return out.view(sequences, heads, 1, -1)  # (sequences, heads, 1, channels)
+
+    def _decode_mask(self, group: DecodeGroup, device) -> torch.Tensor | None:
+        """(n, 1, 1, longest): each row's own keys, within the window; None when all are seen."""
+        key = torch.arange(group.longest, device=device)[None, :]
+        counts = torch.tensor(group.counts, device=device)[:, None]
+        visible = key < counts
+        if self.window:
+            visible &= key >= counts - self.window
+        return None if bool(visible.all()) else visible[:, None, None, :]

@@ -32,7 +32,7 @@ from itertools import accumulate
 
 import torch
 
-from phalanx.serve.paged_attention import RaggedAttention
+from phalanx.serve.paged_attention import RaggedAttention, decode_groups
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,15 @@ class PagedKVCache:
         self._tokens = len(self._write)
         self._masks: dict[int, torch.Tensor] = {}
         self._ragged: dict[int, RaggedAttention] = {}
-        if self.ragged:
+        if self.ragged and self._rows:
+            groups = decode_groups(ends, self.device)
+            # (keys,): each group's rows padded to its longest, row after row, group after group
+            self._read = torch.cat([slots[group.rows, :group.longest].reshape(-1) for group in groups])
+            self._batch = RaggedAttention(True, [], ends, [], [1] * len(chunks), groups)
+        elif self.ragged:
             self._read = slots[seen]  # (keys,): every chunk's slots, chunk after chunk
             lengths = [chunk.length for chunk in chunks]
-            self._batch = RaggedAttention(self._rows, _offsets(ends), ends, _offsets(lengths), lengths)
+            self._batch = RaggedAttention(False, _offsets(ends), ends, _offsets(lengths), lengths)
         elif self._rows:
             longest = max(ends)
             self._read = slots[:, :longest]  # (sequences, longest)
