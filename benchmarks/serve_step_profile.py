@@ -21,7 +21,8 @@ Prints per part the median ms of the steps where every running sequence decodes 
 each, 32 of them, the steady state of serve_load's closed loop) and the total over the run,
 then the run's output tokens/s and the decode step against the bound: the same model's
 batched forward on `phalanx generate`'s contiguous KVCache, 32 rows at the decode steps'
-mean context length (no scheduling, no block tables). The load runs `--repeats` times, each
+mean context length (no scheduling, no block tables), and what the run's projections alone
+take at the bound's matmul rate (a floor for any engine with these fp32 weights). The load runs `--repeats` times, each
 after a measurement of the bound, and every figure is the median over the runs: the machine
 this runs on is shared, and its load moves within a run.
 
@@ -127,7 +128,7 @@ def run_engine(model, requests, args, timers: Timers):
         shape = scheduler.last_step
         decoding = all(chunk.length == 1 for chunk in shape.chunks)
         context = statistics.mean(chunk.start + 1 for chunk in shape.chunks)
-        steps.append((decoding, len(shape.chunks), context, timers.take(), wall))
+        steps.append((decoding, len(shape.chunks), context, timers.take(), wall, shape.num_tokens))
         generated += len(events)
     wall = time.perf_counter() - began
     assert generated == sum(out for _, out in requests), "every request generates exactly its length"
@@ -153,7 +154,12 @@ def contiguous_decode_ms(model, batch: int, context: int, vocab: int, repeats: i
     return statistics.median(times) * 1000
 
 
-def show(runs: list, bounds: list[float], batch: int, context: int) -> None:
+def projection_weights(model) -> int:
+    """Weights that every position multiplies (the linear layers; the embedding is a lookup)."""
+    return sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
+
+
+def show(runs: list, bounds: list[float], batch: int, context: int, weights: int) -> None:
     """Per part the median over every run's steps of `batch` decodes; the run's wall and
     tokens/s, and the bound, as medians over the runs (the machine may be shared)."""
     decodes = [s for steps, _, _ in runs for s in steps if s[0] and s[1] == batch]
@@ -172,6 +178,11 @@ def show(runs: list, bounds: list[float], batch: int, context: int) -> None:
     print(f"bound: the same {batch} rows on a contiguous KVCache at context {context}: {bound_ms:.2f} ms per step")
     print(f"decode step / bound: {step_ms / bound_ms:.2f}x; whole run {generated / wall:.1f} output tok/s, "
           f"bound {batch / bound_ms * 1000:.1f} tok/s ({generated / wall / (batch / bound_ms * 1000):.2f}x of it)")
+    positions = sum(s[5] for s in runs[0][0])
+    rate = batch * 2 * weights / (bound_ms / 1000)  # FLOP/s of the bound's projections
+    print(f"projections: {positions * 2 * weights / 1e9:.0f} GFLOP over the run ({positions} positions x 2 x "
+          f"{weights / 1e6:.1f}M weights); at the bound's {rate / 1e9:.1f} GFLOP/s, {positions * 2 * weights / rate:.1f} s "
+          f"alone ({generated / (positions * 2 * weights / rate):.0f} output tok/s at most)")
 
 
 def main() -> None:
@@ -204,7 +215,7 @@ def main() -> None:
         runs.append(run_engine(model, requests, args, timers))
     print(f"llama hidden {args.hidden}, {args.layers} layers, {args.requests} requests (serve_load.py's, seed "
           f"{args.seed}), in-process engine, threads {args.threads or 'default'}, load {os.getloadavg()[0]:.1f}")
-    show(runs, bounds, args.concurrency, context)
+    show(runs, bounds, args.concurrency, context, projection_weights(model))
     if args.torch_profile:
         from torch.profiler import profile
 
