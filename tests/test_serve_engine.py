@@ -19,6 +19,7 @@ from phalanx.generate.sampling import Sampling
 from phalanx.serve.engine import Engine, request_sampling
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Scheduler, Sequence
+from tests.deepseek_models import write_deepseek
 from tests.hf_models import VOCAB, write_checkpoint
 
 pytest.importorskip("transformers")
@@ -41,7 +42,8 @@ def models(tmp_path_factory):
 
     def get(family: str):
         if family not in loaded:
-            loaded[family] = hf.load(write_checkpoint(tmp_path_factory.mktemp(family) / "hf", family))
+            folder = tmp_path_factory.mktemp(family) / "hf"
+            loaded[family] = hf.load(write_deepseek(folder) if family == "deepseek" else write_checkpoint(folder, family))
         return loaded[family]
 
     return get
@@ -51,19 +53,22 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_paged_attention_equals_contiguous_cache(models, family):
+@pytest.mark.parametrize("family,ragged", [("llama", True), ("mistral", True), ("mistral", False), ("deepseek", False)],
+                         ids=["llama-ragged", "mistral-ragged", "mistral-masked", "deepseek-masked"])
+def test_paged_attention_equals_contiguous_cache(models, family, ragged):
     """A prompt of 20 in a scattered block table (blocks 5, 2, 7 of 4 positions... and on),
     prefilled in two chunks, then 10 one-token steps: every step's logits against
     `generate_ids` with the contiguous KVCache; mistral's window of 8 is shorter than the 30
-    positions, so the paged mask must drop old keys too."""
+    positions, so the paged attention must drop old keys too. Both ways the cache serves
+    attention: per sequence over its own keys (ragged, the engine's) and padded keys with a
+    mask (what latent attention's absorbed form reads: deepseek, as the engine runs it)."""
     model = models(family)
-    prompt, new = _prompt(20, 1), 10
+    prompt, new = [t % model.cfg.vocab_size for t in _prompt(20, 1)], 10
     reference: list[torch.Tensor] = []
     ids = generate_ids(model, prompt, max_new_tokens=new, max_len=128, sampling=Sampling(greedy=True),
                        on_logits=reference.append).new_ids
     table = [5, 2, 7, 0, 9, 3, 11, 1]  # 8 blocks of 4: 32 positions, none in order
-    cache = PagedKVCache(num_blocks=12, block_size=4)
+    cache = PagedKVCache(num_blocks=12, block_size=4, ragged=ragged)
     tokens = prompt + ids
     ours = []
     with torch.no_grad():
@@ -93,15 +98,18 @@ def _run(model, prompts: dict[str, list[int]], max_tokens: int, scheduler_out: l
     return {name: torch.stack(rows) for name, rows in seen.items()}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mistral"])
 def test_batch_invariance(models, family):
-    """Sequence "a" alone, then beside three others of other lengths under a 24-token budget
+    """Sequence "a" alone, then beside four others of other lengths under a 24-token budget
     (so "a"'s prompt of 30 is prefilled in chunks while others decode, and the batch changes
-    as they finish): its logits at every step within 1e-5."""
+    as they finish): its logits at every step within 1e-5. Their decodes attend in groups
+    padded to the group's longest (paged_attention.py): "e"'s 90 positions are more than
+    PADDING_KEYS beyond "b"'s, so there are two; mistral's window of 8 cuts every row of a
+    group at its own length."""
     model = models(family)
     alone = _run(model, {"a": _prompt(30, 2)}, 8)["a"]
-    together = _run(model, {"b": _prompt(5, 3), "a": _prompt(30, 2), "c": _prompt(17, 4), "d": _prompt(9, 5)}, 8,
-                    max_num_batched_tokens=24)
+    together = _run(model, {"b": _prompt(5, 3), "a": _prompt(30, 2), "c": _prompt(17, 4), "d": _prompt(9, 5),
+                            "e": _prompt(90, 9)}, 8, max_num_batched_tokens=24)
     assert together["a"].shape == (8, VOCAB)
     torch.testing.assert_close(together["a"], alone, rtol=TOL, atol=TOL)
     assert together["a"].argmax(-1).unique().numel() > 2, "a degenerate model would prove little"

@@ -20,6 +20,10 @@ class AttentionCore(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q (batch, heads, seq, head_dim), k and v (batch, kv_heads, keys, channels) -> (batch, heads, seq, channels).
         Grouped-query attention without repeating k and v per query head (nor saving them
-        repeated for backward): each kv head serves heads / kv_heads query heads."""
+        repeated for backward): each kv head serves heads / kv_heads query heads. `mask` may
+        also be a serving step's ragged batch (`phalanx.serve.paged_attention`, never in
+        training or generation), which attends per sequence itself."""
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return mask.attend(q, k, v, self.scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                               enable_gqa=k.shape[1] != q.shape[1])

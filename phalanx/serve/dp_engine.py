@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from phalanx.serve.dp_assign import DPSchedulers
 from phalanx.serve.engine import Engine, Forward, TokenEvent, step_forwards
-from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
+from phalanx.serve.paged_cache import ChunkLayout
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DPEngine(Engine):
         super().__init__(model, scheduler, device, channel=channel, expert_ranks=expert_ranks)
         blocks = scheduler.parts[0].blocks.num_blocks
         # One more block than the scheduler hands out: the filler forwards' scratch block.
-        self.cache = PagedKVCache(blocks + 1, scheduler.block_size, self.device)
+        self.cache = self.new_cache(blocks + 1, scheduler.block_size)
         self.filler = Forward([0], [ChunkLayout([blocks], 0, 1)], [0])
         self.dp_rank, self.placement, self.on_rebalance = dp_rank, placement, on_rebalance
         self._rows: list[list[int]] | None = None

@@ -99,8 +99,14 @@ class Engine:
         self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
         self.on_logits, self.channel = on_logits, channel
         self.expert_loads = ExpertLoads(model, expert_ranks)
-        self.cache = PagedKVCache(scheduler.blocks.num_blocks, scheduler.block_size, self.device)
+        self.cache = self.new_cache(scheduler.blocks.num_blocks, scheduler.block_size)
         self.steps = 0
+
+    def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless
+        latent attention's absorbed form needs the padded keys and their mask."""
+        cfg = getattr(self.model, "cfg", None)
+        return PagedKVCache(num_blocks, block_size, self.device, ragged=not getattr(cfg, "is_latent", False))
 
     def forward(self, step: Step) -> tuple[torch.Tensor, list[Chunk]]:
         """The logits (sampling chunks, vocab) of a scheduled step, and those chunks in order."""
@@ -146,22 +152,28 @@ class Engine:
         return self.sample(self.scheduler, step, logits, sampling_chunks)
 
     def sample(self, scheduler: Scheduler, step: Step, logits: torch.Tensor, sampling_chunks: list[Chunk]) -> list[TokenEvent]:
-        """A token for each sampling chunk from its logits row, then `scheduler` closes the step."""
-        sampled: dict[int, int] = {}
-        events = []
-        for row, chunk in zip(logits, sampling_chunks):
-            asked: RequestSampling = chunk.seq.sampling
-            if self.on_logits is not None:
+        """A token for each sampling chunk from its logits row, then `scheduler` closes the step.
+        Greedy rows and log-probabilities for all rows at once (one argmax and one log-softmax
+        over the batch, each row's the same numbers as alone); a drawn token per row, with its
+        request's generator."""
+        asked: list[RequestSampling] = [chunk.seq.sampling for chunk in sampling_chunks]
+        if self.on_logits is not None:
+            for row, chunk in zip(logits, sampling_chunks):
                 self.on_logits(chunk.seq, row)
-            token = pick_token(row, asked.sampling, asked.generator)
-            sampled[id(chunk.seq)] = token
-            logprob = top = None
-            if asked.logprobs is not None:
-                scores = torch.log_softmax(row, -1)  # of the model's distribution, before temperature
-                logprob = float(scores[token])
-                values, ids = scores.topk(asked.logprobs) if asked.logprobs else (scores[:0], scores[:0].long())
-                top = list(zip(ids.tolist(), values.tolist()))
-            events.append(TokenEvent(chunk.seq, token, logprob, top))
+        greedy = logits.argmax(-1).tolist() if any(a.sampling.greedy for a in asked) else []
+        tokens = [greedy[index] if a.sampling.greedy else pick_token(logits[index], a.sampling, a.generator)
+                  for index, a in enumerate(asked)]
+        logprobs: list[float | None] = [None] * len(asked)
+        tops: list[list[tuple[int, float]] | None] = [None] * len(asked)
+        wanted = [index for index, a in enumerate(asked) if a.logprobs is not None]
+        if wanted:
+            scores = torch.log_softmax(logits[wanted], -1)  # of the model's distribution, before temperature
+            picked = scores[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])].tolist()
+            for row, (index, logprob) in enumerate(zip(wanted, picked)):
+                logprobs[index], count = logprob, asked[index].logprobs
+                values, ids = scores[row].topk(count) if count else (scores[row, :0], scores[row, :0].long())
+                tops[index] = list(zip(ids.tolist(), values.tolist()))
+        sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens)}
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
-        return [TokenEvent(e.seq, e.token, e.logprob, e.top_logprobs, e.seq.finish_reason if id(e.seq) in finished else None)
-                for e in events]
+        return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None)
+                for chunk, token, logprob, top in zip(sampling_chunks, tokens, logprobs, tops)]

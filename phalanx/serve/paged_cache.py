@@ -1,7 +1,7 @@
 """The paged KV cache that attention reads and writes during a serving step.
 
 Per layer, keys and values live in one pool of `num_blocks * block_size` slots,
-(slots, kv_heads, channels); slot `block * block_size + offset` holds the position
+(kv_heads, slots, channels) (so that a gather of slots is contiguous per head); slot `block * block_size + offset` holds the position
 `index * block_size + offset` of a sequence whose block table has `block` at `index`
 (block ids come from `block_manager.py`). Under tensor parallelism each rank's pools hold its
 own kv heads.
@@ -12,10 +12,14 @@ padding, whatever their lengths. For the model this is the AttentionCache protoc
 phalanx/model/kv_cache.py, no more:
 - `positions`: each token's own position in its sequence, (sequences, 1) or (1, tokens);
 - `update`: writes the new tokens' keys and values into their slots, then gathers the slots
-  of every position so far: per row, (sequences, kv_heads, longest, channels) with a mask of
-  each row's own length; packed, (1, kv_heads, keys, channels) with a block-diagonal causal
-  mask (tokens, keys): a token sees the keys of its own sequence at its position or before
-  (and within the sliding window), never another sequence's;
+  of every position so far. Ragged (`PagedKVCache(ragged=True)`, what the engine uses for
+  attention through `AttentionCore`): every sequence's keys one after another,
+  (1, kv_heads, keys, channels), and in place of a mask a `paged_attention.RaggedAttention`
+  that attends per sequence over exactly its own keys. Else (latent attention's absorbed
+  form reads the mask): per row (sequences, kv_heads, longest, channels) with a mask of each
+  row's own length; packed, (1, kv_heads, keys, channels) with a block-diagonal causal mask
+  (tokens, keys). Either way a token sees the keys of its own sequence at its position or
+  before (and within the sliding window), never another sequence's;
 - `advance`: nothing (the scheduler counts computed tokens).
 So a sequence's attention sees exactly what it would see alone; only the order of floating
 point sums in the shared matmuls depends on what runs beside it.
@@ -24,8 +28,11 @@ point sums in the shared matmuls depends on what runs beside it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
+
+from phalanx.serve.paged_attention import RaggedAttention, decode_groups
 
 
 @dataclass(frozen=True)
@@ -52,47 +59,65 @@ def bytes_per_block(block_size: int, n_layers: int, channels: int, element_size:
 
 
 class PagedKVCache:
-    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu", ragged: bool = False):
+        """`ragged`: attention per sequence over exactly its keys (`paged_attention.py`), for
+        attention that runs through `AttentionCore`; else padded keys and a mask (what latent
+        attention's absorbed form reads)."""
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
-        self.keys: dict[int, torch.Tensor] = {}  # layer -> (slots, kv_heads, channels)
+        self.ragged = ragged
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> (kv_heads, slots, channels)
         self.values: dict[int, torch.Tensor] = {}
         self._tokens = 0
 
     def prepare(self, chunks: list[ChunkLayout]) -> None:
         """Index the chunks of one forward: where each new token is written, which slots every
         sequence reads, and who sees whom. One-token chunks (decodes) go one sequence per
-        batch row, (sequences, 1): each row's query sees only its own keys, padded to the
-        longest; other chunks are packed into one row, (1, tokens), with the block-diagonal
-        mask (a prompt chunk's queries see mostly their own sequence's keys anyway)."""
+        batch row, (sequences, 1); other chunks are packed into one row, (1, tokens). Ragged:
+        every sequence's slots one after another, read once per layer for all of them. Else
+        for decodes each row's slots padded to the longest and masked, for packed chunks the
+        block-diagonal mask (a prompt chunk's queries see mostly their own keys anyway)."""
         size = self.block_size
         self._rows = all(chunk.length == 1 for chunk in chunks)
-        write, read, query_pos, query_seq, key_pos, key_seq = [], [], [], [], [], []
-        for index, chunk in enumerate(chunks):
-            end = chunk.start + chunk.length
-            slots = [chunk.block_table[p // size] * size + p % size for p in range(end)]
-            write += slots[chunk.start:]
-            read.append(slots)
-            query_pos += range(chunk.start, end)
-            query_seq += [index] * chunk.length
-            key_pos += range(end)
-            key_seq += [index] * end
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        self._write, self._query_pos = tensor(write), tensor(query_pos)  # (tokens,)
+        starts = [chunk.start for chunk in chunks]
+        ends = [chunk.start + chunk.length for chunk in chunks]
+        needed = [-(-end // size) for end in ends]  # blocks
+        widest = max(needed)
+        tables = self._tensor([chunk.block_table[:n] + [0] * (widest - n)
+                               for chunk, n in zip(chunks, needed)])  # (chunks, widest); padding reads block 0
+        slots = (tables[:, :, None] * size + torch.arange(size, device=self.device)).view(len(chunks), -1)
+        position = torch.arange(widest * size, device=self.device).expand_as(slots)  # (chunks, widest * size)
+        end_at = self._tensor(ends)[:, None]
+        seen = position < end_at  # (chunks, widest * size): the positions each chunk's tokens see
+        new = seen & (position >= self._tensor(starts)[:, None])
+        self._write, self._query_pos = slots[new], position[new]  # (tokens,), chunk after chunk
+        self._tokens = len(self._write)
         self._masks: dict[int, torch.Tensor] = {}
-        self._tokens = len(write)
-        if self._rows:
-            longest = max(len(slots) for slots in read)
-            # Padding reads slot 0, masked out.
-            self._read = tensor([slots + [0] * (longest - len(slots)) for slots in read])  # (sequences, longest)
-            self._key_pos = torch.arange(longest, device=self.device)[None, :].expand(len(read), -1)
-            self._same_seq = self._key_pos < tensor([len(slots) for slots in read])[:, None]  # (sequences, longest)
+        self._ragged: dict[int, RaggedAttention] = {}
+        if self.ragged and self._rows:
+            groups = decode_groups(ends, self.device)
+            # (keys,): each group's rows padded to its longest, row after row, group after group
+            self._read = torch.cat([slots[group.rows, :group.longest].reshape(-1) for group in groups])
+            self._batch = RaggedAttention(True, [], ends, [], [1] * len(chunks), groups)
+        elif self.ragged:
+            self._read = slots[seen]  # (keys,): every chunk's slots, chunk after chunk
+            lengths = [chunk.length for chunk in chunks]
+            self._batch = RaggedAttention(False, _offsets(ends), ends, _offsets(lengths), lengths)
+        elif self._rows:
+            longest = max(ends)
+            self._read = slots[:, :longest]  # (sequences, longest)
+            self._key_pos = position[:, :longest]
+            self._same_seq = seen[:, :longest]  # (sequences, longest)
         else:
-            self._read = tensor([slot for slots in read for slot in slots])  # (keys,)
-            self._key_pos = tensor(key_pos)
-            self._same_seq = tensor(query_seq)[:, None] == tensor(key_seq)[None, :]  # (tokens, keys)
+            counts = torch.tensor([chunk.length for chunk in chunks], device=self.device)
+            chunk_ids = torch.arange(len(chunks), device=self.device)
+            self._read = slots[seen]  # (keys,)
+            self._key_pos = position[seen]
+            query_seq = chunk_ids.repeat_interleave(counts)  # (tokens,)
+            key_seq = chunk_ids.repeat_interleave(end_at[:, 0])  # (keys,)
+            self._same_seq = query_seq[:, None] == key_seq[None, :]  # (tokens, keys)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def batch_shape(self) -> tuple[int, int]:
         """The (batch, seq) shape the model's tokens must have for this preparation."""
@@ -121,22 +146,38 @@ class PagedKVCache:
         return self._masks[window]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | RaggedAttention | None]:
+        self.write(layer, k, v)
+        seen_k, seen_v = self.gather(layer)
+        if self.ragged:
+            if window not in self._ragged:
+                self._ragged[window] = self._batch.with_window(window)
+            return seen_k, seen_v, self._ragged[window]
+        return seen_k, seen_v, self.mask(window)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' keys and values into their slots of the layer's pools."""
         if layer not in self.keys:
             slots = self.num_blocks * self.block_size
-            self.keys[layer] = k.new_zeros((slots, k.shape[1], k.shape[3]))  # (slots, kv_heads, channels)
-            self.values[layer] = v.new_zeros((slots, v.shape[1], v.shape[3]))
+            self.keys[layer] = k.new_zeros((k.shape[1], slots, k.shape[3]))  # (kv_heads, slots, channels)
+            self.values[layer] = v.new_zeros((v.shape[1], slots, v.shape[3]))
+        # (kv_heads, tokens, channels) from (tokens, kv_heads, 1, channels) or (1, kv_heads, tokens, channels)
+        self.keys[layer].index_copy_(1, self._write, k[:, :, 0].transpose(0, 1) if self._rows else k[0])
+        self.values[layer].index_copy_(1, self._write, v[:, :, 0].transpose(0, 1) if self._rows else v[0])
+
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the new tokens see, from the layer's pools: ragged or packed
+        (1, kv_heads, keys, channels), padded rows (sequences, kv_heads, longest, channels)."""
         keys, values = self.keys[layer], self.values[layer]
-        # (tokens, kv_heads, channels) from (1, kv_heads, tokens, channels) or (tokens, kv_heads, 1, channels)
-        keys[self._write] = k[:, :, 0] if self._rows else k[0].transpose(0, 1)
-        values[self._write] = v[:, :, 0] if self._rows else v[0].transpose(0, 1)
-        if self._rows:
-            seen_k = keys[self._read].transpose(1, 2)  # (sequences, kv_heads, longest, channels)
-            seen_v = values[self._read].transpose(1, 2)
-        else:
-            seen_k = keys[self._read].transpose(0, 1)[None]  # (1, kv_heads, keys, channels)
-            seen_v = values[self._read].transpose(0, 1)[None]
-        return seen_k, seen_v, self.mask(window)
+        if self._read.dim() == 1:
+            return keys.index_select(1, self._read)[None], values.index_select(1, self._read)[None]
+        return keys[:, self._read].transpose(0, 1), values[:, self._read].transpose(0, 1)
 
     def advance(self, seq: int) -> None:
         pass
+
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    """Where each of consecutive runs of these lengths starts."""
+    return list(accumulate(counts, initial=0))[:-1]
