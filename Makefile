@@ -24,7 +24,7 @@ demo: env
 	$(BIN)/phalanx train
 
 test: env
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV) runs

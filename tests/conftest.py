@@ -67,24 +67,3 @@ def moe_reference(moe_config):
     return run_ranks(1, run_and_gather, moe_config.replace(out=moe_config.out + "-ref"))[0]
 
 
-
-HEAVIEST_FIRST = (
-    "test_hybrid_layouts", "test_device_check", "test_restarts", "test_launch", "test_expert_slots_training",
-    "test_context_parallel", "test_serve_pool", "test_float8", "test_expert_parallel", "test_compile", "test_calibrate",
-    "test_serve_moe_http", "test_collective_timeout", "test_serve_expert_parallel", "test_expert_checkpoint",
-    "test_serve_parallel_http", "test_data_parallel", "test_expert_fold", "test_mixed_precision", "test_planner_search",
-)
-"""Modules by their share of the suite's time, largest first (the sum of each module's
-`--durations=0` lines, 2026-12-01)."""
-
-
-def pytest_collection_modifyitems(config, items):
-    """The heaviest modules first, pytest's order otherwise (a module's tests stay together).
-
-    `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each module goes whole to
-    one worker, so a module-scoped fixture (a shared launch, a server) is set up once (plain load
-    scheduling split test_serve_pool.py over both workers, and each started its pools: 30 s
-    apiece), and modules are handed out in this order, longest first, so that the small ones
-    fill in at the end instead of one long module running alone on one worker."""
-    rank = {name: index for index, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
