@@ -173,10 +173,18 @@ def _check(answers, references):
         assert_greedy_equal(ours, reference, logits)
 
 
-def test_requests_are_routed_by_class_and_equal_one_process(pools):
+def test_pools_route_move_ranks_and_stop(pools):
+    """One server through its life, in order (one test, so that pytest-xdist cannot give its
+    phases to two workers, each starting the pools, 30 s apiece): routed by class, a rank moved
+    under a one-sided load, SIGTERM."""
+    _requests_are_routed_by_class_and_equal_one_process(*pools)
+    _a_rank_moves_to_the_queued_pool_and_no_request_fails(*pools)
+    _sigterm_stops_the_front_and_every_instance(*pools)
+
+
+def _requests_are_routed_by_class_and_equal_one_process(server, prompts, references):
     """Header or service_tier picks the pool; both pools' answers equal transformers'.
     Throughput's requests go one at a time, within its one seat, so that no rank moves yet."""
-    server, prompts, references = pools
     with ThreadPoolExecutor(4) as pool:
         latency = list(pool.map(lambda p: _complete(server, p, service_tier="priority"), prompts[:2]))
         header = [_complete(server, prompts[2], extra_headers={"X-Phalanx-Class": "latency"})]
@@ -191,12 +199,11 @@ def test_requests_are_routed_by_class_and_equal_one_process(pools):
                    and f'pool="{pool}"' in k) == count
 
 
-def test_a_rank_moves_to_the_queued_pool_and_no_request_fails(pools):
+def _a_rank_moves_to_the_queued_pool_and_no_request_fails(server, prompts, references):
     """12 throughput requests in flight (one seat) while latency idles: a rank moves (the log's
     event line, /metrics). Latency requests sent during the move are held until latency's
     re-sharded instance is up. Every request completes with transformers' tokens, and
     afterwards throughput runs two instances, one of them on the moved rank."""
-    server, prompts, references = pools
     with ThreadPoolExecutor(16) as pool:
         first: list[tuple[int, object]] = []  # (prompt index, future): 12 in flight until the move starts
         deadline = time.monotonic() + 300
@@ -226,10 +233,9 @@ def test_a_rank_moves_to_the_queued_pool_and_no_request_fails(pools):
     assert not any("error" in k or "abort" in k for k in finished), finished
 
 
-def test_sigterm_stops_the_front_and_every_instance(pools):
+def _sigterm_stops_the_front_and_every_instance(server, prompts, references):
     """Last on the shared server: SIGTERM drains every instance and the front exits 0."""
     import signal
 
-    server, prompts, references = pools
     server.signal(signal.SIGTERM)
     assert server.process.wait(120) == 0, "".join(server.stderr)
