@@ -50,7 +50,7 @@ def test_nproc_and_torchrun_match_one_process(tmp_path, monkeypatch):
     subprocess.run([python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "phalanx", "train",
                     *ARGS, "--plan", "dp=2,fsdp=true", "--ckpt-every", "1", "--sync-checkpoint",
-                    "--out", str(tmp_path / "torchrun")], check=True, timeout=120, capture_output=True)
+                    "--out", str(tmp_path / "torchrun")], check=True, timeout=240, capture_output=True)
     reference = _losses(tmp_path / "one")
     assert len(reference) == 3
     for run in ("two", "torchrun"):
