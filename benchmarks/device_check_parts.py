@@ -333,6 +333,24 @@ def read_blur(text: str) -> dict:
     return figures
 
 
+def attention_step(ctx: Context) -> Step:
+    if ctx.dry_run:
+        return Step(ctx.python("benchmarks/attention_efficiency.py", "--device", "cpu", "--quick"), DRY_RUN_TIMEOUT_S)
+    return Step(ctx.python("benchmarks/attention_efficiency.py", "--device", "cuda", "--cluster", ctx.cluster), 120)
+
+
+def read_attention(text: str) -> dict:
+    attention = re.search(r"^attention efficiency \(slope .*?\): ([\d.]+); the planner's: ([\d.]+)", text, re.M)
+    matmul = re.search(r"^matmul efficiency \(\d+\^3\): ([\d.]+); the planner's: ([\d.]+)", text, re.M)
+    if not (attention and matmul):
+        return {}
+    points = [{"seq": int(seq), "of_peak": float(frac)} for seq, frac in
+              re.findall(r"^causal attention seq\s+(\d+): .*?, ([\d.]+) of peak", text, re.M)]
+    return {"attention_efficiency": float(attention[1]), "planner_attention_efficiency": float(attention[2]),
+            "matmul_efficiency": float(matmul[1]), "planner_matmul_efficiency": float(matmul[2]),
+            "attention_by_seq": points}
+
+
 # 5. The planner's memory model against the allocator.
 
 def memory_step(ctx: Context) -> Step:
@@ -363,9 +381,10 @@ PARTS = [
     Part("serve", 3, "serving (serve_load.py)", serve_step, read_serve),
     Part("match", 4, "match vs serial Wu-Manber", match_step, read_match),
     Part("blur", 4, "blur vs scipy", blur_step, read_blur),
+    Part("attention", 4, "attention and matmul efficiency vs the planner's", attention_step, read_attention),
     Part("planner_memory", 5, "planner memory model vs measured", memory_step, read_memory),
 ]
-RUN_ORDER = ["cuda_tests", "train_bf16", "generate", "match", "blur", "planner_memory", "serve",
+RUN_ORDER = ["cuda_tests", "attention", "train_bf16", "generate", "match", "blur", "planner_memory", "serve",
              "train_bf16_compile_float8", "train_bf16_compile", "train_bf16_float8"]
 """Cheap and sure parts first, the compiling ones last: when one of those runs long, the
 budget it takes is the only one left. Of those, compile + float8 first: the script trains

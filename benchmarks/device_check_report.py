@@ -96,8 +96,13 @@ def _serve(f: dict) -> str:
     return " / ".join(f["lines"])
 
 
+def _attention(f: dict) -> str:
+    return (f"attention {f['attention_efficiency']:.3f} of peak (planner {f['planner_attention_efficiency']:.2f}), "
+            f"matmul {f['matmul_efficiency']:.3f} (planner {f['planner_matmul_efficiency']:.2f})")
+
+
 MEASURED = {"cuda_tests": _tests, "generate": _generate, "serve": _serve, "match": _match, "blur": _blur,
-            "planner_memory": _memory}
+            "attention": _attention, "planner_memory": _memory}
 
 
 def _cpu(record: dict) -> str:

@@ -4,7 +4,7 @@ its benchmark's output, so a changed output line or a broken command fails here 
 first GPU; without a CUDA device the script refuses in one line (exit 2); a spent budget runs
 nothing more and says so.
 
-The dry run is ~45 s of CPU (seven parts forked from one process that imported torch once,
+The dry run is ~45 s of CPU (its parts forked from one process that imported torch once,
 benchmarks/device_check_forks.py: 66 s when each was its own interpreter); its wall time
 follows the machine's load.
 """
@@ -66,6 +66,9 @@ def test_dry_run_writes_every_part_with_its_figures(tmp_path):
     assert all(c["counts_agree"] and c["serial_ratio"] > 0 for c in match["cases"])
     assert isinstance(match["claim_10x_serial_met"], bool)
     assert figures["blur"]["max_diff"] < 1e-5 and figures["blur"]["scipy_s"] > 0
+    attention = figures["attention"]
+    assert [p["seq"] for p in attention["attention_by_seq"]] == [128, 512] and attention["matmul_efficiency"] > 0
+    assert attention["planner_attention_efficiency"] > 0 and attention["planner_matmul_efficiency"] > 0
     (row,) = figures["planner_memory"]["rows"]
     assert row["model"] == "tiny" and row["total"]["measured_mib"] > 0 and row["total"]["predicted_mib"] > 0
 
