@@ -39,6 +39,8 @@ class PoolSpec:
     """Its layout, as `--plan` spells it (e.g. tp=2)."""
     world: int
     """Ranks of one instance of the layout."""
+    instances: int = 1
+    """Instances it starts with (`--pool auto` may start several; a named pool starts one)."""
 
 
 def tp_plan(ranks: int) -> str:
@@ -50,10 +52,9 @@ def parse_pools(values: list[str], check_plan=None) -> list[PoolSpec]:
     `phalanx serve` does not run (a UserError)."""
     from phalanx.plan import plan_from_string
 
-    if "auto" in values:
-        raise UserError("--pool auto takes the serving planner's split for --ttft-ms/--tpot-ms (`phalanx plan --serve`, "
-                        "issue 23 items 1-4), which is not there yet; name the pools, e.g. "
-                        "--pool latency:tp=2 --pool throughput:tp=1")
+    if "auto" in values:  # pool_auto.py plans it from the flags; here only the named pools' grammar
+        raise UserError("--pool auto is the planner's whole split: give it alone (with --nproc N and "
+                        "--ttft-ms/--tpot-ms), not beside named pools")
     specs: list[PoolSpec] = []
     for value in values:
         name, sep, plan_text = value.partition(":")
@@ -142,8 +143,9 @@ class Router:
         self._next_ident = 0
         rank = 0
         for pool in self.pools.values():
-            pool.instances.append(self.new_instance(pool.spec.plan, tuple(range(rank, rank + pool.spec.world))))
-            rank += pool.spec.world
+            for _ in range(pool.spec.instances):
+                pool.instances.append(self.new_instance(pool.spec.plan, tuple(range(rank, rank + pool.spec.world))))
+                rank += pool.spec.world
 
     def new_instance(self, plan: str, ranks: tuple[int, ...]) -> Instance:
         self._next_ident += 1
