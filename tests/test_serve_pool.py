@@ -90,12 +90,12 @@ def test_ranks_move_from_the_idle_pool_to_the_queued_one_only():
     its newest instance and latency re-shards back up to tp=2."""
     router = _router(move_after_s=5.0)
     latency, throughput = router.pools["latency"], router.pools["throughput"]
-    throughput.instances[0].in_flight = 5
-    latency.instances[0].in_flight = 1
+    throughput.instances[0].arrivals = [0.0] * 5
+    latency.instances[0].arrivals = [0.0]
     for now in (0.0, 10.0):
         router.observe(now)
         assert router.plan_move(now) is None  # both busy
-    latency.instances[0].in_flight = 0
+    latency.instances[0].arrivals = []
     router.observe(11.0)
     assert router.plan_move(11.0) is None and router.plan_move(15.9) is None
     move = router.plan_move(16.0)
@@ -109,9 +109,9 @@ def test_ranks_move_from_the_idle_pool_to_the_queued_one_only():
     for pool in router.pools.values():
         pool.idle_since = pool.queued_since = None
         for instance in pool.instances:
-            instance.ready, instance.in_flight = True, 0
+            instance.ready, instance.arrivals = True, []
     router.moving = True
-    latency.instances[0].in_flight = 4
+    latency.instances[0].arrivals = [20.0] * 4
     router.observe(20.0)
     assert router.plan_move(30.0) is None  # a move is running
     router.moving = False
@@ -120,20 +120,58 @@ def test_ranks_move_from_the_idle_pool_to_the_queued_one_only():
     assert back.grow is latency.instances[0] and back.receiver_plan == "tp=2"
 
 
+def test_under_a_ttft_target_a_pool_queues_when_a_request_waits_past_it():
+    """--ttft-ms 1000, 2 seats per instance, simulated clock: throughput's 4 requests arrived
+    at 0 and 0.5 (two seated, two waiting). It counts as queued once its oldest waiting one has
+    waited over 1 s (not at 1.0, yes at 1.3: the third oldest arrived at 0.3), not for being over
+    its seats; and a move follows move_after_s later. Long-running seated requests never count
+    (a pool at its seats decoding for minutes is not late); a request held in the router, with no
+    instance, does; an instance's 429 for the TTFT target counts for one TTFT target's time."""
+    router = Router([PoolSpec("latency", "tp=2", 2), PoolSpec("throughput", "tp=1", 1)], 2, 5.0, ttft_s=1.0)
+    for pool in router.pools.values():
+        pool.instances[0].ready = True
+    latency, throughput = router.pools["latency"], router.pools["throughput"]
+    throughput.instances[0].arrivals = [0.0, 0.0, 0.3, 0.5]  # over its 2 seats at once
+    assert router.oldest_wait(throughput, 1.0) == pytest.approx(0.7)
+    router.observe(1.0)
+    assert throughput.queued_since is None and latency.idle_since == 1.0  # seats rule would say queued
+    router.observe(1.3 + 1e-9)
+    assert throughput.queued_since == pytest.approx(1.3)
+    assert router.plan_move(6.2) is None  # latency idle since 1.0, throughput queued since 1.3
+    move = router.plan_move(6.3 + 1e-9)
+    assert move.donor is latency and move.receiver is throughput and move.freed == (1,)
+
+    throughput.instances[0].arrivals = [0.0, 0.0]  # seated, decoding for 100 s: on time
+    router.observe(100.0)
+    assert throughput.queued_since is None
+    latency.held_arrivals.append(99.5)  # no instance of latency open: waiting since 99.5
+    latency.instances[0].ready = False
+    router.observe(100.4)
+    assert latency.queued_since is None
+    router.observe(100.6)
+    assert latency.queued_since == 100.6
+    latency.held_arrivals.clear()
+    router.note_refused(throughput, 101.0)
+    router.observe(101.5)
+    assert throughput.queued_since == 101.5 and latency.queued_since is None
+    router.observe(102.1)
+    assert throughput.queued_since is None  # the refusal is over a TTFT target ago
+
+
 def test_a_pool_whose_layout_cannot_split_keeps_its_ranks():
     """An idle pool of one tp=1 instance has nothing to give; a layout the model cannot run
     (layout_ok) is never proposed."""
     router = Router([PoolSpec("latency", "tp=1", 1), PoolSpec("throughput", "tp=1", 1)], 1, 1.0)
     for pool in router.pools.values():
         pool.instances[0].ready = True
-    router.pools["throughput"].instances[0].in_flight = 3
+    router.pools["throughput"].instances[0].arrivals = [0.0] * 3
     router.observe(0.0)
     assert router.plan_move(5.0) is None
     router = Router([PoolSpec("latency", "tp=2", 2), PoolSpec("throughput", "tp=1", 1)], 1, 1.0,
                     layout_ok=lambda plan: plan != "tp=1")
     for pool in router.pools.values():
         pool.instances[0].ready = True
-    router.pools["throughput"].instances[0].in_flight = 3
+    router.pools["throughput"].instances[0].arrivals = [0.0] * 3
     router.observe(0.0)
     assert router.plan_move(5.0) is None
 

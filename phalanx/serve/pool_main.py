@@ -143,7 +143,8 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
     from phalanx.serve.pool_server import PoolFront, build_front_app, log
     from phalanx.serve.server import PhalanxServer
 
-    router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok(check_plan))
+    ttft_s = job["ttft_ms"] / 1000 if job["ttft_ms"] is not None else None
+    router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok(check_plan), ttft_s)
     front = PoolFront(router, flags, job["device"])
     config = uvicorn.Config(build_front_app(front), host=job["host"], port=job["port"], log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10)
