@@ -42,3 +42,10 @@ def test_a_real_server_is_probed_and_its_costs_written_for_the_local_cluster(tmp
 
     write_serve_costs({**dataclasses.asdict(costs), "source": "test"}, serve_costs_path())
     assert serve_costs_for(cluster) == costs
+
+
+def test_bad_calibrate_serve_flags_are_one_line_before_any_timing(tmp_path, capsys):
+    from phalanx.testing.cli_errors import assert_cli_error
+
+    assert_cli_error(["calibrate", "--serve", "--max-procs", "0"], capsys, "--max-procs 0", "tp group probed")
+    assert_cli_error(["calibrate", "--serve", "--out", str(tmp_path)], capsys, "is a folder")
