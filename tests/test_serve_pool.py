@@ -234,6 +234,14 @@ def test_pool_auto_takes_the_smallest_latency_pool_within_the_targets_and_the_re
     assert lines[1].startswith("pool auto: throughput 6 x tp=1 on 6 ranks: predicted") and "per rank" in lines[1]
 
 
+def test_pool_auto_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, phalanx.serve.pool_auto; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_pool_auto_refusals_and_lengths():
     from phalanx.model.config import PRESETS
     from phalanx.serve.pool_auto import check_auto, planned_lengths
