@@ -25,10 +25,9 @@ def run_calibrate(args) -> int:
         from pathlib import Path
 
         from phalanx.calibrate.serve_steps import calibrate_serve
-        from phalanx.planner.serve_costs import serve_costs_path
-
         from phalanx.errors import UserError
         from phalanx.output_path import check_output_file
+        from phalanx.planner.serve_costs import serve_costs_path
 
         if args.max_procs < 1:
             raise UserError(f"--max-procs {args.max_procs}: with --serve, the largest tp group probed (1: none)")

@@ -62,7 +62,8 @@ def _add_slo_flags(add) -> None:
 def _add_pool_flags(add) -> None:
     add("--pool", action="append", default=None, metavar="NAME:PLAN",
         help="a pool of ranks in its own layout for one request class (repeat: --pool latency:tp=2 "
-             "--pool throughput:tp=1); requests pick theirs by X-Phalanx-Class or service_tier")
+             "--pool throughput:tp=1), or auto: the serving planner splits --nproc ranks for --ttft-ms/--tpot-ms; "
+             "requests pick theirs by X-Phalanx-Class or service_tier")
     add("--pool-move-after", type=float, default=10.0, metavar="S",
         help="seconds one pool idles while another queues past its target before ranks move to it (default 10)")
     add("--isl", type=int, default=None, metavar="TOKENS",
