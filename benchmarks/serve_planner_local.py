@@ -6,12 +6,12 @@ First the engine's constants are fitted from a short timing of its own steps in 
 then a real `phalanx serve` (one thread per process, as the HTTP tests run it) gets seeded
 Poisson arrivals through HTTP, each request streamed and timed; the planner predicts the same
 layout, block pool, batch limits and load (`serve_search.evaluate`). What the engine's steps
-alone do not show is probed on each server before the rates (after one warm-up request), with
-three requests sent one at a time (and at 1 process four at once): what a decode step costs beyond the engine's own, from
-the TPOTs (at 1 process per step and per sequence, `step_s` and `sequence_s`: streaming each
-token through the server's thread; at 2 processes the tp group's `group_step_s`: the forward's
-broadcast and gloo collectives on shared cores), then the request's cost beyond its steps
-(`request_s`, from the TTFT: the HTTP path). Prints per run the
+alone do not show is probed on each server before the rates with `phalanx calibrate --serve`'s
+own probe (phalanx/calibrate/serve_probe.py, planner/serve_fit.fit_probe): after a warm-up
+request, three requests one at a time (and at 1 process four at once) give the per-step and
+per-sequence costs of streaming each token through the server's thread and the per-request
+HTTP path (1 process), and the tp group's per-step cost (2 processes); the per-request cost is
+the 1-process one, as the calibration file holds one. Prints per run the
 median TTFT and TPOT, measured and predicted, their errors, and the median |error| over runs
 (target 20%). On a shared machine the measured figures move with the load: `uptime` is
 printed before and after.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import statistics
 import sys
@@ -51,29 +50,6 @@ def measured(server, args, rate: float, seed: int) -> tuple[float, float]:
     return statistics.median(r[0] for r in results), statistics.median(r[1] for r in results)
 
 
-def sequential(server, args, count: int = 3) -> tuple[float, float]:
-    """Median TTFT and TPOT of `count` requests sent one after another (the probe)."""
-    import random
-
-    rng = random.Random(99)
-    out = []
-    for _ in range(count):
-        results, _ = asyncio.run(_drive(server.url, server.name, [([rng.randrange(args.vocab) for _ in range(args.isl)],
-                                                                   args.osl)], [0.0]))
-        out.append(results[0])
-    return statistics.median(r[0] for r in out), statistics.median(r[1] for r in out)
-
-
-def burst(server, args, count: int = 4) -> float:
-    """Median TPOT of `count` requests sent at once (the probe's second point)."""
-    import random
-
-    rng = random.Random(98)
-    requests = [([rng.randrange(args.vocab) for _ in range(args.isl)], args.osl) for _ in range(count)]
-    results, _ = asyncio.run(_drive(server.url, server.name, requests, [0.0] * count))
-    return statistics.median(r[1] for r in results)
-
-
 def predict(model, cluster, costs, args, *, procs: int, rate: float | None, seqs: int, mbt: int,
             concurrency: int | None = None) -> tuple[float, float]:
     layout = ServeLayout(tp=procs, weight_dtype="fp32", kv_dtype="fp32")
@@ -97,8 +73,9 @@ def main() -> None:
     args.moe = False
     import torch
 
+    from phalanx.calibrate.serve_probe import probe_running
     from phalanx.calibrate.serve_steps import measure
-    from phalanx.planner.serve_fit import fit
+    from phalanx.planner.serve_fit import fit, fit_probe
     from tests.serve_server import ServeProcess
 
     print(f"load before: {os.getloadavg()[0]:.1f} (1-minute average, {os.cpu_count()} cores)", flush=True)
@@ -119,29 +96,15 @@ def main() -> None:
                  "--max-num-seqs", str(seqs)] + (["--nproc", str(procs), "--plan", f"tp={procs}"] if procs > 1 else [])
         server = ServeProcess(folder, *flags)
         try:
-            # The probe: requests one at a time calibrate what the engine steps alone do not show,
-            # the HTTP path per request (1 process) and a tp group's per-step cost (2 processes).
-            sequential(server, args, count=1)  # warm-up: a fresh server's first request is slower
-            ttft0, tpot0 = sequential(server, args)
-            pt0, pp0 = predict(model, cluster, costs, args, procs=procs, rate=1e-3, seqs=seqs, mbt=mbt)
-            # First what a decode step costs beyond the engine's own, from the TPOT of one
-            # sequence and of four at once: per step and per sequence (streaming its token
-            # through the server's thread) at 1 process, the tp group's per step at 2; then
-            # what TTFT has beyond its steps.
-            if procs == 1:
-                tpot4 = burst(server, args)
-                _, pp4 = predict(model, cluster, costs, args, procs=procs, rate=None, seqs=seqs, mbt=mbt, concurrency=4)
-                per_seq = max(0.0, ((tpot4 - pp4) - (tpot0 - pp0)) / 3)
-                per_step = max(0.0, tpot0 - pp0 - per_seq)
-                costs = dataclasses.replace(costs, step_s=costs.step_s + per_step, sequence_s=costs.sequence_s + per_seq)
-            else:
-                costs = dataclasses.replace(costs, group_step_s=((procs, max(0.0, tpot0 - pp0)),))
-            pt0, _ = predict(model, cluster, dataclasses.replace(costs, request_s=0.0), args, procs=procs, rate=1e-3,
-                             seqs=seqs, mbt=mbt)
-            costs = dataclasses.replace(costs, request_s=max(0.0, ttft0 - pt0))
-            print(f"probe at {procs} process(es), requests one at a time: TTFT {ttft0 * 1e3:.1f} ms, TPOT "
-                  f"{tpot0 * 1e3:.1f} ms; per step {costs.step_s * 1e3:.1f} ms, per sequence {costs.sequence_s * 1e3:.1f} ms, request "
-                  f"{costs.request_s * 1e3:.1f} ms, group step {costs.group_step(procs) * 1e3:.1f} ms", flush=True)
+            # The probe (calibrate's): what the engine steps alone do not show, on this server.
+            address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+            probe = asyncio.run(probe_running(address, server.name, tp=procs, vocab=args.vocab, isl=args.isl,
+                                              osl=args.osl, max_num_seqs=seqs, max_batch_tokens=mbt))
+            costs = fit_probe(model, cluster, costs, probe)
+            print(f"probe at {procs} process(es), requests one at a time: TTFT {probe.ttft_s * 1e3:.1f} ms, TPOT "
+                  f"{probe.tpot_s * 1e3:.1f} ms; per step {costs.step_s * 1e3:.1f} ms, per sequence "
+                  f"{costs.sequence_s * 1e3:.1f} ms, request {costs.request_s * 1e3:.1f} ms, group step "
+                  f"{costs.group_step(procs) * 1e3:.1f} ms", flush=True)
             for i, rate in enumerate(float(x) for x in args.rates.split(",")):
                 ttft, tpot = measured(server, args, rate, seed=i)
                 pt, pp = predict(model, cluster, costs, args, procs=procs, rate=rate, seqs=seqs, mbt=mbt)

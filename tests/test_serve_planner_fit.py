@@ -46,3 +46,31 @@ def test_calibration_file_is_read_for_local_and_checked(tmp_path, monkeypatch):
         with pytest.raises(UserError, match=says):
             load_serve_costs(path)
     assert dataclasses.asdict(costs)["group_step_s"] == ((2, 0.5),)
+
+
+def test_probe_fit_recovers_what_the_server_adds_to_the_engine_steps():
+    """Latencies through a server priced with the engine's constants plus known extras (5 ms per
+    step, 1 ms per sequence, 30 ms per request, 20 ms per step of a tp=2 group) are fitted back
+    to those extras from the base constants, as `phalanx calibrate --serve` does with measured
+    ones; an extra the steps already over-explain is clipped at 0, never negative."""
+    from phalanx.planner.serve_fit import ServerProbe, fit_probe, predicted_latency
+
+    model, cluster = MODELS["small"], CLUSTERS["local"]
+    base = ServeCosts(step_s=1e-3, sequence_layer_s=1e-4, flops_scale=0.3, bandwidth_scale=0.3)
+    truth = dataclasses.replace(base, step_s=6e-3, sequence_s=1e-3, request_s=0.03, group_step_s=((2, 0.02),))
+    shape = dict(isl=64, osl=16, max_num_seqs=32, max_batch_tokens=512)
+
+    def measured(tp: int, burst: int) -> ServerProbe:
+        probe = ServerProbe(tp=tp, **shape, ttft_s=0, tpot_s=0, burst=burst)
+        ttft, tpot = predicted_latency(model, cluster, truth, probe)
+        burst_tpot = predicted_latency(model, cluster, truth, probe, burst=True)[1] if burst else 0.0
+        return dataclasses.replace(probe, ttft_s=ttft, tpot_s=tpot, burst_tpot_s=burst_tpot)
+
+    one = fit_probe(model, cluster, base, measured(1, 4))
+    assert one.step_s == pytest.approx(6e-3, rel=1e-3) and one.sequence_s == pytest.approx(1e-3, rel=1e-3)
+    assert one.request_s == pytest.approx(0.03, rel=1e-3) and one.group_step_s == ()
+    both = fit_probe(model, cluster, one, measured(2, 0))
+    assert both.group_step(2) == pytest.approx(0.02, rel=1e-3) and both.request_s == one.request_s
+    fast = dataclasses.replace(measured(1, 4), tpot_s=1e-6, burst_tpot_s=1e-6, ttft_s=1e-6)
+    clipped = fit_probe(model, cluster, base, fast)
+    assert (clipped.step_s, clipped.sequence_s, clipped.request_s) == (base.step_s, base.sequence_s, 0.0)

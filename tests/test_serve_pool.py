@@ -30,7 +30,7 @@ def _router(move_after_s: float = 5.0, max_num_seqs: int = 2) -> Router:
 def test_pool_flags():
     specs = parse_pools(["latency:tp=2", "throughput:tp=1"])
     assert [(s.name, s.plan, s.world) for s in specs] == [("latency", "tp=2", 2), ("throughput", "tp=1", 1)]
-    for values, message in ((["auto"], "serving planner"), (["latency"], "expected NAME:PLAN"),
+    for values, message in ((["auto", "a:tp=1"], "give it alone"), (["latency"], "expected NAME:PLAN"),
                             (["a:tp=1", "a:tp=2"], "given twice"), (["Big:tp=1"], "expected NAME:PLAN")):
         with pytest.raises(UserError, match=message):
             parse_pools(values)
@@ -39,8 +39,32 @@ def test_pool_flags():
 def test_bad_pool_flags_are_one_line(capsys):
     from phalanx.testing.cli_errors import assert_cli_error
 
-    assert_cli_error(["serve", "--model", "/x", "--pool", "auto"], capsys, "--pool auto", "not there yet")
     assert_cli_error(["serve", "--model", "/x", "--pool", "a:tp=1", "--nproc", "2"], capsys, "drop --nproc")
+    assert_cli_error(["serve", "--model", "/x", "--pool", "auto", "--nproc", "2"], capsys, "--ttft-ms/--tpot-ms")
+    assert_cli_error(["serve", "--model", "/x", "--pool", "auto", "--tpot-ms", "50"], capsys,
+                     "--nproc must be at least 2, got 1")
+    assert_cli_error(["serve", "--model", "/x", "--pool", "auto", "--nproc", "2", "--tpot-ms", "50", "--plan", "tp=2"],
+                     capsys, "drop --nproc and --plan")
+    assert_cli_error(["serve", "--model", "/x", "--isl", "64"], capsys, "with --pool auto")
+    assert_cli_error(["serve", "--model", "/x", "--pool", "a:tp=1", "--osl", "8"], capsys, "named pools do not use")
+
+
+def test_pool_auto_refuses_what_it_cannot_plan_in_one_line(tmp_path, capsys, monkeypatch):
+    """With the model read (a config.json, no weights needed to plan): targets no layout is
+    predicted to meet, lengths beyond the model's positions."""
+    import json
+
+    from phalanx.testing.cli_errors import assert_cli_error
+
+    monkeypatch.setenv("PHALANX_HOME", str(tmp_path))  # the local cluster's defaults, no calibration
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+         "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 128, "rms_norm_eps": 1e-6}))
+    auto = ["serve", "--model", str(tmp_path), "--pool", "auto", "--nproc", "2"]
+    assert_cli_error(auto + ["--tpot-ms", "0.001"], capsys, "no latency pool of 1 rank meets --tpot-ms 0.001",
+                     "predicted at TTFT")
+    assert_cli_error(auto + ["--tpot-ms", "50", "--isl", "120", "--osl", "16"], capsys, "beyond the model's 128")
 
 
 def test_a_request_goes_to_its_class_pool():
@@ -66,12 +90,12 @@ def test_ranks_move_from_the_idle_pool_to_the_queued_one_only():
     its newest instance and latency re-shards back up to tp=2."""
     router = _router(move_after_s=5.0)
     latency, throughput = router.pools["latency"], router.pools["throughput"]
-    throughput.instances[0].in_flight = 5
-    latency.instances[0].in_flight = 1
+    throughput.instances[0].arrivals = [0.0] * 5
+    latency.instances[0].arrivals = [0.0]
     for now in (0.0, 10.0):
         router.observe(now)
         assert router.plan_move(now) is None  # both busy
-    latency.instances[0].in_flight = 0
+    latency.instances[0].arrivals = []
     router.observe(11.0)
     assert router.plan_move(11.0) is None and router.plan_move(15.9) is None
     move = router.plan_move(16.0)
@@ -85,9 +109,9 @@ def test_ranks_move_from_the_idle_pool_to_the_queued_one_only():
     for pool in router.pools.values():
         pool.idle_since = pool.queued_since = None
         for instance in pool.instances:
-            instance.ready, instance.in_flight = True, 0
+            instance.ready, instance.arrivals = True, []
     router.moving = True
-    latency.instances[0].in_flight = 4
+    latency.instances[0].arrivals = [20.0] * 4
     router.observe(20.0)
     assert router.plan_move(30.0) is None  # a move is running
     router.moving = False
@@ -96,22 +120,148 @@ def test_ranks_move_from_the_idle_pool_to_the_queued_one_only():
     assert back.grow is latency.instances[0] and back.receiver_plan == "tp=2"
 
 
+def test_under_a_ttft_target_a_pool_queues_when_a_request_waits_past_it():
+    """--ttft-ms 1000, 2 seats per instance, simulated clock: throughput's 4 requests arrived
+    at 0 and 0.5 (two seated, two waiting). It counts as queued once its oldest waiting one has
+    waited over 1 s (not at 1.0, yes at 1.3: the third oldest arrived at 0.3), not for being over
+    its seats; and a move follows move_after_s later. Long-running seated requests never count
+    (a pool at its seats decoding for minutes is not late); a request held in the router, with no
+    instance, does; an instance's 429 for the TTFT target counts for one TTFT target's time."""
+    router = Router([PoolSpec("latency", "tp=2", 2), PoolSpec("throughput", "tp=1", 1)], 2, 5.0, ttft_s=1.0)
+    for pool in router.pools.values():
+        pool.instances[0].ready = True
+    latency, throughput = router.pools["latency"], router.pools["throughput"]
+    throughput.instances[0].arrivals = [0.0, 0.0, 0.3, 0.5]  # over its 2 seats at once
+    assert router.oldest_wait(throughput, 1.0) == pytest.approx(0.7)
+    router.observe(1.0)
+    assert throughput.queued_since is None and latency.idle_since == 1.0  # seats rule would say queued
+    router.observe(1.3 + 1e-9)
+    assert throughput.queued_since == pytest.approx(1.3)
+    assert router.plan_move(6.2) is None  # latency idle since 1.0, throughput queued since 1.3
+    move = router.plan_move(6.3 + 1e-9)
+    assert move.donor is latency and move.receiver is throughput and move.freed == (1,)
+
+    throughput.instances[0].arrivals = [0.0, 0.0]  # seated, decoding for 100 s: on time
+    router.observe(100.0)
+    assert throughput.queued_since is None
+    latency.held_arrivals.append(99.5)  # no instance of latency open: waiting since 99.5
+    latency.instances[0].ready = False
+    router.observe(100.4)
+    assert latency.queued_since is None
+    router.observe(100.6)
+    assert latency.queued_since == 100.6
+    latency.held_arrivals.clear()
+    router.note_refused(throughput, 101.0)
+    router.observe(101.5)
+    assert throughput.queued_since == 101.5 and latency.queued_since is None
+    router.observe(102.1)
+    assert throughput.queued_since is None  # the refusal is over a TTFT target ago
+
+
 def test_a_pool_whose_layout_cannot_split_keeps_its_ranks():
     """An idle pool of one tp=1 instance has nothing to give; a layout the model cannot run
     (layout_ok) is never proposed."""
     router = Router([PoolSpec("latency", "tp=1", 1), PoolSpec("throughput", "tp=1", 1)], 1, 1.0)
     for pool in router.pools.values():
         pool.instances[0].ready = True
-    router.pools["throughput"].instances[0].in_flight = 3
+    router.pools["throughput"].instances[0].arrivals = [0.0] * 3
     router.observe(0.0)
     assert router.plan_move(5.0) is None
     router = Router([PoolSpec("latency", "tp=2", 2), PoolSpec("throughput", "tp=1", 1)], 1, 1.0,
                     layout_ok=lambda plan: plan != "tp=1")
     for pool in router.pools.values():
         pool.instances[0].ready = True
-    router.pools["throughput"].instances[0].in_flight = 3
+    router.pools["throughput"].instances[0].arrivals = [0.0] * 3
     router.observe(0.0)
     assert router.plan_move(5.0) is None
+
+
+def _auto(ranks: int, *, ttft_ms=2000.0, tpot_ms=None, isl=512, osl=128):
+    """`--pool auto`'s split of the `small` preset on the local cluster's defaults (the
+    caller points PHALANX_HOME at an empty folder: no calibration file)."""
+    from phalanx.layout_rules import tp_problem
+    from phalanx.planner.hardware import cluster_from_name
+    from phalanx.planner.model_spec import model_from_name
+    from phalanx.planner.serve_rates import ServeLoad
+    from phalanx.serve.pool_auto import auto_split
+
+    model, cluster = model_from_name("small"), cluster_from_name("local")
+    ok = lambda plan: not tp_problem(int(plan[3:]), n_heads=model.n_heads, n_kv_heads=model.n_kv_heads,  # noqa: E731
+                                     ffn_dim=model.ffn_dim, vocab_size=model.vocab_size)
+    load = ServeLoad(isl=isl, osl=osl, ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+    common = dict(max_num_seqs=32, max_batch_tokens=512, weight_dtype="fp32", kv_dtype="fp32")
+    return auto_split(model, cluster, ranks=ranks, load=load, layout_ok=ok, **common), (model, cluster, ok, common)
+
+
+def test_pool_auto_takes_the_smallest_latency_pool_within_the_targets_and_the_rest_for_throughput(tmp_path,
+                                                                                                  monkeypatch):
+    """The split's laws, on the planner's own predictions (no process): every rank is used; the
+    latency pool's layout is predicted within both targets, no smaller pool has a layout within
+    them, and it ranks first (the planner's key) among its size's layouts within them; the
+    throughput pool's layout ranks first among its size's without targets; and a tighter TPOT
+    target never gives the latency pool a slower predicted TPOT (nor fewer ranks)."""
+    from phalanx.planner.serve_rates import ServeLoad
+    from phalanx.serve.pool_auto import meets, pool_layouts, rate_pool
+
+    monkeypatch.setenv("PHALANX_HOME", str(tmp_path))
+    for ranks in (2, 4, 8):
+        previous = None
+        for tpot in (400.0, 100.0, 50.0, 30.0, 20.0, 15.0):
+            try:
+                split, (model, cluster, ok, common) = _auto(ranks, tpot_ms=tpot)
+            except UserError as error:
+                assert "no latency pool" in str(error) and tpot <= 20  # only the tightest are out of reach
+                continue
+            lat, thr = split.latency, split.throughput
+            assert lat.ranks + thr.ranks == ranks and lat.ranks >= 1 and thr.ranks >= 1
+            assert meets(lat.plan, split.load) and lat.plan.rates.tpot_p50_s * 1e3 <= tpot
+            rate = lambda size, load: [rate_pool(model, cluster, tp, n, load, world=ranks, **common)  # noqa: E731
+                                       for tp, n in pool_layouts(size, ok)]
+            for size in range(1, lat.ranks):
+                assert not any(meets(p, split.load) for p in rate(size, split.load))
+            assert lat.plan.key == max(p.key for p in rate(lat.ranks, split.load) if meets(p, split.load))
+            assert thr.plan.key == max(p.key for p in rate(thr.ranks, ServeLoad(isl=512, osl=128)))
+            if previous is not None:
+                assert lat.plan.rates.tpot_p50_s <= previous.plan.rates.tpot_p50_s * (1 + 1e-9)
+                assert lat.ranks >= previous.ranks
+            previous = lat
+    # On 8 ranks the planner needs tp=2 for 20 ms (one rank's fastest is slower) and one rank for 50 ms.
+    assert _auto(8, tpot_ms=50.0)[0].latency.ranks == 1
+    tight = _auto(8, tpot_ms=20.0)[0]
+    assert (tight.latency.tp, tight.latency.instances, tight.throughput.tp, tight.throughput.instances) == (2, 1, 1, 6)
+    lines = tight.lines()
+    assert lines[0].startswith("pool auto: latency tp=2 on 2 ranks: predicted TTFT") and "(target 20)" in lines[0]
+    assert lines[1].startswith("pool auto: throughput 6 x tp=1 on 6 ranks: predicted") and "per rank" in lines[1]
+
+
+def test_pool_auto_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, phalanx.serve.pool_auto; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pool_auto_refusals_and_lengths():
+    from phalanx.model.config import PRESETS
+    from phalanx.serve.pool_auto import check_auto, planned_lengths
+
+    with pytest.raises(UserError, match="give at least one"):
+        check_auto(ttft_ms=None, tpot_ms=None, ranks=4)
+    with pytest.raises(UserError, match="at least 2, got 1"):
+        check_auto(ttft_ms=100.0, tpot_ms=None, ranks=1)
+    tiny = PRESETS["tiny"]  # 256 positions: the defaults shortened to them
+    assert planned_lengths(PRESETS["small"], None, None) == (512, 128)
+    assert planned_lengths(tiny, None, None) == (204, 52) and planned_lengths(tiny, 100, None) == (100, 128)
+    with pytest.raises(UserError, match="beyond the model's 256 positions"):
+        planned_lengths(tiny, 200, 100)
+
+
+def test_an_auto_pool_starts_with_its_instances_on_consecutive_ranks():
+    router = Router([PoolSpec("latency", "tp=2", 2), PoolSpec("throughput", "tp=1", 1, instances=3)], 2, 5.0)
+    assert [i.ranks for i in router.pools["latency"].instances] == [(0, 1)]
+    assert [i.ranks for i in router.pools["throughput"].instances] == [(2,), (3,), (4,)]
+    assert router.pools["throughput"].ranks == 3
 
 
 def test_service_tier_is_checked_by_a_single_server_too():

@@ -5,14 +5,18 @@ beside the cluster file (planner/serve_costs.py reads it for `--cluster local`).
 The steps are the engine's (phalanx/serve/engine.py: the scheduler's batch through the
 model and its paged cache, sampling included), in this process, on a randomly initialized
 model of the shape asked for: decode steps of 1 to 16 sequences at two contexts, and prompt
-steps of 16 to 256 tokens alone, each the fastest of a few repeats after a warm-up (on a shared machine the fastest is the least disturbed). About half
-a minute for the `small` preset.
+steps of 16 to 256 tokens alone, each the fastest of a few repeats after a warm-up (on a
+shared machine the fastest is the least disturbed). Then a real `phalanx serve` of that shape
+(the model directory itself, when --model is one with weights) is probed through HTTP for what
+the steps do not show (serve_probe.py): one process, then each tp group up to --max-procs.
+About a minute and a half for the `small` preset on 2 cores.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from phalanx.planner.serve_fit import MeasuredStep, fit
 
@@ -76,11 +80,15 @@ def measure(cfg, *, repeats: int = 5, log=print) -> list[MeasuredStep]:
     return steps
 
 
-def calibrate_serve(model_name: str, out_path, *, log=print) -> dict:
+def calibrate_serve(model_name: str, out_path, *, max_procs: int = 2, log=print) -> dict:
+    """Engine steps in this process, then a real server (serve_probe.py); the constants written
+    to `out_path`."""
     import dataclasses
 
     import torch
 
+    from phalanx.calibrate.serve_probe import probe_and_fit
+    from phalanx.hf.weights import has_any_weights
     from phalanx.planner.hardware import cluster_from_name
     from phalanx.planner.model_spec import model_from_name
     from phalanx.planner.serve_step import ServeLayout
@@ -90,12 +98,21 @@ def calibrate_serve(model_name: str, out_path, *, log=print) -> dict:
     log(f"timing phalanx serve's engine steps of {cfg.name} on this CPU ({torch.get_num_threads()} threads)")
     steps = measure(cfg, log=log)
     costs, error = fit(cfg, cluster, steps, ServeLayout(weight_dtype="fp32", kv_dtype="fp32"))
+    log("probing a real phalanx serve on 127.0.0.1 (HTTP, streaming, tp groups)")
+    folder = model_name if Path(model_name).is_dir() and has_any_weights(Path(model_name)) else None
+    costs, probes = probe_and_fit(cfg, cluster, costs, max_procs=max_procs, folder=folder, log=log)
     record = {**dataclasses.asdict(costs),
               "source": f"phalanx calibrate --serve --model {model_name}: {len(steps)} engine steps, "
-                        f"fit median error {error:.1%}, {torch.get_num_threads()} threads"}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(record, indent=2))
+                        f"fit median error {error:.1%}, {torch.get_num_threads()} threads; a server probed at "
+                        + ", ".join(f"tp={p.tp}" for p in probes)}
+    write_serve_costs(record, out_path)
     fitted = {k: v for k, v in dataclasses.asdict(costs).items() if isinstance(v, float)}
-    log(f"fit: {', '.join(f'{k}={v:.3g}' for k, v in fitted.items())}; median error {error:.1%}")
+    log(f"fit: {', '.join(f'{k}={v:.3g}' for k, v in fitted.items())}, group_step_s={list(costs.group_step_s)}; "
+        f"engine steps' median error {error:.1%}")
     log(f"wrote {out_path}")
     return record
+
+
+def write_serve_costs(record: dict, out_path) -> None:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(record, indent=2) + "\n")

@@ -1,5 +1,6 @@
-"""Fitting the serving engine's constants (serve_costs.ServeCosts) to measured steps,
-torch-free. The measuring is phalanx/calibrate/serve_steps.py's.
+"""Fitting the serving engine's constants (serve_costs.ServeCosts) to measured steps, and then
+to latencies measured through a real server (`fit_probe`), torch-free. The measuring is
+phalanx/calibrate/serve_steps.py's and serve_probe.py's.
 
 Each measured step (decodes, mean context, prompt tokens, seconds) is explained as
   seconds = a x mechanical + step_s + sequences x sequence_s + decodes x layers x
@@ -78,3 +79,91 @@ def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout:
     errors = sorted(abs(sum(c * x for c, x in zip([a, *values.values()], r)) / m.seconds - 1)
                     for r, m in zip(raw, steps))
     return costs, errors[len(errors) // 2]
+
+
+# What the engine's steps alone do not show, from a real server (phalanx/calibrate/serve_probe.py)
+
+@dataclass(frozen=True, kw_only=True)
+class ServerProbe:
+    """Median latencies measured through a real `phalanx serve` of `tp` ranks."""
+    tp: int
+    isl: int
+    osl: int
+    max_num_seqs: int
+    max_batch_tokens: int
+    ttft_s: float
+    """Requests sent one at a time."""
+    tpot_s: float
+    burst: int = 0
+    """Requests sent at once for the second point (0: none, as under tp > 1)."""
+    burst_tpot_s: float = 0.0
+
+
+def predicted_latency(model: ModelConfig, cluster: Cluster, costs: ServeCosts, probe: ServerProbe, *,
+                      burst: bool = False) -> tuple[float, float]:
+    """The planner's (TTFT, TPOT p50) for the probe's requests: one at a time (a vanishing
+    Poisson rate) or `probe.burst` at once (a closed loop of that many)."""
+    from phalanx.planner.serve_rates import ServeLoad
+    from phalanx.planner.serve_search import evaluate
+
+    load = ServeLoad(isl=probe.isl, osl=probe.osl, concurrency=probe.burst if burst else None,
+                     rate=None if burst else 1e-3)
+    layout = ServeLayout(tp=probe.tp, weight_dtype="fp32", kv_dtype="fp32")
+    plan = evaluate(model, cluster, layout, 1, load, max_batch=probe.max_num_seqs,
+                    max_batch_tokens=probe.max_batch_tokens, world=probe.tp, costs=costs)
+    return plan.rates.ttft_s, plan.rates.tpot_p50_s
+
+
+def _newton(predict, measured: list[float], x: list[float], rounds: int = 6) -> list[float]:
+    """x with predict(x) == measured (one or two unknowns; finite-difference Jacobian). The
+    predictions are nearly linear in the costs (the batch under a vanishing rate moves a
+    little with the step time), so a few rounds settle it."""
+    h = 1e-5
+    for _ in range(rounds):
+        f = predict(x)
+        r = [m - v for m, v in zip(measured, f)]
+        jac = [[(predict([*x[:j], x[j] + h, *x[j + 1:]])[i] - f[i]) / h for j in range(len(x))]
+               for i in range(len(x))]
+        if len(x) == 1:
+            dx = [r[0] / jac[0][0]] if jac[0][0] else [0.0]
+        else:
+            det = jac[0][0] * jac[1][1] - jac[0][1] * jac[1][0]
+            if not det:
+                return x
+            dx = [(r[0] * jac[1][1] - jac[0][1] * r[1]) / det, (jac[0][0] * r[1] - jac[1][0] * r[0]) / det]
+        x = [a + d for a, d in zip(x, dx)]
+    return x
+
+
+def fit_probe(model: ModelConfig, cluster: Cluster, costs: ServeCosts, probe: ServerProbe) -> ServeCosts:
+    """`costs` (the engine steps' fit) with what the server adds, so that the planner predicts
+    the probe's own latencies (each added cost clipped at 0: where the steps already explain
+    more than was measured, the prediction stays above it):
+
+    - one process: per step and per sequence (streaming each sequence's token through the
+      server's thread each step), from the TPOT of one request and of `burst` at once;
+      then per request (the HTTP path to the first token), from the TTFT of one;
+    - tp > 1: the group's cost per step (rank 0 broadcasting each forward, the gathered logits,
+      collectives waiting for every rank on shared cores), from the TPOT of one request."""
+    import dataclasses
+
+    replace = dataclasses.replace
+    tpot = lambda c, burst=False: predicted_latency(model, cluster, c, probe, burst=burst)[1]  # noqa: E731
+    if probe.tp == 1:
+        with_step = lambda x: replace(costs, step_s=costs.step_s + x[0],  # noqa: E731
+                                      sequence_s=costs.sequence_s + (x[1] if len(x) > 1 else 0.0))
+        step = seq = 0.0
+        if probe.burst > 1:
+            step, seq = _newton(lambda x: [tpot(with_step(x)), tpot(with_step(x), True)],
+                                [probe.tpot_s, probe.burst_tpot_s], [0.0, 0.0])
+        if probe.burst <= 1 or seq < 0 or step < 0:  # then per step alone, from one request
+            seq = 0.0
+            step = _newton(lambda x: [tpot(with_step([x[0], seq]))], [probe.tpot_s], [0.0])[0]
+        costs = with_step([max(step, 0.0), seq])
+        request = _newton(lambda x: [predicted_latency(model, cluster, replace(costs, request_s=x[0]), probe)[0]],
+                          [probe.ttft_s], [0.0])[0]
+        return replace(costs, request_s=max(request, 0.0))
+    others = tuple(row for row in costs.group_step_s if row[0] != probe.tp)
+    grouped = lambda x: replace(costs, group_step_s=tuple(sorted(others + ((probe.tp, x[0]),))))  # noqa: E731
+    group = _newton(lambda x: [tpot(grouped(x))], [probe.tpot_s], [0.0])[0]
+    return grouped([max(group, 0.0)])

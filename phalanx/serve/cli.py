@@ -62,9 +62,14 @@ def _add_slo_flags(add) -> None:
 def _add_pool_flags(add) -> None:
     add("--pool", action="append", default=None, metavar="NAME:PLAN",
         help="a pool of ranks in its own layout for one request class (repeat: --pool latency:tp=2 "
-             "--pool throughput:tp=1); requests pick theirs by X-Phalanx-Class or service_tier")
+             "--pool throughput:tp=1), or auto: the serving planner splits --nproc ranks for --ttft-ms/--tpot-ms; "
+             "requests pick theirs by X-Phalanx-Class or service_tier")
     add("--pool-move-after", type=float, default=10.0, metavar="S",
-        help="seconds one pool idles while another queues past its seats before ranks move to it (default 10)")
+        help="seconds one pool idles while another queues past its target before ranks move to it (default 10)")
+    add("--isl", type=int, default=None, metavar="TOKENS",
+        help="with --pool auto: prompt tokens per request to plan for (default 512, or 4/5 of a shorter model's positions)")
+    add("--osl", type=int, default=None, metavar="TOKENS",
+        help="with --pool auto: output tokens per request to plan for (default 128, or the rest of the positions)")
 
 
 def _check_slo(args) -> dict:
@@ -174,6 +179,8 @@ def _run(args) -> int:
     import os
 
     job = prepare_job(args)
+    if not getattr(args, "pool", None) and (args.isl is not None or args.osl is not None):
+        raise UserError("--isl/--osl are the lengths --pool auto plans for; give them with --pool auto")
     if getattr(args, "pool", None):
         from phalanx.serve.pool_main import run_pools
 

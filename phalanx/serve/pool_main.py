@@ -1,8 +1,9 @@
 """`phalanx serve --pool NAME:PLAN [--pool ...]`: the flags checked, then the front
 (`pool_server.py`) on uvicorn with every pool's instances started beside it.
 
-Every flag but --pool, --pool-move-after, --host, --port, --nproc and --plan is passed on to each
-instance, so an instance is what `phalanx serve --nproc N --plan PLAN` with the same flags is.
+Every flag but --pool, --pool-move-after, --isl, --osl, --host, --port, --nproc and --plan is passed
+on to each instance, so an instance is what `phalanx serve --nproc N --plan PLAN` with the same flags
+is. `--pool auto --nproc N` takes the pools from the serving planner (pool_auto.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import signal
 
 from phalanx.errors import UserError
 
-FRONT_ONLY = {"pool", "pool_move_after", "host", "port", "nproc", "plan", "func", "serve_parser", "command"}
+FRONT_ONLY = {"pool", "pool_move_after", "isl", "osl", "host", "port", "nproc", "plan", "func", "serve_parser",
+              "command"}
 
 
 def instance_flags(args, parser) -> list[str]:
@@ -38,11 +40,19 @@ def check_pools(args, job: dict):
     shape before anything starts."""
     from phalanx.serve.pool_router import parse_pools
 
-    if args.nproc != 1 or args.plan:
-        raise UserError("--pool sets each pool's layout and ranks; drop --nproc and --plan")
+    auto = args.pool == ["auto"]
+    if args.plan or (args.nproc != 1 and not auto):
+        raise UserError("--pool sets each pool's layout and ranks; drop --nproc and --plan "
+                        "(--pool auto takes --nproc N, the ranks it splits)")
+    if not auto and (args.isl is not None or args.osl is not None):
+        raise UserError("--isl/--osl are the lengths --pool auto plans for; named pools do not use them")
     if not args.pool_move_after > 0:
         raise UserError(f"--pool-move-after must be > 0 seconds, got {args.pool_move_after}")
-    specs = parse_pools(args.pool)  # the flags' own spelling first, then the model
+    specs = [] if auto else parse_pools(args.pool)  # the flags' own spelling first, then the model
+    if auto:
+        from phalanx.serve.pool_auto import check_auto
+
+        check_auto(ttft_ms=job["ttft_ms"], tpot_ms=job["tpot_ms"], ranks=args.nproc)  # before the model is read
     cfg = _model_config(job)
 
     def check_plan(plan: str, world: int) -> None:
@@ -61,7 +71,49 @@ def check_pools(args, job: dict):
 
     for spec in specs:
         check_plan(spec.plan, spec.world)
+    if auto:
+        specs = _plan_auto(args, job, cfg, layout_ok(check_plan))
     return specs, check_plan
+
+
+def layout_ok(check_plan):
+    """`check_plan` as a yes/no: whether the model runs in a layout."""
+    def ok(plan: str) -> bool:
+        from phalanx.plan import plan_from_string
+
+        try:
+            check_plan(plan, plan_from_string(plan).world_size)
+            return True
+        except UserError:
+            return False
+    return ok
+
+
+def _plan_auto(args, job: dict, cfg, layout_ok) -> list:
+    """`--pool auto`: the planner's two pools for the targets, each printed with why."""
+    from phalanx.planner.hardware import cluster_from_name
+    from phalanx.planner.serve_rates import ServeLoad
+    from phalanx.serve.pool_auto import auto_split, planned_lengths
+    from phalanx.serve.pool_server import log
+
+    isl, osl = planned_lengths(cfg, args.isl, args.osl)
+    load = ServeLoad(isl=isl, osl=osl, ttft_ms=job["ttft_ms"], tpot_ms=job["tpot_ms"])
+    cluster = cluster_from_name("local")
+    gpu = job["device"] == "cuda" or (job["device"] == "auto" and _cuda())
+    # As phalanx serve runs: fp32 on the CPU, bf16 on a GPU, unless --dtype says.
+    dtype = {"fp32": "fp32", "bf16": "bf16"}.get(job["dtype"], "bf16" if gpu else "fp32")
+    split = auto_split(cfg, cluster, ranks=args.nproc, load=load, max_num_seqs=job["max_num_seqs"],
+                       max_batch_tokens=job["max_num_batched_tokens"], weight_dtype=dtype, kv_dtype=dtype,
+                       layout_ok=layout_ok)
+    for line in split.lines():
+        log(line)
+    return [split.latency.spec(), split.throughput.spec()]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _model_config(job: dict):
@@ -91,16 +143,8 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
     from phalanx.serve.pool_server import PoolFront, build_front_app, log
     from phalanx.serve.server import PhalanxServer
 
-    def layout_ok(plan: str) -> bool:
-        from phalanx.plan import plan_from_string
-
-        try:
-            check_plan(plan, plan_from_string(plan).world_size)
-            return True
-        except UserError:
-            return False
-
-    router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok)
+    ttft_s = job["ttft_ms"] / 1000 if job["ttft_ms"] is not None else None
+    router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok(check_plan), ttft_s)
     front = PoolFront(router, flags, job["device"])
     config = uvicorn.Config(build_front_app(front), host=job["host"], port=job["port"], log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10)

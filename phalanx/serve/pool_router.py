@@ -7,8 +7,11 @@ pool's layout (`pool_server.py` starts them). A request's class is its `X-Phalan
 header (a pool's name), else OpenAI's `service_tier` (`priority` -> latency; `auto`,
 `default`, `flex` -> throughput), else the throughput pool (or the first one named).
 
-A pool queues past its target when it holds more requests than its seats (instances x
-`--max-num-seqs`); it idles when it holds none. When one has idled and the other queued for
+A pool queues past its target, under `--ttft-ms`, when a request of it has waited longer than
+the TTFT target without a seat (`oldest_wait`), or one of its instances refused a request at
+arrival for that target (429 `ttft_target_unattainable`: the SLO scheduler refuses rather than
+queue) within the last TTFT target; without `--ttft-ms`, when it holds more requests than its
+seats (instances x `--max-num-seqs`). It idles when it holds none. When one has idled and the other queued for
 `move_after_s`, ranks move (`plan_move`): the idle pool gives its newest instance if it has
 several, else re-shards its one instance to half its tensor-parallel ranks (drain, re-shard,
 resume); the queued pool takes the ranks as a new instance of its layout (it keeps serving
@@ -39,6 +42,8 @@ class PoolSpec:
     """Its layout, as `--plan` spells it (e.g. tp=2)."""
     world: int
     """Ranks of one instance of the layout."""
+    instances: int = 1
+    """Instances it starts with (`--pool auto` may start several; a named pool starts one)."""
 
 
 def tp_plan(ranks: int) -> str:
@@ -50,10 +55,9 @@ def parse_pools(values: list[str], check_plan=None) -> list[PoolSpec]:
     `phalanx serve` does not run (a UserError)."""
     from phalanx.plan import plan_from_string
 
-    if "auto" in values:
-        raise UserError("--pool auto takes the serving planner's split for --ttft-ms/--tpot-ms (`phalanx plan --serve`, "
-                        "issue 23 items 1-4), which is not there yet; name the pools, e.g. "
-                        "--pool latency:tp=2 --pool throughput:tp=1")
+    if "auto" in values:  # pool_auto.py plans it from the flags; here only the named pools' grammar
+        raise UserError("--pool auto is the planner's whole split: give it alone (with --nproc N and "
+                        "--ttft-ms/--tpot-ms), not beside named pools")
     specs: list[PoolSpec] = []
     for value in values:
         name, sep, plan_text = value.partition(":")
@@ -79,19 +83,31 @@ class Instance:
     """Started and healthy: requests may be sent to it."""
     draining: bool = False
     """Being emptied for a move: no new requests."""
-    in_flight: int = 0
+    arrivals: list[float] = field(default_factory=list)
+    """When each request in flight on it arrived at the front (the router's clock), oldest first."""
     address: tuple[str, int] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.arrivals)
 
 
 @dataclass(eq=False)
 class Pool:
     spec: PoolSpec
     instances: list[Instance] = field(default_factory=list)
-    held: int = 0
-    """Requests waiting in the router for an instance (none ready: starting or re-sharding)."""
+    held_arrivals: list[float] = field(default_factory=list)
+    """When each request waiting in the router for an instance (none ready: starting or
+    re-sharding) arrived."""
     routed: int = 0
     idle_since: float | None = None
     queued_since: float | None = None
+    refused_at: float | None = None
+    """When an instance last refused a request of it for the TTFT target (429)."""
+
+    @property
+    def held(self) -> int:
+        return len(self.held_arrivals)
 
     @property
     def name(self) -> str:
@@ -132,18 +148,20 @@ class Move:
 
 class Router:
     def __init__(self, specs: list[PoolSpec], max_num_seqs: int, move_after_s: float,
-                 layout_ok: Callable[[str], bool] = lambda plan: True):
-        """`layout_ok(plan)`: whether the model can run in that layout (tp divides its heads)."""
+                 layout_ok: Callable[[str], bool] = lambda plan: True, ttft_s: float | None = None):
+        """`layout_ok(plan)`: whether the model can run in that layout (tp divides its heads).
+        `ttft_s`: the --ttft-ms target, which then says when a pool queues past its target."""
         self.pools = {spec.name: Pool(spec) for spec in specs}
-        self.layout_ok = layout_ok
+        self.layout_ok, self.ttft_s = layout_ok, ttft_s
         self.max_num_seqs, self.move_after_s = max_num_seqs, move_after_s
         self.moving = False
         self.moves = 0
         self._next_ident = 0
         rank = 0
         for pool in self.pools.values():
-            pool.instances.append(self.new_instance(pool.spec.plan, tuple(range(rank, rank + pool.spec.world))))
-            rank += pool.spec.world
+            for _ in range(pool.spec.instances):
+                pool.instances.append(self.new_instance(pool.spec.plan, tuple(range(rank, rank + pool.spec.world))))
+                rank += pool.spec.world
 
     def new_instance(self, plan: str, ranks: tuple[int, ...]) -> Instance:
         self._next_ident += 1
@@ -165,15 +183,37 @@ class Router:
         open_ = [i for i in pool.instances if i.ready and not i.draining]
         return min(open_, key=lambda i: i.in_flight) if open_ else None
 
+    def oldest_wait(self, pool: Pool, now: float) -> float:
+        """Seconds the longest-waiting request of `pool` has waited without a seat. An engine
+        seats its requests oldest first (scheduler.py), so those beyond an instance's
+        `--max-num-seqs` seats are its newest; requests held here have no instance at all.
+        Measured, not predicted: the front sees when each request arrived, streamed or not,
+        while a predicted queue TTFT would need each instance's step times (which only the
+        instance's own SLO scheduler has). The SLO scheduler's TPOT limit may seat fewer than
+        the seats, so this errs late, never early."""
+        waits = [now - t for t in pool.held_arrivals]
+        for instance in pool.instances:
+            waits += [now - t for t in sorted(instance.arrivals)[self.max_num_seqs:]]
+        return max(waits, default=0.0)
+
+    def queued_past_target(self, pool: Pool, now: float) -> bool:
+        if self.ttft_s is None:
+            return pool.load() > pool.seats(self.max_num_seqs)
+        refused = pool.refused_at is not None and now - pool.refused_at <= self.ttft_s
+        return refused or self.oldest_wait(pool, now) > self.ttft_s
+
+    def note_refused(self, pool: Pool, now: float) -> None:
+        """An instance refused a request of `pool` at arrival for the TTFT target."""
+        pool.refused_at = now
+
     def observe(self, now: float) -> None:
-        """Note, at `now`, which pools idle and which queue past their seats."""
+        """Note, at `now`, which pools idle and which queue past their target."""
         for pool in self.pools.values():
-            load = pool.load()
-            if load:
+            if pool.load():
                 pool.idle_since = None
             elif pool.idle_since is None:
                 pool.idle_since = now
-            if load > pool.seats(self.max_num_seqs):
+            if self.queued_past_target(pool, now):
                 pool.queued_since = now if pool.queued_since is None else pool.queued_since
             else:
                 pool.queued_since = None

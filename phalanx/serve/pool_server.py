@@ -81,10 +81,10 @@ class PoolFront:
 
     # Requests
 
-    async def acquire(self, pool: Pool) -> Instance:
+    async def acquire(self, pool: Pool, arrived: float) -> Instance:
         """The instance to send a request to: held here while the pool has none open."""
         async with self.changed:
-            pool.held += 1
+            pool.held_arrivals.append(arrived)
             self._show_layout()
             try:
                 while (instance := self.router.pick(pool)) is None:
@@ -95,19 +95,20 @@ class PoolFront:
                                        kind="server_error")
                     await self.changed.wait()
             finally:
-                pool.held -= 1
+                pool.held_arrivals.remove(arrived)
                 self._show_layout()
-            instance.in_flight += 1
+            instance.arrivals.append(arrived)
             pool.routed += 1
             self.routed.labels(pool=pool.name).inc()
             return instance
 
-    async def release(self, instance: Instance) -> None:
+    async def release(self, instance: Instance, arrived: float) -> None:
         async with self.changed:
-            instance.in_flight -= 1
+            instance.arrivals.remove(arrived)
             self.changed.notify_all()
 
     async def generate(self, request: Request) -> Response:
+        arrived = time.monotonic()  # the router's clock (watch)
         body = await request.body()
         try:
             parsed = json.loads(body)
@@ -116,7 +117,7 @@ class PoolFront:
         tier = parsed.get("service_tier") if isinstance(parsed, dict) else None
         try:
             pool = self.router.classify(request.headers.get("x-phalanx-class"), tier)
-            instance = await self.acquire(pool)
+            instance = await self.acquire(pool, arrived)
         except UnknownClass as error:
             return JSONResponse(ApiError(400, str(error), "service_tier", "unknown_class").body(), status_code=400)
         except ApiError as error:
@@ -124,7 +125,7 @@ class PoolFront:
         try:
             answer = await forward(instance.address, "POST", request.url.path, list(request.headers.items()), body)
         except OSError as error:
-            await self.release(instance)
+            await self.release(instance, arrived)
             message = f"pool {pool.name}'s engine did not answer: {error}"
             return JSONResponse(ApiError(503, message, code="engine_failed", kind="server_error").body(), status_code=503)
         headers = {name: value for name, value in answer.headers if name.lower() != "content-type"}
@@ -136,12 +137,14 @@ class PoolFront:
                         yield piece
                 finally:
                     await answer.body.aclose()
-                    await self.release(instance)
+                    await self.release(instance, arrived)
             return StreamingResponse(relay(), status_code=answer.status, headers=headers, media_type=kind)
         try:
             content = await read_all(answer)
         finally:
-            await self.release(instance)
+            await self.release(instance, arrived)
+        if answer.status == 429 and b"ttft_target_unattainable" in content:
+            self.router.note_refused(pool, time.monotonic())  # queued past its target (pool_router.py)
         return Response(content, status_code=answer.status, headers=headers, media_type=kind)
 
     async def any_instance_get(self, path: str, headers: list[tuple[str, str]]) -> Response:
