@@ -73,13 +73,13 @@ class Setting:
     max_batch: int
     max_batch_tokens: int
 
-    def step(self, batch: float, prompt_tokens: float, load: ServeLoad):
+    def step(self, batch: float, prompt_tokens: float, load: ServeLoad, shares: tuple[float, float] = (1.0, 1.0)):
         """One step of `batch` decodes and `prompt_tokens` prompt tokens on a dp rank, through
-        all pp stages (each stage a 1/pp micro-batch)."""
+        all pp stages (each stage a 1/pp micro-batch); `shares`: serve_step.step_time's."""
         pp = self.layout.pp
         st = step_time(self.model, self.cluster, self.layout, decodes=batch / pp, context=load.isl + load.osl / 2,
                        prefill_tokens=prompt_tokens / pp, prefill_context=load.isl / 2, world=self.world,
-                       costs=self.costs)
+                       costs=self.costs, shares=shares)
         return pp * st.seconds, {k: pp * v for k, v in st.breakdown.items()}
 
 
@@ -103,9 +103,11 @@ def colocated(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
         decodes leave, each chunk's step carrying the decodes too."""
         room = max(mbt - b, 1.0)
         prompt = min(b * isl / osl + extra_prompts, room)
-        sec, parts = s.step(b, prompt, load)
         chunk = min(float(isl), room)
-        chunk_sec, _ = s.step(b, max(chunk, prompt), load)
+        # A decoding request's step holds a prompt forward in prompt / chunk of the steps; the
+        # step of a prompt's chunk holds the decodes' forward when some sequence decodes (b of them).
+        sec, parts = s.step(b, prompt, load, shares=(1.0, prompt / chunk))
+        chunk_sec, _ = s.step(b, max(chunk, prompt), load, shares=(min(b, 1.0), 1.0))
         return sec, s.costs.request_s + 0.5 * sec + math.ceil(isl / room) * chunk_sec, parts
 
     def sustainable(b: float) -> float:
