@@ -104,10 +104,13 @@ def colocated(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
         room = max(mbt - b, 1.0)
         prompt = min(b * isl / osl + extra_prompts, room)
         chunk = min(float(isl), room)
-        # A decoding request's step holds a prompt forward in prompt / chunk of the steps; the
-        # step of a prompt's chunk holds the decodes' forward when some sequence decodes (b of them).
-        sec, parts = s.step(b, prompt, load, shares=(1.0, prompt / chunk))
-        chunk_sec, _ = s.step(b, max(chunk, prompt), load, shares=(min(b, 1.0), 1.0))
+        # Under an engine that splits them (ServeCosts.split_forwards), a decoding request's
+        # step holds a prompt forward when at least one of the prompt / chunk arriving per
+        # step on average (as Poisson counts) came: in 1 - exp(-prompt / chunk) of the steps,
+        # several together in one forward; a prompt's first step holds the decodes' forward
+        # when at least one of the b running sequences decodes: 1 - exp(-b).
+        sec, parts = s.step(b, prompt, load, shares=(1.0, -math.expm1(-prompt / chunk)))
+        chunk_sec, _ = s.step(b, max(chunk, prompt), load, shares=(-math.expm1(-b), 1.0))
         return sec, s.costs.request_s + 0.5 * sec + math.ceil(isl / room) * chunk_sec, parts
 
     def sustainable(b: float) -> float:
