@@ -99,3 +99,18 @@ def test_a_step_of_decodes_and_a_prompt_costs_both_forwards_where_the_engine_spl
     # step_s once; the group's cost for the decodes' forward and a quarter of it for the prompt's;
     # the sequences (3 decodes + a quarter of one prompt) and tokens (3 + 16) in full
     assert framework == pytest.approx(2e-3 + 0.05 * 1.25 + 1e-4 * 3.25 + 1e-5 * 19, rel=1e-9)
+
+
+def test_a_prompt_that_finds_the_engine_idle_waits_for_no_step():
+    """At a vanishing rate (the probe's one request at a time) the TTFT is the request's own
+    cost and its prompt's step alone: no half step of waiting for a running step, no decodes'
+    forward beside it (both scale with the chance that some sequence is running)."""
+    from phalanx.planner.serve_fit import ServerProbe, predicted_latency
+
+    model, cluster = MODELS["small"], CLUSTERS["local"]
+    costs = ServeCosts(step_s=4e-3, request_s=0.01, group_step_s=((2, 0.05),), split_forwards=True)
+    for tp in (1, 2):
+        probe = ServerProbe(tp=tp, isl=64, osl=16, max_num_seqs=32, max_batch_tokens=512, ttft_s=0, tpot_s=0)
+        prompt = step_time(model, cluster, ServeLayout(tp=tp, weight_dtype="fp32", kv_dtype="fp32"), decodes=0,
+                           context=0, prefill_tokens=64, prefill_context=32, world=tp, costs=costs).seconds
+        assert predicted_latency(model, cluster, costs, probe)[0] == pytest.approx(0.01 + prompt, rel=0.01)

@@ -99,7 +99,7 @@ def colocated(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
 
     def steady(b: float, extra_prompts: float = 0.0):
         """(step seconds, TTFT, step breakdown) at a running batch of b: a new prompt waits
-        half a step for the running one to end, then runs in chunks of the budget the
+        half a step for the running one to end (if one runs), then runs in chunks of the budget the
         decodes leave, each chunk's step carrying the decodes too."""
         room = max(mbt - b, 1.0)
         prompt = min(b * isl / osl + extra_prompts, room)
@@ -111,7 +111,10 @@ def colocated(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
         # when at least one of the b running sequences decodes: 1 - exp(-b).
         sec, parts = s.step(b, prompt, load, shares=(1.0, -math.expm1(-prompt / chunk)))
         chunk_sec, _ = s.step(b, max(chunk, prompt), load, shares=(-math.expm1(-b), 1.0))
-        return sec, s.costs.request_s + 0.5 * sec + math.ceil(isl / room) * chunk_sec, parts
+        # The wait for the running step: half a step, when one is running (some of the b
+        # sequences decoding, 1 - exp(-b); an idle engine starts the prompt at once).
+        busy = -math.expm1(-b)
+        return sec, s.costs.request_s + 0.5 * busy * sec + math.ceil(isl / room) * chunk_sec, parts
 
     def sustainable(b: float) -> float:
         """Running batch the step's prompt budget can keep full: b isl / osl <= mbt - b."""
