@@ -4,8 +4,8 @@ probed with a few streamed requests, for what the engine's steps in-process do n
 (per step, per sequence), a tp group's cost per step, the HTTP path per request.
 
 Each request's prompt is `isl` random token ids (no prefix-cache hits) and it streams `osl`
-tokens; its TTFT is the first event's arrival after the request was sent, its TPOT the mean
-gap between the first event and the last. Per server: one warm-up request (a fresh server's
+tokens, each in its own event (it asks for log-probabilities); its TTFT is the first token's
+arrival after the request was sent, its TPOT the mean gap between the first token and the last. Per server: one warm-up request (a fresh server's
 first is slower), three one at a time (their median), and at one process four at once.
 benchmarks/serve_planner_local.py probes its servers with the same functions.
 """
@@ -30,8 +30,8 @@ async def stream_one(address: tuple[str, int], name: str, prompt: list[int], max
     """(TTFT, TPOT) in seconds of one streamed greedy completion. It asks for log-probabilities
     (`logprobs: 0`) so that every token comes in an event of its own, with its id: without
     them the server streams text, and random ids' pieces that are not yet whole characters
-    wait for the next token's, so 16 tokens came in 3 to 10 events and per event the gaps
-    read 2x to 3x the time per token (benchmarks/serve_load.py's client asks the same)."""
+    wait for the next token's, so fewer events than tokens came and the gaps between events
+    read a multiple of the time per token (benchmarks/serve_load.py's client asks the same)."""
     body = json.dumps({"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "logprobs": 0}).encode()
     sent = time.perf_counter()

@@ -42,17 +42,16 @@ class ServeCosts:
     group_step_s: tuple[tuple[int, float], ...] = ()
     """(tp ranks, seconds) per forward a tp group adds beyond its all-reduces' alpha-beta time:
     on this CPU mostly DTensor's dispatch of every op of the sharded model on every rank (a
-    profile of a tp=2 decode step: ~2 ms per sharded linear and per redistribution, 29 linears
-    and ~30 redistributions per forward of 4 layers, where one process runs the whole step in
-    8 ms), then rank 0 broadcasting each step's forwards, the gathered logits, and every
+    profile of a tp=2 decode step: the sharded linears and their redistributions, each forward,
+    took many times what one process spends on the whole step), then rank 0 broadcasting each step's forwards, the gathered logits, and every
     collective waiting for all its ranks to be scheduled on shared cores (measured through the
     server)."""
     split_forwards: bool = False
     """The engine runs a step's decodes and its prompt chunks as two forwards (`phalanx serve`:
     serve/engine.step_forwards), so a step holding both pays every per-forward cost twice:
-    reading the weights, the all-reduces, the group's cost per forward; measured here, a tp=2
-    step of 1 decode and a 64-token prompt took 203 ms where each alone took 98 and 128 ms (one
-    process: 28 ms, 8 and 20). The GPU engines batch both into one forward."""
+    reading the weights, the all-reduces, the group's cost per forward (timed on this CPU: such
+    a step took about the sum of the two alone, at one process and at tp=2). The GPU engines
+    whose published runs the presets are checked on batch both into one forward."""
     flops_scale: float = 1.0
     """Measured GEMM rate over the cluster's `peak_tflops x matmul_efficiency` (CPU fit; 1 on GPUs)."""
     bandwidth_scale: float = 1.0
