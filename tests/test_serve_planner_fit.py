@@ -39,9 +39,11 @@ def test_calibration_file_is_read_for_local_and_checked(tmp_path, monkeypatch):
     path.write_text(json.dumps({"step_s": 0.01, "group_step_s": [[2, 0.5]], "source": "test"}))
     costs = serve_costs_for(CLUSTERS["local"])
     assert costs.step_s == 0.01 and costs.group_step(2) == 0.5 and costs.group_step(4) == 0.0
+    assert not costs.split_forwards  # a file written before the key: one forward per step, as then
     assert serve_costs_for(CLUSTERS["dgx-h100"]).group_step(2) == 0.0  # GPU presets never read it
     for bad, says in (({"step": 1}, "unknown key 'step'"), ({"step_s": -1}, "step_s=-1 must be"),
-                      ({"group_step_s": [[1, 0.1]]}, "group of >= 2 ranks"), ({"group_step_s": 3}, "must be a list")):
+                      ({"group_step_s": [[1, 0.1]]}, "group of >= 2 ranks"), ({"group_step_s": 3}, "must be a list"),
+                      ({"split_forwards": "yes"}, "split_forwards must be true or false")):
         path.write_text(json.dumps(bad))
         with pytest.raises(UserError, match=says):
             load_serve_costs(path)
