@@ -60,8 +60,12 @@ def _solve(rows: list[list[float]], target: list[float], active: list[int]) -> l
     return [b[i] / a[i][i] if abs(a[i][i]) > 1e-300 else 0.0 for i in range(n)]
 
 
-def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout: ServeLayout) -> tuple[ServeCosts, float]:
-    """The constants that explain `steps`, and the median relative error of the fit."""
+def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout: ServeLayout, *,
+        split_forwards: bool = True) -> tuple[ServeCosts, float]:
+    """The constants that explain `steps` (each one forward: decodes alone or a prompt alone),
+    and the median relative error of the fit. `split_forwards`: whether the engine whose steps
+    these are runs decodes and prompt chunks as two forwards (calibrate asks the engine:
+    calibrate/serve_steps.engine_splits_forwards; phalanx serve's does)."""
     raw = [features(model, cluster, layout, m) for m in steps]
     rows = [[x / m.seconds for x in r] for r, m in zip(raw, steps)]  # relative: divide by the measured time
     target = [1.0] * len(steps)
@@ -75,8 +79,7 @@ def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout:
     values = dict.fromkeys(NAMES, 0.0)
     values.update({NAMES[i]: max(c, 0.0) for i, c in zip(active, coef)})
     a = values.pop("mechanical") or 1.0
-    # phalanx serve's engine, whose steps these are, runs decodes and prompt chunks as two forwards.
-    costs = ServeCosts(**values, flops_scale=1 / a, bandwidth_scale=1 / a, split_forwards=True)
+    costs = ServeCosts(**values, flops_scale=1 / a, bandwidth_scale=1 / a, split_forwards=split_forwards)
     errors = sorted(abs(sum(c * x for c, x in zip([a, *values.values()], r)) / m.seconds - 1)
                     for r, m in zip(raw, steps))
     return costs, errors[len(errors) // 2]
