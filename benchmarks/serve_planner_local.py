@@ -74,7 +74,7 @@ def main() -> None:
     import torch
 
     from phalanx.calibrate.serve_probe import probe_running
-    from phalanx.calibrate.serve_steps import measure
+    from phalanx.calibrate.serve_steps import engine_splits_forwards, measure
     from phalanx.planner.serve_fit import fit, fit_probe
     from tests.serve_server import ServeProcess
 
@@ -84,7 +84,8 @@ def main() -> None:
     cluster = cluster_from_name("local")
     torch.set_num_threads(1)  # as each server process runs (tests/serve_server.ONE_THREAD)
     steps = measure(model, log=lambda line: print(line, file=sys.stderr, flush=True))
-    costs, fit_error = fit(model, cluster, steps, ServeLayout(weight_dtype="fp32", kv_dtype="fp32"))
+    costs, fit_error = fit(model, cluster, steps, ServeLayout(weight_dtype="fp32", kv_dtype="fp32"),
+                           split_forwards=engine_splits_forwards())
     print(f"engine constants fitted on {len(steps)} steps (median fit error {fit_error:.1%}): "
           f"step {costs.step_s * 1e3:.2f} ms, per sequence {costs.sequence_s * 1e3:.3f} ms, per sequence-layer "
           f"{costs.sequence_layer_s * 1e3:.3f} ms, per token {costs.token_s * 1e3:.3f} ms, rate scale {costs.flops_scale:.3g}")

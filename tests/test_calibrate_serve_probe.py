@@ -49,3 +49,16 @@ def test_bad_calibrate_serve_flags_are_one_line_before_any_timing(tmp_path, caps
 
     assert_cli_error(["calibrate", "--serve", "--max-procs", "0"], capsys, "--max-procs 0", "tp group probed")
     assert_cli_error(["calibrate", "--serve", "--out", str(tmp_path)], capsys, "is a folder")
+
+
+def test_calibration_asks_the_engine_whether_a_step_of_decodes_and_a_prompt_is_two_forwards(monkeypatch):
+    """`engine_splits_forwards` asks the engine's own step_forwards with a step of a decode and a
+    prompt chunk: True where it makes two forwards of them, False where it packs both in one
+    (what the planner then prices: ServeCosts.split_forwards)."""
+    import phalanx.serve.engine as engine
+    from phalanx.calibrate.serve_steps import engine_splits_forwards
+
+    real = engine.step_forwards
+    for count in (1, 2):
+        monkeypatch.setattr(engine, "step_forwards", lambda step, count=count: (real(step)[0][:1] * count, []))
+        assert engine_splits_forwards() is (count == 2)

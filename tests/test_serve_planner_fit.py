@@ -39,9 +39,11 @@ def test_calibration_file_is_read_for_local_and_checked(tmp_path, monkeypatch):
     path.write_text(json.dumps({"step_s": 0.01, "group_step_s": [[2, 0.5]], "source": "test"}))
     costs = serve_costs_for(CLUSTERS["local"])
     assert costs.step_s == 0.01 and costs.group_step(2) == 0.5 and costs.group_step(4) == 0.0
+    assert not costs.split_forwards  # a file written before the key: one forward per step, as then
     assert serve_costs_for(CLUSTERS["dgx-h100"]).group_step(2) == 0.0  # GPU presets never read it
     for bad, says in (({"step": 1}, "unknown key 'step'"), ({"step_s": -1}, "step_s=-1 must be"),
-                      ({"group_step_s": [[1, 0.1]]}, "group of >= 2 ranks"), ({"group_step_s": 3}, "must be a list")):
+                      ({"group_step_s": [[1, 0.1]]}, "group of >= 2 ranks"), ({"group_step_s": 3}, "must be a list"),
+                      ({"split_forwards": "yes"}, "split_forwards must be true or false")):
         path.write_text(json.dumps(bad))
         with pytest.raises(UserError, match=says):
             load_serve_costs(path)
@@ -74,3 +76,43 @@ def test_probe_fit_recovers_what_the_server_adds_to_the_engine_steps():
     fast = dataclasses.replace(measured(1, 4), tpot_s=1e-6, burst_tpot_s=1e-6, ttft_s=1e-6)
     clipped = fit_probe(model, cluster, base, fast)
     assert (clipped.step_s, clipped.sequence_s, clipped.request_s) == (base.step_s, base.sequence_s, 0.0)
+
+
+def test_a_step_of_decodes_and_a_prompt_costs_both_forwards_where_the_engine_splits_them():
+    """phalanx serve runs a step's decodes and its prompt chunk as two forwards
+    (`split_forwards`, set by the fit): such a step costs exactly the two single-kind steps,
+    the per-step host cost once; an engine that batches both in one forward (the GPU presets')
+    costs less, the weights read and the group's cost paid once. For a load's mean step,
+    `shares` scale only the per-forward costs: a prompt forward in a quarter of the steps adds
+    a quarter of the tp group's per-forward cost and all of the prompt tokens' own costs."""
+    model, cluster = MODELS["small"], CLUSTERS["local"]
+    layout = ServeLayout(tp=2, weight_dtype="fp32", kv_dtype="fp32")
+    split = ServeCosts(step_s=2e-3, sequence_s=1e-4, token_s=1e-5, group_step_s=((2, 0.05),), split_forwards=True)
+    one_forward = dataclasses.replace(split, split_forwards=False)
+    at = dict(context=80, prefill_context=32)
+
+    def sec(costs, decodes, tokens, **kw):
+        return step_time(model, cluster, layout, decodes=decodes, prefill_tokens=tokens, costs=costs, **at, **kw)
+
+    both = sec(split, 3, 64).seconds
+    assert both == pytest.approx(sec(split, 3, 0).seconds + sec(split, 0, 64).seconds - split.step_s, rel=1e-9)
+    assert sec(one_forward, 3, 64).seconds < both - 0.05 + 1e-9
+    framework = sec(split, 3, 16, shares=(1.0, 0.25)).breakdown["framework"]
+    # step_s once; the group's cost for the decodes' forward and a quarter of it for the prompt's;
+    # the sequences (3 decodes + a quarter of one prompt) and tokens (3 + 16) in full
+    assert framework == pytest.approx(2e-3 + 0.05 * 1.25 + 1e-4 * 3.25 + 1e-5 * 19, rel=1e-9)
+
+
+def test_a_prompt_that_finds_the_engine_idle_waits_for_no_step():
+    """At a vanishing rate (the probe's one request at a time) the TTFT is the request's own
+    cost and its prompt's step alone: no half step of waiting for a running step, no decodes'
+    forward beside it (both scale with the chance that some sequence is running)."""
+    from phalanx.planner.serve_fit import ServerProbe, predicted_latency
+
+    model, cluster = MODELS["small"], CLUSTERS["local"]
+    costs = ServeCosts(step_s=4e-3, request_s=0.01, group_step_s=((2, 0.05),), split_forwards=True)
+    for tp in (1, 2):
+        probe = ServerProbe(tp=tp, isl=64, osl=16, max_num_seqs=32, max_batch_tokens=512, ttft_s=0, tpot_s=0)
+        prompt = step_time(model, cluster, ServeLayout(tp=tp, weight_dtype="fp32", kv_dtype="fp32"), decodes=0,
+                           context=0, prefill_tokens=64, prefill_context=32, world=tp, costs=costs).seconds
+        assert predicted_latency(model, cluster, costs, probe)[0] == pytest.approx(0.01 + prompt, rel=0.01)

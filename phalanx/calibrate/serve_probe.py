@@ -4,8 +4,8 @@ probed with a few streamed requests, for what the engine's steps in-process do n
 (per step, per sequence), a tp group's cost per step, the HTTP path per request.
 
 Each request's prompt is `isl` random token ids (no prefix-cache hits) and it streams `osl`
-tokens; its TTFT is the first event's arrival after the request was sent, its TPOT the mean
-gap between the first event and the last. Per server: one warm-up request (a fresh server's
+tokens, each in its own event (it asks for log-probabilities); its TTFT is the first token's
+arrival after the request was sent, its TPOT the mean gap between the first token and the last. Per server: one warm-up request (a fresh server's
 first is slower), three one at a time (their median), and at one process four at once.
 benchmarks/serve_planner_local.py probes its servers with the same functions.
 """
@@ -27,21 +27,29 @@ SEQUENTIAL, BURST = 3, 4
 
 
 async def stream_one(address: tuple[str, int], name: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
-    """(TTFT, TPOT) in seconds of one streamed greedy completion."""
+    """(TTFT, TPOT) in seconds of one streamed greedy completion. It asks for log-probabilities
+    (`logprobs: 0`) so that every token comes in an event of its own, with its id: without
+    them the server streams text, and random ids' pieces that are not yet whole characters
+    wait for the next token's, so fewer events than tokens came and the gaps between events
+    read a multiple of the time per token (benchmarks/serve_load.py's client asks the same)."""
     body = json.dumps({"model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
+                       "stream": True, "logprobs": 0}).encode()
     sent = time.perf_counter()
     answer = await forward(address, "POST", "/v1/completions", [("content-type", "application/json")], body)
-    times: list[float] = []
+    times: list[float] = []  # one per token: when the event carrying it arrived
     pending = b""
     async for piece in answer.body:
         now = time.perf_counter()
         pending += piece
         *events, pending = pending.split(b"\n\n")
-        times += [now for event in events if event.startswith(b"data: {")]
+        for event in events:
+            if event.startswith(b"data: {"):
+                logprobs = json.loads(event[len(b"data: "):])["choices"][0].get("logprobs") or {}
+                times += [now] * len(logprobs.get("tokens") or [None])
     if answer.status != 200 or not times:
         raise RuntimeError(f"the probed server answered {answer.status} with {len(times)} tokens: {pending[:200]!r}")
-    return times[0] - sent, (times[-1] - times[0]) / max(1, len(times) - 1)
+    later = [t for t in times if t > times[0]]  # tokens after the first event's
+    return times[0] - sent, (times[-1] - times[0]) / max(1, len(later))
 
 
 async def probe_running(address: tuple[str, int], name: str, *, tp: int, vocab: int, isl: int = PROBE_ISL,

@@ -80,6 +80,19 @@ def measure(cfg, *, repeats: int = 5, log=print) -> list[MeasuredStep]:
     return steps
 
 
+def engine_splits_forwards() -> bool:
+    """Whether `phalanx serve`'s engine runs a step of one decode and one prompt chunk as two
+    forwards (serve/engine.step_forwards, asked with such a step; `ServeCosts.split_forwards`)."""
+    from phalanx.serve.engine import step_forwards
+    from phalanx.serve.scheduler import Chunk, Sequence, Step
+
+    decoding = Sequence(seq_id="decoding", prompt=[1, 2], max_tokens=4)
+    decoding.num_computed = 1
+    prompt = Sequence(seq_id="prompt", prompt=[3, 4, 5], max_tokens=4)
+    forwards, _ = step_forwards(Step([Chunk(decoding, 1, 1), Chunk(prompt, 0, 3)], []))
+    return len(forwards) > 1
+
+
 def calibrate_serve(model_name: str, out_path, *, max_procs: int = 2, log=print) -> dict:
     """Engine steps in this process, then a real server (serve_probe.py); the constants written
     to `out_path`."""
@@ -97,7 +110,8 @@ def calibrate_serve(model_name: str, out_path, *, max_procs: int = 2, log=print)
     cluster = cluster_from_name("local")
     log(f"timing phalanx serve's engine steps of {cfg.name} on this CPU ({torch.get_num_threads()} threads)")
     steps = measure(cfg, log=log)
-    costs, error = fit(cfg, cluster, steps, ServeLayout(weight_dtype="fp32", kv_dtype="fp32"))
+    costs, error = fit(cfg, cluster, steps, ServeLayout(weight_dtype="fp32", kv_dtype="fp32"),
+                       split_forwards=engine_splits_forwards())
     log("probing a real phalanx serve on 127.0.0.1 (HTTP, streaming, tp groups)")
     folder = model_name if Path(model_name).is_dir() and has_any_weights(Path(model_name)) else None
     costs, probes = probe_and_fit(cfg, cluster, costs, max_procs=max_procs, folder=folder, log=log)

@@ -40,9 +40,18 @@ class ServeCosts:
     """Per request, on its way to the first token beyond the steps: HTTP parsing, tokenizing,
     the engine thread taking it in, the first streamed chunk back (measured through the server)."""
     group_step_s: tuple[tuple[int, float], ...] = ()
-    """(tp ranks, seconds) per step a tp group adds beyond its all-reduces' alpha-beta time:
-    rank 0 broadcasting each forward's description, the gathered logits, and on a shared CPU
-    every collective waiting for all its ranks to be scheduled (measured through the server)."""
+    """(tp ranks, seconds) per forward a tp group adds beyond its all-reduces' alpha-beta time:
+    on this CPU mostly DTensor's dispatch of every op of the sharded model on every rank (a
+    profile of a tp=2 decode step: the sharded linears and their redistributions, each forward,
+    took many times what one process spends on the whole step), then rank 0 broadcasting each step's forwards, the gathered logits, and every
+    collective waiting for all its ranks to be scheduled on shared cores (measured through the
+    server)."""
+    split_forwards: bool = False
+    """The engine runs a step's decodes and its prompt chunks as two forwards (`phalanx serve`:
+    serve/engine.step_forwards), so a step holding both pays every per-forward cost twice:
+    reading the weights, the all-reduces, the group's cost per forward (timed on this CPU: such
+    a step took about the sum of the two alone, at one process and at tp=2). The GPU engines
+    whose published runs the presets are checked on batch both into one forward."""
     flops_scale: float = 1.0
     """Measured GEMM rate over the cluster's `peak_tflops x matmul_efficiency` (CPU fit; 1 on GPUs)."""
     bandwidth_scale: float = 1.0
@@ -57,7 +66,7 @@ class ServeCosts:
             if size < 2 or not sec >= 0:
                 out.append(f"group_step_s row [{size}, {sec}] needs a group of >= 2 ranks and seconds >= 0")
         for f in dataclasses.fields(self):
-            if f.name == "group_step_s":
+            if f.name in ("group_step_s", "split_forwards"):
                 continue
             value = getattr(self, f.name)
             if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
@@ -72,7 +81,7 @@ GPU_ENGINE = ServeCosts(step_s=2e-3)
 """TensorRT-LLM / SGLang on a GPU: 2 ms of host work per step that the GPU waits for
 (scheduling, sampling, the between-step synchronization; set on the visible published rows)."""
 
-CPU_GUESS = ServeCosts(step_s=2e-3, layer_s=3e-4, sequence_s=2e-4, sequence_layer_s=1e-4)
+CPU_GUESS = ServeCosts(step_s=2e-3, layer_s=3e-4, sequence_s=2e-4, sequence_layer_s=1e-4, split_forwards=True)
 """`phalanx serve` on a CPU before `phalanx calibrate --serve` has measured it: rough."""
 
 
@@ -95,6 +104,8 @@ def load_serve_costs(path: Path) -> ServeCosts:
         values["group_step_s"] = tuple((int(n), float(sec)) for n, sec in values.get("group_step_s", ()))
     except (TypeError, ValueError):
         raise UserError(f"{path}: group_step_s must be a list of [tp ranks, seconds]") from None
+    if not isinstance(values.get("split_forwards", False), bool):
+        raise UserError(f"{path}: split_forwards must be true or false")
     costs = ServeCosts(**values)
     if costs.problems():
         raise UserError(f"{path}: " + "; ".join(costs.problems()))

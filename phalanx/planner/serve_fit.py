@@ -60,8 +60,12 @@ def _solve(rows: list[list[float]], target: list[float], active: list[int]) -> l
     return [b[i] / a[i][i] if abs(a[i][i]) > 1e-300 else 0.0 for i in range(n)]
 
 
-def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout: ServeLayout) -> tuple[ServeCosts, float]:
-    """The constants that explain `steps`, and the median relative error of the fit."""
+def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout: ServeLayout, *,
+        split_forwards: bool = True) -> tuple[ServeCosts, float]:
+    """The constants that explain `steps` (each one forward: decodes alone or a prompt alone),
+    and the median relative error of the fit. `split_forwards`: whether the engine whose steps
+    these are runs decodes and prompt chunks as two forwards (calibrate asks the engine:
+    calibrate/serve_steps.engine_splits_forwards; phalanx serve's does)."""
     raw = [features(model, cluster, layout, m) for m in steps]
     rows = [[x / m.seconds for x in r] for r, m in zip(raw, steps)]  # relative: divide by the measured time
     target = [1.0] * len(steps)
@@ -75,7 +79,7 @@ def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout:
     values = dict.fromkeys(NAMES, 0.0)
     values.update({NAMES[i]: max(c, 0.0) for i, c in zip(active, coef)})
     a = values.pop("mechanical") or 1.0
-    costs = ServeCosts(**values, flops_scale=1 / a, bandwidth_scale=1 / a)
+    costs = ServeCosts(**values, flops_scale=1 / a, bandwidth_scale=1 / a, split_forwards=split_forwards)
     errors = sorted(abs(sum(c * x for c, x in zip([a, *values.values()], r)) / m.seconds - 1)
                     for r, m in zip(raw, steps))
     return costs, errors[len(errors) // 2]
@@ -102,13 +106,17 @@ class ServerProbe:
 def predicted_latency(model: ModelConfig, cluster: Cluster, costs: ServeCosts, probe: ServerProbe, *,
                       burst: bool = False) -> tuple[float, float]:
     """The planner's (TTFT, TPOT p50) for the probe's requests: one at a time (a vanishing
-    Poisson rate) or `probe.burst` at once (a closed loop of that many)."""
+    Poisson rate) or, TPOT only, `probe.burst` sent at once: their prompts run in the first
+    steps, then every step decodes all of them and nothing else, so a step of `burst` decodes
+    (not the planner's closed loop, whose steps also carry the next requests' prompts)."""
     from phalanx.planner.serve_rates import ServeLoad
     from phalanx.planner.serve_search import evaluate
 
-    load = ServeLoad(isl=probe.isl, osl=probe.osl, concurrency=probe.burst if burst else None,
-                     rate=None if burst else 1e-3)
     layout = ServeLayout(tp=probe.tp, weight_dtype="fp32", kv_dtype="fp32")
+    if burst:
+        return 0.0, step_time(model, cluster, layout, decodes=probe.burst, context=probe.isl + probe.osl / 2,
+                              world=probe.tp, costs=costs).seconds
+    load = ServeLoad(isl=probe.isl, osl=probe.osl, rate=1e-3)
     plan = evaluate(model, cluster, layout, 1, load, max_batch=probe.max_num_seqs,
                     max_batch_tokens=probe.max_batch_tokens, world=probe.tp, costs=costs)
     return plan.rates.ttft_s, plan.rates.tpot_p50_s

@@ -73,13 +73,13 @@ class Setting:
     max_batch: int
     max_batch_tokens: int
 
-    def step(self, batch: float, prompt_tokens: float, load: ServeLoad):
+    def step(self, batch: float, prompt_tokens: float, load: ServeLoad, shares: tuple[float, float] = (1.0, 1.0)):
         """One step of `batch` decodes and `prompt_tokens` prompt tokens on a dp rank, through
-        all pp stages (each stage a 1/pp micro-batch)."""
+        all pp stages (each stage a 1/pp micro-batch); `shares`: serve_step.step_time's."""
         pp = self.layout.pp
         st = step_time(self.model, self.cluster, self.layout, decodes=batch / pp, context=load.isl + load.osl / 2,
                        prefill_tokens=prompt_tokens / pp, prefill_context=load.isl / 2, world=self.world,
-                       costs=self.costs)
+                       costs=self.costs, shares=shares)
         return pp * st.seconds, {k: pp * v for k, v in st.breakdown.items()}
 
 
@@ -99,14 +99,22 @@ def colocated(s: Setting, load: ServeLoad, *, ranks: int, gpus: int) -> Rates:
 
     def steady(b: float, extra_prompts: float = 0.0):
         """(step seconds, TTFT, step breakdown) at a running batch of b: a new prompt waits
-        half a step for the running one to end, then runs in chunks of the budget the
+        half a step for the running one to end (if one runs), then runs in chunks of the budget the
         decodes leave, each chunk's step carrying the decodes too."""
         room = max(mbt - b, 1.0)
         prompt = min(b * isl / osl + extra_prompts, room)
-        sec, parts = s.step(b, prompt, load)
         chunk = min(float(isl), room)
-        chunk_sec, _ = s.step(b, max(chunk, prompt), load)
-        return sec, s.costs.request_s + 0.5 * sec + math.ceil(isl / room) * chunk_sec, parts
+        # Under an engine that splits them (ServeCosts.split_forwards), a decoding request's
+        # step holds a prompt forward when at least one of the prompt / chunk arriving per
+        # step on average (as Poisson counts) came: in 1 - exp(-prompt / chunk) of the steps,
+        # several together in one forward; a prompt's first step holds the decodes' forward
+        # when at least one of the b running sequences decodes: 1 - exp(-b).
+        sec, parts = s.step(b, prompt, load, shares=(1.0, -math.expm1(-prompt / chunk)))
+        chunk_sec, _ = s.step(b, max(chunk, prompt), load, shares=(-math.expm1(-b), 1.0))
+        # The wait for the running step: half a step, when one is running (some of the b
+        # sequences decoding, 1 - exp(-b); an idle engine starts the prompt at once).
+        busy = -math.expm1(-b)
+        return sec, s.costs.request_s + 0.5 * busy * sec + math.ceil(isl / room) * chunk_sec, parts
 
     def sustainable(b: float) -> float:
         """Running batch the step's prompt budget can keep full: b isl / osl <= mbt - b."""

@@ -27,11 +27,14 @@ Per layer of the most loaded pipeline stage, on one device:
 Framework costs (`ServeCosts`, named where they are set): a fixed host cost per step
 (scheduling, sampling, detokenization), per layer (kernel launches without CUDA graphs,
 Python), per sequence and per sequence-layer (phalanx's paged cache gathers each sequence's
-keys per layer); zero on the GPU presets but for the step's host cost, measured on this CPU.
+keys per layer), per forward of a tp group; zero on the GPU presets but for the step's host
+cost, measured on this CPU. `phalanx serve` runs a step's decodes and prompt chunks as two
+forwards (`ServeCosts.split_forwards`): a step with both costs both forwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -162,15 +165,42 @@ def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbyte
 
 def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, decodes: float, context: float,
               prefill_tokens: float = 0.0, prefill_context: float | None = None, world: int | None = None,
-              costs: ServeCosts | None = None) -> StepTime:
+              costs: ServeCosts | None = None, shares: tuple[float, float] = (1.0, 1.0)) -> StepTime:
     """Seconds of one engine step on one dp rank: `decodes` sequences of mean `context` tokens
     each decoding one token, plus `prefill_tokens` prompt tokens whose prefix is
     `prefill_context` tokens on average (default: half a chunk, i.e. a fresh prompt). `world`:
     devices sharing one CPU node (shared_compute; default the layout's). Pipeline parallelism:
     the time of one stage for this rank's batch (the caller splits the batch into pp
-    micro-batches)."""
-    world = world or layout.gpus
+    micro-batches).
+
+    Under an engine that runs decodes and prompt chunks as separate forwards
+    (`costs.split_forwards`, phalanx serve) a step holding both is the two forwards' time, the
+    per-step host cost (`step_s`) once. `shares` (decode, prompt): for a mean step of a load
+    (serve_rates), the share of steps that hold each forward, its tokens then coming in that
+    share of the steps: every per-forward cost scales with the share, every per-token and
+    per-sequence cost stays (a step with a fifth of a prompt's tokens on average is a prompt
+    forward one step in five, not a fifth-size forward every step)."""
     costs = costs or serve_costs_for(cluster)
+    if not (costs.split_forwards and decodes > 0 and prefill_tokens > 0):
+        return _forward_time(model, cluster, layout, decodes=decodes, context=context, prefill_tokens=prefill_tokens,
+                             prefill_context=prefill_context, world=world, costs=costs)
+    per_forward = dataclasses.replace(costs, step_s=0.0)
+    d_share, p_share = (min(max(x, 1e-9), 1.0) for x in shares)
+    dec = _forward_time(model, cluster, layout, decodes=decodes / d_share, context=context, world=world,
+                        costs=per_forward)
+    pre = _forward_time(model, cluster, layout, decodes=0.0, context=0.0, prefill_tokens=prefill_tokens / p_share,
+                        prefill_context=prefill_context, world=world, costs=per_forward)
+    parts = {k: d_share * dec.breakdown[k] + p_share * pre.breakdown[k] for k in dec.breakdown}
+    parts["framework"] += costs.step_s
+    return StepTime(parts)
+
+
+def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, decodes: float, context: float,
+                  prefill_tokens: float = 0.0, prefill_context: float | None = None, world: int | None = None,
+                  costs: ServeCosts) -> StepTime:
+    """One forward of `decodes` decoding sequences and `prefill_tokens` prompt tokens (as in
+    `step_time`), with every cost once."""
+    world = world or layout.gpus
     tp, ab = layout.tp, act_bytes(layout)
     wb = WEIGHT_BYTES[layout.weight_dtype]
     peak = gemm_peak(cluster, layout.weight_dtype, world) * costs.flops_scale
