@@ -109,11 +109,24 @@ async def _drive(url: str, name: str, requests, arrivals: list[float]):
     return results, time.perf_counter() - began
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; nan elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def phalanx_arm(name: str, server, requests, arrivals, args) -> dict:
+    server_cpu, client_cpu = process_cpu_s(server.process.pid), time.process_time()
     results, wall = asyncio.run(_drive(server.url, server.name, requests, arrivals))
+    server_cpu, client_cpu = process_cpu_s(server.process.pid) - server_cpu, time.process_time() - client_cpu
     outputs = [n for _, _, n in results]
     assert outputs == [o for _, o in requests], "every request generates exactly its length"
-    return summary(name, outputs, wall, [r[0] for r in results], [r[1] for r in results], args)
+    row = summary(name, outputs, wall, [r[0] for r in results], [r[1] for r in results], args)
+    row.update(server_cpu_s=server_cpu, client_cpu_s=client_cpu)
+    return row
 
 
 def start_server(folder: Path, args, *extra: str):
@@ -316,6 +329,8 @@ def main() -> None:
           f"(prompts {'16-32' if args.quick else '16-256'}, outputs {'4-8' if args.quick else '16-128'}, seed {args.seed}), device {args.device}, threads {args.threads or 'default'}, "
           f"load {os.getloadavg()[0]:.1f}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot * 1000:g} ms")
     show(rows)
+    print(f"closed loop: {rows[0]['wall_s']:.1f} s wall; CPU of the server process (engine and HTTP) "
+          f"{rows[0]['server_cpu_s']:.1f} s, of the client {rows[0]['client_cpu_s']:.1f} s (2 cores shared)")
     ours = rows[0]["output_tokens_per_s"]
     for row in rows[-3:]:
         print(f"phalanx closed loop / {row['arm'][:3]}: throughput {ours / row['output_tokens_per_s']:.2f}x"
