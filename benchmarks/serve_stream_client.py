@@ -2,9 +2,10 @@
 connection (h11, which uvicorn itself parses with), each server-sent event timed as it arrives.
 
 A lean client rather than the `openai` package's: the load runs on the same two cores as the
-server, and the `openai` client spent ~0.9 ms of CPU per streamed chunk (pydantic models,
-its HTTP stack) against a few tens of microseconds here, time taken from the server it
-measures; vLLM's `benchmark_serving.py` parses the stream itself for the same reason. What
+server, and the `openai` client (pydantic models per chunk, its own HTTP stack) spent several
+times the CPU of this one per streamed chunk, taken from the server it measures (serve_load.py
+prints the client's CPU seconds); vLLM's `benchmark_serving.py` parses the stream itself for
+the same reason. What
 is counted is what the `openai` client yields: every `data:` event but the final `[DONE]`, an
 error event raising. The tests check the API with the real `openai` client
 (tests/test_serve_http.py).
