@@ -3,7 +3,8 @@ requests, measured in the same run.
 
 Requests are seeded: prompts of 16-256 random token ids, outputs of 16-128 tokens (each
 generates exactly its length: no end-of-text). phalanx: a real `phalanx serve` process, each
-request streamed over HTTP (logprobs=0, so every token is its own chunk and timed), in
+request streamed over HTTP (logprobs=0, so every token is its own chunk and timed; a lean h11
+client, `serve_stream_client.py`, so that the load takes little of the CPU it measures), in
 - a closed loop: all `--concurrency` requests at once (the comparison below), and
 - open loops: seeded Poisson arrivals at each of `--rates` requests/s.
 Baselines, in this process, on the same weights and requests, all arriving at once:
@@ -87,41 +88,45 @@ def summary(name: str, outputs: list[int], wall: float, ttft: list[float] | None
 
 # phalanx through HTTP ---------------------------------------------------------------------
 
-async def _one(client, prompt, out, start_at, began) -> tuple[float, float, int]:
-    await asyncio.sleep(max(0.0, start_at - (time.perf_counter() - began)))
-    import openai
+async def _one(url: str, name: str, prompt, out, start_at, began) -> tuple[float, float, int]:
+    from benchmarks.serve_stream_client import Refused, stream_times
 
+    await asyncio.sleep(max(0.0, start_at - (time.perf_counter() - began)))
     sent = time.perf_counter()
-    times = []
     try:
-        stream = await client.completions.create(model=client.served_name, prompt=prompt, max_tokens=out,
-                                                 temperature=0, stream=True, logprobs=0)
-    except openai.RateLimitError:  # refused at arrival (--ttft-ms admission)
+        times = await stream_times(url, {"model": name, "prompt": prompt, "max_tokens": out, "temperature": 0,
+                                         "stream": True, "logprobs": 0})
+    except Refused:  # refused at arrival (--ttft-ms admission)
         return float("inf"), float("inf"), 0
-    async for _ in stream:
-        times.append(time.perf_counter())
     ttft = times[0] - sent
     tpot = (times[-1] - times[0]) / max(1, len(times) - 1)
     return ttft, tpot, len(times)
 
 
 async def _drive(url: str, name: str, requests, arrivals: list[float]):
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
-    client.served_name = name
     began = time.perf_counter()
-    results = await asyncio.gather(*[_one(client, p, o, at, began) for (p, o), at in zip(requests, arrivals)])
-    wall = time.perf_counter() - began
-    await client.close()
-    return results, wall
+    results = await asyncio.gather(*[_one(url, name, p, o, at, began) for (p, o), at in zip(requests, arrivals)])
+    return results, time.perf_counter() - began
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; nan elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def phalanx_arm(name: str, server, requests, arrivals, args) -> dict:
+    server_cpu, client_cpu = process_cpu_s(server.process.pid), time.process_time()
     results, wall = asyncio.run(_drive(server.url, server.name, requests, arrivals))
+    server_cpu, client_cpu = process_cpu_s(server.process.pid) - server_cpu, time.process_time() - client_cpu
     outputs = [n for _, _, n in results]
     assert outputs == [o for _, o in requests], "every request generates exactly its length"
-    return summary(name, outputs, wall, [r[0] for r in results], [r[1] for r in results], args)
+    row = summary(name, outputs, wall, [r[0] for r in results], [r[1] for r in results], args)
+    row.update(server_cpu_s=server_cpu, client_cpu_s=client_cpu)
+    return row
 
 
 def start_server(folder: Path, args, *extra: str):
@@ -324,6 +329,8 @@ def main() -> None:
           f"(prompts {'16-32' if args.quick else '16-256'}, outputs {'4-8' if args.quick else '16-128'}, seed {args.seed}), device {args.device}, threads {args.threads or 'default'}, "
           f"load {os.getloadavg()[0]:.1f}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot * 1000:g} ms")
     show(rows)
+    print(f"closed loop: {rows[0]['wall_s']:.1f} s wall; CPU of the server process (engine and HTTP) "
+          f"{rows[0]['server_cpu_s']:.1f} s, of the client {rows[0]['client_cpu_s']:.1f} s (2 cores shared)")
     ours = rows[0]["output_tokens_per_s"]
     for row in rows[-3:]:
         print(f"phalanx closed loop / {row['arm'][:3]}: throughput {ours / row['output_tokens_per_s']:.2f}x"

@@ -19,7 +19,9 @@ parts it calls; torch on the CPU is synchronous, so a timer measures the work):
 - detokenize: new text per token (`IncrementalText`).
 Prints per part the median ms of the steps where every running sequence decodes (one token
 each, 32 of them, the steady state of serve_load's closed loop) and the total over the run,
-then the run's output tokens/s and the decode step against the bound: the same model's
+then the time of the steps with prompt chunks and of the decode-only steps per token (to
+set beside serve_load.py's (a), which pays its prefill per prompt token and its TPOT per output
+token), then the run's output tokens/s and the decode step against the bound: the same model's
 batched forward on `phalanx generate`'s contiguous KVCache, 32 rows at the decode steps'
 mean context length (no scheduling, no block tables), and what the run's projections alone
 take at the bound's matmul rate (a floor for any engine with these fp32 weights). The load runs `--repeats` times, each
@@ -175,6 +177,13 @@ def show(runs: list, bounds: list[float], batch: int, context: int, weights: int
     wall = statistics.median(w for _, _, w in runs)
     generated = runs[0][1]
     print(f"{'step':12} {step_ms:>14.2f} {'':>6} {wall:>11.2f}")
+    # Steps with prompt chunks against decode-only steps, per token (medians over the runs):
+    # what serve_load.py's (a) pays per prompt token and per output token (its TPOT) alike.
+    prefill = [(sum(s[4] for s in steps if not s[0]), sum(s[5] for s in steps if not s[0])) for steps, _, _ in runs]
+    decode = [(sum(s[4] for s in steps if s[0]), sum(s[5] for s in steps if s[0])) for steps, _, _ in runs]
+    for label, parts, unit in (("steps with prompt chunks", prefill, "token fed"), ("decode-only steps", decode, "output token")):
+        seconds, tokens = statistics.median(t for t, _ in parts), parts[0][1]
+        print(f"{label}: {seconds:.2f} s for {tokens} tokens, {seconds / tokens * 1000:.2f} ms per {unit}")
     print(f"bound: the same {batch} rows on a contiguous KVCache at context {context}: {bound_ms:.2f} ms per step")
     print(f"decode step / bound: {step_ms / bound_ms:.2f}x; whole run {generated / wall:.1f} output tok/s, "
           f"bound {batch / bound_ms * 1000:.1f} tok/s ({generated / wall / (batch / bound_ms * 1000):.2f}x of it)")

@@ -48,9 +48,19 @@ class Handle:
 
     def put(self, piece: Piece) -> None:
         """From the engine thread: into the handler's queue, on its loop."""
+        self.mark(piece)
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+
+    def mark(self, piece: Piece) -> None:
+        """From the engine thread, before `piece` is handed over: the last one ends the request."""
         if piece.finish_reason or piece.error:
             self.done = True
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, piece)
+
+
+def deliver(pieces: list[tuple[Handle, Piece]]) -> None:
+    """On the handlers' loop: a step's pieces into their handlers' queues, in order."""
+    for handle, piece in pieces:
+        handle.queue.put_nowait(piece)
 
 
 class EngineLoop:
@@ -166,6 +176,9 @@ class EngineLoop:
         events = engine.step()
         if self.scheduler.slo is not None:  # what this step's shape took, for the step-time fit
             self.scheduler.slo.observe(self.scheduler.last_step, time.monotonic() - began)
+        # One wake-up of the handlers' loop per step, not one per token: each wake-up is a
+        # write to the loop's self-pipe here and a turn of the loop there.
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Handle, Piece]]] = {}
         for event in events:
             seq, handle = event.seq, event.seq.payload
             finish = event.finish_reason
@@ -175,7 +188,11 @@ class EngineLoop:
                 finish = "stop"
             elif finish:
                 piece += handle.text.finish()
-            handle.put(Piece(piece, event.token, event.logprob, event.top_logprobs, finish))
+            out = Piece(piece, event.token, event.logprob, event.top_logprobs, finish)
+            handle.mark(out)
+            by_loop.setdefault(handle.loop, []).append((handle, out))
             if finish:
                 self.metrics.request_done(seq, finish)
+        for loop, pieces in by_loop.items():
+            loop.call_soon_threadsafe(deliver, pieces)
         self.metrics.generation_tokens.inc(len(events))
