@@ -26,6 +26,7 @@ def model(tmp_path_factory):
     (["--api-key", " "], "--api-key is empty"),
     (["--nproc", "4", "--plan", "dp=2,tp=2"], "dp beside tp) is not there yet"),
     (["--nproc", "2", "--plan", "tp=4"], "tp=4"),
+    (["--nproc", "4", "--plan", "tp=4"], "invalid plan: tp=4 must divide n_kv_heads=2"),  # found by a benchmark
     (["--nproc", "2", "--plan", "cp=2"], "(pp, cp, sp, zero, or dp beside tp) is not there yet"),
     (["--nproc", "2", "--plan", "dp=2,ep=2", "--tpot-ms", "50"], "--ttft-ms/--tpot-ms with plan dp=2,ep=2 is not there yet"),
 ])

@@ -160,13 +160,19 @@ def _data_parallel(plan: str) -> bool:
 
 
 def _check_for_model(job: dict) -> None:
-    """Before any worker starts: the plan's ep and the expert-slot flags against the model."""
+    """Before any worker starts: the plan's tp and ep and the expert-slot flags against the model."""
     from phalanx import layout_rules as rules
     from phalanx.generate.model_source import resolve_model
     from phalanx.plan import plan_from_string
 
+    from phalanx.plan_model_checks import validate_tp
+
     cfg = resolve_model(job["model"], job["step"]).cfg
     plan = plan_from_string(job["plan"], job["nproc"])
+    # The trainer's rule, as serving shards the model with the same apply_tp: a tp that does
+    # not divide the KV heads would fail in the first forward, after the server is up.
+    if problems := validate_tp(plan, cfg, cfg.max_seq_len):
+        raise UserError(f"invalid plan: {problems[0]}")
     if problem := rules.ep_problem(plan.ep, dp=plan.dp, n_experts=cfg.n_experts, model=cfg.name, tp=plan.tp,
                                    over_tp=plan.ep_over_tp):
         raise UserError(f"invalid plan: {problem}")

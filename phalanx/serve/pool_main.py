@@ -58,16 +58,13 @@ def check_pools(args, job: dict):
     def check_plan(plan: str, world: int) -> None:
         from types import SimpleNamespace
 
-        from phalanx.layout_rules import tp_problem
         from phalanx.plan import plan_from_string
+        from phalanx.plan_model_checks import validate_tp
         from phalanx.serve.cli import _check_plan
 
         _check_plan(SimpleNamespace(plan=plan, nproc=world))
-        problem = tp_problem(plan_from_string(plan).tp, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                             ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, expert_ffn_dim=cfg.moe_ffn_dim,
-                             n_experts=cfg.n_experts)
-        if problem:
-            raise UserError(f"--pool ...:{plan}: {problem}")
+        if problems := validate_tp(plan_from_string(plan, world), cfg, cfg.max_seq_len):  # as a single server checks
+            raise UserError(f"--pool ...:{plan}: {problems[0]}")
 
     for spec in specs:
         check_plan(spec.plan, spec.world)
