@@ -53,8 +53,8 @@ its fit and the probe were changed while looking at (issue 23's runs before this
 the 4-head model); the hold-out, never used to choose anything, is a new rate (2 req/s) at the
 decided layouts and a new layout, tp=4 over 4 processes, at every rate. tp=4 runs on a model of
 8 heads (4 KV heads; hidden size, layers and vocabulary the same): the 4-head model has 2 KV
-heads, and `phalanx serve --plan tp=4` over them fails in its first forward (the layout rules
-allow tp a multiple of the KV heads; the tp sharding does not replicate them), so that model
+heads, and tp=4 must divide them (the tp sharding does not replicate KV heads; `phalanx
+serve` refuses that plan in one line), so that model
 goes through the whole procedure again (its steps fitted, its 1-process server probed, one
 row at 2 req/s), as `phalanx calibrate --serve --model` would. dp=2,ep=2 is not among them:
 it needs an MoE model whose dp group this benchmark's calibration does not measure (the probe
