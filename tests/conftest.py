@@ -25,17 +25,6 @@ def _share_cores_among_xdist_workers() -> None:
 _share_cores_among_xdist_workers()
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Under `pytest -n N`: a module's shared fixtures are built on one worker, not on each
-    (tests/xdist_scheduling.py). Another `--dist` given on the command line is left to xdist."""
-    if config.getoption("dist") != "load":
-        return None
-    from tests.xdist_scheduling import SharedFixtureScheduling
-
-    return SharedFixtureScheduling(config, log)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _ranks_inherit_lazy_imports():
     """Ranks forked from pytest (run_ranks, in-process `phalanx train --nproc N`) inherit what
