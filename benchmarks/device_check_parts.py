@@ -270,10 +270,21 @@ def serve_step(ctx: Context) -> Step:
     return Step(ctx.python(SERVE_SCRIPT, "--device", "cpu" if ctx.dry_run else "cuda", *quick), DRY_RUN_TIMEOUT_S if ctx.dry_run else 90)
 
 
+SERVE_ROW = re.compile(r"^(phalanx serve, .+?|\([abc]\) .+?)\s{2,}([\d.]+)((?:\s+(?:[\d.]+|-)){5})\s*$", re.M)
+SERVE_COLUMNS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "goodput_req_per_s")
+
+
 def read_serve(text: str) -> dict:
-    """The script's own lines with rates or ratios in them (its format is its own)."""
-    lines = [line.strip() for line in text.splitlines() if re.search(r"tokens/s|ratio|requests/s|latency", line)]
-    return {"lines": lines[-12:]} if lines else {}
+    """serve_load.py's table (one row per arm: output tokens/s, TTFT and TPOT p50/p99, goodput)
+    and its closed loop's throughput against (a), (b) and (c)."""
+    arms = {}
+    for name, rate, rest in SERVE_ROW.findall(text):
+        row = {"tokens_per_s": float(rate)}
+        row.update({key: float(value) for key, value in zip(SERVE_COLUMNS, rest.split()) if value != "-"})
+        arms[name] = row
+    ratios = {arm: float(ratio) for arm, ratio in
+              re.findall(r"^phalanx closed loop / \(([abc])\): throughput ([\d.]+)x", text, re.M)}
+    return {"arms": arms, "ratios": ratios} if arms else {}
 
 
 # 4. Matching and blur against serial Wu-Manber and scipy.
@@ -340,7 +351,7 @@ def attention_step(ctx: Context) -> Step:
 
 
 def read_attention(text: str) -> dict:
-    attention = re.search(r"^attention efficiency \(slope .*?\): ([\d.]+); the planner's: ([\d.]+)", text, re.M)
+    attention = re.search(r"^attention efficiency \((?:slope|seq) [^)]*\): ([\d.]+); the planner's: ([\d.]+)", text, re.M)
     matmul = re.search(r"^matmul efficiency \(\d+\^3\): ([\d.]+); the planner's: ([\d.]+)", text, re.M)
     if not (attention and matmul):
         return {}

@@ -93,7 +93,10 @@ def _memory(f: dict) -> str:
 
 
 def _serve(f: dict) -> str:
-    return " / ".join(f["lines"])
+    cells = [f"{name} {row['tokens_per_s']:,.1f} tokens/s" + (f", TTFT p99 {row['ttft_p99']:.3f} s" if "ttft_p99" in row else "")
+             for name, row in f["arms"].items() if name.startswith("phalanx")]
+    ratios = ", ".join(f"{ratio:.2f}x ({arm})" for arm, ratio in f["ratios"].items())
+    return "; ".join(cells) + (f"; closed loop {ratios}" if ratios else "")
 
 
 def _attention(f: dict) -> str:

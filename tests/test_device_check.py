@@ -98,8 +98,34 @@ def test_readers_of_failing_tests_and_serving_lines():
     stopped = "tests/test_cuda_a.py::test_x PASSED    [ 50%]\ntests/test_cuda_a.py::test_y FAILED    [100%]\n"
     assert read_tests(stopped) == {"passed": 1, "failed": 1, "skipped": 0, "errors": 0, "deselected": 0,
                                    "not_passed": ["tests/test_cuda_a.py::test_y"], "incomplete": True}
-    assert read_serve("warm-up\n  decode 1,234 tokens/s\n  ratio phalanx / baseline = 1.1\n") == {
-        "lines": ["decode 1,234 tokens/s", "ratio phalanx / baseline = 1.1"]}
+    # serve_load.py's table and ratios as it prints them; transformers' log lines between them are not rows.
+    served = ("llama hidden 512, 4 layers, 32 requests\n"
+              f"{'arm':58} {'out tok/s':>9} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>7} {'goodput':>8}\n"
+              f"{'phalanx serve, closed loop of 32':58} {175.0:>9.1f} {2.261:>9.3f} {3.547:>7.3f} {0.106:>9.3f} "
+              f"{0.230:>7.3f} {0.077:>8.3f}\n"
+              "2026-12-01 20:05:54,205 - ContinuousBatchingLogger - WARNING - `eos_token_id` not set\n"
+              f"{'(b) transformers static padded batch':58} {128.1:>9.1f} {'-':>9} {'-':>7} {'-':>9} {'-':>7} {'-':>8}\n"
+              "phalanx closed loop / (a): throughput 3.51x, TTFT p99 3.547 s against 43.460 s\n"
+              "phalanx closed loop / (b): throughput 1.37x\n")
+    assert read_serve(served) == {"arms": {
+        "phalanx serve, closed loop of 32": {"tokens_per_s": 175.0, "ttft_p50": 2.261, "ttft_p99": 3.547, "tpot_p50": 0.106,
+                                             "tpot_p99": 0.23, "goodput_req_per_s": 0.077},
+        "(b) transformers static padded batch": {"tokens_per_s": 128.1}}, "ratios": {"a": 3.51, "b": 1.37}}
+    assert read_serve("Traceback (most recent call last):\n") == {}
+
+
+def test_attention_reader_takes_the_slope_or_the_longer_point():
+    """The slope between two sequence lengths, or, when timing noise made the longer one no
+    slower, that point's own rate (attention_efficiency.py says which)."""
+    from device_check_parts import read_attention
+
+    tail = ("matmul efficiency (8192^3): 0.712; the planner's: 0.800 (measured / planner 0.89)\n")
+    points = "causal attention seq   8192:    401.2 TFLOP/s, 0.406 of peak (2.10 ms)\n"
+    slope = read_attention(points + "attention efficiency (slope 8192 -> 32768): 0.455; the planner's: 0.500 (x)\n" + tail)
+    assert slope["attention_efficiency"] == 0.455 and slope["attention_by_seq"] == [{"seq": 8192, "of_peak": 0.406}]
+    alone = read_attention("attention efficiency (seq 512 alone: the longer sequence was not slower): 0.010; "
+                           "the planner's: 0.500 (x)\n" + tail)
+    assert alone["attention_efficiency"] == 0.01 and alone["matmul_efficiency"] == 0.712
 
 
 def test_readers_of_the_lines_only_a_gpu_prints_and_their_table_row():

@@ -144,7 +144,8 @@ class EngineLoop:
             try:
                 if self.scheduler.has_work():
                     self._step(engine)
-                self.metrics.after_step(self.scheduler, 0, engine.take_expert_rows())
+                else:
+                    self.metrics.after_step(self.scheduler, 0, engine.take_expert_rows())
             except Exception:  # a bug: every request of the batch gets an error, the server goes on
                 traceback.print_exc(file=sys.stderr)
                 self._end_everything("the engine failed on this batch (a bug; see the server's log)")
@@ -193,6 +194,7 @@ class EngineLoop:
             by_loop.setdefault(handle.loop, []).append((handle, out))
             if finish:
                 self.metrics.request_done(seq, finish)
+        # The metrics first: a client that reads /metrics once its answer came must see this step.
+        self.metrics.after_step(self.scheduler, len(events), engine.take_expert_rows())
         for loop, pieces in by_loop.items():
             loop.call_soon_threadsafe(deliver, pieces)
-        self.metrics.generation_tokens.inc(len(events))
