@@ -61,6 +61,9 @@ def test_dry_run_writes_every_part_with_its_figures(tmp_path):
     assert (tmp_path / "check" / "bench-tiny.json").exists()  # the planner's command can be rerun
     generate = figures["generate"]
     assert generate["same_tokens"] is True and generate["prefill_ratio"] > 0 and generate["decode_ratio"] > 0
+    serve = figures["serve"]  # serve_load.py --quick: 4 requests at once, the three baselines beside
+    assert set(serve["ratios"]) == {"a", "b", "c"} and all(ratio > 0 for ratio in serve["ratios"].values())
+    assert serve["arms"]["phalanx serve, closed loop of 4"]["tokens_per_s"] > 0
     match = figures["match"]
     assert [c["patterns"] for c in match["cases"]] == [100, 100]
     assert all(c["counts_agree"] and c["serial_ratio"] > 0 for c in match["cases"])
