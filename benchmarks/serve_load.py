@@ -16,7 +16,9 @@ count and token budget (its default cache sizing is several times slower on CPU)
 Prints per arm: output tokens/s, TTFT and TPOT p50/p99, goodput (requests/s meeting TTFT <=
 --slo-ttft and TPOT <= --slo-tpot), then phalanx's throughput ratios against (a), (b), (c).
 
-    .venv/bin/python benchmarks/serve_load.py [--moe] [--device cuda] [--threads 1]
+    .venv/bin/python benchmarks/serve_load.py [--moe] [--device cuda] [--threads 1] [--tp 2]
+
+`--tp N` serves with `--nproc N --plan tp=N` (the baselines stay one process).
 
 `--slo`: the latency targets instead (`phalanx serve --ttft-ms/--tpot-ms`, docs/serve.md): the
 same seeded Poisson load at `--slo-rate` through two servers, one without targets and one with
@@ -110,12 +112,16 @@ async def _drive(url: str, name: str, requests, arrivals: list[float]):
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; nan elsewhere)."""
+    """User + system CPU seconds so far of a process and its living descendants (under
+    `--tp` the server's ranks are its launcher's children; Linux /proc; nan elsewhere)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
     except OSError:
         return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own + sum(process_cpu_s(child) for child in children)
 
 
 def phalanx_arm(name: str, server, requests, arrivals, args) -> dict:
@@ -132,7 +138,8 @@ def phalanx_arm(name: str, server, requests, arrivals, args) -> dict:
 def start_server(folder: Path, args, *extra: str):
     from tests.serve_server import ServeProcess
 
-    return ServeProcess(folder, *extra, "--block-size", str(args.block_size), "--num-kv-blocks", str(args.num_kv_blocks),
+    tp = ["--nproc", str(args.tp), "--plan", f"tp={args.tp}"] if args.tp > 1 else []
+    return ServeProcess(folder, *extra, *tp, "--block-size", str(args.block_size), "--num-kv-blocks", str(args.num_kv_blocks),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs",
                         str(args.concurrency), "--device", args.device,
                         env={"OMP_NUM_THREADS": str(args.threads)} if args.threads else {"OMP_NUM_THREADS": ""})
@@ -277,6 +284,7 @@ def slo_main(args, requests) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=1, help="serve with --nproc N --plan tp=N (the baselines stay one process)")
     parser.add_argument("--moe", action="store_true", help="a small mixtral (8 experts, top 2) instead of the llama")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
@@ -327,7 +335,7 @@ def main() -> None:
         rows.append(continuous_arm(model, requests, args))
     print(f"{'mixtral 8x2' if args.moe else 'llama'} hidden {args.hidden}, {args.layers} layers, {args.requests} requests "
           f"(prompts {'16-32' if args.quick else '16-256'}, outputs {'4-8' if args.quick else '16-128'}, seed {args.seed}), device {args.device}, threads {args.threads or 'default'}, "
-          f"load {os.getloadavg()[0]:.1f}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot * 1000:g} ms")
+          f"{f'phalanx tp={args.tp}, ' if args.tp > 1 else ''}load {os.getloadavg()[0]:.1f}; SLO TTFT {args.slo_ttft} s, TPOT {args.slo_tpot * 1000:g} ms")
     show(rows)
     print(f"closed loop: {rows[0]['wall_s']:.1f} s wall; CPU of the server process (engine and HTTP) "
           f"{rows[0]['server_cpu_s']:.1f} s, of the client {rows[0]['client_cpu_s']:.1f} s (2 cores shared)")

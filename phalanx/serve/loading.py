@@ -29,15 +29,20 @@ def pick_dtype(name: str, device):
 def load_serving_model(source, mesh, dtype, expert_slots: dict | None = None):
     """Under attention data parallelism (dp > 1) every rank keeps its replica of the dense
     weights as loaded: the DDP wrapper `parallelize` puts around a dp model for training (it
-    would broadcast buffers before every forward) is taken off."""
+    would broadcast buffers before every forward) is taken off. Under tp the blocks' matrices
+    become their local shards (`parallel.tp_inference`: no DTensor dispatch per step)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from phalanx.generate.model_source import load_model
+    from phalanx.parallel.tp_inference import localize_block_matrices
 
     model = load_model(source, mesh, expert_slots)
     if isinstance(model, DistributedDataParallel):
         model = model.module
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if mesh.plan.tp > 1:
+        localize_block_matrices(model, mesh.group("tp"))
+    return model
 
 
 def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> int:
