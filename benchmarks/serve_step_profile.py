@@ -200,11 +200,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs of the whole load, each after a bound measurement")
+    parser.add_argument("--moe", action="store_true", help="serve_load.py --moe's mixtral (8 experts, top 2) instead")
+    parser.add_argument("--mkl", action="store_true",
+                        help="keep PyTorch's default CPU matmul (MKL) instead of the server's oneDNN linears")
     parser.add_argument("--torch-profile", action="store_true",
                         help="also torch.profiler's table of ops over one more run")
     args = parser.parse_args()
     # serve_load.py's model, requests and engine flags.
-    args.hidden, args.layers, args.heads, args.vocab, args.moe, args.quick = 512, 4, 8, 4096, False, False
+    args.hidden, args.layers, args.heads, args.vocab, args.quick = 512, 4, 8, 4096, False
     args.concurrency, args.block_size, args.num_kv_blocks, args.max_num_batched_tokens = args.requests, 16, 1024, 512
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -213,6 +216,10 @@ def main() -> None:
     requests = make_requests(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = hf.load(write_model(Path(tmp) / "model", args))
+    if not args.mkl:  # as `phalanx serve` loads it (serve/loading.py)
+        from phalanx.model.onednn_linear import use_onednn
+
+        use_onednn(model)
     timers = Timers()
     instrument(timers)
     steps, _, _ = run_engine(model, requests, args, timers)  # warm-up, and the decode steps' context
@@ -222,8 +229,8 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved, so that a change of the machine's load hits both
         bounds.append(contiguous_decode_ms(model, args.concurrency, context, args.vocab, repeats=10))
         runs.append(run_engine(model, requests, args, timers))
-    print(f"llama hidden {args.hidden}, {args.layers} layers, {args.requests} requests (serve_load.py's, seed "
-          f"{args.seed}), in-process engine, threads {args.threads or 'default'}, load {os.getloadavg()[0]:.1f}")
+    print(f"{'mixtral 8x2' if args.moe else 'llama'} hidden {args.hidden}, {args.layers} layers, {args.requests} requests (serve_load.py's, seed "
+          f"{args.seed}), in-process engine, threads {args.threads or 'default'}, {'MKL' if args.mkl else 'oneDNN'} matmuls, load {os.getloadavg()[0]:.1f}")
     show(runs, bounds, args.concurrency, context, projection_weights(model))
     if args.torch_profile:
         from torch.profiler import profile

@@ -4,7 +4,8 @@ generate`, and batch invariance (a sequence's logits do not depend on what runs 
 Tolerance 1e-5 on fp32 logits of size O(1) (tests/hf_models.py): a packed step attends over
 exactly the keys a sequence sees alone (the block-diagonal mask gives the others' keys
 probability 0), so only the order of sums changes: one-row against many-row matmuls, a
-masked softmax over more keys, grouped expert kernels over more rows (~1e-6). A wrong slot,
+masked softmax over more keys, expert products over more rows (~1e-6). The models multiply
+as the server's do, through oneDNN on CPU (`model/onednn_linear.py`). A wrong slot,
 position, rotary row or mask moves the logits by O(0.1).
 """
 
@@ -16,6 +17,7 @@ import torch
 import phalanx.hf as hf
 from phalanx.generate.decoding import generate_ids
 from phalanx.generate.sampling import Sampling
+from phalanx.model.onednn_linear import use_onednn
 from phalanx.serve.engine import Engine, request_sampling
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Scheduler, Sequence
@@ -43,7 +45,9 @@ def models(tmp_path_factory):
     def get(family: str):
         if family not in loaded:
             folder = tmp_path_factory.mktemp(family) / "hf"
-            loaded[family] = hf.load(write_deepseek(folder) if family == "deepseek" else write_checkpoint(folder, family))
+            model = hf.load(write_deepseek(folder) if family == "deepseek" else write_checkpoint(folder, family))
+            use_onednn(model)  # as `phalanx serve` and `phalanx generate` load it on CPU
+            loaded[family] = model
         return loaded[family]
 
     return get

@@ -109,6 +109,7 @@ def run_job(job: dict):
     from phalanx.generate.decoding import generate_ids
     from phalanx.generate.model_source import load_model, resolve_model, text_codec
     from phalanx.generate.sampling import Sampling
+    from phalanx.model.onednn_linear import use_onednn
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
     from phalanx.local_device import pick_device
@@ -121,6 +122,7 @@ def run_job(job: dict):
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     mesh = build_mesh(plan_from_string(job["plan"], world_size), device)
     model = load_model(source, mesh)
+    use_onednn(model)  # on CPU: oneDNN's GEMM for the plain matrices (model/onednn_linear.py)
     result = generate_ids(model, job["prompt"], max_new_tokens=job["max_new_tokens"], max_len=source.cfg.max_seq_len,
                           sampling=Sampling(**job["sampling"]), device=device, eos_id=codec.eos_id,
                           pad_to=mesh.plan.tp if mesh.plan.sp else 1)

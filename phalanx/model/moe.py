@@ -16,25 +16,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
+from phalanx.model.onednn_linear import onednn_linear, usable
 from phalanx.model.router import Router, count_per_expert
 
 
 def grouped_expert_ffn(
     x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-    experts: list[int] | None = None,
+    experts: list[int] | None = None, linear: Callable = F.linear,
 ) -> torch.Tensor:
     """SwiGLU of each contiguous group of rows of x with its own expert's weights.
 
     x: (rows, dim) in contiguous groups; counts[g] rows belong to group g, computed by expert
     experts[g] (default: group g is expert g, i.e. x sorted by expert; an expert may own
     several groups, as the (source rank, expert) blocks of expert parallelism's arrivals do);
-    w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden).
+    w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden). `linear`: the product
+    `F.linear(rows, weight)`, or oneDNN's for inference on CPU (`onednn_linear.py`).
 
     One matmul per expert per weight over exactly that expert's rows: no padding, so the cost
     follows the number of rows, however skewed the routing. The fallback of
@@ -51,8 +54,8 @@ def grouped_expert_ffn(
         if rows.shape[0] == 0:
             continue
         e1, e2, e3 = per_expert[group if experts is None else experts[group]]
-        hidden = F.silu(rows @ e1.t()) * (rows @ e3.t())  # (rows, hidden)
-        outputs.append(hidden @ e2.t())  # (rows, dim)
+        hidden = F.silu(linear(rows, e1)) * linear(rows, e3)  # (rows, hidden)
+        outputs.append(linear(hidden, e2))  # (rows, dim)
     if not outputs:
         # No rows at all (a rank that received nothing): still depend on x and the weights, so
         # every rank produces (zero) gradients and runs the same backward collectives, even
@@ -205,6 +208,9 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.onednn = False
+        """Set by `onednn_linear.use_onednn` (inference on CPU): without gradients, each expert's
+        products run through oneDNN, one expert at a time."""
         self.received_tokens = 0
         """Rows these experts computed in training forwards (recomputations not counted) since
         the trainer last took them (`MoE.take_load`): under expert parallelism, the rows this
@@ -224,13 +230,22 @@ class GroupedExperts(nn.Module):
         if self.training and not in_recompute():
             self.received_tokens += rows.shape[0]
 
+    def linear(self, rows: torch.Tensor) -> Callable:
+        """The product the loop over experts runs on `rows`: oneDNN's where `use_onednn` allowed
+        it and nothing needs a gradient, else F.linear."""
+        return onednn_linear if self.onednn and usable(rows, self.w1) else F.linear
+
     def ffn(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
-        """`compute` without the count: the grouped kernel where it is preferred and works, else the loop."""
-        if rows.shape[0] and prefer_grouped_mm(rows, self.w1.shape[0]) and grouped_mm_works(rows, self.w1):
+        """`compute` without the count: the grouped kernel where it is preferred and works, else
+        the loop (through oneDNN for inference on CPU: the grouped kernel's CPU version loops
+        over MKL's products, which oneDNN's beat, benchmarks/cpu_matmul.py)."""
+        linear = self.linear(rows)
+        if (linear is F.linear and rows.shape[0] and prefer_grouped_mm(rows, self.w1.shape[0])
+                and grouped_mm_works(rows, self.w1)):
             return grouped_mm_expert_ffn(rows, counts, self.w1, self.w2, self.w3)
         # The loop also serves a rank that received no rows (see its empty case).
         host_counts = counts.tolist() if host_counts is None else host_counts
-        return grouped_expert_ffn(rows, host_counts, self.w1, self.w2, self.w3)
+        return grouped_expert_ffn(rows, host_counts, self.w1, self.w2, self.w3, linear=linear)
 
 
 def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
