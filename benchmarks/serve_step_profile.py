@@ -2,7 +2,9 @@
 serve_load.py's model and seeded requests, every step split into its parts, against the same
 model's plain batched decode on a contiguous cache measured in the same run.
 
-The model is serve_load.py's llama (hidden 512, 4 layers, vocabulary 4096, bytes codec) and
+The model is serve_load.py's llama (hidden 512, 4 layers, vocabulary 4096, bytes codec; `--moe`:
+its mixtral, 8 experts top 2), loaded as `phalanx serve` loads it (on CPU its matrices multiply
+through oneDNN, `model/onednn_linear.py`; `--mkl` keeps PyTorch's default MKL product), and
 the requests are its closed loop: 32 seeded prompts of 16-256 tokens and outputs of 16-128,
 all arriving at once, greedy with logprobs=0 (as serve_load streams them). The engine runs
 with serve_load's flags (block size 16, 1024 blocks, a 512-token budget, 32 sequences), and
@@ -28,7 +30,7 @@ take at the bound's matmul rate (a floor for any engine with these fp32 weights)
 after a measurement of the bound, and every figure is the median over the runs: the machine
 this runs on is shared, and its load moves within a run.
 
-    .venv/bin/python benchmarks/serve_step_profile.py [--threads 1] [--repeats 3] [--torch-profile]
+    .venv/bin/python benchmarks/serve_step_profile.py [--moe] [--mkl] [--threads 1] [--repeats 3] [--torch-profile]
 """
 
 from __future__ import annotations
