@@ -18,7 +18,9 @@ Prints per arm: output tokens/s, TTFT and TPOT p50/p99, goodput (requests/s meet
 
     .venv/bin/python benchmarks/serve_load.py [--moe] [--device cuda] [--threads 1] [--tp 2]
 
-`--tp N` serves with `--nproc N --plan tp=N` (the baselines stay one process).
+`--tp N` serves with `--nproc N --plan tp=N` (the baselines stay one process). `--unstreamed`
+also runs the closed loop with every request answered whole (no event per token), on a fresh
+server, and prints streamed / unstreamed throughput: what per-token streaming costs the engine.
 
 `--slo`: the latency targets instead (`phalanx serve --ttft-ms/--tpot-ms`, docs/serve.md): the
 same seeded Poisson load at `--slo-rate` through two servers, one without targets and one with
@@ -103,6 +105,29 @@ async def _one(url: str, name: str, prompt, out, start_at, began) -> tuple[float
     ttft = times[0] - sent
     tpot = (times[-1] - times[0]) / max(1, len(times) - 1)
     return ttft, tpot, len(times)
+
+
+async def _unstreamed(url: str, name: str, requests) -> tuple[list[int], float]:
+    """All requests at once, each answered whole (no per-token events): the tokens, the wall."""
+    from benchmarks.serve_stream_client import completion_tokens
+
+    began = time.perf_counter()
+    outputs = await asyncio.gather(*[completion_tokens(url, {"model": name, "prompt": prompt, "max_tokens": out,
+                                                             "temperature": 0}) for prompt, out in requests])
+    return list(outputs), time.perf_counter() - began
+
+
+def unstreamed_arm(folder: Path, requests, args) -> dict:
+    """The closed loop unstreamed, on a server of its own (the streamed arm's server holds the
+    same prompts in its prefix cache), after the same warm-up."""
+    server = start_server(folder, args)
+    try:
+        phalanx_arm("warm-up", server, requests[:2], [0.0, 0.0], args)
+        outputs, wall = asyncio.run(_unstreamed(server.url, server.name, requests))
+    finally:
+        server.stop()
+    assert outputs == [o for _, o in requests], "every request generates exactly its length"
+    return summary(f"phalanx serve, closed loop of {args.concurrency}, unstreamed", outputs, wall, None, None, args)
 
 
 async def _drive(url: str, name: str, requests, arrivals: list[float]):
@@ -278,6 +303,9 @@ def slo_main(args, requests) -> None:
     base = rows[0]["goodput_req_per_s"]
     print(f"goodput with targets / without: {rows[1]['goodput_req_per_s'] / base:.2f}x" if base else
           f"goodput without targets is 0; with them {rows[1]['goodput_req_per_s']:.2f} req/s")
+    if unstreamed is not None:
+        print(f"{unstreamed['arm']}: {unstreamed['output_tokens_per_s']:.1f} output tokens/s; streamed / unstreamed "
+              f"{ours / unstreamed['output_tokens_per_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
@@ -302,6 +330,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--unstreamed", action="store_true",
+                        help="also the closed loop answered whole, on a server of its own: what streaming each token costs")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run that tests the script, not the engine (device_check.sh --dry-run): a 2-layer "
                              "hidden-64 llama, 4 requests at once, prompts 16-32, outputs 4-8, no open loops")
@@ -329,6 +359,7 @@ def main() -> None:
                 rows.append(phalanx_arm(f"phalanx serve, Poisson {rate:g} req/s", server, requests, arrivals, args))
         finally:
             server.stop()
+        unstreamed = unstreamed_arm(folder, requests, args) if args.unstreamed else None
         model = load_hf(folder, device)
         rows.append(sequential_arm(model, requests, device, args))
         rows.append(static_batch_arm(model, requests, device, args))
@@ -343,6 +374,9 @@ def main() -> None:
     for row in rows[-3:]:
         print(f"phalanx closed loop / {row['arm'][:3]}: throughput {ours / row['output_tokens_per_s']:.2f}x"
               + (f", TTFT p99 {rows[0]['ttft_p99']:.3f} s against {row['ttft_p99']:.3f} s" if "ttft_p99" in row else ""))
+    if unstreamed is not None:
+        print(f"{unstreamed['arm']}: {unstreamed['output_tokens_per_s']:.1f} output tokens/s; streamed / unstreamed "
+              f"{ours / unstreamed['output_tokens_per_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -63,3 +63,30 @@ async def stream_times(url: str, body: dict) -> list[float]:
                 return times
     finally:
         writer.close()
+
+
+async def completion_tokens(url: str, body: dict) -> int:
+    """POST `body` (unstreamed) to `url`/v1/completions; the completion tokens of its answer."""
+    where = urlsplit(url)
+    reader, writer = await asyncio.open_connection(where.hostname, where.port)
+    connection = h11.Connection(h11.CLIENT)
+    data = json.dumps(body).encode()
+    headers = [("Host", where.netloc), ("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+    writer.write(connection.send(h11.Request(method="POST", target="/v1/completions", headers=headers))
+                 + connection.send(h11.Data(data=data)) + connection.send(h11.EndOfMessage()))
+    answer, status = b"", 0
+    try:
+        while True:
+            event = connection.next_event()
+            if event is h11.NEED_DATA:
+                connection.receive_data(await reader.read(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                answer += event.data
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                if status != 200:
+                    raise RuntimeError(f"HTTP {status}: {answer!r}")
+                return json.loads(answer)["usage"]["completion_tokens"]
+    finally:
+        writer.close()
