@@ -4,7 +4,9 @@ the serving benchmark's shapes, alternating in the same process.
 Shapes (rows x in -> out, fp32): serve_load.py's llama feed-forward (512 -> 2048) at 1 row (one
 sequence decoding), 8 (one expert's share of a 32-sequence MoE decode), 32 (the closed loop's
 full decode batch) and 512 rows (a prefill step's token budget), and its MoE expert
-(512 -> 512) at 8 rows. Per shape: the median over --repeats timings of each, GFLOP/s, the
+(512 -> 512) at 8 rows; then small products around `ONEDNN_MIN_MACS` (one row of 256 -> 256
+and 512 -> 512, a 32-row router of 512 -> 8, one row of 1024 -> 1024), where oneDNN's fixed
+cost per call decides. Per shape: the median over --repeats timings of each, GFLOP/s, the
 ratio oneDNN / MKL, and the largest difference of the two results relative to the largest
 output (the same fp32 products summed in another order). A weight pool larger than the last-level cache is cycled
 through, as a served model's layers are, unless --hot.
@@ -28,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from phalanx.model.onednn_linear import onednn_linear, onednn_works  # noqa: E402
 
-SHAPES = [(1, 512, 2048), (8, 512, 2048), (32, 512, 2048), (512, 512, 2048), (8, 512, 512)]
+SHAPES = [(1, 512, 2048), (8, 512, 2048), (32, 512, 2048), (512, 512, 2048), (8, 512, 512),
+          (1, 256, 256), (32, 512, 8), (1, 512, 512), (1, 1024, 1024)]
 POOL_BYTES = 96 << 20
 """Weights cycled through: three times a 32 MiB last-level cache."""
 

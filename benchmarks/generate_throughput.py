@@ -92,10 +92,12 @@ def main() -> None:
     import phalanx.hf as hf
     from phalanx.generate.decoding import generate_ids
     from phalanx.generate.sampling import Sampling
+    from phalanx.model.onednn_linear import use_onednn
 
     device = torch.device(args.device)
     folder = write_model(Path(tempfile.mkdtemp()) / args.arch, args)
     ours = hf.load(folder).to(device)
+    use_onednn(ours)  # as `phalanx generate` loads it: oneDNN's GEMM on CPU (model/onednn_linear.py)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     theirs.generation_config.eos_token_id = None  # no stopping: both make exactly N tokens
     theirs.generation_config.pad_token_id = 0

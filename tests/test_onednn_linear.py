@@ -24,6 +24,12 @@ if not onednn_works(torch.float32):
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def every_product(monkeypatch):
+    """oneDNN for every product, however small (these tests' layers are under ONEDNN_MIN_MACS)."""
+    monkeypatch.setattr(onednn_linear, "ONEDNN_MIN_MACS", 0)
+
+
 def _tiny_moe() -> Transformer:
     cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, n_experts=4,
                       experts_per_token=2, expert_ffn_dim=48, attention_bias=True, max_seq_len=64)
@@ -37,7 +43,7 @@ def _tiny_moe() -> Transformer:
 
 @pytest.mark.parametrize("shape", [(1, 512), (8, 512), (32, 512), (3, 7, 512)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_equals_nn_linear_without_gradients(shape, bias):
+def test_equals_nn_linear_without_gradients(every_product, shape, bias):
     torch.manual_seed(1)
     plain = nn.Linear(512, 384, bias=bias)
     fast = OneDnnLinear(512, 384, bias=bias)
@@ -60,7 +66,7 @@ def test_with_gradients_it_is_nn_linear(monkeypatch):
     assert layer.weight.grad is not None and x.grad is not None
 
 
-def test_a_model_gives_the_same_logits_and_keeps_its_state():
+def test_a_model_gives_the_same_logits_and_keeps_its_state(every_product):
     """Every Linear of a tiny MoE model (attention with biases, router, dense output) re-classed,
     the experts marked; logits of a 2 x 9 batch as before; the state dict untouched."""
     model = _tiny_moe()
@@ -78,14 +84,14 @@ def test_a_model_gives_the_same_logits_and_keeps_its_state():
     torch.testing.assert_close(after, before, **TOL)
 
 
-def test_expert_products_go_through_onednn(monkeypatch):
+def test_expert_products_go_through_onednn(every_product, monkeypatch):
     """The marked experts' loop runs the oneDNN product (not the grouped kernel) without
     gradients, and F.linear with them."""
     model = _tiny_moe()
     use_onednn(model)
     calls = []
     real = onednn_linear.onednn_linear
-    monkeypatch.setattr("phalanx.model.moe.onednn_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(onednn_linear, "onednn_linear", lambda *a: calls.append(1) or real(*a))
     tokens = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         model(tokens)
@@ -93,6 +99,19 @@ def test_expert_products_go_through_onednn(monkeypatch):
     calls.clear()
     model(tokens).sum().backward()  # with gradients: the training path
     assert not calls
+
+
+def test_small_products_stay_mkl(monkeypatch):
+    """Under ONEDNN_MIN_MACS multiply-adds (rows x in x out) F.linear runs, at and above it oneDNN."""
+    calls = []
+    real = onednn_linear.onednn_linear
+    monkeypatch.setattr(onednn_linear, "onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    layer = OneDnnLinear(512, 512, bias=False)
+    with torch.no_grad():
+        layer(torch.randn(1, 512))  # 262,144: the threshold itself
+        layer(torch.randn(2, 256, 512)[:, :1])  # one row again, as a 3-d view
+        OneDnnLinear(512, 8, bias=False)(torch.randn(32, 512))  # a router: 131,072
+    assert calls == [(1, 512), (2, 1, 512)]
 
 
 def test_nothing_changes_where_onednn_does_not_work(monkeypatch):

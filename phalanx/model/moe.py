@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
-from phalanx.model.onednn_linear import onednn_linear, usable
+from phalanx.model.onednn_linear import sized_linear, usable
 from phalanx.model.router import Router, count_per_expert
 
 
@@ -233,7 +233,7 @@ class GroupedExperts(nn.Module):
     def linear(self, rows: torch.Tensor) -> Callable:
         """The product the loop over experts runs on `rows`: oneDNN's where `use_onednn` allowed
         it and nothing needs a gradient, else F.linear."""
-        return onednn_linear if self.onednn and usable(rows, self.w1) else F.linear
+        return sized_linear if self.onednn and usable(rows, self.w1) else F.linear
 
     def ffn(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """`compute` without the count: the grouped kernel where it is preferred and works, else

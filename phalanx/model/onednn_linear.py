@@ -14,7 +14,9 @@ weight is a plain CPU tensor; with gradients on (training) or a DTensor weight (
 tensor-parallel shard that still dispatches) it is `nn.Linear` as before. The op is private
 (`torch.ops.mkldnn._linear_pointwise`, what inductor emits for CPU linears): it is tried once
 per dtype on a small product against `F.linear`, and any error or disagreement means
-`F.linear` (tests/test_onednn_linear.py skips, saying so, where it does not work).
+`F.linear` (tests/test_onednn_linear.py skips, saying so, where it does not work). Products
+under ONEDNN_MIN_MACS multiply-adds stay F.linear, where oneDNN's fixed cost per call is more
+than its gain.
 
 `use_onednn(model)` is applied from outside, after loading (`serve/loading.py`,
 `generate/cli.py`): it re-classes each eligible `nn.Linear` as `OneDnnLinear` (same
@@ -30,9 +32,27 @@ from torch import nn
 _WORKS: dict[torch.dtype, bool] = {}
 
 
+ONEDNN_MIN_MACS = 1 << 18
+"""Below this many multiply-adds (rows x in x out) a product stays F.linear: oneDNN's call
+costs about 10 us more than MKL's. `benchmarks/cpu_matmul.py`, 2 threads: with the weight in
+cache (`--hot`) MKL is faster on one row of 256 -> 256 (65K multiply-adds, oneDNN 0.32x) and
+a 32-row router of 512 -> 8 (131K, 0.40x); at one row of 512 -> 512 (262K) oneDNN is 0.79x hot
+but 1.83x with the weights streamed from memory, as a served model's are once it outgrows the
+cache; from 1M on (one row of 1024 -> 1024) it is 1.40x and 2.00x. So the line is drawn at
+262K: a small model's smallest products keep MKL, the rest take oneDNN."""
+
+
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) through oneDNN (the caller checked `onednn_works`)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def sized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): through oneDNN from ONEDNN_MIN_MACS multiply-adds on, else MKL's
+    (the caller checked `usable`)."""
+    if x.numel() // x.shape[-1] * weight.numel() >= ONEDNN_MIN_MACS:
+        return onednn_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def onednn_works(dtype: torch.dtype) -> bool:
@@ -67,7 +87,7 @@ class OneDnnLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if usable(x, self.weight):
-            return onednn_linear(x, self.weight, self.bias)
+            return sized_linear(x, self.weight, self.bias)
         return super().forward(x)
 
 
