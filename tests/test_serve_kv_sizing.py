@@ -22,6 +22,6 @@ def test_bytes_per_block_is_what_a_prefill_allocates(name):
     cache.prepare([ChunkLayout([2, 0], 0, 6)])
     with torch.no_grad():
         model(torch.randint(0, cfg.vocab_size, (1, 6)), cache)
-    allocated = sum(t.numel() * t.element_size() for pool in (cache.keys, cache.values) for t in pool.values())
+    allocated = sum(t.numel() * t.element_size() for t in cache.pools.values())
     assert allocated == 3 * bytes_per_block(4, cfg.n_layers, kv_channels_per_position(cfg), 4)
 
