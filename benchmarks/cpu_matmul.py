@@ -1,5 +1,7 @@
 """PyTorch's default CPU linear (MKL's sgemm) against oneDNN's (`model/onednn_linear.py`), on
-the serving benchmark's shapes, alternating in the same process.
+the serving benchmark's shapes, alternating in the same process; and oneDNN reading its blocked
+copy of each weight (`BlockedWeights`, what `phalanx serve` keeps where it fits) against oneDNN
+given the plain weight, which it copies into that layout on every call.
 
 Shapes (rows x in -> out, fp32): serve_load.py's llama feed-forward (512 -> 2048) at 1 row (one
 sequence decoding), 8 (one expert's share of a 32-sequence MoE decode), 32 (the closed loop's
@@ -7,7 +9,7 @@ full decode batch) and 512 rows (a prefill step's token budget), and its MoE exp
 (512 -> 512) at 8 rows; then small products around `ONEDNN_MIN_MACS` (one row of 256 -> 256
 and 512 -> 512, a 32-row router of 512 -> 8, one row of 1024 -> 1024), where oneDNN's fixed
 cost per call decides. Per shape: the median over --repeats timings of each, GFLOP/s, the
-ratio oneDNN / MKL, and the largest difference of the two results relative to the largest
+ratios oneDNN / MKL and blocked / oneDNN, and the largest difference of the two results relative to the largest
 output (the same fp32 products summed in another order). A weight pool larger than the last-level cache is cycled
 through, as a served model's layers are, unless --hot.
 
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phalanx.model.onednn_linear import onednn_linear, onednn_works  # noqa: E402
+from phalanx.model.onednn_linear import block, blocking_works, onednn_linear, onednn_works  # noqa: E402
 
 SHAPES = [(1, 512, 2048), (8, 512, 2048), (32, 512, 2048), (512, 512, 2048), (8, 512, 512),
           (1, 256, 256), (32, 512, 8), (1, 512, 512), (1, 1024, 1024)]
@@ -55,7 +57,9 @@ def main() -> None:
         sys.exit("oneDNN's linear does not run in this torch: phalanx keeps F.linear here")
     print(f"fp32 linear, {torch.get_num_threads()} threads, weights {'hot' if args.hot else 'cycled over 96 MiB'}, "
           f"load {os.getloadavg()[0]:.1f}")
-    print(f"{'rows x in -> out':>20} {'MKL GFLOP/s':>12} {'oneDNN GFLOP/s':>15} {'oneDNN / MKL':>13} {'max diff/max':>13}")
+    blocking = blocking_works(torch.float32)
+    print(f"{'rows x in -> out':>20} {'MKL GFLOP/s':>12} {'oneDNN GFLOP/s':>15} {'oneDNN / MKL':>13} {'max diff/max':>13}"
+          f"{' blocked GFLOP/s  blocked / oneDNN' if blocking else ''}")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for rows, dim_in, dim_out in SHAPES:
@@ -63,18 +67,26 @@ def main() -> None:
             weights = [torch.randn(dim_out, dim_in, generator=generator) / dim_in ** 0.5 for _ in range(count)]
             x = torch.randn(rows, dim_in, generator=generator)
             calls = max(20, int(2e9 / (2 * rows * dim_in * dim_out)) // 10)
-            mkl, onednn = [], []
-            for fn in (F.linear, onednn_linear):  # warm-up: oneDNN builds its kernel for the shape once
-                timed(fn, weights, x, calls)
+            blocked = [block(weight) for weight in weights] if blocking else []
+            mkl, onednn, onednn_blocked = [], [], []
+            for fn, pool in ((F.linear, weights), (onednn_linear, weights), (onednn_linear, blocked)):
+                if pool:  # warm-up: oneDNN builds its kernel for the shape once
+                    timed(fn, pool, x, calls)
             for _ in range(args.repeats):
                 mkl.append(timed(F.linear, weights, x, calls))
                 onednn.append(timed(onednn_linear, weights, x, calls))
+                if blocking:
+                    onednn_blocked.append(timed(onednn_linear, blocked, x, calls))
             flop = 2 * rows * dim_in * dim_out
             rate_mkl, rate_onednn = flop / statistics.median(mkl) / 1e9, flop / statistics.median(onednn) / 1e9
             want = F.linear(x, weights[0])
             diff = float((onednn_linear(x, weights[0]) - want).abs().max() / want.abs().max())
-            print(f"{f'{rows} x {dim_in} -> {dim_out}':>20} {rate_mkl:>12.1f} {rate_onednn:>15.1f} "
-                  f"{rate_onednn / rate_mkl:>12.2f}x {diff:>13.1e}")
+            line = (f"{f'{rows} x {dim_in} -> {dim_out}':>20} {rate_mkl:>12.1f} {rate_onednn:>15.1f} "
+                    f"{rate_onednn / rate_mkl:>12.2f}x {diff:>13.1e}")
+            if blocking:
+                rate_blocked = flop / statistics.median(onednn_blocked) / 1e9
+                line += f" {rate_blocked:>16.1f} {rate_blocked / rate_onednn:>16.2f}x"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,61 @@ def test_a_failing_op_means_f_linear(monkeypatch):
     assert not onednn_works(torch.float64)
     monkeypatch.setattr(onednn_linear, "onednn_linear", lambda x, w, b=None: F.linear(x, w, b) + 1)
     assert not onednn_linear._agrees(torch.float32)
+
+
+def _blocked_model() -> Transformer:
+    model = _tiny_moe()
+    use_onednn(model, blocked=True)
+    return model
+
+
+@pytest.mark.skipif(not onednn_linear.blocking_works(torch.float32), reason="oneDNN's blocked copies do not work here")
+def test_blocked_copies_give_the_plain_products(every_product):
+    """Blocked copies change where oneDNN reads a weight from: the logits equal the plain oneDNN
+    model's within TOL (oneDNN may pick another kernel for the blocked layout, and so another
+    order of the sums: equal bit for bit at most shapes, 2e-6 apart at one row of 48 -> 64), and
+    every module holds copies of its own weights only."""
+    tokens = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    plain, blocked = _tiny_moe(), _blocked_model()
+    use_onednn(plain, blocked=False)
+    assert not any(getattr(m, "blocked", None) for m in plain.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(blocked(tokens), plain(tokens), **TOL)
+    experts = blocked.layers["0"].feed_forward.experts
+    assert 0 < len(experts.blocked.copies) <= 3 * experts.w1.shape[0]
+    assert len(blocked.output.blocked.copies) == 1
+
+
+@pytest.mark.skipif(not onednn_linear.blocking_works(torch.float32), reason="oneDNN's blocked copies do not work here")
+def test_a_weight_changed_in_place_is_copied_again(every_product):
+    """Expert re-placement copies into the stacked experts in place, and a loaded weight may be
+    overwritten: the next product must read the new values, not the stale copy."""
+    model = _blocked_model()
+    reference = _tiny_moe()
+    use_onednn(reference, blocked=False)
+    tokens = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        model(tokens)  # the copies are made
+        for m in (model, reference):
+            experts = m.layers["1"].feed_forward.experts
+            experts.w1[0].copy_(experts.w1[1])  # expert 1's slot copied over expert 0's, as a move does
+            m.output.weight.mul_(2)
+        torch.testing.assert_close(model(tokens), reference(tokens), **TOL)
+
+
+def test_blocked_copies_only_where_they_fit(monkeypatch):
+    """Kept when the copies (times this machine's ranks) take at most a quarter of the available
+    memory; not at all where the available memory is unknown."""
+    model = _tiny_moe()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(onednn_linear, "_available_memory", lambda: 4 * weights)
+    assert onednn_linear.blocked_copies_fit(model)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not onednn_linear.blocked_copies_fit(model)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setattr(onednn_linear, "_available_memory", lambda: 4 * weights - 1)
+    assert not onednn_linear.blocked_copies_fit(model)
+    use_onednn(model)
+    assert not any(getattr(m, "blocked", None) for m in model.modules())
+    monkeypatch.setattr(onednn_linear, "_available_memory", lambda: None)
+    assert not onednn_linear.blocked_copies_fit(model)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
-from phalanx.model.onednn_linear import sized_linear, usable
+from phalanx.model.onednn_linear import BlockedWeights, sized_linear, usable
 from phalanx.model.router import Router, count_per_expert
 
 
@@ -211,6 +211,8 @@ class GroupedExperts(nn.Module):
         self.onednn = False
         """Set by `onednn_linear.use_onednn` (inference on CPU): without gradients, each expert's
         products run through oneDNN, one expert at a time."""
+        self.blocked: BlockedWeights | None = None
+        """oneDNN's blocked copies of the experts' weights, where `use_onednn` keeps them."""
         self.received_tokens = 0
         """Rows these experts computed in training forwards (recomputations not counted) since
         the trainer last took them (`MoE.take_load`): under expert parallelism, the rows this
@@ -233,7 +235,9 @@ class GroupedExperts(nn.Module):
     def linear(self, rows: torch.Tensor) -> Callable:
         """The product the loop over experts runs on `rows`: oneDNN's where `use_onednn` allowed
         it and nothing needs a gradient, else F.linear."""
-        return sized_linear if self.onednn and usable(rows, self.w1) else F.linear
+        if not (self.onednn and usable(rows, self.w1)):
+            return F.linear
+        return self.blocked.linear if self.blocked else sized_linear
 
     def ffn(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """`compute` without the count: the grouped kernel where it is preferred and works, else

@@ -21,15 +21,30 @@ than its gain.
 `use_onednn(model)` is applied from outside, after loading (`serve/loading.py`,
 `generate/cli.py`): it re-classes each eligible `nn.Linear` as `OneDnnLinear` (same
 parameters, hooks and state dict) and marks the routed experts (`GroupedExperts.onednn`).
+
+Blocked copies. Given a plain weight, oneDNN first copies it into its blocked layout, on every
+call; for a few rows that copy costs as much as the product (each expert's ~8 rows of a decode
+step). Where they fit in memory (`blocked_copies_fit`), each module also keeps oneDNN's blocked
+copy of its weights (`BlockedWeights`, made on a weight's first product), and its products
+read that. The copy is a second copy of the weights: the parameters stay the plain tensors
+that everything else reads (state dict, tied embeddings, latent attention's absorbed weights,
+expert re-placement), and a weight changed in place or replaced gets a new copy. The results
+are the same fp32 products, though oneDNN may sum them in another order for the blocked
+layout: equal to the plain product bit for bit at most shapes, ~1e-6 apart at others
+(tests/test_onednn_linear.py). `benchmarks/cpu_matmul.py` prints blocked against plain oneDNN
+on serve_load's shapes.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 _WORKS: dict[torch.dtype, bool] = {}
+_BLOCKING_WORKS: dict[torch.dtype, bool] = {}
 
 
 ONEDNN_MIN_MACS = 1 << 18
@@ -62,18 +77,103 @@ def onednn_works(dtype: torch.dtype) -> bool:
     return _WORKS[dtype]
 
 
-def _agrees(dtype: torch.dtype) -> bool:
+def blocking_works(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear also takes its blocked copy of a `dtype` weight and gives the
+    plain product's result (checked once)."""
+    if dtype not in _BLOCKING_WORKS:
+        _BLOCKING_WORKS[dtype] = onednn_works(dtype) and _agrees(dtype, blocked=True)
+    return _BLOCKING_WORKS[dtype]
+
+
+def _agrees(dtype: torch.dtype, blocked: bool = False) -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return False
     generator = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
             x, weight, bias = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((2, 5, 48), (24, 48), (24,)))
-            got, want = onednn_linear(x, weight, bias).float(), F.linear(x, weight, bias).float()
+            want = F.linear(x, weight, bias).float()
+            got = onednn_linear(x, block(weight) if blocked else weight, bias).float()
     except Exception:  # a private op: missing overload, unsupported dtype: F.linear
         return False
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2  # bf16 rounds at ~4e-3
     return got.shape == want.shape and float((got - want).abs().max()) <= tolerance * float(want.abs().max())
+
+
+BLOCKING_ROWS_HINT = 64
+"""The rows oneDNN is told to expect when it lays out a blocked copy. `cpu_matmul.py`-style
+timing (weights of 512 x 512 cycled through 96 MiB, 2 threads, us per product at 1 / 8 / 32 /
+512 rows): plain 45 / 73 / 119 / 990; hint 1: 46 / 77 / 124 / 808 (no gain at few rows); hint
+8: 45 / 51 / 76 / 666; hint 64: 38 / 46 / 71 / 671; hint 512: 40 / 52 / 72 / 686."""
+
+
+def block(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a plain (out, in) weight, an opaque mkldnn tensor that only its
+    linear reads."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BLOCKING_ROWS_HINT)
+
+
+class BlockedWeights:
+    """One module's blocked copies, by the address and shape of the plain weight they copy, each
+    with the version of the weight it was made from: a weight changed in place (a `copy_` into
+    an expert's slice moves the stack's version counter) is copied again at its next product."""
+
+    def __init__(self, weights: int):
+        self.weights = weights
+        """How many weights the module multiplies: more addresses than this mean a weight was
+        replaced, and the copies of the old ones are dropped."""
+        self.copies: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`sized_linear`, reading the blocked copy of `weight` where oneDNN runs."""
+        if x.numel() // x.shape[-1] * weight.numel() < ONEDNN_MIN_MACS:
+            return F.linear(x, weight, bias)
+        return onednn_linear(x, self.copy(weight), bias)
+
+    def copy(self, weight: torch.Tensor) -> torch.Tensor:
+        key, version = (weight.data_ptr(), tuple(weight.shape)), weight._version
+        held = self.copies.get(key)
+        if held is None or held[0] != version:
+            if held is None and len(self.copies) >= self.weights:
+                self.copies.clear()
+            held = self.copies[key] = (version, block(weight))
+        return held[1]
+
+
+BLOCKED_MEMORY_SHARE = 0.25
+"""Blocked copies are kept when all of them (every rank of this machine's) take at most this
+share of the memory available at load: a policy, not a measurement. The copies are a second
+copy of the weights, and the rest must stay free for the KV pool (1 GiB by default), the
+activations and the machine's other work."""
+
+
+def blocked_copies_fit(model: nn.Module) -> bool:
+    """Whether blocked copies of `model`'s plain CPU weights, times the ranks this machine
+    runs (torchrun's LOCAL_WORLD_SIZE), fit in BLOCKED_MEMORY_SHARE of the available memory."""
+    available = _available_memory()
+    copies = _plain_cpu_weight_bytes(model) * int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return available is not None and copies <= BLOCKED_MEMORY_SHARE * available
+
+
+def _plain_cpu_weight_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for param in model.parameters():
+        if type(param) in (torch.Tensor, nn.Parameter) and param.device.type == "cpu" and param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
+    return total
+
+
+def _available_memory() -> int | None:
+    """The kernel's estimate of memory available without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -85,16 +185,20 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class OneDnnLinear(nn.Linear):
     """nn.Linear whose forward takes oneDNN's GEMM when `usable` (see the module docstring)."""
 
+    blocked: BlockedWeights | None = None
+    """Its weight's blocked copy, where `use_onednn` keeps them."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if usable(x, self.weight):
-            return sized_linear(x, self.weight, self.bias)
+            return (self.blocked.linear if self.blocked else sized_linear)(x, self.weight, self.bias)
         return super().forward(x)
 
 
-def use_onednn(model: nn.Module) -> int:
+def use_onednn(model: nn.Module, blocked: bool | None = None) -> int:
     """Re-class every plain-CPU-weight `nn.Linear` of `model` as `OneDnnLinear` and let its
     routed experts use oneDNN; return how many modules changed. A no-op off the CPU, where
-    oneDNN's linear is unavailable, or for modules with DTensor weights."""
+    oneDNN's linear is unavailable, or for modules with DTensor weights. `blocked`: keep
+    blocked copies of the weights (None: where `blocked_copies_fit`)."""
     from phalanx.model.moe import GroupedExperts
 
     changed = 0
@@ -107,4 +211,11 @@ def use_onednn(model: nn.Module) -> int:
             if module.w1.device.type == "cpu" and onednn_works(module.w1.dtype):
                 module.onednn = True
                 changed += 1
+    if blocked is None:
+        blocked = blocked_copies_fit(model)
+    for module in model.modules():
+        if isinstance(module, OneDnnLinear) and blocked and blocking_works(module.weight.dtype):
+            module.blocked = BlockedWeights(1)
+        elif isinstance(module, GroupedExperts) and module.onednn and blocked and blocking_works(module.w1.dtype):
+            module.blocked = BlockedWeights(3 * module.w1.shape[0])
     return changed
