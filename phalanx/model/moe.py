@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
-from phalanx.model.onednn_linear import BlockedWeights, sized_linear, usable
+from phalanx.model.onednn_linear import BlockedExperts, sized_linear, usable
 from phalanx.model.router import Router, count_per_expert
 
 
 def grouped_expert_ffn(
     x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-    experts: list[int] | None = None, linear: Callable = F.linear,
+    experts: list[int] | None = None, linear: Callable = F.linear, blocked: BlockedExperts | None = None,
 ) -> torch.Tensor:
     """SwiGLU of each contiguous group of rows of x with its own expert's weights.
 
@@ -37,7 +37,8 @@ def grouped_expert_ffn(
     experts[g] (default: group g is expert g, i.e. x sorted by expert; an expert may own
     several groups, as the (source rank, expert) blocks of expert parallelism's arrivals do);
     w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden). `linear`: the product
-    `F.linear(rows, weight)`, or oneDNN's for inference on CPU (`onednn_linear.py`).
+    `F.linear(rows, weight)`, or oneDNN's for inference on CPU (`onednn_linear.py`); `blocked`:
+    oneDNN's blocked copies of these weights (inference on CPU), which then run each expert.
 
     One matmul per expert per weight over exactly that expert's rows: no padding, so the cost
     follows the number of rows, however skewed the routing. The fallback of
@@ -49,11 +50,15 @@ def grouped_expert_ffn(
     # zero gradient of the whole stack per expert and adds them up; unbind's backward stacks
     # the per-expert gradients once (benchmarks/expert_arrival_blocks.py: 32 experts of ~256
     # rows, forward + backward, 82-85 ms with slices against 63 ms).
-    per_expert = list(zip(w1.unbind(0), w2.unbind(0), w3.unbind(0)))
+    per_expert = list(zip(w1.unbind(0), w2.unbind(0), w3.unbind(0))) if blocked is None else []
     for group, rows in enumerate(torch.split(x, counts)):
         if rows.shape[0] == 0:
             continue
-        e1, e2, e3 = per_expert[group if experts is None else experts[group]]
+        expert = group if experts is None else experts[group]
+        if blocked is not None:
+            outputs.append(blocked.ffn(rows, expert, w1, w2, w3))
+            continue
+        e1, e2, e3 = per_expert[expert]
         hidden = F.silu(linear(rows, e1)) * linear(rows, e3)  # (rows, hidden)
         outputs.append(linear(hidden, e2))  # (rows, dim)
     if not outputs:
@@ -211,7 +216,7 @@ class GroupedExperts(nn.Module):
         self.onednn = False
         """Set by `onednn_linear.use_onednn` (inference on CPU): without gradients, each expert's
         products run through oneDNN, one expert at a time."""
-        self.blocked: BlockedWeights | None = None
+        self.blocked: BlockedExperts | None = None
         """oneDNN's blocked copies of the experts' weights, where `use_onednn` keeps them."""
         self.received_tokens = 0
         """Rows these experts computed in training forwards (recomputations not counted) since
@@ -232,24 +237,25 @@ class GroupedExperts(nn.Module):
         if self.training and not in_recompute():
             self.received_tokens += rows.shape[0]
 
-    def linear(self, rows: torch.Tensor) -> Callable:
-        """The product the loop over experts runs on `rows`: oneDNN's where `use_onednn` allowed
-        it and nothing needs a gradient, else F.linear."""
+    def loop_products(self, rows: torch.Tensor) -> dict:
+        """How the loop over experts multiplies `rows` (`grouped_expert_ffn`'s `linear` or
+        `blocked`): oneDNN's product, on the blocked copies where kept, where `use_onednn`
+        allowed it and nothing needs a gradient, else F.linear."""
         if not (self.onednn and usable(rows, self.w1)):
-            return F.linear
-        return self.blocked.linear if self.blocked else sized_linear
+            return {"linear": F.linear}
+        return {"blocked": self.blocked} if self.blocked else {"linear": sized_linear}
 
     def ffn(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """`compute` without the count: the grouped kernel where it is preferred and works, else
         the loop (through oneDNN for inference on CPU: the grouped kernel's CPU version loops
         over MKL's products, which oneDNN's beat, benchmarks/cpu_matmul.py)."""
-        linear = self.linear(rows)
-        if (linear is F.linear and rows.shape[0] and prefer_grouped_mm(rows, self.w1.shape[0])
+        products = self.loop_products(rows)
+        if (products.get("linear") is F.linear and rows.shape[0] and prefer_grouped_mm(rows, self.w1.shape[0])
                 and grouped_mm_works(rows, self.w1)):
             return grouped_mm_expert_ffn(rows, counts, self.w1, self.w2, self.w3)
         # The loop also serves a rank that received no rows (see its empty case).
         host_counts = counts.tolist() if host_counts is None else host_counts
-        return grouped_expert_ffn(rows, host_counts, self.w1, self.w2, self.w3, linear=linear)
+        return grouped_expert_ffn(rows, host_counts, self.w1, self.w2, self.w3, **products)
 
 
 def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:

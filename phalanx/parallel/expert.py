@@ -112,7 +112,7 @@ class ShardedExperts(GroupedExperts):
             # The loop runs each block where it lies: no regroup by expert and back.
             self.count_received(arrived)
             out = grouped_expert_ffn(arrived, plan.block_counts, self.w1, self.w2, self.w3, experts=plan.block_experts,
-                                     linear=self.linear(arrived))
+                                     **self.loop_products(arrived))
             return return_rows(out, plan, group)
         by_expert, local_counts = regroup_by_expert(arrived, plan)
         return combine(self.compute(by_expert, local_counts, plan.local_counts), plan, group)
