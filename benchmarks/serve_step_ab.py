@@ -15,6 +15,8 @@ requests, loaded as `phalanx serve` loads it:
 - `fused-gate-up`: the routed experts' blocked copies one per weight (gate, up, down), each
   looked up per product as a linear layer's is, against `BlockedExperts` (gate and up stacked,
   one product, one lookup per copy);
+- `norm`: RMSNorm through its autograd function (as training runs it) against its inference
+  path (`model/rms_norm.py`);
 - `null`: the same code both ways (the harness's own spread).
 
     .venv/bin/python benchmarks/serve_step_ab.py --variant fused-gate-up [--pairs 5] [--llama]
@@ -58,6 +60,18 @@ def variant(name: str, model):
 
     if name == "null":
         return lambda b: None
+    if name == "norm":
+        from phalanx.model import rms_norm
+
+        inference = rms_norm.RMSNorm.forward
+
+        def through_function(self, x):
+            eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+            return rms_norm._RMSNormFunction.apply(x, self.weight, eps)
+
+        def toggle(b: bool) -> None:
+            rms_norm.RMSNorm.forward = inference if b else through_function
+        return toggle
     if name == "blocked":
         held = {m: m.blocked for m in model.modules() if getattr(m, "blocked", None) is not None}
         if not held:
@@ -104,7 +118,7 @@ def run(model, requests, toggle, phase: int) -> dict[bool, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", required=True, choices=["blocked", "fused-gate-up", "null"])
+    parser.add_argument("--variant", required=True, choices=["blocked", "fused-gate-up", "norm", "null"])
     parser.add_argument("--pairs", type=int, default=5, help="pairs of runs (each step index timed both ways per pair)")
     parser.add_argument("--llama", action="store_true", help="serve_load.py's llama instead of its mixtral")
     parser.add_argument("--seed", type=int, default=0)

@@ -168,11 +168,11 @@ class Engine:
         wanted = [index for index, a in enumerate(asked) if a.logprobs is not None]
         if wanted:
             scores = torch.log_softmax(logits[wanted], -1)  # of the model's distribution, before temperature
-            picked = scores[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])].tolist()
+            picked = scores.gather(1, torch.tensor([[tokens[i]] for i in wanted]))[:, 0].tolist()
             for row, (index, logprob) in enumerate(zip(wanted, picked)):
                 logprobs[index], count = logprob, asked[index].logprobs
-                values, ids = scores[row].topk(count) if count else (scores[row, :0], scores[row, :0].long())
-                tops[index] = list(zip(ids.tolist(), values.tolist()))
+                values, ids = scores[row].topk(count) if count else (None, None)
+                tops[index] = list(zip(ids.tolist(), values.tolist())) if count else []  # logprobs=0: none to list
         sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens)}
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
         return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None)
