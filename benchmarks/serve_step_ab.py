@@ -17,6 +17,8 @@ requests, loaded as `phalanx serve` loads it:
   one product, one lookup per copy);
 - `norm`: RMSNorm through its autograd function (as training runs it) against its inference
   path (`model/rms_norm.py`);
+- `combine`: the MoE layer's weighted sum of expert outputs through `WeightedCombine` against
+  `moe.combine`'s inference path;
 - `null`: the same code both ways (the harness's own spread).
 
     .venv/bin/python benchmarks/serve_step_ab.py --variant fused-gate-up [--pairs 5] [--llama]
@@ -60,6 +62,14 @@ def variant(name: str, model):
 
     if name == "null":
         return lambda b: None
+    if name == "combine":
+        from phalanx.model import moe
+
+        inference = moe.combine
+
+        def toggle(b: bool) -> None:
+            moe.combine = inference if b else moe.WeightedCombine.apply
+        return toggle
     if name == "norm":
         from phalanx.model import rms_norm
 
@@ -118,7 +128,7 @@ def run(model, requests, toggle, phase: int) -> dict[bool, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", required=True, choices=["blocked", "fused-gate-up", "norm", "null"])
+    parser.add_argument("--variant", required=True, choices=["blocked", "combine", "fused-gate-up", "norm", "null"])
     parser.add_argument("--pairs", type=int, default=5, help="pairs of runs (each step index timed both ways per pair)")
     parser.add_argument("--llama", action="store_true", help="serve_load.py's llama instead of its mixtral")
     parser.add_argument("--seed", type=int, default=0)

@@ -113,6 +113,7 @@ def test_moe_combine_saves_the_expert_rows_once():
 
 def test_moe_combine_equals_multiply_and_index_add():
     from phalanx.model.moe import WeightedCombine
+    from phalanx.model.moe import combine as moe_combine
 
     torch.manual_seed(0)
     rows, weights = torch.randn(12, 8, requires_grad=True), torch.rand(12, 1, requires_grad=True)
@@ -125,6 +126,8 @@ def test_moe_combine_equals_multiply_and_index_add():
         results.append([out, *torch.autograd.grad(out, (rows, weights), grad)])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with torch.no_grad():  # inference takes moe.combine's path without the autograd function
+        assert torch.equal(moe_combine(rows, weights, index, tokens), results[0][0])
 
 
 PLANS = ("tp=2", "tp=2,sp=true", "tp=2,sp=true,recompute=full", "tp=2,sp=true,recompute=selective")
