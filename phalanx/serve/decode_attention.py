@@ -54,10 +54,8 @@ def warm_up(model: torch.nn.Module, device: torch.device) -> None:
     groups of one sequence and of several."""
     attention = next((block.attention for block in getattr(model, "layers", {}).values()
                       if hasattr(getattr(block, "attention", None), "wk")), None)  # latent attention has none
-    if attention is None or not enabled(device) or _compiled is not None:
+    if attention is None or not enabled(device):
         return
-    print("phalanx: compiling decode attention for the CPU (once per process, a few seconds; "
-          "PHALANX_COMPILED_DECODE=0 skips it)", file=sys.stderr, flush=True)
     head_dim = attention.head_dim
     local = [getattr(w, "_local_tensor", w) for w in (attention.wq.weight, attention.wk.weight)]
     heads, kv_heads = (w.shape[0] // head_dim for w in local)

@@ -3,8 +3,7 @@
 Per layer, keys and values live in one pool of `num_blocks * block_size` slots,
 (slots, kv_heads * key channels + kv_heads * value channels): a slot's keys and values are one
 contiguous row, so that reading a step's slots is one gather of whole rows per layer (the
-attention kernels take the strided views of keys and values it gives), or for decodes on the
-CPU one pass of the compiled kernel over them (`decode_attention.py`).
+attention kernels take the strided views of keys and values it gives).
 `benchmarks/serve_step_profile.py --moe --threads 0` (2 threads): the gather of a step of 32
 decodes took 2.04 ms, where gathering keys and values each from (kv_heads, slots, channels)
 pools took 3.07 ms (0.18 s against 0.32 s over the run), the run 889.7 output tok/s against
@@ -18,12 +17,11 @@ batch row, (sequences, 1); the prompt chunks are packed into one batch row, (1, 
 padding, whatever their lengths. For the model this is the AttentionCache protocol of
 phalanx/model/kv_cache.py, no more:
 - `positions`: each token's own position in its sequence, (sequences, 1) or (1, tokens);
-- `update`: writes the new tokens' keys and values into their slots, then hands over those
+- `update`: writes the new tokens' keys and values into their slots, then gathers the slots
   of every position so far. Ragged (`PagedKVCache(ragged=True)`, what the engine uses for
-  attention through `AttentionCore`): for prompt chunks every sequence's keys gathered one
-  after another, (1, kv_heads, keys, channels), for decodes the layer's whole pool as views
-  (pool slots, kv_heads, channels) that attention reads by slot; and in place of a mask a
-  `paged_attention.RaggedAttention` that attends per sequence over exactly its own keys. Else (latent attention's absorbed
+  attention through `AttentionCore`): every sequence's keys one after another,
+  (1, kv_heads, keys, channels), and in place of a mask a `paged_attention.RaggedAttention`
+  that attends per sequence over exactly its own keys. Else (latent attention's absorbed
   form reads the mask): per row (sequences, kv_heads, longest, channels) with a mask of each
   row's own length; packed, (1, kv_heads, keys, channels) with a block-diagonal causal mask
   (tokens, keys). Either way a token sees the keys of its own sequence at its position or
