@@ -19,8 +19,6 @@ requests, loaded as `phalanx serve` loads it:
   path (`model/rms_norm.py`);
 - `combine`: the MoE layer's weighted sum of expert outputs through `WeightedCombine` against
   `moe.combine`'s inference path;
-- `decode-attention`: decodes' keys and values gathered from the pool, then the flash kernel,
-  against read where they lie by the compiled kernel (`serve/decode_attention.py`);
 - `null`: the same code both ways (the harness's own spread).
 
     .venv/bin/python benchmarks/serve_step_ab.py --variant fused-gate-up [--pairs 5] [--llama]
@@ -64,12 +62,6 @@ def variant(name: str, model):
 
     if name == "null":
         return lambda b: None
-    if name == "decode-attention":
-        from phalanx.serve import decode_attention
-
-        def toggle(b: bool) -> None:
-            decode_attention.ON = b
-        return toggle
     if name == "combine":
         from phalanx.model import moe
 
@@ -136,7 +128,7 @@ def run(model, requests, toggle, phase: int) -> dict[bool, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", required=True, choices=["blocked", "combine", "decode-attention", "fused-gate-up", "norm", "null"])
+    parser.add_argument("--variant", required=True, choices=["blocked", "combine", "fused-gate-up", "norm", "null"])
     parser.add_argument("--pairs", type=int, default=5, help="pairs of runs (each step index timed both ways per pair)")
     parser.add_argument("--llama", action="store_true", help="serve_load.py's llama instead of its mixtral")
     parser.add_argument("--seed", type=int, default=0)

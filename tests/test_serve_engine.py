@@ -18,7 +18,6 @@ import phalanx.hf as hf
 from phalanx.generate.decoding import generate_ids
 from phalanx.generate.sampling import Sampling
 from phalanx.model.onednn_linear import use_onednn
-from phalanx.serve import decode_attention
 from phalanx.serve.engine import Engine, request_sampling
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Scheduler, Sequence
@@ -58,18 +57,9 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(params=["from-pool", "gathered"])
-def decode_read(request, monkeypatch):
-    """Ragged decodes both ways: read from the pool by the compiled kernel (the CPU's default,
-    serve/decode_attention.py) and gathered for the flash kernel (CUDA's, and the fallback)."""
-    monkeypatch.setattr(decode_attention, "ON", request.param == "from-pool")
-    yield request.param
-    assert not decode_attention.failed(), "the kernel did not compile: the from-pool case ran gathered"
-
-
 @pytest.mark.parametrize("family,ragged", [("llama", True), ("mistral", True), ("mistral", False), ("deepseek", False)],
                          ids=["llama-ragged", "mistral-ragged", "mistral-masked", "deepseek-masked"])
-def test_paged_attention_equals_contiguous_cache(models, family, ragged, decode_read):
+def test_paged_attention_equals_contiguous_cache(models, family, ragged):
     """A prompt of 20 in a scattered block table (blocks 5, 2, 7 of 4 positions... and on),
     prefilled in two chunks, then 10 one-token steps: every step's logits against
     `generate_ids` with the contiguous KVCache; mistral's window of 8 is shorter than the 30
@@ -113,7 +103,7 @@ def _run(model, prompts: dict[str, list[int]], max_tokens: int, scheduler_out: l
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mistral"])
-def test_batch_invariance(models, family, decode_read):
+def test_batch_invariance(models, family):
     """Sequence "a" alone, then beside four others of other lengths under a 24-token budget
     (so "a"'s prompt of 30 is prefilled in chunks while others decode, and the batch changes
     as they finish): its logits at every step within 1e-5. Their decodes attend in groups

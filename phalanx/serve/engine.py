@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 
 from phalanx.generate.sampling import Sampling, pick_token
-from phalanx.serve import decode_attention
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Chunk, Scheduler, Sequence, Step
@@ -102,7 +101,6 @@ class Engine:
         self.expert_loads = ExpertLoads(model, expert_ranks)
         self.cache = self.new_cache(scheduler.blocks.num_blocks, scheduler.block_size)
         self.steps = 0
-        decode_attention.warm_up(model, self.device)
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless

@@ -99,8 +99,11 @@ class PagedKVCache:
         self._tokens = len(self._write)
         self._masks: dict[int, torch.Tensor] = {}
         self._ragged: dict[int, RaggedAttention] = {}
-        if self.ragged and self._rows:  # attention reads each group's slots of the pool itself
-            self._batch = RaggedAttention(True, [], ends, [], [1] * len(chunks), decode_groups(ends, slots, self.device))
+        if self.ragged and self._rows:
+            groups = decode_groups(ends, self.device)
+            # (keys,): each group's rows padded to its longest, row after row, group after group
+            self._read = torch.cat([slots[group.rows, :group.longest].reshape(-1) for group in groups])
+            self._batch = RaggedAttention(True, [], ends, [], [1] * len(chunks), groups)
         elif self.ragged:
             self._read = slots[seen]  # (keys,): every chunk's slots, chunk after chunk
             lengths = [chunk.length for chunk in chunks]
@@ -151,10 +154,7 @@ class PagedKVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | RaggedAttention | None]:
         self.write(layer, k, v)
-        if self.ragged and self._rows:
-            seen_k, seen_v = self.pool_views(layer)
-        else:
-            seen_k, seen_v = self.gather(layer)
+        seen_k, seen_v = self.gather(layer)
         if self.ragged:
             if window not in self._ragged:
                 self._ragged[window] = self._batch.with_window(window)
@@ -171,13 +171,6 @@ class PagedKVCache:
         # (tokens, kv_heads * channels) from (tokens, kv_heads, 1, channels) or (1, kv_heads, tokens, channels)
         flat = [(t[:, :, 0] if self._rows else t[0].transpose(0, 1)).reshape(self._tokens, -1) for t in (k, v)]
         self.pools[layer].index_copy_(0, self._write, torch.cat(flat, 1))
-
-    def pool_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's keys and values, every slot: (pool slots, kv_heads, channels) each."""
-        (k_heads, k_channels), (v_heads, v_channels) = self._shapes[layer]
-        pool = self.pools[layer]
-        return (pool[:, :k_heads * k_channels].unflatten(-1, (k_heads, k_channels)),
-                pool[:, k_heads * k_channels:].unflatten(-1, (v_heads, v_channels)))
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values the new tokens see, from the layer's pool: ragged or packed
