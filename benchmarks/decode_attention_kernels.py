@@ -1,5 +1,5 @@
-"""Decode attention of a serving step, three ways, on serve_load.py's shapes: why `phalanx serve`
-gathers the keys and then runs the flash kernel.
+"""Decode attention of a serving step, four ways, on serve_load.py's shapes: why `phalanx serve`
+reads the keys straight from the pool with its own C kernel on the CPU.
 
 A step of `--sequences` decodes (key counts drawn from 40-380, serve_load.py's mixed lengths,
 seeded), each on scattered blocks of 16 slots, over `--layers` layer pools of 1024 blocks (the
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from phalanx.serve import cpu_decode_kernel  # noqa: E402
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache  # noqa: E402
 
 KV_HEADS, GROUP, DIM, BLOCK = 4, 2, 64, 16
@@ -62,14 +63,20 @@ def main() -> None:
     tables = []
     for count in counts:
         tables.append([free.pop() for _ in range(-(-count // BLOCK))])
-    cache = PagedKVCache(args.blocks, BLOCK, ragged=True)
+    if not cpu_decode_kernel.usable(torch.device("cpu"), torch.float32):
+        sys.exit("the CPU decode kernel did not build here (a C compiler with OpenMP is needed)")
+    cache = PagedKVCache(args.blocks, BLOCK, ragged=True)  # gathers: the baseline
+    kernel_cache = PagedKVCache(args.blocks, BLOCK, ragged=True, pool_kernel=True)
     cache.prepare([ChunkLayout(table, count - 1, 1) for table, count in zip(tables, counts)])  # one decode each
     gen = torch.Generator().manual_seed(args.seed)
     new = [torch.randn(2, args.sequences, KV_HEADS, 1, DIM, generator=gen) for _ in range(args.layers)]
+    kernel_cache.prepare([ChunkLayout(table, count - 1, 1) for table, count in zip(tables, counts)])
     for layer in range(args.layers):  # every pool filled, then this step's new keys written
         cache.write(layer, *new[layer])
         cache.pools[layer].normal_(generator=gen)
         cache.write(layer, *new[layer])
+        kernel_cache.pools[layer] = cache.pools[layer]  # the same pools, read the other way
+        kernel_cache._shapes[layer] = cache._shapes[layer]
     q = torch.randn(args.sequences, KV_HEADS * GROUP, 1, DIM, generator=gen)
     folded = q.reshape(args.sequences, KV_HEADS, GROUP, DIM)  # query heads under their kv head
     scale = DIM ** -0.5
@@ -112,8 +119,12 @@ def main() -> None:
                                                     scale))
         return out.view(q.shape)
 
-    ways = {"gather + flash (phalanx)": gather_flash, "gather + matmul": gather_matmul,
-            "compiled, from pool": compiled_from_pool}
+    def c_kernel(layer):
+        k, v, ragged = kernel_cache.update(layer, *new[layer], 0)  # the pools as views, the slots to read
+        return ragged.attend(q, k, v, None)
+
+    ways = {"gather + flash": gather_flash, "gather + matmul": gather_matmul,
+            "compiled, from pool": compiled_from_pool, "C kernel, from pool (phalanx)": c_kernel}
     torch.set_grad_enabled(False)
     reference = [gather_flash(layer) for layer in range(args.layers)]
     differences = {name: max(float((way(layer) - reference[layer]).abs().max()) for layer in range(args.layers))
@@ -125,14 +136,14 @@ def main() -> None:
             for layer in range(args.layers):
                 way(layer)
             times[name].append(time.perf_counter() - began)
-    base = statistics.median(times["gather + flash (phalanx)"])
+    base = statistics.median(times["gather + flash"])
     print(f"{args.sequences} decodes ({sum(counts)} keys), {args.layers} layer pools of {args.blocks} blocks of {BLOCK} "
           f"({cache.pools[0].numel() * 4 / 2**20:.0f} MiB each), {torch.get_num_threads()} threads; "
           f"median of {args.iterations} alternating steps")
-    print(f"{'way':28} {'ms/step':>8} {'phalanx / way':>14} {'max diff':>9}")
+    print(f"{'way':30} {'ms/step':>8} {'gather + flash / way':>21} {'max diff':>9}")
     for name in ways:
         median = statistics.median(times[name])
-        print(f"{name:28} {median * 1e3:>8.2f} {base / median:>13.2f}x {differences[name]:>9.1e}")
+        print(f"{name:30} {median * 1e3:>8.2f} {base / median:>20.2f}x {differences[name]:>9.1e}")
 
 
 if __name__ == "__main__":

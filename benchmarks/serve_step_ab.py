@@ -19,6 +19,8 @@ requests, loaded as `phalanx serve` loads it:
   path (`model/rms_norm.py`);
 - `combine`: the MoE layer's weighted sum of expert outputs through `WeightedCombine` against
   `moe.combine`'s inference path;
+- `decode-kernel`: decodes' keys gathered for the flash kernel against read straight from the
+  pool by the CPU kernel (`serve/cpu_decode_kernel.py`);
 - `null`: the same code both ways (the harness's own spread).
 
     .venv/bin/python benchmarks/serve_step_ab.py --variant fused-gate-up [--pairs 5] [--llama]
@@ -62,6 +64,19 @@ def variant(name: str, model):
 
     if name == "null":
         return lambda b: None
+    if name == "decode-kernel":
+        from phalanx.serve import paged_cache
+
+        # Each run builds a new cache (serve_step_ab's run()), which reads the flag; so the
+        # kernel is switched per step through the cache class, not per run.
+        prepare = paged_cache.PagedKVCache.prepare
+
+        def toggle(b: bool) -> None:
+            def switched(self, chunks):
+                self.pool_kernel = b and self.ragged
+                return prepare(self, chunks)
+            paged_cache.PagedKVCache.prepare = switched
+        return toggle
     if name == "combine":
         from phalanx.model import moe
 
@@ -128,7 +143,7 @@ def run(model, requests, toggle, phase: int) -> dict[bool, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variant", required=True, choices=["blocked", "combine", "fused-gate-up", "norm", "null"])
+    parser.add_argument("--variant", required=True, choices=["blocked", "combine", "decode-kernel", "fused-gate-up", "norm", "null"])
     parser.add_argument("--pairs", type=int, default=5, help="pairs of runs (each step index timed both ways per pair)")
     parser.add_argument("--llama", action="store_true", help="serve_load.py's llama instead of its mixtral")
     parser.add_argument("--seed", type=int, default=0)

@@ -18,6 +18,7 @@ import phalanx.hf as hf
 from phalanx.generate.decoding import generate_ids
 from phalanx.generate.sampling import Sampling
 from phalanx.model.onednn_linear import use_onednn
+from phalanx.serve import cpu_decode_kernel
 from phalanx.serve.engine import Engine, request_sampling
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Scheduler, Sequence
@@ -57,9 +58,18 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.fixture(params=["from-pool", "gathered"])
+def decode_read(request, monkeypatch):
+    """Ragged decodes both ways: read straight from the pool by the CPU kernel (the engine's
+    way on CPU in float32, serve/cpu_decode_kernel.py) and gathered for the flash kernel (on
+    CUDA, in bf16, or without a C compiler)."""
+    monkeypatch.setattr(cpu_decode_kernel, "ON", request.param == "from-pool")
+    return request.param
+
+
 @pytest.mark.parametrize("family,ragged", [("llama", True), ("mistral", True), ("mistral", False), ("deepseek", False)],
                          ids=["llama-ragged", "mistral-ragged", "mistral-masked", "deepseek-masked"])
-def test_paged_attention_equals_contiguous_cache(models, family, ragged):
+def test_paged_attention_equals_contiguous_cache(models, family, ragged, decode_read):
     """A prompt of 20 in a scattered block table (blocks 5, 2, 7 of 4 positions... and on),
     prefilled in two chunks, then 10 one-token steps: every step's logits against
     `generate_ids` with the contiguous KVCache; mistral's window of 8 is shorter than the 30
@@ -72,7 +82,9 @@ def test_paged_attention_equals_contiguous_cache(models, family, ragged):
     ids = generate_ids(model, prompt, max_new_tokens=new, max_len=128, sampling=Sampling(greedy=True),
                        on_logits=reference.append).new_ids
     table = [5, 2, 7, 0, 9, 3, 11, 1]  # 8 blocks of 4: 32 positions, none in order
-    cache = PagedKVCache(num_blocks=12, block_size=4, ragged=ragged)
+    kernel = cpu_decode_kernel.usable(torch.device("cpu"), torch.float32)
+    assert kernel == (decode_read == "from-pool")
+    cache = PagedKVCache(num_blocks=12, block_size=4, ragged=ragged, pool_kernel=kernel)
     tokens = prompt + ids
     ours = []
     with torch.no_grad():
@@ -93,6 +105,7 @@ def _run(model, prompts: dict[str, list[int]], max_tokens: int, scheduler_out: l
     settings = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_waiting=16) | limits
     scheduler = Scheduler(**settings)
     engine = Engine(model, scheduler, on_logits=lambda seq, row: seen[seq.seq_id].append(row.clone()))
+    assert engine.cache.pool_kernel == cpu_decode_kernel.ON  # the way the test asked for
     for name, prompt in prompts.items():
         scheduler.add(Sequence(name, prompt, max_tokens, sampling=request_sampling(0, 1, None, 0)))
     while scheduler.has_work():
@@ -103,7 +116,7 @@ def _run(model, prompts: dict[str, list[int]], max_tokens: int, scheduler_out: l
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mistral"])
-def test_batch_invariance(models, family):
+def test_batch_invariance(models, family, decode_read):
     """Sequence "a" alone, then beside four others of other lengths under a 24-token budget
     (so "a"'s prompt of 30 is prefilled in chunks while others decode, and the batch changes
     as they finish): its logits at every step within 1e-5. Their decodes attend in groups

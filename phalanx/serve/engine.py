@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from phalanx.generate.sampling import Sampling, pick_token
+from phalanx.serve import cpu_decode_kernel
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.scheduler import Chunk, Scheduler, Sequence, Step
@@ -104,9 +105,13 @@ class Engine:
 
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless
-        latent attention's absorbed form needs the padded keys and their mask."""
+        latent attention's absorbed form needs the padded keys and their mask; decodes read
+        straight from the pool on the CPU in float32 (`cpu_decode_kernel.py`)."""
         cfg = getattr(self.model, "cfg", None)
-        return PagedKVCache(num_blocks, block_size, self.device, ragged=not getattr(cfg, "is_latent", False))
+        ragged = not getattr(cfg, "is_latent", False)
+        dtype = next(self.model.parameters()).dtype
+        return PagedKVCache(num_blocks, block_size, self.device, ragged=ragged,
+                            pool_kernel=ragged and cpu_decode_kernel.usable(self.device, dtype))
 
     def forward(self, step: Step) -> tuple[torch.Tensor, list[Chunk]]:
         """The logits (sampling chunks, vocab) of a scheduled step, and those chunks in order."""

@@ -3,7 +3,8 @@ only, never a mask over other sequences' keys.
 
 The paged cache (`paged_cache.py`) gathers the keys of the step's sequences into one flat
 tensor, (1, kv_heads, keys, channels), and hands attention a `RaggedAttention` in place of a
-mask (`AttentionCore` calls its `attend`). A prompt chunk's queries attend in one call over
+mask (`AttentionCore` calls its `attend`). On the CPU in float32, decodes instead read their
+keys straight from the pool, all in one call of a C kernel (`cpu_decode_kernel.py`, `PoolRead`). A prompt chunk's queries attend in one call over
 its sequence's keys. Decodes of nearly equal length share a call, their keys padded to the
 longest of them (`PADDING_KEYS`). Padding every decode to the longest sequence of the batch,
 as one batched call does, gathered and scored 2-3x the keys of serve_load.py's mixed lengths,
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.model.kv_cache import attention_mask
+from phalanx.serve import cpu_decode_kernel
 
 
 PADDING_KEYS = 64
@@ -65,6 +67,16 @@ def decode_groups(counts: list[int], device) -> list[DecodeGroup]:
 
 
 @dataclass
+class PoolRead:
+    """Decodes read straight from the layer's pool by the CPU kernel: then attention gets the
+    pools as views, (pool slots, kv_heads, channels), instead of gathered keys."""
+    slots: torch.Tensor
+    """(sequences, positions): each one's pool slots, position by position."""
+    ends: torch.Tensor
+    """(sequences,): its key count (its positions so far, the new one included)."""
+
+
+@dataclass
 class RaggedAttention:
     """One forward's sequences: prompt chunks packed into one row (1, tokens), each chunk's
     queries and keys by offset and count; or decodes, one sequence per batch row
@@ -78,17 +90,19 @@ class RaggedAttention:
     """Where its new tokens start in the packed row."""
     query_counts: list[int]
     groups: list[DecodeGroup] = field(default_factory=list)
+    pool_read: PoolRead | None = None
     window: int = 0
     """A sliding window (0: none): a query sees itself and the window - 1 positions before."""
     _masks: list = field(default_factory=list)
 
     def with_window(self, window: int) -> "RaggedAttention":
         return RaggedAttention(self.rows, self.key_offsets, self.key_counts, self.query_offsets, self.query_counts,
-                               self.groups, window)
+                               self.groups, self.pool_read, window)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """q (sequences, heads, 1, head_dim) or (1, heads, tokens, head_dim), k and v the flat
-        keys (1, kv_heads, keys, channels) -> (q's batch, heads, q's seq, channels)."""
+        keys (1, kv_heads, keys, channels), or the pools (pool slots, kv_heads, channels) with
+        `pool_read` -> (q's batch, heads, q's seq, channels)."""
         if self.rows:
             return self._decodes(q, k, v, scale)
         if not self._masks:  # which keys each chunk's queries see: the same in every layer
@@ -111,6 +125,12 @@ class RaggedAttention:
         sequences, heads, _, dim = q.shape
         kv_heads = k.shape[1]
         folded = q.reshape(sequences, kv_heads, heads // kv_heads, dim)  # (sequences, kv_heads, group, head_dim)
+        if self.pool_read is not None:
+            ends = self.pool_read.ends
+            first = (ends - self.window).clamp(min=0) if self.window else torch.zeros_like(ends)
+            out = cpu_decode_kernel.attend(folded, k, v, self.pool_read.slots, first, ends,
+                                           dim ** -0.5 if scale is None else scale)
+            return out.view(sequences, heads, 1, -1)  # (sequences, heads, 1, channels)
         out = q.new_empty((sequences, kv_heads, heads // kv_heads, v.shape[-1]))
         if not self._masks:
             self._masks = [self._decode_mask(group, q.device) for group in self.groups]

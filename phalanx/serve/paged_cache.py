@@ -38,7 +38,7 @@ from itertools import accumulate
 
 import torch
 
-from phalanx.serve.paged_attention import RaggedAttention, decode_groups
+from phalanx.serve.paged_attention import PoolRead, RaggedAttention, decode_groups
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,18 @@ def bytes_per_block(block_size: int, n_layers: int, channels: int, element_size:
 
 
 class PagedKVCache:
-    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu", ragged: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu", ragged: bool = False,
+                 pool_kernel: bool = False):
         """`ragged`: attention per sequence over exactly its keys (`paged_attention.py`), for
         attention that runs through `AttentionCore`; else padded keys and a mask (what latent
-        attention's absorbed form reads)."""
+        attention's absorbed form reads). `pool_kernel` (with `ragged`): decodes read their
+        keys straight from the pool (`cpu_decode_kernel.py`: CPU, float32) instead of gathered."""
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
-        self.ragged = ragged
+        self.ragged, self.pool_kernel = ragged, ragged and pool_kernel
         self.pools: dict[int, torch.Tensor] = {}  # layer -> (slots, key channels + value channels)
         self._shapes: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}  # layer -> (kv_heads, channels) of k, v
         self._tokens = 0
+        self._from_pool = False
 
     def prepare(self, chunks: list[ChunkLayout]) -> None:
         """Index the chunks of one forward: where each new token is written, which slots every
@@ -99,7 +102,12 @@ class PagedKVCache:
         self._tokens = len(self._write)
         self._masks: dict[int, torch.Tensor] = {}
         self._ragged: dict[int, RaggedAttention] = {}
-        if self.ragged and self._rows:
+        self._from_pool = self.pool_kernel and self._rows
+        if self._from_pool:  # attention reads the slots of the pool itself
+            self._read = None
+            self._batch = RaggedAttention(True, [], ends, [], [1] * len(chunks),
+                                          pool_read=PoolRead(slots, self._tensor(ends)))
+        elif self.ragged and self._rows:
             groups = decode_groups(ends, self.device)
             # (keys,): each group's rows padded to its longest, row after row, group after group
             self._read = torch.cat([slots[group.rows, :group.longest].reshape(-1) for group in groups])
@@ -154,7 +162,7 @@ class PagedKVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | RaggedAttention | None]:
         self.write(layer, k, v)
-        seen_k, seen_v = self.gather(layer)
+        seen_k, seen_v = self.pool_views(layer) if self._from_pool else self.gather(layer)
         if self.ragged:
             if window not in self._ragged:
                 self._ragged[window] = self._batch.with_window(window)
@@ -171,6 +179,13 @@ class PagedKVCache:
         # (tokens, kv_heads * channels) from (tokens, kv_heads, 1, channels) or (1, kv_heads, tokens, channels)
         flat = [(t[:, :, 0] if self._rows else t[0].transpose(0, 1)).reshape(self._tokens, -1) for t in (k, v)]
         self.pools[layer].index_copy_(0, self._write, torch.cat(flat, 1))
+
+    def pool_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values, every slot: (pool slots, kv_heads, channels) each."""
+        (k_heads, k_channels), (v_heads, v_channels) = self._shapes[layer]
+        pool = self.pools[layer]
+        return (pool[:, :k_heads * k_channels].unflatten(-1, (k_heads, k_channels)),
+                pool[:, k_heads * k_channels:].unflatten(-1, (v_heads, v_channels)))
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values the new tokens see, from the layer's pool: ragged or packed
