@@ -6,8 +6,9 @@
  * half-row read once, whole, with the half-row `AHEAD` keys on prefetched (a sequence's slots
  * are contiguous only within a block, so the hardware prefetcher, which stops at page ends,
  * cannot see them coming). The softmax is exact, as the flash kernel's: scores, their max,
- * exponentials, sum, in float32. Sequences are spread over the OpenMP threads of the process,
- * which are torch's own (this library binds to the libgomp torch loaded).
+ * exponentials, sum, in float32. Sequences are spread over `threads` OpenMP threads (torch's
+ * count, passed in: a thread that never called omp_set_num_threads would use every core), which
+ * are torch's own (this library binds to the libgomp torch loaded).
  */
 #include <float.h>
 #include <math.h>
@@ -28,10 +29,10 @@ static void prefetch_span(const float* start, int64_t floats)
 void phalanx_decode_attention(const float* q, const float* k, const float* v, int64_t stride,
                               const int64_t* slots, int64_t slot_stride, const int64_t* first, const int64_t* end,
                               int64_t n, int64_t kv_heads, int64_t group, int64_t dim, int64_t vdim, float scale,
-                              float* scratch, int64_t max_keys, float* out)
+                              float* scratch, int64_t max_keys, float* out, int threads)
 {
     const int64_t heads = kv_heads * group;
-    #pragma omp parallel for schedule(dynamic, 1)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t s = 0; s < n; s++) {
         const float* queries = q + s * heads * dim;
         const int64_t* mine = slots + s * slot_stride + first[s];

@@ -15,7 +15,7 @@ Built once per machine into `$PHALANX_CACHE_DIR` (else `$XDG_CACHE_HOME/phalanx`
 in a fraction of a second. Float32 only. If no compiler works, a warning says so once and
 decodes gather (`paged_attention.py`); `PHALANX_CPU_DECODE_KERNEL=0` does the same on purpose.
 The library's OpenMP calls bind to the libgomp torch already loaded, so it runs on torch's
-threads (`torch.set_num_threads`), not on a second pool competing for the cores.
+threads, as many as `torch.get_num_threads()`, not on a second pool competing for the cores.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: t
     out = torch.empty(n, kv_heads, group, channels)
     _load()(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), slots.data_ptr(), slots.stride(0),
             first.data_ptr(), end.data_ptr(), n, kv_heads, group, dim, channels, scale, scratch.data_ptr(), most,
-            out.data_ptr())
+            out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -85,7 +85,7 @@ def _bind(library):
     function = library.phalanx_decode_attention
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, pointer, pointer, integer, pointer, integer, pointer, pointer, integer, integer,
-                         integer, integer, integer, ctypes.c_float, pointer, integer, pointer]
+                         integer, integer, integer, ctypes.c_float, pointer, integer, pointer, ctypes.c_int]
     function.restype = None
     return function
 
