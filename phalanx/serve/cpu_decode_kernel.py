@@ -34,6 +34,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_decode_kernel.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+LIBS = ["-lm"]  # expf; after the source, where the linker still wants it
 ON = os.environ.get("PHALANX_CPU_DECODE_KERNEL", "1") != "0"
 """Whether CPU decodes may use the kernel (benchmarks and tests switch it)."""
 
@@ -96,7 +97,7 @@ def _build() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), platform.machine(),
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS + LIBS), platform.machine(),
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     folder = _cache_dir() / "kernels"
     target = folder / f"cpu_decode_kernel-{key}.so"
@@ -105,8 +106,8 @@ def _build() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:  # then renamed: concurrent builds never see half a file
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), *LIBS, "-o", str(built)], capture_output=True,
+                                text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed: {(result.stderr or result.stdout).strip()[-500:]}")
         os.replace(built, target)
