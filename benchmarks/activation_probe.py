@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.model.transformer import Transformer
 from phalanx.planner.memory import TRAINER_PRECISION, layer_activation_bytes
 from phalanx.train.pipeline_step import token_loss

@@ -63,7 +63,7 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="phalanx-inductor-")
     torch.set_num_threads(args.threads)
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.parallel.apply import parallelize
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import Plan

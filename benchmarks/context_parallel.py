@@ -45,7 +45,7 @@ def measure_activations(plan_text: str) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
     from phalanx.data.batches import chunk_positions
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.parallel.apply import parallelize
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string

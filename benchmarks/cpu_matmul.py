@@ -1,4 +1,4 @@
-"""PyTorch's default CPU linear (MKL's sgemm) against oneDNN's (`model/onednn_linear.py`), on
+"""PyTorch's default CPU linear (MKL's sgemm) against oneDNN's (`cpu_ops/onednn_linear.py`), on
 the serving benchmark's shapes, alternating in the same process; and oneDNN reading its blocked
 copy of each weight (`BlockedWeights`, what `phalanx serve` keeps where it fits) against oneDNN
 given the plain weight, which it copies into that layout on every call.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phalanx.model.onednn_linear import block, blocking_works, onednn_linear, onednn_works  # noqa: E402
+from phalanx.cpu_ops.onednn_linear import block, blocking_works, onednn_linear, onednn_works  # noqa: E402
 
 SHAPES = [(1, 512, 2048), (8, 512, 2048), (32, 512, 2048), (512, 512, 2048), (8, 512, 512),
           (1, 256, 256), (32, 512, 8), (1, 512, 512), (1, 1024, 1024)]

@@ -48,7 +48,7 @@ def plain_arm(model: str, steps: int, batch: int, seq: int, out: str) -> list[fl
     from torch.nn.parallel import DistributedDataParallel
 
     from phalanx.data.corpus import stdlib_corpus
-    from phalanx.model import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = model_config(model)

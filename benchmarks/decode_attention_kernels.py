@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phalanx.serve import cpu_decode_kernel  # noqa: E402
+from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel  # noqa: E402
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache  # noqa: E402
 
 KV_HEADS, GROUP, DIM, BLOCK = 4, 2, 64, 16

@@ -90,14 +90,14 @@ def main() -> None:
     import transformers
 
     import phalanx.hf as hf
-    from phalanx.generate.decoding import generate_ids
-    from phalanx.generate.sampling import Sampling
-    from phalanx.model.onednn_linear import use_onednn
+    from phalanx.inference.decoding import generate_ids
+    from phalanx.inference.sampling import Sampling
+    from phalanx.cpu_ops.onednn_linear import use_onednn
 
     device = torch.device(args.device)
     folder = write_model(Path(tempfile.mkdtemp()) / args.arch, args)
     ours = hf.load(folder).to(device)
-    use_onednn(ours)  # as `phalanx generate` loads it: oneDNN's GEMM on CPU (model/onednn_linear.py)
+    use_onednn(ours)  # as `phalanx generate` loads it: oneDNN's GEMM on CPU (cpu_ops/onednn_linear.py)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     theirs.generation_config.eos_token_id = None  # no stopping: both make exactly N tokens
     theirs.generation_config.pad_token_id = 0
@@ -151,7 +151,7 @@ def main() -> None:
         decompressed = cfg.n_layers * cfg.n_heads * (cfg.head_dim + cfg.v_head_dim) * 4
         print(f"  KV bytes per token: latent {cfg.n_layers * cfg.kv_cache_values_per_token * 4}, "
               f"decompressed {decompressed}")
-        from phalanx.model.config import model_config
+        from phalanx.model.by_name import model_config
 
         full = model_config("deepseek-v3")
         print(f"  at DeepSeek-V3's shape, values per token and layer: latent {full.kv_cache_values_per_token}, "

@@ -66,7 +66,7 @@ def _plain_pytorch_tp(model_name: str, lr: float):
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.transformer import Transformer
 
     cfg = model_config(model_name)
@@ -114,7 +114,7 @@ def _phalanx_tp(model_name: str, lr: float):
 
     import torch.distributed as dist
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.parallel.apply import parallelize
     from phalanx.parallel.grad_norm import clip_grad_norm
     from phalanx.parallel.mesh import build_mesh
@@ -145,7 +145,7 @@ def _phalanx_tp(model_name: str, lr: float):
 def _alternate_tp_steps(model_name: str, steps: int, global_batch: int, seq_len: int) -> tuple[list, list]:
     """Both models on the same 2 ranks, steps alternating (phalanx, plain, phalanx, ...) on the
     same batches, so both see the same load from whatever else shares the cores."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     ours, plain = _phalanx_tp(model_name, 3e-3), _plain_pytorch_tp(model_name, 3e-3)
     vocab = model_config(model_name).vocab_size

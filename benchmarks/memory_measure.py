@@ -110,7 +110,7 @@ def measure_rank(model_name: str, plan_text: str, global_batch: int, seq_len: in
     from torch.distributed.fsdp import FSDPModule
     from torch.utils.weak import WeakIdKeyDictionary
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.parallel.apply import parallelize
     from phalanx.plan_model_checks import validate_for_model
     from phalanx.parallel.mesh import build_mesh

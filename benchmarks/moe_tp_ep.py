@@ -59,7 +59,7 @@ def _time(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.parallel.mesh import build_mesh
 
     cfg = model_config("tiny-moe").replace(dim=args.dim, expert_ffn_dim=args.hidden, n_experts=8, experts_per_token=2)

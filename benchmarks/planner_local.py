@@ -95,7 +95,7 @@ def main() -> int:
 
     if args.calibrate or not local_cluster_path().exists():
         print("calibrating this machine (phalanx calibrate) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "phalanx.planner.cli", "calibrate", "--max-procs",
+        subprocess.run([sys.executable, "-m", "phalanx", "calibrate", "--max-procs",
                         str(max(int(p) for p in args.procs.split(",")))], check=True)
     cluster = cluster_from_name("local")
     model = model_from_name(args.model)

@@ -57,7 +57,7 @@ LAYOUTS = [
 
 def predict(model_name: str, plan_text: str, world: int, dtype: str, device: str) -> dict[str, float]:
     """The planner's bytes per category for the most loaded rank of this run."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.plan import plan_from_string
     from phalanx.planner.cost import evaluate
     from phalanx.planner.options import trainer_options

@@ -28,7 +28,8 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from phalanx.model.config import ModelConfig, model_config
+from phalanx.model.by_name import model_config
+from phalanx.model.config import ModelConfig
 from phalanx.planner.cost import Options
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Workload

@@ -20,7 +20,7 @@ requests, loaded as `phalanx serve` loads it:
 - `combine`: the MoE layer's weighted sum of expert outputs through `WeightedCombine` against
   `moe.combine`'s inference path;
 - `decode-kernel`: decodes' keys gathered for the flash kernel against read straight from the
-  pool by the CPU kernel (`serve/cpu_decode_kernel.py`);
+  pool by the CPU kernel (`cpu_ops/decode_kernel.py`);
 - `null`: the same code both ways (the harness's own spread).
 
     .venv/bin/python benchmarks/serve_step_ab.py --variant fused-gate-up [--pairs 5] [--llama]
@@ -48,7 +48,7 @@ class SeparateBlockedExperts:
     a linear layer's is (`BlockedWeight`): gate and up as two products."""
 
     def __init__(self, experts):
-        from phalanx.model.onednn_linear import BlockedWeight
+        from phalanx.cpu_ops.onednn_linear import BlockedWeight
 
         self.weights = {(name, e): BlockedWeight() for name in ("w1", "w2", "w3") for e in range(experts.w1.shape[0])}
 
@@ -123,7 +123,7 @@ def variant(name: str, model):
 def run(model, requests, toggle, phase: int) -> dict[bool, float]:
     """The closed loop once, step k run as B when (k + phase) is odd: summed step times of A, B."""
     from phalanx.serve.engine import Engine, request_sampling
-    from phalanx.serve.scheduler import Scheduler, Sequence
+    from phalanx.scheduling.scheduler import Scheduler, Sequence
 
     scheduler = Scheduler(num_blocks=1024, block_size=16, max_num_seqs=len(requests), max_num_batched_tokens=512,
                           max_waiting=len(requests))
@@ -152,7 +152,7 @@ def main() -> None:
     args.hidden, args.layers, args.heads, args.vocab, args.quick = 512, 4, 8, 4096, False
     args.moe, args.requests = not args.llama, 32
     import phalanx.hf as hf
-    from phalanx.model.onednn_linear import use_onednn
+    from phalanx.cpu_ops.onednn_linear import use_onednn
 
     requests = make_requests(args)
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,7 @@ model's plain batched decode on a contiguous cache measured in the same run.
 
 The model is serve_load.py's llama (hidden 512, 4 layers, vocabulary 4096, bytes codec; `--moe`:
 its mixtral, 8 experts top 2), loaded as `phalanx serve` loads it (on CPU its matrices multiply
-through oneDNN, `model/onednn_linear.py`; `--mkl` keeps PyTorch's default MKL product), and
+through oneDNN, `cpu_ops/onednn_linear.py`; `--mkl` keeps PyTorch's default MKL product), and
 the requests are its closed loop: 32 seeded prompts of 16-256 tokens and outputs of 16-128,
 all arriving at once, greedy with logprobs=0 (as serve_load streams them). The engine runs
 with serve_load's flags (block size 16, 1024 blocks, a 512-token budget, 32 sequences), and
@@ -87,7 +87,7 @@ def instrument(timers: Timers) -> None:
     from phalanx.model.attention_core import AttentionCore
     from phalanx.serve.detokenize import IncrementalText
     from phalanx.serve.paged_cache import PagedKVCache
-    from phalanx.serve.scheduler import Scheduler
+    from phalanx.scheduling.scheduler import Scheduler
 
     timers.wrap(Scheduler, "schedule", "schedule")
     timers.wrap(Scheduler, "finish_step", "schedule")
@@ -107,7 +107,7 @@ def run_engine(model, requests, args, timers: Timers):
     from phalanx.data.tokenizer import ByteTokenizer
     from phalanx.serve.detokenize import IncrementalText
     from phalanx.serve.engine import Engine, request_sampling
-    from phalanx.serve.scheduler import Scheduler, Sequence
+    from phalanx.scheduling.scheduler import Scheduler, Sequence
 
     scheduler = Scheduler(num_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_waiting=len(requests))
@@ -219,7 +219,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = hf.load(write_model(Path(tmp) / "model", args))
     if not args.mkl:  # as `phalanx serve` loads it (serve/loading.py)
-        from phalanx.model.onednn_linear import use_onednn
+        from phalanx.cpu_ops.onednn_linear import use_onednn
 
         use_onednn(model)
     timers = Timers()

@@ -1,5 +1,6 @@
-"""`phalanx` command line: train, prepare, export, generate, serve (and, from the planner, plan /
-simulate / calibrate; balance, match, blur). Subcommands import their heavy modules when run."""
+"""`phalanx` command line: train, prepare, export, generate, serve, plan, simulate, calibrate,
+balance, match, blur, every one registered here. Subcommands import their heavy modules when
+run, so `phalanx plan` (also `--serve`) and `balance` never load torch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,17 @@ import os
 import sys
 from pathlib import Path
 
+from phalanx.balance.cli import register as register_balance
+from phalanx.calibrate.cli import register as register_calibrate
+from phalanx.data.cli import register as register_prepare
 from phalanx.errors import UserError
+from phalanx.generate.cli import register as register_generate
+from phalanx.hf.export_run import register as register_export
+from phalanx.kernels.cli import register as register_kernels
+from phalanx.planner.cli import register as register_plan
+from phalanx.planner.serve_cli import main as serve_main, serve_argv
+from phalanx.planner.simulate import register as register_simulate
+from phalanx.serve.cli import register as register_serve
 
 # Flags of `phalanx train` that override TrainConfig fields (flag name -> field, type).
 TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
@@ -80,39 +91,26 @@ def _run_train(args) -> int:
         if os.environ["RANK"] != "0":
             return 2  # said once, by rank 0
         raise UserError(f"{message} (an earlier attempt stopped on this error; not retried)")
-    from phalanx.launch import launch_train
+    from phalanx.train.launch import launch_train
 
     return launch_train(cfg, rdzv_endpoint=args.rdzv_endpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand, registered here and only here (each module's `register` adds its own
+    flags; none imports torch until its command runs)."""
     parser = argparse.ArgumentParser(prog="phalanx", description="Train transformers across many devices.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_train(subparsers)
-    from phalanx.hf.export_run import register as register_export
-
     register_export(subparsers)
-    from phalanx.data.cli import register as register_prepare
-
     register_prepare(subparsers)
-    from phalanx.generate.cli import register as register_generate
-
     register_generate(subparsers)
-    from phalanx.serve.cli import register as register_serve  # argparse only; uvicorn and torch when run
-
     register_serve(subparsers)
-    try:
-        from phalanx.planner.cli import register
-    except ImportError:
-        pass
-    else:
-        register(subparsers)
-    from phalanx.balance.cli import register as register_balance  # argparse only; the command imports numpy when run
-
+    register_plan(subparsers)
+    register_simulate(subparsers)
+    register_calibrate(subparsers)
     register_balance(subparsers)
-    from phalanx.kernels.cli import register as register_kernels  # match, blur: no torch until run
-
-    register_kernels(subparsers)
+    register_kernels(subparsers)  # match, blur
     return parser
 
 
@@ -120,31 +118,34 @@ def _parse(argv: list[str] | None):
     """The subcommand to run: `plan --serve` / `simulate --serve` take the serving planner's own
     flags (phalanx/planner/serve_cli.py), everything else the parser above."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--serve" in argv:  # only then the serving planner's modules
-        from phalanx.planner.serve_cli import main as serve_main, serve_argv
-
-        if serve_argv(argv):
-            return lambda: serve_main(argv)
+    if serve_argv(argv):
+        return lambda: serve_main(argv)
     args = build_parser().parse_args(argv)
     return lambda: args.func(args)
 
 
-def main(argv: list[str] | None = None) -> None:
-    run = _parse(argv)
+def run(argv: list[str] | None = None) -> int:
+    """Run the subcommand `argv` names (default: this process's arguments); return its exit
+    status, every error already said in one line on stderr."""
+    run_command = _parse(argv)
     try:
-        status = run()
+        return run_command()
     except UserError as error:
         print(f"phalanx: error: {error}", file=sys.stderr)
-        status = 2
+        return 2
     except MemoryError as error:  # an allocation the machine cannot make: say so, in one line
         print(f"phalanx: error: not enough memory ({error or 'an allocation failed'}); lower the sizes asked for",
               file=sys.stderr)
-        status = 2
+        return 2
     except KeyboardInterrupt:
         print("phalanx: interrupted", file=sys.stderr)
-        status = 130
+        return 130
     except BrokenPipeError:  # `phalanx plan | head`: the reader has what it wanted
         # Python would report the pipe again while flushing stdout at exit; point it at nothing.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        status = 0
-    sys.exit(status)
+        return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `phalanx` program: `run`, then exit with its status."""
+    sys.exit(run(argv))

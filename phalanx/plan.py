@@ -251,3 +251,18 @@ def weights_view(plan: Plan) -> Plan:
     the same parameters and different tokens, so gradients reduce, zero levels shard and
     experts spread over dp x cp; parallel/mesh.py)."""
     return plan if plan.cp == 1 else plan.replace(dp=plan.dp * plan.cp, cp=1)
+
+
+def parse_split(text: str, n_stages: int, n_layers: int) -> list[int]:
+    """The plan's hand-given `split=a:b:...` (layers per stage), checked against the model."""
+    try:
+        counts = [int(part) for part in text.split(":")]
+    except ValueError:
+        raise UserError(f"split={text!r} must be layer counts separated by ':', e.g. split=3:3:2") from None
+    if len(counts) != n_stages:
+        raise UserError(f"split={text} gives {len(counts)} stages, but pp x virtual = {n_stages}")
+    if any(c < 1 for c in counts):
+        raise UserError(f"split={text}: every stage needs at least one layer")
+    if sum(counts) != n_layers:
+        raise UserError(f"split={text} adds up to {sum(counts)} layers, but the model has {n_layers}")
+    return counts

@@ -11,7 +11,7 @@ from __future__ import annotations
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.plan import Plan, weights_view
+from phalanx.plan import Plan, parse_split, weights_view
 
 
 def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32",
@@ -98,8 +98,6 @@ def validate_pp(plan: Plan, cfg: ModelConfig) -> list[str]:
         return []
     problems = []
     if plan.split:
-        from phalanx.parallel.stage_split import parse_split
-
         try:
             parse_split(plan.split, plan.pp * plan.virtual, cfg.n_layers)
         except UserError as error:

@@ -1,7 +1,7 @@
 """The worker processes of every multi-process command (`phalanx train`, `generate`, `match`,
 `blur`): starting them through PyTorch's elastic launcher (the machinery of `torchrun`), and,
 in each worker, joining and leaving the process group. What is particular to training
-(restarts, the run directory, stop signals) is in phalanx/launch.py."""
+(restarts, the run directory, stop signals) is in phalanx/train/launch.py."""
 
 from __future__ import annotations
 
@@ -17,10 +17,22 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import UserError
-from phalanx.process_count import usable_cores
+from phalanx.process_count import check_process_count, usable_cores
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """For commands without --collective-timeout (generate, match, blur)."""
+
+
+def check_nproc(nproc: int, device: str) -> None:
+    """A command's --nproc against the process bound, and the GPUs or CPU cores this machine has."""
+    check_process_count(nproc)
+    if device != "cpu" and torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise UserError(f"--nproc {nproc} asks for more GPUs than this machine has ({gpus})")
+    elif nproc > usable_cores():
+        print(f"phalanx: warning: {nproc} processes on {usable_cores()} CPU cores; they will share cores "
+              "(fine for testing layouts, slow for training)", file=sys.stderr)
 
 
 def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
@@ -101,7 +113,7 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
         # while it forks (the barrier below only orders this machine's own workers).
         import multiprocessing
 
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.launch"])
+        multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.train.launch"])
         start_method = "forkserver"
     if start_method == "fork":
         # A first launch still forks from this process (a forkserver costs a torch import, some

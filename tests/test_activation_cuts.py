@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.testing.fork_ranks import run_ranks
 
 

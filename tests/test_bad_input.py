@@ -66,7 +66,7 @@ def test_resume_without_checkpoint(tmp_path, capsys):
 def test_more_gpus_than_present(monkeypatch):
     import torch
 
-    from phalanx.launch import check_nproc
+    from phalanx.worker_group import check_nproc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -120,7 +120,7 @@ GOOD_TEXT = {
 def good(tmp_path_factory) -> dict[str, str]:
     """The good inputs every row's valid command uses."""
     import phalanx.hf as hf
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     folder = tmp_path_factory.mktemp("good")

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from phalanx.errors import UserError
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.bad_steps import NAN_STEPS_ENV
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.train.loop import train
 from phalanx.train.metrics import parse_lines
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from phalanx.planner import cli
+from phalanx import cli
 from phalanx.calibrate.fit import fit_alpha_beta, fit_matmul
 from phalanx.planner.hardware import load_cluster_file
 
@@ -36,7 +36,7 @@ def test_calibrate_with_gloo_writes_a_cluster_file(tmp_path, capsys, monkeypatch
     # its fields, not the figures (the fits' arithmetic is tested above on synthetic timings).
     monkeypatch.setenv(SMOKE_ENV, "1")
     out = tmp_path / "local.json"
-    assert cli.main(["calibrate", "--quick", "--max-procs", "2", "--backend", "gloo", "--out", str(out)]) == 0
+    assert cli.run(["calibrate", "--quick", "--max-procs", "2", "--backend", "gloo", "--out", str(out)]) == 0
     cluster = load_cluster_file(out)
     assert cluster.shared_compute and cluster.peak_tflops > 0
     assert [g[0] for g in cluster.measured_groups] == [2]

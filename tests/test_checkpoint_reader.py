@@ -98,9 +98,9 @@ def test_every_checkpoint_damaged_is_said_as_damaged_not_missing(run, tmp_path, 
 def _poison(run: Path) -> None:
     """A third checkpoint, complete and with a valid manifest, whose weights hold a nan (as an
     older or foreign writer could leave: phalanx's own writer refuses to save one)."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
-    from phalanx.train.checkpoint import save_checkpoint
+    from phalanx.checkpoint.store import save_checkpoint
     from phalanx.train.loop import make_optimizer
     from phalanx.train.config import TrainConfig
 

@@ -73,7 +73,7 @@ def test_generate_pads_sequence_parallel_prompts(tmp_path):
     """tp=2,sp=true with a 3-token prompt: checked at the padded length 4, as decoding pads."""
     import phalanx.hf as hf
     from phalanx.generate.cli import parse_prompt_ids, prepare_job
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = model_config("tiny")
@@ -87,7 +87,7 @@ def test_generate_pads_sequence_parallel_prompts(tmp_path):
 
 @pytest.mark.parametrize("value, message", [(float("inf"), "must be a finite number"), (1e-9, "at least 1e-06")])
 def test_temperature_bounds(value, message):
-    from phalanx.generate.sampling import Sampling
+    from phalanx.inference.sampling import Sampling
 
     with pytest.raises(UserError, match=message):
         Sampling(temperature=value).validate()

@@ -242,7 +242,7 @@ def test_chunk_masks_put_together_are_the_whole_sequence_mask(cp):
     ("cp=2", {"doc_mask": True}, "--doc-mask needs to know where documents start"),
 ])
 def test_bad_cp_plans_fail_before_launch(tmp_path, monkeypatch, plan, extra, message):
-    from phalanx import launch
+    from phalanx.train import launch
 
     monkeypatch.setattr(launch, "launch_with_restarts", lambda *a, **k: pytest.fail("a worker was started"))
     cfg = TrainConfig(model="tiny", global_batch=8, seq_len=32, device="cpu", out=str(tmp_path / "run"), nproc=2,
@@ -266,7 +266,7 @@ def test_doc_mask_equals_running_the_documents_separately(model):
     documents' later absolute positions change nothing but float rounding: 1e-5). Without the
     mask the later documents see the earlier ones and differ. tiny-dsv3: latent attention, whose
     mask comes with its latents through the same view."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model
     from phalanx.parallel.context_parallel import apply_context_parallel, document_ids
     from phalanx.parallel.materialize import materialize

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.model.init import build_model
 from phalanx.parallel.materialize import materialize
 from phalanx.plan import Plan

@@ -16,7 +16,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.model.init import build_model
 from phalanx.model.moe import GroupedExperts
 from phalanx.parallel.materialize import materialize

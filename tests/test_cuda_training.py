@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.testing.bf16_bounds import BF16_LOSS, BF16_WEIGHT_MEAN, bf16_grad_norm_bound
 from phalanx.train.config import TrainConfig
 from phalanx.train.loop import train
@@ -57,7 +57,7 @@ def test_background_checkpoint_on_cuda_loads_on_cpu_equal(tiny_config):
     another seed, every weight is the trained GPU model's."""
     from phalanx.model.init import build_model
     from phalanx.parallel.materialize import materialize
-    from phalanx.train.checkpoint import latest_checkpoint, load_checkpoint
+    from phalanx.checkpoint.store import latest_checkpoint, load_checkpoint
     from phalanx.train.loop import make_optimizer
 
     cfg = tiny_config.replace(device="cuda", steps=2, ckpt_every=2)

@@ -135,7 +135,7 @@ def test_fsdp_units_below_the_block_are_attention_and_each_mlp_linear():
     """zero=3 shards the attention and each linear of a dense MLP as FSDP units of their own
     (the block keeps its norms; an MoE block keeps its router, its experts being units already);
     the zero=3 cases above run them against one process."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.transformer import Transformer
     from phalanx.parallel.data_parallel import sub_block_units
 

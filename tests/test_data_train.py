@@ -143,7 +143,7 @@ def test_broken_or_mismatched_prepared_dir(tmp_path, prepared, capsys):
 def test_failed_worker_leaves_no_run_folder(tmp_path, tiny_config, monkeypatch):
     """A run that fails before writing anything removes the folder this launch made, never
     one that was there before."""
-    import phalanx.launch as launch
+    import phalanx.train.launch as launch
 
     monkeypatch.setattr(launch, "worker_main", lambda cfg_fields, run_dir, job=None: 2)
     cfg = tiny_config.replace(nproc=1)

@@ -15,8 +15,8 @@ import torch
 
 import phalanx.hf as hf
 from phalanx.cli import main
-from phalanx.generate.decoding import generate_ids
-from phalanx.generate.sampling import Sampling
+from phalanx.inference.decoding import generate_ids
+from phalanx.inference.sampling import Sampling
 from phalanx.model.kv_cache import KVCache
 from phalanx.model.latent_attention import LatentAttention
 from tests.deepseek_models import BASE, VARIANTS, VOCAB, write_deepseek

@@ -8,7 +8,7 @@ groups per token, fewer bytes crossing nodes).
 
 from __future__ import annotations
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.planner import latent_attention
 from phalanx.planner.cost import evaluate
 from phalanx.planner.dispatch import copies_per_token

@@ -35,7 +35,7 @@ PATHS = {  # (CPU_LOOP_MIN_ROWS_PER_EXPERT, CPU_LOOP_MIN_ROWS_PER_BLOCK) that fo
 
 
 def _full_layer(idle_expert: bool):
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.moe import MoE
 
     torch.manual_seed(0)

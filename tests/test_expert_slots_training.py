@@ -129,7 +129,7 @@ def test_replicated_slots_match_one_process(moe_config, reference, plan, slots):
     (dict(model="tiny"), "needs a mixture-of-experts model"),
 ])
 def test_bad_slot_settings(moe_config, change, message):
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.train.expert_slot_training import slot_placements
     from phalanx.plan import plan_from_string
 
@@ -257,7 +257,7 @@ def test_resume_across_a_rebalance(monkeypatch, rebalanced, layout):
 
 
 def _first_placement(cfg):
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.train.expert_slot_training import slot_placements
     from phalanx.plan import plan_from_string
 
@@ -268,7 +268,7 @@ def _first_placement(cfg):
 def test_slots_with_folded_tp_are_refused(moe_config):
     """ep_over_tp=true without dp is not FSDP, but its tp ranks each route a slice of the rows,
     which the slot routing does not handle yet: refused in one line."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.train.expert_slot_training import slot_placements
     from phalanx.plan import plan_from_string
 
@@ -281,7 +281,7 @@ def test_fsdp_slots_need_an_expert_dim_that_edp_divides(moe_config):
     """Under FSDP each slot is sharded over edp inside the slot, evenly (FSDP2's rule off dim 0):
     dp=6,ep=2 gives edp=3, which divides neither of tiny-moe's expert dims (ffn_dim 64, dim 64):
     refused in one line, naming both."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.train.expert_slot_training import slot_placements
     from phalanx.plan import plan_from_string
 

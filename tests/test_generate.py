@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import phalanx.hf as hf
-from phalanx.generate.decoding import generate_ids
-from phalanx.generate.model_source import load_model, resolve_model
-from phalanx.generate.sampling import Sampling
+from phalanx.inference.decoding import generate_ids
+from phalanx.inference.model_source import load_model, resolve_model
+from phalanx.inference.sampling import Sampling
 from phalanx.testing.fork_ranks import run_ranks
 from tests.hf_models import VOCAB, write_checkpoint
 
@@ -119,7 +119,7 @@ def test_tp2_equals_one_process(checkpoint, family, modes):
 def test_run_directory_under_tp2_equals_the_model_it_holds(tmp_path, checkpoint):
     """A run's DCP checkpoint loads into one process and into tp=2 and generates what the
     Hugging Face directory it was saved from generates."""
-    from phalanx.train.checkpoint import save_checkpoint
+    from phalanx.checkpoint.store import save_checkpoint
 
     model = hf.load(checkpoint("llama"))
     optimizer = torch.optim.AdamW(model.parameters())

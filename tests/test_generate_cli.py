@@ -12,8 +12,8 @@ import torch
 
 import phalanx.hf as hf
 from phalanx.cli import main
-from phalanx.generate.decoding import generate_ids
-from phalanx.generate.sampling import Sampling
+from phalanx.inference.decoding import generate_ids
+from phalanx.inference.sampling import Sampling
 from tests.hf_models import write_checkpoint
 
 pytest.importorskip("transformers")
@@ -63,7 +63,7 @@ def test_two_tp_workers_print_what_one_process_prints(capfd, checkpoint):
 
 
 def test_run_directory(capsys, tmp_path, checkpoint):
-    from phalanx.train.checkpoint import save_checkpoint
+    from phalanx.checkpoint.store import save_checkpoint
 
     model = hf.load(checkpoint)
     save_checkpoint(tmp_path / "run", 3, model, torch.optim.AdamW(model.parameters()), rank=0, keep=1,

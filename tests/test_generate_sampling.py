@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from phalanx.errors import UserError
-from phalanx.generate.sampling import Sampling, pick_token
+from phalanx.inference.sampling import Sampling, pick_token
 from phalanx.train.sample import generate
 
 
@@ -56,8 +56,8 @@ def test_end_of_run_sample_is_cached_generation_within_the_context():
     top-k 40, its seed) and never overflows the model's positions: 1000 bytes asked of a
     context of 32 positions gives 32 - len(prompt) new bytes."""
     from phalanx.data.tokenizer import decode
-    from phalanx.generate.decoding import generate_ids
-    from phalanx.model.config import model_config
+    from phalanx.inference.decoding import generate_ids
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = model_config("tiny").replace(max_seq_len=32)

@@ -92,7 +92,7 @@ def test_export_step_without_checkpoint(tmp_path, capsys):
 
 
 def test_export_refuses_a_non_empty_folder(tmp_path):
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = model_config("tiny")
@@ -109,7 +109,7 @@ def test_export_refuses_a_frozen_routing_bias(tmp_path):
     Qwen3-MoE cannot express: exporting must refuse rather than drop it."""
     import torch
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = model_config("tiny-moe").replace(n_layers=2)

@@ -69,7 +69,7 @@ def test_layouts_start_from_the_checkpoint(tmp_path, family):
 def test_random_init_ignores_the_checkpoint(tmp_path):
     folder = write_checkpoint(tmp_path / "hf", "llama", vocab_size=256, num_hidden_layers=2)
     from phalanx.hf.weights import initial_weights
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     cfg = model_config(str(folder))
     assert initial_weights(str(folder), "random", cfg) is None

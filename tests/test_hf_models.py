@@ -67,7 +67,7 @@ def test_tied_embeddings(tmp_path):
 
 def test_preset_exports_as_the_equivalent_family(tmp_path):
     """A dense preset exports as llama and a softmax MoE preset as mixtral, same logits."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     for name, family in (("tiny", "llama"), ("tiny-moe", "mixtral")):
@@ -82,7 +82,7 @@ def test_preset_exports_as_the_equivalent_family(tmp_path):
 
 
 def test_sigmoid_router_has_no_equivalent(tmp_path):
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = model_config("small-moe").replace(dim=32, n_heads=2, n_kv_heads=2, ffn_dim=32, expert_ffn_dim=16)

@@ -100,7 +100,7 @@ def _settings(cfg: TrainConfig, layout: str) -> TrainConfig:
     if plan == "auto":  # what `phalanx train --plan auto` runs: deterministic, so every rank agrees
         import torch.distributed as dist
 
-        from phalanx.model.config import model_config
+        from phalanx.model.by_name import model_config
         from phalanx.train.world_change import auto_plan_for
 
         cfg = cfg.replace(plan=auto_plan_for(cfg, dist.get_world_size(), model_config(cfg.model)).to_string())

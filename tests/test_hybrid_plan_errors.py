@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx import launch
+from phalanx.train import launch
 from phalanx.errors import UserError
 from phalanx.train.config import TrainConfig
 

@@ -46,7 +46,7 @@ def test_a_resume_on_another_world_size_follows_it_and_says_so(tiny_config):
     saved = tiny_config.replace(plan="dp=2,tp=2", global_batch=8)
     from dataclasses import asdict
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     meta = {"step": 2, "world_size": 4, "model": model_config("tiny").to_dict(), "train": asdict(saved)}
     said = []

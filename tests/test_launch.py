@@ -75,7 +75,7 @@ def test_plan_auto_picks_a_runnable_plan(tiny_config):
     """`--plan auto` asks the planner; what it returns must be a plan the trainer accepts on
     that many processes for this model and batch (validated as a hand-written plan would be),
     and the job records it as the run's plan, parsed once."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.plan_model_checks import validate_for_model
     from phalanx.plan import plan_from_string
     from phalanx.train.job import resolve_job

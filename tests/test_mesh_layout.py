@@ -14,7 +14,7 @@ from phalanx.testing.fork_ranks import run_ranks
 def _layout(plans: list[str]) -> dict:
     import torch.distributed as dist
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.parallel.apply import parallelize
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string

@@ -41,7 +41,7 @@ def test_bf16_weights_under_fp32_is_a_one_line_error(tmp_path, capsys):
 
 
 def _one_process_model(plan_text: str, model: str = "tiny"):
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.parallel.apply import parallelize
     from phalanx.plan_model_checks import validate_for_model
     from phalanx.parallel.mesh import build_mesh
@@ -149,7 +149,7 @@ def _losses_and_weights(cfg):
 def test_bf16_resume_is_exact_and_checkpoints_hold_fp32(tiny_config):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from phalanx.train.checkpoint import latest_checkpoint
+    from phalanx.checkpoint.store import latest_checkpoint
 
     cfg = tiny_config.replace(steps=4, ckpt_every=2, dtype="bf16")
     full, full_weights = run_ranks(1, _losses_and_weights, cfg)[0]

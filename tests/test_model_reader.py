@@ -16,7 +16,7 @@ import phalanx.hf as hf
 from phalanx.cli import main
 from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from tests.hf_models import write_checkpoint
 
 pytest.importorskip("transformers")

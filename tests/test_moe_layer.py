@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.errors import UserError
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.model.moe import MoE
 from phalanx.parallel.expert import validate_ep
 from phalanx.plan import Plan

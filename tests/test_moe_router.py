@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.model import config as model_config_module
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.model.hf_config import from_hf_dict
 from phalanx.model.init import RandomWeights
 from phalanx.model.router import Router

@@ -1,4 +1,4 @@
-"""oneDNN's linear for inference on CPU (`phalanx/model/onednn_linear.py`) computes what
+"""oneDNN's linear for inference on CPU (`phalanx/cpu_ops/onednn_linear.py`) computes what
 nn.Linear computes, only while no gradient is wanted, and only where it may.
 
 Tolerance: the same fp32 products summed in another order, ~1e-6 relative on these O(1)-O(10)
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.model import onednn_linear
+from phalanx.cpu_ops import onednn_linear
 from phalanx.model.config import ModelConfig
-from phalanx.model.onednn_linear import OneDnnLinear, onednn_works, use_onednn
+from phalanx.cpu_ops.onednn_linear import OneDnnLinear, onednn_works, use_onednn
 from phalanx.model.transformer import Transformer
 
 if not onednn_works(torch.float32):

@@ -28,7 +28,7 @@ def test_zero_levels_and_the_older_fsdp_key():
 def test_bf16_weights_under_fp32_refused_in_every_layout(text):
     """bf16 compute weights are mixed precision in every layout: asked for under --dtype fp32,
     the run would compute in bf16 while it says fp32, so --dtype bf16 is named instead."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.plan_model_checks import validate_for_model
 
     with pytest.raises(UserError) as error:
@@ -43,7 +43,7 @@ def test_bf16_weights_under_fp32_refused_in_every_layout(text):
      ("param_dtype=fp32", "bf16", "fp32", "fp32")],
 )
 def test_precision_defaults_follow_dtype(text, dtype, param, reduce):
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.plan_model_checks import validate_for_model
 
     plan = validate_for_model(plan_from_string(text, None), model_config("tiny"), global_batch=8, seq_len=32, dtype=dtype)
@@ -93,7 +93,7 @@ def test_invalid_plans(text, world, message):
 
 
 def test_recompute_layers_checkpoints_only_the_first_blocks():
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.transformer import Transformer
     from phalanx.parallel.recompute import apply_recompute
 

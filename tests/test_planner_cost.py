@@ -101,7 +101,7 @@ def test_in_flight_and_stage_layers():
 
 
 def test_param_count_of_llama3_8b():
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     assert total_params(model_config("llama3-8b")) == 8_030_261_248  # the published 8.03B
 
@@ -125,7 +125,7 @@ def test_step_time_adds_up_and_tp_traffic_is_counted():
 
 
 def test_cpu_framework_costs_add_per_unit_and_per_pass():
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)
     cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
@@ -306,7 +306,7 @@ def test_tp_framework_costs_are_per_layer_per_pass_and_sp_only_with_sp():
 
 
 def test_runtime_costs_of_ddp_fsdp_under_pp_and_the_pipeline_runtime():
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.planner.cost import actions_per_microbatch
 
     tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)  # 4 layers
@@ -352,7 +352,7 @@ def test_runtime_costs_of_ddp_fsdp_under_pp_and_the_pipeline_runtime():
 
 def test_fsdp_reduces_accumulated_gradients_once_per_step():
     """Gradient accumulation without sync: every micro-batch gathers twice, one reduce-scatter per step."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)
     cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,
@@ -387,7 +387,7 @@ def test_hidden_communication_takes_its_sms_from_compute():
 
 
 def test_tp_costs_beyond_the_layers_per_microbatch_and_per_layer_per_step():
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     tiny, work = model_config("tiny"), Workload(global_batch=8, seq_len=64)  # 4 layers
     cpu = Cluster(name="cpu", devices_per_node=2, fast_domain=2, peak_tflops=0.1, memory_gib=8.0,

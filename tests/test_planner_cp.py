@@ -12,7 +12,8 @@ import json
 import pytest
 
 from phalanx.model.config import PRESETS, ModelConfig
-from phalanx.planner import cli, comm
+from phalanx import cli
+from phalanx.planner import comm
 from phalanx.planner.cost import evaluate
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.layout import Layout, Workload
@@ -34,10 +35,10 @@ def test_layout_world_and_round_trip_through_fix(tmp_path, capsys):
     assert lay.world_size == 16 and lay.replicas == 8 and "cp=4" in lay.to_string()
     argv = ["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "64", "--global-batch", "64",
             "--seq-len", "131072", "--top", "1", "--json"]
-    assert cli.main([*argv, "--fix", "cp=8,tp=1,pp=1,recompute=full"]) == 0  # all blocks: a fix that round-trips
+    assert cli.run([*argv, "--fix", "cp=8,tp=1,pp=1,recompute=full"]) == 0  # all blocks: a fix that round-trips
     row = json.loads(capsys.readouterr().out)["plans"][0]
     assert row["cp"] == 8 and row["dp"] == 8 and "cp=8" in row["plan"]
-    assert cli.main([*argv, "--fix", row["fix"]]) == 0
+    assert cli.run([*argv, "--fix", row["fix"]]) == 0
     again = json.loads(capsys.readouterr().out)["plans"][0]
     assert again["fix"] == row["fix"] and again["step_time_s"] == row["step_time_s"]
 

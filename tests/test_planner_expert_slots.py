@@ -9,7 +9,7 @@ import pytest
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
-from phalanx.planner import cli
+from phalanx import cli
 from phalanx.planner.cost import evaluate
 from phalanx.planner.options import trainer_options
 from phalanx.planner.hardware import PRESETS, Cluster
@@ -107,7 +107,7 @@ def test_slot_memory_decides_the_ep():
 def test_bad_slots_are_one_line_errors(tmp_path, capsys, argv, message):
     model = tmp_path / "moe.json"
     model.write_text(json.dumps(dataclasses.asdict(MOE)))
-    code = cli.main(["plan", "--model", str(model), "--cluster", "dgx-h100", "--gpus", "4", "--global-batch", "8",
+    code = cli.run(["plan", "--model", str(model), "--cluster", "dgx-h100", "--gpus", "4", "--global-batch", "8",
                      "--seq-len", "512", *argv])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
@@ -123,7 +123,7 @@ def test_train_plan_auto_plans_for_the_runs_expert_slots():
     trainer's own slot checks accept. tiny-moe (8 experts) on 4 processes: 10 slots only run
     at ep=2; --rebalance-every alone plans one slot per expert, under the slots' rules. The
     run's job carries the slots its plan was chosen for."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.plan import plan_from_string
     from phalanx.train.config import TrainConfig
     from phalanx.train.expert_slot_training import slot_placements
@@ -146,7 +146,7 @@ def test_train_plan_auto_plans_for_the_runs_expert_slots():
 
 
 def test_simulate_says_why_a_plan_runs_no_slots(tmp_path, capsys):
-    code = cli.main(["simulate", "--model", "tiny-moe", "--cluster", "dgx-h100", "--global-batch", "8", "--seq-len",
+    code = cli.run(["simulate", "--model", "tiny-moe", "--cluster", "dgx-h100", "--global-batch", "8", "--seq-len",
                      "128", "--plan", "dp=4,ep=4", "--expert-slots", "10", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and err == ("error: --plan dp=4,ep=4 gives no layout with --expert-slots=10: --expert-slots=10 "
@@ -205,7 +205,7 @@ def test_best_plan_line_carries_the_slots(tmp_path, capsys):
     the plan and the slots it was chosen for (not a plan key)."""
     model = tmp_path / "moe.json"
     model.write_text(json.dumps(dataclasses.asdict(MOE)))
-    code = cli.main(["plan", "--model", str(model), "--cluster", "dgx-h100", "--gpus", "4", "--global-batch", "8",
+    code = cli.run(["plan", "--model", str(model), "--cluster", "dgx-h100", "--gpus", "4", "--global-batch", "8",
                      "--seq-len", "512", "--expert-slots", "12"])
     best = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best plan: ")]
     assert code == 0 and len(best) == 1 and " --expert-slots 12  (mbs=" in best[0], best

@@ -3,7 +3,7 @@ the parameter all-gathers of one training step with and without full recompute."
 
 import torch
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.plan import Plan
 from phalanx.testing.fork_ranks import run_ranks
 

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from phalanx.model.config import PRESETS, ModelConfig
-from phalanx.planner import cli
+from phalanx import cli
 from phalanx.planner.cost import layer_flops, step_flops
 from phalanx.planner.layout import Workload
 from phalanx.planner.memory import param_counts, total_params
@@ -66,7 +66,7 @@ def test_a_model_of_a_trillion_layers_plans(tmp_path, capsys):
     cfg = ModelConfig(**{**TRILLION, "dense_layers": tuple(TRILLION["dense_layers"])})
     # MoE layers: the odd indices from 3 on (5e11 - 1 of them), less 5, 7 and 10^12 - 1.
     assert cfg.n_moe_layers == 10**12 // 2 - 1 - 3
-    code = cli.main(["plan", "--model", str(path), "--cluster", "dgx-h100", "--gpus", "64", "--global-batch", "64",
+    code = cli.run(["plan", "--model", str(path), "--cluster", "dgx-h100", "--gpus", "64", "--global-batch", "64",
                      "--seq-len", "128", "--fix", "pp=64,recompute=full,zero=0", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and out["considered"] > 0 and out["pruned_memory"] == out["considered"]  # 4e14 weights: no fit

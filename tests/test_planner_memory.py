@@ -3,7 +3,8 @@
 import pytest
 
 from phalanx.errors import UserError
-from phalanx.model.config import ModelConfig, model_config
+from phalanx.model.by_name import model_config
+from phalanx.model.config import ModelConfig
 from phalanx.planner.cost import Options, evaluate
 from phalanx.planner.hardware import PRESETS, Cluster
 from phalanx.planner.layout import Layout, Workload

@@ -22,7 +22,8 @@ import json
 
 import pytest
 
-from phalanx.planner import cli, peak_memory
+from phalanx import cli
+from phalanx.planner import peak_memory
 
 CLUSTER, SEQ = "dgx-a100", 2048
 
@@ -59,7 +60,7 @@ Issue 20's real mixed precision (bf16 compute copies, `peak_memory.compute_copie
 def plan(tmp_path, capsys, model: dict, gpus: int, batch: int, fix: str) -> dict | None:
     path = tmp_path / "model.json"
     path.write_text(json.dumps(model))
-    code = cli.main(["plan", "--model", str(path), "--cluster", CLUSTER, "--gpus", str(gpus), "--global-batch",
+    code = cli.run(["plan", "--model", str(path), "--cluster", CLUSTER, "--gpus", str(gpus), "--global-batch",
                      str(batch), "--seq-len", str(SEQ), "--fix", fix, "--json", "--top", "1"])
     out = capsys.readouterr().out
     return json.loads(out)["plans"][0] if code == 0 else None

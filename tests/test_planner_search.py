@@ -5,9 +5,10 @@ import json
 import pytest
 
 from phalanx.errors import UserError
-from phalanx.model.config import ModelConfig, model_config
+from phalanx.model.by_name import model_config
+from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
-from phalanx.planner import cli
+from phalanx import cli
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.search import auto_plan, parse_fix, search
@@ -16,7 +17,7 @@ H100 = PRESETS["dgx-h100"]
 
 
 def run_cli(capsys, *argv):
-    code = cli.main(list(argv))
+    code = cli.run(list(argv))
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -237,7 +238,7 @@ def test_every_row_has_a_step_time_band(capsys):
 
 
 def test_train_plan_auto_plans_for_a_named_cluster():
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.train.config import TrainConfig
     from phalanx.train.world_change import auto_plan_for
 

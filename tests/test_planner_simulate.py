@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from phalanx.planner import cli
+from phalanx import cli
 from phalanx.planner.stage_time import StageTimes
 from phalanx.planner.layout import Layout
 from phalanx.planner.simulate import pipeline_timeline
@@ -45,7 +45,7 @@ def test_zero_bubble_v_beats_1f1b_and_runs_every_weight_gradient():
 
 def test_simulate_command_writes_trace_and_png(tmp_path, capsys):
     out = tmp_path / "sim"
-    code = cli.main(["simulate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16",
+    code = cli.run(["simulate", "--model", "llama3-8b", "--cluster", "dgx-h100", "--global-batch", "16",
                      "--seq-len", "2048", "--plan", "tp=2,pp=2,dp=2,mbs=1,schedule=1f1b", "--out", str(out)])
     assert code == 0
     trace = json.loads((out / "trace.json").read_text())

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from phalanx.model.config import ModelConfig
-from phalanx.planner import cli, comm
+from phalanx import cli
+from phalanx.planner import comm
 from phalanx.planner.cost import evaluate
 from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.hardware import PRESETS
@@ -101,19 +102,19 @@ def test_plan_cli_plans_the_trainer_unless_any_runtime(capsys):
             "--seq-len", "128", "--fix", "mbs=4", "--json"]
     records = {}
     for extra in ([], ["--dtype", "bf16"], ["--dtype", "fp32"], ["--any-runtime"]):
-        assert cli.main(argv + extra) == 0
+        assert cli.run(argv + extra) == 0
         records[tuple(extra)] = json.loads(capsys.readouterr().out)["plans"][0]["memory_breakdown_gib"]
     assert records[()] == records[("--dtype", "bf16")]  # bf16 on a GPU preset by default
     assert records[("--dtype", "fp32")]["optimizer_state"] == records[()]["optimizer_state"]
     assert records[("--dtype", "fp32")]["activations"] > records[()]["activations"]
     other = records[("--any-runtime",)]
     assert other["optimizer_state"] == pytest.approx(records[()]["optimizer_state"] * 12 / 8)
-    assert cli.main(argv + ["--any-runtime", "--dtype", "bf16"]) == 2
+    assert cli.run(argv + ["--any-runtime", "--dtype", "bf16"]) == 2
     assert "--dtype sets the phalanx trainer's precision" in capsys.readouterr().err
 
 
 def test_train_plan_auto_plans_for_the_runs_dtype():
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.train.config import TrainConfig
     from phalanx.train.world_change import auto_plan_for
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.mesh import build_mesh
 from phalanx.plan import Plan

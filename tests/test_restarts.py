@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from phalanx.cli import main
 from phalanx.train.bad_steps import NAN_STEPS_ENV
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.train.metrics import parse_lines, read_metrics
 from phalanx.train.restarts import FAULT_ENV, USER_ERROR_FILE
 
@@ -164,7 +164,7 @@ def test_torchrun_restart_does_not_retry_a_user_error(tmp_path, capsys, monkeypa
 def test_max_restarts_setting(tmp_path, capsys):
     """The default follows the process count; TOML key max_restarts; a negative count is refused."""
     from phalanx.train.config import load_config
-    from phalanx.worker_restarts import max_restarts
+    from phalanx.train.worker_restarts import max_restarts
 
     assert (max_restarts(-1, 1), max_restarts(-1, 2), max_restarts(0, 4), max_restarts(5, 1)) == (0, 3, 0, 5)
     (tmp_path / "run.toml").write_text("max_restarts = 5\n")

@@ -5,7 +5,7 @@ after loading model and optimizer state the resumed steps must reproduce the uni
 run's losses: exactly within one layout (same arithmetic, same order), and to the dp tolerance
 of test_data_parallel (1e-4) when the checkpoint is loaded into another layout (DCP reshards).
 
-Checkpoints are saved in the background by default (checkpoint_writer.py): the step-3 save is
+Checkpoints are saved in the background by default (checkpoint/writer.py): the step-3 save is
 written while steps 4 and 5 change the weights, so equal losses and final weights also show
 that the save holds the state of its own step.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from phalanx.testing.fork_ranks import run_ranks
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.train.loop import train
 from phalanx.train.metrics import read_metrics
 

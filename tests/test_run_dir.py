@@ -10,7 +10,7 @@ import pytest
 
 from phalanx.cli import main
 from phalanx.errors import UserError
-from phalanx.launch import lock_run_dir
+from phalanx.train.launch import lock_run_dir
 from phalanx.train.config import load_config
 from phalanx.train.metrics import parse_lines
 

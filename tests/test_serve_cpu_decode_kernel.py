@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (serve/cpu_decode_kernel.py), which reads each sequence's
+"""The CPU decode-attention kernel (cpu_ops/decode_kernel.py), which reads each sequence's
 keys straight from the paged pool, against each sequence's exact keys gathered and scored by
 `scaled_dot_product_attention`.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.serve import cpu_decode_kernel
+from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel
 
 TOL = 1e-5
 SLOTS = 512

@@ -5,7 +5,7 @@ Tolerance 1e-5 on fp32 logits of size O(1) (tests/hf_models.py): a packed step a
 exactly the keys a sequence sees alone (the block-diagonal mask gives the others' keys
 probability 0), so only the order of sums changes: one-row against many-row matmuls, a
 masked softmax over more keys, expert products over more rows (~1e-6). The models multiply
-as the server's do, through oneDNN on CPU (`model/onednn_linear.py`). A wrong slot,
+as the server's do, through oneDNN on CPU (`cpu_ops/onednn_linear.py`). A wrong slot,
 position, rotary row or mask moves the logits by O(0.1).
 """
 
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import phalanx.hf as hf
-from phalanx.generate.decoding import generate_ids
-from phalanx.generate.sampling import Sampling
-from phalanx.model.onednn_linear import use_onednn
-from phalanx.serve import cpu_decode_kernel
+from phalanx.inference.decoding import generate_ids
+from phalanx.inference.sampling import Sampling
+from phalanx.cpu_ops.onednn_linear import use_onednn
+from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel
 from phalanx.serve.engine import Engine, request_sampling
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
-from phalanx.serve.scheduler import Scheduler, Sequence
+from phalanx.scheduling.scheduler import Scheduler, Sequence
 from tests.deepseek_models import write_deepseek
 from tests.hf_models import VOCAB, write_checkpoint
 
@@ -61,7 +61,7 @@ def _prompt(length: int, seed: int) -> list[int]:
 @pytest.fixture(params=["from-pool", "gathered"])
 def decode_read(request, monkeypatch):
     """Ragged decodes both ways: read straight from the pool by the CPU kernel (the engine's
-    way on CPU in float32, serve/cpu_decode_kernel.py) and gathered for the flash kernel (on
+    way on CPU in float32, cpu_ops/decode_kernel.py) and gathered for the flash kernel (on
     CUDA, in bf16, or without a C compiler)."""
     monkeypatch.setattr(cpu_decode_kernel, "ON", request.param == "from-pool")
     return request.param

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from phalanx.serve.dp_assign import DPSchedulers
-from phalanx.serve.scheduler import Scheduler, Sequence
+from phalanx.scheduling.scheduler import Scheduler, Sequence
 from phalanx.testing.cli_errors import assert_cli_error
 from tests.hf_models import VOCAB, write_checkpoint
 from tests.serve_server import ServeProcess, assert_greedy_equal, transformers_greedy

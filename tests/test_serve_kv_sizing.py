@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.model.init import build_model, init_weights
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache, bytes_per_block, kv_channels_per_position
 

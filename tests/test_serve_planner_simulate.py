@@ -9,7 +9,7 @@ import json
 import pytest
 
 from phalanx.planner.serve_simulate import Arrival, simulate
-from phalanx.serve.scheduler import Scheduler, Sequence
+from phalanx.scheduling.scheduler import Scheduler, Sequence
 
 # A scripted trace: bursts and gaps, prompts longer than the token budget (chunked prefill),
 # and a pool too small for everyone at once (preemption).

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.serve.block_manager import BlockManager
-from phalanx.serve.scheduler import QueueFull, Scheduler, Sequence
+from phalanx.scheduling.block_manager import BlockManager
+from phalanx.scheduling.scheduler import QueueFull, Scheduler, Sequence
 
 
 class Clock:

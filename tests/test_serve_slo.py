@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from phalanx.serve.scheduler import Scheduler, Sequence
-from phalanx.serve.slo_policy import QueueShape, SloPolicy, SloTargets, SloUnattainable
-from phalanx.serve.slo_step_time import OnlineStepFit, StepPrior, StepShape, step_shape
+from phalanx.scheduling.scheduler import Scheduler, Sequence
+from phalanx.scheduling.slo_policy import QueueShape, SloPolicy, SloTargets, SloUnattainable
+from phalanx.scheduling.slo_step_time import OnlineStepFit, StepPrior, StepShape, step_shape
 
 TRUE = (0.004, 0.0015, 0.0002, 0.000002)
 """The simulated device: seconds per step, per decode, per prefilled token, per attended key."""

@@ -8,7 +8,7 @@ import pytest
 
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
-from phalanx.serve.scheduler import QueueFull, Scheduler, Sequence
+from phalanx.scheduling.scheduler import QueueFull, Scheduler, Sequence
 
 
 def _bytes(ids: list[int]) -> str:

@@ -70,7 +70,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkp
     """dp=2: rank 1 alone has SIGTERM before the first step. Step 1 runs (a signal during setup
     still lets one step run), its collective tells rank 0, and both stop after step 1 with
     the step-1 checkpoint; metrics.jsonl has that one step."""
-    from phalanx.train.checkpoint import latest_checkpoint
+    from phalanx.checkpoint.store import latest_checkpoint
 
     cfg = tiny_config.replace(plan="dp=2", steps=4, ckpt_every=0)
     assert run_ranks(2, _train_with_signal_on_rank_1, cfg) == [(signal.SIGTERM, 1)] * 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.testing.fork_ranks import run_ranks
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.testing.fork_ranks import run_ranks
 
 SHAPES = [(1, 5), (1, 17), (3, 9)]

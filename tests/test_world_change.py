@@ -23,7 +23,7 @@ import pytest
 from phalanx.testing.cli_errors import assert_cli_error
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
-from phalanx.train.checkpoint import DIE_IN_SAVE_ENV, latest_checkpoint
+from phalanx.checkpoint.store import DIE_IN_SAVE_ENV, latest_checkpoint
 from phalanx.train.loop import train
 from phalanx.train.world_change import dp_follows
 from phalanx.plan import Plan

@@ -26,7 +26,7 @@ def _engine(cfg, *, num_blocks: int, block_size: int, max_tokens: int):
 
     from phalanx.model.transformer import Transformer
     from phalanx.serve.engine import Engine
-    from phalanx.serve.scheduler import Scheduler
+    from phalanx.scheduling.scheduler import Scheduler
 
     torch.manual_seed(0)
     model = Transformer(cfg).float().eval()
@@ -37,7 +37,7 @@ def _engine(cfg, *, num_blocks: int, block_size: int, max_tokens: int):
 
 def _add(engine, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
     from phalanx.serve.engine import request_sampling
-    from phalanx.serve.scheduler import Sequence
+    from phalanx.scheduling.scheduler import Sequence
 
     import random
 
@@ -84,7 +84,7 @@ def engine_splits_forwards() -> bool:
     """Whether `phalanx serve`'s engine runs a step of one decode and one prompt chunk as two
     forwards (serve/engine.step_forwards, asked with such a step; `ServeCosts.split_forwards`)."""
     from phalanx.serve.engine import step_forwards
-    from phalanx.serve.scheduler import Chunk, Sequence, Step
+    from phalanx.scheduling.scheduler import Chunk, Sequence, Step
 
     decoding = Sequence(seq_id="decoding", prompt=[1, 2], max_tokens=4)
     decoding.num_computed = 1

@@ -62,9 +62,9 @@ def sampling_fields(args) -> dict:
 
 def prepare_job(args) -> dict:
     """Everything checked before any weights are read or workers started, as plain data."""
-    from phalanx.generate.decoding import check_context
-    from phalanx.generate.model_source import resolve_model, text_codec
-    from phalanx.generate.sampling import Sampling
+    from phalanx.inference.decoding import check_context
+    from phalanx.inference.model_source import resolve_model, text_codec
+    from phalanx.inference.sampling import Sampling
     from phalanx.plan import plan_from_string
 
     if (args.prompt is None) == (args.prompt_ids is None):
@@ -106,10 +106,10 @@ def prepare_job(args) -> dict:
 
 def run_job(job: dict):
     """On every rank: load this rank's part of the model and generate. Returns (Generated, codec)."""
-    from phalanx.generate.decoding import generate_ids
-    from phalanx.generate.model_source import load_model, resolve_model, text_codec
-    from phalanx.generate.sampling import Sampling
-    from phalanx.model.onednn_linear import use_onednn
+    from phalanx.inference.decoding import generate_ids
+    from phalanx.inference.model_source import load_model, resolve_model, text_codec
+    from phalanx.inference.sampling import Sampling
+    from phalanx.cpu_ops.onednn_linear import use_onednn
     from phalanx.parallel.mesh import build_mesh
     from phalanx.plan import plan_from_string
     from phalanx.local_device import pick_device
@@ -122,7 +122,7 @@ def run_job(job: dict):
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     mesh = build_mesh(plan_from_string(job["plan"], world_size), device)
     model = load_model(source, mesh)
-    use_onednn(model)  # on CPU: oneDNN's GEMM for the plain matrices (model/onednn_linear.py)
+    use_onednn(model)  # on CPU: oneDNN's GEMM for the plain matrices (cpu_ops/onednn_linear.py)
     result = generate_ids(model, job["prompt"], max_new_tokens=job["max_new_tokens"], max_len=source.cfg.max_seq_len,
                           sampling=Sampling(**job["sampling"]), device=device, eos_id=codec.eos_id,
                           pad_to=mesh.plan.tp if mesh.plan.sp else 1)
@@ -163,7 +163,7 @@ def _run(args) -> int:
         return worker_main(job)
     if args.nproc == 1:
         return worker_main(job)
-    from phalanx.launch import check_nproc
+    from phalanx.worker_group import check_nproc
     from phalanx.worker_group import run_elastic
 
     check_nproc(args.nproc, args.device)

@@ -18,8 +18,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     """The intact checkpoint of `step` (default: the newest) and its phalanx.json, through the
-    one checkpoint reader (phalanx.train.checkpoint_reader): files checked against the manifest."""
-    from phalanx.train.checkpoint_reader import read_run_checkpoint
+    one checkpoint reader (phalanx.checkpoint.reader): files checked against the manifest."""
+    from phalanx.checkpoint.reader import read_run_checkpoint
 
     found = read_run_checkpoint(run_dir, step)
     found.model_config()  # refused here when it records none
@@ -40,7 +40,7 @@ def _tokenizer_files(run_dir: Path, scratch: Path) -> list[Path]:
 def load_checkpoint_model(path: Path, cfg: ModelConfig):
     """A one-process model holding the checkpoint's weights."""
     from phalanx.model.init import build_model
-    from phalanx.train.checkpoint import load_model_weights
+    from phalanx.checkpoint.store import load_model_weights
 
     model = build_model(cfg)
     model.to_empty(device="cpu")
@@ -54,7 +54,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     from phalanx.hf.writer import write_hf_directory
 
     from phalanx.output_path import check_output_folder
-    from phalanx.train.checkpoint_reader import read_run_checkpoint
+    from phalanx.checkpoint.reader import read_run_checkpoint
 
     run_dir = Path(run_dir)
     check_output_folder(out_dir, "OUT_DIR", empty=True)  # before any checkpoint is read

@@ -1,14 +1,4 @@
-"""The single-device model. Importing `phalanx.model.config` (shapes, presets) or
-`phalanx.model.hf_config` needs no torch; `Transformer` is imported on first use."""
-
-from phalanx.model.config import PRESETS, ModelConfig, model_config
-
-__all__ = ["ModelConfig", "model_config", "PRESETS", "Transformer"]
-
-
-def __getattr__(name: str):
-    if name == "Transformer":
-        from phalanx.model.transformer import Transformer
-
-        return Transformer
-    raise AttributeError(f"module 'phalanx.model' has no attribute {name!r}")
+"""The single-device model: `transformer.py` (the decoder), its parts (attention, MoE, router,
+norms, rotary, KV cache), and its shapes: `config.py` (ModelConfig, presets), `hf_config.py`
+(a Hugging Face config.json read) and `by_name.py` (a `--model` value resolved), which need no
+torch. Nothing here knows about meshes or ranks: parallelism is applied from outside."""

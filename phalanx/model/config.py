@@ -331,16 +331,3 @@ PRESETS: dict[str, ModelConfig] = {
         ),
     ]
 }
-
-
-def model_config(name: str) -> ModelConfig:
-    """The preset called `name`, or the model a Hugging Face directory or config.json describes
-    (`phalanx.model.hf_config`); else a UserError listing the valid names."""
-    if name in PRESETS:
-        return PRESETS[name]
-    from phalanx.model.hf_config import is_model_path, read_model_config
-
-    if is_model_path(name):
-        return read_model_config(name)
-    raise UserError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}, "
-                    "or a Hugging Face model directory or config.json")

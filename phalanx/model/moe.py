@@ -16,20 +16,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.config import ModelConfig
-from phalanx.model.onednn_linear import BlockedExperts, sized_linear, usable
+from phalanx.model.feed_forward import FeedForward
 from phalanx.model.router import Router, count_per_expert
+
+
+class ExpertCopies(Protocol):
+    """Copies of the experts' weights in a layout some kernel reads faster, kept from outside
+    the model (oneDNN's blocked copies for inference on CPU: `phalanx.cpu_ops.onednn_linear`)."""
+
+    def ffn(self, rows: torch.Tensor, expert: int, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of `rows` with expert `expert`'s weights, read from the copies."""
 
 
 def grouped_expert_ffn(
     x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-    experts: list[int] | None = None, linear: Callable = F.linear, blocked: BlockedExperts | None = None,
+    experts: list[int] | None = None, linear: Callable = F.linear, blocked: ExpertCopies | None = None,
 ) -> torch.Tensor:
     """SwiGLU of each contiguous group of rows of x with its own expert's weights.
 
@@ -37,8 +45,9 @@ def grouped_expert_ffn(
     experts[g] (default: group g is expert g, i.e. x sorted by expert; an expert may own
     several groups, as the (source rank, expert) blocks of expert parallelism's arrivals do);
     w1, w3: (experts, hidden, dim); w2: (experts, dim, hidden). `linear`: the product
-    `F.linear(rows, weight)`, or oneDNN's for inference on CPU (`onednn_linear.py`); `blocked`:
-    oneDNN's blocked copies of these weights (inference on CPU), which then run each expert.
+    `F.linear(rows, weight)`, or oneDNN's for inference on CPU (`cpu_ops/onednn_linear.py`);
+    `blocked`: copies of these weights that then run each expert (oneDNN's blocked copies for
+    inference on CPU).
 
     One matmul per expert per weight over exactly that expert's rows: no padding, so the cost
     follows the number of rows, however skewed the routing. The fallback of
@@ -213,10 +222,11 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
-        self.onednn = False
-        """Set by `onednn_linear.use_onednn` (inference on CPU): without gradients, each expert's
-        products run through oneDNN, one expert at a time."""
-        self.blocked: BlockedExperts | None = None
+        self.onednn: Callable[[torch.Tensor, torch.Tensor], Callable | None] | None = None
+        """Set from outside for inference on CPU (`phalanx.cpu_ops.onednn_linear.use_onednn`):
+        given the rows and w1, the product the loop over experts should use for them (oneDNN's),
+        or None where it does not apply (gradients wanted, another device or dtype)."""
+        self.blocked: ExpertCopies | None = None
         """oneDNN's blocked copies of the experts' weights, where `use_onednn` keeps them."""
         self.received_tokens = 0
         """Rows these experts computed in training forwards (recomputations not counted) since
@@ -239,11 +249,12 @@ class GroupedExperts(nn.Module):
 
     def loop_products(self, rows: torch.Tensor) -> dict:
         """How the loop over experts multiplies `rows` (`grouped_expert_ffn`'s `linear` or
-        `blocked`): oneDNN's product, on the blocked copies where kept, where `use_onednn`
-        allowed it and nothing needs a gradient, else F.linear."""
-        if not (self.onednn and usable(rows, self.w1)):
+        `blocked`): the product `onednn` picks for these rows (on the blocked copies where
+        kept), where it is set and applies, else F.linear."""
+        linear = self.onednn(rows, self.w1) if self.onednn else None
+        if linear is None:
             return {"linear": F.linear}
-        return {"blocked": self.blocked} if self.blocked else {"linear": sized_linear}
+        return {"blocked": self.blocked} if self.blocked else {"linear": linear}
 
     def ffn(self, rows: torch.Tensor, counts: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
         """`compute` without the count: the grouped kernel where it is preferred and works, else
@@ -328,8 +339,6 @@ class MoE(nn.Module):
         """Under expert parallelism a `ShardedExperts` (`phalanx.parallel.expert.apply_ep`)."""
         self.shared = None
         if cfg.n_shared_experts:
-            from phalanx.model.transformer import FeedForward
-
             self.shared = FeedForward(cfg.dim, hidden * cfg.n_shared_experts)
         self.aux_loss: torch.Tensor | None = None
         """This training forward's auxiliary loss, in the graph, for the trainer

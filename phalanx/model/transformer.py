@@ -13,6 +13,7 @@ from torch import nn
 
 from phalanx.model.attention_core import AttentionCore
 from phalanx.model.config import ModelConfig
+from phalanx.model.feed_forward import FeedForward
 from phalanx.model.kv_cache import AttentionCache, KVCache, attention_mask
 from phalanx.model.latent_attention import LatentAttention
 from phalanx.model.moe import MoE
@@ -54,21 +55,6 @@ class Attention(nn.Module):
         out = self.core(q, k, v, mask)  # (batch, heads, seq, head_dim)
         out = out.transpose(1, 2).reshape(batch, seq, -1)  # (batch, seq, heads * head_dim)
         return self.wo(out)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)) or a plain GeLU MLP (w2(gelu(w1 x)))."""
-
-    def __init__(self, dim: int, hidden: int, gated: bool = True):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False) if gated else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w3 is None:
-            return self.w2(F.gelu(self.w1(x)))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):

@@ -83,7 +83,7 @@ def sub_block_units(block: nn.Module) -> list[nn.Module]:
     """The FSDP units below a block: its attention, and each linear of a dense MLP (an MoE's
     experts are their own units already, parallel/expert.py; its router stays with the block).
     Found by name, so a block wrapped for recompute (`_checkpoint_wrapped_module.`) works too."""
-    from phalanx.model.transformer import FeedForward
+    from phalanx.model.feed_forward import FeedForward
 
     units = []
     for name, module in block.named_modules():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
+from phalanx.plan import parse_split
 
 
 def unit_costs(cfg: ModelConfig, seq_len: int, tokens_per_microbatch: int) -> list[float]:
@@ -76,21 +77,6 @@ def balanced_layer_counts(costs: list[float], n_stages: int) -> list[int]:
                 if worst < best[s][i][0] * (1 - 1e-12):
                     best[s][i] = (worst, cuts + (i - j,))
     return list(best[n_stages][n][1])
-
-
-def parse_split(text: str, n_stages: int, n_layers: int) -> list[int]:
-    """The plan's hand-given `split=a:b:...` (layers per stage), checked against the model."""
-    try:
-        counts = [int(part) for part in text.split(":")]
-    except ValueError:
-        raise UserError(f"split={text!r} must be layer counts separated by ':', e.g. split=3:3:2") from None
-    if len(counts) != n_stages:
-        raise UserError(f"split={text} gives {len(counts)} stages, but pp x virtual = {n_stages}")
-    if any(c < 1 for c in counts):
-        raise UserError(f"split={text}: every stage needs at least one layer")
-    if sum(counts) != n_layers:
-        raise UserError(f"split={text} adds up to {sum(counts)} layers, but the model has {n_layers}")
-    return counts
 
 
 def stage_modules(layer_counts: list[int]) -> list[list[str]]:

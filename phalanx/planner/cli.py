@@ -1,12 +1,8 @@
-"""The `plan` subcommand, and the registration of `simulate` (planner/simulate.py) and `calibrate`
-(phalanx/calibrate/cli.py), which keep their own command code.
-
-The main CLI calls `register(subparsers)`; `python -m phalanx.planner.cli` works on its own.
-"""
+"""The `plan` subcommand (`phalanx/cli.py` registers it with `register`); `plan --serve` has its
+own flags (serve_cli.py)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -22,7 +18,7 @@ from phalanx.planner.validation import step_time_band
 
 
 def register(subparsers) -> None:
-    """Add `plan`, `simulate` and `calibrate` to an argparse subparsers object."""
+    """Add `plan` to an argparse subparsers object."""
     p = subparsers.add_parser("plan", help="rank parallel layouts by predicted step time")
     add_plan_flags(p)
     p.add_argument("--cluster", action="append", help="preset or file; repeat to compare clusters (default local)")
@@ -33,12 +29,6 @@ def register(subparsers) -> None:
     p.add_argument("--serve", action="store_true",
                    help="plan serving instead (its own flags: phalanx plan --serve --help; docs/serve_planner.md)")
     p.set_defaults(func=run_plan)
-
-    from phalanx.calibrate.cli import register as register_calibrate
-    from phalanx.planner.simulate import register as register_simulate
-
-    register_simulate(subparsers)
-    register_calibrate(subparsers)
 
 
 def run_plan(args) -> int:
@@ -131,21 +121,3 @@ def _print_side_by_side(model_name: str, args, results) -> None:
         rows.append([f"  {key} s"] + [f"{rec['breakdown'][key]:.3g}" if rec else "-" for rec in records])
     rows.append(["pruned for memory"] + [str(r.pruned_memory) for _, r in results])
     print(format_table(["", *names], rows))
-
-
-def main(argv: list[str] | None = None) -> int:
-    from phalanx.planner.serve_cli import main as serve_main, serve_argv  # plan/simulate --serve: own flags
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="python -m phalanx.planner.cli")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = None if serve_argv(argv) else parser.parse_args(argv)
-    try:
-        return serve_main(argv) if args is None else args.func(args)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

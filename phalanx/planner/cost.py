@@ -29,7 +29,7 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, latent_attention
-from phalanx.planner.dp_traffic import by_identity as _by_identity
+from phalanx.planner.memo import by_identity as _by_identity
 from phalanx.planner.dp_traffic import dp_time, replica_sum_time
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload

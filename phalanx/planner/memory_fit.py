@@ -11,6 +11,7 @@ from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Workload
 from phalanx.planner.options import Options
 from phalanx.planner.peak_memory import memory_breakdown
+from phalanx.planner.slot_layouts import slots_problem
 
 
 def fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Workload, full: Estimate,
@@ -55,7 +56,6 @@ def fewest_recomputed_layers(model: ModelConfig, cluster: Cluster, workload: Wor
 def fit_hints(model: ModelConfig, cluster: Cluster, workload: Workload, est: Estimate,
               options: Options = Options()) -> list[str]:
     """For a layout that does not fit: single changes that make it fit, with their GiB and time."""
-    from phalanx.planner.search import slots_problem  # the search's rule; search imports this module
     lay = est.layout
     tries = []
     if lay.recompute != "full" or lay.recompute_layers:

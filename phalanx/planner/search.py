@@ -28,6 +28,7 @@ from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory_fit import fewest_recomputed_layers
+from phalanx.planner.slot_layouts import slots_problem
 
 @dataclass(frozen=True, kw_only=True)
 class SearchSpace:
@@ -193,16 +194,6 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                         for plan, zero in _plans(space, fixed, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m, fold=fold,
                                                  sp_ok=cp_sp_ok, n_layers=model.n_layers, cp=cp):
                             yield Layout(plan, mbs=mbs, zero1=zero == 1, cp=cp)
-
-
-def slots_problem(model: ModelConfig, layout: Layout, options: Options) -> str:
-    """Why the trainer would refuse `--expert-slots` (Options.expert_slots) in this layout, or ""."""
-    if not options.expert_slots:
-        return ""
-    return rules.expert_slots_layout_problem(
-        options.expert_slots, ep=layout.ep, over_tp=layout.ep_over_tp, tp=layout.tp, pp=layout.pp,
-        fsdp=rules.runs_fsdp(layout.replicas, zero=layout.zero, tp=layout.tp, pp=layout.pp),
-        edp=layout.replicas // layout.ep, expert_shape=(model.moe_ffn_dim, model.dim), offload=layout.offload)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,

@@ -12,7 +12,7 @@ from pathlib import Path
 from phalanx.errors import UserError
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.serve_cli import dtypes_for, load_from
+from phalanx.planner.serve_flags import dtypes_for, load_from
 from phalanx.planner.serve_costs import serve_costs_for
 from phalanx.planner.serve_memory import BLOCK_SIZE
 from phalanx.planner.serve_rates import ServeLoad

@@ -1,7 +1,7 @@
 """A discrete-event run of one serving instance: arrivals, batching, KV capacity and
 preemption, on a simulated clock, torch-free.
 
-Every dp rank runs `phalanx serve`'s own scheduler (phalanx/serve/scheduler.py: decodes first,
+Every dp rank runs `phalanx serve`'s own scheduler (phalanx/scheduling/scheduler.py: decodes first,
 chunked prefill within the step's token budget, blocks from the paged pool, newest-first
 preemption with recompute) over a block pool the size the planner gives the rank; a step lasts
 what the step model (serve_step.py) says for the batch the scheduler chose. Arrivals go to
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from phalanx.planner.serve_step import ServeLayout, step_time
-from phalanx.serve.scheduler import Scheduler, Sequence, Step
+from phalanx.scheduling.scheduler import Scheduler, Sequence, Step
 
 
 @dataclass(frozen=True)

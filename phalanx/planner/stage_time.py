@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, dispatch, latent_attention
-from phalanx.planner.dp_traffic import by_identity as _by_identity
-from phalanx.planner.dp_traffic import collective_time as _collective
+from phalanx.planner.memo import by_identity as _by_identity
+from phalanx.planner.memo import collective_time as _collective
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.peak_memory import folds_experts
 from phalanx.planner.layout import Layout, Workload

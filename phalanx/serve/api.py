@@ -25,8 +25,8 @@ from phalanx.serve.api_responses import DONE, Answer, sse
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import request_sampling
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
-from phalanx.serve.scheduler import QueueFull, Sequence
-from phalanx.serve.slo_policy import SloUnattainable
+from phalanx.scheduling.scheduler import QueueFull, Sequence
+from phalanx.scheduling.slo_policy import SloUnattainable
 
 DISCONNECT_POLL_S = 0.5
 
@@ -37,7 +37,7 @@ class ServeState:
     model_name: str
     engine: EngineLoop
     codec: object
-    """phalanx.generate.model_source.TextCodec: encode, decode, eos_id."""
+    """phalanx.inference.model_source.TextCodec: encode, decode, eos_id."""
     chat_template: object
     metrics: object
     max_len: int

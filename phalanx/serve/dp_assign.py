@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phalanx.serve.scheduler import Scheduler, Sequence
+from phalanx.scheduling.scheduler import Scheduler, Sequence
 
 
 def assign_rank(schedulers: list[Scheduler]) -> int:

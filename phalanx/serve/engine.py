@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch
 
-from phalanx.generate.sampling import Sampling, pick_token
-from phalanx.serve import cpu_decode_kernel
+from phalanx.inference.sampling import Sampling, pick_token
+from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
-from phalanx.serve.scheduler import Chunk, Scheduler, Sequence, Step
+from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Engine:
     def new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless
         latent attention's absorbed form needs the padded keys and their mask; decodes read
-        straight from the pool on the CPU in float32 (`cpu_decode_kernel.py`)."""
+        straight from the pool on the CPU in float32 (`cpu_ops/decode_kernel.py`)."""
         cfg = getattr(self.model, "cfg", None)
         ragged = not getattr(cfg, "is_latent", False)
         dtype = next(self.model.parameters()).dtype

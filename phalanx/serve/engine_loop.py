@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from phalanx.serve.detokenize import IncrementalText
-from phalanx.serve.scheduler import QueueFull, Scheduler, Sequence
-from phalanx.serve.slo_policy import QueueShape
+from phalanx.scheduling.scheduler import QueueFull, Scheduler, Sequence
+from phalanx.scheduling.slo_policy import QueueShape
 
 IDLE_WAIT_S = 0.5
 

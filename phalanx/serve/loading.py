@@ -2,7 +2,7 @@
 
 The model is loaded as `phalanx generate` loads it (`generate.model_source.load_model`: each
 rank reads only its slices), then cast to `--dtype`; on CPU its plain matrices then multiply
-through oneDNN (`model/onednn_linear.py`). The block pool is `--num-kv-blocks`, or
+through oneDNN (`cpu_ops/onednn_linear.py`). The block pool is `--num-kv-blocks`, or
 what `--kv-cache-memory` GiB holds (every layer's keys and values of this rank's kv heads, or
 latent attention's latent and rotated key: `paged_cache.kv_channels_per_position`), by
 default 1 GiB on CPU and 90% of the device memory left after the weights on a GPU, but never
@@ -34,8 +34,8 @@ def load_serving_model(source, mesh, dtype, expert_slots: dict | None = None):
     become their local shards (`parallel.tp_inference`: no DTensor dispatch per step)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from phalanx.generate.model_source import load_model
-    from phalanx.model.onednn_linear import use_onednn
+    from phalanx.inference.model_source import load_model
+    from phalanx.cpu_ops.onednn_linear import use_onednn
     from phalanx.parallel.tp_inference import localize_block_matrices
 
     model = load_model(source, mesh, expert_slots)
@@ -44,7 +44,7 @@ def load_serving_model(source, mesh, dtype, expert_slots: dict | None = None):
     model = model.to(dtype).eval()
     if mesh.plan.tp > 1:
         localize_block_matrices(model, mesh.group("tp"))
-    use_onednn(model)  # on CPU: oneDNN's GEMM for the plain matrices (model/onednn_linear.py)
+    use_onednn(model)  # on CPU: oneDNN's GEMM for the plain matrices (cpu_ops/onednn_linear.py)
     return model
 
 

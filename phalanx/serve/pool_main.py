@@ -60,9 +60,9 @@ def check_pools(args, job: dict):
 
         from phalanx.plan import plan_from_string
         from phalanx.plan_model_checks import validate_tp
-        from phalanx.serve.cli import _check_plan
+        from phalanx.serve.job import check_plan
 
-        _check_plan(SimpleNamespace(plan=plan, nproc=world))
+        check_plan(SimpleNamespace(plan=plan, nproc=world))
         if problems := validate_tp(plan_from_string(plan, world), cfg, cfg.max_seq_len):  # as a single server checks
             raise UserError(f"--pool ...:{plan}: {problems[0]}")
 
@@ -115,10 +115,10 @@ def _cuda() -> bool:
 
 def _model_config(job: dict):
     """The model's shape, without torch for a model directory."""
-    from phalanx.generate.model_source import is_run_dir
+    from phalanx.inference.model_source import is_run_dir
 
     if is_run_dir(job["model"]):
-        from phalanx.generate.model_source import resolve_model
+        from phalanx.inference.model_source import resolve_model
 
         return resolve_model(job["model"], job["step"]).cfg
     from phalanx.model.hf_config import read_model_config

@@ -46,7 +46,7 @@ def moe_layer_host_reads(ep: int) -> dict:
     values); with ep > 1, on this gloo rank of an ep group over the whole world."""
     import torch.distributed as dist
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.model.moe import MoE
     from phalanx.parallel.expert import shard_experts
 

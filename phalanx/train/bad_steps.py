@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import os
 
-import torch
-import torch.distributed as dist
 
 NAN_STEPS_ENV = "PHALANX_TEST_NAN_STEPS"
 """Test hook: comma-separated step numbers (1-based, as in metrics.jsonl) whose loss is made
@@ -43,14 +41,3 @@ class BadStepCounter:
     def bad(self) -> bool:
         self.in_a_row += 1
         return self.in_a_row > self.limit
-
-
-@torch.no_grad()
-def weights_finite(model, device: torch.device) -> bool:
-    """Whether every rank's parameters are all finite (collective: every rank calls it).
-    A checkpoint of non-finite weights would be worse than none: it would push good ones out."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    flag = torch.tensor(float(all(bool(torch.isfinite(p).all()) for p in local)), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())

@@ -1,6 +1,6 @@
 """A training run, worked out once: the plan it runs with, the checks it must pass before any
 process computes, and where it starts. Torch-free at import; below both the launcher
-(phalanx/launch.py, which works the job out before it starts a worker) and the training loop
+(phalanx/train/launch.py, which works the job out before it starts a worker) and the training loop
 (phalanx/train/loop.py, which receives it as data: `train(job, run_dir)`).
 
 `resolve_job(settings, world_size, checkpoint)` decides, in this order:
@@ -92,13 +92,13 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
     the run directory when `cfg.resume` asks for one (None: none there, or a fresh run);
     `gpu`: this machine's GPU name, for `--plan auto` without `--cluster`; `log`: called with
     each line to say (the planner's choice, what a resume changed), once per run."""
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.plan_model_checks import validate_for_model
 
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
     if cfg.resume == "must" and checkpoint is None:
-        from phalanx.train.checkpoint_reader import no_checkpoint_reason
+        from phalanx.checkpoint.reader import no_checkpoint_reason
 
         raise UserError(f"--resume: {no_checkpoint_reason(Path(run_dir))} (--resume auto starts fresh when there is none)")
     plan, text = plan_for_world(cfg, world_size, model_cfg, saved_world=checkpoint.world_size if checkpoint else None,

@@ -18,7 +18,7 @@ from phalanx.data.tokenizer import save_tokenizer_files
 from phalanx.errors import UserError
 from phalanx.hf.weights import initial_weights
 from phalanx.local_device import pick_device
-from phalanx.model.config import model_config
+from phalanx.model.by_name import model_config
 from phalanx.parallel.apply import parallelize
 from phalanx.parallel.context_parallel import document_ids
 from phalanx.parallel.data_parallel import set_gradient_sync
@@ -30,8 +30,8 @@ from phalanx.parallel.mixed_precision import autocast_for, release_before_step
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
-from phalanx.train.checkpoint import load_checkpoint
-from phalanx.train.checkpoint_writer import CheckpointWriter
+from phalanx.checkpoint.store import load_checkpoint
+from phalanx.checkpoint.writer import CheckpointWriter
 from phalanx.train.collective_watch import (
     StuckRankWatch, bound_every_group, raise_if_collective_failure, stall_if_asked,
 )

@@ -1,7 +1,7 @@
 """What a worker needs to know about restarts (torch-free: the CLI reads it before torch).
 
 A worker is a restart when the built-in launcher says so (`RESTART_ENV`, with the reason in
-`REASON_ENV`; launcher side: phalanx/worker_restarts.py) or when a user's own
+`REASON_ENV`; launcher side: phalanx/train/worker_restarts.py) or when a user's own
 `torchrun --max-restarts` restarted it (`TORCHELASTIC_RESTART_COUNT` > 0). A restart resumes
 from the newest complete checkpoint when there is one, else starts fresh (`--resume auto`),
 and rank 0 writes an event row to metrics.jsonl.

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import UserError
-from phalanx.train.checkpoint import latest_checkpoint
-from phalanx.train.checkpoint_manifest import read_meta
+from phalanx.checkpoint.store import latest_checkpoint
+from phalanx.checkpoint.manifest import read_meta
 from phalanx.train.config import TrainConfig
 from phalanx.train.job import Job, SavedCheckpoint, resolve_job
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from torch import nn
 
 from phalanx.data.tokenizer import ByteTokenizer
-from phalanx.generate.decoding import generate_ids
-from phalanx.generate.sampling import Sampling
+from phalanx.inference.decoding import generate_ids
+from phalanx.inference.sampling import Sampling
 from phalanx.parallel.compile import uncompiled
 
 
@@ -17,7 +17,7 @@ def generate(model: nn.Module, prompt: str, *, tokens: int, max_seq_len: int, de
     """The prompt followed by up to `tokens` sampled tokens, fewer if the model's context of
     `max_seq_len` positions would overflow. Every rank must call this (its forwards are
     collective); all ranks draw the same tokens. `pad_to` and `next_logits`: see
-    `phalanx.generate.decoding` (sequence parallelism, pipeline stages). `tokenizer`: the
+    `phalanx.inference.decoding` (sequence parallelism, pipeline stages). `tokenizer`: the
     run's (default: bytes)."""
     tokenizer = tokenizer or ByteTokenizer()
     prompt_ids = [int(t) for t in tokenizer.encode(prompt)]

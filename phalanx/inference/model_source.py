@@ -43,7 +43,7 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
     from phalanx.model.hf_config import config_path, model_directory, read_model_config
 
     if is_run_dir(arg):
-        from phalanx.train.checkpoint_reader import read_run_checkpoint
+        from phalanx.checkpoint.reader import read_run_checkpoint
 
         found = read_run_checkpoint(arg, step)
         train = found.meta.get("train", {})
@@ -83,7 +83,7 @@ def load_model(source: ModelSource, mesh, expert_slots: dict | None = None):
 
 def _load_run_checkpoint(model, source: ModelSource) -> None:
     """The model part of a training checkpoint (its optimizer state is not read)."""
-    from phalanx.train.checkpoint import load_model_weights
+    from phalanx.checkpoint.store import load_model_weights
 
     load_model_weights(source.weights_dir, model, tied=source.cfg.tie_embeddings)
 

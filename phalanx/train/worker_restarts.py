@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.train.restarts import REASON_ENV, RESTART_ENV
 from phalanx.train.stop_signal import GRACE_S, STOP_STATUS
 

@@ -29,8 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from phalanx.errors import UserError
-from phalanx.train.bad_steps import weights_finite
-from phalanx.train.checkpoint import begin_save, checkpoint_state, finish_save, save_checkpoint
+from phalanx.checkpoint.store import begin_save, checkpoint_state, finish_save, save_checkpoint, weights_finite
 
 
 class CheckpointWriter:

@@ -1,11 +1,11 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): each rank writes its own shards.
 
 A checkpoint is written to `step_NNNNNN.tmp/`; when every rank has finished, rank 0 writes
-phalanx.json with the manifest of the files (checkpoint_manifest.py) and renames the folder,
+phalanx.json with the manifest of the files (manifest.py) and renames the folder,
 so an interrupted save never hides the previous good checkpoint. Loading takes the newest
 checkpoint whose files match their manifest and says which damaged ones it passed over. DCP
 reshards on load, so a run may resume with another layout (saved with fsdp on 4 ranks,
-loaded on 2). Which checkpoint to load (intact, newest or `--step`): checkpoint_reader.py.
+loaded on 2). Which checkpoint to load (intact, newest or `--step`): reader.py.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import signal
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from phalanx.checkpoint.manifest import META_FILE, build_manifest, read_meta
+from phalanx.checkpoint.reader import RunCheckpoints, latest_checkpoint  # noqa: F401 (latest_checkpoint: re-exported)
 from phalanx.errors import UserError
 from phalanx.parallel.expert_checkpoint import globalize_experts
-from phalanx.train.checkpoint_manifest import META_FILE, build_manifest, read_meta
-from phalanx.train.checkpoint_reader import RunCheckpoints, latest_checkpoint  # noqa: F401 (latest_checkpoint: re-exported)
 
 
 # DCP warns on every save and load without a process group; one process is a supported case.
@@ -148,10 +149,6 @@ def refuse_non_finite(model: nn.Module, path: Path) -> None:
     The manifest only says the files are the ones written; phalanx never saves such weights,
     but an older or foreign writer may have, and training on them would skip every step,
     generating from them would fail deep in sampling."""
-    import torch
-
-    from phalanx.train.bad_steps import weights_finite
-
     params = list(model.named_parameters())
     device = params[0][1].device if params else torch.device("cpu")
     if weights_finite(model, device):
@@ -161,3 +158,14 @@ def refuse_non_finite(model: nn.Module, path: Path) -> None:
     which = f" ({bad})" if bad else " (in another rank's part)"
     raise UserError(f"checkpoint {path} holds non-finite weights{which}; it cannot be used: pick an earlier one "
                     f"(--step N), or remove it")
+
+
+@torch.no_grad()
+def weights_finite(model, device: torch.device) -> bool:
+    """Whether every rank's parameters are all finite (collective: every rank calls it).
+    A checkpoint of non-finite weights would be worse than none: it would push good ones out."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    flag = torch.tensor(float(all(bool(torch.isfinite(p).all()) for p in local)), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

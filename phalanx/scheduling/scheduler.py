@@ -30,8 +30,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from phalanx.serve.block_manager import BlockManager, block_hash
-from phalanx.serve.slo_policy import QueueShape
+from phalanx.scheduling.block_manager import BlockManager, block_hash
+from phalanx.scheduling.slo_policy import QueueShape
 
 
 class QueueFull(Exception):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phalanx.serve.slo_step_time import OnlineStepFit, StepShape, StepTimePredictor, step_shape
+from phalanx.scheduling.slo_step_time import OnlineStepFit, StepShape, StepTimePredictor, step_shape
 
 HEADROOM = 0.85
 

@@ -1,4 +1,4 @@
-/* Decode attention on the CPU, straight from the paged KV pool (phalanx/serve/cpu_decode_kernel.py).
+/* Decode attention on the CPU, straight from the paged KV pool (phalanx/cpu_ops/decode_kernel.py).
  *
  * Each sequence's one query (its query heads folded under their kv head) against its own keys,
  * read where they lie: row `slot` of the pool holds every kv head's keys at k + slot * stride

@@ -30,4 +30,4 @@ def check_counts(**counts: int | None) -> None:
         if value > bound:
             flag = "--" + name.replace("_plus_", " + --").replace("_", "-")
             raise UserError(f"{flag}={value} is beyond {bound:,} {what}, the bound of any serving load "
-                            "(phalanx/serving_bounds.py says why)")
+                            "(phalanx/scheduling/serving_bounds.py says why)")

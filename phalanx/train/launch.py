@@ -4,7 +4,7 @@
 - `--nproc 1` runs in this process, with no process group (unless `--max-restarts` asks for restarts).
 - `--nproc N` starts N local workers through PyTorch's elastic launcher (the machinery of
   `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise, and starts
-  them again after a failure (`--max-restarts`, phalanx/worker_restarts.py).
+  them again after a failure (`--max-restarts`, phalanx/train/worker_restarts.py).
 - SIGTERM and SIGINT stop every worker after the same step, with a checkpoint
   (phalanx/train/stop_signal.py); `report_stop` says how to continue.
 """
@@ -25,13 +25,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
-from phalanx.train.checkpoint import latest_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.train.config import TrainConfig
 from phalanx.train.job import Job, check_sequence_length, resolve_job
 from phalanx.train.restarts import leave_user_error, resume_mode
 from phalanx.train.stop_signal import STOP_STATUS, StopSignals
-from phalanx.worker_group import run_in_group, usable_cores
-from phalanx.worker_restarts import launch_with_restarts, max_restarts
+from phalanx.worker_group import check_nproc, run_in_group, usable_cores
+from phalanx.train.worker_restarts import launch_with_restarts, max_restarts
 
 TEARDOWN_WAIT_S = 1.0
 """How long a worker that raised waits for the agent's SIGTERM before reporting its own error
@@ -54,23 +54,10 @@ def default_nproc(cfg: TrainConfig) -> int:
     return nproc
 
 
-def check_nproc(nproc: int, device: str) -> None:
-    from phalanx.process_count import check_process_count
-
-    check_process_count(nproc)
-    if device != "cpu" and torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        if nproc > gpus:
-            raise UserError(f"--nproc {nproc} asks for more GPUs than this machine has ({gpus})")
-    elif nproc > usable_cores():
-        print(f"phalanx: warning: {nproc} processes on {usable_cores()} CPU cores; they will share cores "
-              "(fine for testing layouts, slow for training)", file=sys.stderr)
-
-
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{model_config(cfg.model).name}-{stamp}"
@@ -144,7 +131,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
             raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
         return _torchrun_worker(cfg)
 
-    from phalanx.model.config import model_config
+    from phalanx.model.by_name import model_config
     from phalanx.train.resume_point import gpu_name, saved_checkpoint
 
     nproc = cfg.nproc or default_nproc(cfg)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import UserError
-from phalanx.generate.sampling import Sampling, pick_token
+from phalanx.inference.sampling import Sampling, pick_token
 from phalanx.model.kv_cache import KVCache
 
 

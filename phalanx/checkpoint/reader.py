@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.errors import UserError
-from phalanx.train.checkpoint_manifest import damage, read_meta
+from phalanx.checkpoint.manifest import damage, read_meta
 
 _STEP_NAME = re.compile(r"step_(\d+)")
 

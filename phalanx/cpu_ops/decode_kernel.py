@@ -1,5 +1,5 @@
 """Decode attention on the CPU read straight from the paged pool: a small C kernel
-(`cpu_decode_kernel.c`), built with the machine's C compiler on first use and loaded by ctypes.
+(`cpu_ops/decode_kernel.c`), built with the machine's C compiler on first use and loaded by ctypes.
 
 Why: a decode step otherwise gathers each group's key and value rows into a new tensor and the
 flash kernel reads them again, and `scaled_dot_product_attention`'s CPU kernel packs them once
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_decode_kernel.c")
+SOURCE = Path(__file__).with_name("decode_kernel.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 LIBS = ["-lm"]  # expf; after the source, where the linker still wants it
 ON = os.environ.get("PHALANX_CPU_DECODE_KERNEL", "1") != "0"

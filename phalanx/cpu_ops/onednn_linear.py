@@ -20,7 +20,7 @@ than its gain.
 
 `use_onednn(model)` is applied from outside, after loading (`serve/loading.py`,
 `generate/cli.py`): it re-classes each eligible `nn.Linear` as `OneDnnLinear` (same
-parameters, hooks and state dict) and marks the routed experts (`GroupedExperts.onednn`).
+parameters, hooks and state dict) and sets the routed experts' hook (`GroupedExperts.onednn`).
 
 Blocked copies. Given a plain weight, oneDNN first copies it into its blocked layout, on every
 call; for a few rows that copy costs as much as the product (each expert's ~8 rows of a decode
@@ -42,6 +42,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from phalanx.model.moe import GroupedExperts
 
 _WORKS: dict[torch.dtype, bool] = {}
 _BLOCKING_WORKS: dict[torch.dtype, bool] = {}
@@ -217,13 +219,17 @@ class OneDnnLinear(nn.Linear):
         return super().forward(x)
 
 
+def expert_product(rows: torch.Tensor, w1: torch.Tensor):
+    """The routed experts' hook (`GroupedExperts.onednn`): `sized_linear` where oneDNN may
+    multiply these rows (`usable`), else None (the experts' own F.linear)."""
+    return sized_linear if usable(rows, w1) else None
+
+
 def use_onednn(model: nn.Module, blocked: bool | None = None) -> int:
     """Re-class every plain-CPU-weight `nn.Linear` of `model` as `OneDnnLinear` and let its
     routed experts use oneDNN; return how many modules changed. A no-op off the CPU, where
     oneDNN's linear is unavailable, or for modules with DTensor weights. `blocked`: keep
     blocked copies of the weights (None: where `blocked_copies_fit`)."""
-    from phalanx.model.moe import GroupedExperts
-
     changed = 0
     for module in model.modules():
         if type(module) is nn.Linear and type(module.weight) in (torch.Tensor, nn.Parameter):
@@ -232,7 +238,7 @@ def use_onednn(model: nn.Module, blocked: bool | None = None) -> int:
                 changed += 1
         elif isinstance(module, GroupedExperts) and type(module.w1) in (torch.Tensor, nn.Parameter):
             if module.w1.device.type == "cpu" and onednn_works(module.w1.dtype):
-                module.onednn = True
+                module.onednn = expert_product
                 changed += 1
     if blocked is None:
         blocked = blocked_copies_fit(model)

@@ -1,0 +1,110 @@
+"""The `phalanx serve` job: every flag checked before any weights are read, worked out once
+as plain data that the launcher hands to every rank (serve/cli.py builds it; pool_main.py
+checks each pool's plan with the same `check_plan`)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from phalanx import layout_rules as rules
+from phalanx.errors import UserError
+from phalanx.plan import plan_from_string
+from phalanx.plan_model_checks import validate_tp
+from phalanx.scheduling.serving_bounds import check_counts
+from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
+
+
+def check_slo(args) -> dict:
+    for name in ("ttft_ms", "tpot_ms"):
+        value = getattr(args, name, None)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive number of milliseconds, got {value}")
+    return {"ttft_ms": getattr(args, "ttft_ms", None), "tpot_ms": getattr(args, "tpot_ms", None)}
+
+
+def slo_policy(job: dict):
+    """The SLO scheduler's policy for --ttft-ms/--tpot-ms (slo_policy.py), or None without them."""
+    targets = slo_targets(job)
+    return None if targets is None else SloPolicy(targets, job["max_num_batched_tokens"])
+
+
+def slo_targets(job: dict):
+    if job.get("ttft_ms") is None and job.get("tpot_ms") is None:
+        return None
+    ms = lambda value: None if value is None else value / 1000  # noqa: E731
+    return SloTargets(ttft_s=ms(job.get("ttft_ms")), tpot_s=ms(job.get("tpot_ms")))
+
+
+def _at_least(args, name: str, low: int) -> None:
+    value = getattr(args, name)
+    if value is not None and value < low:
+        raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
+def prepare_job(args) -> dict:
+    """Every flag checked before any weights are read, as plain data."""
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_waiting", "nproc"):
+        _at_least(args, name, 1)
+    if args.kv_cache_memory is not None and not (args.kv_cache_memory > 0 and math.isfinite(args.kv_cache_memory)):
+        raise UserError(f"--kv-cache-memory must be a positive number of GiB, got {args.kv_cache_memory}")
+    if not args.shutdown_grace >= 0:
+        raise UserError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty")
+    check_counts(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                 block_size=args.block_size)
+    plan = check_plan(args)
+    for name in ("expert_slots", "rebalance_every"):
+        _at_least(args, name, 0)
+    slo = check_slo(args)
+    if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and _data_parallel(plan):
+        raise UserError(f"--ttft-ms/--tpot-ms with plan {plan} is not there yet: the latency targets size one "
+                        "scheduler's steps, and dp ranks each have their own (use tp=N, or pools: --pool)")
+    return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": args.host, "port": args.port,
+            "served_model_name": args.served_model_name or args.model, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
+            "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size, "api_key": args.api_key,
+            "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
+            "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
+            "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
+            "expert_placement": args.expert_placement, **slo}
+
+
+def check_plan(args) -> str:
+    """The layouts serving runs: tp=N; dp=N,ep=N (attention data parallelism, every dp rank an
+    expert rank); tp=N,ep=M,ep_over_tp=true (experts over the tp ranks)."""
+    world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
+    plan = plan_from_string(args.plan or f"tp={world_size}", world_size)
+    ep_beside_tp = plan.ep > 1 and plan.tp > 1 and not plan.ep_over_tp
+    if plan.pp > 1 or plan.cp > 1 or plan.sp or plan.zero or (plan.dp > 1 and plan.tp > 1) or ep_beside_tp:
+        raise UserError(f"phalanx serve runs tp=N, dp=N,ep=N and tp=N,ep=M,ep_over_tp=true; plan {plan.to_string()} "
+                        "(pp, cp, sp, zero, or dp beside tp) is not there yet (docs/serve.md)")
+    if plan.dp > 1 and plan.ep != plan.dp:
+        raise UserError(f"phalanx serve runs attention data parallelism as dp=N,ep=N (every rank an expert rank); "
+                        f"plan {plan.to_string()} has dp={plan.dp}, ep={plan.ep}: not there yet (docs/serve.md)")
+    return plan.to_string()
+
+
+def _data_parallel(plan: str) -> bool:
+    return plan_from_string(plan, None).dp > 1
+
+
+def check_for_model(job: dict) -> None:
+    """Before any worker starts: the plan's tp and ep and the expert-slot flags against the model."""
+    # Imported here, not at the top: they reach torch, and `serve --help` should start light.
+    from phalanx.inference.model_source import resolve_model
+    from phalanx.serve.expert_placement import first_placement
+
+    cfg = resolve_model(job["model"], job["step"]).cfg
+    plan = plan_from_string(job["plan"], job["nproc"])
+    # The trainer's rule, as serving shards the model with the same apply_tp: a tp that does
+    # not divide the KV heads would fail in the first forward, after the server is up.
+    if problems := validate_tp(plan, cfg, cfg.max_seq_len):
+        raise UserError(f"invalid plan: {problems[0]}")
+    if problem := rules.ep_problem(plan.ep, dp=plan.dp, n_experts=cfg.n_experts, model=cfg.name, tp=plan.tp,
+                                   over_tp=plan.ep_over_tp):
+        raise UserError(f"invalid plan: {problem}")
+    first_placement(job, cfg, plan)
