@@ -23,7 +23,9 @@ env: $(VENV)/.installed
 demo: env
 	$(BIN)/phalanx train
 
+# lint-imports first: a change that crosses a floor (docs/architecture.md) fails, naming the import.
 test: env
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2
 
 clean:

@@ -17,9 +17,12 @@ from phalanx.generate.cli import register as register_generate
 from phalanx.hf.export_run import register as register_export
 from phalanx.kernels.cli import register as register_kernels
 from phalanx.planner.cli import register as register_plan
-from phalanx.planner.serve_cli import main as serve_main, serve_argv
+from phalanx.planner.serve_cli import main as serve_main
+from phalanx.planner.serve_cli import serve_argv
 from phalanx.planner.simulate import register as register_simulate
 from phalanx.serve.cli import register as register_serve
+from phalanx.train.config import load_config
+from phalanx.train.restarts import earlier_user_error
 
 # Flags of `phalanx train` that override TrainConfig fields (flag name -> field, type).
 TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
@@ -79,9 +82,6 @@ def _add_train(subparsers) -> None:
 
 
 def _run_train(args) -> int:
-    from phalanx.train.config import load_config
-    from phalanx.train.restarts import earlier_user_error
-
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
     overrides.update(resume=args.resume, progress=args.progress, plot=args.plot, max_bad_steps=args.max_bad_steps,
                      sync_checkpoint=args.sync_checkpoint, max_restarts=args.max_restarts,
@@ -91,6 +91,7 @@ def _run_train(args) -> int:
         if os.environ["RANK"] != "0":
             return 2  # said once, by rank 0
         raise UserError(f"{message} (an earlier attempt stopped on this error; not retried)")
+    # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.train.launch import launch_train
 
     return launch_train(cfg, rdzv_endpoint=args.rdzv_endpoint)
@@ -118,8 +119,13 @@ def _parse(argv: list[str] | None):
     """The subcommand to run: `plan --serve` / `simulate --serve` take the serving planner's own
     flags (phalanx/planner/serve_cli.py), everything else the parser above."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if serve_argv(argv):
-        return lambda: serve_main(argv)
+    if "--serve" in argv:
+        # Imported when asked for, not at the top: the serving planner's modules, which every
+        # other command's start-up need not load.
+        from phalanx.planner.serve_cli import main as serve_main, serve_argv
+
+        if serve_argv(argv):
+            return lambda: serve_main(argv)
     args = build_parser().parse_args(argv)
     return lambda: args.func(args)
 

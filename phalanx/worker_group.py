@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -15,8 +16,12 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from phalanx.errors import UserError
+from phalanx.ports import free_port
 from phalanx.process_count import check_process_count, usable_cores
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -91,10 +96,6 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     not even the agent's error lines (the caller reports); `grace_s`: how long the agent waits
     for workers it signals (SIGTERM, SIGINT) before it kills them; `fresh`: on CPU, fork the
     workers from a clean server process instead of this one (see the start method below)."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from phalanx.ports import free_port
-
     # The agent's loggers each carry their own level; quiet them all, errors still show.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL if quiet else logging.ERROR)
@@ -111,7 +112,6 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     elif fresh or nodes[1] > 1:
         # Several machines: another machine's workers may connect to this machine's store
         # while it forks (the barrier below only orders this machine's own workers).
-        import multiprocessing
 
         multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.train.launch"])
         start_method = "forkserver"
@@ -150,14 +150,10 @@ class AfterSiblingsForked:
     forks are still taken (the agent starts no other threads that resolve addresses). A
     multi-machine launch, where another machine's workers may connect to this machine's store
     while it forks, uses a forkserver instead (single-threaded: no lock held at a fork)."""
-
     BARRIER_TIMEOUT_S = 60.0
     """A sibling that never arrives (its fork failed; the agent then stops the rest) lets the
     others go on after this, to fail the way they would have."""
-
     def __init__(self, entry, nproc: int):
-        import multiprocessing
-
         self.entry = entry
         self.barrier = multiprocessing.get_context("fork").Barrier(nproc)
         functools.update_wrapper(self, entry)
@@ -173,9 +169,6 @@ class AfterSiblingsForked:
 def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
     """`start_elastic` for commands whose workers report by exit status: 0, 2 (a user error
     that rank 0 has printed), 130 (interrupted) or 1 (a failure, printed here)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         start_elastic(entry, args, nproc, device, rdzv_endpoint)
     except (SignalException, KeyboardInterrupt):

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from phalanx.checkpoint import store as checkpoint
+from phalanx.checkpoint.store import latest_checkpoint, save_checkpoint
 from phalanx.cli import main
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
-from phalanx.train import checkpoint
-from phalanx.checkpoint.store import latest_checkpoint, save_checkpoint
 from phalanx.train.loop import train
 
 
@@ -140,8 +140,8 @@ def test_full_disk_during_a_save_is_one_line_and_keeps_the_previous(tmp_path, mo
     """The disk fills up while DCP writes step 2 (its fsync fails with ENOSPC, as a full disk
     reports it): a UserError naming the step and the cause, in the background save at the
     next wait as in the loop, and step 1 is still the newest complete checkpoint."""
-    from phalanx.errors import UserError
     from phalanx.checkpoint.writer import CheckpointWriter
+    from phalanx.errors import UserError
 
     model = torch.nn.Linear(2, 2)
     writer = CheckpointWriter(tmp_path, model, torch.optim.AdamW(model.parameters()), device=torch.device("cpu"),

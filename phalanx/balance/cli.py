@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
+from phalanx.errors import UserError
+from phalanx.output_path import check_output_file
+
 
 def register(subparsers) -> None:
     """Add `balance` to an argparse subparsers object."""
@@ -27,12 +30,11 @@ def register(subparsers) -> None:
 
 
 def run_balance(args) -> int:
+    # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.balance.loads import read_load
     from phalanx.balance.solve import check_load, rebalance
-    from phalanx.errors import UserError
 
     if args.plot:
-        from phalanx.output_path import check_output_file
 
         if not args.plot.lower().endswith(".png"):
             raise UserError(f"--plot {args.plot}: name a .png file")
@@ -55,6 +57,7 @@ def run_balance(args) -> int:
                        refine=args.refine, previous=previous)
     record = result.report(load)
     if args.plot:
+        # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
         from phalanx.balance.plot import plot_gpu_loads
 
         plot_gpu_loads(load, result.phy2log, args.gpus, args.plot)

@@ -12,9 +12,11 @@ from phalanx.balance import measure
 def plot_gpu_loads(load: np.ndarray, phy2log: np.ndarray, gpus: int, png: Path) -> None:
     """Left: each GPU's load in the layer that was most uneven before, before and after.
     Right: balancedness per layer, before and after."""
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib
 
     matplotlib.use("Agg")
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib.pyplot as plt
 
     before, after = measure.unreplicated_loads(load, gpus), measure.gpu_loads(load, phy2log, gpus)

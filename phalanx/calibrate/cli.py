@@ -3,6 +3,11 @@ torch (phalanx/calibrate/command.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from phalanx.errors import UserError
+from phalanx.output_path import check_output_file
+
 
 def register(subparsers) -> None:
     """Add `calibrate` to an argparse subparsers object."""
@@ -22,11 +27,9 @@ def register(subparsers) -> None:
 
 def run_calibrate(args) -> int:
     if args.serve:
-        from pathlib import Path
 
+        # Imported when run, not at the top: the command's own code, which start-up need not load.
         from phalanx.calibrate.serve_steps import calibrate_serve
-        from phalanx.errors import UserError
-        from phalanx.output_path import check_output_file
         from phalanx.planner.serve_costs import serve_costs_path
 
         if args.max_procs < 1:
@@ -34,6 +37,7 @@ def run_calibrate(args) -> int:
         out = check_output_file(Path(args.out) if args.out else serve_costs_path(), "--out")
         calibrate_serve(args.model, out, max_procs=args.max_procs)
         return 0
+    # Imported when run, not at the top: the command's own code, which start-up need not load.
     from phalanx.calibrate.command import calibrate_command
 
     return calibrate_command(args)

@@ -31,16 +31,27 @@ import json
 import os
 import statistics
 
-from phalanx.calibrate.compute import (OVERHEAD_MODEL, OVERHEAD_TOKENS, measure_attention, measure_bandwidth,
-                                       measure_matmuls, measure_overheads)
+from phalanx.calibrate.compute import (
+    OVERHEAD_MODEL,
+    OVERHEAD_TOKENS,
+    measure_attention,
+    measure_bandwidth,
+    measure_matmuls,
+    measure_overheads,
+)
 from phalanx.calibrate.fit import fit_alpha_beta, fit_matmul, fit_overheads, fit_tp_overheads
+from phalanx.calibrate.runtimes import measure_runtime_overheads
 from phalanx.calibrate.workers import measure_collectives, measure_delivered_share, timeit
 from phalanx.calibrate.wrappers import measure_tp_overhead
+from phalanx.errors import UserError
+from phalanx.output_path import check_output_file
 from phalanx.planner.framework_costs import FrameworkCosts
 from phalanx.planner.hardware import Cluster, cluster_to_dict, local_cluster_path
+from phalanx.process_count import check_process_count
 
 
 def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[Cluster, dict]:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     if backend == "auto":
@@ -128,7 +139,6 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
     runtime: dict = {}
     fsdp_overhead = 0.0
     if not gpu:
-        from phalanx.calibrate.runtimes import measure_runtime_overheads
 
         runtime = measure_runtime_overheads(max_procs=max_procs, collective_fits=fits, quick=quick, log=log)
         report["runtime_overheads"] = runtime
@@ -168,10 +178,6 @@ def calibrate(*, max_procs: int, backend: str, quick: bool, log=print) -> tuple[
 
 
 def calibrate_command(args) -> int:
-    from phalanx.errors import UserError
-    from phalanx.output_path import check_output_file
-    from phalanx.process_count import check_process_count
-
     if args.max_procs < 2:  # before 30-45 s of measuring, as the output's place below
         raise UserError(f"--max-procs {args.max_procs}: the collectives are measured over groups of 2 up to it, "
                         "so it must be at least 2")

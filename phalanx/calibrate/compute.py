@@ -7,6 +7,7 @@ import math
 import time
 
 from phalanx.calibrate.workers import smoke, sync_device, timeit
+from phalanx.model.config import ModelConfig
 
 
 def measure_matmuls(device, dtype, *, quick: bool) -> list[tuple[int, int, int, float]]:
@@ -15,6 +16,7 @@ def measure_matmuls(device, dtype, *, quick: bool) -> list[tuple[int, int, int, 
     The fixed cost of one call (an 8 x 8 product) is subtracted: it belongs to the per-layer
     overhead, measured separately, not to the throughput.
     """
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     tiny = torch.randn(8, 8, device=device, dtype=dtype)
@@ -47,6 +49,7 @@ def measure_attention(device, dtype, peak: float, *, quick: bool) -> float:
     Timed at two sequence lengths so that the fixed cost of the call (already inside
     layer_overhead_us) cancels: efficiency = (FLOPs2 - FLOPs1) / (peak * (t2 - t1)).
     """
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
     import torch.nn.functional as F
 
@@ -72,6 +75,7 @@ def measure_attention(device, dtype, peak: float, *, quick: bool) -> float:
 
 def measure_bandwidth(device, *, quick: bool) -> float:
     """Memory bandwidth in TB/s from c = a + b on large float32 tensors (3 x 4 bytes per element)."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     n = (1 << 20) if quick else (1 << 25)
@@ -95,8 +99,6 @@ OVERHEAD_TOKENS = ((1, 16), (8, 128))
 
 
 def overhead_model(layers: int, seq: int):
-    from phalanx.model.config import ModelConfig
-
     return ModelConfig(name="overhead", n_layers=layers, max_seq_len=seq, **OVERHEAD_MODEL)
 
 
@@ -106,6 +108,7 @@ def measure_overheads(device, *, quick: bool, threads: tuple[int, ...] = (1,)) -
     of OVERHEAD_TOKENS, for each thread count; and at the small size with every block under
     activation checkpointing. Seconds, fastest repeat, keyed "layers:mbs:seq:threads[:rc]".
     """
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
     from torch.utils.checkpoint import checkpoint
 

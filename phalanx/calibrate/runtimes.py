@@ -36,10 +36,14 @@ import os
 import statistics
 import time
 
+from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS, overhead_model
 from phalanx.calibrate.fit import all_reduce_s, fit_fsdp_pp, fit_split_rerun, fit_tp_step
 from phalanx.calibrate.workers import init_worker, run_workers, smoke
 from phalanx.calibrate.wrappers import fsdp_worker
-
+from phalanx.model.config import ModelConfig
+from phalanx.plan import Plan, parse_plan
+from phalanx.planner.cost import actions_per_microbatch
+from phalanx.planner.stage_time import weight_tensors
 
 PP_TOKENS = (1, 16)
 """(micro-batch, sequence) of the pipeline measurement: small, so the runtime's cost shows."""
@@ -51,8 +55,8 @@ bucket all-reduce competes with for the cores."""
 
 
 def _ddp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.model.transformer import Transformer
-    from phalanx.calibrate.compute import overhead_model
 
     torch, dist = init_worker(rank, world, port, threads)
     cfg = overhead_model(2, DDP_TOKENS[1])
@@ -77,10 +81,10 @@ def _ddp_worker(rank: int, world: int, port: int, repeats: int, threads: int, qu
 
 
 def _fsdp_pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
 
     torch, dist = init_worker(rank, world, port, threads)
@@ -127,14 +131,12 @@ def _fsdp_pp_worker(rank: int, world: int, port: int, repeats: int, threads: int
 
 
 def _tp_step_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from torch.distributed.device_mesh import init_device_mesh
 
-    from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
     from phalanx.parallel.grad_norm import clip_grad_norm
     from phalanx.parallel.tensor_parallel import apply_tp, loss_context
-    from phalanx.plan import Plan
-    from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS
     from phalanx.train.loss import token_loss
 
     torch, dist = init_worker(rank, world, port, threads)
@@ -176,12 +178,9 @@ PP_SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev")
 
 
 def _pp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
+    # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.parallel.apply import parallelize
     from phalanx.parallel.mesh import build_mesh
-    from phalanx.plan import parse_plan
-    from phalanx.calibrate.compute import overhead_model
-    from phalanx.planner.cost import actions_per_microbatch
-    from phalanx.planner.stage_time import weight_tensors
     from phalanx.train.loss import token_loss
     from phalanx.train.pipeline_step import make_pipeline, pipeline_step
 

@@ -16,9 +16,14 @@ import asyncio
 import json
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
-from phalanx.planner.serve_fit import ServerProbe
+from phalanx import hf
+from phalanx.layout_rules import tp_problem
+from phalanx.planner.serve_fit import ServerProbe, fit_probe
+from phalanx.serve.pool_backend import Backend, backend_command
 from phalanx.serve.pool_proxy import forward
 
 PROBE_ISL, PROBE_OSL = 64, 16
@@ -71,8 +76,6 @@ async def probe_running(address: tuple[str, int], name: str, *, tp: int, vocab: 
 async def probe_server(folder, *, tp: int, vocab: int, env: dict[str, str] | None = None, log=print) -> ServerProbe:
     """Start `phalanx serve --model folder` over `tp` processes with the probe's flags, probe it,
     stop it (SIGTERM, as an operator would)."""
-    from phalanx.serve.pool_backend import Backend, backend_command
-
     flags = ["--model", str(folder), "--num-kv-blocks", str(PROBE_BLOCKS), "--block-size", "16",
              "--max-num-batched-tokens", str(PROBE_BUDGET), "--max-num-seqs", str(PROBE_SEQS)]
     backend = Backend(f"probe tp={tp}", backend_command(flags, f"tp={tp}", tp), env or {})
@@ -92,9 +95,9 @@ async def probe_server(folder, *, tp: int, vocab: int, env: dict[str, str] | Non
 def probe_model_folder(cfg, folder):
     """`folder` with a randomly initialized model of `cfg`'s shape in Hugging Face form (what
     `phalanx serve` reads; the costs probed depend on the shape, not the weights)."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
-    from phalanx import hf
     from phalanx.model.transformer import Transformer
 
     torch.manual_seed(0)
@@ -104,8 +107,6 @@ def probe_model_folder(cfg, folder):
 
 def group_sizes(cfg, max_procs: int) -> list[int]:
     """The tp groups probed: 2, 4, ... up to `max_procs`, those the model's shape splits into."""
-    from phalanx.layout_rules import tp_problem
-
     return [g for g in (2, 4, 8) if g <= max_procs and not tp_problem(
         g, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size,
         expert_ffn_dim=cfg.moe_ffn_dim, n_experts=cfg.n_experts)]
@@ -115,11 +116,6 @@ def probe_and_fit(cfg, cluster, costs, *, max_procs: int, folder=None, env: dict
                   log=print):
     """`costs` refitted by probing a server of one process, then one per tp group size; and
     the probes. Without `folder` a random model of `cfg`'s shape is written for the servers."""
-    import tempfile
-    from pathlib import Path
-
-    from phalanx.planner.serve_fit import fit_probe
-
     probes = []
     with tempfile.TemporaryDirectory(prefix="phalanx-serve-probe-") as scratch:
         if folder is None:

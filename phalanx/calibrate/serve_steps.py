@@ -14,19 +14,25 @@ About a minute and a half for the `small` preset on 2 cores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 import time
 from pathlib import Path
 
+from phalanx.planner.hardware import cluster_from_name
+from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.serve_fit import MeasuredStep, fit
+from phalanx.planner.serve_step import ServeLayout
+from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 
 
 def _engine(cfg, *, num_blocks: int, block_size: int, max_tokens: int):
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     from phalanx.model.transformer import Transformer
     from phalanx.serve.engine import Engine
-    from phalanx.scheduling.scheduler import Scheduler
 
     torch.manual_seed(0)
     model = Transformer(cfg).float().eval()
@@ -36,10 +42,8 @@ def _engine(cfg, *, num_blocks: int, block_size: int, max_tokens: int):
 
 
 def _add(engine, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.serve.engine import request_sampling
-    from phalanx.scheduling.scheduler import Sequence
-
-    import random
 
     rng = random.Random(tag)  # distinct prompts: no prefix-cache hits
     for i in range(n):
@@ -83,8 +87,8 @@ def measure(cfg, *, repeats: int = 5, log=print) -> list[MeasuredStep]:
 def engine_splits_forwards() -> bool:
     """Whether `phalanx serve`'s engine runs a step of one decode and one prompt chunk as two
     forwards (serve/engine.step_forwards, asked with such a step; `ServeCosts.split_forwards`)."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.serve.engine import step_forwards
-    from phalanx.scheduling.scheduler import Chunk, Sequence, Step
 
     decoding = Sequence(seq_id="decoding", prompt=[1, 2], max_tokens=4)
     decoding.num_computed = 1
@@ -96,15 +100,11 @@ def engine_splits_forwards() -> bool:
 def calibrate_serve(model_name: str, out_path, *, max_procs: int = 2, log=print) -> dict:
     """Engine steps in this process, then a real server (serve_probe.py); the constants written
     to `out_path`."""
-    import dataclasses
-
+    # Imported when run, not at the top: it brings in h11, torch, which start-up need not wait for.
     import torch
 
     from phalanx.calibrate.serve_probe import probe_and_fit
     from phalanx.hf.weights import has_any_weights
-    from phalanx.planner.hardware import cluster_from_name
-    from phalanx.planner.model_spec import model_from_name
-    from phalanx.planner.serve_step import ServeLayout
 
     cfg = model_from_name(model_name)
     cluster = cluster_from_name("local")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue as queue_module
 import statistics
 import time
 
 from phalanx.errors import UserError
-
+from phalanx.ports import free_port
 
 SMOKE_ENV = "PHALANX_CALIBRATE_SMOKE"
 """Test hook: set to 1, every measurement runs its code path with the fewest timings (one
@@ -35,6 +36,7 @@ def timeit(fn, *, repeats: int, warmup: int = 1, best: bool = False) -> float:
 
 
 def sync_device(device):
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     if device.type == "cuda":
@@ -44,6 +46,7 @@ def sync_device(device):
 def init_worker(rank: int, world: int, port: int, threads: int, backend: str = "gloo"):
     """A measurement worker's start: its thread count, the environment the trainer's code
     reads (RANK, WORLD_SIZE, ...), a process group with a short timeout. Returns torch, dist."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
     import torch.distributed as dist
 
@@ -61,11 +64,8 @@ def run_workers(worker, world: int, args: tuple, *, start_method: str, timeout_s
     A group that hangs or loses a worker is killed and started again on a fresh port (once by
     default): one 4-process gloo group in some twenty calibrations never reported, and a
     whole calibration should not be lost to that."""
-    import queue as queue_module
-
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch.multiprocessing as mp
-
-    from phalanx.ports import free_port
 
     ctx = mp.get_context(start_method)
     problem = ""
@@ -143,6 +143,7 @@ def measure_collectives(world: int, backend: str, *, quick: bool, timeout_s: flo
 
 
 def busy_worker(seconds: float, start, queue) -> None:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     torch.set_num_threads(1)
@@ -161,6 +162,7 @@ def measure_delivered_share(cores: int, single_flops: float, *, quick: bool) -> 
     single-threaded workers, averaged over time rather than at its best moments (the other
     measurements keep their fastest repeat; on a machine shared with other jobs the job gets
     only what those jobs leave)."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("fork")

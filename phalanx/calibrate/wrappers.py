@@ -8,6 +8,7 @@ import time
 
 from phalanx.calibrate.compute import OVERHEAD_MODEL, OVERHEAD_TOKENS
 from phalanx.calibrate.workers import init_worker, smoke, two_process
+from phalanx.model.config import ModelConfig
 
 
 def fsdp_worker(rank: int, world: int, port: int, repeats: int, threads: int, queue) -> None:
@@ -28,9 +29,9 @@ def wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, thre
     (forward and two backward products: 3 passes). FSDP is timed on a tiny model at 8 tokens;
     tensor parallelism on the overhead model at 8 tokens and at a real micro-batch
     (OVERHEAD_TOKENS[1]) without sequence parallelism, and at the real micro-batch with it."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from torch.distributed.device_mesh import init_device_mesh
 
-    from phalanx.model.config import ModelConfig
     from phalanx.model.transformer import Transformer
 
     torch, dist = init_worker(rank, world, port, threads)
@@ -38,12 +39,14 @@ def wrapper_overhead_worker(rank: int, world: int, port: int, repeats: int, thre
 
     def wrap(model, sp: bool) -> None:
         if kind == "fsdp":
+            # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
             from torch.distributed.fsdp import fully_shard
 
             for block in model.layers.values():
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         else:
+            # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
             from phalanx.parallel.tensor_parallel import apply_tp
 
             apply_tp(model, mesh, sp=sp)

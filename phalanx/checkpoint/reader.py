@@ -18,8 +18,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.errors import UserError
 from phalanx.checkpoint.manifest import damage, read_meta
+from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
 
 _STEP_NAME = re.compile(r"step_(\d+)")
 
@@ -27,16 +28,12 @@ _STEP_NAME = re.compile(r"step_(\d+)")
 @dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint whose files match its manifest."""
-
     step: int
     path: Path
     meta: dict
     """Its phalanx.json: the step, the model's config, the run's settings, the manifest."""
-
     def model_config(self):
         """The ModelConfig it records; a UserError when it records none, or one that is not valid."""
-        from phalanx.model.config import ModelConfig
-
         recorded = self.meta.get("model")
         if not isinstance(recorded, dict):
             raise UserError(f"{self.path} does not record its model's config (written by an older phalanx); cannot read it")
@@ -50,7 +47,6 @@ class Checkpoint:
 class RunCheckpoints:
     """Every finished checkpoint folder of a run: the intact ones newest first, the damaged
     ones with the reason (a folder whose phalanx.json cannot be read is damaged too)."""
-
     run_dir: Path
     intact: list[Checkpoint]
     damaged: list[tuple[Path, str]]

@@ -21,13 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from phalanx.checkpoint.manifest import META_FILE, build_manifest, read_meta
 from phalanx.checkpoint.reader import RunCheckpoints, latest_checkpoint  # noqa: F401 (latest_checkpoint: re-exported)
 from phalanx.errors import UserError
 from phalanx.parallel.expert_checkpoint import globalize_experts
-
 
 # DCP warns on every save and load without a process group; one process is a supported case.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -133,8 +138,6 @@ def load_model_weights(path: Path, model: nn.Module, *, tied: bool = False) -> N
     """Only the model part of the checkpoint at `path`, into `model` of any layout (export and
     generation; the optimizer state is not read). `tied`: the output projection shares the
     embedding's matrix, which the checkpoint holds once, under the embedding's name."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
     state = get_model_state_dict(model)
     if tied:
         state.pop("output.weight", None)

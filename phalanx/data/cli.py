@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+from phalanx.errors import UserError
+from phalanx.process_count import check_process_count
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -23,13 +26,12 @@ def register(subparsers) -> None:
 
 
 def run_prepare(args) -> int:
+    # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.data.prepare import prepare
-    from phalanx.errors import UserError
 
     if args.workers < 0:
         raise UserError(f"--workers {args.workers} must not be negative (0: one per CPU core)")
     if args.workers:
-        from phalanx.process_count import check_process_count
 
         check_process_count(args.workers, "--workers")
     manifest = prepare(args.sources, tokenizer=args.tokenizer, out=args.out, field=args.field,

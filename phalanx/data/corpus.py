@@ -22,9 +22,14 @@ import numpy as np
 from phalanx.data.prepared import TokenRanges, is_prepared, open_prepared
 from phalanx.data.sources import TEXT_SUFFIXES, read_text, text_files
 from phalanx.data.tokenizer import (
-    ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, token_dtype,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    token_dtype,
 )
 from phalanx.errors import UserError
+from phalanx.model.hf_config import model_directory
 
 VALIDATION_SHARE = 20
 """One file in 20 (by path hash) goes to validation."""
@@ -168,8 +173,6 @@ def load_corpus(path: str | None, tokenizer: Tokenizer | None = None) -> Corpus:
 def run_tokenizer(spec: str, *, model: str, data: str) -> Tokenizer:
     """The tokenizer of a run: `--tokenizer` when given; else the model directory's
     tokenizer.json; else, for a prepared directory, the one it was made with; else bytes."""
-    from phalanx.model.hf_config import model_directory  # torch-free: the one reading of --model PATH
-
     folder = model_directory(model)
     if spec or (folder is not None and (folder / "tokenizer.json").is_file()):
         return load_tokenizer(spec, folder)

@@ -32,6 +32,7 @@ from phalanx.data.prepared import FORMAT, MANIFEST
 from phalanx.data.sources import documents, source_files
 from phalanx.data.tokenizer import Tokenizer, load_tokenizer, save_tokenizer_files, token_dtype
 from phalanx.errors import UserError
+from phalanx.output_path import check_output_folder
 
 SHARD_TOKENS = 2**28
 """A shard file closes once it holds this many tokens (512 MiB of uint16)."""
@@ -81,6 +82,7 @@ def _die_with_parent() -> None:
     """Linux: this worker gets SIGKILL when the parent dies (killed, or out of memory), instead
     of encoding on alone; elsewhere the pool's own shutdown is all there is."""
     try:
+        # Imported when run, not at the top: the command's own code, which start-up need not load.
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
@@ -158,7 +160,6 @@ def _encode_chunk(task: tuple[int, list, int, float, str]) -> tuple[np.ndarray, 
 
 class _ShardWriter:
     """Appends one split's tokens to `<split>_NNNNN.bin` files of about SHARD_TOKENS each."""
-
     def __init__(self, folder: Path, split: str):
         self.folder, self.split = folder, split
         self.shards: list[dict] = []
@@ -221,8 +222,6 @@ def _split_record(train: _ShardWriter, val: _ShardWriter, counts: dict, val_frac
 
 
 def _target(out: str) -> Path:
-    from phalanx.output_path import check_output_folder
-
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UserError(f"--out {out!r} already exists and is not an empty folder; choose another or remove it")
@@ -232,6 +231,7 @@ def _target(out: str) -> Path:
 def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text", val_fraction: float = 0.01,
             workers: int = 0, progress: bool = True) -> dict:
     """Write the prepared directory `out`; returns its data.json record."""
+    # Imported when run, not at the top: it brings in tqdm, which start-up need not wait for.
     from tqdm import tqdm
 
     if not 0 <= val_fraction < 1:  # also nan
@@ -299,7 +299,6 @@ def prepare(sources: list[str], *, tokenizer: str, out: str, field: str = "text"
 class _encoder:
     """`with _encoder(spec, workers) as encode:` maps tasks to results in order, in this process
     (one worker) or a pool of forked ones."""
-
     def __init__(self, spec: str, workers: int):
         self.spec, self.workers, self.pool = spec, workers, None
 

@@ -36,6 +36,7 @@ def _too_big(where: str, size: int) -> UserError:
 def _prepared_dirs(folder: Path) -> list[Path]:
     """Folders under `folder` that are an earlier `phalanx prepare` output (their data.json
     is its record, not a document)."""
+    # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.data.prepared import FORMAT, MANIFEST
 
     def prepared(record: Path) -> bool:
@@ -116,6 +117,7 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, int]]:
 
 
 def _parquet_documents(path: Path, field: str) -> Iterator[tuple[str, int]]:
+    # Imported when run, not at the top: it brings in pyarrow, which start-up need not wait for.
     import pyarrow.parquet as pq
 
     try:

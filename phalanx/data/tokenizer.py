@@ -57,6 +57,7 @@ class HFTokenizer:
     reads_any_bytes = False
 
     def __init__(self, path: Path):
+        # Imported when run, not at the top: it brings in tokenizers, which start-up need not wait for.
         from tokenizers import Tokenizer
 
         try:

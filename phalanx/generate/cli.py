@@ -12,6 +12,9 @@ import sys
 from dataclasses import asdict
 
 from phalanx.errors import UserError
+from phalanx.plan import plan_from_string
+from phalanx.plan_model_checks import validate_for_model
+from phalanx.process_count import check_process_count
 
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 1.0}
 
@@ -62,17 +65,16 @@ def sampling_fields(args) -> dict:
 
 def prepare_job(args) -> dict:
     """Everything checked before any weights are read or workers started, as plain data."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.inference.decoding import check_context
     from phalanx.inference.model_source import resolve_model, text_codec
     from phalanx.inference.sampling import Sampling
-    from phalanx.plan import plan_from_string
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise UserError("give exactly one of --prompt TEXT and --prompt-ids 1,2,3")
     sampling = Sampling(**sampling_fields(args)).validate()
     if args.nproc < 1:
         raise UserError(f"--nproc must be >= 1, got {args.nproc}")
-    from phalanx.process_count import check_process_count
 
     check_process_count(args.nproc)
     source = resolve_model(args.model, args.step)
@@ -91,7 +93,6 @@ def prepare_job(args) -> dict:
     if plan.world_size != plan.tp:  # dp would only repeat the work; pp and ep: not built yet
         raise UserError(f"phalanx generate runs tensor-parallel layouts (tp=N, optionally sp=true); "
                         f"plan {plan.to_string()} has dp={plan.dp}, pp={plan.pp}")
-    from phalanx.plan_model_checks import validate_for_model
 
     # Sequence parallelism splits the context over the tp ranks; decoding pads it on the right
     # to a multiple of tp (decoding.py), so the length checked is the padded one.
@@ -106,17 +107,18 @@ def prepare_job(args) -> dict:
 
 def run_job(job: dict):
     """On every rank: load this rank's part of the model and generate. Returns (Generated, codec)."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
+    from phalanx.cpu_ops.onednn_linear import use_onednn
     from phalanx.inference.decoding import generate_ids
     from phalanx.inference.model_source import load_model, resolve_model, text_codec
     from phalanx.inference.sampling import Sampling
-    from phalanx.cpu_ops.onednn_linear import use_onednn
-    from phalanx.parallel.mesh import build_mesh
-    from phalanx.plan import plan_from_string
     from phalanx.local_device import pick_device
+    from phalanx.parallel.mesh import build_mesh
 
     source = resolve_model(job["model"], job["step"])
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
     device = pick_device(job["device"])
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch.distributed as dist
 
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -139,6 +141,7 @@ def output(result, codec, as_json: bool) -> str:
 
 def worker_main(job: dict) -> int:
     """Entry point of every worker; rank 0 prints."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.worker_group import run_in_group
 
     rank = int(os.environ.get("RANK", "0"))
@@ -163,8 +166,8 @@ def _run(args) -> int:
         return worker_main(job)
     if args.nproc == 1:
         return worker_main(job)
-    from phalanx.worker_group import check_nproc
-    from phalanx.worker_group import run_elastic
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
+    from phalanx.worker_group import check_nproc, run_elastic
 
     check_nproc(args.nproc, args.device)
     return run_elastic(_elastic_entry, (job,), args.nproc, device=args.device, rdzv_endpoint=args.rdzv_endpoint)

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from phalanx.model.hf_config import config_path, read_model_config
+
 __all__ = ["load", "save"]
 
 
 def load(path: str | Path, dtype=None):
     """A phalanx Transformer (one process, CPU) with the directory's weights, in `dtype`
     (default torch.float32): `forward(tokens[B, S]) -> logits[B, S, V]`."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     from phalanx.hf.weights import CheckpointWeights
-    from phalanx.model.hf_config import config_path, read_model_config
     from phalanx.model.init import build_model, init_weights
 
     cfg = read_model_config(path)
@@ -28,6 +30,7 @@ def load(path: str | Path, dtype=None):
 
 def save(model, path: str | Path, **options) -> Path:
     """Write `model` (one process) as a Hugging Face directory; see `phalanx.hf.writer.save`."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.hf.writer import save as save_model
 
     return save_model(model, path, **options)

@@ -8,6 +8,7 @@ is its byte, so encoding gives the bytes and decoding turns them back into text.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -20,8 +21,7 @@ def _byte_characters() -> dict[int, str]:
 
 def write_byte_tokenizer(folder: Path) -> list[Path]:
     """Write tokenizer.json and tokenizer_config.json for byte ids into `folder`."""
-    import json
-
+    # Imported when run, not at the top: it brings in tokenizers, which start-up need not wait for.
     from tokenizers import Tokenizer, decoders, models
     from tokenizers.pre_tokenizers import ByteLevel
 

@@ -11,7 +11,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from phalanx.checkpoint.reader import read_run_checkpoint
+from phalanx.hf.byte_tokenizer import write_byte_tokenizer
+from phalanx.hf.hf_export_config import export_family
 from phalanx.model.config import ModelConfig
+from phalanx.output_path import check_output_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -19,7 +23,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def find_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     """The intact checkpoint of `step` (default: the newest) and its phalanx.json, through the
     one checkpoint reader (phalanx.checkpoint.reader): files checked against the manifest."""
-    from phalanx.checkpoint.reader import read_run_checkpoint
 
     found = read_run_checkpoint(run_dir, step)
     found.model_config()  # refused here when it records none
@@ -32,15 +35,15 @@ def _tokenizer_files(run_dir: Path, scratch: Path) -> list[Path]:
     found = [run_dir / name for name in TOKENIZER_FILES if (run_dir / name).is_file()]
     if found:
         return found
-    from phalanx.hf.byte_tokenizer import write_byte_tokenizer
 
     return write_byte_tokenizer(scratch)
 
 
 def load_checkpoint_model(path: Path, cfg: ModelConfig):
     """A one-process model holding the checkpoint's weights."""
-    from phalanx.model.init import build_model
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.checkpoint.store import load_model_weights
+    from phalanx.model.init import build_model
 
     model = build_model(cfg)
     model.to_empty(device="cpu")
@@ -51,17 +54,14 @@ def load_checkpoint_model(path: Path, cfg: ModelConfig):
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.hf.writer import write_hf_directory
-
-    from phalanx.output_path import check_output_folder
-    from phalanx.checkpoint.reader import read_run_checkpoint
 
     run_dir = Path(run_dir)
     check_output_folder(out_dir, "OUT_DIR", empty=True)  # before any checkpoint is read
     found = read_run_checkpoint(run_dir, step)
     cfg = found.model_config()
     path = found.path
-    from phalanx.hf.hf_export_config import export_family
 
     export_family(cfg)  # refuse before reading any weights
     model = load_checkpoint_model(path, cfg)
@@ -71,6 +71,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
 
 
 def _eos_id(files: list[Path]) -> int | None:
+    # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.data.tokenizer import HFTokenizer
 
     tokenizer_json = next((f for f in files if f.name == "tokenizer.json"), None)

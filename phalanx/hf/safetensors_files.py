@@ -44,6 +44,7 @@ class SafetensorsFiles:
     """Tensor name -> file, and slices read on demand. Files are opened once each."""
 
     def __init__(self, folder: Path):
+        # Imported when run, not at the top: it brings in safetensors, which start-up need not wait for.
         from safetensors import safe_open
 
         self.folder = folder

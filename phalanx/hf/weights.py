@@ -24,8 +24,10 @@ from phalanx.errors import UserError
 from phalanx.hf.fp8_weights import BlockQuantized
 from phalanx.hf.names import IGNORED_CHECKPOINT_TENSORS, hf_names, is_expert_stack
 from phalanx.hf.safetensors_files import FLOAT_DTYPES, SafetensorsFiles, has_weights
+from phalanx.hf.torch_bin_files import TorchBinFiles, has_bin_weights
 from phalanx.model.config import ModelConfig
-from phalanx.model.hf_config import config_path, read_json
+from phalanx.model.hf_config import config_path, model_directory, read_json
+from phalanx.model.init import build_model
 
 
 def checkpoint_family(folder: Path) -> str:
@@ -39,8 +41,6 @@ LOADED_BUFFERS = {"deepseek_v3": ".router.expert_bias"}
 def expected_shapes(cfg: ModelConfig, family: str = "") -> dict[str, tuple[int, ...]]:
     """Canonical parameter name (and checkpointed buffer name) -> full shape, from the model
     built on the meta device."""
-    from phalanx.model.init import build_model
-
     model = build_model(cfg)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if family in LOADED_BUFFERS:
@@ -60,7 +60,6 @@ def skipped_layers(folder: Path, cfg: ModelConfig) -> re.Pattern | None:
 
 class CheckpointWeights:
     """Reads phalanx parameters from the checkpoint in `folder` (its config's family)."""
-
     def __init__(self, folder: str | Path, cfg: ModelConfig):
         self.folder = Path(folder)
         self.cfg, self.family = cfg, checkpoint_family(self.folder)
@@ -125,8 +124,6 @@ class CheckpointWeights:
 def weight_files(folder: Path) -> SafetensorsFiles:
     """The weight files of a model directory: safetensors, else torch.save files read safely;
     a UserError saying what is there when neither is."""
-    from phalanx.hf.torch_bin_files import TorchBinFiles, has_bin_weights
-
     if has_weights(folder):
         return SafetensorsFiles(folder)
     if has_bin_weights(folder):
@@ -135,8 +132,6 @@ def weight_files(folder: Path) -> SafetensorsFiles:
 
 
 def has_any_weights(folder: Path) -> bool:
-    from phalanx.hf.torch_bin_files import has_bin_weights
-
     return has_weights(folder) or has_bin_weights(folder)
 
 
@@ -153,8 +148,6 @@ def initial_weights(model: str, init: str, cfg: ModelConfig) -> CheckpointWeight
     `init="auto"` (checked against the model now), or None (random, from the seed) when asked
     for: `init="random"`, a preset, or a config.json file with no weights beside it. A model
     directory without weights is refused rather than silently trained from random weights."""
-    from phalanx.model.hf_config import model_directory
-
     folder = model_directory(model)
     if init == "random" or folder is None:
         return None

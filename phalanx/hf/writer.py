@@ -65,6 +65,7 @@ def write_hf_directory(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> Path:
     """Write config.json, the weights and the tokenizer files to `out_dir` (must not exist
     or be empty)."""
+    # Imported when run, not at the top: it brings in safetensors, which start-up need not wait for.
     from safetensors.torch import save_file
 
     out = Path(out_dir)

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from phalanx.checkpoint.reader import read_run_checkpoint
 from phalanx.errors import UserError
-from phalanx.model.config import ModelConfig
+from phalanx.model.config import PRESETS, ModelConfig
+from phalanx.model.hf_config import config_path, model_directory, read_model_config
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,7 @@ def is_run_dir(path: str | Path) -> bool:
 
 def resolve_model(arg: str, step: int | None = None) -> ModelSource:
     """The model `--model` names, checked before any weights are read or workers started."""
-    from phalanx.model.config import PRESETS
-    from phalanx.model.hf_config import config_path, model_directory, read_model_config
-
     if is_run_dir(arg):
-        from phalanx.checkpoint.reader import read_run_checkpoint
 
         found = read_run_checkpoint(arg, step)
         train = found.meta.get("train", {})
@@ -56,6 +54,7 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
         raise UserError(f"--step is for run directories (with a checkpoints/ folder); {arg!r} is not one")
     if arg in PRESETS:
         raise UserError(f"{arg!r} is a preset without weights; pass a Hugging Face model directory or a run directory")
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.hf.weights import has_any_weights, no_weights_reason
 
     cfg = read_model_config(arg)  # first: a file that is no config.json is named as such
@@ -68,10 +67,12 @@ def resolve_model(arg: str, step: int | None = None) -> ModelSource:
 def load_model(source: ModelSource, mesh, expert_slots: dict | None = None):
     """This rank's part of the model in the mesh's layout, with the source's weights
     (`expert_slots`: `parallelize`'s, for `phalanx serve --expert-slots`)."""
+    # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.parallel.apply import parallelize
 
     weights = None
     if not source.is_run:
+        # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
         from phalanx.hf.weights import CheckpointWeights
 
         weights = CheckpointWeights(source.weights_dir, source.cfg)
@@ -83,6 +84,7 @@ def load_model(source: ModelSource, mesh, expert_slots: dict | None = None):
 
 def _load_run_checkpoint(model, source: ModelSource) -> None:
     """The model part of a training checkpoint (its optimizer state is not read)."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.checkpoint.store import load_model_weights
 
     load_model_weights(source.weights_dir, model, tied=source.cfg.tie_embeddings)
@@ -100,6 +102,7 @@ def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
     """Prompt text <-> ids: `tokenizer` ("bytes", or a tokenizer.json or its folder), else the
     model (or run) directory's tokenizer.json, else bytes (`phalanx.data.tokenizer`, as in
     training)."""
+    # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.data.tokenizer import load_tokenizer
 
     loaded = load_tokenizer(tokenizer, model_dir)

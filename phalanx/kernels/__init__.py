@@ -10,10 +10,12 @@ __all__ = ["blur", "match"]
 
 def __getattr__(name: str):
     if name == "match":
+        # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
         from phalanx.kernels.matching import match
 
         return match
     if name == "blur":
+        # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
         from phalanx.kernels.gaussian_blur import blur
 
         return blur

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from phalanx.kernels.patterns import expand_inputs, read_inputs, read_patterns
+
 
 def register(subparsers) -> None:
     m = subparsers.add_parser("match", help="every occurrence of many byte patterns in files (Wu-Manber / PFAC)",
@@ -32,8 +34,8 @@ def register(subparsers) -> None:
 
 
 def run_match(args) -> int:
+    # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.kernels.matching import choose_algorithm, match
-    from phalanx.kernels.patterns import expand_inputs, read_inputs, read_patterns
     from phalanx.kernels.workers import check_device
 
     check_device(args.device, args.nproc)  # before the start line: a bad count is the only line
@@ -57,6 +59,7 @@ def run_match(args) -> int:
 
 
 def run_blur(args) -> int:
+    # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.kernels.gaussian_blur import blur, check_blur_args
     from phalanx.kernels.images import check_output_image, read_image, write_image
     from phalanx.kernels.workers import check_device

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from phalanx.errors import UserError
+from phalanx.output_path import check_output_file
 
 EIGHT_BIT_MODES = ("L", "LA", "RGB", "RGBA")
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".npy")
@@ -25,8 +26,6 @@ def _png_bit_depth(path: Path) -> tuple[int, int] | None:
 
 def check_output_image(path: str | Path) -> Path:
     """The output's kind and place, before the input is read or anything blurred."""
-    from phalanx.output_path import check_output_file
-
     path = Path(path)
     if path.suffix.lower() not in OUTPUT_SUFFIXES:
         raise UserError(f"output {path}: use a .png, .jpg, .jpeg or .npy name")
@@ -43,6 +42,7 @@ def read_image(path: str | Path) -> tuple[np.ndarray, str]:
             return np.load(path, allow_pickle=False), "npy"
         except (OSError, ValueError) as error:
             raise UserError(f"{path} is not a readable .npy array: {error}") from None
+    # Imported when run, not at the top: it brings in PIL, which start-up need not wait for.
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -71,6 +71,7 @@ def write_image(path: str | Path, array: np.ndarray, kind: str) -> None:
         return
     if suffix not in (".png", ".jpg", ".jpeg"):
         raise UserError(f"output {path}: use a .png, .jpg, .jpeg or .npy name")
+    # Imported when run, not at the top: it brings in PIL, which start-up need not wait for.
     from PIL import Image
 
     if kind == "16bit" and suffix == ".png" and array.ndim == 2:

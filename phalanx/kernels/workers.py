@@ -13,8 +13,11 @@ import sys
 from typing import Any, Callable
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from phalanx.errors import UserError
+from phalanx.process_count import check_process_count
+from phalanx.worker_group import start_elastic
 
 
 def worker_device(device: str) -> torch.device:
@@ -30,7 +33,6 @@ def check_device(device: str, nproc: int) -> None:
         raise UserError(f"--device {device!r}: choose cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: this machine has no usable CUDA device")
-    from phalanx.process_count import check_process_count
 
     check_process_count(nproc)
 
@@ -60,9 +62,6 @@ def run_sharded(work: Callable[[int, int, Any], Any], payload: Any, nproc: int, 
     check_device(device, nproc)
     if nproc == 1:
         return [_one_thread_on_cpu(work, 0, 1, payload, device)]
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from phalanx.worker_group import start_elastic
 
     try:
         results = start_elastic(_entry, (work, payload, device), nproc, device)

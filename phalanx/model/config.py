@@ -11,12 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from phalanx.errors import UserError
+from phalanx.model.shape_bounds import shape_problems
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape of a Llama-style decoder, optionally with mixture-of-experts feed-forwards."""
-
     name: str = "custom"
     vocab_size: int = 256
     """Byte-level models use 256; public presets use their tokenizer's size."""
@@ -124,7 +124,6 @@ class ModelConfig:
     """How many groups a token may choose from (`topk_group`); 0: all of them."""
     routed_scaling_factor: float = 1.0
     """The routed experts' combine weights are multiplied by this (after any normalization)."""
-
     def __post_init__(self) -> None:
         problems = []
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe_every"):
@@ -134,7 +133,6 @@ class ModelConfig:
             raise UserError(f"model {self.name!r}: " + "; ".join(problems))
         if not self.head_dim and self.kv_lora_rank:
             object.__setattr__(self, "head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
-        from phalanx.model.shape_bounds import shape_problems
 
         if problems := shape_problems(self):  # before anything plans, builds or allocates for it
             raise UserError(f"model {self.name!r}: " + "; ".join(problems))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import UserError
-from phalanx.model.config import ModelConfig
+from phalanx.model.config import PRESETS, ModelConfig
 
 TRAINABLE = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
 SHAPE_ONLY = ("qwen2_moe", "gpt2")
@@ -44,8 +44,6 @@ def config_path(name: str | Path) -> Path:
 
 def model_directory(name: str) -> Path | None:
     """The folder holding a model's files (config.json, weights, tokenizer), None for presets."""
-    from phalanx.model.config import PRESETS
-
     if name in PRESETS or not is_model_path(name):
         return None
     return config_path(name).parent
@@ -74,7 +72,6 @@ def read_model_config(name: str | Path, *, trainable: bool = True) -> ModelConfi
 
 class _Fields:
     """Typed access to a config dict, with errors that name the file and the key."""
-
     def __init__(self, data: dict, source: str, family: str):
         self.data, self.source, self.family = data, source, family
 

@@ -8,7 +8,6 @@ delete layers (the forward skips any part that is None or missing), FSDP wraps b
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phalanx.model.attention_core import AttentionCore

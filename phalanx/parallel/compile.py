@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from phalanx.model.moe import MoE
 
 BACKEND_ENV = "PHALANX_TEST_COMPILE_BACKEND"
 """Test hook: the torch.compile backend (default inductor). The multi-rank tests set
@@ -41,8 +44,6 @@ inductor's code generation (tests/test_compile.py says why)."""
 
 
 def _is_moe(block: nn.Module) -> bool:
-    from phalanx.model.moe import MoE
-
     return any(isinstance(module, MoE) for module in block.modules())
 
 
@@ -72,14 +73,10 @@ def _settled(module: nn.Module, inputs, output):
     backward as a plain tensor where a DTensor is expected (AttributeError `_local_tensor`, torch
     2.13). A copy waits for the collective and hands the block an ordinary tensor; it costs one
     (batch, seq, dim) copy per forward."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
     return output.clone() if isinstance(output, AsyncCollectiveTensor) else None
 
 
 def uncompiled():
     """A context in which compiled blocks run their eager code: for generation, whose growing
     cache would compile the blocks again for every length (and break their graphs)."""
-    import torch
-
     return torch.compiler.set_stance("force_eager")

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from phalanx import layout_rules as rules
+from phalanx.model.feed_forward import FeedForward
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.plan import Plan
 
@@ -41,8 +45,6 @@ def uses_fsdp(plan: Plan) -> bool:
 
 def fsdp_options(plan: Plan, device: torch.device) -> dict:
     """Keyword arguments for every `fully_shard` call of this plan (blocks, root, experts)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
     # cast_forward_inputs off: the blocks' hidden states are bf16 already (the embedding's weights
     # are), and the rotary table they also receive stays fp32, as where no FSDP runs.
     mixed = MixedPrecisionPolicy(
@@ -66,8 +68,6 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, *, units_below_block: bool 
     block: `--compile` does (a unit inside a compiled block would have FSDP's hooks traced into
     its graph).
     """
-    from torch.distributed.fsdp import fully_shard
-
     dp_mesh = mesh.fsdp_mesh()
     options = fsdp_options(mesh.plan, mesh.device)
     below = units_below_block and mesh.plan.zero == 3 and mesh.plan.pp == 1
@@ -83,8 +83,6 @@ def sub_block_units(block: nn.Module) -> list[nn.Module]:
     """The FSDP units below a block: its attention, and each linear of a dense MLP (an MoE's
     experts are their own units already, parallel/expert.py; its router stays with the block).
     Found by name, so a block wrapped for recompute (`_checkpoint_wrapped_module.`) works too."""
-    from phalanx.model.feed_forward import FeedForward
-
     units = []
     for name, module in block.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -98,12 +96,9 @@ def sub_block_units(block: nn.Module) -> list[nn.Module]:
 def apply_ddp(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     """Replicated data parallelism; with reduce_dtype=bf16 gradients travel as bf16 (PyTorch's
     `bf16_compress_hook`: cast, all-reduce, divide, cast back into the fp32 gradient)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [mesh.device.index] if mesh.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.group("dp"))
     if mesh.plan.reduce_dtype == "bf16":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
         hook = bf16_compress_hook if mesh.device.type == "cuda" else _bf16_compress_hook_off_cuda
         ddp.register_comm_hook(mesh.group("dp"), hook)
@@ -114,8 +109,6 @@ def _bf16_compress_hook_off_cuda(state, bucket):
     """PyTorch's `bf16_compress_hook` under another name. DDP refuses that hook by name unless
     CUDA with NCCL >= 2.10 (the first NCCL with bf16 all-reduce) is present, but gloo all-reduces
     bf16 too, so the hook itself runs unchanged on CPU."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
     return bf16_compress_hook(state, bucket)
 
 

@@ -36,8 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
 from phalanx.errors import UserError
+from phalanx.model.init import canonical_name
 from phalanx.model.moe import GroupedExperts, grouped_expert_ffn, prefer_block_loop
 from phalanx.parallel.data_parallel import fsdp_options, uses_fsdp
 from phalanx.parallel.expert_dispatch import combine, plan_dispatch, regroup_by_expert, return_rows, send_rows
@@ -49,7 +52,6 @@ from phalanx.plan_model_checks import validate_ep  # noqa: F401 (the rule's home
 @dataclass(frozen=True)
 class ExpertShard:
     """Which experts one ep rank holds, and over which group their tokens travel."""
-
     start: int
     stop: int
     """This rank keeps experts [start, stop) of the full stack."""
@@ -63,7 +65,6 @@ class ExpertShard:
     rows: tuple[int, ...] | None = None
     """With expert slots (`--expert-slots`): the expert of each local slot, the rows of the full
     stack this rank keeps (start/stop then number slots, not experts). None: [start, stop)."""
-
     def expert_rows(self) -> list[int]:
         """The full stack's rows this rank holds, in local order."""
         return list(self.rows) if self.rows is not None else list(range(self.start, self.stop))
@@ -73,7 +74,6 @@ class ShardedExperts(GroupedExperts):
     """One ep rank's block of the stacked experts. forward takes rows for all experts (sorted
     by expert, as `MoE` sends them), dispatches them to their owners, runs this rank's experts
     on what arrives and sends the results back: to `MoE` it is a `GroupedExperts`."""
-
     def __init__(self, full: GroupedExperts, shard: ExpertShard):
         rows, hidden, dim = shard.expert_rows(), full.w1.shape[1], full.w1.shape[2]
         with torch.device("meta"):  # placeholders, replaced by the block of the full weights
@@ -126,8 +126,6 @@ def _within_slots(edp: int):
     rebalancing run on the local shards as they do on whole slots under DDP, with no gather
     (docs/expert_slots.md). The rule that one of the dims divides is
     `layout_rules.expert_slots_layout_problem`'s."""
-    from torch.distributed.tensor import Shard
-
     def placement(param: nn.Parameter) -> Shard:
         for dim in (1, 2):
             if param.shape[dim] % edp == 0:
@@ -139,7 +137,6 @@ def _within_slots(edp: int):
 
 class _ReduceOverEdp:
     """Gradient hook for DDP layouts: sum an expert gradient over "edp", divide by dp."""
-
     def __init__(self, group, edp: int, dp: int):
         self.group, self.edp, self.dp = group, edp, dp
 
@@ -210,6 +207,7 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh, slots: dict | None = None) ->
         placement = (slots or {}).get(_layer_of(name))
         experts = shard_experts(full, ep_group, ep_rank, plan.ep, mesh=ep_mesh["ep"], fold=fold, placement=placement)
         if placement is not None:
+            # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
             from phalanx.parallel.expert_slots import SlotRouter
 
             experts.placement, experts.router = placement, SlotRouter(placement, ep_rank, device=mesh.device)
@@ -217,7 +215,6 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh, slots: dict | None = None) ->
         setattr(model.get_submodule(parent), leaf, experts)
         ignored += [f"{name}.{weight}" for weight in ("w1", "w2", "w3")]
         if uses_fsdp(plan):
-            from torch.distributed.fsdp import fully_shard
 
             # Before the blocks are wrapped over "dp" (apply_fsdp), so those skip the experts.
             # Zero level, precision and offload follow apply_fsdp (`fsdp_options`): in
@@ -244,8 +241,6 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh, slots: dict | None = None) ->
 
 def _layer_of(name: str) -> int:
     """The transformer layer index of a module name (layers.<i>.feed_forward.experts)."""
-    from phalanx.model.init import canonical_name
-
     return int(canonical_name(name).split(".")[1])
 
 
@@ -254,6 +249,7 @@ def expert_params(model: nn.Module):
     clipping, or None when the model has no expert parallelism. The masks (expert slots with
     replicas only) keep each expert's first slot: after the replica sum every replica holds the
     expert's whole gradient, which the norm must count once."""
+    # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.parallel.expert_slot_grads import counted_once
 
     ids, group, once = set(), None, {}
@@ -273,8 +269,6 @@ def gather_experts(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str
 
     Every rank of the ep group must call this together (tests and weight comparisons).
     """
-    from phalanx.model.init import canonical_name
-
     for name, module in model.named_modules():
         if not isinstance(module, ShardedExperts):
             continue

@@ -21,6 +21,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from phalanx.model.init import canonical_name
 from phalanx.parallel.expert import ShardedExperts
@@ -38,21 +40,16 @@ def _expert_modules(model) -> dict[str, ShardedExperts]:
 
 def _gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     """Every ep rank's rows, stacked in rank order (collective over `group`)."""
-    import torch.distributed as dist
-
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts)
 
 
 def _to_global(value: torch.Tensor, module: ShardedExperts) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Shard
-
     # Under FSDP the ep block is itself sharded over "edp": gather it first.
     local = value.full_tensor() if isinstance(value, DTensor) else value
     if module.placement is not None:  # slots -> this rank's block of experts, in expert order
         held, group = module.placement.slot_expert, module.shard.group
-        import torch.distributed as dist
 
         per_rank, rank = module.shard.n_experts // module.placement.ep, dist.get_rank(group)
         first = range(per_rank * rank, per_rank * (rank + 1))
@@ -61,8 +58,6 @@ def _to_global(value: torch.Tensor, module: ShardedExperts) -> torch.Tensor:
 
 
 def _to_local_like(loaded: torch.Tensor, original: torch.Tensor, module: ShardedExperts) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     block = loaded.to_local()  # (n_local, ...) this ep rank's experts
     if module.placement is not None:  # experts in order -> the experts of this rank's slots
         block = _gather_rows(block, module.shard.group)[module.shard.expert_rows()]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from phalanx.errors import UserError
 
@@ -35,14 +36,12 @@ from phalanx.errors import UserError
 @dataclass(frozen=True)
 class SlotPlacement:
     """Which expert each physical slot of one MoE layer holds, over one ep group (plain data)."""
-
     slot_expert: tuple[int, ...]
     """(S,) the expert held by each slot; rank i holds slots [i * S/ep, (i+1) * S/ep)."""
     n_experts: int
     ep: int
     rank_node: tuple[int, ...]
     """(ep,) the node (host) of each ep rank: ranks on one node exchange rows without the network."""
-
     def __post_init__(self) -> None:
         slots, experts, ep = len(self.slot_expert), self.n_experts, self.ep
         if ep < 1 or experts < 1:
@@ -165,7 +164,6 @@ class SlotRouter:
     so the proportions are fixed between rebalances; building loops over the experts in Python
     (`routing_table`): affordable once per rebalance, not per micro-batch.
     """
-
     def __init__(self, placement: SlotPlacement, rank: int, expert_load=None, device=None):
         self.placement = placement
         candidates, bounds = routing_table(placement, rank, expert_load)
@@ -203,8 +201,6 @@ def local_stack(tensor: torch.Tensor) -> torch.Tensor:
     code works on it unchanged. A view of the same storage: writes reach the parameter (and
     FSDP's sharded buffer, which the next all-gather reads).
     """
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(tensor, DTensor):
         return tensor
     if any(p.is_shard(0) for p in tensor.placements):

@@ -66,6 +66,7 @@ def torchao_float8():
     """torchao's float8 module, imported on first use (an optional extra)."""
     try:
         with _quiet_import():
+            # Imported when run, not at the top: it brings in torchao, which start-up need not wait for.
             import torchao.float8 as float8
     except ImportError:
         raise UserError(f"--float8 needs torchao: pip install 'phalanx[float8]' ({TORCHAO_PIN})") from None

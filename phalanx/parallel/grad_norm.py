@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
 
 
 def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -26,8 +27,6 @@ def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _full_squares(grads: list) -> torch.Tensor:
     """Sum of squares of DTensor gradients that share one mesh and placements."""
-    from torch.distributed.tensor import Partial
-
     first = grads[0]
     mesh, placements = first.device_mesh, first.placements
     local = _sum_of_squares([g.to_local() for g in grads])
@@ -45,8 +44,6 @@ def _full_squares(grads: list) -> torch.Tensor:
 def _squares(grads: list, device) -> torch.Tensor:
     """Sum of squares of `grads` over all their shards: plain tensors as they are, DTensors
     grouped by mesh and placements, each group reduced over its sharded mesh dims."""
-    from torch.distributed.tensor import DTensor
-
     total = torch.zeros((), device=device, dtype=torch.float32)
     # Gradients on the same ranks with the same placements share their collectives. (FSDP
     # builds a mesh object per parameter, so meshes are compared by names and ranks, not id.)
@@ -69,8 +66,6 @@ def _slots_counted(grad, mask: torch.Tensor):
     """The slots of an expert slot gradient that the norm counts (dim 0 rows under `mask`).
     Under FSDP the gradient is sharded over edp inside each slot: mask the local slice and keep
     it a DTensor on the same mesh, so its squares are still summed over edp."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(grad, DTensor):
         return grad[mask]
     return DTensor.from_local(grad.to_local()[mask], grad.device_mesh, grad.placements, run_check=False)
@@ -83,8 +78,6 @@ def clip_grad_norm(parameters, max_norm: float, *, pp_group=None, experts=None) 
     experts: `phalanx.parallel.expert.expert_params(model)`, i.e. (ids of the expert-parallel
     parameters, ep group[, {id: mask of the slots to count}]), or None without expert parallelism.
     """
-    from torch.distributed.tensor import DTensor
-
     parameters = [p for p in parameters if p.grad is not None]
     for param in parameters:
         # Replicated DTensor parameters used on sequence-sharded activations (the norms under

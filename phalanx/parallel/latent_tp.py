@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 
 class _SumGradOverGroup(torch.autograd.Function):
     """Identity forward; backward all-reduces the gradient over `group`."""
-
     @staticmethod
     def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
@@ -41,8 +41,6 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 def latent_plan() -> dict[str, object]:
     """Module name inside a block -> parallel style, for latent attention's split matrices."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
     return {"attention.wq_b": ColwiseParallel(), "attention.wkv_b": ColwiseParallel()}
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from phalanx.model.config import ModelConfig
 from phalanx.model.init import RandomWeights, WeightSource, fill_weights
@@ -23,9 +25,6 @@ def local_index(param: torch.Tensor) -> list[torch.Tensor | None]:
     dim (others replicated), exactly as `distribute_tensor` would split the full value,
     uneven and nested (tp then fsdp) shards included; `src_data_rank=None` splits locally,
     with no communication."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     def on_dim0(placement, dim: int):  # the same split of `dim`, on a 1-D tensor of row numbers
         # (FSDP over a tp-sharded dim is a _StridedShard, which is not a Shard in every torch)
         if isinstance(placement, _StridedShard) and placement.dim == dim:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from phalanx.plan import Plan, weights_view  # noqa: F401 (imported from here too)
 
@@ -36,7 +37,6 @@ class ParallelMesh:
     """split_dp's meshes, one per split (creating one makes process groups)."""
     cp: int = 1
     """Context-parallel degree: the adjacent ranks of the "dp" axis that share their sequences."""
-
     @property
     def distributed(self) -> bool:
         return self.device_mesh is not None
@@ -85,7 +85,6 @@ class ParallelMesh:
         """
         key = (outer, inner, inner_size)
         if key not in self._split_meshes:
-            from torch.distributed.device_mesh import DeviceMesh
 
             plan = self.plan
             ranks = torch.arange(self.world_size).view(plan.pp, plan.dp // inner_size, inner_size, plan.tp)
@@ -99,7 +98,6 @@ class ParallelMesh:
         Every rank must call this (it creates process groups); results are cached."""
         key = ("fold", outer, inner, inner_size)
         if key not in self._split_meshes:
-            from torch.distributed.device_mesh import DeviceMesh
 
             plan = self.plan
             ranks = torch.arange(self.world_size).view(plan.pp, plan.dp * plan.tp // inner_size, inner_size)
@@ -149,7 +147,6 @@ def build_mesh(plan: Plan, device: torch.device) -> ParallelMesh:
         return ParallelMesh(plan=plan, device=device)
     world_size = dist.get_world_size()
     plan.validate(world_size)
-    from torch.distributed.device_mesh import init_device_mesh
 
     weights = weights_view(plan)
     device_mesh = init_device_mesh(device.type, (weights.pp, weights.dp, weights.tp), mesh_dim_names=("pp", "dp", "tp"))

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed import pipelining as pl
 
 from phalanx import layout_rules as rules
-from phalanx.parallel.context_parallel import document_ids
 from phalanx.model.transformer import Transformer
+from phalanx.parallel.context_parallel import document_ids
 from phalanx.plan import Plan
 
 SINGLE_STAGE = ("gpipe", "1f1b")
@@ -49,7 +50,6 @@ class StageModules(nn.Module):
     Only a container: the schedule runs `chunks[i]` (each a pruned Transformer); this module
     is never called. Its parameters are the chunks' parameters, once each.
     """
-
     def __init__(self, chunks: list[Transformer], stage_indices: list[int]):
         super().__init__()
         self.chunks = chunks  # a plain list: not registered, so names carry no "chunks.0."
@@ -80,10 +80,8 @@ class MicrobatchDocuments:
     backwards of others (1f1b, interleaved, the V shapes), and recomputation (`recompute=full`)
     runs a micro-batch's forward again inside its backward; so the ids are set around every
     call that runs one micro-batch on a stage, by its index, not once per step."""
-
     CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
     """PipelineStage's methods that run one micro-batch, its index their first argument."""
-
     def __init__(self, n_microbatches: int):
         self.n_microbatches = n_microbatches
         self.parts: tuple[torch.Tensor, ...] | None = None
@@ -121,7 +119,6 @@ class MicrobatchDocuments:
 @dataclass
 class Pipeline:
     """Everything the training step needs to run one rank's share of the pipeline."""
-
     schedule: object
     stage_indices: list[int]
     n_stages: int
@@ -164,8 +161,6 @@ def _metadata_forward_in_eval(stage) -> None:
 def build_schedule(plan: Plan, stage_modules: list[nn.Module], stage_indices: list[int], pp_group,
                    device: torch.device, loss_fn) -> Pipeline:
     """Wrap each chunk in a PipelineStage and make the plan's schedule over them."""
-    from torch.distributed import pipelining as pl
-
     n_stages = plan.pp * plan.virtual
     stages = [
         pl.PipelineStage(module, index, n_stages, device, group=pp_group)

@@ -19,6 +19,7 @@ recompute). Recomputation replays the same ops on the same inputs, so losses are
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 
 def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> nn.Module:
@@ -27,7 +28,6 @@ def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> nn.Module:
     less memory saved, less recomputed, as Megatron's `--recompute-num-layers`)."""
     if mode == "none":
         return model
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = list(model.layers.items())
     for key, block in blocks[:layers] if layers else blocks:

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 @dataclass
 class _Shard:
     """The gathered input of one call, as its shard; gathered again on first use in backward."""
-
     shard: torch.Tensor
     """This rank's (batch, seq / tp, dim) local shard (or what an outer hook packed it into)."""
     outer_unpack: object
@@ -53,7 +54,6 @@ class _Shard:
 @dataclass(frozen=True)
 class _View:
     """Where one saved tensor lies in the gathered storage, and its DTensor wrapping, if any."""
-
     source: _Shard
     shape: tuple
     stride: tuple
@@ -63,24 +63,18 @@ class _View:
 
 def _all_gather(shard: torch.Tensor, mesh) -> torch.Tensor:
     """(batch, seq / tp, dim) local shard -> (batch, seq, dim) on every rank of `mesh`."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     return DTensor.from_local(shard, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding t's data: a DTensor's local tensor, itself perhaps the
     not-yet-waited result of a collective (whose own storage cannot be read)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
     t = t._local_tensor if isinstance(t, DTensor) else t
     return t.elem if isinstance(t, AsyncCollectiveTensor) else t
 
 
 class _SavedAsShard:
     """Saved-tensor hooks for one module call (see the module docstring)."""
-
     def __init__(self, shard: torch.Tensor, gathered: torch.Tensor, mesh):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.outer_pack, outer_unpack = top if top is not None else (None, None)
@@ -105,7 +99,6 @@ class _SavedAsShard:
         local = full.as_strided(value.shape, value.stride, value.offset)
         if value.placements is None:
             return local
-        from torch.distributed.tensor import DTensor
 
         return DTensor.from_local(local, value.source.mesh, value.placements, run_check=False)
 
@@ -114,8 +107,6 @@ def gather_sequence(module: nn.Module, mesh) -> None:
     """Make `module` (a block's attention or MLP, or the output projection) take the
     sequence-sharded residual stream: all-gather it before forward, and keep only the shard
     for backward (see above)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     open_contexts: list = []  # the saved-tensor hooks of the call in flight
 
     def before(mod, args):

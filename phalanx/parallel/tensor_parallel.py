@@ -22,16 +22,22 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
+from phalanx.parallel.latent_tp import latent_plan, reduce_rope_key_grad
 from phalanx.parallel.sequence_parallel import gather_sequence
 from phalanx.plan import Plan
 
 
 def block_plan(sp: bool) -> dict[str, object]:
     """Module name inside a transformer block -> parallel style."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
     # Between regions the residual stream is sequence-sharded (sp) or replicated.
     between = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {
@@ -57,9 +63,6 @@ at the root, the output projection does too."""
 
 def root_plan(sp: bool, *, has_embedding: bool, has_output: bool) -> dict[str, object]:
     """Module name at the model root -> parallel style (for the parts this stage holds)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
     between = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {}
     if has_embedding:
@@ -81,10 +84,6 @@ def apply_tp(model: nn.Module, tp_mesh, *, sp: bool) -> nn.Module:
     Runs on the meta device: parameters become meta DTensors and are filled later by
     `phalanx.parallel.materialize`, which draws each full value and keeps this rank's shard.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from phalanx.parallel.latent_tp import latent_plan, reduce_rope_key_grad
-
     for block in model.layers.values():
         # Only the entries whose module exists: a GeLU MLP has no gate matrix w3, latent
         # attention no wk/wv (its own split: parallel/latent_tp.py).
@@ -121,7 +120,6 @@ def loss_context(plan: Plan):
     """The context in which forward, loss and backward run: vocabulary-parallel cross-entropy
     when the logits are sharded over tp, nothing otherwise."""
     if plan.tp > 1:
-        from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
     return contextlib.nullcontext()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from phalanx.parallel.latent_tp import latent_plan
 from phalanx.parallel.tensor_parallel import block_plan
@@ -33,8 +34,6 @@ def localize_block_matrices(model: nn.Module, tp_group) -> int:
     """Turn the column- and row-parallel matrices of every block of a tp-sharded, eval-mode
     `model` into their local shards (see the module docstring); return how many. A matrix
     whose placement, bias or hooks are not those of the default styles is left as it is."""
-    from torch.distributed.tensor import DTensor, Shard
-
     names = [*block_plan(sp=False), *latent_plan()]
     converted = 0
     for block in model.layers.values():

@@ -15,11 +15,14 @@ active set: fit, drop the most negative coefficient, fit again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.serve_costs import ServeCosts
+from phalanx.planner.serve_rates import ServeLoad
+from phalanx.planner.serve_search import evaluate
 from phalanx.planner.serve_step import ServeLayout, step_time
 
 NAMES = ("mechanical", "step_s", "sequence_s", "sequence_layer_s", "token_s")
@@ -109,9 +112,6 @@ def predicted_latency(model: ModelConfig, cluster: Cluster, costs: ServeCosts, p
     Poisson rate) or, TPOT only, `probe.burst` sent at once: their prompts run in the first
     steps, then every step decodes all of them and nothing else, so a step of `burst` decodes
     (not the planner's closed loop, whose steps also carry the next requests' prompts)."""
-    from phalanx.planner.serve_rates import ServeLoad
-    from phalanx.planner.serve_search import evaluate
-
     layout = ServeLayout(tp=probe.tp, weight_dtype="fp32", kv_dtype="fp32")
     if burst:
         return 0.0, step_time(model, cluster, layout, decodes=probe.burst, context=probe.isl + probe.osl / 2,
@@ -153,8 +153,6 @@ def fit_probe(model: ModelConfig, cluster: Cluster, costs: ServeCosts, probe: Se
       then per request (the HTTP path to the first token), from the TTFT of one;
     - tp > 1: the group's cost per step (rank 0 broadcasting each forward, the gathered logits,
       collectives waiting for every rank on shared cores), from the TPOT of one request."""
-    import dataclasses
-
     replace = dataclasses.replace
     tpot = lambda c, burst=False: predicted_latency(model, cluster, c, probe, burst=burst)[1]  # noqa: E731
     if probe.tp == 1:

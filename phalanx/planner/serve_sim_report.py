@@ -81,9 +81,11 @@ def write_trace(result: SimResult, path: Path, *, title: str) -> None:
 
 
 def write_png(sweep: list[dict], path: Path, *, title: str) -> None:
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib
 
     matplotlib.use("Agg")
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib.pyplot as plt
 
     rates = [row["rate"] for row in sweep]

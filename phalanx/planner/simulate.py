@@ -22,9 +22,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from phalanx.errors import UserError
+from phalanx.output_path import check_output_folder
 from phalanx.planner import comm
 from phalanx.planner.cost import BF16, Estimate
+from phalanx.planner.hardware import cluster_from_name
+from phalanx.planner.layout import Workload
+from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.pipeline_orders import dualpipev_order, run_fixed_orders, zbv_order
+from phalanx.planner.plan_flags import add_plan_flags, options_for
+from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "R": "#8172B2", "idle": "#DDDDDD",
           "tp/ep comm": "#C44E52", "send": "#937860", "dp comm": "#DA8BC3", "optimizer": "#8C8C8C"}
@@ -234,9 +241,11 @@ def write_chrome_trace(events: list[Event], path: Path, *, ranks_per_stage: int,
 
 
 def write_png(events: list[Event], path: Path, *, title: str) -> None:
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib
 
     matplotlib.use("Agg")
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -260,8 +269,6 @@ def write_png(events: list[Event], path: Path, *, title: str) -> None:
 
 def register(subparsers) -> None:
     """Add `simulate` to an argparse subparsers object."""
-    from phalanx.planner.plan_flags import add_plan_flags
-
     s = subparsers.add_parser("simulate", help="timeline of one step per rank: Chrome trace + PNG")
     add_plan_flags(s)
     s.add_argument("--cluster", default="local")
@@ -271,15 +278,6 @@ def register(subparsers) -> None:
 
 
 def simulate_command(args) -> int:
-    from phalanx.planner.plan_flags import options_for
-    from phalanx.planner.hardware import cluster_from_name
-    from phalanx.planner.layout import Workload
-    from phalanx.planner.model_spec import model_from_name
-    from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
-    from phalanx.errors import UserError
-
-    from phalanx.output_path import check_output_folder
-
     check_output_folder(args.out, "--out")  # before the search and the simulation
     model = model_from_name(args.model)
     cluster = cluster_from_name(args.cluster)

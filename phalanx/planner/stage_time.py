@@ -43,14 +43,13 @@ from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, dispatch, latent_attention
+from phalanx.planner.hardware import Cluster
+from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memo import by_identity as _by_identity
 from phalanx.planner.memo import collective_time as _collective
-from phalanx.planner.hardware import Cluster
-from phalanx.planner.peak_memory import folds_experts
-from phalanx.planner.layout import Layout, Workload
-from phalanx.planner.options import Options
 from phalanx.planner.memory import layer_activation_bytes, layers_per_stage
-from phalanx.planner.peak_memory import BF16, kv_gather_bytes, moe_layer_count, recompute_share
+from phalanx.planner.options import Options
+from phalanx.planner.peak_memory import BF16, folds_experts, kv_gather_bytes, moe_layer_count, recompute_share
 
 LOSS_BYTES_F = 22
 """HBM bytes per logit element of cross-entropy on fp32 logits (the trainer's
@@ -91,8 +90,6 @@ class StageTimes:
     """Of f, exposed TP + EP communication (the rest is compute)."""
     b_comm: float = 0.0
     r_comm: float = 0.0
-
-
 
 
 def _fill(d: float, half: float) -> float:
@@ -209,7 +206,6 @@ def weight_tensors(model: ModelConfig, *, moe: bool) -> int:
     if moe:
         return 2 + 4 + 1 + 3 + (3 if model.n_shared_experts else 0)
     return 2 + 4 + (3 if model.mlp == "swiglu" else 2)
-
 
 
 def layer_costs(model: ModelConfig, cluster: Cluster, workload: Workload, lay: Layout, options: Options, *,

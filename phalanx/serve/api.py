@@ -62,6 +62,7 @@ def build_app(state: ServeState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
+        # Imported when run, not at the top: it brings in prometheus_client, which start-up need not wait for.
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)

@@ -40,6 +40,7 @@ class ChatTemplate:
         self.tokens = {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}
         self.template = None
         if text:
+            # Imported when run, not at the top: it brings in jinja2, which start-up need not wait for.
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message):

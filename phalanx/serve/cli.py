@@ -6,8 +6,12 @@ stays cheap); the command does.
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 
 from phalanx.errors import UserError
+from phalanx.plan import plan_from_string
 from phalanx.serve.job import check_for_model, prepare_job, slo_policy, slo_targets
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
@@ -72,12 +76,11 @@ def _add_pool_flags(add) -> None:
 
 
 def _run(args) -> int:
-    import os
-
     job = prepare_job(args)
     if not getattr(args, "pool", None) and (args.isl is not None or args.osl is not None):
         raise UserError("--isl/--osl are the lengths --pool auto plans for; give them with --pool auto")
     if getattr(args, "pool", None):
+        # Imported when run, not at the top: the command's own code, which start-up need not load.
         from phalanx.serve.pool_main import run_pools
 
         return run_pools(args, job)
@@ -91,14 +94,11 @@ def _run(args) -> int:
 def _launch(job: dict) -> int:
     """`--nproc N`: N local workers started as `phalanx train`'s are; SIGTERM to this process
     reaches them all (rank 0 drains, the others wait for it) and ends with 0, Ctrl-C with 130."""
-    import signal
-    import sys
-
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from phalanx.worker_group import check_nproc
-    from phalanx.worker_group import start_elastic
+    from phalanx.worker_group import check_nproc, start_elastic
 
     check_nproc(job["nproc"], job["device"])
     try:
@@ -117,8 +117,6 @@ def _launch(job: dict) -> int:
 
 
 def _elastic_entry(job: dict) -> None:
-    import sys
-
     status = worker_main(job)
     if status:
         sys.exit(status)
@@ -126,6 +124,7 @@ def _elastic_entry(job: dict) -> None:
 
 def worker_main(job: dict) -> int:
     """Every rank: rank 0 serves (HTTP, scheduler, sampling), the others follow its forwards."""
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.worker_group import run_in_group
 
     status = run_in_group(job["device"], lambda: _rank_main(job))
@@ -133,6 +132,7 @@ def worker_main(job: dict) -> int:
 
 
 def _rank_main(job: dict) -> int:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch.distributed as dist
 
     from phalanx.inference.model_source import resolve_model, text_codec
@@ -140,11 +140,13 @@ def _rank_main(job: dict) -> int:
     source = resolve_model(job["model"], job["step"])
     parallel = dist.is_initialized() and dist.get_world_size() > 1
     if parallel and dist.get_rank() != 0:
+        # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
         from phalanx.serve.rank_loop import follow
 
         follow(build_engine(job, source))
         return 0
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
+    # Imported when run, not at the top: it brings in prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     from phalanx.serve.chat_template import ChatTemplate
     from phalanx.serve.metrics import ServeMetrics
     from phalanx.serve.rank_loop import RankChannel
@@ -160,15 +162,15 @@ def _rank_main(job: dict) -> int:
 def build_engine(job: dict, source, channel=None, metrics=None):
     """The model (this rank's part), the block pool sized for it, the scheduler(s), the engine.
     `metrics`: rank 0's, which counts live expert rebalances."""
+    # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     import torch.distributed as dist
 
-    from phalanx.parallel.mesh import build_mesh
-    from phalanx.plan import plan_from_string
-    from phalanx.serve.engine import Engine
     from phalanx.local_device import pick_device
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.scheduling.scheduler import Scheduler
+    from phalanx.serve.engine import Engine
     from phalanx.serve.expert_placement import first_placement, slot_placements
     from phalanx.serve.loading import kv_blocks, load_serving_model, pick_dtype
-    from phalanx.scheduling.scheduler import Scheduler
 
     device = pick_device(job["device"])
     dtype = pick_dtype(job["dtype"], device)
@@ -188,6 +190,7 @@ def build_engine(job: dict, source, channel=None, metrics=None):
 
     if plan.dp == 1:
         return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep)
+    # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.serve.dp_assign import DPSchedulers
     from phalanx.serve.dp_engine import DPEngine
     from phalanx.serve.expert_placement import LivePlacement

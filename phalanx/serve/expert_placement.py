@@ -26,6 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx import layout_rules as rules
+from phalanx.balance.loads import read_load
+from phalanx.balance.rebalancer import ExpertRebalancer, initial_placement
+from phalanx.balance.solve import rebalance
 from phalanx.errors import UserError
 from phalanx.parallel.expert import ShardedExperts, _layer_of
 from phalanx.parallel.expert_slot_moves import move_expert_slots, slot_bytes
@@ -43,8 +46,6 @@ class NewPlacement:
 def first_placement(job: dict, cfg, plan) -> np.ndarray | None:
     """(MoE layers, S) slot -> expert rows to start from, or None without expert slots; every
     setting checked with a one-line error (the training rules: `layout_rules`)."""
-    from phalanx.balance.rebalancer import initial_placement  # torch-free, shared with training
-
     slots, every, run = job["expert_slots"], job["rebalance_every"], job["expert_placement"]
     if not (slots or every or run):
         return None
@@ -59,8 +60,6 @@ def first_placement(job: dict, cfg, plan) -> np.ndarray | None:
     layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.n_layers))
     if not run:
         return initial_placement(layers, cfg.n_experts, slots, plan.ep)
-    from phalanx.balance.loads import read_load
-    from phalanx.balance.solve import rebalance
 
     load = np.asarray(read_load(run), dtype=float)
     if load.shape != (layers, cfg.n_experts):
@@ -77,7 +76,6 @@ def slot_placements(phy2log: np.ndarray, cfg, ep: int) -> dict[int, SlotPlacemen
 
 class LivePlacement:
     """Every rank's handle on its MoE layers' slots; on rank 0 also the rebalancer."""
-
     def __init__(self, model: nn.Module, phy2log: np.ndarray, n_experts: int, ep: int, every: int, planner: bool):
         """`every`: `--rebalance-every` (0: the placement stays); `planner`: this is rank 0."""
         self.modules = sorted(((_layer_of(name), module) for name, module in model.named_modules()
@@ -87,7 +85,6 @@ class LivePlacement:
         self.phy2log = np.array(phy2log, dtype=np.int64)  # (MoE layers, S)
         self.rebalancer = None
         if every and planner:
-            from phalanx.balance.rebalancer import ExpertRebalancer  # torch-free, shared with training
 
             weights = [self.modules[0][1].w1, self.modules[0][1].w2, self.modules[0][1].w3]
             self.rebalancer = ExpertRebalancer(self.phy2log, n_experts, ep, every=every, slot_bytes=slot_bytes(weights))

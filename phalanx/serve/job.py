@@ -9,6 +9,7 @@ import os
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
+from phalanx.inference.model_source import resolve_model
 from phalanx.plan import plan_from_string
 from phalanx.plan_model_checks import validate_tp
 from phalanx.scheduling.serving_bounds import check_counts
@@ -95,7 +96,6 @@ def _data_parallel(plan: str) -> bool:
 def check_for_model(job: dict) -> None:
     """Before any worker starts: the plan's tp and ep and the expert-slot flags against the model."""
     # Imported here, not at the top: they reach torch, and `serve --help` should start light.
-    from phalanx.inference.model_source import resolve_model
     from phalanx.serve.expert_placement import first_placement
 
     cfg = resolve_model(job["model"], job["step"]).cfg

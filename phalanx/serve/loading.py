@@ -11,7 +11,16 @@ more than `--max-num-seqs` sequences of the model's whole context need.
 
 from __future__ import annotations
 
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from phalanx.cpu_ops.onednn_linear import use_onednn
 from phalanx.errors import UserError
+from phalanx.inference.model_source import load_model
+from phalanx.parallel.tp_inference import localize_block_matrices
 from phalanx.serve.paged_cache import bytes_per_block, kv_channels_per_position
 
 GIB = 1 << 30
@@ -20,8 +29,6 @@ GPU_MEMORY_FRACTION = 0.9
 
 
 def pick_dtype(name: str, device):
-    import torch
-
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
@@ -32,12 +39,6 @@ def load_serving_model(source, mesh, dtype, expert_slots: dict | None = None):
     weights as loaded: the DDP wrapper `parallelize` puts around a dp model for training (it
     would broadcast buffers before every forward) is taken off. Under tp the blocks' matrices
     become their local shards (`parallel.tp_inference`: no DTensor dispatch per step)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from phalanx.inference.model_source import load_model
-    from phalanx.cpu_ops.onednn_linear import use_onednn
-    from phalanx.parallel.tp_inference import localize_block_matrices
-
     model = load_model(source, mesh, expert_slots)
     if isinstance(model, DistributedDataParallel):
         model = model.module
@@ -51,11 +52,8 @@ def load_serving_model(source, mesh, dtype, expert_slots: dict | None = None):
 def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> int:
     """The size of the block pool (see the module docstring). `agree`: every rank takes the
     smallest over the ranks (free GPU memory differs), since all index the same blocks."""
-    import torch
-
     blocks = _kv_blocks(job, cfg, tp, device, dtype)
     if agree:
-        import torch.distributed as dist
 
         count = torch.tensor([blocks], device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(count, op=dist.ReduceOp.MIN)
@@ -64,8 +62,6 @@ def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> in
 
 
 def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
-    import torch
-
     per_block = bytes_per_block(job["block_size"], cfg.n_layers, kv_channels_per_position(cfg, tp),
                                 torch.empty((), dtype=dtype).element_size())
     if job["num_kv_blocks"]:
@@ -91,10 +87,6 @@ def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
 
 def _device_memory(device) -> int:
     """All the memory the block pool could ever use: the GPU's, or the host's RAM."""
-    import os
-
-    import torch
-
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -7,6 +7,7 @@ Updated by the engine thread after every step (`after_step`) and when a request 
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -120,8 +121,6 @@ class ServeMetrics:
 
     def rebalanced(self, event) -> None:
         """An `ExpertRebalancer` event whose placement moves slots (from the engine thread)."""
-        import sys
-
         self.rebalances.inc()
         self.slots_moved.inc(event.moved_slots)
         self.imbalance_before.set(event.imbalance_before)

@@ -203,7 +203,6 @@ class PagedKVCache:
         pass
 
 
-
 def _offsets(counts: list[int]) -> list[int]:
     """Where each of consecutive runs of these lengths starts."""
     return list(accumulate(counts, initial=0))[:-1]

@@ -10,8 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from types import SimpleNamespace
 
 from phalanx.errors import UserError
+from phalanx.inference.model_source import is_run_dir, resolve_model
+from phalanx.model.hf_config import read_model_config
+from phalanx.plan import plan_from_string
+from phalanx.plan_model_checks import validate_tp
+from phalanx.planner.hardware import cluster_from_name
+from phalanx.planner.serve_rates import ServeLoad
+from phalanx.serve.job import check_plan as check_serve_plan
+from phalanx.serve.pool_auto import auto_split, check_auto, planned_lengths
+from phalanx.serve.pool_router import Router, parse_pools
 
 FRONT_ONLY = {"pool", "pool_move_after", "isl", "osl", "host", "port", "nproc", "plan", "func", "serve_parser",
               "command"}
@@ -38,8 +48,6 @@ def instance_flags(args, parser) -> list[str]:
 def check_pools(args, job: dict):
     """The pools as specs, every layout checked against `phalanx serve`'s rules and the model's
     shape before anything starts."""
-    from phalanx.serve.pool_router import parse_pools
-
     auto = args.pool == ["auto"]
     if args.plan or (args.nproc != 1 and not auto):
         raise UserError("--pool sets each pool's layout and ranks; drop --nproc and --plan "
@@ -50,19 +58,11 @@ def check_pools(args, job: dict):
         raise UserError(f"--pool-move-after must be > 0 seconds, got {args.pool_move_after}")
     specs = [] if auto else parse_pools(args.pool)  # the flags' own spelling first, then the model
     if auto:
-        from phalanx.serve.pool_auto import check_auto
-
         check_auto(ttft_ms=job["ttft_ms"], tpot_ms=job["tpot_ms"], ranks=args.nproc)  # before the model is read
     cfg = _model_config(job)
 
     def check_plan(plan: str, world: int) -> None:
-        from types import SimpleNamespace
-
-        from phalanx.plan import plan_from_string
-        from phalanx.plan_model_checks import validate_tp
-        from phalanx.serve.job import check_plan
-
-        check_plan(SimpleNamespace(plan=plan, nproc=world))
+        check_serve_plan(SimpleNamespace(plan=plan, nproc=world))
         if problems := validate_tp(plan_from_string(plan, world), cfg, cfg.max_seq_len):  # as a single server checks
             raise UserError(f"--pool ...:{plan}: {problems[0]}")
 
@@ -76,8 +76,6 @@ def check_pools(args, job: dict):
 def layout_ok(check_plan):
     """`check_plan` as a yes/no: whether the model runs in a layout."""
     def ok(plan: str) -> bool:
-        from phalanx.plan import plan_from_string
-
         try:
             check_plan(plan, plan_from_string(plan).world_size)
             return True
@@ -88,9 +86,7 @@ def layout_ok(check_plan):
 
 def _plan_auto(args, job: dict, cfg, layout_ok) -> list:
     """`--pool auto`: the planner's two pools for the targets, each printed with why."""
-    from phalanx.planner.hardware import cluster_from_name
-    from phalanx.planner.serve_rates import ServeLoad
-    from phalanx.serve.pool_auto import auto_split, planned_lengths
+    # Imported when run, not at the top: it brings in h11, prometheus_client, starlette, which start-up need not wait for.
     from phalanx.serve.pool_server import log
 
     isl, osl = planned_lengths(cfg, args.isl, args.osl)
@@ -108,6 +104,7 @@ def _plan_auto(args, job: dict, cfg, layout_ok) -> list:
 
 
 def _cuda() -> bool:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
 
     return torch.cuda.is_available()
@@ -115,13 +112,9 @@ def _cuda() -> bool:
 
 def _model_config(job: dict):
     """The model's shape, without torch for a model directory."""
-    from phalanx.inference.model_source import is_run_dir
-
     if is_run_dir(job["model"]):
-        from phalanx.inference.model_source import resolve_model
 
         return resolve_model(job["model"], job["step"]).cfg
-    from phalanx.model.hf_config import read_model_config
 
     return read_model_config(job["model"])
 
@@ -133,10 +126,10 @@ def run_pools(args, job: dict) -> int:
 
 
 async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: float) -> int:
+    # Imported when run, not at the top: it brings in h11, prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     import uvicorn
 
     from phalanx.serve.pool_backend import BackendFailed
-    from phalanx.serve.pool_router import Router
     from phalanx.serve.pool_server import PoolFront, build_front_app, log
     from phalanx.serve.server import PhalanxServer
 

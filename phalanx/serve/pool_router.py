@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from phalanx.errors import UserError
+from phalanx.plan import plan_from_string
 
 SERVICE_TIERS = {"priority": "latency", "auto": "throughput", "default": "throughput", "flex": "throughput"}
 """OpenAI's service_tier values (api_requests.SERVICE_TIERS) and the class each one means."""
@@ -53,8 +54,6 @@ def tp_plan(ranks: int) -> str:
 def parse_pools(values: list[str], check_plan=None) -> list[PoolSpec]:
     """`--pool NAME:PLAN` flags as specs; `check_plan(plan, world)` refuses a layout that
     `phalanx serve` does not run (a UserError)."""
-    from phalanx.plan import plan_from_string
-
     if "auto" in values:  # pool_auto.py plans it from the flags; here only the named pools' grammar
         raise UserError("--pool auto is the planner's whole split: give it alone (with --nproc N and "
                         "--ttft-ms/--tpot-ms), not beside named pools")
@@ -104,7 +103,6 @@ class Pool:
     queued_since: float | None = None
     refused_at: float | None = None
     """When an instance last refused a request of it for the TTFT target (429)."""
-
     @property
     def held(self) -> int:
         return len(self.held_arrivals)

@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -253,8 +253,6 @@ def build_front_app(front: PoolFront) -> Starlette:
         return JSONResponse({"status": "ok", "pools": front.layout()})
 
     async def metrics(request: Request) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(await front.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     return Starlette(routes=[

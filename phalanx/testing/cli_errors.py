@@ -3,16 +3,16 @@ wrong in one line, `phalanx: error: ...`, with no traceback."""
 
 from __future__ import annotations
 
+import pytest
+
+from phalanx.cli import main
+
 
 def assert_cli_error(argv: list[str], capsys, *messages: str, one_line: bool = True, ignore: tuple[str, ...] = ()) -> str:
     """Run `phalanx argv`; return its error line after checking it holds every message.
 
     `one_line=False` allows other lines (warnings) before it; lines starting with one of
     `ignore` (a progress bar's) are not counted."""
-    import pytest
-
-    from phalanx.cli import main
-
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith(ignore or "\0")]

@@ -8,10 +8,11 @@ a collective mismatch fails the test in seconds instead of hanging it.
 from __future__ import annotations
 
 import datetime
-import time
+import importlib
 import multiprocessing
 import os
 import pickle
+import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable
@@ -28,19 +29,20 @@ rank per launch on a shared 2-core machine, paid once in the parent by `preload_
 def preload_rank_imports() -> None:
     """Import RANK_LAZY_IMPORTS here, so that ranks forked from this process (run_ranks, and
     an in-process `phalanx train --nproc N`) inherit them instead of each importing them."""
-    import importlib
-
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib
 
     matplotlib.use("Agg")  # what the loss plot selects; no display is opened
     for name in RANK_LAZY_IMPORTS:
         importlib.import_module(name)
+    # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.data.corpus import stdlib_corpus
 
     stdlib_corpus()  # the default training data, read once here instead of once per rank and run
 
 
 def _child(rank: int, world_size: int, port: int, timeout_s: float, fn, args, conn) -> None:
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch
     import torch.distributed as dist
 

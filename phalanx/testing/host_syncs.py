@@ -14,6 +14,11 @@ from collections import Counter
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
+
+from phalanx.model.by_name import model_config
+from phalanx.model.moe import MoE
+from phalanx.parallel.expert import shard_experts
 
 _READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
 
@@ -44,12 +49,6 @@ def moe_layer_host_reads(ep: int) -> dict:
     """Host reads of one training forward + backward of a tiny-moe layer, after a warm-up call
     (the first call checks the grouped-matmul kernel once per device and dtype, which reads
     values); with ep > 1, on this gloo rank of an ep group over the whole world."""
-    import torch.distributed as dist
-
-    from phalanx.model.by_name import model_config
-    from phalanx.model.moe import MoE
-    from phalanx.parallel.expert import shard_experts
-
     torch.manual_seed(0)
     moe = MoE(model_config("tiny-moe"))
     with torch.no_grad():

@@ -19,6 +19,7 @@ def train_bpe(path: Path, *, vocab_size: int, texts: list[str] | None = None, by
     """A byte-level BPE saved at `path`. Without `byte_alphabet` the alphabet is only the
     characters of `texts`, so the vocabulary can stay below a byte model's 256; with it, all
     256 bytes are tokens and any text encodes."""
+    # Imported when run, not at the top: it brings in tokenizers, which start-up need not wait for.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from phalanx.train.restarts import restart_count
 
@@ -45,7 +46,6 @@ class CollectiveTimeout(RuntimeError):
     `others_may_name_s`: when this rank only saw a connection close, the seconds another rank
     may still spend counting the ranks after its own timeout; the launcher's worker waits that
     long for the agent to stop it, so the error that names the stuck rank is the one reported."""
-
     def __init__(self, message: str, others_may_name_s: float = 0.0):
         super().__init__(message)
         self.others_may_name_s = others_may_name_s
@@ -89,8 +89,6 @@ def bound_every_group(timeout_s: float) -> None:
     stuck in a tp or pipeline exchange would hold the others for half an hour. Uses two private
     names of torch.distributed that have been there since torch 2.2 (`_set_pg_timeout`, the
     `_world.pg_map` of this process's groups); where they are missing the groups keep theirs."""
-    from torch.distributed import distributed_c10d as c10d
-
     if not dist.is_initialized() or not hasattr(c10d, "_set_pg_timeout") or not hasattr(c10d, "_world"):
         return
     for group in list(c10d._world.pg_map):
@@ -103,7 +101,6 @@ def bound_every_group(timeout_s: float) -> None:
 class StuckRankWatch:
     """The gloo group on which the ranks are counted after a timeout; construct it on every
     rank, in order (it makes a process group). Costs nothing until `missing` is called."""
-
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.wait_s = min(timeout_s, DIAGNOSIS_S)

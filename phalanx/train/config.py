@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import UserError
+from phalanx.planner.layout import Workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +102,6 @@ class TrainConfig:
     doc_mask: bool = False
     """Attention stays inside each document of a packed sequence (the document starts a prepared
     directory records); with or without cp; `parallel/context_parallel.py`."""
-
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TOML `resume = true` and older callers
             object.__setattr__(self, "resume", "must" if self.resume else "")
@@ -151,7 +151,6 @@ class TrainConfig:
             problems.append("lr must be positive and min_lr not negative")
         if problems:
             raise UserError("invalid settings: " + "; ".join(problems))
-        from phalanx.planner.layout import Workload  # torch-free; the bound of every step's size
 
         Workload(global_batch=self.global_batch, seq_len=self.seq_len)
         return self

@@ -18,9 +18,11 @@ def plot_expert_load(metrics_path: Path, png_path: Path) -> bool:
     records = [r["moe"] for r in read_metrics(metrics_path) if "moe" in r]
     if not records:
         return False
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib
 
     matplotlib.use("Agg")
+    # Imported when run, not at the top: it brings in matplotlib, which start-up need not wait for.
     import matplotlib.pyplot as plt
 
     # A run resumed on another dp size has rows of two widths: the rank panel shows the newest size's.

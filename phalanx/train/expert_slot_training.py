@@ -22,13 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx import layout_rules as rules
+from phalanx.balance.rebalancer import ExpertRebalancer, initial_placement, loads_from_record
 from phalanx.errors import UserError
 from phalanx.parallel.data_parallel import uses_fsdp
 from phalanx.parallel.expert import ShardedExperts, _layer_of
 from phalanx.parallel.expert_slot_grads import sum_replica_param_grads
 from phalanx.parallel.expert_slot_moves import move_expert_slots, slot_bytes
 from phalanx.parallel.expert_slots import SlotPlacement, SlotRouter
-from phalanx.balance.rebalancer import ExpertRebalancer, initial_placement, loads_from_record
+from phalanx.parallel.mesh import weights_view
 
 
 def _node_size(plan) -> int | None:
@@ -49,7 +50,6 @@ def slot_placements(cfg, model_cfg, plan) -> dict[int, SlotPlacement] | None:
     neither is set (today's layout). Bad settings give one-line errors."""
     if not cfg.expert_slots and not cfg.rebalance_every:
         return None
-    from phalanx.parallel.mesh import weights_view
 
     plan = weights_view(plan)  # experts spread over dp x cp ranks
     flags = f"--expert-slots={cfg.expert_slots}" if cfg.expert_slots else f"--rebalance-every={cfg.rebalance_every}"
@@ -81,7 +81,6 @@ def _weights(module: ShardedExperts) -> list[nn.Parameter]:
 
 class SlotTraining:
     """The trainer's handle on every MoE layer's slots and, with `--rebalance-every`, the rebalancer."""
-
     def __init__(self, model: nn.Module, placements: dict[int, SlotPlacement], every: int):
         self.modules = slot_modules(model)
         self.layers = sorted(placements)  # every MoE layer of the model, also other stages'

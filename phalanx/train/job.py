@@ -24,8 +24,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from phalanx.checkpoint.reader import no_checkpoint_reason
 from phalanx.errors import UserError
+from phalanx.model.by_name import model_config
 from phalanx.plan import Plan
+from phalanx.plan_model_checks import validate_for_model
 from phalanx.train.config import TrainConfig
 from phalanx.train.resume_settings import check_resume
 from phalanx.train.world_change import plan_for_world, planned_expert_slots
@@ -34,7 +37,6 @@ from phalanx.train.world_change import plan_for_world, planned_expert_slots
 @dataclass(frozen=True)
 class SavedCheckpoint:
     """The checkpoint a run resumes from: the step it holds, its folder and its phalanx.json."""
-
     step: int
     path: str
     meta: dict
@@ -49,7 +51,6 @@ class SavedCheckpoint:
 class Job:
     """Everything about a run that is decided before training starts; plain data (pickled to
     the workers)."""
-
     settings: TrainConfig
     """The run's settings; `settings.plan` is the `--plan` text the run records in its
     checkpoints: the planner's choice for `auto`, the adapted plan after a world-size change,
@@ -65,7 +66,6 @@ class Job:
     `--rebalance-every` alone); 0 = none."""
     resume_from: SavedCheckpoint | None = None
     """The checkpoint to load, or None for a fresh run."""
-
     @property
     def microbatches(self) -> int:
         """Micro-batches per optimizer step per data-parallel rank (gradient accumulation)."""
@@ -92,13 +92,9 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
     the run directory when `cfg.resume` asks for one (None: none there, or a fresh run);
     `gpu`: this machine's GPU name, for `--plan auto` without `--cluster`; `log`: called with
     each line to say (the planner's choice, what a resume changed), once per run."""
-    from phalanx.model.by_name import model_config
-    from phalanx.plan_model_checks import validate_for_model
-
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
     if cfg.resume == "must" and checkpoint is None:
-        from phalanx.checkpoint.reader import no_checkpoint_reason
 
         raise UserError(f"--resume: {no_checkpoint_reason(Path(run_dir))} (--resume auto starts fresh when there is none)")
     plan, text = plan_for_world(cfg, world_size, model_cfg, saved_world=checkpoint.world_size if checkpoint else None,

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
 import shutil
 import signal
@@ -23,15 +24,21 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.errors import UserError
-from phalanx.checkpoint.store import latest_checkpoint
+from phalanx.hf.weights import initial_weights
+from phalanx.model.by_name import model_config
+from phalanx.model.init import build_model
+from phalanx.plan import parse_plan
 from phalanx.train.config import TrainConfig
 from phalanx.train.job import Job, check_sequence_length, resolve_job
+from phalanx.train.loop import train
 from phalanx.train.restarts import leave_user_error, resume_mode
+from phalanx.train.resume_point import gpu_name, saved_checkpoint
 from phalanx.train.stop_signal import STOP_STATUS, StopSignals
-from phalanx.worker_group import check_nproc, run_in_group, usable_cores
 from phalanx.train.worker_restarts import launch_with_restarts, max_restarts
+from phalanx.worker_group import check_nproc, run_in_group, usable_cores
 
 TEARDOWN_WAIT_S = 1.0
 """How long a worker that raised waits for the agent's SIGTERM before reporting its own error
@@ -42,8 +49,6 @@ def default_nproc(cfg: TrainConfig) -> int:
     """Workers per node when --nproc is not given: as many as the plan names (divided among the
     --nnodes); else one per GPU; else one per CPU core (at most 8), lowered until it divides
     the global batch."""
-    from phalanx.plan import parse_plan
-
     if cfg.plan and cfg.plan != "auto":  # over every node: --nproc is per node
         return max(1, parse_plan(cfg.plan)[0].world_size // cfg.node_range[1])
     if cfg.device != "cpu" and torch.cuda.is_available():
@@ -57,7 +62,6 @@ def default_nproc(cfg: TrainConfig) -> int:
 def resolve_run_dir(cfg: TrainConfig) -> Path:
     if cfg.out:
         return Path(cfg.out)
-    from phalanx.model.by_name import model_config
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{model_config(cfg.model).name}-{stamp}"
@@ -81,8 +85,6 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | N
     SIGTERM or SIGINT stopped the run after a checkpoint). `job`: the run as the launcher
     worked it out; None where only the workers know the world size (torchrun, an elastic
     launch): rank 0 works it out then, and every rank receives it."""
-    from phalanx.train.loop import train
-
     cfg = TrainConfig(**cfg_fields)
     rank = int(os.environ.get("RANK", "0"))
     began = time.perf_counter()
@@ -131,9 +133,6 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
             raise UserError("under torchrun, pass --out DIR (all ranks must agree on the run directory)")
         return _torchrun_worker(cfg)
 
-    from phalanx.model.by_name import model_config
-    from phalanx.train.resume_point import gpu_name, saved_checkpoint
-
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
     nodes = cfg.node_range
@@ -166,7 +165,6 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         """The first attempt's job, or a restart's, worked out again: it resumes from the
         newest checkpoint, which has moved on."""
         return job if settings is cfg else job_for(settings, saved_checkpoint(run_dir, report=True))
-    from phalanx.hf.weights import initial_weights
 
     weights = initial_weights(cfg.model, cfg.init, model_cfg)  # checks the checkpoint against the model
     # The data too: a missing or short split, a tokenizer larger than the model, bad UTF-8.
@@ -175,7 +173,6 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     created = not run_dir.exists()
     # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
     lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
-    from phalanx.model.init import build_model
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
     source = f" from {weights.folder}" if weights else f", random initialization from seed {cfg.seed}"
@@ -219,8 +216,6 @@ def lock_run_dir(run_dir: Path):
     """Create the run directory if needed and hold an exclusive lock on a file in it, so a
     second run on the same --out is refused instead of interleaving metrics and checkpoints.
     flock's lock goes away with the last process holding the file, so a crash releases it."""
-    import fcntl
-
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--out {run_dir} is a file, not a directory")
     try:

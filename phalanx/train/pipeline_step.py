@@ -13,10 +13,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import schedules
 
 from phalanx.parallel.context_parallel import WholeSequence, document_ids
 from phalanx.parallel.mesh import ParallelMesh
-from phalanx.parallel.pipeline import Pipeline, build_schedule, stages_of_rank
+from phalanx.parallel.pipeline import Pipeline, bubble_formula, build_schedule, stages_of_rank
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.train.loss import token_loss
 
@@ -38,15 +39,12 @@ class WaitClock:
     arrives; with NCCL a wait only orders CUDA streams, so on GPUs this clock undercounts
     (measuring there needs CUDA events, not done yet).
     """
-
     def __init__(self) -> None:
         self.seconds = 0.0
         self.available = False
 
     @contextlib.contextmanager
     def timing(self):
-        from torch.distributed.pipelining import schedules
-
         original = getattr(schedules, "_wait_batch_p2p", None)
         self.available = original is not None
         if original is None:
@@ -89,8 +87,6 @@ def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, 
 def bubble_record(clock: WaitClock, step_time_s: float, plan, mesh: ParallelMesh) -> dict:
     """The step's measured bubble (each pp rank's waiting time / step time) beside the
     schedule's formula. Collective over the pp group: every rank must call it."""
-    from phalanx.parallel.pipeline import bubble_formula
-
     record: dict = {"bubble_formula": bubble_formula(plan)}
     if not clock.available:
         record["bubble"] = None
@@ -162,7 +158,6 @@ def pipeline_forward_loss(model, mesh: ParallelMesh, inputs: torch.Tensor, targe
 def pipeline_next_logits(model, mesh: ParallelMesh, vocab_size: int):
     """For sampling: a function from ids (1, seq) to the logits (vocab,) at position `seq - 1`
     (after right padding, see `generate`), the same on every pp rank."""
-
     @torch.no_grad()
     def next_logits(ids: torch.Tensor, position: int) -> torch.Tensor:
         logits = torch.zeros(vocab_size, device=mesh.device)

@@ -14,6 +14,7 @@ class Progress:
         self.began = time.perf_counter()
         self.every = max(1, (total - start) // 10)
         if enabled and sys.stderr.isatty():
+            # Imported when run, not at the top: it brings in tqdm, which start-up need not wait for.
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, unit="step", file=sys.stderr, dynamic_ncols=True)

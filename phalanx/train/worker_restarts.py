@@ -19,9 +19,13 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.train.restarts import REASON_ENV, RESTART_ENV
 from phalanx.train.stop_signal import GRACE_S, STOP_STATUS
+from phalanx.worker_group import start_elastic
 
 CONDITIONS = ("CollectiveTimeout:",)
 """Worker exceptions that describe the cluster's state, not a fault in the code."""
@@ -33,7 +37,6 @@ DEFAULT_MAX_RESTARTS = 3
 @dataclass
 class Failure:
     """A worker that failed: why, in one line, and its traceback when it raised."""
-
     reason: str
     traceback: str = ""
 
@@ -68,11 +71,6 @@ def launch_once(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, attemp
     """One elastic launch of all workers, its elastic log lines silenced (the caller says
     what happened in one line): (status, failure). `job`: what the workers run
     (`phalanx.train.job`), or None for them to work out."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from phalanx.worker_group import start_elastic
-
     try:
         # The PHALANX_ variables (the restart's number and reason, test hooks) travel with the
         # arguments: a forkserver's workers do not see this process's environment.

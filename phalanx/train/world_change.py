@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from phalanx.errors import UserError
 from phalanx.plan import Plan, parse_plan
+from phalanx.plan_model_checks import validate_for_model
+from phalanx.planner.hardware import this_machine
+from phalanx.planner.search import auto_plan
 
 
 def dp_follows(plan: Plan, world_size: int, global_batch: int) -> Plan:
@@ -48,9 +51,6 @@ def auto_plan_for(cfg, world_size: int, model_cfg, gpu: str = "") -> Plan:
     or this machine (the cluster file `phalanx calibrate` wrote, else the preset of its GPU
     `gpu`, else `local`), with room for the run's expert slots. Deterministic: every process
     that asks gets the same plan."""
-    from phalanx.planner.hardware import this_machine
-    from phalanx.planner.search import auto_plan
-
     return auto_plan(model_cfg, world_size=world_size, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
                      cluster=cfg.cluster or this_machine(gpu), dtype=cfg.dtype,
                      expert_slots=planned_expert_slots(cfg, model_cfg))
@@ -73,7 +73,6 @@ def plan_for_world(cfg, world_size: int, model_cfg, *, saved_world: int | None, 
     changed = elastic or (saved_world is not None and saved_world != world_size)
     if plan.world_size == world_size or not changed:
         return plan, cfg.plan
-    from phalanx.plan_model_checks import validate_for_model
 
     try:
         adapted = dp_follows(plan, world_size, cfg.global_batch).validate(world_size)
