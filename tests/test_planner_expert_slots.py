@@ -149,8 +149,9 @@ def test_simulate_says_why_a_plan_runs_no_slots(tmp_path, capsys):
     code = cli.run(["simulate", "--model", "tiny-moe", "--cluster", "dgx-h100", "--global-batch", "8", "--seq-len",
                      "128", "--plan", "dp=4,ep=4", "--expert-slots", "10", "--out", str(tmp_path)])
     err = capsys.readouterr().err
-    assert code == 2 and err == ("error: --plan dp=4,ep=4 gives no layout with --expert-slots=10: --expert-slots=10 "
-                                 "is not a multiple of ep=4 (10 / 4 is not a whole number of slots per rank)\n")
+    assert code == 2 and err == ("phalanx: error: --plan dp=4,ep=4 gives no layout with --expert-slots=10: "
+                                 "--expert-slots=10 is not a multiple of ep=4 (10 / 4 is not a whole number of "
+                                 "slots per rank)\n")
 
 
 def test_replica_gradient_sum_is_charged_once_per_step_and_moe_layer():
