@@ -15,7 +15,8 @@ import torch
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+              bos_token_id=None, eos_token_id=None)  # no tokenizer, no end of sequence: generations run to max_tokens
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16, "rope_theta": 50000.0}
 FAMILIES = {

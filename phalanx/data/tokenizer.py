@@ -69,6 +69,10 @@ class HFTokenizer:
         # The id bound, not the count: ids of added tokens can leave gaps.
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.eos_id = _end_of_text_id(self._tok, path.parent)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.eos_ids = frozenset({self.eos_id, _configured_eos(path.parent, vocab)} - {None})
+        """The end-of-text token and the configured eos_token, which an instruct model's chat
+        turns end with (`<|eot_id|>`, `<|im_end|>`)."""
         self.fingerprint = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
         """Identifies the vocabulary: data prepared with one tokenizer is refused under another."""
 
@@ -83,6 +87,10 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(t) for t in ids], skip_special_tokens=False)
+
+    def decode_plain(self, ids) -> str:
+        """Text without the special tokens (end of turn, chat markers): what a served answer shows."""
+        return self._tok.decode([int(t) for t in ids], skip_special_tokens=True)
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

@@ -17,6 +17,7 @@ from typing import Callable
 
 from phalanx.checkpoint.reader import read_run_checkpoint
 from phalanx.errors import UserError
+from phalanx.inference.generation_config import checkpoint_eos_ids
 from phalanx.model.config import PRESETS, ModelConfig
 from phalanx.model.hf_config import config_path, model_directory, read_model_config
 
@@ -94,16 +95,24 @@ def _load_run_checkpoint(model, source: ModelSource) -> None:
 class TextCodec:
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
+    """Every id to text, special tokens included."""
     eos_id: int | None
     """Generation stops after this id; None: the tokenizer has no end-of-text token (bytes)."""
+    eos_ids: frozenset[int] = frozenset()
+    """Every id that ends a sequence: `eos_id` and the checkpoint's (generation_config.py)."""
+    decode_plain: Callable[[list[int]], str] | None = None
+    """Ids to text without special tokens (vLLM's `skip_special_tokens`); None: as `decode`."""
 
 
 def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
     """Prompt text <-> ids: `tokenizer` ("bytes", or a tokenizer.json or its folder), else the
     model (or run) directory's tokenizer.json, else bytes (`phalanx.data.tokenizer`, as in
-    training)."""
+    training); the ends of sequence from the tokenizer and `model_dir`'s own files."""
     # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.data.tokenizer import load_tokenizer
 
     loaded = load_tokenizer(tokenizer, model_dir)
-    return TextCodec(lambda text: [int(t) for t in loaded.encode(text)], loaded.decode, loaded.eos_id)
+    eos = checkpoint_eos_ids(model_dir) | set(getattr(loaded, "eos_ids", ())) | ({loaded.eos_id} - {None})
+    eos = {token for token in eos if token < loaded.vocab_size}
+    return TextCodec(lambda text: [int(t) for t in loaded.encode(text)], loaded.decode, loaded.eos_id,
+                     frozenset(eos), getattr(loaded, "decode_plain", None))

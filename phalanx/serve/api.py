@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -20,13 +20,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from phalanx.errors import UserError
+from phalanx.inference.sampling import Sampling
+from phalanx.scheduling.scheduler import QueueFull, Sequence
+from phalanx.scheduling.slo_policy import SloUnattainable
 from phalanx.serve.api_requests import ApiError, Generation, parse_chat, parse_completion
 from phalanx.serve.api_responses import DONE, Answer, sse
 from phalanx.serve.detokenize import IncrementalText
-from phalanx.serve.engine import request_sampling
+from phalanx.serve.engine import openai_sampling, seeded
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
-from phalanx.scheduling.scheduler import QueueFull, Sequence
-from phalanx.scheduling.slo_policy import SloUnattainable
 
 DISCONNECT_POLL_S = 0.5
 
@@ -37,12 +39,15 @@ class ServeState:
     model_name: str
     engine: EngineLoop
     codec: object
-    """phalanx.inference.model_source.TextCodec: encode, decode, eos_id."""
+    """phalanx.inference.model_source.TextCodec: encode, decode, ends of sequence."""
     chat_template: object
     metrics: object
     max_len: int
     vocab_size: int
     api_key: str | None = None
+    sampling_defaults: dict = field(default_factory=dict)
+    """generation_config.json's sampling settings for fields a request leaves out (empty under
+    `--generation-config vllm`)."""
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -94,6 +99,7 @@ def _check_key(request: Request, state: ServeState) -> None:
 
 
 async def _generate(request: Request, state: ServeState, parse) -> Response:
+    handles: list = []
     try:
         _check_key(request, state)
         try:
@@ -105,84 +111,167 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
         if model is not None and model != state.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
                            "model", "model_not_found")
-        prompt = _prompt_ids(gen, state)
-        seq = Sequence("", prompt, gen.max_tokens, frozenset({state.codec.eos_id}) - {None},
-                       sampling=request_sampling(gen.temperature, gen.top_p, gen.top_k, gen.seed, gen.logprobs))
-        try:
-            handle = state.engine.submit(seq, IncrementalText(state.codec.decode, gen.stop))
-        except QueueFull as error:
-            raise ApiError(429, str(error), code="queue_full") from None
-        except SloUnattainable as error:
-            raise ApiError(429, str(error), code="ttft_target_unattainable") from None
-        except NotAccepting as error:
-            raise ApiError(503, str(error), code="not_ready") from None
-        except ValueError as error:
-            raise ApiError(400, str(error), "max_tokens") from None
+        prompts = _prompt_ids(gen, state)
+        sampling = _sampling(gen, state)
+        for prompt in prompts:
+            max_tokens = _max_tokens(gen, prompt, state)
+            for choice in range(gen.n):
+                seed = None if gen.seed is None else gen.seed + choice  # choice i of a seeded request: seed + i
+                seq = Sequence("", prompt, max_tokens, _ends(gen, state),
+                               sampling=seeded(sampling, seed, gen.logprobs, gen.min_tokens))
+                handles.append(_submit(state, seq, gen))
     except ApiError as error:
+        for handle in handles:  # a later prompt was refused: the earlier ones stop
+            state.engine.abort(handle)
         return error_response(error)
-    answer = Answer(gen, state.model_name, prompt, lambda token: state.codec.decode([token]))
-    seq.seq_id = answer.id
+    answer = Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]))
+    for handle in handles:
+        handle.seq.seq_id = answer.id
+    pieces, relays = _merged(handles)
     if gen.stream:
-        return StreamingResponse(_stream(handle, answer, state), media_type="text/event-stream")
-    while True:
-        try:
-            piece = await asyncio.wait_for(handle.queue.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                state.engine.abort(handle)
-                return Response(status_code=499)
-            continue
-        if piece.error:
-            return error_response(ApiError(503, piece.error, code="aborted", kind="server_error"))
-        answer.add(piece)
-        if piece.finish_reason:
-            return JSONResponse(answer.final())
-
-
-async def _stream(handle, answer: Answer, state: ServeState):
+        return StreamingResponse(_stream(pieces, handles, relays, answer, state), media_type="text/event-stream")
     try:
-        first = answer.first_chunk()
-        if first:
-            yield first
-        offset = 0
+        while not answer.finished:
+            try:
+                index, piece = await asyncio.wait_for(pieces.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+                continue
+            if piece.error:
+                return error_response(ApiError(503, piece.error, code="aborted", kind="server_error"))
+            answer.add(index, piece)
+        return JSONResponse(answer.final())
+    finally:
+        _end(handles, relays, state)
+
+
+def _end(handles: list, relays: list, state: ServeState) -> None:
+    """The request is answered or its client gone: unfinished choices stop, relays end."""
+    for handle in handles:
+        state.engine.abort(handle)
+    for relay in relays:
+        relay.cancel()
+
+
+def _submit(state: ServeState, seq: Sequence, gen: Generation):
+    decode = state.codec.decode_plain if gen.skip_special_tokens and state.codec.decode_plain else state.codec.decode
+    text = IncrementalText(decode, gen.stop, keep_stop=gen.include_stop_str_in_output, min_tokens=gen.min_tokens)
+    try:
+        return state.engine.submit(seq, text)
+    except QueueFull as error:
+        raise ApiError(429, str(error), code="queue_full") from None
+    except SloUnattainable as error:
+        raise ApiError(429, str(error), code="ttft_target_unattainable") from None
+    except NotAccepting as error:
+        raise ApiError(503, str(error), code="not_ready") from None
+    except ValueError as error:
+        raise ApiError(400, str(error), "max_tokens") from None
+
+
+def _merged(handles: list) -> tuple:
+    """(choice index, piece) from every handle, in the order they come, and the tasks that
+    relay them: each handle's queue is read by a task of its own that ends with its last piece."""
+    if len(handles) == 1:  # the common case: no task, the handle's queue read through a view
+        return _SingleQueue(handles[0].queue), []
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def relay(index: int, handle) -> None:
         while True:
             piece = await handle.queue.get()
+            merged.put_nowait((index, piece))
+            if piece.finish_reason or piece.error:
+                return
+
+    return merged, [asyncio.ensure_future(relay(index, handle)) for index, handle in enumerate(handles)]
+
+
+class _SingleQueue:
+    """One handle's queue as (0, piece) pairs."""
+
+    def __init__(self, queue: asyncio.Queue):
+        self.queue = queue
+
+    async def get(self):
+        return 0, await self.queue.get()
+
+
+def _ends(gen: Generation, state: ServeState) -> frozenset[int]:
+    """The ids that end a choice: the model's ends of sequence (unless ignore_eos) and the
+    request's stop_token_ids."""
+    eos = frozenset() if gen.ignore_eos else (state.codec.eos_ids or frozenset({state.codec.eos_id}) - {None})
+    return eos | frozenset(gen.stop_token_ids)
+
+
+def _sampling(gen: Generation, state: ServeState) -> Sampling:
+    """The request's sampling, the checkpoint's generation_config.json filling the fields the
+    request left out (`--generation-config auto`, as vLLM)."""
+    values = {name: getattr(gen, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    for name, value in state.sampling_defaults.items():
+        if name not in gen.asked:
+            values[name] = value
+    bias = tuple(sorted(gen.logit_bias.items()))
+    outside = [token for token, _ in bias if token >= state.vocab_size]
+    if outside:
+        raise ApiError(400, f"logit_bias token {outside[0]} is outside the vocabulary (0 to {state.vocab_size - 1})",
+                       "logit_bias")
+    try:
+        return openai_sampling(temperature=values["temperature"], top_p=values["top_p"], top_k=values["top_k"],
+                               min_p=values["min_p"], repetition_penalty=values["repetition_penalty"],
+                               presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty,
+                               logit_bias=bias).validate()
+    except UserError as error:  # a default from generation_config.json out of range
+        raise ApiError(400, f"{error} (with the model's generation_config.json defaults)") from None
+
+
+async def _stream(pieces, handles: list, relays: list, answer: Answer, state: ServeState):
+    try:
+        for chunk in answer.first_chunks():
+            yield chunk
+        while not answer.finished:
+            index, piece = await pieces.get()
             if piece.error:
                 yield sse(ApiError(503, piece.error, code="aborted", kind="server_error").body())
                 break
-            chunk = answer.piece_chunk(piece, offset)
-            offset += len(piece.text)
-            answer.add(piece)
+            chunk = answer.piece_chunk(index, piece)
             if chunk:
                 yield chunk
-            if piece.finish_reason:
-                usage = answer.usage_chunk()
-                if usage:
-                    yield usage
-                break
+        else:
+            usage = answer.usage_chunk()
+            if usage:
+                yield usage
         yield DONE
     finally:  # the client went away (the response was cancelled) or the stream ended
-        state.engine.abort(handle)
+        _end(handles, relays, state)
 
 
-def _prompt_ids(gen: Generation, state: ServeState) -> list[int]:
+def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
+    """Each prompt's token ids, checked against the vocabulary and the context."""
     if gen.chat:
         try:
-            gen.prompt_text = state.chat_template.render(gen.messages)
+            gen.prompts = [state.chat_template.render(gen.messages)]
         except ValueError as error:
             raise ApiError(400, str(error), "messages") from None
-    prompt = gen.prompt if gen.prompt is not None else state.codec.encode(gen.prompt_text)
-    if not prompt:
-        raise ApiError(400, "the prompt encodes to no tokens", "prompt")
-    outside = [t for t in prompt if not 0 <= t < state.vocab_size]
-    if outside:
-        raise ApiError(400, f"prompt token id {outside[0]} is outside the vocabulary (0 to {state.vocab_size - 1})", "prompt")
+    out = []
+    for prompt in gen.prompts:
+        ids = prompt if isinstance(prompt, list) else state.codec.encode(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", "prompt")
+        outside = [t for t in ids if not 0 <= t < state.vocab_size]
+        if outside:
+            raise ApiError(400, f"prompt token id {outside[0]} is outside the vocabulary (0 to {state.vocab_size - 1})",
+                           "prompt")
+        if state.max_len - len(ids) < 1:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; the model's context is {state.max_len}", "prompt")
+        out.append(ids)
+    return out
+
+
+def _max_tokens(gen: Generation, prompt: list[int], state: ServeState) -> int:
     room = state.max_len - len(prompt)
-    if room < 1:
-        raise ApiError(400, f"the prompt has {len(prompt)} tokens; the model's context is {state.max_len}", "prompt")
     if gen.max_tokens is None:
-        gen.max_tokens = room
-    elif gen.max_tokens > room:
+        return max(room, gen.min_tokens, 1)
+    if gen.max_tokens > room:
         raise ApiError(400, f"a prompt of {len(prompt)} tokens + max_tokens {gen.max_tokens} = "
                             f"{len(prompt) + gen.max_tokens} exceeds the model's context of {state.max_len}", "max_tokens")
-    return prompt
+    return gen.max_tokens

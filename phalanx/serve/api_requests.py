@@ -1,19 +1,32 @@
 """The bodies of /v1/completions and /v1/chat/completions, checked field by field.
 
 Every mistake is an `ApiError` carrying its HTTP status and OpenAI's error body
-(`{"error": {"message", "type", "param", "code"}}`), never a traceback; fields OpenAI clients
-send that do not change the result here (`user`, zero penalties) are accepted, those that
-would (`n` > 1, `best_of`, penalties, `echo`) are refused rather than ignored.
+(`{"error": {"message", "type", "param", "code"}}`), never a traceback. Which fields are
+honoured, accepted without effect or refused is `api_fields.py`'s table; the checks of each
+honoured field's value are here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from phalanx.serve.api_fields import refusal
 from phalanx.serve.pool_router import SERVICE_TIERS
 
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 20
+"""vLLM's default `--max-logprobs`, and OpenAI's bound on chat's top_logprobs."""
 MAX_STOPS = 4
+MAX_N = 16
+"""Choices per prompt: each is a sequence of its own in the batch (they share the prompt's
+blocks through the prefix cache)."""
+MAX_PROMPTS = 64
+"""Prompts in one completions request (lm-evaluation-harness sends its --batch_size)."""
+MAX_TOKEN_LIST = 4096
+"""stop_token_ids and logit_bias entries."""
+MIN_TEMPERATURE = 1e-6
+"""`phalanx generate`'s bound (inference/sampling.py: below it float32 cannot tell tokens apart
+and the logits overflow), so a request cannot make the sampler fail."""
+MIN_TOP_P = 1e-6
 
 
 class ApiError(Exception):
@@ -31,21 +44,33 @@ class ApiError(Exception):
 @dataclass
 class Generation:
     """A checked request: what to feed, how to sample, when to stop, what to answer."""
-    prompt: list[int] | None = None
-    """Token ids; None for chat until the template is rendered."""
-    prompt_text: str | None = None
+    prompts: list = field(default_factory=list)
+    """Completions: each prompt a string or token ids (one choice per prompt and per n)."""
     messages: list[dict] | None = None
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    n: int = 1
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None
     return_token_ids: bool = False
     chat: bool = False
+    asked: frozenset[str] = frozenset()
+    """The fields the body gave (the model's generation_config.json fills the others' defaults)."""
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -74,28 +99,65 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
-def _refuse_unsupported(body: dict) -> None:
-    n = _number(body, "n", 1, 1, 128, integer=True)
-    if n != 1:
-        raise _bad(f"n = {n}: this server returns one choice per request (n = 1)", "n")
-    best_of = body.get("best_of")
-    if best_of not in (None, 1):
-        raise _bad(f"best_of = {best_of!r} is not supported (1 only)", "best_of")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _number(body, name, 0, -2, 2) != 0:
-            raise _bad(f"{name} is not supported (0 only)", name)
-    if body.get("logit_bias"):
-        raise _bad("logit_bias is not supported", "logit_bias")
+def _token_ids(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if (not isinstance(value, list) or len(value) > MAX_TOKEN_LIST
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+        raise _bad(f"{name} must be a list of at most {MAX_TOKEN_LIST} token ids (integers >= 0), got {value!r}", name)
+    return list(value)
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_TOKEN_LIST:
+        raise _bad(f"logit_bias must be an object of at most {MAX_TOKEN_LIST} token ids (as strings) to numbers",
+                   "logit_bias")
+    bias = {}
+    for key, number in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or str(token) != str(key).strip():
+            raise _bad(f"logit_bias keys must be token ids written as strings, got {key!r}", "logit_bias")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not -100 <= number <= 100:
+            raise _bad(f"logit_bias values must be numbers in [-100, 100], got {number!r} for token {key}", "logit_bias")
+        bias[token] = float(number)
+    return bias
+
+
+def _max_tokens(body: dict, default: int | None) -> int | None:
+    """max_completion_tokens wins over max_tokens when both are given (as vLLM reads them)."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _number(body, name, default, 1, 1 << 20, integer=True)
 
 
 def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None:
-    _refuse_unsupported(body)
-    gen.max_tokens = _number(body, "max_tokens", max_tokens_default, 1, 1 << 20, integer=True)
+    if problem := refusal(body, gen.chat):
+        raise _bad(problem[1], problem[0])
+    gen.asked = frozenset(name for name, value in body.items() if value is not None)
+    gen.max_tokens = _max_tokens(body, max_tokens_default)
     gen.temperature = _number(body, "temperature", 1.0, 0, 2)
-    gen.top_p = _number(body, "top_p", 1.0, 0, 1, low_open=True)
+    if 0 < gen.temperature < MIN_TEMPERATURE:
+        raise _bad(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {gen.temperature}: below it "
+                   "float32 cannot tell tokens apart", "temperature")
+    gen.top_p = _number(body, "top_p", 1.0, MIN_TOP_P, 1)
     top_k = _number(body, "top_k", None, -1, 1 << 20, integer=True)
     gen.top_k = None if top_k in (None, -1, 0) else top_k  # vLLM's -1 and 0: no cut
+    gen.min_p = _number(body, "min_p", 0.0, 0, 1)
+    gen.presence_penalty = _number(body, "presence_penalty", 0.0, -2, 2)
+    gen.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2, 2)
+    gen.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0, 1000, low_open=True)
+    gen.logit_bias = _logit_bias(body)
     gen.seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    gen.n = _number(body, "n", 1, 1, MAX_N, integer=True)
+    best_of = _number(body, "best_of", None, 1, MAX_N, integer=True)
+    if best_of is not None and best_of != gen.n and best_of != 1:
+        raise _bad(f"best_of = {best_of} with n = {gen.n}: best_of > n is not there yet", "best_of")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -104,6 +166,13 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOPS:
         raise _bad(f"stop must be a string or a list of at most {MAX_STOPS} strings, got {stop!r}", "stop")
     gen.stop = stop
+    gen.stop_token_ids = _token_ids(body, "stop_token_ids")
+    gen.ignore_eos = _flag(body, "ignore_eos")
+    gen.min_tokens = _number(body, "min_tokens", 0, 0, 1 << 20, integer=True)
+    if gen.max_tokens is not None and gen.min_tokens > gen.max_tokens:
+        raise _bad(f"min_tokens = {gen.min_tokens} is more than max_tokens = {gen.max_tokens}", "min_tokens")
+    gen.include_stop_str_in_output = _flag(body, "include_stop_str_in_output")
+    gen.skip_special_tokens = True if body.get("skip_special_tokens") is None else _flag(body, "skip_special_tokens")
     gen.stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None:
@@ -114,29 +183,35 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
         gen.include_usage = _flag(options, "include_usage")
     gen.return_token_ids = _flag(body, "return_token_ids")
     tier = body.get("service_tier")
-    if tier is not None and tier not in SERVICE_TIERS:  # it picks a pool under --pool (pool_router.py)
+    if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):  # picks a pool (pool_router.py)
         raise _bad(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}", "service_tier")
+    for name in ("user", "request_id"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(f"{name} must be a string", name)
+
+
+def _prompt_list(prompt) -> list:
+    """`prompt` as a list of prompts, each a string or a list of token ids."""
+    is_ids = lambda value: (isinstance(value, list) and value  # noqa: E731
+                            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+    if isinstance(prompt, str):
+        return [prompt]
+    if is_ids(prompt):
+        return [list(prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise _bad(f"a batch of {len(prompt)} prompts: at most {MAX_PROMPTS} in one request", "prompt")
+        return [p if isinstance(p, str) else list(p) for p in prompt]
+    raise _bad("prompt must be a non-empty string, a non-empty list of token ids, or a list of either", "prompt")
 
 
 def parse_completion(body) -> Generation:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
     gen = Generation()
-    prompt = body.get("prompt")
-    if prompt is None:
+    if body.get("prompt") is None:
         raise _bad("prompt is required", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        gen.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        gen.prompt = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad(f"a batch of {len(prompt)} prompts: this server takes one prompt per request", "prompt")
-    else:
-        raise _bad("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
-    if _flag(body, "echo"):
-        raise _bad("echo is not supported", "echo")
+    gen.prompts = _prompt_list(body["prompt"])
     _common(body, gen, 16)
     gen.logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     return gen
@@ -164,9 +239,6 @@ def parse_chat(body) -> Generation:
             raise _bad(f"messages[{index}].content must be a string or a list of text parts", "messages")
         checked.append({**message, "content": content})
     gen.messages = checked
-    body = dict(body)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        body["max_tokens"] = body["max_completion_tokens"]
     _common(body, gen, None)  # None: as many as the context holds
     if _flag(body, "logprobs"):
         gen.logprobs = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)

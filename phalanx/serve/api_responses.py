@@ -1,5 +1,9 @@
 """The JSON of OpenAI's answers: completion and chat objects, their streamed chunks, usage and
-log-probabilities, built from the pieces the engine thread hands over (engine_loop.Piece)."""
+log-probabilities, built from the pieces the engine thread hands over (engine_loop.Piece).
+
+A request has one choice per prompt and per `n`, numbered as OpenAI numbers them: choice
+`prompt_index * n + i`. Usage counts each prompt once and every choice's tokens.
+"""
 
 from __future__ import annotations
 
@@ -13,35 +17,53 @@ from phalanx.serve.api_requests import Generation
 
 
 @dataclass
-class Answer:
-    """One request's answer as it grows."""
-    gen: Generation
-    model: str
+class Choice:
+    """One choice's answer as it grows."""
+    index: int
     prompt: list[int]
-    token_text: Callable[[int], str]
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
+    sent_chars: int = 0
+    """Characters of text streamed so far (completions' text_offset)."""
     prompt_ids_sent: bool = False
     unsent_ids: list[int] = field(default_factory=list)
 
+
+@dataclass
+class Answer:
+    """One request's answer as it grows: its choices."""
+    gen: Generation
+    model: str
+    prompts: list[list[int]]
+    token_text: Callable[[int], str]
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[Choice] = field(default_factory=list)
+
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.gen.chat else "cmpl-") + uuid.uuid4().hex
+        self.choices = [Choice(p * self.gen.n + i, prompt) for p, prompt in enumerate(self.prompts)
+                        for i in range(self.gen.n)]
 
-    def add(self, piece) -> None:
-        self.text += piece.text
+    @property
+    def finished(self) -> bool:
+        return all(choice.finish_reason for choice in self.choices)
+
+    def add(self, index: int, piece) -> None:
+        choice = self.choices[index]
+        choice.text += piece.text
         if piece.token is not None:
-            self.tokens.append(piece.token)
+            choice.tokens.append(piece.token)
             if piece.logprob is not None:
-                self.logprobs.append((piece.token, piece.logprob, piece.top_logprobs or []))
-        self.finish_reason = piece.finish_reason or self.finish_reason
+                choice.logprobs.append((piece.token, piece.logprob, piece.top_logprobs or []))
+        choice.finish_reason = piece.finish_reason or choice.finish_reason
 
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": len(self.tokens),
-                "total_tokens": len(self.prompt) + len(self.tokens)}
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.tokens) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _logprobs(self, entries, offset: int) -> dict | None:
         if self.gen.logprobs is None:
@@ -60,22 +82,25 @@ class Answer:
         return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [{self.token_text(i): v for i, v in top} for _, _, top in entries], "text_offset": offsets}
 
-    def _choice(self, text: str, entries, offset: int, finish_reason, first: bool = False) -> dict:
+    def _choice(self, index: int, text: str, entries, offset: int, finish_reason, first: bool = False) -> dict:
         if self.gen.chat:
             delta_or_message = {"role": "assistant", "content": text} if first or not self.gen.stream else {"content": text}
-            choice = {"index": 0, ("delta" if self.gen.stream else "message"): delta_or_message}
+            choice = {"index": index, ("delta" if self.gen.stream else "message"): delta_or_message}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": index, "text": text}
         choice["logprobs"] = self._logprobs(entries, offset)
         choice["finish_reason"] = finish_reason
         return choice
 
     def final(self) -> dict:
-        choice = self._choice(self.text, self.logprobs, 0, self.finish_reason)
-        if self.gen.return_token_ids:
-            choice["prompt_token_ids"], choice["token_ids"] = list(self.prompt), list(self.tokens)
+        out = []
+        for c in self.choices:
+            choice = self._choice(c.index, c.text, c.logprobs, 0, c.finish_reason)
+            if self.gen.return_token_ids:
+                choice["prompt_token_ids"], choice["token_ids"] = list(c.prompt), list(c.tokens)
+            out.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.gen.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
+                "created": self.created, "model": self.model, "choices": out, "usage": self.usage()}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.gen.chat else "text_completion",
@@ -84,28 +109,36 @@ class Answer:
             body["usage"] = usage
         return sse(body)
 
-    def first_chunk(self) -> str | None:
-        """Chat streams open with the assistant's role and empty content, as OpenAI's do."""
+    def first_chunks(self) -> list[str]:
+        """Chat streams open with the assistant's role and empty content for each choice, as
+        OpenAI's do."""
         if not self.gen.chat:
-            return None
-        choice = self._choice("", [], 0, None, first=True)
-        if self.gen.return_token_ids:
-            choice["prompt_token_ids"] = list(self.prompt)
-        return self.chunk([choice])
+            return []
+        chunks = []
+        for c in self.choices:
+            choice = self._choice(c.index, "", [], 0, None, first=True)
+            if self.gen.return_token_ids:
+                choice["prompt_token_ids"] = list(c.prompt)
+            chunks.append(self.chunk([choice]))
+        return chunks
 
-    def piece_chunk(self, piece, offset: int) -> str | None:
-        """The chunk of one piece (None when it adds nothing to say: its token's text is held
-        back, and its id goes out with the next chunk)."""
+    def piece_chunk(self, index: int, piece) -> str | None:
+        """The chunk of one piece of choice `index`, which it then adds (None when it adds
+        nothing to say: its token's text is held back, and its id goes out with the next chunk)."""
+        c = self.choices[index]
         entries = [(piece.token, piece.logprob, piece.top_logprobs or [])] if piece.logprob is not None else []
         if piece.token is not None:
-            self.unsent_ids.append(piece.token)
+            c.unsent_ids.append(piece.token)
+        offset = c.sent_chars
+        c.sent_chars += len(piece.text)
+        self.add(index, piece)
         if not (piece.text or piece.finish_reason or entries):
             return None
-        choice = self._choice(piece.text, entries, offset, piece.finish_reason)
+        choice = self._choice(c.index, piece.text, entries, offset, piece.finish_reason)
         if self.gen.return_token_ids:
-            choice["token_ids"], self.unsent_ids = self.unsent_ids, []
-            if not self.gen.chat and not self.prompt_ids_sent:
-                choice["prompt_token_ids"], self.prompt_ids_sent = list(self.prompt), True
+            choice["token_ids"], c.unsent_ids = c.unsent_ids, []
+            if not self.gen.chat and not c.prompt_ids_sent:
+                choice["prompt_token_ids"], c.prompt_ids_sent = list(c.prompt), True
         return self.chunk([choice])
 
     def usage_chunk(self) -> str | None:

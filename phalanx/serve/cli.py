@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     add("--block-size", type=int, default=DEFAULTS["block_size"], help=f"positions per KV block (default {DEFAULTS['block_size']})")
     add("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 request")
     add("--dtype", choices=("fp32", "bf16"), default=None, help="weights and cache dtype (default: fp32 on CPU, bf16 on GPU)")
+    add("--generation-config", choices=("auto", "vllm"), default="auto",
+        help="auto: the model's generation_config.json fills the sampling fields a request leaves out (temperature, "
+             "top_p, top_k, min_p, repetition_penalty); vllm: vLLM's own defaults (default auto, as vLLM)")
     add("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto, cpu or cuda")
     add("--max-waiting", type=int, default=DEFAULTS["max_waiting"],
         help=f"most requests waiting for a seat; more get 429 (default {DEFAULTS['max_waiting']})")
@@ -135,6 +138,7 @@ def _rank_main(job: dict) -> int:
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch.distributed as dist
 
+    from phalanx.inference.generation_config import sampling_defaults
     from phalanx.inference.model_source import resolve_model, text_codec
 
     source = resolve_model(job["model"], job["step"])
@@ -146,6 +150,7 @@ def _rank_main(job: dict) -> int:
         follow(build_engine(job, source))
         return 0
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
+    defaults = sampling_defaults(source.tokenizer_dir) if job["generation_config"] == "auto" else {}
     # Imported when run, not at the top: it brings in prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     from phalanx.serve.chat_template import ChatTemplate
     from phalanx.serve.metrics import ServeMetrics
@@ -156,7 +161,7 @@ def _rank_main(job: dict) -> int:
     channel = RankChannel() if parallel else None
     metrics = ServeMetrics(moe=cfg.n_experts > 0, slo=slo_targets(job))
     return serve(job, lambda: build_engine(job, source, channel, metrics), codec, ChatTemplate(source.tokenizer_dir),
-                 metrics, cfg.max_seq_len, cfg.vocab_size)
+                 metrics, cfg.max_seq_len, cfg.vocab_size, defaults)
 
 
 def build_engine(job: dict, source, channel=None, metrics=None):

@@ -4,30 +4,35 @@ whose chunk reached its end.
 The step's chunks are packed into one batch row (1, tokens) (`paged_cache.py`); the model is
 the training code's own `Transformer`, in whatever layout it was loaded (under tensor
 parallelism its vocabulary-sharded logits are gathered with `full_tensor()`), and only the
-last position of each sampling chunk is projected onto the vocabulary. Sampling reuses
-`phalanx generate`'s `pick_token`, with one seeded generator per request.
+last position of each sampling chunk is projected onto the vocabulary. Sampling is the batch
+sampler `phalanx generate` also uses (`inference/sampling.py`: penalties, bias, top-k/top-p/min-p
+on the step's logits at once), with one seeded generator per request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from phalanx.inference.sampling import Sampling, pick_token
 from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel
+from phalanx.inference.sampling import Row, Sampling, sample, token_logprobs
+from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
-from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 
 
 @dataclass
 class RequestSampling:
-    """What a request asked for; `sampling` is `phalanx generate`'s."""
+    """What a request asked for (`sampling` is `phalanx generate`'s, immutable) and the state
+    of its draws (its own seeded generator)."""
     sampling: Sampling
     logprobs: int | None = None
     """Also return the sampled token's log-probability and this many top alternatives."""
+    min_tokens: int = 0
+    """Until this many tokens are out, its ends of sequence (the sequence's `eos_ids`) are banned."""
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self):
@@ -36,11 +41,21 @@ class RequestSampling:
 
 def request_sampling(temperature: float, top_p: float, top_k: int | None, seed: int | None,
                      logprobs: int | None = None) -> RequestSampling:
-    """OpenAI's fields as a Sampling: temperature 0 is greedy; no seed draws a random one."""
+    """OpenAI's basic fields as a request's sampling: temperature 0 is greedy."""
+    return seeded(openai_sampling(temperature=temperature, top_p=top_p, top_k=top_k), seed, logprobs)
+
+
+def openai_sampling(*, temperature: float, top_p: float = 1.0, top_k: int | None = None, **fields) -> Sampling:
+    """A `Sampling` from OpenAI's and vLLM's field values: temperature 0 is greedy, top_k
+    None no cut; `fields`: the others by their `Sampling` names (min_p, penalties, logit_bias)."""
+    return Sampling(greedy=temperature == 0, temperature=temperature or 1.0, top_k=top_k or 0, top_p=top_p, **fields)
+
+
+def seeded(sampling: Sampling, seed: int | None, logprobs: int | None = None, min_tokens: int = 0) -> RequestSampling:
+    """`sampling` with `seed` (None: a random one) as a request's."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
-    return RequestSampling(Sampling(greedy=temperature == 0, temperature=temperature or 1.0, top_k=top_k or 0,
-                                    top_p=top_p, seed=seed), logprobs)
+    return RequestSampling(dataclasses.replace(sampling, seed=seed), logprobs, min_tokens)
 
 
 @dataclass(frozen=True)
@@ -157,27 +172,23 @@ class Engine:
         return self.sample(self.scheduler, step, logits, sampling_chunks)
 
     def sample(self, scheduler: Scheduler, step: Step, logits: torch.Tensor, sampling_chunks: list[Chunk]) -> list[TokenEvent]:
-        """A token for each sampling chunk from its logits row, then `scheduler` closes the step.
-        Greedy rows and log-probabilities for all rows at once (one argmax and one log-softmax
-        over the batch, each row's the same numbers as alone); a drawn token per row, with its
-        request's generator."""
+        """A token for each sampling chunk from its logits row (the batch sampler, every row at
+        once but the seeded draws), then `scheduler` closes the step."""
         asked: list[RequestSampling] = [chunk.seq.sampling for chunk in sampling_chunks]
         if self.on_logits is not None:
             for row, chunk in zip(logits, sampling_chunks):
                 self.on_logits(chunk.seq, row)
-        greedy = logits.argmax(-1).tolist() if any(a.sampling.greedy for a in asked) else []
-        tokens = [greedy[index] if a.sampling.greedy else pick_token(logits[index], a.sampling, a.generator)
-                  for index, a in enumerate(asked)]
+        rows = [Row(a.sampling, a.generator, chunk.seq.prompt, chunk.seq.output,
+                    chunk.seq.eos_ids if len(chunk.seq.output) < a.min_tokens else frozenset())
+                for a, chunk in zip(asked, sampling_chunks)]
+        tokens = sample(logits, rows)
         logprobs: list[float | None] = [None] * len(asked)
         tops: list[list[tuple[int, float]] | None] = [None] * len(asked)
         wanted = [index for index, a in enumerate(asked) if a.logprobs is not None]
         if wanted:
-            scores = torch.log_softmax(logits[wanted], -1)  # of the model's distribution, before temperature
-            picked = scores.gather(1, torch.tensor([[tokens[i]] for i in wanted]))[:, 0].tolist()
-            for row, (index, logprob) in enumerate(zip(wanted, picked)):
-                logprobs[index], count = logprob, asked[index].logprobs
-                values, ids = scores[row].topk(count) if count else (None, None)
-                tops[index] = list(zip(ids.tolist(), values.tolist())) if count else []  # logprobs=0: none to list
+            chosen, best = token_logprobs(logits[wanted], [tokens[i] for i in wanted], [asked[i].logprobs for i in wanted])
+            for index, logprob, top in zip(wanted, chosen, best):
+                logprobs[index], tops[index] = logprob, top
         sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens)}
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
         return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None)

@@ -183,7 +183,9 @@ class EngineLoop:
         for event in events:
             seq, handle = event.seq, event.seq.payload
             finish = event.finish_reason
-            piece = "" if finish == "stop" and event.token in seq.eos_ids else handle.text.add(event.token)
+            # An end-of-sequence or stop token leaves no text, unless include_stop_str_in_output (as vLLM).
+            ends = finish == "stop" and event.token in seq.eos_ids and not handle.text.keep_stop
+            piece = "" if ends else handle.text.add(event.token)
             if handle.text.stopped and finish is None:
                 self.scheduler.finish(seq, "stop")
                 finish = "stop"

@@ -71,7 +71,8 @@ def prepare_job(args) -> dict:
             "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
             "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
             "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
-            "expert_placement": args.expert_placement, **slo}
+            "expert_placement": args.expert_placement, "generation_config": getattr(args, "generation_config", "auto"),
+            **slo}
 
 
 def check_plan(args) -> str:

@@ -43,8 +43,10 @@ class PhalanxServer(uvicorn.Server):
         self.on_signal(sig)
 
 
-def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, vocab_size: int) -> int:
-    """Run until a signal; `build_engine()` runs on the engine thread and returns the Engine."""
+def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, vocab_size: int,
+          sampling_defaults: dict | None = None) -> int:
+    """Run until a signal; `build_engine()` runs on the engine thread and returns the Engine.
+    `sampling_defaults`: the checkpoint's, for the fields a request leaves out."""
     failure: list[BaseException] = []
     server: PhalanxServer | None = None
 
@@ -57,7 +59,7 @@ def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, 
 
     engine = EngineLoop(build_engine, job["max_waiting"], metrics, load_failed)
     state = ServeState(job["served_model_name"], engine, codec, chat_template, metrics, max_len, vocab_size,
-                       job["api_key"])
+                       job["api_key"], sampling_defaults or {})
     grace = job["shutdown_grace"]
     config = uvicorn.Config(build_app(state), host=job["host"], port=job["port"], log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=grace + 5)

@@ -1,0 +1,140 @@
+"""Every field of OpenAI's and vLLM's completion and chat request bodies, and what phalanx does
+with it: one table that both the request checks (`api_requests.py`) and the table in
+docs/serve.md come from (`python -m phalanx.serve.api_fields` prints it; a test compares).
+
+A field is honoured (its value changes the answer as OpenAI or vLLM define it), accepted
+without effect on the answer (`user`, `metadata`: labels), or refused: a value other than the
+neutral ones is a 400 naming the field and the reason, never silently ignored. A field in
+neither schema is refused too (as OpenAI answers "Unrecognized request argument").
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+COMPLETIONS, CHAT, BOTH = "completions", "chat", "both"
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    where: str
+    """Which endpoint takes it: completions, chat or both."""
+    openai: bool
+    vllm: bool
+    phalanx: str
+    """What phalanx does with it (the docs' column)."""
+    refused: str | None = None
+    """Why a value other than the neutral ones is refused (None: honoured or accepted)."""
+    neutral: tuple = (None,)
+    """Values that ask for nothing, accepted even when the field is refused."""
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("model", BOTH, True, True, "must be the served name (404 otherwise)"),
+    Field("prompt", COMPLETIONS, True, True, "a string, token ids, or a list of either: one choice per prompt"),
+    Field("messages", CHAT, True, True, "rendered with the model's chat template; text content parts"),
+    Field("max_tokens", BOTH, True, True, "default 16 (completions), the context's room (chat)"),
+    Field("max_completion_tokens", BOTH, True, True, "as max_tokens; wins when both are given (as vLLM)"),
+    Field("temperature", BOTH, True, True, "0 is greedy; else at least 1e-6 (below, float32 cannot tell tokens apart)"),
+    Field("top_p", BOTH, True, True, "in [1e-6, 1]"),
+    Field("top_k", BOTH, False, True, "-1 or 0: no cut"),
+    Field("min_p", BOTH, False, True, "in [0, 1]"),
+    Field("presence_penalty", BOTH, True, True, "over generated tokens, in [-2, 2]"),
+    Field("frequency_penalty", BOTH, True, True, "over generated tokens, in [-2, 2]"),
+    Field("repetition_penalty", BOTH, False, True, "transformers' rule, over prompt and output, in (0, 1000]"),
+    Field("logit_bias", BOTH, True, True, "token ids as strings, values in [-100, 100]"),
+    Field("seed", BOTH, True, True, "choice i of a seeded request draws with seed + i"),
+    Field("n", BOTH, True, True, "1 to 16 choices per prompt"),
+    Field("stop", BOTH, True, True, "up to 4 strings; the text ends before one"),
+    Field("stop_token_ids", BOTH, False, True, "token ids that end the answer (finish_reason stop)"),
+    Field("ignore_eos", BOTH, False, True, "the model's end-of-sequence ids do not end the answer"),
+    Field("min_tokens", BOTH, False, True, "no stop of any kind before this many tokens"),
+    Field("include_stop_str_in_output", BOTH, False, True, "the stop string stays at the end of the text"),
+    Field("skip_special_tokens", BOTH, False, True, "default true: special tokens leave no text"),
+    Field("stream", BOTH, True, True, "server-sent events, one chunk per piece of text"),
+    Field("stream_options", BOTH, True, True, "include_usage: a last chunk with usage"),
+    Field("logprobs", BOTH, True, True, "completions: 0 to 20 alternatives; chat: true for top_logprobs"),
+    Field("top_logprobs", CHAT, True, True, "0 to 20, with logprobs: true"),
+    Field("return_token_ids", BOTH, False, True, "prompt_token_ids and token_ids in each choice"),
+    Field("service_tier", BOTH, True, False, "picks a pool under --pool (priority: latency)"),
+    Field("user", BOTH, True, True, "accepted, no effect on the answer (a label)"),
+    Field("metadata", CHAT, True, False, "accepted, no effect on the answer (labels; nothing is stored)"),
+    Field("request_id", BOTH, False, True, "accepted, no effect on the answer (a label)"),
+    Field("store", CHAT, True, False, "false only", "nothing is stored on this server", (None, False)),
+    Field("best_of", COMPLETIONS, True, True, "1 or equal to n; best_of > n refused: not there yet"),
+    Field("echo", BOTH, True, True, "false only", "echo (prompt log-probabilities) is not there yet", (None, False)),
+    Field("prompt_logprobs", BOTH, False, True, "refused", "prompt_logprobs is not there yet"),
+    Field("suffix", COMPLETIONS, True, False, "refused", "suffix (fill-in-the-middle) is not supported", (None, "")),
+    Field("response_format", BOTH, True, True, "text only", "structured output (json_object, json_schema) is not there yet",
+          (None, {"type": "text"})),
+    Field("tools", CHAT, True, True, "refused", "tools are not there yet", (None, [])),
+    Field("tool_choice", CHAT, True, True, "none only", "tools are not there yet", (None, "none")),
+    Field("parallel_tool_calls", CHAT, True, True, "refused", "tools are not there yet"),
+    Field("functions", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, [])),
+    Field("function_call", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, "none")),
+    Field("guided_json", BOTH, False, True, "refused", "guided decoding is not there yet"),
+    Field("guided_regex", BOTH, False, True, "refused", "guided decoding is not there yet"),
+    Field("guided_choice", BOTH, False, True, "refused", "guided decoding is not there yet"),
+    Field("guided_grammar", BOTH, False, True, "refused", "guided decoding is not there yet"),
+    Field("structured_outputs", BOTH, False, True, "refused", "structured output is not there yet"),
+    Field("chat_template_kwargs", CHAT, False, True, "refused", "chat_template_kwargs is not there yet", (None, {})),
+    Field("chat_template", CHAT, False, True, "refused", "a request's own chat template is not accepted"),
+    Field("add_generation_prompt", CHAT, False, True, "true only", "the template always adds the assistant's turn",
+          (None, True)),
+    Field("continue_final_message", CHAT, False, True, "false only", "continue_final_message is not there yet",
+          (None, False)),
+    Field("add_special_tokens", BOTH, False, True, "refused", "add_special_tokens is not there yet"),
+    Field("spaces_between_special_tokens", BOTH, False, True, "true only",
+          "phalanx's tokenizers decode special tokens as the tokenizer joins them", (None, True)),
+    Field("truncate_prompt_tokens", BOTH, False, True, "refused", "prompts are never truncated here"),
+    Field("allowed_token_ids", BOTH, False, True, "refused", "allowed_token_ids is not there yet"),
+    Field("bad_words", BOTH, False, True, "refused", "bad_words is not there yet", (None, [])),
+    Field("length_penalty", BOTH, False, True, "1 only", "length_penalty applies to beam search, which is not there",
+          (None, 1, 1.0)),
+    Field("use_beam_search", BOTH, False, True, "false only", "beam search is not there", (None, False)),
+    Field("priority", BOTH, False, True, "0 only", "request priorities are not there yet", (None, 0)),
+    Field("logits_processors", BOTH, False, True, "refused", "custom logits processors are not accepted"),
+    Field("return_tokens_as_token_ids", BOTH, False, True, "refused", "return_tokens_as_token_ids is not there yet",
+          (None, False)),
+    Field("audio", CHAT, True, False, "refused", "this server serves text", (None,)),
+    Field("modalities", CHAT, True, False, "text only", "this server serves text", (None, ["text"])),
+    Field("prediction", CHAT, True, False, "refused", "predicted outputs are not there yet"),
+    Field("reasoning_effort", CHAT, True, False, "refused", "reasoning_effort is not there yet"),
+    Field("web_search_options", CHAT, True, False, "refused", "this server has no web search"),
+)
+
+BY_NAME = {f.name: f for f in FIELDS}
+
+
+def takes(field: Field, chat: bool) -> bool:
+    return field.where == BOTH or field.where == (CHAT if chat else COMPLETIONS)
+
+
+def refusal(body: dict, chat: bool) -> tuple[str, str] | None:
+    """(field, message) for the first field of `body` that is refused, or None."""
+    for name, value in body.items():
+        field = BY_NAME.get(name)
+        if field is None or not takes(field, chat):
+            where = "chat/completions" if chat else "completions"
+            return name, f"unknown field {name!r} for /v1/{where} (docs/serve.md lists every field and what it does)"
+        if field.refused and not any(value == neutral and type(value) is type(neutral) or value is neutral
+                                     for neutral in field.neutral):
+            return name, f"{name}: {field.refused}"
+    return None
+
+
+def markdown_table() -> str:
+    """docs/serve.md's table of request fields."""
+    yes = lambda flag: "yes" if flag else "-"  # noqa: E731
+    lines = ["| field | endpoint | OpenAI | vLLM | phalanx |", "|---|---|---|---|---|"]
+    for f in FIELDS:
+        lines.append(f"| `{f.name}` | {f.where} | {yes(f.openai)} | {yes(f.vllm)} | "
+                     f"{'refused: ' + f.refused if f.refused and f.phalanx == 'refused' else f.phalanx}"
+                     f"{'' if not f.refused or f.phalanx == 'refused' else ' (else refused: ' + f.refused + ')'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())
