@@ -48,6 +48,26 @@ def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_T
                                 rank=int(os.environ["RANK"]), world_size=world_size)
 
 
+def bound_every_group(timeout_s: float) -> None:
+    """Give every process group this process belongs to the timeout `timeout_s`.
+
+    The groups a DeviceMesh makes take torch's 30-minute default whatever the default group's
+    timeout (torch 2.13: a dp=2,tp=2 mesh's groups said 0:30:00 under a 1-minute default
+    group), and a caller's own group (a test's, a user's) may have any; without this a rank
+    stuck in a tp or pipeline exchange would hold the others for half an hour. Uses two private
+    names of torch.distributed that have been there since torch 2.2 (`_set_pg_timeout`, the
+    `_world.pg_map` of this process's groups); where they are missing the groups keep theirs."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized() or not hasattr(c10d, "_set_pg_timeout") or not hasattr(c10d, "_world"):
+        return
+    for group in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+        except (ValueError, AssertionError, RuntimeError):
+            pass  # not a member, or a backend that takes no timeout: it keeps its own
+
+
 def _attempt_store(world_size: int, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
     """Under a torchrun restart, the agent's store (it outlives the workers) still holds the
     failed attempt's process-group keys, among them the dead ranks' gloo addresses: a

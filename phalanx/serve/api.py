@@ -55,6 +55,8 @@ def build_app(state: ServeState) -> Starlette:
                                                           "owned_by": "phalanx", "max_model_len": state.max_len}]})
 
     async def health(request: Request) -> Response:
+        if state.engine.failed:
+            return JSONResponse({"status": "failed", "reason": state.engine.failed}, status_code=503)
         if not state.engine.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
         if not state.engine.accepting:
@@ -132,7 +134,7 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
                 return Response(status_code=499)
             continue
         if piece.error:
-            return error_response(ApiError(503, piece.error, code="aborted", kind="server_error"))
+            return error_response(ApiError(piece.status, piece.error, code=piece.code, kind="server_error"))
         answer.add(piece)
         if piece.finish_reason:
             return JSONResponse(answer.final())
@@ -147,7 +149,7 @@ async def _stream(handle, answer: Answer, state: ServeState):
         while True:
             piece = await handle.queue.get()
             if piece.error:
-                yield sse(ApiError(503, piece.error, code="aborted", kind="server_error").body())
+                yield sse(ApiError(piece.status, piece.error, code=piece.code, kind="server_error").body())
                 break
             chunk = answer.piece_chunk(piece, offset)
             offset += len(piece.text)

@@ -11,7 +11,11 @@ from phalanx.errors import UserError
 from phalanx.serve.job import check_for_model, prepare_job, slo_policy, slo_targets
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
-            "max_waiting": 256, "shutdown_grace": 30.0}
+            "max_waiting": 256, "shutdown_grace": 30.0, "collective_timeout": 600.0}
+STARTUP_TIMEOUT_S = 600.0
+"""The process group's timeout while the ranks load their weights (at least): loading reads
+checkpoints at each rank's own pace, which is not a collective inside a step; the group is
+bound to --collective-timeout once every rank has its model."""
 
 
 def register(subparsers) -> None:
@@ -45,6 +49,13 @@ def register(subparsers) -> None:
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
     add("--plan", default="", help="parallel layout: tp=N, dp=N,ep=N (attention data parallelism, experts over the "
                                    "ranks) or tp=N,ep=N,ep_over_tp=true (default: one process)")
+    add("--collective-timeout", type=float, default=DEFAULTS["collective_timeout"], metavar="SECONDS",
+        help="with --nproc N: seconds a collective inside a step may wait for the other ranks before the server "
+             f"counts a rank as lost and restarts them (default {DEFAULTS['collective_timeout']:g}; idle ranks "
+             "exchange heartbeats, so idling is not bounded by it)")
+    add("--max-restarts", type=int, default=None, metavar="N",
+        help="with --nproc N: start the ranks again this many times after one dies (default 3 with several "
+             "processes)")
     _add_expert_flags(add)
     _add_slo_flags(add)
     _add_pool_flags(add)
@@ -89,31 +100,14 @@ def _run(args) -> int:
 
 
 def _launch(job: dict) -> int:
-    """`--nproc N`: N local workers started as `phalanx train`'s are; SIGTERM to this process
-    reaches them all (rank 0 drains, the others wait for it) and ends with 0, Ctrl-C with 130."""
-    import signal
-    import sys
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
+    """`--nproc N`: N local workers, started again after one dies (rank_restarts.py); SIGTERM to
+    this process reaches them all (rank 0 drains, the others wait for it) and ends with 0,
+    Ctrl-C with 130."""
+    from phalanx.serve.rank_restarts import launch_ranks
     from phalanx.worker_group import check_nproc
-    from phalanx.worker_group import start_elastic
 
     check_nproc(job["nproc"], job["device"])
-    try:
-        start_elastic(_elastic_entry, (job,), job["nproc"], job["device"], grace_s=int(job["shutdown_grace"]) + 15)
-    except SignalException as stop:
-        return 0 if stop.sigval == signal.SIGTERM else 130
-    except KeyboardInterrupt:
-        return 130
-    except ChildFailedError as error:
-        codes = {failure.exitcode for failure in error.failures.values()}
-        if codes <= {2}:
-            return 2  # a user error, printed by rank 0
-        print(f"phalanx: a worker failed: {error.get_first_failure()[1].message}", file=sys.stderr)
-        return 1
-    return 0
+    return launch_ranks(_elastic_entry, job)
 
 
 def _elastic_entry(job: dict) -> None:
@@ -126,9 +120,12 @@ def _elastic_entry(job: dict) -> None:
 
 def worker_main(job: dict) -> int:
     """Every rank: rank 0 serves (HTTP, scheduler, sampling), the others follow its forwards."""
+    import datetime
+
     from phalanx.worker_group import run_in_group
 
-    status = run_in_group(job["device"], lambda: _rank_main(job))
+    startup = datetime.timedelta(seconds=max(job["collective_timeout"], STARTUP_TIMEOUT_S))
+    status = run_in_group(job["device"], lambda: _rank_main(job), timeout=startup)
     return 2 if status is None else status
 
 
@@ -142,16 +139,15 @@ def _rank_main(job: dict) -> int:
     if parallel and dist.get_rank() != 0:
         from phalanx.serve.rank_loop import follow
 
-        follow(build_engine(job, source))
-        return 0
+        return follow(build_engine(job, source))
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
     from phalanx.serve.chat_template import ChatTemplate
     from phalanx.serve.metrics import ServeMetrics
-    from phalanx.serve.rank_loop import RankChannel
+    from phalanx.serve.rank_loop import RankChannel, heartbeat_interval
     from phalanx.serve.server import serve
 
     cfg = source.cfg
-    channel = RankChannel() if parallel else None
+    channel = RankChannel(heartbeat_interval(job["collective_timeout"])) if parallel else None
     metrics = ServeMetrics(moe=cfg.n_experts > 0, slo=slo_targets(job))
     return serve(job, lambda: build_engine(job, source, channel, metrics), codec, ChatTemplate(source.tokenizer_dir),
                  metrics, cfg.max_seq_len, cfg.vocab_size)
@@ -179,6 +175,10 @@ def build_engine(job: dict, source, channel=None, metrics=None):
     slots = None if phy2log is None else slot_placements(phy2log, source.cfg, plan.ep)
     model = load_serving_model(source, mesh, dtype, slots)
     num_blocks = kv_blocks(job, source.cfg, plan.tp, device, dtype, agree=world_size > 1)
+    if world_size > 1:  # every rank has its model: from here a collective is a step's (STARTUP_TIMEOUT_S)
+        from phalanx.worker_group import bound_every_group
+
+        bound_every_group(job["collective_timeout"])
 
     def scheduler() -> Scheduler:
         # Preempted sequences wait too: the bound on new requests is the engine loop's.

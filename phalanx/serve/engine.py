@@ -46,10 +46,12 @@ def request_sampling(temperature: float, top_p: float, top_k: int | None, seed: 
 @dataclass(frozen=True)
 class TokenEvent:
     seq: Sequence
-    token: int
+    token: int | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+    error: str | None = None
+    """This request's sampling failed (it alone is ended; token is None)."""
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,20 @@ class Engine:
             for row, chunk in zip(logits, sampling_chunks):
                 self.on_logits(chunk.seq, row)
         greedy = logits.argmax(-1).tolist() if any(a.sampling.greedy for a in asked) else []
-        tokens = [greedy[index] if a.sampling.greedy else pick_token(logits[index], a.sampling, a.generator)
-                  for index, a in enumerate(asked)]
+        tokens: list[int | None] = []
+        errors: dict[int, str] = {}
+        for index, a in enumerate(asked):
+            if a.sampling.greedy:
+                tokens.append(greedy[index])
+                continue
+            try:  # what one request's settings make the sampler do fails that request alone
+                tokens.append(pick_token(logits[index], a.sampling, a.generator))
+            except (RuntimeError, ValueError) as error:
+                tokens.append(None)
+                errors[index] = f"sampling failed for this request: {str(error).splitlines()[0]}"
         logprobs: list[float | None] = [None] * len(asked)
         tops: list[list[tuple[int, float]] | None] = [None] * len(asked)
-        wanted = [index for index, a in enumerate(asked) if a.logprobs is not None]
+        wanted = [index for index, a in enumerate(asked) if a.logprobs is not None and index not in errors]
         if wanted:
             scores = torch.log_softmax(logits[wanted], -1)  # of the model's distribution, before temperature
             picked = scores.gather(1, torch.tensor([[tokens[i]] for i in wanted]))[:, 0].tolist()
@@ -178,7 +189,10 @@ class Engine:
                 logprobs[index], count = logprob, asked[index].logprobs
                 values, ids = scores[row].topk(count) if count else (None, None)
                 tops[index] = list(zip(ids.tolist(), values.tolist())) if count else []  # logprobs=0: none to list
-        sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens)}
+        for index in errors:
+            scheduler.abort(sampling_chunks[index].seq, "error")  # finish_step passes over it
+        sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens) if token is not None}
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
-        return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None)
-                for chunk, token, logprob, top in zip(sampling_chunks, tokens, logprobs, tops)]
+        return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None,
+                           errors.get(index))
+                for index, (chunk, token, logprob, top) in enumerate(zip(sampling_chunks, tokens, logprobs, tops))]

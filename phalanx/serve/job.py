@@ -13,6 +13,7 @@ from phalanx.plan import plan_from_string
 from phalanx.plan_model_checks import validate_tp
 from phalanx.scheduling.serving_bounds import check_counts
 from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
+from phalanx.serve.rank_restarts import max_restarts
 
 
 def check_slo(args) -> dict:
@@ -50,8 +51,12 @@ def prepare_job(args) -> dict:
         _at_least(args, name, 1)
     if args.kv_cache_memory is not None and not (args.kv_cache_memory > 0 and math.isfinite(args.kv_cache_memory)):
         raise UserError(f"--kv-cache-memory must be a positive number of GiB, got {args.kv_cache_memory}")
-    if not args.shutdown_grace >= 0:
-        raise UserError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
+    if not 0 <= args.shutdown_grace < math.inf:
+        raise UserError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
+    if not 0 < args.collective_timeout < math.inf:
+        raise UserError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     check_counts(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -70,7 +75,8 @@ def prepare_job(args) -> dict:
             "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
             "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
             "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
-            "expert_placement": args.expert_placement, **slo}
+            "expert_placement": args.expert_placement, "collective_timeout": args.collective_timeout,
+            "max_restarts": max_restarts(args.max_restarts, args.nproc), **slo}
 
 
 def check_plan(args) -> str:

@@ -4,7 +4,9 @@ uvicorn answers at once (/health says 503) while the engine thread loads the mod
 `phalanx: serving NAME on http://HOST:PORT` is printed with the real port. SIGTERM (or Ctrl-C):
 stop accepting (new requests get 503, the listening socket closes), let running requests
 finish for `--shutdown-grace` seconds, then end those left with an error chunk, and exit 0
-(130 after Ctrl-C, as `phalanx train` does).
+(130 after Ctrl-C, as `phalanx train` does). When the ranks of a multi-rank server lose each
+other (`rank_loop.py`), every request gets a clear 503, /health says so, and the process exits
+1 at once, for the launcher to restart the ranks.
 """
 
 from __future__ import annotations
@@ -55,7 +57,13 @@ def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, 
         if server is not None:
             server.should_exit = True
 
-    engine = EngineLoop(build_engine, job["max_waiting"], metrics, load_failed)
+    def fatal(why: str) -> None:
+        failure.append(RuntimeError(why))
+        print(f"phalanx: error: {why}", file=sys.stderr, flush=True)
+        if server is not None:
+            server.should_exit = True
+
+    engine = EngineLoop(build_engine, job["max_waiting"], metrics, load_failed, fatal)
     state = ServeState(job["served_model_name"], engine, codec, chat_template, metrics, max_len, vocab_size,
                        job["api_key"])
     grace = job["shutdown_grace"]
