@@ -20,6 +20,9 @@ MIN_TEMPERATURE = 1e-6
 """Below this, logits a trained model tells apart (by 1e-5 and more) differ by more than
 float32's softmax resolves, so the draw is the greedy choice; and divided by a small enough
 temperature the logits pass float32's largest value (3.4e38), where the softmax turns to nan."""
+MIN_TOP_P = 1.2e-38
+"""float32's smallest normal number (torch.finfo(torch.float32).tiny): the probability mass is
+compared with top_p in float32, where a smaller top_p rounds towards 0 and then keeps no token."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +49,9 @@ class Sampling:
                             "for the most likely token use --greedy")
         if self.top_k < 0:
             raise UserError(f"--top-k must be >= 0 (0: no top-k cut), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], at least {MIN_TOP_P:g} (float32's smallest normal number), "
+                            f"got {self.top_p}")
         return self
 
     def generator(self) -> torch.Generator:

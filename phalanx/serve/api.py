@@ -11,11 +11,11 @@ next step.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -25,6 +25,7 @@ from phalanx.serve.api_responses import DONE, Answer, sse
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import request_sampling
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
+from phalanx.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, ClientGone, read_json
 from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
 
@@ -43,6 +44,7 @@ class ServeState:
     max_len: int
     vocab_size: int
     api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -83,30 +85,19 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error})
+    ], exception_handlers={HTTPException: http_error}, middleware=[Middleware(ApiKeyCheck, key=state.api_key)])
     return app
-
-
-def _check_key(request: Request, state: ServeState) -> None:
-    if state.api_key is None:
-        return
-    if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-        raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
 
 
 async def _generate(request: Request, state: ServeState, parse) -> Response:
     try:
-        _check_key(request, state)
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        body = await read_json(request, state.max_request_bytes)  # the key: http_limits.ApiKeyCheck
         gen = parse(body)
         model = body.get("model")
         if model is not None and model != state.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
                            "model", "model_not_found")
-        prompt = _prompt_ids(gen, state)
+        prompt = await asyncio.to_thread(_prompt_ids, gen, state)  # a long prompt's tokenizing holds no one else
         seq = Sequence("", prompt, gen.max_tokens, frozenset({state.codec.eos_id}) - {None},
                        sampling=request_sampling(gen.temperature, gen.top_p, gen.top_k, gen.seed, gen.logprobs))
         try:
@@ -121,6 +112,8 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
             raise ApiError(400, str(error), "max_tokens") from None
     except ApiError as error:
         return error_response(error)
+    except ClientGone:
+        return Response(status_code=499)
     answer = Answer(gen, state.model_name, prompt, lambda token: state.codec.decode([token]))
     seq.seq_id = answer.id
     if gen.stream:
@@ -134,7 +127,7 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
                 return Response(status_code=499)
             continue
         if piece.error:
-            return error_response(ApiError(piece.status, piece.error, code=piece.code, kind="server_error"))
+            return error_response(ApiError(piece.status, piece.error, code=piece.code, kind="server_error" if piece.status >= 500 else None))
         answer.add(piece)
         if piece.finish_reason:
             return JSONResponse(answer.final())
@@ -149,7 +142,7 @@ async def _stream(handle, answer: Answer, state: ServeState):
         while True:
             piece = await handle.queue.get()
             if piece.error:
-                yield sse(ApiError(piece.status, piece.error, code=piece.code, kind="server_error").body())
+                yield sse(ApiError(piece.status, piece.error, code=piece.code, kind="server_error" if piece.status >= 500 else None).body())
                 break
             chunk = answer.piece_chunk(piece, offset)
             offset += len(piece.text)
@@ -181,8 +174,8 @@ def _prompt_ids(gen: Generation, state: ServeState) -> list[int]:
     room = state.max_len - len(prompt)
     if room < 1:
         raise ApiError(400, f"the prompt has {len(prompt)} tokens; the model's context is {state.max_len}", "prompt")
-    if gen.max_tokens is None:
-        gen.max_tokens = room
+    if gen.max_tokens is None:  # as many as fit: the context, and the KV cache (its last token needs no keys)
+        gen.max_tokens = max(1, min(room, state.engine.positions() - len(prompt) + 1))
     elif gen.max_tokens > room:
         raise ApiError(400, f"a prompt of {len(prompt)} tokens + max_tokens {gen.max_tokens} = "
                             f"{len(prompt) + gen.max_tokens} exceeds the model's context of {state.max_len}", "max_tokens")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from phalanx.inference.sampling import MIN_TEMPERATURE, MIN_TOP_P
 from phalanx.serve.pool_router import SERVICE_TIERS
 
 MAX_LOGPROBS = 5
@@ -92,7 +93,9 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
     _refuse_unsupported(body)
     gen.max_tokens = _number(body, "max_tokens", max_tokens_default, 1, 1 << 20, integer=True)
     gen.temperature = _number(body, "temperature", 1.0, 0, 2)
-    gen.top_p = _number(body, "top_p", 1.0, 0, 1, low_open=True)
+    if 0 < gen.temperature < MIN_TEMPERATURE:  # the sampler's bound (phalanx generate's), so it never sees nan
+        raise _bad(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {gen.temperature}", "temperature")
+    gen.top_p = _number(body, "top_p", 1.0, MIN_TOP_P, 1)
     top_k = _number(body, "top_k", None, -1, 1 << 20, integer=True)
     gen.top_k = None if top_k in (None, -1, 0) else top_k  # vLLM's -1 and 0: no cut
     gen.seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
@@ -114,7 +117,7 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
         gen.include_usage = _flag(options, "include_usage")
     gen.return_token_ids = _flag(body, "return_token_ids")
     tier = body.get("service_tier")
-    if tier is not None and tier not in SERVICE_TIERS:  # it picks a pool under --pool (pool_router.py)
+    if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):  # it picks a pool under --pool (pool_router.py)
         raise _bad(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}", "service_tier")
 
 
@@ -165,7 +168,10 @@ def parse_chat(body) -> Generation:
         checked.append({**message, "content": content})
     gen.messages = checked
     body = dict(body)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+    if body.get("max_completion_tokens") is not None:  # OpenAI's newer name for max_tokens
+        if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
+            raise _bad(f"max_tokens {body['max_tokens']!r} and max_completion_tokens {body['max_completion_tokens']!r} "
+                       "disagree; give one", "max_completion_tokens")
         body["max_tokens"] = body["max_completion_tokens"]
     _common(body, gen, None)  # None: as many as the context holds
     if _flag(body, "logprobs"):

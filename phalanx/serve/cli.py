@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 from phalanx.errors import UserError
-from phalanx.serve.job import check_for_model, prepare_job, slo_policy, slo_targets
+from phalanx.serve.job import DEFAULT_MAX_REQUEST_BYTES, check_for_model, prepare_job, slo_policy, slo_targets
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
             "max_waiting": 256, "shutdown_grace": 30.0, "collective_timeout": 600.0}
@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     add("--model", required=True, help="Hugging Face model directory (with weights), or a run directory of phalanx train")
     add("--step", type=int, default=None, help="with a run directory: the checkpoint of this step (default: the newest)")
     add("--tokenizer", default="", help="tokenizer.json or 'bytes' (default: the model directory's tokenizer.json, else bytes)")
-    add("--host", default=DEFAULTS["host"], help="address to bind (default 127.0.0.1: this machine only)")
+    add("--host", default=DEFAULTS["host"], help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: "
+                                                 "every interface)")
     add("--port", type=int, default=DEFAULTS["port"], help="port (default 8000; 0: a free one, printed)")
     add("--served-model-name", default="", help="the model's name in the API (default: --model as given)")
     add("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"],
@@ -39,7 +40,11 @@ def register(subparsers) -> None:
                         help="GiB of KV cache (default: 1 on CPU, 90%% of the GPU memory left after the weights)")
     memory.add_argument("--num-kv-blocks", type=int, default=None, metavar="N", help="KV cache blocks, instead of --kv-cache-memory")
     add("--block-size", type=int, default=DEFAULTS["block_size"], help=f"positions per KV block (default {DEFAULTS['block_size']})")
-    add("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 request")
+    add("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 request (visible to other "
+                                        "users in ps: prefer --api-key-file or PHALANX_API_KEY)")
+    add("--api-key-file", default=None, metavar="PATH", help="the API key, read from this file's first line")
+    add("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+        help=f"largest request body (default {DEFAULT_MAX_REQUEST_BYTES} = 4 MiB; larger: 413)")
     add("--dtype", choices=("fp32", "bf16"), default=None, help="weights and cache dtype (default: fp32 on CPU, bf16 on GPU)")
     add("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto, cpu or cuda")
     add("--max-waiting", type=int, default=DEFAULTS["max_waiting"],

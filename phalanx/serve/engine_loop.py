@@ -99,6 +99,13 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
+    def positions(self) -> int:
+        """Positions the KV cache holds in all (0 while loading): a sequence never has more."""
+        if self.scheduler is None:
+            return 0
+        one = self.scheduler.parts[0] if hasattr(self.scheduler, "parts") else self.scheduler  # dp: one rank's cache
+        return one.blocks.num_blocks * one.block_size
+
     def submit(self, seq: Sequence, text: IncrementalText) -> Handle:
         if not self.ready.is_set():
             raise NotAccepting("the model is still loading")
@@ -200,8 +207,10 @@ class EngineLoop:
         for handle in incoming:
             try:
                 self.scheduler.add(handle.seq)
-            except (QueueFull, ValueError) as error:
-                handle.put(Piece("", error=str(error)))
+            except QueueFull as error:  # the queue filled between submit and this step: as submit says, 429
+                handle.put(Piece("", error=str(error), status=429, code="queue_full"))
+            except ValueError as error:
+                handle.put(Piece("", error=str(error), status=400, code="invalid_request"))
         for handle in aborts:
             if self.scheduler.abort(handle.seq):
                 handle.done = True

@@ -14,7 +14,9 @@ import signal
 from phalanx.errors import UserError
 
 FRONT_ONLY = {"pool", "pool_move_after", "isl", "osl", "host", "port", "nproc", "plan", "func", "serve_parser",
-              "command"}
+              "command", "api_key", "api_key_file"}
+"""Not passed on as flags; the API key reaches the instances in their environment
+(job.KEY_ENV), never on a command line that `ps` shows every user."""
 
 
 def instance_flags(args, parser) -> list[str]:
@@ -135,6 +137,7 @@ def run_pools(args, job: dict) -> int:
 async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: float) -> int:
     import uvicorn
 
+    from phalanx.serve.http_limits import uvicorn_limits
     from phalanx.serve.pool_backend import BackendFailed
     from phalanx.serve.pool_router import Router
     from phalanx.serve.pool_server import PoolFront, build_front_app, log
@@ -142,9 +145,10 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
 
     ttft_s = job["ttft_ms"] / 1000 if job["ttft_ms"] is not None else None
     router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok(check_plan), ttft_s)
-    front = PoolFront(router, flags, job["device"])
+    front = PoolFront(router, flags, job["device"], job["api_key"], job["max_request_bytes"])
     config = uvicorn.Config(build_front_app(front), host=job["host"], port=job["port"], log_level="warning",
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10)
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10,
+                            **uvicorn_limits())
     host = job["host"]
     shown = f"[{host}]" if ":" in host else host
     loop = asyncio.get_running_loop()

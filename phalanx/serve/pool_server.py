@@ -25,6 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phalanx.serve.api_requests import ApiError
+from phalanx.serve.http_limits import ClientGone, read_body
+from phalanx.serve.job import DEFAULT_MAX_REQUEST_BYTES, KEY_ENV
 from phalanx.serve.pool_backend import Backend, BackendFailed, backend_command, visible_devices
 from phalanx.serve.pool_metrics import merge_metrics
 from phalanx.serve.pool_proxy import forward, read_all
@@ -39,8 +41,11 @@ def log(message: str) -> None:
 
 
 class PoolFront:
-    def __init__(self, router: Router, flags: list[str], device: str):
+    def __init__(self, router: Router, flags: list[str], device: str, api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.router, self.flags, self.device = router, flags, device
+        self.key_env = {} if api_key is None else {KEY_ENV: api_key}
+        self.max_request_bytes = max_request_bytes
         self.backends: dict[int, Backend] = {}  # by instance ident
         self.changed = asyncio.Condition()
         self.accepting = True
@@ -68,7 +73,7 @@ class PoolFront:
     async def start_instance(self, pool: Pool, instance: Instance) -> None:
         label = f"pool {pool.name} instance {instance.ident} {instance.plan}"
         backend = Backend(label, backend_command(self.flags, instance.plan, len(instance.ranks)),
-                          visible_devices(instance.ranks, self.device))
+                          {**visible_devices(instance.ranks, self.device), **self.key_env})
         self.backends[instance.ident] = backend
         instance.address = await backend.start()
         async with self.changed:
@@ -109,7 +114,12 @@ class PoolFront:
 
     async def generate(self, request: Request) -> Response:
         arrived = time.monotonic()  # the router's clock (watch)
-        body = await request.body()
+        try:
+            body = await read_body(request, self.max_request_bytes)
+        except ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        except ClientGone:
+            return Response(status_code=499)
         try:
             parsed = json.loads(body)
         except (ValueError, UnicodeDecodeError):

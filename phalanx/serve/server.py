@@ -20,6 +20,7 @@ import uvicorn
 from phalanx.errors import UserError
 from phalanx.serve.api import ServeState, build_app
 from phalanx.serve.engine_loop import EngineLoop
+from phalanx.serve.http_limits import uvicorn_limits
 
 
 class PhalanxServer(uvicorn.Server):
@@ -63,17 +64,34 @@ def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, 
         if server is not None:
             server.should_exit = True
 
-    engine = EngineLoop(build_engine, job["max_waiting"], metrics, load_failed, fatal)
+    # The serving line once both the port is open and the model is in: a supervisor that waits
+    # for it never sees success from a server whose load then fails.
+    shown: dict[str, object] = {}
+    announce_lock = threading.Lock()
+
+    def announce(**news) -> None:
+        with announce_lock:
+            shown.update(news)
+            if "port" in shown and "loaded" in shown and not shown.get("said"):
+                shown["said"] = True
+                print(f"phalanx: serving {job['served_model_name']} on http://{shown_host}:{shown['port']}", flush=True)
+
+    def build_then_announce():
+        built = build_engine()
+        announce(loaded=True)
+        return built
+
+    engine = EngineLoop(build_then_announce, job["max_waiting"], metrics, load_failed, fatal)
     state = ServeState(job["served_model_name"], engine, codec, chat_template, metrics, max_len, vocab_size,
-                       job["api_key"])
+                       job["api_key"], job["max_request_bytes"])
     grace = job["shutdown_grace"]
-    config = uvicorn.Config(build_app(state), host=job["host"], port=job["port"], log_level="warning",
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=grace + 5)
     host = job["host"]
     shown_host = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(build_app(state), host=job["host"], port=job["port"], log_level="warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=grace + 5, **uvicorn_limits())
 
     def listening(port: int) -> None:
-        print(f"phalanx: serving {job['served_model_name']} on http://{shown_host}:{port}", flush=True)
+        announce(port=port)
 
     timer: list[threading.Timer] = []
 
