@@ -82,10 +82,14 @@ VERBS: dict[str, Verb] = {
     "match": Verb(["match", "--patterns", "<patterns>", "<text>"],
                   files={"--patterns": (".txt", ("missing", "directory", "empty")), "<text>": (".txt", ("missing", "directory"))},
                   numbers={"--nproc": COUNTS}),
-    "serve": Verb(["serve", "--model", "<hf>", "--port", "0"], files={"--model": "", "--tokenizer": ".json"},
+    "serve": Verb(["serve", "--model", "<hf>", "--port", "0"],
                   numbers={"--port": COUNTS, "--max-num-seqs": COUNTS, "--max-num-batched-tokens": COUNTS,
                            "--num-kv-blocks": COUNTS, "--block-size": COUNTS, "--kv-cache-memory": BAD_NUMBERS,
-                           "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS, "--nproc": COUNTS}),
+                           "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS, "--nproc": COUNTS,
+                           "--collective-timeout": BAD_NUMBERS, "--shutdown-grace": BAD_NUMBERS,
+                           "--max-restarts": ("negative",), "--max-request-bytes": ("negative",)},
+                  files={"--model": "", "--tokenizer": ".json", "--api-key-file": ("", ("missing", "directory", "empty",
+                                                                                           "binary", "proc"))}),
     "plan --serve": Verb(["plan", "--serve", *SERVE_PLAN_BASE], files={"--model": ".json", "--cluster": ".toml"},
                          numbers={"--gpus": COUNTS, "--isl": COUNTS, "--osl": COUNTS, "--concurrency": COUNTS,
                                   "--rate": BAD_NUMBERS, "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS}),
@@ -212,7 +216,7 @@ def test_bad_input(verb, name, where, kind, good, tmp_path, monkeypatch, capsys,
     else:
         bad = HUGE_INT if kind == "huge" and name not in ("--lr", "--val-fraction", "--temperature", "--top-p", "--sigma",
                                                           "--collective-timeout", "--kv-cache-memory", "--ttft-ms",
-                                                          "--tpot-ms", "--rate") else NUMBER_KINDS[kind]
+                                                          "--tpot-ms", "--rate", "--shutdown-grace") else NUMBER_KINDS[kind]
     argv = _with(row.argv, name, bad)
     # <out...>: an output of this test's own (its name as given), any other <name> a good input.
     argv = [good.get(part.strip("<>"), str(tmp_path / part.strip("<>"))) if part.startswith("<") else part for part in argv]
@@ -228,3 +232,26 @@ def test_bad_input(verb, name, where, kind, good, tmp_path, monkeypatch, capsys,
     shown = {name, name.lstrip("-").replace("-", "_"), bad, Path(bad).name} if where != "content" else {bad, "load"}
     assert any(part in err[0] for part in shown if part), (argv, err[0])
     assert _files_under(tmp_path) == before, f"left behind: {_files_under(tmp_path) - before}"
+
+
+ODD_VALUES = [
+    # (argv with <placeholders> as above, a text the one error line must hold)
+    pytest.param(["serve", "--model", "<hf>", "--host", ""], "--host", id="serve-host-empty"),
+    pytest.param(["serve", "--model", "<hf>", "--host", "999.1.1.1"], "999.1.1.1", id="serve-host-not-an-address"),
+    pytest.param(["serve", "--model", "<hf>", "--api-key", "k", "--api-key-file", "<text>"], "--api-key",
+                 id="serve-two-keys"),
+]
+
+
+@pytest.mark.parametrize("argv, shown", ODD_VALUES)
+def test_odd_value(argv, shown, good, tmp_path, monkeypatch, capsys):
+    """Values no kind above makes: each a one-line error, exit 2, nothing left behind."""
+    monkeypatch.chdir(tmp_path)
+    argv = [good.get(part.strip("<>"), str(tmp_path / part.strip("<>"))) if part.startswith("<") else part for part in argv]
+    before = _files_under(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, (argv, err)
+    assert len(err) == 1 and err[0].startswith("phalanx: error: ") and shown in err[0], (argv, err)
+    assert _files_under(tmp_path) == before

@@ -85,7 +85,8 @@ def prepare_job(args) -> dict:
             "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
             "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
             "expert_placement": args.expert_placement, "collective_timeout": args.collective_timeout,
-            "max_restarts": max_restarts(args.max_restarts, args.nproc), **slo}
+            "max_restarts": max_restarts(args.max_restarts, args.nproc), "max_restarts_given": args.max_restarts,
+            **slo}
 
 
 def _api_key(args) -> str | None:

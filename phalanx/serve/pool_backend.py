@@ -45,6 +45,8 @@ class Backend:
         self.label, self.command, self.env = label, command, env
         self.process: asyncio.subprocess.Process | None = None
         self.address: tuple[str, int] | None = None
+        self.stopping = False
+        """Stopped on purpose (a move, the front's shutdown): its exit is no failure."""
 
     async def start(self) -> tuple[str, int]:
         """Start it and wait until it is healthy; its address."""
@@ -89,12 +91,19 @@ class Backend:
 
     async def stop(self, sig: int = signal.SIGTERM) -> int | None:
         """Signal it and wait for it to exit (it drains its own running requests first)."""
+        self.stopping = True
         if self.process is None or self.process.returncode is not None:
             return None if self.process is None else self.process.returncode
         self.process.send_signal(sig)
         return await self.process.wait()
 
+    async def exited(self) -> str:
+        """Wait for the process to end; how it did, in words."""
+        code = await self.process.wait()
+        return f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
     async def kill(self) -> None:
+        self.stopping = True
         if self.process is not None and self.process.returncode is None:
             self.process.kill()
             await self.process.wait()

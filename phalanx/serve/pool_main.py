@@ -140,12 +140,13 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
     from phalanx.serve.http_limits import uvicorn_limits
     from phalanx.serve.pool_backend import BackendFailed
     from phalanx.serve.pool_router import Router
-    from phalanx.serve.pool_server import PoolFront, build_front_app, log
+    from phalanx.serve.pool_server import DEFAULT_INSTANCE_RESTARTS, PoolFront, build_front_app, log
     from phalanx.serve.server import PhalanxServer
 
     ttft_s = job["ttft_ms"] / 1000 if job["ttft_ms"] is not None else None
     router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok(check_plan), ttft_s)
-    front = PoolFront(router, flags, job["device"], job["api_key"], job["max_request_bytes"])
+    front = PoolFront(router, flags, job["device"], job["api_key"], job["max_request_bytes"],
+                      restarts=DEFAULT_INSTANCE_RESTARTS if job["max_restarts_given"] is None else job["max_restarts_given"])
     config = uvicorn.Config(build_front_app(front), host=job["host"], port=job["port"], log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10,
                             **uvicorn_limits())

@@ -86,6 +86,8 @@ class Instance:
     arrivals: list[float] = field(default_factory=list)
     """When each request in flight on it arrived at the front (the router's clock), oldest first."""
     address: tuple[str, int] | None = None
+    failed: str | None = None
+    """Why its process died, while the front restarts it (pool_server.py)."""
 
     @property
     def in_flight(self) -> int:
