@@ -240,6 +240,14 @@ ODD_VALUES = [
     pytest.param(["serve", "--model", "<hf>", "--host", "999.1.1.1"], "999.1.1.1", id="serve-host-not-an-address"),
     pytest.param(["serve", "--model", "<hf>", "--api-key", "k", "--api-key-file", "<text>"], "--api-key",
                  id="serve-two-keys"),
+    pytest.param(["serve", "--model", "<hf>", "--pool", "auto", "--nproc", "1024", "--tpot-ms", "50"], "--nproc 1024",
+                 id="serve-pool-auto-nproc-past-the-machine"),
+    pytest.param(["plan", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "2000", "--osl", "64"], "--isl 2000",
+                 id="plan-serve-isl-beyond-positions"),
+    pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE, "--rate", "2", "--requests", "1000000", "--out", "<out>"],
+                 "--requests 1000000", id="simulate-serve-requests-unbounded"),
+    pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "1", "--osl", "2000", "--rate", "2",
+                  "--requests", "500", "--out", "<out>"], "--osl 2000", id="simulate-serve-long-outputs"),
 ]
 
 

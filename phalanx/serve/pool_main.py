@@ -51,6 +51,8 @@ def check_pools(args, job: dict):
     if not args.pool_move_after > 0:
         raise UserError(f"--pool-move-after must be > 0 seconds, got {args.pool_move_after}")
     specs = [] if auto else parse_pools(args.pool)  # the flags' own spelling first, then the model
+    _check_ranks(args.nproc if auto else sum(spec.world * spec.instances for spec in specs), job["device"],
+                 "--nproc" if auto else "the pools' ranks")
     if auto:
         from phalanx.serve.pool_auto import check_auto
 
@@ -73,6 +75,19 @@ def check_pools(args, job: dict):
     if auto:
         specs = _plan_auto(args, job, cfg, layout_ok(check_plan))
     return specs, check_plan
+
+
+def _check_ranks(ranks: int, device: str, what: str) -> None:
+    """Every rank is a process (and a GPU, on GPUs): against this machine's, before the
+    planner or any instance starts."""
+    from phalanx.process_count import check_process_count
+
+    check_process_count(ranks, what)
+    if device == "cuda" or (device == "auto" and _cuda()):
+        import torch
+
+        if ranks > torch.cuda.device_count():
+            raise UserError(f"{what} {ranks}: this machine has {torch.cuda.device_count()} GPUs")
 
 
 def layout_ok(check_plan):
