@@ -263,3 +263,31 @@ def test_odd_value(argv, shown, good, tmp_path, monkeypatch, capsys):
     assert exit_info.value.code == 2, (argv, err)
     assert len(err) == 1 and err[0].startswith("phalanx: error: ") and shown in err[0], (argv, err)
     assert _files_under(tmp_path) == before
+
+
+BAD_STARTS = {"negative": [0, -4, 9], "unsorted": [0, 30, 9], "past the tokens": [0, 10, 10**9],
+              "float": [0.0, 9.5], "empty": [], "no leading 0": [3, 9], "2-D": [[0, 9], [20, 40]]}
+
+
+@pytest.mark.parametrize("kind", list(BAD_STARTS))
+def test_doc_mask_refuses_bad_document_starts(kind, good, tmp_path, monkeypatch, capsys):
+    """`train --doc-mask` on a prepared directory whose train_documents.npy is damaged."""
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    with pytest.raises(SystemExit) as prepared:
+        main(["prepare", good["jsonl"], "--tokenizer", "bytes", "--out", str(data), "--no-progress", "--workers", "1",
+              "--val-fraction", "0.2"])
+    assert prepared.value.code in (0, None)
+    capsys.readouterr()
+    starts = np.array(BAD_STARTS[kind])
+    np.save(data / "train_documents.npy", starts if kind == "float" or starts.size else starts.astype(np.int64))
+    argv = [good.get(part.strip("<>"), str(tmp_path / part.strip("<>"))) if part.startswith("<") else part
+            for part in _with(_with(TRAIN_BASE, "--data", str(data)), "--doc-mask", "")]
+    argv.remove("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err
+    assert len(err) == 1 and err[0].startswith("phalanx: error: ") and "train_documents.npy" in err[0], err
