@@ -127,6 +127,8 @@ def _starts_problem(starts: np.ndarray, tokens: int) -> str | None:
     dimension of integers, from 0, in order, each before the split's end."""
     if starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer):
         return f"document starts must be one dimension of integers, not {starts.ndim}-D {starts.dtype}"
+    if len(starts) == 0 and tokens == 0:
+        return None  # an empty split (no validation documents)
     if len(starts) == 0 or starts[0] != 0:
         return "document starts must begin with 0 (the first document)"
     if len(starts) > 1 and (np.diff(starts) < 0).any():
