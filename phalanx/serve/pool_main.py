@@ -66,9 +66,15 @@ def check_pools(args, job: dict):
         from phalanx.plan_model_checks import validate_tp
         from phalanx.serve.job import check_plan
 
+        from phalanx import layout_rules as rules
+
         check_plan(SimpleNamespace(plan=plan, nproc=world))
-        if problems := validate_tp(plan_from_string(plan, world), cfg, cfg.max_seq_len):  # as a single server checks
+        parsed = plan_from_string(plan, world)
+        if problems := validate_tp(parsed, cfg, cfg.max_seq_len):  # as a single server checks (job.check_for_model)
             raise UserError(f"--pool ...:{plan}: {problems[0]}")
+        if problem := rules.ep_problem(parsed.ep, dp=parsed.dp, n_experts=cfg.n_experts, model=cfg.name, tp=parsed.tp,
+                                       over_tp=parsed.ep_over_tp):
+            raise UserError(f"--pool ...:{plan}: {problem}")
 
     for spec in specs:
         check_plan(spec.plan, spec.world)
