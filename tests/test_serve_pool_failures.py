@@ -98,3 +98,14 @@ def test_a_dead_instance_is_noticed_answered_and_restarted(tmp_path):
     reference, logits = transformers_greedy(folder, [prompt], NEW)[0]
     for answer in (first, served, again):
         assert_greedy_equal(answer, reference, logits)
+
+
+def test_the_key_reaches_instances_in_their_environment_not_their_command_line():
+    """`ps` shows every user a command line: the front passes the key in the environment."""
+    from phalanx.cli import build_parser
+    from phalanx.serve.pool_main import instance_flags
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--pool", "a:tp=1", "--api-key", "s3cret",
+                                      "--max-num-seqs", "4"])
+    flags = instance_flags(args, args.serve_parser)
+    assert flags == ["--model", "m", "--max-num-seqs", "4"] and "s3cret" not in flags
