@@ -212,8 +212,12 @@ class PoolFront:
         for pool in self.router.pools.values():
             for instance in pool.instances:
                 if instance.ready and instance.address:
-                    answer = await forward(instance.address, "GET", path, headers)
-                    return Response(await read_all(answer), status_code=answer.status, media_type="application/json")
+                    try:
+                        answer = await forward(instance.address, "GET", path, headers)
+                        return Response(await read_all(answer), status_code=answer.status,
+                                        media_type="application/json")
+                    except (OSError, h11.ProtocolError):
+                        continue  # dying: its watcher marks it; another may answer
         return JSONResponse({"status": "loading"}, status_code=503)
 
     async def metrics_text(self) -> bytes:
@@ -224,8 +228,8 @@ class PoolFront:
                     try:
                         texts.append(({"pool": pool.name, "instance": str(instance.ident)},
                                       await self.backends[instance.ident].metrics()))
-                    except OSError:
-                        continue  # stopping for a move
+                    except (OSError, h11.ProtocolError):
+                        continue  # stopping for a move, or dead (its watcher restarts it)
         return generate_latest(self.registry) + merge_metrics(texts).encode()
 
     # Moves
