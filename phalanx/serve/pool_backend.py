@@ -14,6 +14,8 @@ import os
 import signal
 import sys
 
+import h11
+
 from phalanx.serve.pool_proxy import forward, read_all
 
 START_TIMEOUT_S = 600
@@ -74,7 +76,7 @@ class Backend:
             answer = await forward(self.address, "GET", "/health", [])
             await read_all(answer)
             return answer.status == 200
-        except OSError:
+        except (OSError, h11.ProtocolError):  # not up yet, or gone
             return False
 
     async def _relay(self) -> None:
