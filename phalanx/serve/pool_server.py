@@ -22,13 +22,14 @@ import h11
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phalanx.serve.api_requests import ApiError
 from phalanx.serve.api_responses import DONE, sse
-from phalanx.serve.http_limits import ClientGone, read_body
+from phalanx.serve.http_limits import ApiKeyCheck, ClientGone, read_body
 from phalanx.serve.job import DEFAULT_MAX_REQUEST_BYTES, KEY_ENV
 from phalanx.serve.pool_backend import Backend, BackendFailed, backend_command, visible_devices
 from phalanx.serve.pool_metrics import merge_metrics
@@ -51,6 +52,7 @@ class PoolFront:
         self.router, self.flags, self.device = router, flags, device
         self.restarts = restarts
         self.restarted: dict[int, int] = {}  # instance ident -> restarts so far
+        self.api_key = api_key
         self.key_env = {} if api_key is None else {KEY_ENV: api_key}
         self.max_request_bytes = max_request_bytes
         self.backends: dict[int, Backend] = {}  # by instance ident
@@ -334,4 +336,4 @@ def build_front_app(front: PoolFront) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ])
+    ], middleware=[Middleware(ApiKeyCheck, key=front.api_key)])  # also at the front: no unkeyed request waits here
