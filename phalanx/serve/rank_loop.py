@@ -77,14 +77,17 @@ def follow(engine) -> int:
         box = [None]
         try:
             dist.broadcast_object_list(box, src=0)
-            if box[0] is STOP:
-                return 0
-            if box[0] == HEARTBEAT:
-                continue
-            engine.run_order(box[0])
         except RuntimeError as error:  # gloo's and NCCL's errors are RuntimeErrors
-            print(f"phalanx: rank {dist.get_rank()}: the server's ranks lost each other: {first_line(error)}",
-                  file=sys.stderr, flush=True)
+            print(f"phalanx: rank {dist.get_rank()} lost rank 0: {first_line(error)}", file=sys.stderr, flush=True)
+            return 1
+        if box[0] is STOP:
+            return 0
+        if box[0] == HEARTBEAT:
+            continue
+        try:
+            engine.run_order(box[0])
+        except RuntimeError as error:  # a collective of the step with a rank that died (or a bug: its line says)
+            print(f"phalanx: rank {dist.get_rank()}: a step failed: {first_line(error)}", file=sys.stderr, flush=True)
             return 1
 
 
