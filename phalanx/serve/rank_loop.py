@@ -29,12 +29,17 @@ import signal
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 STOP = None
 """What rank 0 sends when it stops serving."""
 HEARTBEAT = "heartbeat"
 """What rank 0 sends while idle, so that the other ranks' wait stays within the timeout."""
+MESSAGE_DEVICE = torch.device("cpu")
+"""The messages go over the group's gloo side also on GPUs ("cpu:gloo,cuda:nccl"): gloo fails at
+once when a peer's socket closes, where NCCL would wait for the timeout; and a pickled message
+is host data anyway (no copy to the device and back)."""
 HEARTBEAT_MAX_S = 1.0
 """The longest gap between heartbeats: a dead rank is noticed within about this long while
 idle (one small broadcast a second costs nothing next to a step)."""
@@ -57,7 +62,7 @@ class RankChannel:
 
     def send(self, forwards) -> None:
         self.last_sent = time.monotonic()
-        dist.broadcast_object_list([forwards], src=0)
+        dist.broadcast_object_list([forwards], src=0, device=MESSAGE_DEVICE)
 
     def keep_alive(self) -> None:
         """While idle: a heartbeat when the last message is `heartbeat_s` old."""
@@ -76,7 +81,7 @@ def follow(engine) -> int:
     while True:
         box = [None]
         try:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, device=MESSAGE_DEVICE)
         except RuntimeError as error:  # gloo's and NCCL's errors are RuntimeErrors
             print(f"phalanx: rank {dist.get_rank()} lost rank 0: {first_line(error)}", file=sys.stderr, flush=True)
             return 1
