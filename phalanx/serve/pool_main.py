@@ -175,8 +175,18 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
     shown = f"[{host}]" if ":" in host else host
     loop = asyncio.get_running_loop()
 
+    # The serving line once the front listens and every pool has its instances up (as a single
+    # server says it once its model is in): a supervisor waiting for it sees no false start.
+    ready: dict[str, object] = {}
+
+    def announce(**news) -> None:
+        ready.update(news)
+        if "port" in ready and "pools" in ready and not ready.get("said"):
+            ready["said"] = True
+            print(f"phalanx: serving {job['served_model_name']} on http://{shown}:{ready['port']}", flush=True)
+
     def listening(port: int) -> None:
-        print(f"phalanx: serving {job['served_model_name']} on http://{shown}:{port}", flush=True)
+        announce(port=port)
 
     def stopping(sig: int) -> None:
         loop.create_task(front.stop_all())
@@ -188,8 +198,11 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
         try:
             await front.start_all()
             log(f"pools up: {front.layout()}")
+            announce(pools=True)
             await front.watch()
         except BackendFailed as error:
+            if not front.accepting:
+                return  # stopped while the instances started: a stop, not a failure
             failure.append(error)
             log(f"error: {error}")
             server.should_exit = True
