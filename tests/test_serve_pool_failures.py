@@ -109,3 +109,29 @@ def test_the_key_reaches_instances_in_their_environment_not_their_command_line()
                                       "--max-num-seqs", "4"])
     flags = instance_flags(args, args.serve_parser)
     assert flags == ["--model", "m", "--max-num-seqs", "4"] and "s3cret" not in flags
+
+
+def test_sigterm_while_the_instances_start_is_a_stop(tmp_path):
+    """SIGTERM before the pools are up: the instances are stopped, no error, exit 0, and no
+    serving line was printed (it comes only once every pool is up)."""
+    import subprocess
+    import sys
+
+    folder = write_checkpoint(tmp_path / "llama", "llama")
+    front = subprocess.Popen([sys.executable, "-m", "phalanx", "serve", "--model", str(folder), "--port", "0",
+                              "--pool", "latency:tp=1", "--pool", "throughput:tp=1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while len(_instances(front.pid)) < 2 and time.monotonic() < deadline:  # both instances started
+            time.sleep(0.1)
+        front.send_signal(signal.SIGTERM)
+        out, err = front.communicate(timeout=120)
+    finally:
+        try:
+            os.killpg(front.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert front.returncode == 0, err
+    assert "serving" not in out and "error" not in err, (out, err)
