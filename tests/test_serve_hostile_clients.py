@@ -84,7 +84,7 @@ def test_a_body_past_the_limit_is_413(server):
     big = json.dumps({"prompt": "a" * LIMIT}).encode()
     status, answer = _request(server, "/v1/completions", big)
     assert status == 413 and "--max-request-bytes" in answer["error"]["message"]
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ").encode() + KEY.encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
     with _raw(server, head + b"\r\nTransfer-Encoding: chunked\r\n\r\n") as sock:  # no length up front
         sock.sendall(b"".join(b"%x\r\n%s\r\n" % (1000, b"a" * 1000) for _ in range(5)))
         assert b" 413 " in sock.recv(4096).split(b"\r\n")[0]
