@@ -16,6 +16,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -51,6 +52,24 @@ def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_T
         dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout,
                                 store=_attempt_store(world_size, timeout),
                                 rank=int(os.environ["RANK"]), world_size=world_size)
+
+
+def bound_every_group(timeout_s: float) -> None:
+    """Give every process group this process belongs to the timeout `timeout_s`.
+
+    The groups a DeviceMesh makes take torch's 30-minute default whatever the default group's
+    timeout (torch 2.13: a dp=2,tp=2 mesh's groups said 0:30:00 under a 1-minute default
+    group), and a caller's own group (a test's, a user's) may have any; without this a rank
+    stuck in a tp or pipeline exchange would hold the others for half an hour. Uses two private
+    names of torch.distributed that have been there since torch 2.2 (`_set_pg_timeout`, the
+    `_world.pg_map` of this process's groups); where they are missing the groups keep theirs."""
+    if not dist.is_initialized() or not hasattr(c10d, "_set_pg_timeout") or not hasattr(c10d, "_world"):
+        return
+    for group in list(c10d._world.pg_map):
+        try:
+            c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+        except (ValueError, AssertionError, RuntimeError):
+            pass  # not a member, or a backend that takes no timeout: it keeps its own
 
 
 def _attempt_store(world_size: int, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):

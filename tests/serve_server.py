@@ -66,6 +66,8 @@ class ServeProcess:
                 return response.status
         except urllib.error.HTTPError as error:
             return error.code
+        except OSError:  # nothing listens (a multi-rank server restarting its ranks)
+            return 0
 
     def wait_healthy(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -90,6 +92,27 @@ class ServeProcess:
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
+    def rank_pids(self) -> dict[int, int]:
+        """{0: the worker that listens on the server's port, 1: ...the other workers} of a
+        `--nproc N` server (its launcher's children; rank 0 is the one holding the socket)."""
+        port = int(self.url.rsplit(":", 1)[1])
+        listening = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    listening.add(f"socket:[{fields[9]}]")
+        children = sorted(int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+                          if _parent(stat) == self.process.pid)
+        def holds(pid: int) -> bool:
+            try:
+                return any(os.readlink(fd) in listening for fd in Path(f"/proc/{pid}/fd").iterdir())
+            except OSError:
+                return False
+        rank0 = [pid for pid in children if holds(pid)]
+        others = [pid for pid in children if pid not in rank0]
+        return {rank: pid for rank, pid in enumerate(rank0 + others)}
+
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.process.send_signal(sig)
 
@@ -100,6 +123,13 @@ class ServeProcess:
         except ProcessLookupError:
             pass
         self.process.wait(30)
+
+
+def _parent(stat: Path) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def transformers_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[tuple[list[int], torch.Tensor]]:

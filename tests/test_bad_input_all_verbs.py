@@ -82,10 +82,14 @@ VERBS: dict[str, Verb] = {
     "match": Verb(["match", "--patterns", "<patterns>", "<text>"],
                   files={"--patterns": (".txt", ("missing", "directory", "empty")), "<text>": (".txt", ("missing", "directory"))},
                   numbers={"--nproc": COUNTS}),
-    "serve": Verb(["serve", "--model", "<hf>", "--port", "0"], files={"--model": "", "--tokenizer": ".json"},
+    "serve": Verb(["serve", "--model", "<hf>", "--port", "0"],
                   numbers={"--port": COUNTS, "--max-num-seqs": COUNTS, "--max-num-batched-tokens": COUNTS,
                            "--num-kv-blocks": COUNTS, "--block-size": COUNTS, "--kv-cache-memory": BAD_NUMBERS,
-                           "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS, "--nproc": COUNTS}),
+                           "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS, "--nproc": COUNTS,
+                           "--collective-timeout": BAD_NUMBERS, "--shutdown-grace": BAD_NUMBERS,
+                           "--max-restarts": ("negative",), "--max-request-bytes": ("negative",)},
+                  files={"--model": "", "--tokenizer": ".json", "--api-key-file": ("", ("missing", "directory", "empty",
+                                                                                           "binary", "proc"))}),
     "plan --serve": Verb(["plan", "--serve", *SERVE_PLAN_BASE], files={"--model": ".json", "--cluster": ".toml"},
                          numbers={"--gpus": COUNTS, "--isl": COUNTS, "--osl": COUNTS, "--concurrency": COUNTS,
                                   "--rate": BAD_NUMBERS, "--ttft-ms": BAD_NUMBERS, "--tpot-ms": BAD_NUMBERS}),
@@ -212,7 +216,7 @@ def test_bad_input(verb, name, where, kind, good, tmp_path, monkeypatch, capsys,
     else:
         bad = HUGE_INT if kind == "huge" and name not in ("--lr", "--val-fraction", "--temperature", "--top-p", "--sigma",
                                                           "--collective-timeout", "--kv-cache-memory", "--ttft-ms",
-                                                          "--tpot-ms", "--rate") else NUMBER_KINDS[kind]
+                                                          "--tpot-ms", "--rate", "--shutdown-grace") else NUMBER_KINDS[kind]
     argv = _with(row.argv, name, bad)
     # <out...>: an output of this test's own (its name as given), any other <name> a good input.
     argv = [good.get(part.strip("<>"), str(tmp_path / part.strip("<>"))) if part.startswith("<") else part for part in argv]
@@ -228,3 +232,62 @@ def test_bad_input(verb, name, where, kind, good, tmp_path, monkeypatch, capsys,
     shown = {name, name.lstrip("-").replace("-", "_"), bad, Path(bad).name} if where != "content" else {bad, "load"}
     assert any(part in err[0] for part in shown if part), (argv, err[0])
     assert _files_under(tmp_path) == before, f"left behind: {_files_under(tmp_path) - before}"
+
+
+ODD_VALUES = [
+    # (argv with <placeholders> as above, a text the one error line must hold)
+    pytest.param(["serve", "--model", "<hf>", "--host", ""], "--host", id="serve-host-empty"),
+    pytest.param(["serve", "--model", "<hf>", "--host", "999.1.1.1"], "999.1.1.1", id="serve-host-not-an-address"),
+    pytest.param(["serve", "--model", "<hf>", "--api-key", "k", "--api-key-file", "<text>"], "--api-key",
+                 id="serve-two-keys"),
+    pytest.param(["serve", "--model", "<hf>", "--pool", "auto", "--nproc", "1024", "--tpot-ms", "50"], "--nproc 1024",
+                 id="serve-pool-auto-nproc-past-the-machine"),
+    pytest.param(["plan", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "2000", "--osl", "64"], "--isl 2000",
+                 id="plan-serve-isl-beyond-positions"),
+    pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE, "--rate", "2", "--requests", "1000000", "--out", "<out>"],
+                 "--requests 1000000", id="simulate-serve-requests-unbounded"),
+    pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "1", "--osl", "2000", "--rate", "2",
+                  "--requests", "500", "--out", "<out>"], "--osl 2000", id="simulate-serve-long-outputs"),
+]
+
+
+@pytest.mark.parametrize("argv, shown", ODD_VALUES)
+def test_odd_value(argv, shown, good, tmp_path, monkeypatch, capsys):
+    """Values no kind above makes: each a one-line error, exit 2, nothing left behind."""
+    monkeypatch.chdir(tmp_path)
+    argv = [good.get(part.strip("<>"), str(tmp_path / part.strip("<>"))) if part.startswith("<") else part for part in argv]
+    before = _files_under(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, (argv, err)
+    assert len(err) == 1 and err[0].startswith("phalanx: error: ") and shown in err[0], (argv, err)
+    assert _files_under(tmp_path) == before
+
+
+BAD_STARTS = {"negative": [0, -4, 9], "unsorted": [0, 30, 9], "past the tokens": [0, 10, 10**9],
+              "float": [0.0, 9.5], "empty": [], "no leading 0": [3, 9], "2-D": [[0, 9], [20, 40]]}
+
+
+@pytest.mark.parametrize("kind", list(BAD_STARTS))
+def test_doc_mask_refuses_bad_document_starts(kind, good, tmp_path, monkeypatch, capsys):
+    """`train --doc-mask` on a prepared directory whose train_documents.npy is damaged."""
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    with pytest.raises(SystemExit) as prepared:
+        main(["prepare", good["jsonl"], "--tokenizer", "bytes", "--out", str(data), "--no-progress", "--workers", "1",
+              "--val-fraction", "0.2"])
+    assert prepared.value.code in (0, None)
+    capsys.readouterr()
+    starts = np.array(BAD_STARTS[kind])
+    np.save(data / "train_documents.npy", starts if kind == "float" or starts.size else starts.astype(np.int64))
+    argv = [good.get(part.strip("<>"), str(tmp_path / part.strip("<>"))) if part.startswith("<") else part
+            for part in _with(_with(TRAIN_BASE, "--data", str(data)), "--doc-mask", "")]
+    argv.remove("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err
+    assert len(err) == 1 and err[0].startswith("phalanx: error: ") and "train_documents.npy" in err[0], err

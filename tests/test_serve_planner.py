@@ -172,3 +172,18 @@ def test_disaggregated_plans_split_the_gpus(capsys):
                              context=4000 + 500 / 2)
     assert dec["tpot_ms_p50"] == pytest.approx(alone * 1e3, rel=1e-9)  # no prompt tokens in a decode step
     assert colocated and all(p["prefill_gpus"] == p["decode_gpus"] == 16 for p in colocated)
+
+
+def test_an_overloaded_plan_shows_no_ttft(capsys):
+    """Past its capacity a plan's queue grows without bound: the table's TTFT column says
+    `overloaded` (as the JSON's `overloaded` does), not the unloaded figure; an unloaded one
+    shows its TTFT."""
+    from phalanx.cli import main
+
+    base = ["plan", "--serve", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8", "--isl", "128",
+            "--osl", "64", "--top", "3", "--disaggregate", "off"]
+    for rate, overloaded in (("1e300", True), ("0.01", False)):
+        with pytest.raises(SystemExit):
+            main([*base, "--rate", rate])
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit() and "layouts" not in line]
+        assert rows and all(("overloaded" in row) == overloaded for row in rows), rows

@@ -113,6 +113,26 @@ def _document_starts(root: Path, record: dict) -> np.ndarray | None:
     if not name:
         return None
     try:
-        return np.load(root / name, mmap_mode="r")
+        starts = np.load(root / name, mmap_mode="r")
     except (OSError, ValueError) as error:
         raise UserError(f"{root / name}: unreadable document starts ({error}); prepare the directory again") from None
+    tokens = sum(stop - start for _, start, stop in record.get("ranges", []))
+    if problem := _starts_problem(starts, tokens):
+        raise UserError(f"{root / name}: {problem}; prepare the directory again")
+    return starts
+
+
+def _starts_problem(starts: np.ndarray, tokens: int) -> str | None:
+    """What is wrong with a split's document starts (--doc-mask masks attention by them): one
+    dimension of integers, from 0, in order, each before the split's end."""
+    if starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer):
+        return f"document starts must be one dimension of integers, not {starts.ndim}-D {starts.dtype}"
+    if len(starts) == 0 and tokens == 0:
+        return None  # an empty split (no validation documents)
+    if len(starts) == 0 or starts[0] != 0:
+        return "document starts must begin with 0 (the first document)"
+    if len(starts) > 1 and (np.diff(starts) < 0).any():
+        return "document starts are not in increasing order"
+    if starts[-1] >= max(tokens, 1):
+        return f"a document starts at {int(starts[-1])}, past the split's {tokens} tokens"
+    return None

@@ -31,26 +31,8 @@ from typing import Sequence
 import torch
 
 from phalanx.errors import UserError
-
-MIN_TEMPERATURE = 1e-6
-"""Below this, logits a trained model tells apart (by 1e-5 and more) differ by more than
-float32's softmax resolves, so the draw is the greedy choice; and divided by a small enough
-temperature the logits pass float32's largest value (3.4e38), where the softmax turns to nan."""
-
-MIN_TOP_P = 1e-6
-"""Below this, top-p keeps the first token alone (the first is always kept): greedy, but a
-cumulative sum compared with a denormal threshold is where float32 stops being exact."""
-
-PENALTY_RANGE = (-2.0, 2.0)
-"""Presence and frequency penalties, as OpenAI bounds them."""
-
-MAX_REPETITION_PENALTY = 1e3
-"""A repetition penalty divides or multiplies logits: past 1e3 float32 logits of a trained model
-lose every difference that is left, as below MIN_TEMPERATURE; vLLM takes any value > 0."""
-
-LOGIT_BIAS_RANGE = (-100.0, 100.0)
-"""As OpenAI bounds it: -100 bans a token in practice, 100 forces it."""
-
+from phalanx.inference.sampling_bounds import (LOGIT_BIAS_RANGE, MAX_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P,
+                                               PENALTY_RANGE)
 
 @dataclass(frozen=True, kw_only=True)
 class Sampling:

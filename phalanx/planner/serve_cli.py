@@ -15,7 +15,7 @@ from phalanx.errors import UserError
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.serve_disagg import disaggregated
-from phalanx.planner.serve_flags import add_serve_flags, dtypes_for, load_from
+from phalanx.planner.serve_flags import add_serve_flags, check_lengths, dtypes_for, load_from
 from phalanx.planner.serve_report import explain, serve_record, table
 from phalanx.planner.serve_search import parse_serve_fix, search_serving
 from phalanx.planner.serve_sim_report import add_simulate_flags, run_serve_simulate
@@ -28,6 +28,7 @@ def serve_argv(argv: list[str]) -> bool:
 def run_serve_plan(args) -> int:
     load = load_from(args)
     model = model_from_name(args.model)
+    check_lengths(load, model)
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]
     fixed = parse_serve_fix(args.fix)
     if args.top < 1:

@@ -65,6 +65,14 @@ def load_from(args) -> ServeLoad:
                      ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, phase=args.phase)
 
 
+def check_lengths(load: ServeLoad, model) -> None:
+    """--isl + --osl within the model's positions: `phalanx serve` refuses a longer request, so a
+    plan for it would be rated for requests that never run."""
+    if load.isl + load.osl > model.max_seq_len:
+        raise UserError(f"--isl {load.isl} + --osl {load.osl} = {load.isl + load.osl} tokens is beyond the model's "
+                        f"{model.max_seq_len} positions: phalanx serve would refuse every such request")
+
+
 def dtypes_for(args, cluster: Cluster) -> tuple[str, str]:
     """(weights, KV) dtypes on `cluster`; a dtype its tensor cores lack is an error."""
     weight = args.weight_dtype or ("fp32" if cluster.shared_compute else "bf16")

@@ -61,7 +61,8 @@ def table_rows(ranked: list[ServePlan]) -> list[list[str]]:
         where = "yes" if not p.notes else "no: " + ", ".join(p.notes)
         disagg = f"{p.prefill_gpus}P+{p.decode_gpus}D " if p.prefill_layout is not None else ""
         rows.append([str(i), f"{disagg}{p.instances}", str(lay.dp), str(lay.tp), str(lay.pp), str(lay.ep),
-                     str(p.max_batch), str(p.max_batch_tokens), f"{r.ttft_s * 1e3:,.1f}",
+                     # Past capacity the queue grows without bound: no TTFT to show.
+                     str(p.max_batch), str(p.max_batch_tokens), "overloaded" if r.overloaded else f"{r.ttft_s * 1e3:,.1f}",
                      f"{r.tpot_p50_s * 1e3:.2f}", f"{r.tpot_p99_s * 1e3:.2f}", f"{r.output_tps_gpu:,.0f}",
                      f"{r.input_tps_gpu:,.0f}", f"{r.goodput:.3g}", where])
     return rows

@@ -12,7 +12,7 @@ from pathlib import Path
 from phalanx.errors import UserError
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.serve_flags import dtypes_for, load_from
+from phalanx.planner.serve_flags import check_lengths, dtypes_for, load_from
 from phalanx.planner.serve_costs import serve_costs_for
 from phalanx.planner.serve_memory import BLOCK_SIZE
 from phalanx.planner.serve_rates import ServeLoad
@@ -20,6 +20,11 @@ from phalanx.planner.serve_search import ServePlan, evaluate, parse_serve_fix, s
 from phalanx.planner.serve_simulate import SimResult, percentile, poisson_arrivals, simulate, step_model_seconds
 
 RATE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.2)
+MAX_SIMULATED_TOKENS = 5_000_000
+"""Output tokens simulated over the whole sweep (requests x --osl x rates): the simulator
+took ~30 us per token on a busy 2-core machine (benchmarked with llama3-8b on dgx-h100, 200 to
+2000 requests, osl 64 to 640), so this bounds a run to a few minutes; the default sweep of 200
+requests reaches it only past --osl 3500."""
 """The sweep, as fractions of the deployment's predicted capacity, when --rates is not given."""
 
 
@@ -115,6 +120,7 @@ def run_serve_simulate(args) -> int:
     if args.cluster and len(args.cluster) > 1:
         raise UserError("simulate --serve takes one --cluster")
     model = model_from_name(args.model)
+    check_lengths(load, model)
     cluster = cluster_from_name((args.cluster or ["local"])[0])
     cluster.check_device_count(args.gpus)
     weight, kv = dtypes_for(args, cluster)
@@ -129,6 +135,11 @@ def run_serve_simulate(args) -> int:
     rates = _rates(args.rates) if args.rates else sorted({*(f * capacity for f in RATE_FRACTIONS),
                                                           *([load.rate] if load.rate else [])})
     trace_rate = load.rate or rates[len(rates) // 2]
+    count = len({*rates, trace_rate})
+    if args.requests * load.osl * count > MAX_SIMULATED_TOKENS:
+        raise UserError(f"--requests {args.requests} x --osl {load.osl} x {count} rates = "
+                        f"{args.requests * load.osl * count:.3g} simulated tokens; the simulator takes at most "
+                        f"{MAX_SIMULATED_TOKENS:.0e} (minutes of work): give fewer --requests or --rates")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)

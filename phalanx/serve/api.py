@@ -11,11 +11,11 @@ next step.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -29,6 +29,7 @@ from phalanx.serve.api_responses import DONE, Answer, sse
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import openai_sampling, seeded
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
+from phalanx.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, ClientGone, read_json
 
 DISCONNECT_POLL_S = 0.5
 
@@ -48,6 +49,7 @@ class ServeState:
     sampling_defaults: dict = field(default_factory=dict)
     """generation_config.json's sampling settings for fields a request leaves out (empty under
     `--generation-config vllm`)."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -60,6 +62,8 @@ def build_app(state: ServeState) -> Starlette:
                                                           "owned_by": "phalanx", "max_model_len": state.max_len}]})
 
     async def health(request: Request) -> Response:
+        if state.engine.failed:
+            return JSONResponse({"status": "failed", "reason": state.engine.failed}, status_code=503)
         if not state.engine.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503)
         if not state.engine.accepting:
@@ -87,31 +91,20 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error})
+    ], exception_handlers={HTTPException: http_error}, middleware=[Middleware(ApiKeyCheck, key=state.api_key)])
     return app
-
-
-def _check_key(request: Request, state: ServeState) -> None:
-    if state.api_key is None:
-        return
-    if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-        raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key")
 
 
 async def _generate(request: Request, state: ServeState, parse) -> Response:
     handles: list = []
     try:
-        _check_key(request, state)
-        try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+        body = await read_json(request, state.max_request_bytes)  # the key: http_limits.ApiKeyCheck
         gen = parse(body)
         model = body.get("model")
         if model is not None and model != state.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
                            "model", "model_not_found")
-        prompts = _prompt_ids(gen, state)
+        prompts = await asyncio.to_thread(_prompt_ids, gen, state)  # a long prompt's tokenizing holds no one else
         sampling = _sampling(gen, state)
         for prompt in prompts:
             max_tokens = _max_tokens(gen, prompt, state)
@@ -124,6 +117,8 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
         for handle in handles:  # a later prompt was refused: the earlier ones stop
             state.engine.abort(handle)
         return error_response(error)
+    except ClientGone:
+        return Response(status_code=499)
     answer = Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]))
     for handle in handles:
         handle.seq.seq_id = answer.id
@@ -139,11 +134,16 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
                     return Response(status_code=499)
                 continue
             if piece.error:
-                return error_response(ApiError(503, piece.error, code="aborted", kind="server_error"))
+                return error_response(_piece_error(piece))
             answer.add(index, piece)
         return JSONResponse(answer.final())
     finally:
         _end(handles, relays, state)
+
+
+def _piece_error(piece) -> ApiError:
+    """The error the engine ended a choice with, as the client is told it."""
+    return ApiError(piece.status, piece.error, code=piece.code, kind="server_error" if piece.status >= 500 else None)
 
 
 def _end(handles: list, relays: list, state: ServeState) -> None:
@@ -231,7 +231,7 @@ async def _stream(pieces, handles: list, relays: list, answer: Answer, state: Se
         while not answer.finished:
             index, piece = await pieces.get()
             if piece.error:
-                yield sse(ApiError(503, piece.error, code="aborted", kind="server_error").body())
+                yield sse(_piece_error(piece).body())
                 break
             chunk = answer.piece_chunk(index, piece)
             if chunk:
@@ -269,8 +269,8 @@ def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
 
 def _max_tokens(gen: Generation, prompt: list[int], state: ServeState) -> int:
     room = state.max_len - len(prompt)
-    if gen.max_tokens is None:
-        return max(room, gen.min_tokens, 1)
+    if gen.max_tokens is None:  # as many as fit: the context, and the KV cache (its last token needs no keys)
+        return max(1, min(room, state.engine.positions() - len(prompt) + 1))
     if gen.max_tokens > room:
         raise ApiError(400, f"a prompt of {len(prompt)} tokens + max_tokens {gen.max_tokens} = "
                             f"{len(prompt) + gen.max_tokens} exceeds the model's context of {state.max_len}", "max_tokens")

@@ -13,6 +13,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from phalanx.inference.sampling_bounds import (LOGIT_BIAS_RANGE, MAX_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P,
+                                               PENALTY_RANGE)
+
 COMPLETIONS, CHAT, BOTH = "completions", "chat", "both"
 
 
@@ -37,14 +40,14 @@ FIELDS: tuple[Field, ...] = (
     Field("messages", CHAT, True, True, "rendered with the model's chat template; text content parts"),
     Field("max_tokens", BOTH, True, True, "default 16 (completions), the context's room (chat)"),
     Field("max_completion_tokens", BOTH, True, True, "as max_tokens; wins when both are given (as vLLM)"),
-    Field("temperature", BOTH, True, True, "0 is greedy; else at least 1e-6 (below, float32 cannot tell tokens apart)"),
-    Field("top_p", BOTH, True, True, "in [1e-6, 1]"),
+    Field("temperature", BOTH, True, True, f"0 is greedy; else at least {MIN_TEMPERATURE:g} (below, float32 cannot tell tokens apart)"),
+    Field("top_p", BOTH, True, True, f"in [{MIN_TOP_P:g}, 1] (float32's smallest normal number: below, no token is kept)"),
     Field("top_k", BOTH, False, True, "-1 or 0: no cut"),
     Field("min_p", BOTH, False, True, "in [0, 1]"),
-    Field("presence_penalty", BOTH, True, True, "over generated tokens, in [-2, 2]"),
-    Field("frequency_penalty", BOTH, True, True, "over generated tokens, in [-2, 2]"),
-    Field("repetition_penalty", BOTH, False, True, "transformers' rule, over prompt and output, in (0, 1000]"),
-    Field("logit_bias", BOTH, True, True, "token ids as strings, values in [-100, 100]"),
+    Field("presence_penalty", BOTH, True, True, f"over generated tokens, in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]"),
+    Field("frequency_penalty", BOTH, True, True, f"over generated tokens, in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]"),
+    Field("repetition_penalty", BOTH, False, True, f"transformers' rule, over prompt and output, in (0, {MAX_REPETITION_PENALTY:g}]"),
+    Field("logit_bias", BOTH, True, True, f"token ids as strings, values in [{LOGIT_BIAS_RANGE[0]:g}, {LOGIT_BIAS_RANGE[1]:g}]"),
     Field("seed", BOTH, True, True, "choice i of a seeded request draws with seed + i"),
     Field("n", BOTH, True, True, "1 to 16 choices per prompt"),
     Field("stop", BOTH, True, True, "up to 4 strings; the text ends before one"),

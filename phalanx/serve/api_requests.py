@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from phalanx.inference.sampling_bounds import MIN_TEMPERATURE, MIN_TOP_P
 from phalanx.serve.api_fields import refusal
 from phalanx.serve.pool_router import SERVICE_TIERS
 
@@ -23,10 +24,6 @@ MAX_PROMPTS = 64
 """Prompts in one completions request (lm-evaluation-harness sends its --batch_size)."""
 MAX_TOKEN_LIST = 4096
 """stop_token_ids and logit_bias entries."""
-MIN_TEMPERATURE = 1e-6
-"""`phalanx generate`'s bound (inference/sampling.py: below it float32 cannot tell tokens apart
-and the logits overflow), so a request cannot make the sampler fail."""
-MIN_TOP_P = 1e-6
 
 
 class ApiError(Exception):

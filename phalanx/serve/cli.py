@@ -6,16 +6,20 @@ stays cheap); the command does.
 
 from __future__ import annotations
 
+import datetime
 import os
-import signal
 import sys
 
 from phalanx.errors import UserError
 from phalanx.plan import plan_from_string
-from phalanx.serve.job import check_for_model, prepare_job, slo_policy, slo_targets
+from phalanx.serve.job import DEFAULT_MAX_REQUEST_BYTES, check_for_model, prepare_job, slo_policy, slo_targets
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
-            "max_waiting": 256, "shutdown_grace": 30.0}
+            "max_waiting": 256, "shutdown_grace": 30.0, "collective_timeout": 600.0}
+STARTUP_TIMEOUT_S = 600.0
+"""The process group's timeout while the ranks load their weights (at least): loading reads
+checkpoints at each rank's own pace, which is not a collective inside a step; the group is
+bound to --collective-timeout once every rank has its model."""
 
 
 def register(subparsers) -> None:
@@ -27,7 +31,8 @@ def register(subparsers) -> None:
     add("--model", required=True, help="Hugging Face model directory (with weights), or a run directory of phalanx train")
     add("--step", type=int, default=None, help="with a run directory: the checkpoint of this step (default: the newest)")
     add("--tokenizer", default="", help="tokenizer.json or 'bytes' (default: the model directory's tokenizer.json, else bytes)")
-    add("--host", default=DEFAULTS["host"], help="address to bind (default 127.0.0.1: this machine only)")
+    add("--host", default=DEFAULTS["host"], help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: "
+                                                 "every interface)")
     add("--port", type=int, default=DEFAULTS["port"], help="port (default 8000; 0: a free one, printed)")
     add("--served-model-name", default="", help="the model's name in the API (default: --model as given)")
     add("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"],
@@ -39,7 +44,11 @@ def register(subparsers) -> None:
                         help="GiB of KV cache (default: 1 on CPU, 90%% of the GPU memory left after the weights)")
     memory.add_argument("--num-kv-blocks", type=int, default=None, metavar="N", help="KV cache blocks, instead of --kv-cache-memory")
     add("--block-size", type=int, default=DEFAULTS["block_size"], help=f"positions per KV block (default {DEFAULTS['block_size']})")
-    add("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 request")
+    add("--api-key", default=None, help="require Authorization: Bearer KEY on every /v1 request (visible to other "
+                                        "users in ps: prefer --api-key-file or PHALANX_API_KEY)")
+    add("--api-key-file", default=None, metavar="PATH", help="the API key, read from this file's first line")
+    add("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+        help=f"largest request body (default {DEFAULT_MAX_REQUEST_BYTES} = 4 MiB; larger: 413)")
     add("--dtype", choices=("fp32", "bf16"), default=None, help="weights and cache dtype (default: fp32 on CPU, bf16 on GPU)")
     add("--generation-config", choices=("auto", "vllm"), default="auto",
         help="auto: the model's generation_config.json fills the sampling fields a request leaves out (temperature, "
@@ -52,6 +61,13 @@ def register(subparsers) -> None:
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
     add("--plan", default="", help="parallel layout: tp=N, dp=N,ep=N (attention data parallelism, experts over the "
                                    "ranks) or tp=N,ep=N,ep_over_tp=true (default: one process)")
+    add("--collective-timeout", type=float, default=DEFAULTS["collective_timeout"], metavar="SECONDS",
+        help="with --nproc N: seconds a collective inside a step may wait for the other ranks before the server "
+             f"counts a rank as lost and restarts them (default {DEFAULTS['collective_timeout']:g}; idle ranks "
+             "exchange heartbeats, so idling is not bounded by it)")
+    add("--max-restarts", type=int, default=None, metavar="N",
+        help="with --nproc N: start the ranks again this many times after one dies (default 3 with several "
+             "processes)")
     _add_expert_flags(add)
     _add_slo_flags(add)
     _add_pool_flags(add)
@@ -95,28 +111,15 @@ def _run(args) -> int:
 
 
 def _launch(job: dict) -> int:
-    """`--nproc N`: N local workers started as `phalanx train`'s are; SIGTERM to this process
-    reaches them all (rank 0 drains, the others wait for it) and ends with 0, Ctrl-C with 130."""
+    """`--nproc N`: N local workers, started again after one dies (rank_restarts.py); SIGTERM to
+    this process reaches them all (rank 0 drains, the others wait for it) and ends with 0,
+    Ctrl-C with 130."""
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from phalanx.worker_group import check_nproc, start_elastic
+    from phalanx.serve.rank_restarts import launch_ranks
+    from phalanx.worker_group import check_nproc
 
     check_nproc(job["nproc"], job["device"])
-    try:
-        start_elastic(_elastic_entry, (job,), job["nproc"], job["device"], grace_s=int(job["shutdown_grace"]) + 15)
-    except SignalException as stop:
-        return 0 if stop.sigval == signal.SIGTERM else 130
-    except KeyboardInterrupt:
-        return 130
-    except ChildFailedError as error:
-        codes = {failure.exitcode for failure in error.failures.values()}
-        if codes <= {2}:
-            return 2  # a user error, printed by rank 0
-        print(f"phalanx: a worker failed: {error.get_first_failure()[1].message}", file=sys.stderr)
-        return 1
-    return 0
+    return launch_ranks(_elastic_entry, job)
 
 
 def _elastic_entry(job: dict) -> None:
@@ -130,7 +133,8 @@ def worker_main(job: dict) -> int:
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.worker_group import run_in_group
 
-    status = run_in_group(job["device"], lambda: _rank_main(job))
+    startup = datetime.timedelta(seconds=max(job["collective_timeout"], STARTUP_TIMEOUT_S))
+    status = run_in_group(job["device"], lambda: _rank_main(job), timeout=startup)
     return 2 if status is None else status
 
 
@@ -147,18 +151,17 @@ def _rank_main(job: dict) -> int:
         # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
         from phalanx.serve.rank_loop import follow
 
-        follow(build_engine(job, source))
-        return 0
+        return follow(build_engine(job, source))
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
     defaults = sampling_defaults(source.tokenizer_dir) if job["generation_config"] == "auto" else {}
     # Imported when run, not at the top: it brings in prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     from phalanx.serve.chat_template import ChatTemplate
     from phalanx.serve.metrics import ServeMetrics
-    from phalanx.serve.rank_loop import RankChannel
+    from phalanx.serve.rank_loop import RankChannel, heartbeat_interval
     from phalanx.serve.server import serve
 
     cfg = source.cfg
-    channel = RankChannel() if parallel else None
+    channel = RankChannel(heartbeat_interval(job["collective_timeout"])) if parallel else None
     metrics = ServeMetrics(moe=cfg.n_experts > 0, slo=slo_targets(job))
     return serve(job, lambda: build_engine(job, source, channel, metrics), codec, ChatTemplate(source.tokenizer_dir),
                  metrics, cfg.max_seq_len, cfg.vocab_size, defaults)
@@ -186,6 +189,10 @@ def build_engine(job: dict, source, channel=None, metrics=None):
     slots = None if phy2log is None else slot_placements(phy2log, source.cfg, plan.ep)
     model = load_serving_model(source, mesh, dtype, slots)
     num_blocks = kv_blocks(job, source.cfg, plan.tp, device, dtype, agree=world_size > 1)
+    if world_size > 1:  # every rank has its model: from here a collective is a step's (STARTUP_TIMEOUT_S)
+        from phalanx.worker_group import bound_every_group
+
+        bound_every_group(job["collective_timeout"])
 
     def scheduler() -> Scheduler:
         # Preempted sequences wait too: the bound on new requests is the engine loop's.

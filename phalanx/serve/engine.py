@@ -61,10 +61,12 @@ def seeded(sampling: Sampling, seed: int | None, logprobs: int | None = None, mi
 @dataclass(frozen=True)
 class TokenEvent:
     seq: Sequence
-    token: int
+    token: int | None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+    error: str | None = None
+    """This request's sampling failed (it alone is ended; token is None)."""
 
 
 @dataclass(frozen=True)
@@ -181,15 +183,37 @@ class Engine:
         rows = [Row(a.sampling, a.generator, chunk.seq.prompt, chunk.seq.output,
                     chunk.seq.eos_ids if len(chunk.seq.output) < a.min_tokens else frozenset())
                 for a, chunk in zip(asked, sampling_chunks)]
-        tokens = sample(logits, rows)
+        tokens, errors = _sample_rows(logits, rows)
         logprobs: list[float | None] = [None] * len(asked)
         tops: list[list[tuple[int, float]] | None] = [None] * len(asked)
-        wanted = [index for index, a in enumerate(asked) if a.logprobs is not None]
+        wanted = [index for index, a in enumerate(asked) if a.logprobs is not None and index not in errors]
         if wanted:
             chosen, best = token_logprobs(logits[wanted], [tokens[i] for i in wanted], [asked[i].logprobs for i in wanted])
             for index, logprob, top in zip(wanted, chosen, best):
                 logprobs[index], tops[index] = logprob, top
-        sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens)}
+        for index in errors:
+            scheduler.abort(sampling_chunks[index].seq, "error")  # finish_step passes over it
+        sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens) if token is not None}
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
-        return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None)
-                for chunk, token, logprob, top in zip(sampling_chunks, tokens, logprobs, tops)]
+        return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None,
+                           errors.get(index))
+                for index, (chunk, token, logprob, top) in enumerate(zip(sampling_chunks, tokens, logprobs, tops))]
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int | None], dict[int, str]]:
+    """Every row's token from one batched draw; if the batch fails, row by row, so that what one
+    request's settings make the sampler do fails that request alone (its token None, its error
+    by row index)."""
+    try:
+        return sample(logits, rows), {}
+    except (RuntimeError, ValueError):
+        pass
+    tokens: list[int | None] = []
+    errors: dict[int, str] = {}
+    for index, row in enumerate(rows):
+        try:
+            tokens.append(sample(logits[index:index + 1], [row])[0])
+        except (RuntimeError, ValueError) as error:
+            tokens.append(None)
+            errors[index] = f"sampling failed for this request: {str(error).splitlines()[0]}"
+    return tokens, errors

@@ -5,6 +5,12 @@ HTTP handlers (on the asyncio loop) only `submit` and `abort`; both just queue t
 which the engine thread applies before its next step, so a new request joins the batch at
 the next step and a disconnected client's blocks are freed at the next step. Text is
 detokenized here (`detokenize.py`), so that a stop string ends the sequence at once.
+
+Failures: a request whose sampling fails (`engine.TokenEvent.error`) fails alone. A step that
+raises in one process fails the sequences of that step only, and the server goes on. Over
+several ranks a failed step means the ranks are out of step for good (`rank_loop.py`): every
+request fails with a clear 503, `failed` says why (/health answers 503), and `on_fatal` tells
+the server to exit non-zero so that the launcher restarts the ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from phalanx.serve.detokenize import IncrementalText
+from phalanx.serve.rank_loop import first_line
 from phalanx.scheduling.scheduler import QueueFull, Scheduler, Sequence
 from phalanx.scheduling.slo_policy import QueueShape
 
@@ -36,6 +43,9 @@ class Piece:
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    status: int = 503
+    """With `error`: the HTTP status of the answer (503: the server's state; 500: this request)."""
+    code: str = "aborted"
 
 
 @dataclass(eq=False)
@@ -65,10 +75,14 @@ def deliver(pieces: list[tuple[Handle, Piece]]) -> None:
 
 class EngineLoop:
     def __init__(self, build: Callable[[], object], max_waiting: int, metrics,
-                 on_load_error: Callable[[BaseException], None]):
+                 on_load_error: Callable[[BaseException], None], on_fatal: Callable[[str], None] = lambda why: None):
         """`build()` (in the engine thread) loads the model and returns the Engine (with its
-        scheduler, sized once the weights are in memory)."""
+        scheduler, sized once the weights are in memory). `on_fatal(why)`: the ranks of a
+        multi-rank server lost each other (module docstring)."""
         self.build, self.max_waiting, self.metrics, self.on_load_error = build, max_waiting, metrics, on_load_error
+        self.on_fatal = on_fatal
+        self.failed: str | None = None
+        """Why this server can no longer serve (a rank died); None while it can."""
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.accepting = True
@@ -85,9 +99,18 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
+    def positions(self) -> int:
+        """Positions the KV cache holds in all (0 while loading): a sequence never has more."""
+        if self.scheduler is None:
+            return 0
+        one = self.scheduler.parts[0] if hasattr(self.scheduler, "parts") else self.scheduler  # dp: one rank's cache
+        return one.blocks.num_blocks * one.block_size
+
     def submit(self, seq: Sequence, text: IncrementalText) -> Handle:
         if not self.ready.is_set():
             raise NotAccepting("the model is still loading")
+        if self.failed:
+            raise NotAccepting(self.failed)
         if not self.accepting:
             raise NotAccepting("the server is shutting down")
         self.scheduler.check_fits(len(seq.prompt), seq.max_tokens)  # ValueError: never fits
@@ -129,13 +152,15 @@ class EngineLoop:
             self.on_load_error(error)
             return
         self.scheduler = engine.scheduler
+        channel = engine.channel  # None in one process
+        wait_s = IDLE_WAIT_S if channel is None else min(IDLE_WAIT_S, channel.heartbeat_s)
         self.ready.set()
         while True:
             with self._wake:
                 if not (self._incoming or self._aborts or self._end_all or self._stop or self.scheduler.has_work()):
-                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.wait(wait_s)
                 if self._stop:
-                    engine.close()
+                    self._close(engine)
                     return
                 incoming, self._incoming = self._incoming, []
                 aborts, self._aborts = self._aborts, []
@@ -146,19 +171,46 @@ class EngineLoop:
                     self._step(engine)
                 else:
                     self.metrics.after_step(self.scheduler, 0, engine.take_expert_rows())
-            except Exception:  # a bug: every request of the batch gets an error, the server goes on
+                    if channel is not None:
+                        channel.keep_alive()
+            except Exception as error:
+                if channel is not None:  # the ranks are out of step for good: exit, to be restarted
+                    self._fail(error)
+                    return
+                # A bug in one process: the step's requests get an error, the server goes on.
                 traceback.print_exc(file=sys.stderr)
-                self._end_everything("the engine failed on this batch (a bug; see the server's log)")
+                self._end_step("the engine failed on this batch (a bug; see the server's log)")
             self._waiting = len(self.scheduler.waiting)
             if self.scheduler.slo is not None:
                 self._queue = self.scheduler.queue_shape()
+
+    def _close(self, engine) -> None:
+        try:
+            engine.close()  # tells the other ranks to stop
+        except RuntimeError as error:
+            print(f"phalanx: the other ranks could not be told to stop: {first_line(error)}", file=sys.stderr, flush=True)
+
+    def _fail(self, error: BaseException) -> None:
+        """A multi-rank server whose ranks lost each other: every request ends with a clear
+        error, new ones are refused, and the server is told to exit (non-zero)."""
+        why = first_line(error)
+        self.failed = (f"a rank of this server failed ({why}); the server is restarting its ranks "
+                       "(or exits, with no restarts left): retry shortly")
+        with self._wake:
+            incoming, self._incoming = self._incoming, []
+        for handle in incoming:
+            handle.put(Piece("", error=self.failed, code="engine_failed"))
+        self._end_everything(self.failed, code="engine_failed")
+        self.on_fatal(f"the server's ranks lost each other: {why}")
 
     def _apply(self, incoming: list[Handle], aborts: list[Handle], end_all: str | None) -> None:
         for handle in incoming:
             try:
                 self.scheduler.add(handle.seq)
-            except (QueueFull, ValueError) as error:
-                handle.put(Piece("", error=str(error)))
+            except QueueFull as error:  # the queue filled between submit and this step: as submit says, 429
+                handle.put(Piece("", error=str(error), status=429, code="queue_full"))
+            except ValueError as error:
+                handle.put(Piece("", error=str(error), status=400, code="invalid_request"))
         for handle in aborts:
             if self.scheduler.abort(handle.seq):
                 handle.done = True
@@ -166,11 +218,20 @@ class EngineLoop:
         if end_all:
             self._end_everything(end_all)
 
-    def _end_everything(self, message: str) -> None:
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self.scheduler.abort(seq, "error")
-            self.metrics.request_done(seq, "error")
-            seq.payload.put(Piece("", error=message))
+    def _end_everything(self, message: str, code: str = "aborted") -> None:
+        self._end(list(self.scheduler.running) + list(self.scheduler.waiting), message, code)
+
+    def _end_step(self, message: str) -> None:
+        """End the sequences of the step that failed (the rest wait on)."""
+        step = getattr(self.scheduler, "last_step", None)
+        self._end([chunk.seq for chunk in step.chunks] if step else list(self.scheduler.running), message,
+                  "engine_error", 500)
+
+    def _end(self, seqs, message: str, code: str, status: int = 503) -> None:
+        for seq in seqs:
+            if self.scheduler.abort(seq, "error"):
+                self.metrics.request_done(seq, "error")
+                seq.payload.put(Piece("", error=message, status=status, code=code))
 
     def _step(self, engine) -> None:
         began = time.monotonic()
@@ -182,6 +243,12 @@ class EngineLoop:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Handle, Piece]]] = {}
         for event in events:
             seq, handle = event.seq, event.seq.payload
+            if event.error is not None:  # this request alone failed (its sampling)
+                out = Piece("", error=event.error, status=500, code="sampling_failed")
+                handle.mark(out)
+                by_loop.setdefault(handle.loop, []).append((handle, out))
+                self.metrics.request_done(seq, "error")
+                continue
             finish = event.finish_reason
             # An end-of-sequence or stop token leaves no text, unless include_stop_str_in_output (as vLLM).
             ends = finish == "stop" and event.token in seq.eos_ids and not handle.text.keep_stop

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
@@ -14,6 +15,14 @@ from phalanx.plan import plan_from_string
 from phalanx.plan_model_checks import validate_tp
 from phalanx.scheduling.serving_bounds import check_counts
 from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
+from phalanx.serve.rank_restarts import max_restarts
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+"""--max-request-bytes' default, 4 MiB: a prompt that fills a 128k-token context is ~0.5 MB of
+text (about 4 bytes a token), ~3 MB with every character JSON-escaped (\\uXXXX), and as token
+ids ~0.9 MB; beyond that a body cannot be a prompt the model holds, only work for the
+tokenizer (http_limits.py applies it)."""
+KEY_ENV = "PHALANX_API_KEY"
 
 
 def check_slo(args) -> dict:
@@ -51,10 +60,15 @@ def prepare_job(args) -> dict:
         _at_least(args, name, 1)
     if args.kv_cache_memory is not None and not (args.kv_cache_memory > 0 and math.isfinite(args.kv_cache_memory)):
         raise UserError(f"--kv-cache-memory must be a positive number of GiB, got {args.kv_cache_memory}")
-    if not args.shutdown_grace >= 0:
-        raise UserError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise UserError("--api-key is empty")
+    if not 0 <= args.shutdown_grace < math.inf:
+        raise UserError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
+    if not 0 < args.collective_timeout < math.inf:
+        raise UserError(f"--collective-timeout must be a positive number of seconds, got {args.collective_timeout}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    api_key = _api_key(args)
+    _at_least(args, "max_request_bytes", 1)
+    host = check_host(args.host)
     check_counts(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                  block_size=args.block_size)
     plan = check_plan(args)
@@ -64,15 +78,56 @@ def prepare_job(args) -> dict:
     if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and _data_parallel(plan):
         raise UserError(f"--ttft-ms/--tpot-ms with plan {plan} is not there yet: the latency targets size one "
                         "scheduler's steps, and dp ranks each have their own (use tp=N, or pools: --pool)")
-    return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": args.host, "port": args.port,
+    return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": host, "port": args.port,
             "served_model_name": args.served_model_name or args.model, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
-            "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size, "api_key": args.api_key,
+            "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size, "api_key": api_key,
+            "max_request_bytes": args.max_request_bytes,
             "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
             "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
             "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
             "expert_placement": args.expert_placement, "generation_config": getattr(args, "generation_config", "auto"),
+            "collective_timeout": args.collective_timeout,
+            "max_restarts": max_restarts(args.max_restarts, args.nproc), "max_restarts_given": args.max_restarts,
             **slo}
+
+
+def _api_key(args) -> str | None:
+    """The key from --api-key, --api-key-file or $PHALANX_API_KEY (one of them)."""
+    given = [name for name, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file)) if value is not None]
+    if len(given) > 1:
+        raise UserError("give the API key once: --api-key or --api-key-file")
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as file:
+                key = file.readline().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as error:
+            raise UserError(f"--api-key-file {args.api_key_file}: {getattr(error, 'strerror', None) or error}") from None
+        if not key.strip():
+            raise UserError(f"--api-key-file {args.api_key_file}: its first line is empty")
+        return key
+    if args.api_key is None:
+        key = os.environ.get(KEY_ENV)
+        if key is not None and not key.strip():
+            raise UserError(f"${KEY_ENV} is set but empty")
+        return key
+    if not args.api_key.strip():
+        raise UserError("--api-key is empty")
+    return args.api_key
+
+
+def check_host(host: str) -> str:
+    """--host: an address of this machine, given explicitly ("" would bind every interface,
+    as an unset shell variable could say without meaning to)."""
+    if not host.strip():
+        raise UserError("--host is empty: give an address (127.0.0.1: this machine only; 0.0.0.0: every interface)")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except (OSError, UnicodeError) as error:
+        raise UserError(f"--host {host} is not an address of this machine: {getattr(error, 'strerror', None) or error}") from None
+    return host
 
 
 def check_plan(args) -> str:

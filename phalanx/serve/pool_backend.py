@@ -14,6 +14,8 @@ import os
 import signal
 import sys
 
+import h11
+
 from phalanx.serve.pool_proxy import forward, read_all
 
 START_TIMEOUT_S = 600
@@ -45,6 +47,8 @@ class Backend:
         self.label, self.command, self.env = label, command, env
         self.process: asyncio.subprocess.Process | None = None
         self.address: tuple[str, int] | None = None
+        self.stopping = False
+        """Stopped on purpose (a move, the front's shutdown): its exit is no failure."""
 
     async def start(self) -> tuple[str, int]:
         """Start it and wait until it is healthy; its address."""
@@ -72,7 +76,7 @@ class Backend:
             answer = await forward(self.address, "GET", "/health", [])
             await read_all(answer)
             return answer.status == 200
-        except OSError:
+        except (OSError, h11.ProtocolError):  # not up yet, or gone
             return False
 
     async def _relay(self) -> None:
@@ -89,12 +93,19 @@ class Backend:
 
     async def stop(self, sig: int = signal.SIGTERM) -> int | None:
         """Signal it and wait for it to exit (it drains its own running requests first)."""
+        self.stopping = True
         if self.process is None or self.process.returncode is not None:
             return None if self.process is None else self.process.returncode
         self.process.send_signal(sig)
         return await self.process.wait()
 
+    async def exited(self) -> str:
+        """Wait for the process to end; how it did, in words."""
+        code = await self.process.wait()
+        return f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
     async def kill(self) -> None:
+        self.stopping = True
         if self.process is not None and self.process.returncode is None:
             self.process.kill()
             await self.process.wait()

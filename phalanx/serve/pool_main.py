@@ -12,11 +12,13 @@ import asyncio
 import signal
 from types import SimpleNamespace
 
+from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.inference.model_source import is_run_dir, resolve_model
 from phalanx.model.hf_config import read_model_config
 from phalanx.plan import plan_from_string
 from phalanx.plan_model_checks import validate_tp
+from phalanx.process_count import check_process_count
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.serve_rates import ServeLoad
 from phalanx.serve.job import check_plan as check_serve_plan
@@ -24,7 +26,9 @@ from phalanx.serve.pool_auto import auto_split, check_auto, planned_lengths
 from phalanx.serve.pool_router import Router, parse_pools
 
 FRONT_ONLY = {"pool", "pool_move_after", "isl", "osl", "host", "port", "nproc", "plan", "func", "serve_parser",
-              "command"}
+              "command", "api_key", "api_key_file"}
+"""Not passed on as flags; the API key reaches the instances in their environment
+(job.KEY_ENV), never on a command line that `ps` shows every user."""
 
 
 def instance_flags(args, parser) -> list[str]:
@@ -57,20 +61,38 @@ def check_pools(args, job: dict):
     if not args.pool_move_after > 0:
         raise UserError(f"--pool-move-after must be > 0 seconds, got {args.pool_move_after}")
     specs = [] if auto else parse_pools(args.pool)  # the flags' own spelling first, then the model
+    _check_ranks(args.nproc if auto else sum(spec.world * spec.instances for spec in specs), job["device"],
+                 "--nproc" if auto else "the pools' ranks")
     if auto:
         check_auto(ttft_ms=job["ttft_ms"], tpot_ms=job["tpot_ms"], ranks=args.nproc)  # before the model is read
     cfg = _model_config(job)
 
     def check_plan(plan: str, world: int) -> None:
         check_serve_plan(SimpleNamespace(plan=plan, nproc=world))
-        if problems := validate_tp(plan_from_string(plan, world), cfg, cfg.max_seq_len):  # as a single server checks
+        parsed = plan_from_string(plan, world)
+        if problems := validate_tp(parsed, cfg, cfg.max_seq_len):  # as a single server checks (job.check_for_model)
             raise UserError(f"--pool ...:{plan}: {problems[0]}")
+        if problem := rules.ep_problem(parsed.ep, dp=parsed.dp, n_experts=cfg.n_experts, model=cfg.name, tp=parsed.tp,
+                                       over_tp=parsed.ep_over_tp):
+            raise UserError(f"--pool ...:{plan}: {problem}")
 
     for spec in specs:
         check_plan(spec.plan, spec.world)
     if auto:
         specs = _plan_auto(args, job, cfg, layout_ok(check_plan))
     return specs, check_plan
+
+
+def _check_ranks(ranks: int, device: str, what: str) -> None:
+    """Every rank is a process (and a GPU, on GPUs): against this machine's, before the
+    planner or any instance starts."""
+    check_process_count(ranks, what)
+    if device == "cuda" or (device == "auto" and _cuda()):
+        # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
+        import torch
+
+        if ranks > torch.cuda.device_count():
+            raise UserError(f"{what} {ranks}: this machine has {torch.cuda.device_count()} GPUs")
 
 
 def layout_ok(check_plan):
@@ -129,21 +151,34 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
     # Imported when run, not at the top: it brings in h11, prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     import uvicorn
 
+    from phalanx.serve.http_limits import uvicorn_limits
     from phalanx.serve.pool_backend import BackendFailed
-    from phalanx.serve.pool_server import PoolFront, build_front_app, log
+    from phalanx.serve.pool_server import DEFAULT_INSTANCE_RESTARTS, PoolFront, build_front_app, log
     from phalanx.serve.server import PhalanxServer
 
     ttft_s = job["ttft_ms"] / 1000 if job["ttft_ms"] is not None else None
     router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok(check_plan), ttft_s)
-    front = PoolFront(router, flags, job["device"])
+    front = PoolFront(router, flags, job["device"], job["api_key"], job["max_request_bytes"],
+                      restarts=DEFAULT_INSTANCE_RESTARTS if job["max_restarts_given"] is None else job["max_restarts_given"])
     config = uvicorn.Config(build_front_app(front), host=job["host"], port=job["port"], log_level="warning",
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10)
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10,
+                            **uvicorn_limits())
     host = job["host"]
     shown = f"[{host}]" if ":" in host else host
     loop = asyncio.get_running_loop()
 
+    # The serving line once the front listens and every pool has its instances up (as a single
+    # server says it once its model is in): a supervisor waiting for it sees no false start.
+    ready: dict[str, object] = {}
+
+    def announce(**news) -> None:
+        ready.update(news)
+        if "port" in ready and "pools" in ready and not ready.get("said"):
+            ready["said"] = True
+            print(f"phalanx: serving {job['served_model_name']} on http://{shown}:{ready['port']}", flush=True)
+
     def listening(port: int) -> None:
-        print(f"phalanx: serving {job['served_model_name']} on http://{shown}:{port}", flush=True)
+        announce(port=port)
 
     def stopping(sig: int) -> None:
         loop.create_task(front.stop_all())
@@ -155,8 +190,11 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
         try:
             await front.start_all()
             log(f"pools up: {front.layout()}")
+            announce(pools=True)
             await front.watch()
         except BackendFailed as error:
+            if not front.accepting:
+                return  # stopped while the instances started: a stop, not a failure
             failure.append(error)
             log(f"error: {error}")
             server.should_exit = True

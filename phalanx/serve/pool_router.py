@@ -85,6 +85,8 @@ class Instance:
     arrivals: list[float] = field(default_factory=list)
     """When each request in flight on it arrived at the front (the router's clock), oldest first."""
     address: tuple[str, int] | None = None
+    failed: str | None = None
+    """Why its process died, while the front restarts it (pool_server.py)."""
 
     @property
     def in_flight(self) -> int:
@@ -171,7 +173,7 @@ class Router:
             if header not in self.pools:
                 raise UnknownClass(f"X-Phalanx-Class {header!r}: this server's pools are {', '.join(self.pools)}")
             return self.pools[header]
-        if service_tier is not None and service_tier not in SERVICE_TIERS:
+        if service_tier is not None and (not isinstance(service_tier, str) or service_tier not in SERVICE_TIERS):
             raise UnknownClass(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {service_tier!r}")
         wanted = SERVICE_TIERS.get(service_tier or "auto")
         return self.pools.get(wanted) or self.pools.get("throughput") or next(iter(self.pools.values()))

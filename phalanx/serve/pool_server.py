@@ -18,13 +18,18 @@ import json
 import sys
 import time
 
+import h11
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phalanx.serve.api_requests import ApiError
+from phalanx.serve.api_responses import DONE, sse
+from phalanx.serve.http_limits import ApiKeyCheck, ClientGone, read_body
+from phalanx.serve.job import DEFAULT_MAX_REQUEST_BYTES, KEY_ENV
 from phalanx.serve.pool_backend import Backend, BackendFailed, backend_command, visible_devices
 from phalanx.serve.pool_metrics import merge_metrics
 from phalanx.serve.pool_proxy import forward, read_all
@@ -32,6 +37,8 @@ from phalanx.serve.pool_router import Instance, Move, Pool, Router, UnknownClass
 
 CHECK_EVERY_S = 0.25
 DRAIN_POLL_S = 0.05
+DEFAULT_INSTANCE_RESTARTS = 3
+"""Times the front starts an instance again after its process died (--max-restarts overrides)."""
 
 
 def log(message: str) -> None:
@@ -39,8 +46,14 @@ def log(message: str) -> None:
 
 
 class PoolFront:
-    def __init__(self, router: Router, flags: list[str], device: str):
+    def __init__(self, router: Router, flags: list[str], device: str, api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, restarts: int = DEFAULT_INSTANCE_RESTARTS):
         self.router, self.flags, self.device = router, flags, device
+        self.restarts = restarts
+        self.restarted: dict[int, int] = {}  # instance ident -> restarts so far
+        self.api_key = api_key
+        self.key_env = {} if api_key is None else {KEY_ENV: api_key}
+        self.max_request_bytes = max_request_bytes
         self.backends: dict[int, Backend] = {}  # by instance ident
         self.changed = asyncio.Condition()
         self.accepting = True
@@ -68,12 +81,45 @@ class PoolFront:
     async def start_instance(self, pool: Pool, instance: Instance) -> None:
         label = f"pool {pool.name} instance {instance.ident} {instance.plan}"
         backend = Backend(label, backend_command(self.flags, instance.plan, len(instance.ranks)),
-                          visible_devices(instance.ranks, self.device))
+                          {**visible_devices(instance.ranks, self.device), **self.key_env})
         self.backends[instance.ident] = backend
         instance.address = await backend.start()
         async with self.changed:
-            instance.ready = True
+            instance.ready, instance.failed = True, None
             self.changed.notify_all()
+        asyncio.get_running_loop().create_task(self._watch_instance(pool, instance, backend))
+
+    async def _watch_instance(self, pool: Pool, instance: Instance, backend: Backend) -> None:
+        """An instance whose process dies (not stopped by the front) is marked failed at once:
+        its class gets 503 with why, /health says 503, and it is started again on the same
+        ranks while restarts are left."""
+        how = await backend.exited()
+        if backend.stopping or not self.accepting or self.backends.get(instance.ident) is not backend:
+            return
+        async with self.changed:
+            instance.ready = False
+            instance.failed = f"pool {pool.name}'s instance {instance.ident} ({instance.plan}) {how}"
+            self.changed.notify_all()
+        done = self.restarted.get(instance.ident, 0)
+        if done >= self.restarts:
+            log(f"error: {instance.failed}; not restarted (--max-restarts {self.restarts})")
+            async with self.changed:
+                pool.instances.remove(instance)
+                self.failed = instance.failed
+                self.changed.notify_all()
+            return
+        self.restarted[instance.ident] = done + 1
+        log(f"{instance.failed}; restarting it (restart {done + 1} of {self.restarts})")
+        try:
+            await self.start_instance(pool, instance)
+            log(f"pool {pool.name}'s instance {instance.ident} serves again")
+        except BackendFailed as error:
+            log(f"error: {error}")
+            async with self.changed:
+                if instance in pool.instances:
+                    pool.instances.remove(instance)
+                self.failed = str(error)
+                self.changed.notify_all()
 
     async def start_all(self) -> None:
         await asyncio.gather(*(self.start_instance(pool, instance) for pool in self.router.pools.values()
@@ -90,6 +136,10 @@ class PoolFront:
                 while (instance := self.router.pick(pool)) is None:
                     if not self.accepting:
                         raise ApiError(503, "the server is shutting down", code="not_ready")
+                    restarting = [i.failed for i in pool.instances if i.failed]
+                    if restarting and not self.router.moving:
+                        raise ApiError(503, f"{restarting[0]}; the front is restarting it: retry shortly",
+                                       code="engine_restarting", kind="server_error")
                     if not pool.instances and not self.router.moving:
                         raise ApiError(503, f"pool {pool.name} has no engine: {self.failed}", code="engine_failed",
                                        kind="server_error")
@@ -109,7 +159,12 @@ class PoolFront:
 
     async def generate(self, request: Request) -> Response:
         arrived = time.monotonic()  # the router's clock (watch)
-        body = await request.body()
+        try:
+            body = await read_body(request, self.max_request_bytes)
+        except ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        except ClientGone:
+            return Response(status_code=499)
         try:
             parsed = json.loads(body)
         except (ValueError, UnicodeDecodeError):
@@ -124,7 +179,7 @@ class PoolFront:
             return JSONResponse(error.body(), status_code=error.status)
         try:
             answer = await forward(instance.address, "POST", request.url.path, list(request.headers.items()), body)
-        except OSError as error:
+        except (OSError, h11.ProtocolError) as error:  # the instance died, or is dying
             await self.release(instance, arrived)
             message = f"pool {pool.name}'s engine did not answer: {error}"
             return JSONResponse(ApiError(503, message, code="engine_failed", kind="server_error").body(), status_code=503)
@@ -135,12 +190,19 @@ class PoolFront:
                 try:
                     async for piece in answer.body:
                         yield piece
+                except (OSError, h11.ProtocolError) as error:  # the instance died mid-stream
+                    message = f"pool {pool.name}'s engine stopped answering mid-stream: {error}"
+                    yield sse(ApiError(503, message, code="engine_failed", kind="server_error").body()).encode()
+                    yield DONE.encode()
                 finally:
                     await answer.body.aclose()
                     await self.release(instance, arrived)
             return StreamingResponse(relay(), status_code=answer.status, headers=headers, media_type=kind)
         try:
             content = await read_all(answer)
+        except (OSError, h11.ProtocolError) as error:
+            message = f"pool {pool.name}'s engine stopped answering: {error}"
+            return JSONResponse(ApiError(503, message, code="engine_failed", kind="server_error").body(), status_code=503)
         finally:
             await self.release(instance, arrived)
         if answer.status == 429 and b"ttft_target_unattainable" in content:
@@ -151,8 +213,12 @@ class PoolFront:
         for pool in self.router.pools.values():
             for instance in pool.instances:
                 if instance.ready and instance.address:
-                    answer = await forward(instance.address, "GET", path, headers)
-                    return Response(await read_all(answer), status_code=answer.status, media_type="application/json")
+                    try:
+                        answer = await forward(instance.address, "GET", path, headers)
+                        return Response(await read_all(answer), status_code=answer.status,
+                                        media_type="application/json")
+                    except (OSError, h11.ProtocolError):
+                        continue  # dying: its watcher marks it; another may answer
         return JSONResponse({"status": "loading"}, status_code=503)
 
     async def metrics_text(self) -> bytes:
@@ -163,8 +229,8 @@ class PoolFront:
                     try:
                         texts.append(({"pool": pool.name, "instance": str(instance.ident)},
                                       await self.backends[instance.ident].metrics()))
-                    except OSError:
-                        continue  # stopping for a move
+                    except (OSError, h11.ProtocolError):
+                        continue  # stopping for a move, or dead (its watcher restarts it)
         return generate_latest(self.registry) + merge_metrics(texts).encode()
 
     # Moves
@@ -247,9 +313,15 @@ def build_front_app(front: PoolFront) -> Starlette:
         return await front.any_instance_get("/v1/models", list(request.headers.items()))
 
     async def health(request: Request) -> Response:
+        if not front.accepting:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        failed = [i.failed for p in front.router.pools.values() for i in p.instances if i.failed]
+        if failed:  # a class is answered 503 until its instance is back
+            return JSONResponse({"status": "failed", "reason": "; ".join(failed)}, status_code=503)
         started = all(any(i.ready for i in p.instances) or front.router.moving for p in front.router.pools.values())
-        if not front.accepting or not started:
-            return JSONResponse({"status": "loading" if front.accepting else "shutting down"}, status_code=503)
+        if not started:
+            return JSONResponse({"status": "loading" if not front.failed else "failed", "reason": front.failed},
+                                status_code=503)
         return JSONResponse({"status": "ok", "pools": front.layout()})
 
     async def metrics(request: Request) -> Response:
@@ -261,4 +333,4 @@ def build_front_app(front: PoolFront) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ])
+    ], middleware=[Middleware(ApiKeyCheck, key=front.api_key)])  # also at the front: no unkeyed request waits here

@@ -4,7 +4,9 @@ uvicorn answers at once (/health says 503) while the engine thread loads the mod
 `phalanx: serving NAME on http://HOST:PORT` is printed with the real port. SIGTERM (or Ctrl-C):
 stop accepting (new requests get 503, the listening socket closes), let running requests
 finish for `--shutdown-grace` seconds, then end those left with an error chunk, and exit 0
-(130 after Ctrl-C, as `phalanx train` does).
+(130 after Ctrl-C, as `phalanx train` does). When the ranks of a multi-rank server lose each
+other (`rank_loop.py`), every request gets a clear 503, /health says so, and the process exits
+1 at once, for the launcher to restart the ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import uvicorn
 from phalanx.errors import UserError
 from phalanx.serve.api import ServeState, build_app
 from phalanx.serve.engine_loop import EngineLoop
+from phalanx.serve.http_limits import uvicorn_limits
 
 
 class PhalanxServer(uvicorn.Server):
@@ -57,17 +60,40 @@ def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, 
         if server is not None:
             server.should_exit = True
 
-    engine = EngineLoop(build_engine, job["max_waiting"], metrics, load_failed)
+    def fatal(why: str) -> None:
+        failure.append(RuntimeError(why))
+        print(f"phalanx: error: {why}", file=sys.stderr, flush=True)
+        if server is not None:
+            server.should_exit = True
+
+    # The serving line once both the port is open and the model is in: a supervisor that waits
+    # for it never sees success from a server whose load then fails.
+    shown: dict[str, object] = {}
+    announce_lock = threading.Lock()
+
+    def announce(**news) -> None:
+        with announce_lock:
+            shown.update(news)
+            if "port" in shown and "loaded" in shown and not shown.get("said"):
+                shown["said"] = True
+                print(f"phalanx: serving {job['served_model_name']} on http://{shown_host}:{shown['port']}", flush=True)
+
+    def build_then_announce():
+        built = build_engine()
+        announce(loaded=True)
+        return built
+
+    engine = EngineLoop(build_then_announce, job["max_waiting"], metrics, load_failed, fatal)
     state = ServeState(job["served_model_name"], engine, codec, chat_template, metrics, max_len, vocab_size,
-                       job["api_key"], sampling_defaults or {})
+                       job["api_key"], sampling_defaults or {}, job["max_request_bytes"])
     grace = job["shutdown_grace"]
-    config = uvicorn.Config(build_app(state), host=job["host"], port=job["port"], log_level="warning",
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=grace + 5)
     host = job["host"]
     shown_host = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(build_app(state), host=job["host"], port=job["port"], log_level="warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=grace + 5, **uvicorn_limits())
 
     def listening(port: int) -> None:
-        print(f"phalanx: serving {job['served_model_name']} on http://{shown_host}:{port}", flush=True)
+        announce(port=port)
 
     timer: list[threading.Timer] = []
 

@@ -27,9 +27,9 @@ import sys
 import time
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
 from phalanx.train.restarts import restart_count
+from phalanx.worker_group import bound_every_group  # noqa: F401 (the training loop's name for it)
 
 STALL_ENV = "PHALANX_TEST_STALL"
 """Test hook: `RANK:STEP:SECONDS`; on the first attempt only (a restart must not stall again),
@@ -78,24 +78,6 @@ def _native_stderr_silenced():
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def bound_every_group(timeout_s: float) -> None:
-    """Give every process group this process belongs to the timeout `timeout_s`.
-
-    The groups a DeviceMesh makes take torch's 30-minute default whatever the default group's
-    timeout (torch 2.13: a dp=2,tp=2 mesh's groups said 0:30:00 under a 1-minute default
-    group), and a caller's own group (a test's, a user's) may have any; without this a rank
-    stuck in a tp or pipeline exchange would hold the others for half an hour. Uses two private
-    names of torch.distributed that have been there since torch 2.2 (`_set_pg_timeout`, the
-    `_world.pg_map` of this process's groups); where they are missing the groups keep theirs."""
-    if not dist.is_initialized() or not hasattr(c10d, "_set_pg_timeout") or not hasattr(c10d, "_world"):
-        return
-    for group in list(c10d._world.pg_map):
-        try:
-            c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
-        except (ValueError, AssertionError, RuntimeError):
-            pass  # not a member, or a backend that takes no timeout: it keeps its own
 
 
 class StuckRankWatch:
