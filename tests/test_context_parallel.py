@@ -441,3 +441,22 @@ def test_prepare_records_where_documents_start(tmp_path):
     tail = open_prepared(tmp_path / "tail")
     assert tail.manifest["split_by"] == "tail"
     assert tail.train_documents.tolist() == [0] and tail.val_documents.tolist() == [0]
+
+
+@pytest.mark.parametrize("plan, doc_mask, message", [
+    ("cp=2", False, "cp=2 does not support sliding-window attention (model 'tiny' has sliding_window=8)"),
+    ("dp=2", True, "--doc-mask does not support sliding-window attention (model 'tiny' has sliding_window=8)"),
+])
+def test_sliding_window_is_refused_with_cp_and_doc_mask(plan, doc_mask, message):
+    """cp attention runs whole or causal key blocks, never a band: a sliding-window model is
+    refused before launch, in one line with the reason; without cp and the mask it trains."""
+    import dataclasses
+
+    from phalanx.model.by_name import model_config
+    from phalanx.plan import plan_from_string
+    from phalanx.plan_model_checks import validate_for_model
+
+    windowed = dataclasses.replace(model_config("tiny"), sliding_window=8)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_for_model(plan_from_string(plan, 2), windowed, global_batch=4, seq_len=32, doc_mask=doc_mask)
+    validate_for_model(plan_from_string("dp=2", 2), windowed, global_batch=4, seq_len=32)
