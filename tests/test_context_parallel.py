@@ -460,3 +460,43 @@ def test_sliding_window_is_refused_with_cp_and_doc_mask(plan, doc_mask, message)
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_for_model(plan_from_string(plan, 2), windowed, global_batch=4, seq_len=32, doc_mask=doc_mask)
     validate_for_model(plan_from_string("dp=2", 2), windowed, global_batch=4, seq_len=32)
+
+
+def _cp_schedule_trace() -> list[tuple[str, int, int]]:
+    """On every rank of a cp=2 group: the `cp:` steps of one training forward and backward of
+    `tiny` (4 layers) as the profiler recorded them, (name, start, end) in start order."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from phalanx.data.batches import chunk_positions
+    from phalanx.model.by_name import model_config
+    from phalanx.parallel.apply import parallelize
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.plan import plan_from_string
+
+    cfg = model_config("tiny")
+    mesh = build_mesh(plan_from_string("cp=2", dist.get_world_size()), torch.device("cpu"))
+    model = parallelize(cfg, mesh, seed=0, seq_len=64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        model(tokens[:, chunk_positions(64, 2, mesh.cp_rank)]).float().square().mean().backward()
+    steps = [(e.name, e.time_range.start, e.time_range.end) for e in trace.events() if e.name.startswith("cp: ")]
+    return sorted(steps, key=lambda step: step[1])
+
+
+def test_key_value_gather_and_gradient_reduce_scatter_overlap_the_diagonal_blocks():
+    """In every layer's attention, forward: the key/value gather is issued, the diagonal blocks
+    (which need only this rank's keys) computed, and only then the gather waited for;
+    backward: the other blocks' key/value gradients are reduce-scattered while the diagonal
+    blocks' gradients compute, and waited for after. A gather waited for at once (or issued
+    after the local work) breaks the order. (The keys of layer i+1 are made from layer i's
+    output, so within a micro-batch no gather can run ahead of the layer before.)"""
+    forward = ["cp: issue the key/value gather", "cp: diagonal blocks", "cp: wait for the key/value gather",
+               "cp: blocks before the chunks"]
+    backward = ["cp: other block gradients", "cp: issue the gradient reduce-scatter", "cp: diagonal block gradients",
+                "cp: wait for the gradient reduce-scatter"]
+    for steps in run_ranks(2, _cp_schedule_trace):
+        names = [name for name, _, _ in steps]
+        assert names == forward * 4 + backward * 4, names
+        for i in range(0, len(steps), 4):  # each layer's four steps follow each other, none inside another
+            assert all(steps[j][2] <= steps[j + 1][1] for j in range(i, i + 3)), steps[i:i + 4]

@@ -39,6 +39,7 @@ from torch import nn
 
 from phalanx.data.batches import chunk_positions
 from phalanx.model.kv_cache import attention_mask
+from phalanx.model.latent_attention import LatentAttention
 from phalanx.parallel.context_parallel_attention import ChunkAttention
 from phalanx.parallel.context_parallel_layout import rank_chunks
 from phalanx.parallel.context_parallel_schedule import gather_keys_values
@@ -68,9 +69,12 @@ class SequenceView:
     calls, kv_cache.py): this rank's positions, every key and value of the sequence in
     position order, and a `ChunkAttention` in place of a mask."""
 
-    def __init__(self, queries: torch.Tensor, group, cp: int, rank: int, documents: torch.Tensor | None):
-        self.queries, self.group, self.cp = queries, group, cp
-        self.attention = ChunkAttention(rank_chunks(cp, rank), documents)
+    def __init__(self, queries: torch.Tensor, group, cp: int, rank: int, documents: torch.Tensor | None,
+                 gather_here: bool):
+        self.queries, self.group, self.cp, self.gather_here = queries, group, cp, gather_here or cp == 1
+        # Without gather_here, the attention gathers the keys itself, overlapped with its diagonal blocks.
+        self.attention = ChunkAttention(rank_chunks(cp, rank), documents, cp,
+                                        "" if self.gather_here else group.group_name)
 
     def positions(self, seq: int, device) -> torch.Tensor:
         return self.queries  # (seq,) absolute positions of this rank's two chunks
@@ -80,6 +84,8 @@ class SequenceView:
         if window:  # plan_model_checks.validate_cp refuses it before launch; this is for library callers
             raise ValueError(f"context parallelism and --doc-mask do not support sliding-window attention "
                              f"(window {window}): their attention blocks are whole or causal, never banded")
+        if not self.gather_here:
+            return k, v, self.attention  # this rank's own: the attention gathers the rest
         if self.cp > 1:
             k, v = gather_keys_values(k, v, self.group, self.cp)  # (batch, kv_heads, seq, channels)
         return k, v, self.attention
@@ -111,7 +117,7 @@ class ContextParallel:
     def __init__(self, cp: int, rank: int, group, doc_mask: bool):
         self.cp, self.rank, self.group, self.doc_mask = cp, rank, group, doc_mask
 
-    def view(self, local_len: int, device) -> SequenceView:
+    def view(self, local_len: int, device, gather_here: bool = False) -> SequenceView:
         # Positions made afresh for every layer (a few aranges), not cached on this object: under
         # --compile the hook runs inside the block's graph, where a cache filled on the first
         # call changes what the guards see and compiles the block a second time.
@@ -119,13 +125,16 @@ class ContextParallel:
         documents = _documents[0]
         if self.doc_mask and documents is None:
             raise RuntimeError("--doc-mask: no document ids for this forward (wrap it in document_ids)")
-        return SequenceView(queries, self.group, self.cp, self.rank, documents if self.doc_mask else None)
+        return SequenceView(queries, self.group, self.cp, self.rank, documents if self.doc_mask else None, gather_here)
 
     def hook(self, module: nn.Module, args: tuple):
         if len(args) > 2 and args[2] is not None:
             return None  # a real cache (generation): every rank runs the whole sequence itself
         x, rope = args[:2]
-        return (x, rope, self.view(x.shape[1], x.device))  # x: (batch, this rank's seq, dim)
+        # Latent attention decompresses per-head keys from what its cache returns: so that only
+        # the latents travel, the view gathers them before (not inside) its attention.
+        gather_here = isinstance(module, LatentAttention)
+        return (x, rope, self.view(x.shape[1], x.device, gather_here))  # x: (batch, this rank's seq, dim)
 
 
 def apply_context_parallel(model: nn.Module, mesh, *, doc_mask: bool = False) -> nn.Module:

@@ -30,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from phalanx.parallel.context_parallel_layout import KeyBlock, causal_blocks, document_blocks, document_runs
+from phalanx.parallel.context_parallel_schedule import PendingGather, PendingReduceScatter
 
 
 def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -112,81 +114,146 @@ def _row_blocks(batch: int, documents: torch.Tensor | None, chunks: list[int],
     return out
 
 
+def _local_keys(block: KeyBlock, chunks: list[int], chunk: int) -> slice:
+    """Where a causal block's keys (inside its own query chunk) lie among this rank's own keys."""
+    slot = block.query_start // chunk
+    shift = slot * chunk - chunks[slot] * chunk
+    return slice(block.key_start + shift, block.key_end + shift)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks' (out, lse) of the same queries -> the softmax over the union of their keys."""
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([part[1] for part in parts])  # (blocks, batch, heads, queries)
+    merged = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - merged)[..., None]  # (blocks, batch, heads, queries, 1)
+    return sum(w * part[0].float() for w, part in zip(weights, parts)).to(dtype), merged
+
+
+def _group(group_name: str):
+    return dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+
+
 def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
-                  chunks: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of `phalanx::cp_attention`. q (batch, heads, len(chunks) * chunk, d): this rank's queries, chunk after chunk; k, v
-    (batch, kv_heads, seq, d or dv): the whole sequence's keys and values in position order;
-    `documents` (batch, seq) ids or None -> out (batch, heads, queries, dv), lse (batch, heads, queries) fp32."""
+                  chunks: list[int], scale: float, cp: int, group_name: str) -> tuple[torch.Tensor, ...]:
+    """The forward of `phalanx::cp_attention`. q (batch, heads, len(chunks) * chunk, d): this
+    rank's queries, chunk after chunk; `documents` (batch, seq) ids or None. With a
+    `group_name`, k and v (batch, kv_heads, queries, d or dv) are this rank's own, gathered over
+    the cp group here while the diagonal blocks compute (context_parallel_schedule.py); without,
+    they are the whole sequence's in position order. -> out (batch, heads, queries, dv), lse
+    (batch, heads, queries) fp32, and the gathered keys and values (empty without a group),
+    side by side on the channels (empty without a group), kept for backward."""
     batch, heads, queries, _ = q.shape
+    chunk = queries // len(chunks)
+    group = _group(group_name)
+    with torch.profiler.record_function("cp: issue the key/value gather"):
+        pending = PendingGather(k, v, group, cp) if group is not None else None
+    rows = _row_blocks(batch, documents, chunks, chunk)
+    parts: dict[tuple, list] = {}
+    with torch.profiler.record_function("cp: diagonal blocks"):
+        for r, (row, by_range) in enumerate(rows):
+            for key, blocks in by_range.items():
+                for b in blocks:
+                    if b.causal:
+                        keys = _local_keys(b, chunks, chunk) if pending else slice(b.key_start, b.key_end)
+                        parts.setdefault((r, key), []).append(block_forward(
+                            q[row, :, key[0]:key[1]], k[row, :, keys], v[row, :, keys], True, scale))
+    kv_all = pending.wait() if pending else k.new_empty(0)  # (batch, kv_heads, seq, d + dv) in position order
+    k_all, v_all = (kv_all[..., :k.shape[-1]], kv_all[..., k.shape[-1]:]) if pending else (k, v)
     out = q.new_empty((batch, heads, queries, v.shape[-1]))
     lse = q.new_empty((batch, heads, queries), dtype=torch.float32)
-    for row, by_range in _row_blocks(batch, documents, chunks, queries // len(chunks)):
-        for (q0, q1), blocks in by_range.items():
-            parts = [block_forward(q[row, :, q0:q1], k[row, :, b.key_start:b.key_end], v[row, :, b.key_start:b.key_end],
-                                   b.causal, scale) for b in blocks]
-            if len(parts) == 1:
-                out[row, :, q0:q1], lse[row, :, q0:q1] = parts[0]
-                continue
-            lses = torch.stack([part[1] for part in parts])  # (blocks, batch, heads, queries)
-            merged = torch.logsumexp(lses, dim=0)
-            weights = torch.exp(lses - merged)[..., None]  # (blocks, batch, heads, queries, 1)
-            out[row, :, q0:q1] = sum(w * part[0].float() for w, part in zip(weights, parts)).to(out.dtype)
-            lse[row, :, q0:q1] = merged
-    return out, lse
+    with torch.profiler.record_function("cp: blocks before the chunks"):
+        for r, (row, by_range) in enumerate(rows):
+            for (q0, q1), blocks in by_range.items():
+                mine = parts[(r, (q0, q1))]
+                mine += [block_forward(q[row, :, q0:q1], k_all[row, :, b.key_start:b.key_end],
+                                       v_all[row, :, b.key_start:b.key_end], False, scale)
+                         for b in blocks if not b.causal]
+                out[row, :, q0:q1], lse[row, :, q0:q1] = _merge(mine, out.dtype)
+    return out, lse, kv_all
 
 
 @torch.library.custom_op("phalanx::cp_attention", mutates_args=())
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
-                 chunks: list[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return attend_blocks(q, k, v, documents, chunks, scale)
+                 chunks: list[int], scale: float, cp: int,
+                 group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attend_blocks(q, k, v, documents, chunks, scale, cp, group_name)
 
 
 @cp_attention.register_fake
-def _(q, k, v, documents, chunks, scale):
-    return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k, v, documents, chunks, scale, cp, group_name):
+    kv_all = k.new_empty((*k.shape[:2], k.shape[2] * cp, k.shape[3] + v.shape[3])) if group_name else k.new_empty(0)
+    return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=torch.float32), kv_all
 
 
 def attend_blocks_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor, documents: torch.Tensor | None, chunks: list[int],
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of `phalanx::cp_attention`: dq, dk, dv."""
+                           lse: torch.Tensor, kv_all: torch.Tensor, documents: torch.Tensor | None,
+                           chunks: list[int], scale: float, cp: int,
+                           group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of `phalanx::cp_attention`: dq, dk, dv (of its inputs). With a group, the
+    gradients of the gathered keys are reduce-scattered while the diagonal blocks' compute."""
     batch, _, queries, _ = q.shape
+    chunk = queries // len(chunks)
+    group = _group(group_name)
+    k_all, v_all = (kv_all[..., :k.shape[-1]], kv_all[..., k.shape[-1]:]) if group is not None else (k, v)
+    rows = _row_blocks(batch, documents, chunks, chunk)
     # fp32 sums: a key block's gradient adds up over every query range that reads it.
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-    for row, by_range in _row_blocks(batch, documents, chunks, queries // len(chunks)):
-        for (q0, q1), blocks in by_range.items():
-            for b in blocks:
-                keys = slice(b.key_start, b.key_end)
-                gq, gk, gv = block_backward(grad[row, :, q0:q1], q[row, :, q0:q1], k[row, :, keys], v[row, :, keys],
-                                            out[row, :, q0:q1], lse[row, :, q0:q1], b.causal, scale)
-                dq[row, :, q0:q1] += gq
-                dk[row, :, keys] += gk
-                dv[row, :, keys] += gv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dk_all, dv_all = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k_all, v_all))
+    for causal in (False, True):
+        if causal and group is not None:
+            with torch.profiler.record_function("cp: issue the gradient reduce-scatter"):
+                pending = PendingReduceScatter(dk_all.to(k.dtype), dv_all.to(v.dtype), group, cp)
+        with torch.profiler.record_function("cp: diagonal block gradients" if causal else "cp: other block gradients"):
+            for row, by_range in rows:
+                for (q0, q1), blocks in by_range.items():
+                    for b in blocks:
+                        if b.causal != causal:
+                            continue
+                        keys = slice(b.key_start, b.key_end)
+                        if causal and group is not None:
+                            keys, source, dk_to, dv_to = _local_keys(b, chunks, chunk), (k, v), dk, dv
+                        else:
+                            source, dk_to, dv_to = (k_all, v_all), dk_all, dv_all
+                        gq, gk, gv = block_backward(grad[row, :, q0:q1], q[row, :, q0:q1], source[0][row, :, keys],
+                                                    source[1][row, :, keys], out[row, :, q0:q1], lse[row, :, q0:q1],
+                                                    causal, scale)
+                        dq[row, :, q0:q1] += gq
+                        dk_to[row, :, keys] += gk
+                        dv_to[row, :, keys] += gv
+    if group is None:
+        return dq.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype)
+    dk_others, dv_others = pending.wait()
+    return dq.to(q.dtype), (dk + dk_others).to(k.dtype), (dv + dv_others).to(v.dtype)
 
 
 @torch.library.custom_op("phalanx::cp_attention_backward", mutates_args=())
 def cp_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, documents: torch.Tensor | None, chunks: list[int],
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attend_blocks_backward(grad, q, k, v, out, lse, documents, chunks, scale)
+                          lse: torch.Tensor, kv_all: torch.Tensor, documents: torch.Tensor | None,
+                          chunks: list[int], scale: float, cp: int,
+                          group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attend_blocks_backward(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name)
 
 
 @cp_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, documents, chunks, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name):
+    # Contiguous, as the real gradients are (not empty_like, which would copy a transposed input's strides).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, documents, chunks, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], documents)
-    ctx.chunks, ctx.scale = chunks, scale
+    q, k, v, documents, chunks, scale, cp, group_name = inputs
+    out, lse, kv_all = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_all, documents)
+    ctx.settings = chunks, scale, cp, group_name
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, documents = ctx.saved_tensors
-    dq, dk, dv = cp_attention_backward(grad_out.contiguous(), q, k, v, out, lse, documents, ctx.chunks, ctx.scale)
-    return dq, dk, dv, None, None, None
+def _backward(ctx, grad_out, *_):
+    q, k, v, out, lse, kv_all, documents = ctx.saved_tensors
+    dq, dk, dv = cp_attention_backward(grad_out.contiguous(), q, k, v, out, lse, kv_all, documents,
+                                       *ctx.settings)
+    return dq, dk, dv, None, None, None, None, None
 
 
 cp_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -196,13 +263,16 @@ cp_attention.register_autograd(_backward, setup_context=_setup_context)
 class ChunkAttention:
     """What a cp rank's attention gets from its `SequenceView` in place of a mask (the
     interface of a serving step's `RaggedAttention`: `AttentionCore` calls `attend`): its
-    queries are the chunks `chunks`, the keys and values it is handed are the whole
+    queries are the chunks `chunks`. With a `group_name` (a cp group's), the keys and values it
+    is handed are this rank's own and it gathers the rest itself; without, they are the whole
     sequence's in position order."""
     chunks: list[int]
     documents: torch.Tensor | None = None
     """(batch, seq) document ids in position order under `--doc-mask`, else None."""
+    cp: int = 1
+    group_name: str = ""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """q (batch, heads, queries, d), k and v (batch, kv_heads, seq, d or dv) -> (batch, heads, queries, dv)."""
+        """q (batch, heads, queries, d), k and v (batch, kv_heads, keys, d or dv) -> (batch, heads, queries, dv)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale  # scaled_dot_product_attention's default
-        return cp_attention(q, k, v, self.documents, self.chunks, scale)[0]
+        return cp_attention(q, k, v, self.documents, self.chunks, scale, self.cp, self.group_name)[0]

@@ -78,15 +78,27 @@ def document_blocks(chunks: list[int], chunk: int, runs: list[int]) -> list[KeyB
     return blocks
 
 
+def _chunks_by_rank(cp: int) -> list[int]:
+    """The chunk at each chunk slot of a gather in rank order: 0, 2cp-1, 1, 2cp-2, ..."""
+    return [c for rank in range(cp) for c in rules.cp_chunks(cp, rank)]
+
+
+def _reorder(t: torch.Tensor, cp: int, order: list[int]) -> torch.Tensor:
+    *lead, keys, c = t.shape
+    by_chunk = t.reshape(*lead, 2 * cp, keys // (2 * cp), c)  # (..., chunk slot, position in chunk, c)
+    return by_chunk[..., order, :, :].reshape(*lead, keys, c)
+
+
 def position_order(gathered: torch.Tensor, cp: int) -> torch.Tensor:
     """(..., keys, c) gathered in rank order (rank r's chunks r and 2cp-1-r, one after the
-    other) -> the same keys in position order. Chunks 0..cp-1 are the ranks' first chunks in
-    rank order, chunks cp..2cp-1 their second chunks in reverse rank order."""
+    other) -> the same keys in position order."""
     if cp == 1:
         return gathered
-    *lead, keys, c = gathered.shape
-    chunk = keys // (2 * cp)
-    by_rank = gathered.view(*lead, cp, 2, chunk, c)  # (..., rank, which of its 2 chunks, chunk, c)
-    first = by_rank[..., 0, :, :].reshape(*lead, cp * chunk, c)
-    second = by_rank[..., 1, :, :].flip(-3).reshape(*lead, cp * chunk, c)
-    return torch.cat([first, second], dim=-2)  # (..., keys, c)
+    slots = _chunks_by_rank(cp)
+    return _reorder(gathered, cp, sorted(range(2 * cp), key=slots.__getitem__))
+
+
+def rank_order(t: torch.Tensor, cp: int) -> torch.Tensor:
+    """(..., keys, c) in position order -> rank order (`position_order`'s inverse): what a
+    reduce-scatter hands back rank by rank."""
+    return t if cp == 1 else _reorder(t, cp, _chunks_by_rank(cp))
