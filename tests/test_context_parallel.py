@@ -43,7 +43,7 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 LAYOUTS = {
     4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "docmask pp=2,cp=2,recompute=full", "dp=2,cp=2,zero=3",
         "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
-    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full"],
+    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full", "cp=2,recompute=selective"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
@@ -54,7 +54,9 @@ next micro-batch's forward on stage 0; the suite's pp=2 x cp=2 layout, the mask 
 they also sample 4 tokens at the end, which every rank generates over the whole prompt (through
 the pipeline with pp, where the sampling forwards step around cp's and the mask's view);
 "compile" trains with `--compile` (aot_eager, as tests/test_compile.py's ranks: dynamo's capture
-and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather.
+and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather;
+recompute=selective recomputes the attention core, whose op holds the gather, so it gathers
+again in backward (every rank alike).
 tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
 MoE with the learned routing bias, experts over dp x cp; tiny-moe with ep_over_tp folds the
 experts over the dp x cp x tp ranks."""

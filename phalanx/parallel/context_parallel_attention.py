@@ -23,6 +23,13 @@ one node per layer. Grouped-query attention repeats a block's kv heads for the k
 only (the kernels want one kv head per query head) and sums their gradients back; value
 channels that differ from the key's (latent attention) are padded with zeros to the kernel's
 one head size.
+
+Given a cp group, the op takes this rank's own keys and values and gathers the rest itself,
+overlapped with the diagonal blocks, and reduce-scatters their gradients, overlapped with the
+diagonal blocks' backward (context_parallel_schedule.py); given none (cp=1 under `--doc-mask`,
+or latent attention, whose gather comes before its decompression), the whole sequence's keys.
+The CUDA kernel calls follow the ops' schemas of torch 2.11 and 2.13 (their meta kernels
+accept these arguments) but have not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -86,15 +93,25 @@ def block_backward(grad, q, k, v, out, lse, causal: bool, scale: float) -> tuple
         dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             gp, qp, kp, vp, op, lse, 0.0, causal, scale=scale)
     elif q.dtype in (torch.float16, torch.bfloat16):
-        none = torch.empty(0, dtype=torch.int64, device=q.device)  # no varlen, no dropout: unread
+        # The forward's bookkeeping outputs (no varlen: no cumulative lengths; no dropout: its
+        # random state unread), as autograd would pass them, taken from a one-query forward.
+        one = qp[:1, :1, :1]
+        _, _, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            one, one, one, 0.0, False, False, scale=scale)
         dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            gp, qp, kp, vp, op, lse, none, none, q.shape[2], k.shape[2], 0.0, causal, none, none, scale=scale)
+            gp, qp, kp, vp, op, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
     else:
-        padded = -(-q.shape[2] // 32) * 32
+        # The kernel's log-sum-exp may be padded past the queries: pad the merged one as its
+        # forward would (its shape from the meta kernel), and its random state as a forward's.
+        meta = [t.to("meta") for t in (qp, kp, vp)]
+        padded = torch.ops.aten._scaled_dot_product_efficient_attention(*meta, None, True, 0.0, causal,
+                                                                         scale=scale)[1].shape[-1]
         lse_p = F.pad(lse, (0, padded - q.shape[2]))
-        none = torch.empty(0, dtype=torch.int64, device=q.device)
+        one = qp[:1, :1, :1]
+        _, _, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(one, one, one, None, True, 0.0, False,
+                                                                                   scale=scale)
         dq, dk, dvv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            gp, qp, kp, vp, none, op, lse_p, none, none, 0.0, [True, True, True, False], causal, scale=scale)
+            gp, qp, kp, vp, None, op, lse_p, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return (dq[..., :q.shape[-1]], _sum_kv(dk[..., :k.shape[-1]], kv_heads), _sum_kv(dvv[..., :dv], kv_heads))
 
 

@@ -3,22 +3,24 @@ whole sequence reach each cp rank, and their gradients come back.
 
 Each attention layer all-gathers its keys and values over the cp group (one collective of
 both, side by side on the channels) and puts them in position order for the blocks of
-context_parallel_layout.py. The gather is issued before the attention starts, and the
-attention computes the blocks that need only this rank's own keys (each chunk's causal
-diagonal) while it travels (`PendingGather`); in backward the key/value gradients of the other
-blocks are reduce-scattered while those of the diagonal blocks are computed
-(`PendingReduceScatter`); both inside `phalanx::cp_attention` (context_parallel_attention.py).
-Latent attention decompresses its keys per head after the gather (only the latents travel),
-so its gather is the functional one of `gather_keys_values`, before its attention. With grouped-query attention the keys and
-values are a fraction of the activations (8 KV heads of 32 for Llama 3: half a hidden state
-per token, where tp all-reduces the whole hidden state twice per layer), which is why Llama 3
-chose the gather over a ring (docs/layout.md says more).
+context_parallel_layout.py. With grouped-query attention the keys and values are a fraction of
+the activations (8 KV heads of 32 for Llama 3: half a hidden state per token, where tp
+all-reduces the whole hidden state twice per layer), which is why Llama 3 chose the gather
+over a ring (docs/layout.md says more). The gather's backward sums each rank's key/value
+gradients over the cp ranks whose queries used them and hands each its own part: a
+reduce-scatter.
 
-The gather's backward sums each rank's key/value gradients over the cp ranks whose queries
-used them and hands each its own part: a reduce-scatter. It is torch's functional all-gather,
-whose reduce-scatter autograd registers and dynamo traces into a compiled block's forward and
-backward graphs (`--compile`), where a process-group call in an autograd.Function of our own
-would rely on dynamo rewriting it.
+Ordinary attention: the gather is issued before the attention starts, and the attention
+computes the blocks that need only this rank's own keys (each chunk's causal diagonal) while
+it travels (`PendingGather`); in backward the key/value gradients of the other blocks are
+reduce-scattered while those of the diagonal blocks are computed (`PendingReduceScatter`);
+both inside the custom op `phalanx::cp_attention` (context_parallel_attention.py), which
+`--compile` keeps whole in the block's graph.
+
+Latent attention decompresses its keys per head after the gather (so that only the latents
+travel), so its gather comes before its attention, not overlapped: `gather_keys_values`,
+torch's functional all-gather, whose reduce-scatter autograd registers and dynamo traces
+into a compiled block's forward and backward graphs.
 """
 
 from __future__ import annotations
