@@ -208,20 +208,24 @@ def attend_blocks_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            lse: torch.Tensor, kv_all: torch.Tensor, documents: torch.Tensor | None,
                            chunks: list[int], scale: float, cp: int,
                            group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of `phalanx::cp_attention`: dq, dk, dv (of its inputs). With a group, the
-    gradients of the gathered keys are reduce-scattered while the diagonal blocks' compute."""
-    batch, _, queries, _ = q.shape
+    """The backward of `phalanx::cp_attention`: dq, dk, dv (of its inputs). With a group, k
+    and v are not kept (empty here): the diagonal blocks read this rank's own keys from the
+    gathered ones, and the gradients of the others are reduce-scattered while the diagonal
+    blocks' compute."""
+    batch, _, queries, width = q.shape
     chunk = queries // len(chunks)
     group = _group(group_name)
-    k_all, v_all = (kv_all[..., :k.shape[-1]], kv_all[..., k.shape[-1]:]) if group is not None else (k, v)
+    k_all, v_all = (kv_all[..., :width], kv_all[..., width:]) if group is not None else (k, v)
     rows = _row_blocks(batch, documents, chunks, chunk)
     # fp32 sums: a key block's gradient adds up over every query range that reads it.
-    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = (torch.zeros((*t.shape[:2], queries, t.shape[3]), dtype=torch.float32, device=t.device)
+              for t in (k_all, v_all))  # this rank's own, with a group
     dk_all, dv_all = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k_all, v_all))
     for causal in (False, True):
         if causal and group is not None:
             with torch.profiler.record_function("cp: issue the gradient reduce-scatter"):
-                pending = PendingReduceScatter(dk_all.to(k.dtype), dv_all.to(v.dtype), group, cp)
+                pending = PendingReduceScatter(dk_all.to(kv_all.dtype), dv_all.to(kv_all.dtype), group, cp)
         with torch.profiler.record_function("cp: diagonal block gradients" if causal else "cp: other block gradients"):
             for row, by_range in rows:
                 for (q0, q1), blocks in by_range.items():
@@ -229,20 +233,19 @@ def attend_blocks_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         if b.causal != causal:
                             continue
                         keys = slice(b.key_start, b.key_end)
-                        if causal and group is not None:
-                            keys, source, dk_to, dv_to = _local_keys(b, chunks, chunk), (k, v), dk, dv
-                        else:
-                            source, dk_to, dv_to = (k_all, v_all), dk_all, dv_all
-                        gq, gk, gv = block_backward(grad[row, :, q0:q1], q[row, :, q0:q1], source[0][row, :, keys],
-                                                    source[1][row, :, keys], out[row, :, q0:q1], lse[row, :, q0:q1],
+                        to, dk_to, dv_to = keys, dk_all, dv_all
+                        if causal and group is not None:  # its keys are this rank's own
+                            to, dk_to, dv_to = _local_keys(b, chunks, chunk), dk, dv
+                        gq, gk, gv = block_backward(grad[row, :, q0:q1], q[row, :, q0:q1], k_all[row, :, keys],
+                                                    v_all[row, :, keys], out[row, :, q0:q1], lse[row, :, q0:q1],
                                                     causal, scale)
                         dq[row, :, q0:q1] += gq
-                        dk_to[row, :, keys] += gk
-                        dv_to[row, :, keys] += gv
+                        dk_to[row, :, to] += gk
+                        dv_to[row, :, to] += gv
     if group is None:
         return dq.to(q.dtype), dk_all.to(k.dtype), dv_all.to(v.dtype)
     dk_others, dv_others = pending.wait()
-    return dq.to(q.dtype), (dk + dk_others).to(k.dtype), (dv + dv_others).to(v.dtype)
+    return dq.to(q.dtype), (dk + dk_others).to(kv_all.dtype), (dv + dv_others).to(kv_all.dtype)
 
 
 @torch.library.custom_op("phalanx::cp_attention_backward", mutates_args=())
@@ -256,12 +259,19 @@ def cp_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 @cp_attention_backward.register_fake
 def _(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name):
     # Contiguous, as the real gradients are (not empty_like, which would copy a transposed input's strides).
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    if not group_name:
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    batch, kv_heads, _, channels = kv_all.shape
+    local, width = q.shape[2], q.shape[3]
+    return (q.new_empty(q.shape), kv_all.new_empty((batch, kv_heads, local, width)),
+            kv_all.new_empty((batch, kv_heads, local, channels - width)))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, documents, chunks, scale, cp, group_name = inputs
     out, lse, kv_all = output
+    if group_name:  # the diagonal blocks' backward reads this rank's keys from the gathered ones
+        k, v = k.new_empty(0), v.new_empty(0)
     ctx.save_for_backward(q, k, v, out, lse, kv_all, documents)
     ctx.settings = chunks, scale, cp, group_name
 
