@@ -152,6 +152,14 @@ def _group(group_name: str):
     return dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
 
 
+def _output(q: torch.Tensor, channels: int) -> torch.Tensor:
+    """(batch, heads, queries, channels), laid out as (batch, queries, heads, channels) as the
+    kernels lay out theirs: the attention's `transpose(1, 2).reshape` before its output
+    projection is then a view, not a second copy kept for backward."""
+    batch, heads, queries, _ = q.shape
+    return q.new_empty((batch, queries, heads, channels)).transpose(1, 2)
+
+
 def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
                   chunks: list[int], scale: float, cp: int, group_name: str) -> tuple[torch.Tensor, ...]:
     """The forward of `phalanx::cp_attention`. q (batch, heads, len(chunks) * chunk, d): this
@@ -178,7 +186,7 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
                             q[row, :, key[0]:key[1]], k[row, :, keys], v[row, :, keys], True, scale))
     kv_all = pending.wait() if pending else k.new_empty(0)  # (batch, kv_heads, seq, d + dv) in position order
     k_all, v_all = (kv_all[..., :k.shape[-1]], kv_all[..., k.shape[-1]:]) if pending else (k, v)
-    out = q.new_empty((batch, heads, queries, v.shape[-1]))
+    out = _output(q, v.shape[-1])
     lse = q.new_empty((batch, heads, queries), dtype=torch.float32)
     with torch.profiler.record_function("cp: blocks before the chunks"):
         for r, (row, by_range) in enumerate(rows):
@@ -201,7 +209,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: t
 @cp_attention.register_fake
 def _(q, k, v, documents, chunks, scale, cp, group_name):
     kv_all = k.new_empty((*k.shape[:2], k.shape[2] * cp, k.shape[3] + v.shape[3])) if group_name else k.new_empty(0)
-    return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=torch.float32), kv_all
+    return _output(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32), kv_all
 
 
 def attend_blocks_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
