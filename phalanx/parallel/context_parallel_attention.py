@@ -149,6 +149,8 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype) -> tuple[torch
 
 
 def _group(group_name: str):
+    # A custom op takes no process group, only its name; torch's functional collectives
+    # resolve names the same way (present in torch 2.11 and 2.13).
     return dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
 
 
@@ -167,8 +169,8 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
     `group_name`, k and v (batch, kv_heads, queries, d or dv) are this rank's own, gathered over
     the cp group here while the diagonal blocks compute (context_parallel_schedule.py); without,
     they are the whole sequence's in position order. -> out (batch, heads, queries, dv), lse
-    (batch, heads, queries) fp32, and the gathered keys and values (empty without a group),
-    side by side on the channels (empty without a group), kept for backward."""
+    (batch, heads, queries) fp32, and the gathered keys and values side by side on the
+    channels (empty without a group), kept for backward."""
     batch, heads, queries, _ = q.shape
     chunk = queries // len(chunks)
     group = _group(group_name)
