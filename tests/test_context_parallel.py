@@ -267,14 +267,24 @@ def test_position_order_undoes_the_rank_order_of_the_gather():
         assert position_order(gathered[None, None, :, None], cp).flatten().tolist() == list(range(32))
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (its flash and memory-efficient kernels)")
+KERNELS = [("cpu", torch.float32, 1e-5), ("cpu", torch.bfloat16, 5e-2),
+           pytest.param("cuda", torch.bfloat16, 5e-2, marks=_CUDA), pytest.param("cuda", torch.float32, 1e-4, marks=_CUDA)]
+"""Where `ChunkAttention`'s kernels run and the tolerance against fp32 attention: fp32 on the
+CPU differs in the order of float additions only (the log-sum-exp merge of 2-3 blocks), 1e-5;
+bf16 rounds q, k, v and the outputs to 8 bits of mantissa (~4e-3 relative each) over sums of
+up to 32 products, 5e-2, where a wrong block or merge moves values by O(1); CUDA's fp32
+memory-efficient kernel sums in another order, 1e-4. The CUDA rows run where a GPU is."""
+
+
+@pytest.mark.parametrize("device, dtype, tolerance", KERNELS)
 @pytest.mark.parametrize("kv_heads, value_dim", [(4, 16), (2, 16), (4, 24)])
-def test_block_attention_equals_masked_attention_with_gradients(kv_heads, value_dim):
+def test_block_attention_equals_masked_attention_with_gradients(kv_heads, value_dim, device, dtype, tolerance):
     """Each cp rank's `ChunkAttention` on its queries against the whole sequence's keys, put
     back together, equals masked attention of one process (causal, and within documents),
     output and the gradients of q, k and v (k and v summed over ranks, as the gather's
     reduce-scatter sums them): grouped-query attention (2 kv heads for 4) and value heads wider
-    than the key's (24 for 16, latent attention's case) included. fp32; what differs is the
-    order of float additions (the log-sum-exp merge of 2-3 blocks): 1e-5."""
+    than the key's (24 for 16, latent attention's case) included; tolerances in `KERNELS`."""
     import torch.nn.functional as F
 
     from phalanx.data.batches import chunk_positions
@@ -283,33 +293,33 @@ def test_block_attention_equals_masked_attention_with_gradients(kv_heads, value_
 
     gen = torch.Generator().manual_seed(0)
     batch, heads, seq, dim = 2, 4, 32, 16
-    q = torch.randn(batch, heads, seq, dim, generator=gen).requires_grad_()
-    k = torch.randn(batch, kv_heads, seq, dim, generator=gen).requires_grad_()
-    v = torch.randn(batch, kv_heads, seq, value_dim, generator=gen).requires_grad_()
+    q = torch.randn(batch, heads, seq, dim, generator=gen).to(device).requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, dim, generator=gen).to(device).requires_grad_()
+    v = torch.randn(batch, kv_heads, seq, value_dim, generator=gen).to(device).requires_grad_()
     ids = torch.stack([torch.repeat_interleave(torch.arange(4), torch.tensor([5, 11, 9, 7])),
                        torch.repeat_interleave(torch.arange(2), torch.tensor([20, 12]))])  # (2, 32)
     for documents in (None, ids):
         mask = torch.ones(seq, seq, dtype=torch.bool).tril()
         if documents is not None:
             mask = (mask & (documents[:, :, None] == documents[:, None, :]))[:, None]  # (batch, 1, seq, seq)
-        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != heads)
-        weight = torch.randn(ref.shape, generator=gen)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(device), enable_gqa=kv_heads != heads)
+        weight = torch.randn(ref.shape, generator=gen).to(device)
         ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
         for cp in (1, 2, 4):
             out, grads = torch.zeros_like(ref), [torch.zeros_like(t) for t in (q, k, v)]
             for rank in range(cp):
                 mine = chunk_positions(seq, cp, rank)
-                local = q.detach()[:, :, mine].requires_grad_()
-                keys, values = k.detach().requires_grad_(), v.detach().requires_grad_()
+                local = q.detach()[:, :, mine].to(dtype).requires_grad_()
+                keys, values = k.detach().to(dtype).requires_grad_(), v.detach().to(dtype).requires_grad_()
                 part = ChunkAttention(rank_chunks(cp, rank), documents).attend(local, keys, values, None)
-                out[:, :, mine] = part.detach()
-                dq, dk, dv = torch.autograd.grad((part * weight[:, :, mine]).sum(), (local, keys, values))
-                grads[0][:, :, mine] = dq
-                grads[1] += dk
-                grads[2] += dv
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+                out[:, :, mine] = part.detach().float()
+                dq, dk, dv = torch.autograd.grad((part * weight[:, :, mine].to(dtype)).sum(), (local, keys, values))
+                grads[0][:, :, mine] = dq.float()
+                grads[1] += dk.float()
+                grads[2] += dv.float()
+            torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
             for got, expected in zip(grads, ref_grads):
-                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
 def _no_dense_mask_forward(layout: str) -> list[tuple]:
