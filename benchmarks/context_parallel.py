@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/context_parallel.py            # about 2 minutes on 2 cores
     PYTHONPATH=. python benchmarks/context_parallel.py --steps 12 # a longer step-time median
+    PYTHONPATH=. python benchmarks/context_parallel.py --step-cp 1,2,4  # cp=4's step too (4 processes)
 
 Model `small` (dim 192, 6 layers, 6 query heads and 2 KV heads), fp32, global batch 2 x 1024
 tokens in every row, so tokens per step are fixed and each cp rank holds 1024 / cp positions
@@ -16,7 +17,9 @@ keys and values of the whole sequence for its attention backward (docs/layout.md
 Step time: `phalanx train` (the trainer's own loop, `train()`) on cp processes, median
 `step_time_s` of the steps after the first. On the 2-core development machine cp=2 puts one
 rank per core; the ratio says how much of the ideal 0.5 the gathers and the halved matrix
-sizes leave, not what a GPU would show.
+sizes leave, not what a GPU would show. Before and after a change of the cp implementation
+(issue 38: the explicit mask replaced by causal key blocks, the gather overlapped): run this
+at both commits on the same quiet machine.
 
 Each row prints its ratio against cp=1 measured in the same run, and beside it the planner's
 prediction for the same layout (`phalanx plan --fix cp=N,... --json`, the `activations` of its
@@ -110,6 +113,8 @@ def _predicted(row: dict | None, base: dict | None, value) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="training steps per step-time row (the first is dropped)")
+    parser.add_argument("--step-cp", default="1,2", help="the cp degrees of the step-time rows, comma-separated, "
+                        "1 first (cp=4 runs 4 processes, more than the 2-core machine's cores)")
     args = parser.parse_args(argv)
     import torch
 
@@ -118,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     preload_rank_imports()
     print(f"model {MODEL}, fp32, global batch {BATCH} x {SEQ} tokens, torch {torch.__version__}, gloo on CPU, "
           f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f} at start")
-    planner = {cp: planner_row(cp) for cp in (1, 2, 4)}
+    step_cps = [int(value) for value in args.step_cp.split(",")]
+    planner = {cp: planner_row(cp) for cp in sorted({1, 2, 4, *step_cps})}
     activations = lambda row: row["memory_breakdown_gib"]["activations"] * 1024  # noqa: E731  (MiB)
 
     print("\nactivation memory per rank after the forward (MemTracker), MiB")
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nstep time, median of steps 2..{args.steps} (phalanx train)")
     with tempfile.TemporaryDirectory() as out:
         base = None
-        for cp in (1, 2):
+        for cp in step_cps:
             times = run_ranks(cp, step_times, cp, args.steps, out, timeout_s=600.0)[0][1:]
             median = statistics.median(times)
             base = base or median

@@ -15,13 +15,13 @@ from phalanx.plan import Plan, parse_split, weights_view
 
 
 def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32",
-                       compile: bool = False, float8: bool = False) -> Plan:
-    """Checks that need the model's shape, the batch, `--dtype`, `--compile` and `--float8`;
+                       compile: bool = False, float8: bool = False, doc_mask: bool = False) -> Plan:
+    """Checks that need the model's shape, the batch, `--dtype`, `--compile`, `--float8` and `--doc-mask`;
     raised before any worker starts. Returns the plan with its precision filled
     in from `dtype` (`resolve_precision`)."""
     validate_ep(cfg, weights_view(plan))  # experts spread over dp x cp ranks
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
-    problems += validate_cp(plan, seq_len)
+    problems += validate_cp(plan, seq_len, cfg, doc_mask=doc_mask)
     problems += validate_compile(plan, compile) + validate_float8(plan, float8, moe=cfg.n_experts > 0)
     if cfg.tie_embeddings and plan.pp > 1:
         problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
@@ -135,9 +135,16 @@ def validate_ep(cfg: ModelConfig, plan: Plan) -> None:
         raise UserError(f"invalid plan: {problem}")
 
 
-def validate_cp(plan: Plan, seq_len: int) -> list[str]:
+def validate_cp(plan: Plan, seq_len: int, cfg: ModelConfig | None = None, *, doc_mask: bool = False) -> list[str]:
     """Why `plan.cp` cannot cut sequences of `seq_len` (empty if it can). cp composes with every
-    other part of a plan, latent attention, `--compile` and `--doc-mask` (docs/layout.md)."""
+    other part of a plan, latent attention, `--compile` and `--doc-mask` (docs/layout.md), but
+    not with a sliding window, nor does `--doc-mask`: their attention runs the flash kernels on
+    whole or causal blocks of keys (parallel/context_parallel_layout.py), never a band."""
+    window = cfg.sliding_window if cfg is not None else 0
+    if window and (plan.cp > 1 or doc_mask):
+        what = f"cp={plan.cp}" if plan.cp > 1 else "--doc-mask"
+        return [f"{what} does not support sliding-window attention (model {cfg.name!r} has sliding_window={window}): "
+                "its attention blocks are whole or causal, never banded; use tp or pp for this model"]
     if plan.cp == 1:
         return []
     return [problem for problem in [rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp)] if problem]

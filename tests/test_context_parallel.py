@@ -43,7 +43,7 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 LAYOUTS = {
     4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "docmask pp=2,cp=2,recompute=full", "dp=2,cp=2,zero=3",
         "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
-    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full"],
+    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full", "cp=2,recompute=selective"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
@@ -54,7 +54,9 @@ next micro-batch's forward on stage 0; the suite's pp=2 x cp=2 layout, the mask 
 they also sample 4 tokens at the end, which every rank generates over the whole prompt (through
 the pipeline with pp, where the sampling forwards step around cp's and the mask's view);
 "compile" trains with `--compile` (aot_eager, as tests/test_compile.py's ranks: dynamo's capture
-and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather.
+and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather;
+recompute=selective recomputes the attention core, whose op holds the gather, so it gathers
+again in backward (every rank alike).
 tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
 MoE with the learned routing bias, experts over dp x cp; tiny-moe with ep_over_tp folds the
 experts over the dp x cp x tp ranks."""
@@ -213,24 +215,170 @@ def test_every_cp_rank_does_the_same_causal_work_within_one_chunk(seq_len, cp):
         assert mean - contiguous_first > chunk_share
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4])
-def test_chunk_masks_put_together_are_the_whole_sequence_mask(cp):
-    """Each cp rank's mask (its queries against the gathered keys, in rank order), its rows and
-    columns put back at their absolute positions, is the mask kv_cache.py builds for the whole
-    sequence: causal, and with a sliding window (which cp therefore supports)."""
-    from phalanx.data.batches import chunk_positions
-    from phalanx.model.kv_cache import attention_mask
-    from phalanx.parallel.context_parallel import ContextParallel
+def _painted(blocks, queries: torch.Tensor, seq: int) -> torch.Tensor:
+    """How many times each (query, key) pair of the whole sequence is covered by `blocks` of the
+    rank whose queries are at absolute positions `queries`: (seq, seq) counts."""
+    count = torch.zeros(seq, seq, dtype=torch.int64)
+    for b in blocks:
+        rows = queries[b.query_start:b.query_end]
+        part = torch.ones(len(rows), b.key_end - b.key_start, dtype=torch.int64)
+        count[rows[:, None], torch.arange(b.key_start, b.key_end)[None, :]] += part.tril() if b.causal else part
+    return count
 
-    seq = 32
-    keys = torch.cat([chunk_positions(seq, cp, r) for r in range(cp)])
-    for window in (0, 5):
-        whole = torch.zeros(seq, seq, dtype=torch.bool)
-        for rank in range(cp):
-            mask = ContextParallel(cp, rank, None, doc_mask=False).view(seq // cp, "cpu").mask(window)
-            whole[chunk_positions(seq, cp, rank)[:, None], keys[None, :]] = mask
-        expected = attention_mask(seq, seq, window, "cpu")
-        assert torch.equal(whole, expected if expected is not None else torch.ones(seq, seq).tril().bool())
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_every_ranks_blocks_cover_the_causal_mask_once(cp):
+    """The key blocks of every cp rank (each chunk's causal diagonal, the unmasked keys before
+    it), painted at their absolute positions, cover every pair of the causal mask exactly once
+    and nothing above the diagonal; with documents (`--doc-mask`, runs of 5 to 11 positions that
+    cross chunk borders) every pair of the causal mask within one document once and no other.
+    A causal block is square with its queries at the keys' own positions (so `is_causal`'s
+    top-left alignment is right): checked too."""
+    from phalanx.data.batches import chunk_positions
+    from phalanx.parallel.context_parallel_layout import (causal_blocks, document_blocks, document_runs,
+                                                          rank_chunks)
+
+    seq = 48
+    ids = torch.repeat_interleave(torch.arange(6), torch.tensor([5, 11, 9, 7, 6, 10]))  # (48,)
+    causal = torch.ones(seq, seq, dtype=torch.int64).tril()
+    same_document = (ids[:, None] == ids[None, :]).long()
+    plain, documents = torch.zeros(seq, seq, dtype=torch.int64), torch.zeros(seq, seq, dtype=torch.int64)
+    for rank in range(cp):
+        queries, chunks = chunk_positions(seq, cp, rank), rank_chunks(cp, rank)
+        chunk = seq // cp // len(chunks)
+        for blocks, total in ((causal_blocks(chunks, chunk), plain),
+                              (document_blocks(chunks, chunk, document_runs(ids)), documents)):
+            for b in blocks:
+                if b.causal:
+                    assert queries[b.query_start:b.query_end].tolist() == list(range(b.key_start, b.key_end))
+            total += _painted(blocks, queries, seq)
+    assert torch.equal(plain, causal)
+    assert torch.equal(documents, causal * same_document)
+
+
+def test_position_order_undoes_the_rank_order_of_the_gather():
+    """Positions of every rank's chunks, concatenated in rank order (what the all-gather
+    returns), come back as 0..seq-1."""
+    from phalanx.data.batches import chunk_positions
+    from phalanx.parallel.context_parallel_layout import position_order
+
+    for cp in (1, 2, 4):
+        gathered = torch.cat([chunk_positions(32, cp, r) for r in range(cp)])  # (32,) in rank order
+        assert position_order(gathered[None, None, :, None], cp).flatten().tolist() == list(range(32))
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (its flash and memory-efficient kernels)")
+KERNELS = [("cpu", torch.float32, 1e-5), ("cpu", torch.bfloat16, 5e-2),
+           pytest.param("cuda", torch.bfloat16, 5e-2, marks=_CUDA), pytest.param("cuda", torch.float32, 1e-4, marks=_CUDA)]
+"""Where `ChunkAttention`'s kernels run and the tolerance against fp32 attention: fp32 on the
+CPU differs in the order of float additions only (the log-sum-exp merge of 2-3 blocks), 1e-5;
+bf16 rounds q, k, v and the outputs to 8 bits of mantissa (~4e-3 relative each) over sums of
+up to 32 products, 5e-2, where a wrong block or merge moves values by O(1); CUDA's fp32
+memory-efficient kernel sums in another order, 1e-4. The CUDA rows run where a GPU is."""
+
+
+@pytest.mark.parametrize("device, dtype, tolerance", KERNELS)
+@pytest.mark.parametrize("kv_heads, value_dim", [(4, 16), (2, 16), (4, 24)])
+def test_block_attention_equals_masked_attention_with_gradients(kv_heads, value_dim, device, dtype, tolerance):
+    """Each cp rank's `ChunkAttention` on its queries against the whole sequence's keys, put
+    back together, equals masked attention of one process (causal, and within documents),
+    output and the gradients of q, k and v (k and v summed over ranks, as the gather's
+    reduce-scatter sums them): grouped-query attention (2 kv heads for 4) and value heads wider
+    than the key's (24 for 16, latent attention's case) included; tolerances in `KERNELS`."""
+    import torch.nn.functional as F
+
+    from phalanx.data.batches import chunk_positions
+    from phalanx.parallel.context_parallel_attention import ChunkAttention
+    from phalanx.parallel.context_parallel_layout import rank_chunks
+
+    gen = torch.Generator().manual_seed(0)
+    batch, heads, seq, dim = 2, 4, 32, 16
+    q = torch.randn(batch, heads, seq, dim, generator=gen).to(device).requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, dim, generator=gen).to(device).requires_grad_()
+    v = torch.randn(batch, kv_heads, seq, value_dim, generator=gen).to(device).requires_grad_()
+    ids = torch.stack([torch.repeat_interleave(torch.arange(4), torch.tensor([5, 11, 9, 7])),
+                       torch.repeat_interleave(torch.arange(2), torch.tensor([20, 12]))])  # (2, 32)
+    for documents in (None, ids):
+        mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+        if documents is not None:
+            mask = (mask & (documents[:, :, None] == documents[:, None, :]))[:, None]  # (batch, 1, seq, seq)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(device), enable_gqa=kv_heads != heads)
+        weight = torch.randn(ref.shape, generator=gen).to(device)
+        ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+        for cp in (1, 2, 4):
+            out, grads = torch.zeros_like(ref), [torch.zeros_like(t) for t in (q, k, v)]
+            for rank in range(cp):
+                mine = chunk_positions(seq, cp, rank)
+                local = q.detach()[:, :, mine].to(dtype).requires_grad_()
+                keys, values = k.detach().to(dtype).requires_grad_(), v.detach().to(dtype).requires_grad_()
+                part = ChunkAttention(rank_chunks(cp, rank), documents).attend(local, keys, values, None)
+                out[:, :, mine] = part.detach().float()
+                dq, dk, dv = torch.autograd.grad((part * weight[:, :, mine].to(dtype)).sum(), (local, keys, values))
+                grads[0][:, :, mine] = dq.float()
+                grads[1] += dk.float()
+                grads[2] += dv.float()
+            torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+            for got, expected in zip(grads, ref_grads):
+                torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def _no_dense_mask_forward(layout: str) -> list[tuple]:
+    """On every rank of a cp=2 group: one training forward and backward of `tiny` at seq 48
+    (chunks of 12 positions, a rank's 24 queries against 48 keys), recording the shape of
+    every tensor an operation makes; the shapes whose last two dims are (queries, keys) of any
+    attention call a cp rank could make: (12 or 24) x (a multiple of 12). No other tensor of
+    the model has such dims (dim 64, head_dim 16, ffn 128, vocab 256; the rotary table's last
+    dims are (8, 2)). Inside `phalanx::cp_attention` (a custom op, opaque to a dispatch mode)
+    the recording mode is entered again, so the tensors of its implementation are seen too."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from phalanx.data.batches import chunk_positions
+    from phalanx.model.by_name import model_config
+    from phalanx.parallel import context_parallel_attention as cp_attention
+    from phalanx.parallel.apply import parallelize
+    from phalanx.parallel.context_parallel import document_ids
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.plan import plan_from_string
+
+    seq, chunk = 48, 12
+    suspicious = {(q, k) for q in (chunk, 2 * chunk) for k in range(chunk, seq + 1, chunk)}
+    impls = {torch.ops.phalanx.cp_attention.default: cp_attention.attend_blocks,
+             torch.ops.phalanx.cp_attention_backward.default: cp_attention.attend_blocks_backward}
+    found = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in impls:
+                with self:
+                    result = impls[func](*args, **(kwargs or {}))
+            else:
+                result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else [result]:
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[-2:]) in suspicious:
+                    found.append((str(func), tuple(t.shape), str(t.dtype)))
+            return result
+
+    doc_mask = layout == "docmask"
+    cfg = model_config("tiny")
+    mesh = build_mesh(plan_from_string("cp=2", dist.get_world_size()), torch.device("cpu"))
+    model = parallelize(cfg, mesh, seed=0, seq_len=seq, doc_mask=doc_mask)
+    tokens = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([5, 19, 13, 11]))[None].repeat(2, 1)  # (2, 48)
+    mine = chunk_positions(seq, 2, mesh.cp_rank)
+    with Shapes(), document_ids(ids if doc_mask else None):
+        model(tokens[:, mine]).float().square().mean().backward()
+    return found
+
+
+@pytest.mark.parametrize("layout", ["causal", "docmask"])
+def test_cp_forward_builds_no_queries_by_keys_tensor(layout):
+    """No tensor of (queries x keys) shape, mask or scores, is made in a cp=2 training forward
+    and backward of the model, with and without `--doc-mask` (`_no_dense_mask_forward` says
+    which shapes count): the explicit mask of the former implementation, (24, 48), or scores
+    computed outside the flash kernels would be found."""
+    for found in run_ranks(2, _no_dense_mask_forward, layout):
+        assert found == [], found[:5]
 
 
 @pytest.mark.parametrize("plan, extra, message", [
@@ -305,3 +453,62 @@ def test_prepare_records_where_documents_start(tmp_path):
     tail = open_prepared(tmp_path / "tail")
     assert tail.manifest["split_by"] == "tail"
     assert tail.train_documents.tolist() == [0] and tail.val_documents.tolist() == [0]
+
+
+@pytest.mark.parametrize("plan, doc_mask, message", [
+    ("cp=2", False, "cp=2 does not support sliding-window attention (model 'tiny' has sliding_window=8)"),
+    ("dp=2", True, "--doc-mask does not support sliding-window attention (model 'tiny' has sliding_window=8)"),
+])
+def test_sliding_window_is_refused_with_cp_and_doc_mask(plan, doc_mask, message):
+    """cp attention runs whole or causal key blocks, never a band: a sliding-window model is
+    refused before launch, in one line with the reason; without cp and the mask it trains."""
+    import dataclasses
+
+    from phalanx.model.by_name import model_config
+    from phalanx.plan import plan_from_string
+    from phalanx.plan_model_checks import validate_for_model
+
+    windowed = dataclasses.replace(model_config("tiny"), sliding_window=8)
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_for_model(plan_from_string(plan, 2), windowed, global_batch=4, seq_len=32, doc_mask=doc_mask)
+    validate_for_model(plan_from_string("dp=2", 2), windowed, global_batch=4, seq_len=32)
+
+
+def _cp_schedule_trace() -> list[tuple[str, int, int]]:
+    """On every rank of a cp=2 group: the `cp:` steps of one training forward and backward of
+    `tiny` (4 layers) as the profiler recorded them, (name, start, end) in start order."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from phalanx.data.batches import chunk_positions
+    from phalanx.model.by_name import model_config
+    from phalanx.parallel.apply import parallelize
+    from phalanx.parallel.mesh import build_mesh
+    from phalanx.plan import plan_from_string
+
+    cfg = model_config("tiny")
+    mesh = build_mesh(plan_from_string("cp=2", dist.get_world_size()), torch.device("cpu"))
+    model = parallelize(cfg, mesh, seed=0, seq_len=64)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        model(tokens[:, chunk_positions(64, 2, mesh.cp_rank)]).float().square().mean().backward()
+    steps = [(e.name, e.time_range.start, e.time_range.end) for e in trace.events() if e.name.startswith("cp: ")]
+    return sorted(steps, key=lambda step: step[1])
+
+
+def test_key_value_gather_and_gradient_reduce_scatter_overlap_the_diagonal_blocks():
+    """In every layer's attention, forward: the key/value gather is issued, the diagonal blocks
+    (which need only this rank's keys) computed, and only then the gather waited for;
+    backward: the other blocks' key/value gradients are reduce-scattered while the diagonal
+    blocks' gradients compute, and waited for after. A gather waited for at once (or issued
+    after the local work) breaks the order. (The keys of layer i+1 are made from layer i's
+    output, so within a micro-batch no gather can run ahead of the layer before.)"""
+    forward = ["cp: issue the key/value gather", "cp: diagonal blocks", "cp: wait for the key/value gather",
+               "cp: blocks before the chunks"]
+    backward = ["cp: other block gradients", "cp: issue the gradient reduce-scatter", "cp: diagonal block gradients",
+                "cp: wait for the gradient reduce-scatter"]
+    for steps in run_ranks(2, _cp_schedule_trace):
+        names = [name for name, _, _ in steps]
+        assert names == forward * 4 + backward * 4, names
+        for i in range(0, len(steps), 4):  # each layer's four steps follow each other, none inside another
+            assert all(steps[j][2] <= steps[j + 1][1] for j in range(i, i + 3)), steps[i:i + 4]

@@ -133,3 +133,44 @@ def test_long_sequences_cp_beats_tp_on_llama_8b():
     cp, tp = best["cp"], best["tp"]
     assert cp.breakdown["cp_comm"] < tp.breakdown["tp_comm"] / 4
     assert cp.step_time_s < tp.step_time_s
+
+
+def test_trainer_hides_its_gather_behind_each_chunks_diagonal_block():
+    """The phalanx trainer's cp attention (issue 38) computes each chunk's causal diagonal block,
+    which needs only the rank's own keys, while the gather travels, and those blocks' gradients
+    while the reduce-scatter does: 1/(2 cp) of the attention forward and backward hides the
+    transfer (its SM share left), per layer and micro-batch; the published implementations'
+    gather stays exposed. Its attention is the causal half, as everyone's."""
+    from phalanx.planner.stage_time import layer_costs, trainer_cp_hidden
+
+    lay = Layout(dp=1, cp=4, microbatches=8, mbs=1)
+    trainer = Options(phalanx_trainer=True)
+    per_layer = comm.all_gather(H100, kv_gather_bytes(GQA, 1, LONG.seq_len, 1), size=4, stride=1)
+    dense = layer_costs(GQA, H100, LONG, lay, trainer, overhead=0.0, moe=False)[0]
+    reference = layer_costs(GQA, H100, LONG, lay, Options(), overhead=0.0, moe=False)[0]
+    assert dense.attention_f == reference.attention_f and dense.attention_b == 2.5 * dense.attention_f
+    assert trainer_cp_hidden(4) == 1 / 8
+    sm = H100.hidden_comm_cost
+    hidden = [dense.attention_f / 8, dense.attention_b / 8]
+    expected = sum(max(per_layer - h, 0.0) + sm * min(per_layer, h) for h in hidden)
+    assert evaluate(GQA, H100, LONG, lay, trainer).breakdown["cp_comm"] == pytest.approx(
+        8 * GQA.n_layers * expected, rel=1e-12)
+    assert evaluate(GQA, H100, LONG, lay).breakdown["cp_comm"] == pytest.approx(
+        8 * 2 * GQA.n_layers * per_layer, rel=1e-12)
+
+
+def test_trainer_prefers_cp_over_tp_at_131k_on_llama_8b():
+    """Issue 38's case in the trainer's own physics (`phalanx plan` without --any-runtime):
+    Llama-3.1-8B at 131,072 tokens, global batch 64, 64 H100s, recompute=full, dp=8. With the
+    causal half of cp attention skipped (it was computed whole under the former explicit mask:
+    97.3 s against tp's 64.0 s) cp=8 beats tp=8."""
+    from phalanx.planner.options import trainer_options
+
+    model, work = PRESETS["llama3-8b"], Workload(global_batch=64, seq_len=131072)
+    best = {}
+    for name, fix in (("cp", {"dp": 8, "cp": 8, "tp": 1, "pp": 1, "recompute": "full"}),
+                      ("tp", {"dp": 8, "cp": 1, "tp": 8, "pp": 1, "recompute": "full"})):
+        result = search(model, H100, work, world_size=64, fixed=fix, options=trainer_options("bf16", H100),
+                        space=SearchSpace(phalanx_trainer=True), keep=1)
+        best[name] = result.ranked[0]
+    assert best["cp"].step_time_s < best["tp"].step_time_s

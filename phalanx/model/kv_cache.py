@@ -9,8 +9,10 @@ Attention knows nothing of how a cache is laid out or scheduled. It asks a cache
   what the new queries see: both tensors over every visible key (batch, kv_heads, keys, channels)
   and a boolean mask broadcastable to (batch, heads, seq, keys), or None when query i sees
   keys 0..i exactly (plain causal attention, `is_causal=True`), or (a serving engine's paged
-  cache, only for attention through `AttentionCore`) an object whose `attend(q, k, v, scale)`
-  computes the attention itself.
+  cache, or context parallelism's view of the sequence; only for attention through
+  `AttentionCore`) an object whose `attend(q, k, v, scale)` computes the attention itself, from
+  the two tensors the same `update` returned (which it may then define otherwise: cp hands back
+  the rank's own keys and values and gathers the rest in `attend`).
 The model calls `advance(seq)` once every layer took the new tokens. A paged cache of a
 serving engine answers the same three calls with per-sequence positions and block tables.
 """

@@ -18,7 +18,9 @@ latents it reads instead, the cheaper product there (as DeepSeek's and SGLang's 
 Training under context parallelism or `--doc-mask` takes the cache path too: the "cache" is
 then a `SequenceView` (parallel/context_parallel.py) whose `positions` are this rank's absolute
 positions and whose `update` returns the latents and rotated keys of the whole sequence,
-gathered over the cp ranks, with an explicit mask; the prefill branch decompresses them here.
+gathered over the cp ranks, with an attention object in place of a mask (`AttentionCore` calls
+its `attend`, which runs the causal and unmasked key blocks); the prefill branch decompresses
+them here.
 So only the latents travel, never the per-head keys and values.
 """
 

@@ -8,8 +8,8 @@ The order is fixed, and each step relies on the ones before it:
   2. tensor parallel - swap the remaining parameters for DTensors sharded over "tp"
                        (`parallelize_module` needs the plain modules, before any wrapper);
   2b. context parallel - `cp` (or `--doc-mask`): a pre-hook on every attention layer hands it
-                       the whole sequence's keys and values over "cp" and an explicit mask
-                       (parallel/context_parallel.py); after TP, whose sequence-parallel
+                       the whole sequence's keys and values over "cp" and block attention
+                       without a mask (parallel/context_parallel.py); after TP, whose sequence-parallel
                        gather must run first, and before recompute, whose recomputation then
                        gathers again in backward;
   3. expert parallel - keep only this rank's experts, route tokens by all-to-all over "ep";

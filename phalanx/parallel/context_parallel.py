@@ -1,31 +1,33 @@
 """Context parallelism: each sequence split over the cp ranks, attention over the whole of it.
 
-Each sequence is cut into 2 x cp equal chunks and cp rank i holds chunks i and 2cp-1-i
-(`layout_rules.cp_chunks`; the data loader cuts them, `data/batches.chunk_positions`), so under the causal
-mask every rank computes the same number of query-key pairs. Everything but attention works
-per position and needs nothing from the other ranks; attention needs every earlier key. Here
-each attention layer all-gathers its keys and values over the cp group (one collective of both)
-and runs its queries against all of them under an explicit mask built from absolute positions:
-a query chunk sees a key set of another length, where `is_causal=True`'s top-left alignment
-would be wrong. With grouped-query attention the keys and values are a fraction of the
-activations (8 KV heads of 32 for Llama 3: half a hidden state per token, where tp all-reduces
-the whole hidden state twice per layer), which is why Llama 3 chose the gather over a ring
-(docs/layout.md says more).
-
-The gather's backward sums each rank's key/value gradients over the cp ranks whose queries
-used them and hands each its own part: a reduce-scatter. The loss is each rank's mean over its
-tokens; gradients are then averaged over the dp x cp ranks (every rank holds as many tokens),
-which is the global batch's mean, as one process computes it.
+Each sequence is cut into 2 x cp equal chunks and cp rank i holds chunks i and 2cp-1-i, so
+under the causal mask every rank computes the same number of query-key pairs. Everything but
+attention works per position and needs nothing from the other ranks; attention needs every
+earlier key. Three small pieces do it:
+- context_parallel_layout.py: which positions a rank holds, and the blocks of keys its queries
+  see (each chunk's causal diagonal and the unmasked keys before it; per document under
+  `--doc-mask`): no (queries x keys) mask is ever built;
+- context_parallel_attention.py: the flash kernels on those blocks, merged by log-sum-exp;
+- context_parallel_schedule.py: the all-gather of keys and values over the cp group (whose
+  backward reduce-scatters their gradients).
+The loss is each rank's mean over its tokens; gradients are then averaged over the dp x cp
+ranks (every rank holds as many tokens), which is the global batch's mean, as one process
+computes it.
 
 The model stays single-device: its attention already asks an `AttentionCache` (kv_cache.py)
 for the positions of its tokens and for the keys it sees. A forward pre-hook on each attention
-layer hands it a `SequenceView` that answers from the cp group instead of a cache; generation
-(which passes a real cache) is left alone. With `--doc-mask`, the same view also keeps
-attention inside each document of a packed sequence (`document_ids`), with or without cp.
+layer hands it a `SequenceView` that answers from the cp group instead of a cache: the whole
+sequence's keys and values, and in place of a mask a `ChunkAttention` whose `attend` computes
+the attention (the interface of a serving step's paged cache); generation (which passes a real
+cache) is left alone. With `--doc-mask`, the same view also keeps attention inside each
+document of a packed sequence (`document_ids`), with or without cp.
+
+Sliding-window attention is refused with cp or `--doc-mask` (`plan_model_checks.validate_cp`):
+the blocks are whole or causal, and a window would need a band mask inside them.
 
 Under `--compile` (parallel/compile.py compiles each block) the hook and the gather are traced
-into the block's one graph: dynamo inlines a submodule's hooks, and the gather is torch's
-functional all-gather, whose reduce-scatter lands in the compiled backward.
+into the block's one graph: dynamo inlines a submodule's hooks, the gather is torch's
+functional all-gather, and the attention is one custom op each way.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 
 from phalanx.data.batches import chunk_positions
 from phalanx.model.kv_cache import attention_mask
+from phalanx.model.latent_attention import LatentAttention
+from phalanx.parallel.context_parallel_attention import ChunkAttention
+from phalanx.parallel.context_parallel_layout import rank_chunks
+from phalanx.parallel.context_parallel_schedule import gather_keys_values
 
 _documents: list[torch.Tensor | None] = [None]
 """The document id of every position of the micro-batch in flight, (batch, seq), set by
@@ -59,56 +64,31 @@ def document_ids(ids: torch.Tensor | None):
         _documents[0] = before
 
 
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-"""torch's traceable all-gather on dim 0 (a functional collective) whose backward is a sum
-reduce-scatter: its torch 2.13 name, else the older one (torch 2.11, 2.12)."""
-
-
-def gather_over_cp(local: torch.Tensor, group) -> torch.Tensor:
-    """(..., L, c) on each of cp ranks -> (..., cp * L, c), rank r's positions at r*L..(r+1)*L.
-
-    Its backward sums every rank's gradient of this rank's part (a reduce-scatter): torch's
-    functional collective registers it, and dynamo traces it into a compiled block's forward
-    and backward graphs (`--compile`), where a process-group call in an autograd.Function of
-    our own would rely on dynamo rewriting it."""
-    stacked = _all_gather(local.movedim(-2, 0).contiguous(), 0, group)  # (cp * L, ..., c)
-    return stacked.movedim(0, -2)  # (..., cp * L, c)
-
-
 class SequenceView:
     """What one forward's attention layers see of the whole sequence (the `AttentionCache`
-    calls, kv_cache.py): this rank's positions, and every key of the sequence behind an
-    explicit causal (and sliding-window, and document) mask."""
+    calls, kv_cache.py): this rank's positions, every key and value of the sequence in
+    position order, and a `ChunkAttention` in place of a mask."""
 
-    def __init__(self, queries: torch.Tensor, keys: torch.Tensor, group, cp: int, documents: torch.Tensor | None):
-        self.queries, self.keys, self.group, self.cp = queries, keys, group, cp
-        self.documents = documents
+    def __init__(self, queries: torch.Tensor, group, cp: int, rank: int, documents: torch.Tensor | None,
+                 gather_here: bool):
+        self.queries, self.group, self.cp, self.gather_here = queries, group, cp, gather_here or cp == 1
+        # Without gather_here, the attention gathers the keys itself, overlapped with its diagonal blocks.
+        self.attention = ChunkAttention(rank_chunks(cp, rank), documents, cp,
+                                        "" if self.gather_here else group.group_name)
 
     def positions(self, seq: int, device) -> torch.Tensor:
         return self.queries  # (seq,) absolute positions of this rank's two chunks
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-               window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               window: int) -> tuple[torch.Tensor, torch.Tensor, ChunkAttention]:
+        if window:  # plan_model_checks.validate_cp refuses it before launch; this is for library callers
+            raise ValueError(f"context parallelism and --doc-mask do not support sliding-window attention "
+                             f"(window {window}): their attention blocks are whole or causal, never banded")
+        if not self.gather_here:
+            return k, v, self.attention  # this rank's own: the attention gathers the rest
         if self.cp > 1:
-            # One collective of both, side by side on the channels: latent attention's pair
-            # (its latent and its rotated shared key) differ in width.
-            width = k.shape[-1]
-            both = gather_over_cp(torch.cat([k, v], dim=-1), self.group)  # (batch, kv_heads, keys, k + v channels)
-            k, v = both[..., :width], both[..., width:]
-        return k, v, self.mask(window)
-
-    def mask(self, window: int) -> torch.Tensor:
-        """Which of the gathered keys each of this rank's queries sees: (seq, keys) bool, or
-        (batch, 1, seq, keys) with documents."""
-        query, key = self.queries[:, None], self.keys[None, :]
-        visible = key <= query  # (seq, keys): causal on absolute positions, any key order
-        if window:
-            visible = visible & (query - key < window)
-        if self.documents is not None:
-            docs = self.documents.to(query.device)  # (batch, whole seq)
-            same = docs[:, self.queries][:, :, None] == docs[:, self.keys][:, None, :]  # (batch, seq, keys)
-            visible = (visible & same)[:, None]  # (batch, 1, seq, keys)
-        return visible
+            k, v = gather_keys_values(k, v, self.group, self.cp)  # (batch, kv_heads, seq, channels)
+        return k, v, self.attention
 
     def advance(self, seq: int) -> None:
         pass
@@ -137,23 +117,24 @@ class ContextParallel:
     def __init__(self, cp: int, rank: int, group, doc_mask: bool):
         self.cp, self.rank, self.group, self.doc_mask = cp, rank, group, doc_mask
 
-    def view(self, local_len: int, device) -> SequenceView:
+    def view(self, local_len: int, device, gather_here: bool = False) -> SequenceView:
         # Positions made afresh for every layer (a few aranges), not cached on this object: under
         # --compile the hook runs inside the block's graph, where a cache filled on the first
         # call changes what the guards see and compiles the block a second time.
-        seq = local_len * self.cp
-        queries = chunk_positions(seq, self.cp, self.rank, device)  # (local_len,)
-        keys = torch.cat([chunk_positions(seq, self.cp, r, device) for r in range(self.cp)])  # (seq,) in rank order
+        queries = chunk_positions(local_len * self.cp, self.cp, self.rank, device)  # (local_len,)
         documents = _documents[0]
         if self.doc_mask and documents is None:
             raise RuntimeError("--doc-mask: no document ids for this forward (wrap it in document_ids)")
-        return SequenceView(queries, keys, self.group, self.cp, documents if self.doc_mask else None)
+        return SequenceView(queries, self.group, self.cp, self.rank, documents if self.doc_mask else None, gather_here)
 
     def hook(self, module: nn.Module, args: tuple):
         if len(args) > 2 and args[2] is not None:
             return None  # a real cache (generation): every rank runs the whole sequence itself
         x, rope = args[:2]
-        return (x, rope, self.view(x.shape[1], x.device))  # x: (batch, this rank's seq, dim)
+        # Latent attention decompresses per-head keys from what its cache returns: so that only
+        # the latents travel, the view gathers them before (not inside) its attention.
+        gather_here = isinstance(module, LatentAttention)
+        return (x, rope, self.view(x.shape[1], x.device, gather_here))  # x: (batch, this rank's seq, dim)
 
 
 def apply_context_parallel(model: nn.Module, mesh, *, doc_mask: bool = False) -> nn.Module:

@@ -75,8 +75,9 @@ class Options:
     """Context parallelism passes key/value blocks around a ring while attention runs on the
     blocks at hand (Megatron-Core's, torchtitan's), so attention compute hides the transfer
     where it is longer. False: the keys and values are all-gathered before attention needs
-    them, on the critical path (Llama 3's choice, paper section 3.3.2, and the phalanx
-    trainer's, parallel/context_parallel.py), and their gradients reduce-scattered after."""
+    them, on the critical path (Llama 3's choice, paper section 3.3.2), and their gradients
+    reduce-scattered after; the phalanx trainer (`phalanx_trainer`) hides them behind each
+    chunk's diagonal block only (`stage_time.trainer_cp_hidden`)."""
     expert_slots: int = 0
     """The trainer's `--expert-slots S` (docs/expert_slots.md): each ep rank holds S / ep expert
     slots, replicas of hot experts included, with their gradients and optimizer state, instead of

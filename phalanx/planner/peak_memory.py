@@ -212,18 +212,9 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
                                            tp_splits_experts=options.tp_splits_experts,
                                            fold_experts=folds_experts(lay), **kw)
             hit = _ACTIVATIONS[key] = (model, options, value)
-        return scale * hit[2] + (cp_mask if recompute != "full" else 0.0)
+        return scale * hit[2]
 
-    # The trainer's cp attention takes an explicit boolean mask of this rank's queries by the
-    # whole sequence's keys, built by each layer (parallel/context_parallel.SequenceView.mask),
-    # which scaled_dot_product_attention turns into an additive mask in the activations' dtype
-    # and keeps for backward, beside the boolean one: 1 + activation bytes per query-key pair
-    # (measured: benchmarks/context_parallel.py's small model held 96.1 and 51.0 MiB at cp=2 and
-    # 4, 4.9 bytes per pair above the other tensors in an fp32 run).
     local_seq = workload.seq_len // lay.cp
-    # One mask serves the micro-batch's sequences (broadcast; --doc-mask's is per sequence).
-    cp_mask = (1 + precision.activation) * local_seq * workload.seq_len if lay.cp > 1 and options.phalanx_trainer else 0.0
-
     share = recompute_share(model, lay)  # the other layers keep all their activations
     stage_act = sum(count * (share * per_layer(moe, lay.recompute) + (1 - share) * per_layer(moe, "none"))
                     for count, moe in ((n - n_moe, False), (n_moe, True)))
@@ -278,6 +269,10 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
     if lay.pp > 1:  # send and receive buffers, both directions
         buffers += 4 * tokens_bytes / (lay.tp if lay.sp else 1)
     if lay.cp > 1:  # the layer running's gathered keys and values, and their gradients' reduce-scatter input
-        buffers += 2 * gathered_kv_bytes(model, lay.mbs, workload.seq_len, lay.tp)
+        # The trainer's attention (parallel/context_parallel_attention.py) sums the gradients of
+        # the whole sequence's keys and values in fp32 (2 x their bf16 bytes), then casts and
+        # reorders them for the reduce-scatter: 4 in all at its backward's peak.
+        trainer = options.phalanx_trainer and not model.is_latent
+        buffers += (4 if trainer else 2) * gathered_kv_bytes(model, lay.mbs, workload.seq_len, lay.tp)
     out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
     return out, host

@@ -62,7 +62,8 @@ def options_for(args, cluster) -> Options:
                        cp_overlap=args.cp_overlap)
     if args.cp_overlap:
         raise UserError("--cp-overlap plans a ring implementation of context parallelism; the phalanx trainer "
-                        "all-gathers keys and values (add --any-runtime to plan another implementation)")
+                        "all-gathers keys and values, hidden behind each chunk's diagonal block only (add "
+                        "--any-runtime to plan another implementation)")
     if args.expert_slots < 0:
         raise UserError(f"--expert-slots={args.expert_slots} must not be negative (0: one slot per expert)")
     dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")

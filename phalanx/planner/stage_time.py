@@ -28,8 +28,10 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
     the group by the chunking); one all-gather of the whole sequence's keys and values
     (2 seq h_kv / tp bf16) over the cp group forward, a reduce-scatter of their gradients
     backward, exposed (`Options.cp_overlap`: hidden behind attention compute); the group is
-    tp-strided, inside the NVLink domain while tp x cp fits in it. The phalanx trainer's
-    explicit mask keeps the kernel from skipping masked blocks: the full T x seq FLOPs.
+    tp-strided, inside the NVLink domain while tp x cp fits in it. The phalanx trainer runs
+    the flash kernels on key blocks (the causal half skipped, as everywhere) and hides the
+    gather and the reduce-scatter behind each chunk's diagonal block only, 1/(2 cp) of a
+    rank's attention (`trainer_cp_hidden`).
 Full recompute under zbv re-runs each block's forward once more per weight tensor, in the
   W slots (Options.split_backward_recompute: PyTorch's split backward).
 The last stage's logits and loss are charged to the most loaded stage as well.
@@ -75,6 +77,8 @@ class LayerCost:
     gemm_f: float
     cp_bytes: float = 0.0
     """The whole sequence's keys and values that the cp group all-gathers (0 without cp)."""
+    attention_b: float = 0.0
+    """The attention core's backward (its share of `b`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,8 +132,7 @@ def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) ->
 @_by_identity
 def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
                moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float,
-               tp_splits_experts: bool = True, fold_experts: bool = False, cp: int = 1,
-               explicit_mask: bool = False) -> LayerCost:
+               tp_splits_experts: bool = True, fold_experts: bool = False, cp: int = 1) -> LayerCost:
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch.
 
     `tp_splits_experts`: False where the MoE block stays out of tensor parallelism (the phalanx
@@ -139,8 +142,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     (MoE parallel folding): `ep` spans dp x tp, each device holds n_experts / ep whole experts
     and dispatches 1/tp of the routed rows; router and shared experts still run on every tp
     rank (the all-gather of the rows over tp is charged with the all-to-all, `stage_cost`).
-    `cp`: this rank's seq / cp positions of each sequence against every key; `explicit_mask`:
-    attention under a boolean mask (the phalanx trainer's cp), every block computed."""
+    `cp`: this rank's seq / cp positions of each sequence against every key."""
     tokens = mbs * seq // cp
     h = model.dim
     one = functools.partial(gemm_time, cluster=cluster, peak=peak)
@@ -172,8 +174,7 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
                                     tp_splits_experts=tp_splits_experts, fold_experts=fold_experts, cp=cp)
     elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
-        causal = 1.0 if explicit_mask and cp > 1 else 0.5
-        attention = causal * 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
+        attention = 0.5 * 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
         attention_b = 2.5 * attention
     else:
         # Two batched GEMMs over the whole s x s score matrix (the mask is applied after them),
@@ -192,11 +193,22 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
         b=gemm_b + attention_b + 2 * elementwise + overhead,
         w=gemm_w + overhead,
         attention_f=attention,
+        attention_b=attention_b,
         tp_bytes=tokens * h * BF16,
         ep_bytes=tokens * model.experts_per_token * h * BF16 / (expert_tp * fold) if moe else 0.0,
         gemm_f=gemm,
         cp_bytes=kv_gather_bytes(model, mbs, seq, tp) if cp > 1 else 0.0,
     )
+
+
+def trainer_cp_hidden(cp: int) -> float:
+    """The share of a cp rank's attention work (forward or backward) that the phalanx trainer
+    runs while its key/value gather (or their gradients' reduce-scatter) travels: the causal
+    diagonal blocks of its two chunks, which need only its own keys
+    (parallel/context_parallel_schedule.py). Chunk c of length k holds k^2 c + k(k+1)/2 causal
+    pairs, a rank's two chunks k^2 (2cp - 1) + k(k+1), of which the diagonals k(k+1): about
+    1/(2 cp) of them (layout_rules.causal_pairs; by the layout, not a fit)."""
+    return 1 / (2 * cp)
 
 
 def weight_tensors(model: ModelConfig, *, moe: bool) -> int:
@@ -215,8 +227,7 @@ def layer_costs(model: ModelConfig, cluster: Cluster, workload: Workload, lay: L
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp,
               peak=cluster.peak_flops_per_rank(world), flash=options.flash_attention,
               memory_bw=cluster.memory_bw_per_rank(world), overhead=overhead,
-              tp_splits_experts=options.tp_splits_experts, fold_experts=folds_experts(lay), cp=lay.cp,
-              explicit_mask=options.phalanx_trainer)
+              tp_splits_experts=options.tp_splits_experts, fold_experts=folds_experts(lay), cp=lay.cp)
     dense = layer_cost(model, cluster, moe=False, **kw)
     return dense, layer_cost(model, cluster, moe=True, **kw) if moe else dense
 
@@ -302,10 +313,15 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     # Context parallelism: per layer one gather forward, one reduce-scatter (the same cost)
     # backward; folded into the tp terms below, which carry the same exposure rules.
     t_cp = _collective(comm.all_gather, cluster, dense.cp_bytes, lay.cp, lay.tp) if lay.cp > 1 else 0.0
+    hide_f, hide_b = 0.0, 0.0  # the attention compute that runs while the gather (reduce-scatter) travels
     if options.cp_overlap:
-        t_cp = max(t_cp - dense.attention_f, 0.0) + sm * min(t_cp, dense.attention_f)
-    cp_f = n * t_cp
-    tp_f, tp_b = tp_f + cp_f, tp_b + cp_f
+        hide_f, hide_b = dense.attention_f, dense.attention_f
+    elif options.phalanx_trainer and lay.cp > 1 and not model.is_latent:
+        share = trainer_cp_hidden(lay.cp)
+        hide_f, hide_b = share * dense.attention_f, share * dense.attention_b
+    cp_f = n * (max(t_cp - hide_f, 0.0) + sm * min(t_cp, hide_f))
+    cp_b = n * (max(t_cp - hide_b, 0.0) + sm * min(t_cp, hide_b))
+    tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
 
     # Logits and loss on the last stage (vocab split over tp).
     tokens = lay.mbs * seq // lay.cp
@@ -333,7 +349,9 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
                        + n_dense * weight_tensors(model, moe=False) * exposed(t_tp, dense.gemm_f)
                        + n_moe * weight_tensors(model, moe=True) * (exposed(t_tp_moe, moe.gemm_f) + t_ep))
     elif lay.recompute == "selective":
-        comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, 0.0
+        # The trainer's cp gather is inside the attention core's op, which selective recompute re-runs.
+        regather = cp_f if options.phalanx_trainer and not model.is_latent else 0.0
+        comp_r, comm_r = n_dense * dense.attention_f + n_moe * moe.attention_f + comp_r_fixed, regather
     else:
         comp_r = comm_r = 0.0
     comp_r, comm_r, comp_rw = comp_r * rc_share, comm_r * rc_share, comp_rw * rc_share
@@ -341,7 +359,8 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
                        f_comm=tp_f + ep_f, b_comm=tp_b + ep_f, r_comm=comm_r)
     recomputed_tp = tp_f * rc_share if lay.recompute == "full" else 0.0
     recomputed_ep = ep_f * rc_share if lay.recompute == "full" else 0.0
-    recomputed_cp = cp_f * rc_share if lay.recompute == "full" else 0.0
+    recomputed_cp = cp_f * rc_share if lay.recompute == "full" else 0.0  # inside recomputed_tp
+    regathered = comm_r if lay.recompute == "selective" else 0.0  # the trainer's gather re-run with its core
     return StageCost(times=stage, compute=comp_f + comp_b + comp_w, recompute=comp_r + comp_rw,
-                     tp_comm=tp_f + tp_b + recomputed_tp - (2 * cp_f + recomputed_cp), ep_comm=2 * ep_f + recomputed_ep,
-                     cp_comm=2 * cp_f + recomputed_cp, layers=n, moe_layers=n_moe, recomputed_share=rc_share)
+                     tp_comm=tp_f + tp_b + recomputed_tp - (cp_f + cp_b + recomputed_cp), ep_comm=2 * ep_f + recomputed_ep,
+                     cp_comm=cp_f + cp_b + recomputed_cp + regathered, layers=n, moe_layers=n_moe, recomputed_share=rc_share)
