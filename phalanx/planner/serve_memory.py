@@ -40,14 +40,15 @@ class RankMemory:
 
 
 def weight_bytes(model: ModelConfig, layout: ServeLayout) -> float:
-    """Weights on the most loaded rank: dense parts over tp, routed experts over ep x tp,
-    the embedding and output head over tp (both counted on the stage, conservatively)."""
+    """Weights on the most loaded rank: dense parts over tp, routed expert slots (S / ep of
+    them, replicas included) over tp, the embedding and output head over tp (both counted on the stage, conservatively)."""
     c = param_counts(model)
     layers, moe_layers = stage_layers(model, layout.pp)
     dense = layers * (c.attention + c.norms) + (layers - moe_layers) * c.dense_mlp + moe_layers * c.moe_other
     heads = 1 if model.tie_embeddings else 2
     dense += heads * c.embedding
-    routed = moe_layers * c.experts / layout.ep
+    per_expert_slots = layout.slot_count(model.n_experts) / model.n_experts if model.n_experts else 1.0
+    routed = moe_layers * c.experts * per_expert_slots / layout.ep
     return (dense + routed) / layout.tp * WEIGHT_BYTES[layout.weight_dtype]
 
 
