@@ -48,6 +48,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def load_from(args, model: ModelConfig) -> ServeLoad:
+    if args.training_expert_slots is not None:
+        raise UserError("--expert-slots belongs to training plans; a serving plan pins its expert slots with "
+                        "--fix slots=S (the search tries them otherwise)")
     for flag in TRAINING_FLAGS:
         if getattr(args, "training_" + flag[2:].replace("-", "_")) is not None:
             raise UserError(f"{flag} belongs to training plans; with --serve give --isl/--osl, --weight-dtype/--kv-dtype "
