@@ -128,6 +128,12 @@ def test_serve_command_places_the_priced_skew(tmp_path, capsys):
     code, out, err = _cli([*base, "--expert-load", "zipf:1"], capsys)
     assert code == 0, err
     assert "--rebalance-every 64" in json.loads(out)["plans"][0]["serve"]
+    # One layer's loads for a 6-MoE-layer model: priced, but no placement phalanx serve could load.
+    table.write_text(json.dumps([[8.0, 4.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0]]))
+    code, out, err = _cli([*base, "--expert-load", str(table)], capsys)
+    assert code == 0, err
+    serve = json.loads(out)["plans"][0]["serve"]
+    assert "--expert-placement" not in serve and "--rebalance-every 64" in serve
 
 
 @pytest.mark.parametrize("args, says", [

@@ -39,7 +39,8 @@ class ExpertLoad:
     rows: tuple[tuple[float, ...], ...]
     """(layers, experts)."""
     path: str = ""
-    """The file it was read from ("" for zipf): `phalanx serve --expert-placement` reads it too."""
+    """The file it was read from, where it has a row per MoE layer of the model ("" otherwise,
+    and for zipf): `phalanx serve --expert-placement` then starts from its placement."""
 
     @property
     def experts(self) -> int:
@@ -51,8 +52,10 @@ def zipf_load(exponent: float, experts: int) -> ExpertLoad:
     return ExpertLoad(f"zipf:{exponent:g}", (tuple(1.0 / (i + 1) ** exponent for i in range(experts)),))
 
 
-def parse_expert_load(text: str | None, *, n_experts: int, model: str) -> ExpertLoad | None:
-    """`--expert-load FILE|zipf:S` for a model of `n_experts` routed experts; None: even loads."""
+def parse_expert_load(text: str | None, *, n_experts: int, model: str, moe_layers: int = 0) -> ExpertLoad | None:
+    """`--expert-load FILE|zipf:S` for a model of `n_experts` routed experts in `moe_layers` MoE
+    layers; None: even loads. A file of any number of layers prices their mean imbalance; only
+    one of the model's own layer count can also seed `phalanx serve --expert-placement`."""
     if text is None:
         return None
     if not n_experts:
@@ -76,7 +79,8 @@ def parse_expert_load(text: str | None, *, n_experts: int, model: str) -> Expert
                         f"over {n_experts}")
     if not table.shape[0] or not table.sum():
         raise UserError(f"--expert-load {text}: no expert carries any load")
-    return ExpertLoad(text, tuple(tuple(float(x) for x in row) for row in table), path=text)
+    return ExpertLoad(text, tuple(tuple(float(x) for x in row) for row in table),
+                      path=text if table.shape[0] == moe_layers else "")
 
 
 def slot_choices(n_experts: int, ep: int, load: ExpertLoad | None) -> list[int]:

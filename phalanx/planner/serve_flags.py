@@ -71,7 +71,8 @@ def load_from(args, model: ModelConfig) -> ServeLoad:
         raise UserError("--phase decode rates decoding alone; --ttft-ms is a prefill target")
     return ServeLoad(isl=args.isl, osl=args.osl, concurrency=args.concurrency, rate=args.rate,
                      ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, phase=args.phase,
-                     expert_load=parse_expert_load(args.expert_load, n_experts=model.n_experts, model=model.name))
+                     expert_load=parse_expert_load(args.expert_load, n_experts=model.n_experts, model=model.name,
+                                                   moe_layers=model.n_moe_layers))
 
 
 def dtypes_for(args, cluster: Cluster) -> tuple[str, str]:

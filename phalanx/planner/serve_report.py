@@ -10,9 +10,10 @@ from phalanx.planner.serve_step import ServeLayout
 
 GIB = 2**30
 REBALANCE_EVERY = 64
-"""`phalanx serve --rebalance-every` a plan priced for a zipf skew prints: the engine starts from
-the placement for even loads and reaches the skew's only by measuring it (docs/serve.md's
-example value; the planner prices the placement reached, not the steps before it)."""
+"""`phalanx serve --rebalance-every` a plan priced for a zipf skew (or a load file of another
+layer count than the model's) prints: the engine starts from the placement for even loads and
+reaches the skew's only by measuring it (docs/serve.md's example value; the planner prices the
+placement reached, not the steps before it)."""
 
 
 def expert_slots(plan: ServePlan, layout: ServeLayout) -> int:
