@@ -1,13 +1,15 @@
 """Predicted vs published serving throughput: `phalanx plan --serve` against published runs.
 
 The rows (phalanx/planner/serve_validation.json, each with its source and engine) are
-TensorRT-LLM's perf-overview v1.0 tables (every model whose shape the file holds: Llama 3.1
-8B, 3.3 70B, 3.1 405B, Qwen3-235B-A22B, Qwen3-30B-A3B, Llama 4 Scout and Maverick on H100,
-H200, B200 and GB200, fp8 and fp4), the runs of shared/reference/published-figures.md
-section 5, TensorRT-LLM's DeepSeek-R1 blog (H200 fp8, B200 fp4) and SGLang's large-scale EP
-deployment of DeepSeek-V3 (prefill on 32 H100s, decode on 72 with 288 expert slots). Each is
+TensorRT-LLM's perf-overview tables, v1.0 (PyTorch backend; Llama 3.1 8B, 3.3 70B, 3.1 405B,
+Qwen3-235B-A22B, Qwen3-30B-A3B, Llama 4 Scout and Maverick on H100, H200, B200 and GB200, fp8
+and fp4) and v0.17 (TensorRT engines; Llama 3.1 8B, 70B, 405B and Mixtral 8x7B, 8x22B on H200,
+H100 fp8 and A100 fp16), the runs of shared/reference/published-figures.md section 5,
+TensorRT-LLM's DeepSeek-R1 blog (H200 fp8, B200 fp4) and SGLang's large-scale EP deployment of
+DeepSeek-V3 (prefill on 32 H100s, decode on 72 with 288 expert slots). Each is
 evaluated at the layout, precision, lengths and load its source states (`--fix`; all requests
-queued at once is a closed loop of that many requests); nothing is fitted per row. Rows are
+queued at once is a closed loop of that many requests; TensorRT-LLM's KV pool rule where the
+row states it); nothing is fitted per row. Rows are
 split into a 'visible' half, the only one any modelling choice may look at, and a 'holdout'
 half kept out of every decision (the rule, fixed before their predictions were computed, is in
 the file's `about`); the median |error| of each is printed (target: 15%), and with `--worst N`
@@ -28,6 +30,7 @@ from pathlib import Path
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.model_spec import model_from_dict
+from phalanx.planner.serve_memory import MAX_BATCH_LIMIT, PoolRule
 from phalanx.planner.serve_rates import ServeLoad
 from phalanx.planner.serve_search import parse_serve_fix, search_serving
 
@@ -39,12 +42,22 @@ def source_name(row: dict) -> str:
     return row["source"].split(",")[0].split(" (")[0]
 
 
+def pool_of(row: dict) -> PoolRule:
+    """The KV pool rule the row's engine ran with, as its source states it: TensorRT-LLM's
+    share of the free memory (`kv_free_fraction`) and trtllm-bench's batch cap
+    (`max_batch_limit`), else vLLM's rule (the planner's default)."""
+    if "kv_free_fraction" not in row:
+        return PoolRule()
+    return PoolRule(fraction=row["kv_free_fraction"], of_free=True, max_batch=row.get("max_batch_limit", MAX_BATCH_LIMIT))
+
+
 def predict(row: dict, models: dict, kv_dtype: str) -> tuple[float, str]:
     """(predicted metric, the decode step's largest cause); nan where no layout holds the run."""
     model = MODELS.get(row["model"]) or model_from_dict(models[row["model"]], source=row["model"])
     load = ServeLoad(isl=row["isl"], osl=row["osl"], concurrency=row.get("concurrency"), phase=row["phase"])
     result = search_serving(model, CLUSTERS[row["cluster"]], load, gpus=row["gpus"], fixed=parse_serve_fix(row["fix"]),
-                            weight_dtype=row["weight_dtype"], kv_dtype=row.get("kv_dtype", kv_dtype), keep=1)
+                            weight_dtype=row["weight_dtype"], kv_dtype=row.get("kv_dtype", kv_dtype), keep=1,
+                            pool=pool_of(row))
     if not result.ranked:
         return float("nan"), "refused"
     rates = result.ranked[0].rates

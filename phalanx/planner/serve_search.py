@@ -21,7 +21,7 @@ from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.serve_costs import serve_costs_for
 from phalanx.planner.serve_expert_load import ExpertLoad, expected_imbalance, slot_choices
-from phalanx.planner.serve_memory import RankMemory, max_batch_for, rank_memory
+from phalanx.planner.serve_memory import VLLM_POOL, PoolRule, RankMemory, max_batch_for, rank_memory
 from phalanx.planner.serve_rates import Rates, ServeLoad, Setting, colocated, phase_only
 from phalanx.planner.serve_step import ServeLayout
 
@@ -158,12 +158,14 @@ def phalanx_serve_gaps(layout: ServeLayout, *, instances: int, disaggregated: bo
 
 
 def evaluate(model: ModelConfig, cluster: Cluster, layout: ServeLayout, instances: int, load: ServeLoad, *,
-             max_batch: int | None = None, max_batch_tokens: int, world: int, costs=None) -> ServePlan | None:
+             max_batch: int | None = None, max_batch_tokens: int, world: int, costs=None,
+             pool: PoolRule = VLLM_POOL) -> ServePlan | None:
     """One layout at one prompt budget; None when the KV cache holds no whole sequence (or
-    fewer than a fixed max_batch)."""
+    fewer than a fixed max_batch). `pool`: how the engine sizes its KV cache (vLLM's rule)."""
     costs = costs or serve_costs_for(cluster)
-    mem = rank_memory(model, cluster, layout, max_batch_tokens=max_batch_tokens)
-    fits = max_batch_for(mem, isl=load.isl, osl=load.osl if load.phase != "prefill" else 0, pp=layout.pp)
+    mem = rank_memory(model, cluster, layout, max_batch_tokens=max_batch_tokens, pool=pool)
+    fits = max_batch_for(mem, isl=load.isl, osl=load.osl if load.phase != "prefill" else 0, pp=layout.pp,
+                         limit=pool.max_batch)
     batch = min(fits, max_batch) if max_batch else fits
     if batch < 1 or (max_batch and fits < max_batch):
         return None
@@ -178,7 +180,8 @@ def evaluate(model: ModelConfig, cluster: Cluster, layout: ServeLayout, instance
 
 
 def search_serving(model: ModelConfig, cluster: Cluster, load: ServeLoad, *, gpus: int, fixed: dict[str, int],
-                   weight_dtype: str = "bf16", kv_dtype: str = "bf16", keep: int = 10) -> ServeSearchResult:
+                   weight_dtype: str = "bf16", kv_dtype: str = "bf16", keep: int = 10,
+                   pool: PoolRule = VLLM_POOL) -> ServeSearchResult:
     start = time.perf_counter()
     result = ServeSearchResult()
     costs = serve_costs_for(cluster)
@@ -193,7 +196,7 @@ def search_serving(model: ModelConfig, cluster: Cluster, load: ServeLoad, *, gpu
         for budget in budgets:
             result.considered += 1
             plan = evaluate(model, cluster, layout, instances, load, max_batch=fixed.get("max_batch"),
-                            max_batch_tokens=budget, world=gpus, costs=costs)
+                            max_batch_tokens=budget, world=gpus, costs=costs, pool=pool)
             if plan is None:
                 result.pruned_memory += 1
             elif best is None or plan.key > best.key:
