@@ -45,6 +45,7 @@ def test_sglang_72_gpu_decode_is_a_plan_with_its_slots(capsys):
     # Even loads over 4 slots per GPU: 32 experts replicated, 64 half-loads over 72 GPUs leave
     # at least 8 GPUs with four whole experts: 4 against a mean of 256 / 72, (4 - 3.556) / 3.556.
     assert plan["expert_imbalance"] == pytest.approx(4 / (256 / 72) - 1, abs=1e-9)
+    assert plan["expert_imbalance_one_slot_each"] is None  # 72 does not divide 256: no such layout
 
 
 def test_the_search_finds_slots_where_ep_does_not_divide_the_experts(capsys):
@@ -110,6 +111,8 @@ def test_a_skewed_load_buys_slots_and_they_pay():
     pinned = search_serving(model, cluster, load, gpus=64, fixed={**fix, "slots": 256}, weight_dtype="fp8").ranked[0]
     assert free.layout.slots > 256
     assert free.layout.expert_imbalance < pinned.layout.expert_imbalance
+    # The imbalance the replicas remove: the same ep's with one slot per expert, as pinned.
+    assert free.imbalance_one_slot_each == pytest.approx(pinned.layout.expert_imbalance)
     assert free.rates.output_tps_gpu > pinned.rates.output_tps_gpu
 
 

@@ -59,6 +59,7 @@ def serve_record(plan: ServePlan, model_name: str) -> dict:
         "serve": serve_command(plan, model_name),
         "plan": lay.plan_string(), "weight_dtype": lay.weight_dtype, "kv_dtype": lay.kv_dtype,
         "expert_slots": expert_slots(plan, lay), "expert_imbalance": lay.expert_imbalance,
+        "expert_imbalance_one_slot_each": plan.imbalance_one_slot_each,
         "expert_load": plan.expert_load.name if plan.expert_load is not None else "even",
         "running_batch": r.batch, "overloaded": r.overloaded,
         "runs_in_phalanx_serve": not plan.notes,

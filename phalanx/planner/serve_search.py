@@ -72,6 +72,10 @@ class ServePlan:
     """What phalanx serve does not run of this plan (other engines do)."""
     expert_load: ExpertLoad | None = None
     """The expert load skew the plan's slots were placed and priced for (`--expert-load`)."""
+    imbalance_one_slot_each: float | None = None
+    """What the same ep would leave with one slot per expert, placed by the balancer for the
+    same loads (the imbalance the replicas remove); None where ep does not divide the experts
+    (then there is no such layout) or the model has none."""
 
     @property
     def key(self) -> tuple[float, float, float]:
@@ -176,7 +180,14 @@ def evaluate(model: ModelConfig, cluster: Cluster, layout: ServeLayout, instance
     return ServePlan(layout=layout, instances=instances, max_batch=batch, max_batch_tokens=max_batch_tokens,
                      rates=rates, memory=mem, prefill_gpus=gpus if load.phase != "decode" else 0,
                      decode_gpus=gpus if load.phase != "prefill" else 0,
-                     notes=phalanx_serve_gaps(layout, instances=instances), expert_load=load.expert_load)
+                     notes=phalanx_serve_gaps(layout, instances=instances), expert_load=load.expert_load,
+                     imbalance_one_slot_each=_one_slot_each(model, layout, load))
+
+
+def _one_slot_each(model: ModelConfig, layout: ServeLayout, load: ServeLoad) -> float | None:
+    if not model.n_experts or model.n_experts % layout.ep:
+        return None
+    return expected_imbalance(load.expert_load, n_experts=model.n_experts, slots=model.n_experts, ep=layout.ep)
 
 
 def search_serving(model: ModelConfig, cluster: Cluster, load: ServeLoad, *, gpus: int, fixed: dict[str, int],
