@@ -145,7 +145,7 @@ def test_serve_command_places_the_priced_skew(tmp_path, capsys):
     (["--model", "deepseek-v3", "--fix", "dp=8,ep=8,slots=260"], "no serving layout of 8 GPUs matches"),
     (["--model", "deepseek-v3", "--expert-load", "zipf:x"], "zipf:S takes a number S >= 0"),
     (["--model", "deepseek-v3", "--expert-load", "zipf:-1"], "the zipf exponent must be within 0 and 4"),
-    (["--model", "deepseek-v3", "--expert-load", "/nonexistent/load.json"], "does not exist"),
+    (["--model", "deepseek-v3", "--expert-load", "/nonexistent/load.json"], "--expert-load /nonexistent/load.json: load file"),
     (["--model", "llama3-8b", "--expert-load", "zipf:1"], "has no routed experts"),
 ])
 def test_bad_slots_and_loads_are_one_line(args, says, capsys):
@@ -158,6 +158,24 @@ def test_bad_slots_and_loads_are_one_line(args, says, capsys):
         main([*base, *args])
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 2 and len(lines) == 1 and says in lines[0], lines
+
+
+@pytest.mark.parametrize("text, says", [
+    ("", "is not JSON"), ("[[1, 2]", "is not JSON"), ('[[1, "a"]]', "rectangular [layers][experts] table"),
+    ("[]", "a [layers][experts] table"), ("[[0, 0, 0, 0, 0, 0, 0, 0]]", "no expert carries any load"),
+    ("[[1, 1, 1, 1, 1, 1, 1, -1]]", "negative values"),
+])
+def test_bad_load_files_are_one_line(tmp_path, capsys, text, says):
+    """Each bad load table: one line naming the flag and the file, exit status 2."""
+    from phalanx.cli import main
+
+    table = tmp_path / "load.json"
+    table.write_text(text)
+    with pytest.raises(SystemExit) as exit:
+        main(["plan", "--serve", "--model", "small-moe", "--cluster", "dgx-h100", "--gpus", "4", "--isl", "100",
+              "--osl", "100", "--expert-load", str(table)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(lines) == 1 and f"--expert-load {table}" in lines[0] and says in lines[0], lines
 
 
 def test_a_load_file_of_other_experts_is_one_line(tmp_path, capsys):

@@ -73,7 +73,10 @@ def parse_expert_load(text: str | None, *, n_experts: int, model: str, moe_layer
     from phalanx.balance.loads import read_load  # numpy: only when a file is given
     from phalanx.balance.solve import check_load
 
-    table = check_load(read_load(text))
+    try:
+        table = check_load(read_load(text))
+    except UserError as error:  # the balancer's own message, said of this flag
+        raise UserError(f"--expert-load {text}: {error}") from None
     if table.shape[1] != n_experts:
         raise UserError(f"--expert-load {text}: {table.shape[1]} experts per layer, but model {model!r} routes "
                         f"over {n_experts}")
