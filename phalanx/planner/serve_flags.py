@@ -36,7 +36,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "fp32"), default=None, help="KV cache (default: as activations)")
     p.add_argument("--disaggregate", choices=("auto", "on", "off"), default="auto",
                    help="prefill and decode on separate GPUs (auto: whichever ranks higher)")
-    p.add_argument("--fix", default="", help="pin tp=,ep=,dp=,pp=,slots=,max_batch=,max_batch_tokens=,instances=")
+    p.add_argument("--fix", default="",
+                   help="pin tp=,ep=,dp=,pp=,slots=,max_batch=,max_batch_tokens=,instances=")
     p.add_argument("--expert-load", metavar="FILE|zipf:S",
                    help="how unevenly tokens pick the routed experts: a [layers][experts] load table (JSON, .npy, "
                         "a run directory) or zipf:S (the i-th hottest expert carries 1/i^S); default even")

@@ -58,7 +58,8 @@ class RankMemory:
 
 def weight_bytes(model: ModelConfig, layout: ServeLayout) -> float:
     """Weights on the most loaded rank: dense parts over tp, routed expert slots (S / ep of
-    them, replicas included) over tp, the embedding and output head over tp (both counted on the stage, conservatively)."""
+    them, replicas included) over tp, the embedding and output head over tp (both counted on
+    the stage, conservatively)."""
     c = param_counts(model)
     layers, moe_layers = stage_layers(model, layout.pp)
     dense = layers * (c.attention + c.norms) + (layers - moe_layers) * c.dense_mlp + moe_layers * c.moe_other

@@ -22,6 +22,8 @@ def expert_slots(plan: ServePlan, layout: ServeLayout) -> int:
     if layout.ep == 1:
         return 0
     return layout.slots or (plan.expert_load.experts if plan.expert_load is not None else 0)
+
+
 COLUMNS = ("#", "inst", "dp", "tp", "pp", "ep", "slots", "max_batch", "budget", "TTFT ms", "TPOT p50", "TPOT p99",
            "out tok/s/GPU", "in tok/s/GPU", "goodput req/s", "phalanx serve")
 
