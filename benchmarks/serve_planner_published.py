@@ -30,6 +30,7 @@ from pathlib import Path
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.model_spec import model_from_dict
+from phalanx.planner.serve_costs import GPU_KERNEL_FILL_S, kernel_fill_seconds
 from phalanx.planner.serve_memory import MAX_BATCH_LIMIT, PoolRule
 from phalanx.planner.serve_rates import ServeLoad
 from phalanx.planner.serve_search import parse_serve_fix, search_serving
@@ -116,6 +117,9 @@ def main() -> None:
         for err, row, ratio, cause in sorted(rows, key=lambda r: -r[0] if not math.isnan(r[0]) else -math.inf)[:args.worst]:
             print(f"    worst: {row['id']:<22} {row['what'][:50]:<50} {row['isl']:>5}/{row['osl']:<5} pred/pub "
                   f"{ratio:.2f}, step mostly {cause}")
+    fills = ", ".join(f"{x * 1e6:.2f}" for x in kernel_fill_seconds())
+    print(f"GPU engines: no host time (overlapped, CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
+          f"per launch (the median of DeepGEMM's decode-size fp8 GEMMs on H800: {fills} us beyond their bytes)")
     print(f"({time.perf_counter() - start:.2f} s; KV dtype where a row states none: {args.kv_dtype})")
 
 

@@ -246,6 +246,10 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
         experts = moe_layers * (router + shared_t + routed)
     head = _linear(cluster, peak, bw, min(tokens, decodes + (1 if prefill_tokens else 0)),
                    [(model.vocab_size / tp, h)], wb)
+    # Each GEMM launched also fills and drains its pipeline (ServeCosts.gemm_s): one launch per
+    # shape per layer, the routed experts' two as grouped GEMMs, the router, shared experts, head.
+    launches = (layers * len(latent_attention.gemm_shapes(model, tp)) + dense_layers * len(mlp_shapes)
+                + moe_layers * (1 + (2 if model.n_shared_experts else 0) + 2) + 1)
 
     kv_layer = kv_bytes_per_token_layer(model, layout)
     heads = model.n_heads / tp
@@ -274,7 +278,7 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
     framework = (costs.step_s + costs.group_step(tp) + layers * costs.layer_s + sequences * costs.sequence_s
                  + decodes * layers * costs.sequence_layer_s + tokens * costs.token_s)
     return StepTime({
-        "weights_and_gemms": attention + dense + experts + head,
+        "weights_and_gemms": attention + dense + experts + head + launches * costs.gemm_s,
         "attention_decode": dec_attn, "attention_prefill": pre_attn,
         "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "framework": framework,
     })
