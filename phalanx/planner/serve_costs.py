@@ -89,26 +89,30 @@ class ServeCosts:
         return out
 
 
-DEEPGEMM_DECODE_GEMMS = ((64, 2112, 7168, 1688.0), (128, 2112, 7168, 1509.0), (128, 4096, 7168, 2221.0),
-                         (128, 7168, 2048, 2277.0))
-"""(M, N, K, achieved GB/s) of DeepGEMM's published fp8 GEMMs at decode sizes on an H800 (its
-README's table of normal GEMMs, 2025-02; HBM 3.35 TB/s): memory-bound, yet each moved its
-bytes (M x K and N x K fp8 in, M x N bf16 out) at 0.45 to 0.68 of the bandwidth."""
+DEEPGEMM_DECODE_GEMMS = ((64, 2112, 7168, 206.0), (64, 24576, 1536, 289.0), (64, 32768, 512, 219.0),
+                         (64, 7168, 16384, 336.0), (64, 4096, 7168, 287.0), (64, 7168, 2048, 295.0),
+                         (128, 2112, 7168, 352.0), (128, 24576, 1536, 535.0), (128, 32768, 512, 358.0),
+                         (128, 7168, 16384, 645.0), (128, 4096, 7168, 533.0), (128, 7168, 2048, 510.0))
+"""(M, N, K, TFLOP/s) of DeepGEMM's published fp8 GEMMs at decode sizes (every row of M = 64
+and 128 of its README's "Normal GEMMs for dense models" table, deepseek-ai/DeepGEMM@7a70b43,
+measured on an H800 whose HBM gives 3.35 TB/s): memory-bound, yet each moved its bytes (M x K
+and N x K fp8 in, M x N bf16 out; the table's GB/s) at 0.45 to 0.80 of that bandwidth."""
 H800_STREAM_BYTES_PER_S = 3.35e12 * 0.9
 """The H800's HBM (3.35 TB/s) at the presets' streaming fraction (hardware.Cluster.hbm_efficiency)."""
 
 
 def kernel_fill_seconds() -> list[float]:
-    """Each DeepGEMM decode-size GEMM's time beyond its bytes at the streaming bandwidth."""
+    """Each DeepGEMM decode-size GEMM's time (2 M N K / its TFLOP/s) beyond its bytes at the
+    streaming bandwidth."""
     out = []
-    for m, n, k, gbs in DEEPGEMM_DECODE_GEMMS:
+    for m, n, k, tflops in DEEPGEMM_DECODE_GEMMS:
         nbytes = m * k + n * k + 2 * m * n
-        out.append(nbytes / (gbs * 1e9) - nbytes / H800_STREAM_BYTES_PER_S)
+        out.append(2 * m * n * k / (tflops * 1e12) - nbytes / H800_STREAM_BYTES_PER_S)
     return out
 
 
 GPU_KERNEL_FILL_S = statistics.median(kernel_fill_seconds())
-"""A GEMM's fill and drain on a GPU: the median of `kernel_fill_seconds()` (3.9 us)."""
+"""A GEMM's fill and drain on a GPU: the median of `kernel_fill_seconds()` (3.5 us)."""
 
 GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S)
 """TensorRT-LLM / SGLang on a GPU: no framework time beyond the GPU's (CUDA graphs; the host's
