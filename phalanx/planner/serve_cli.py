@@ -26,8 +26,8 @@ def serve_argv(argv: list[str]) -> bool:
 
 
 def run_serve_plan(args) -> int:
-    load = load_from(args)
     model = model_from_name(args.model)
+    load = load_from(args, model)
     check_lengths(load, model)
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]
     fixed = parse_serve_fix(args.fix)
@@ -50,7 +50,8 @@ def run_serve_plan(args) -> int:
         if not result.considered:
             raise UserError(f"no serving layout of {args.gpus} GPUs matches --fix {args.fix} on {cluster.name} "
                             f"(tp divides n_heads={model.n_heads} and stays within a fast domain of "
-                            f"{cluster.fast_domain}, ep divides dp and n_experts={model.n_experts}, "
+                            f"{cluster.fast_domain}, ep divides dp and the expert slots (at least "
+                            f"n_experts={model.n_experts}, at most n_experts per rank), "
                             f"pp at most n_layers={model.n_layers}; world = instances x dp x tp x pp)")
         results.append((cluster, result))
     if args.json:

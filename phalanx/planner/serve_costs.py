@@ -6,15 +6,22 @@ on a small model at a few batch sizes and contexts, fits these constants (planne
 serve_fit.py) together with the CPU's effective FLOP rate and bandwidth, and writes them to
 `serve-local.json` beside the training calibration (`--cluster local` then reads it). On the
 GPU presets they are what the engines whose published runs the validation uses (TensorRT-LLM,
-SGLang) spend with CUDA graphs and overlapped scheduling: launches and Python per layer are
-captured in the graph (0); the host's scheduling and sampling per step is set on the visible
-half of the published rows only (benchmarks/serve_planner_published.py).
+SGLang) spend beyond the GPU's work, which their own documents put at nothing while the GPU's
+step is the longer: launches and Python per layer are captured in CUDA graphs (the
+perf-overview runs' `cuda_graph_config`, SGLang's decode), and the host's scheduling, sampling
+and bookkeeping of step n run while the GPU computes step n + 1 (TensorRT-LLM's overlap
+scheduler, on by default; SGLang v0.4's zero-overhead scheduler, whose Nsight profile of five
+consecutive decode batches shows no idle time on the GPU). A host slower than the GPU's step
+(a small model at a batch of thousands) then sets the step instead; that per-sequence host
+time is not modelled (no engine profile at such batches was found): docs/serve_planner.md,
+"Validation".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +43,11 @@ class ServeCosts:
     and values into a new tensor per layer (docs/serve.md, "Not there yet")."""
     token_s: float = 0.0
     """Per token fed per step beyond its FLOPs and bytes (element-wise passes, copies)."""
+    gemm_s: float = 0.0
+    """Per GEMM launched per step (one per weight shape per layer, a grouped GEMM once): the
+    time a memory-bound GEMM takes beyond its bytes at the cluster's streaming bandwidth, its
+    pipeline's fill and drain (`GPU_KERNEL_FILL_S`); 0 on this CPU, where calibration's
+    per-layer cost holds it."""
     request_s: float = 0.0
     """Per request, on its way to the first token beyond the steps: HTTP parsing, tokenizing,
     the engine thread taking it in, the first streamed chunk back (measured through the server)."""
@@ -77,9 +89,36 @@ class ServeCosts:
         return out
 
 
-GPU_ENGINE = ServeCosts(step_s=2e-3)
-"""TensorRT-LLM / SGLang on a GPU: 2 ms of host work per step that the GPU waits for
-(scheduling, sampling, the between-step synchronization; set on the visible published rows)."""
+DEEPGEMM_DECODE_GEMMS = ((64, 2112, 7168, 206.0), (64, 24576, 1536, 289.0), (64, 32768, 512, 219.0),
+                         (64, 7168, 16384, 336.0), (64, 4096, 7168, 287.0), (64, 7168, 2048, 295.0),
+                         (128, 2112, 7168, 352.0), (128, 24576, 1536, 535.0), (128, 32768, 512, 358.0),
+                         (128, 7168, 16384, 645.0), (128, 4096, 7168, 533.0), (128, 7168, 2048, 510.0))
+"""(M, N, K, TFLOP/s) of DeepGEMM's published fp8 GEMMs at decode sizes (every row of M = 64
+and 128 of its README's "Normal GEMMs for dense models" table, deepseek-ai/DeepGEMM@7a70b43,
+measured on an H800 whose HBM gives 3.35 TB/s): memory-bound, yet each moved its bytes (M x K
+and N x K fp8 in, M x N bf16 out; the table's GB/s) at 0.45 to 0.80 of that bandwidth."""
+H800_STREAM_BYTES_PER_S = 3.35e12 * 0.9
+"""The H800's HBM (3.35 TB/s) at the presets' streaming fraction (hardware.Cluster.hbm_efficiency)."""
+
+
+def kernel_fill_seconds() -> list[float]:
+    """Each DeepGEMM decode-size GEMM's time (2 M N K / its TFLOP/s) beyond its bytes at the
+    streaming bandwidth."""
+    out = []
+    for m, n, k, tflops in DEEPGEMM_DECODE_GEMMS:
+        nbytes = m * k + n * k + 2 * m * n
+        out.append(2 * m * n * k / (tflops * 1e12) - nbytes / H800_STREAM_BYTES_PER_S)
+    return out
+
+
+GPU_KERNEL_FILL_S = statistics.median(kernel_fill_seconds())
+"""A GEMM's fill and drain on a GPU: the median of `kernel_fill_seconds()` (3.5 us)."""
+
+GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S)
+"""TensorRT-LLM / SGLang on a GPU: no framework time beyond the GPU's (CUDA graphs; the host's
+work overlapped with the GPU's step, module docstring), and each GEMM's fill and drain as
+DeepGEMM's published decode-size GEMMs show it. Issue 23 charged 2 ms of host work per step
+instead, a figure set on the visible published rows, not measured: issue 39 took it out."""
 
 CPU_GUESS = ServeCosts(step_s=2e-3, layer_s=3e-4, sequence_s=2e-4, sequence_layer_s=1e-4, split_forwards=True)
 """`phalanx serve` on a CPU before `phalanx calibrate --serve` has measured it: rough."""

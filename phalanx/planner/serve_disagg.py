@@ -94,4 +94,5 @@ def _combine(model, cluster, load: ServeLoad, pre: ServePlan, dec: ServePlan, *,
                                  *phalanx_serve_gaps(dec.layout, instances=dec.instances, disaggregated=True)]))
     return ServePlan(layout=dec.layout, instances=dec.instances, max_batch=dec.max_batch,
                      max_batch_tokens=pre.max_batch_tokens, rates=rates, memory=dec.memory, prefill_gpus=p,
-                     decode_gpus=d, prefill_layout=pre.layout, prefill_instances=pre.instances, notes=notes)
+                     decode_gpus=d, prefill_layout=pre.layout, prefill_instances=pre.instances, notes=notes,
+                     expert_load=dec.expert_load, imbalance_one_slot_each=dec.imbalance_one_slot_each)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 
 from phalanx.errors import UserError
+from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
+from phalanx.planner.serve_expert_load import parse_expert_load
 from phalanx.planner.serve_rates import ServeLoad
 from phalanx.scheduling.serving_bounds import check_counts
 
@@ -34,7 +36,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=("bf16", "fp8", "fp32"), default=None, help="KV cache (default: as activations)")
     p.add_argument("--disaggregate", choices=("auto", "on", "off"), default="auto",
                    help="prefill and decode on separate GPUs (auto: whichever ranks higher)")
-    p.add_argument("--fix", default="", help="pin tp=,ep=,dp=,pp=,max_batch=,max_batch_tokens=,instances=")
+    p.add_argument("--fix", default="",
+                   help="pin tp=,ep=,dp=,pp=,slots=,max_batch=,max_batch_tokens=,instances=")
+    p.add_argument("--expert-load", metavar="FILE|zipf:S",
+                   help="how unevenly tokens pick the routed experts: a [layers][experts] load table (JSON, .npy, "
+                        "a run directory) or zipf:S (the i-th hottest expert carries 1/i^S); default even")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--top", type=int, default=10, help="plans to print")
     for flag in TRAINING_FLAGS:
@@ -42,7 +48,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                        default=None, help=argparse.SUPPRESS)
 
 
-def load_from(args) -> ServeLoad:
+def load_from(args, model: ModelConfig) -> ServeLoad:
+    if args.training_expert_slots is not None:
+        raise UserError("--expert-slots belongs to training plans; a serving plan pins its expert slots with "
+                        "--fix slots=S (the search tries them otherwise)")
     for flag in TRAINING_FLAGS:
         if getattr(args, "training_" + flag[2:].replace("-", "_")) is not None:
             raise UserError(f"{flag} belongs to training plans; with --serve give --isl/--osl, --weight-dtype/--kv-dtype "
@@ -62,7 +71,9 @@ def load_from(args) -> ServeLoad:
     if args.phase == "decode" and args.ttft_ms is not None:
         raise UserError("--phase decode rates decoding alone; --ttft-ms is a prefill target")
     return ServeLoad(isl=args.isl, osl=args.osl, concurrency=args.concurrency, rate=args.rate,
-                     ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, phase=args.phase)
+                     ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, phase=args.phase,
+                     expert_load=parse_expert_load(args.expert_load, n_experts=model.n_experts, model=model.name,
+                                                   moe_layers=model.n_moe_layers))
 
 
 def check_lengths(load: ServeLoad, model) -> None:

@@ -3,7 +3,10 @@ KV cache, hence how many sequences (`max_batch`) of isl + osl tokens a dp rank c
 
 The pool is sized as vLLM sizes it (serving-facts.md): a fraction `KV_UTILIZATION` of the
 device (vLLM's `gpu_memory_utilization`, 0.9) less the weights and the step's activations,
-never more than the device less the cluster's reserve.
+never more than the device less the cluster's reserve. An engine that sizes it otherwise is a
+`PoolRule`: TensorRT-LLM takes a fraction of the memory the weights and the runtime leave free
+(`kv_cache_free_gpu_mem_fraction`) and trtllm-bench caps the running batch at 4,096 (its
+tuning.py); the published-run benchmark prices such runs by their engine's rule.
 """
 
 from __future__ import annotations
@@ -25,6 +28,20 @@ running-batch limits are of this order; past it the sampling and scheduling host
 faster than the batch pays)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class PoolRule:
+    """How an engine sizes its KV pool and caps its running batch per dp rank."""
+    fraction: float = KV_UTILIZATION
+    of_free: bool = False
+    """False: `fraction` of the device less the weights and the step's memory (vLLM's
+    gpu_memory_utilization); True: `fraction` of what the weights, the step's memory and the
+    cluster's reserve leave (TensorRT-LLM's kv_cache_free_gpu_mem_fraction)."""
+    max_batch: int = MAX_BATCH_LIMIT
+
+
+VLLM_POOL = PoolRule()
+
+
 @dataclass(frozen=True)
 class RankMemory:
     weights: float
@@ -40,14 +57,16 @@ class RankMemory:
 
 
 def weight_bytes(model: ModelConfig, layout: ServeLayout) -> float:
-    """Weights on the most loaded rank: dense parts over tp, routed experts over ep x tp,
-    the embedding and output head over tp (both counted on the stage, conservatively)."""
+    """Weights on the most loaded rank: dense parts over tp, routed expert slots (S / ep of
+    them, replicas included) over tp, the embedding and output head over tp (both counted on
+    the stage, conservatively)."""
     c = param_counts(model)
     layers, moe_layers = stage_layers(model, layout.pp)
     dense = layers * (c.attention + c.norms) + (layers - moe_layers) * c.dense_mlp + moe_layers * c.moe_other
     heads = 1 if model.tie_embeddings else 2
     dense += heads * c.embedding
-    routed = moe_layers * c.experts / layout.ep
+    per_expert_slots = layout.slot_count(model.n_experts) / model.n_experts if model.n_experts else 1.0
+    routed = moe_layers * c.experts * per_expert_slots / layout.ep
     return (dense + routed) / layout.tp * WEIGHT_BYTES[layout.weight_dtype]
 
 
@@ -60,18 +79,21 @@ def workspace_bytes(model: ModelConfig, layout: ServeLayout, max_batch_tokens: i
 
 
 def rank_memory(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, max_batch_tokens: int,
-                max_batch: int = MAX_BATCH_LIMIT) -> RankMemory:
+                max_batch: int = MAX_BATCH_LIMIT, pool: PoolRule = VLLM_POOL) -> RankMemory:
     weights = weight_bytes(model, layout)
     workspace = workspace_bytes(model, layout, max_batch_tokens, max_batch)
-    total = min(cluster.memory_gib * KV_UTILIZATION * 2**30, cluster.usable_bytes)
     layers, _ = stage_layers(model, layout.pp)
     per_token = layers * kv_bytes_per_token_layer(model, layout)
-    return RankMemory(weights, workspace, max(0.0, total - weights - workspace), per_token)
+    if pool.of_free:
+        kv = pool.fraction * (cluster.usable_bytes - weights - workspace)
+    else:
+        kv = min(cluster.memory_gib * pool.fraction * 2**30, cluster.usable_bytes) - weights - workspace
+    return RankMemory(weights, workspace, max(0.0, kv), per_token)
 
 
-def max_batch_for(mem: RankMemory, *, isl: int, osl: int, pp: int = 1) -> int:
+def max_batch_for(mem: RankMemory, *, isl: int, osl: int, pp: int = 1, limit: int = MAX_BATCH_LIMIT) -> int:
     """Sequences of isl + osl positions a dp rank's pool holds whole (whole blocks each), at
-    most MAX_BATCH_LIMIT per pipeline micro-batch; 0 when not one fits."""
+    most `limit` per pipeline micro-batch; 0 when not one fits."""
     blocks = math.ceil((isl + osl) / BLOCK_SIZE)
     fit = mem.kv_tokens // (blocks * BLOCK_SIZE)
-    return int(min(fit, MAX_BATCH_LIMIT * pp))
+    return int(min(fit, limit * pp))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.serve_costs import ServeCosts
+from phalanx.planner.serve_expert_load import ExpertLoad
 from phalanx.planner.serve_step import ServeLayout, step_time
 
 Z99 = 2.326
@@ -44,6 +45,8 @@ class ServeLoad:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     phase: str = "both"
+    expert_load: ExpertLoad | None = None
+    """How unevenly the requests' tokens pick the routed experts (`--expert-load`); None: evenly."""
 
 
 @dataclass(frozen=True, kw_only=True)

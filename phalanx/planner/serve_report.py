@@ -9,7 +9,22 @@ from phalanx.planner.serve_search import ServePlan
 from phalanx.planner.serve_step import ServeLayout
 
 GIB = 2**30
-COLUMNS = ("#", "inst", "dp", "tp", "pp", "ep", "max_batch", "budget", "TTFT ms", "TPOT p50", "TPOT p99",
+REBALANCE_EVERY = 64
+"""`phalanx serve --rebalance-every` a plan priced for a zipf skew (or a load file of another
+layer count than the model's) prints: the engine starts from the placement for even loads and
+reaches the skew's only by measuring it (docs/serve.md's example value; the planner prices the
+placement reached, not the steps before it)."""
+
+
+def expert_slots(plan: ServePlan, layout: ServeLayout) -> int:
+    """The `--expert-slots` of a plan's layout: its slots, or one per expert where a skew was
+    priced with the balancer's placement of them; 0: none (one slot per expert, in order)."""
+    if layout.ep == 1:
+        return 0
+    return layout.slots or (plan.expert_load.experts if plan.expert_load is not None else 0)
+
+
+COLUMNS = ("#", "inst", "dp", "tp", "pp", "ep", "slots", "max_batch", "budget", "TTFT ms", "TPOT p50", "TPOT p99",
            "out tok/s/GPU", "in tok/s/GPU", "goodput req/s", "phalanx serve")
 
 
@@ -22,6 +37,12 @@ def serve_command(plan: ServePlan, model_name: str, *, layout: ServeLayout | Non
         parts.append(f"--nproc {lay.gpus} --plan {lay.plan_string()}")
     if lay.weight_dtype in ("bf16", "fp32"):
         parts.append(f"--dtype {lay.weight_dtype}")
+    slots = expert_slots(plan, lay)
+    if slots:
+        parts.append(f"--expert-slots {slots}")
+        if plan.expert_load is not None:
+            parts.append(f"--expert-placement {plan.expert_load.path}" if plan.expert_load.path
+                         else f"--rebalance-every {REBALANCE_EVERY}")
     parts.append(f"--max-num-seqs {plan.max_batch} --max-num-batched-tokens {plan.max_batch_tokens}")
     parts.append(f"--kv-cache-memory {plan.memory.kv_pool / GIB:.3g}")
     return " ".join(parts)
@@ -39,6 +60,9 @@ def serve_record(plan: ServePlan, model_name: str) -> dict:
         "goodput_req_per_s": r.goodput,
         "serve": serve_command(plan, model_name),
         "plan": lay.plan_string(), "weight_dtype": lay.weight_dtype, "kv_dtype": lay.kv_dtype,
+        "expert_slots": expert_slots(plan, lay), "expert_imbalance": lay.expert_imbalance,
+        "expert_imbalance_one_slot_each": plan.imbalance_one_slot_each,
+        "expert_load": plan.expert_load.name if plan.expert_load is not None else "even",
         "running_batch": r.batch, "overloaded": r.overloaded,
         "runs_in_phalanx_serve": not plan.notes,
         "not_in_phalanx_serve": list(plan.notes),
@@ -60,7 +84,9 @@ def table_rows(ranked: list[ServePlan]) -> list[list[str]]:
         lay, r = p.layout, p.rates
         where = "yes" if not p.notes else "no: " + ", ".join(p.notes)
         disagg = f"{p.prefill_gpus}P+{p.decode_gpus}D " if p.prefill_layout is not None else ""
+        slots = expert_slots(p, lay)
         rows.append([str(i), f"{disagg}{p.instances}", str(lay.dp), str(lay.tp), str(lay.pp), str(lay.ep),
+                     f"{slots} ({lay.expert_imbalance:.2f})" if slots or lay.expert_imbalance else "-",
                      # Past capacity the queue grows without bound: no TTFT to show.
                      str(p.max_batch), str(p.max_batch_tokens), "overloaded" if r.overloaded else f"{r.ttft_s * 1e3:,.1f}",
                      f"{r.tpot_p50_s * 1e3:.2f}", f"{r.tpot_p99_s * 1e3:.2f}", f"{r.output_tps_gpu:,.0f}",

@@ -112,14 +112,14 @@ def write_png(sweep: list[dict], path: Path, *, title: str) -> None:
 
 
 def run_serve_simulate(args) -> int:
-    load = load_from(args)
+    model = model_from_name(args.model)
+    load = load_from(args, model)
     if args.concurrency is not None or load.phase != "both":
         raise UserError("simulate --serve runs Poisson arrivals of both phases: give --rate, not --concurrency or --phase")
     if args.requests < 1:
         raise UserError(f"--requests={args.requests} must be at least 1")
     if args.cluster and len(args.cluster) > 1:
         raise UserError("simulate --serve takes one --cluster")
-    model = model_from_name(args.model)
     check_lengths(load, model)
     cluster = cluster_from_name((args.cluster or ["local"])[0])
     cluster.check_device_count(args.gpus)

@@ -61,6 +61,16 @@ class ServeLayout:
     pp: int = 1
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
+    slots: int = 0
+    """Routed-expert slots per MoE layer over the ep group (`phalanx serve --expert-slots`):
+    each ep rank holds slots / ep of them, hot experts replicated; 0: one slot per expert."""
+    expert_imbalance: float = 0.0
+    """(max - mean) / mean of the routed rows over the ep ranks that the slots' placement leaves
+    for the plan's expert load (serve_expert_load.expected_imbalance): the most loaded rank
+    computes, receives and returns 1 + this times the mean rows."""
+
+    def slot_count(self, n_experts: int) -> int:
+        return self.slots or n_experts
 
     @property
     def gpus(self) -> int:
@@ -116,13 +126,17 @@ def stage_layers(model: ModelConfig, pp: int) -> tuple[int, int]:
 
 
 def active_experts_per_rank(model: ModelConfig, layout: ServeLayout, tokens: float) -> float:
-    """Expected distinct routed experts of one rank that `tokens` per dp rank touch in a step
-    (every ep member's tokens reach every member's experts)."""
+    """Expected distinct routed expert slots of the most loaded rank that `tokens` per dp rank
+    touch in a step (every ep member's tokens reach every member's slots): of its S / ep slots,
+    each untouched by one of the group's tokens with probability 1 - k / S (its share of the
+    k choices, a replica taking its share of its expert's rows), the rank's share of the
+    tokens 1 + imbalance times the mean. One slot per expert and even loads: E / ep (1 - (1 -
+    k / E)^(tokens ep))."""
     if not model.n_experts or tokens <= 0:
         return 0.0
-    e, k = model.n_experts, model.experts_per_token
-    group_tokens = tokens * layout.ep
-    return e / layout.ep * (1 - (1 - k / e) ** group_tokens)
+    s, k = layout.slot_count(model.n_experts), model.experts_per_token
+    group_tokens = tokens * layout.ep * (1 + layout.expert_imbalance)
+    return s / layout.ep * (1 - (1 - k / s) ** group_tokens)
 
 
 def _fill(d: float, half: float) -> float:
@@ -223,13 +237,19 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
         router = _linear(cluster, peak, bw, tokens, [(model.n_experts, h)], wb)
         shared_t = _linear(cluster, peak, bw, tokens, [(2 * shared * fe / tp, h), (h, shared * fe / tp)], wb) if shared else 0.0
         active = active_experts_per_rank(model, layout, tokens)
-        # A rank's routed rows: its ep group's tokens x k spread over ep ranks = tokens x k, balanced
-        # over its active experts.
-        rows_per_expert = tokens * model.experts_per_token / max(active, 1e-9)
+        # The most loaded rank's routed rows: its ep group's tokens x k spread over ep ranks =
+        # tokens x k on the mean rank, 1 + imbalance times that on the most loaded, over its
+        # active slots.
+        hot = 1 + layout.expert_imbalance
+        rows_per_expert = tokens * model.experts_per_token * hot / max(active, 1e-9)
         routed = _linear(cluster, peak, bw, rows_per_expert, expert_shapes, wb, active, grouped=True)
         experts = moe_layers * (router + shared_t + routed)
     head = _linear(cluster, peak, bw, min(tokens, decodes + (1 if prefill_tokens else 0)),
                    [(model.vocab_size / tp, h)], wb)
+    # Each GEMM launched also fills and drains its pipeline (ServeCosts.gemm_s): one launch per
+    # shape per layer, the routed experts' two as grouped GEMMs, the router, shared experts, head.
+    launches = (layers * len(latent_attention.gemm_shapes(model, tp)) + dense_layers * len(mlp_shapes)
+                + moe_layers * (1 + (2 if model.n_shared_experts else 0) + 2) + 1)
 
     kv_layer = kv_bytes_per_token_layer(model, layout)
     heads = model.n_heads / tp
@@ -247,7 +267,7 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
     if moe_layers and layout.ep > 1:
         k = model.experts_per_token
         dispatch_bytes = 1.0 if layout.weight_dtype in ("fp8", "fp4") else ab
-        rows = tokens * k * h / tp
+        rows = tokens * k * h / tp * (1 + layout.expert_imbalance)  # the most loaded rank's
         ep_comm = moe_layers * (comm.all_to_all(cluster, rows * dispatch_bytes, size=layout.ep, stride=tp)
                                 + comm.all_to_all(cluster, rows * ab, size=layout.ep, stride=tp))
     pp_comm = 0.0
@@ -258,7 +278,7 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
     framework = (costs.step_s + costs.group_step(tp) + layers * costs.layer_s + sequences * costs.sequence_s
                  + decodes * layers * costs.sequence_layer_s + tokens * costs.token_s)
     return StepTime({
-        "weights_and_gemms": attention + dense + experts + head,
+        "weights_and_gemms": attention + dense + experts + head + launches * costs.gemm_s,
         "attention_decode": dec_attn, "attention_prefill": pre_attn,
         "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "framework": framework,
     })
