@@ -175,7 +175,10 @@ class ReplicaGroupSync:
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # PGTransport's frombuffer
+        # PGTransport's frombuffer of a pickle, and its use of a deprecated pytree name: torchft's own
+        # business, printed once per healing process.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torchft")
         import logging
 
         logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning per quorum about NCCL's flight recorder
@@ -212,6 +215,10 @@ class ReplicaGroupSync:
         self.healed_now = False
         self.manager.start_quorum()
         return self.manager.current_step()
+
+    def set_step(self, step: int) -> None:
+        """The step this group is at, after it loaded a checkpoint itself."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def reduce(self, params, loss_sum: torch.Tensor) -> StepReduction:
         """After backward (and the group's own gradient reduction): sum this rank's gradients,
@@ -282,7 +289,7 @@ def state_digest(run_dir: Path, group: int, rank: int, step: int, model, optimiz
 
 def _bytes(tensor: torch.Tensor) -> bytes:
     tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # rank 0's shard: no collective
-    return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _replica_process_group(device: torch.device, timeout: datetime.timedelta):

@@ -31,7 +31,7 @@ from phalanx.parallel.mixed_precision import autocast_for, release_before_step
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
-from phalanx.checkpoint.store import load_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint, load_checkpoint
 from phalanx.checkpoint.writer import CheckpointWriter
 from phalanx.train.collective_watch import (
     StuckRankWatch, bound_every_group, raise_if_collective_failure, stall_if_asked,
@@ -39,7 +39,7 @@ from phalanx.train.collective_watch import (
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
 from phalanx.train.expert_slot_training import SlotTraining, slot_placements
-from phalanx.train.metrics import MetricsLog, plot_loss
+from phalanx.train.metrics import MetricsLog, plot_loss, prepare_metrics
 from phalanx.train.pipeline_step import (
     WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_next_logits, pipeline_step,
 )
@@ -165,6 +165,21 @@ def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, s
     return record
 
 
+def resume_every_group_lost(groups, run_dir: Path, model, optimizer, metrics) -> int:
+    """A restarted replica group whose first quorum found no group ahead of it: every group
+    failed (or the others finished): as a restart of the whole run, it goes on from the newest
+    checkpoint, if there is one (the step to run). A group restart does not read it before its
+    first quorum: when a peer is alive it is not needed, and the peer may prune it meanwhile."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return 0
+    step = load_checkpoint(found[1], model, optimizer)
+    groups.set_step(step)
+    if metrics:  # the rows past it are written again, as after any resume
+        prepare_metrics(metrics.path, step)
+    return step
+
+
 def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this.
     `job`: the run worked out by the launcher (`phalanx.train.job`); given settings instead (a
@@ -250,6 +265,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                 break
             if groups is not None:
                 step = groups.begin_step()  # the quorum; a group that rejoins receives the live state and step here
+                if step == 0 and not groups.healed_now and restart_count():
+                    step = resume_every_group_lost(groups, run_dir, model, optimizer, metrics)
                 if step >= cfg.steps:
                     break
             began = time.perf_counter()

@@ -6,8 +6,8 @@ launcher per group. Each runs the restart loop every launch of `phalanx train` r
 (`worker_restarts.launch_with_restarts`: one elastic launch per attempt, the same policy and
 lines, here prefixed with the group) for its own workers, with `PHALANX_REPLICA_GROUP` set;
 the workers meet the other groups through the lighthouse (`parallel/fault_tolerance.py`). A
-restarted group loads the newest checkpoint, if any (what it needs when every group failed at
-once), and at its first quorum receives the live state of a group that is ahead.
+restarted group receives at its first quorum the live state of a group that is ahead; only
+when none is (every group failed, or the others finished) does it load the newest checkpoint.
 
 The groups share the run directory: metrics.jsonl is prepared here once and each step's row is
 appended by one group (`fault_tolerance.writer_group`), as are the checkpoints.
@@ -15,6 +15,7 @@ appended by one group (`fault_tolerance.writer_group`), as are the checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -65,6 +66,9 @@ def launch_replica_groups(entry, cfg: TrainConfig, per_group: int, run_dir: str,
     from phalanx.train.worker_restarts import launch_with_restarts
 
     first = job_for(cfg)
+    # A restarted group rejoins from a peer's live state, with no checkpoint read (one a peer may
+    # be pruning); only if no group is ahead at its first quorum does it load one (loop.py).
+    rejoin = dataclasses.replace(first, resume_from=None)
     prepare_metrics(Path(run_dir) / "metrics.jsonl", first.start_step if first and first.resume_from else None)
     lighthouse = None
     url = check_lighthouse(cfg.lighthouse) if cfg.lighthouse else None
@@ -75,7 +79,8 @@ def launch_replica_groups(entry, cfg: TrainConfig, per_group: int, run_dir: str,
 
     def run_group(group: int) -> None:
         os.environ[GROUP_ENV] = str(group)
-        status = launch_with_restarts(entry, cfg, per_group, run_dir, "", restarts, job_for, group=group)
+        status = launch_with_restarts(entry, cfg, per_group, run_dir, "", restarts,
+                                      lambda settings: first if settings is cfg else rejoin, group=group)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)  # a forked launcher: no atexit handlers of the parent's
