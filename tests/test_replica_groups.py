@@ -14,12 +14,14 @@ summed gradients, so its state digest equals its peer's exactly.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+os.environ.setdefault("RUST_LOG", "error")  # read when torchft is first imported: its quorum log lines off
 pytest.importorskip("torchft")
 
 from phalanx.checkpoint.store import latest_checkpoint  # noqa: E402
@@ -41,6 +43,18 @@ def _run(argv, capsys) -> tuple[int, list[str]]:
     return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
 
 
+def _launch(argv, **env) -> tuple[int, list[str]]:
+    """`phalanx argv` as a process of its own, as a user starts it: the launcher forks the
+    lighthouse and the groups' launchers, which a pytest process that already ran training
+    in itself (its threads, its locks) should not be forking (seen: a second run hung at step 1)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "phalanx", *argv], capture_output=True, text=True, timeout=280,
+                          env={**os.environ, **env})
+    return done.returncode, done.stderr.strip().splitlines()
+
+
 def _final_weights(run: Path, scratch: Path) -> dict[str, torch.Tensor]:
     dcp_to_torch_save(str(latest_checkpoint(run)[1]), str(scratch))
     return torch.load(scratch, weights_only=False)["model"]
@@ -51,7 +65,8 @@ def test_two_groups_of_two_equal_one_process(tmp_path, capsys):
     a one-process run (1e-4, see the module docstring); every row names both groups."""
     steps = ["--steps", "4", "--ckpt-every", "4"]
     assert _run([*TINY, *steps, "--nproc", "1", "--out", str(tmp_path / "one")], capsys)[0] == 0
-    code, err = _run([*TINY, *steps, "--nproc", "4", "--replica-groups", "2", "--out", str(tmp_path / "ft")], capsys)
+    code, err = _launch([*TINY, *steps, "--nproc", "4", "--replica-groups", "2", "--out", str(tmp_path / "ft")],
+                        PYTHONPATH=str(Path(__file__).parents[1]))
     assert code == 0, err
     assert any("on 4 processes in 2 replica groups of 2, plan dp=2," in line for line in err), err
     one, ft = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "ft" / "metrics.jsonl")
@@ -64,7 +79,7 @@ def test_two_groups_of_two_equal_one_process(tmp_path, capsys):
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_killed_group_rejoins_from_its_peer(tmp_path, capsys, monkeypatch):
+def test_killed_group_rejoins_from_its_peer(tmp_path):
     """2 groups of one process. Group 1 SIGKILLs itself after step 3; group 0 goes on alone
     (steps 4 and 5 name only group 0), then stalls before step 6 for long enough that group 1
     is back (restarted by its launcher) and waiting at the quorum: a quorum cannot form without
@@ -72,11 +87,10 @@ def test_killed_group_rejoins_from_its_peer(tmp_path, capsys, monkeypatch):
     No step is missing or repeated; event rows say when group 1 was lost and rejoined; from
     the step it rejoined on, its model and optimizer state equal group 0's bit for bit."""
     run = tmp_path / "run"
-    monkeypatch.setenv(FAULT_ENV, "1:3:SIGKILL")  # global rank 1: group 1's only rank
-    monkeypatch.setenv(STALL_ENV, "0:6:30")  # group 0, before step 6 (a restart took 10-20 s on 2 loaded cores)
-    monkeypatch.setenv(DIGEST_ENV, "1")
-    code, err = _run([*TINY, "--steps", "8", "--ckpt-every", "2", "--nproc", "2", "--replica-groups", "2",
-                      "--out", str(run)], capsys)
+    code, err = _launch([*TINY, "--steps", "8", "--ckpt-every", "2", "--nproc", "2", "--replica-groups", "2", "--out", str(run)],
+                        **{FAULT_ENV: "1:3:SIGKILL",  # global rank 1: group 1's only rank
+                           STALL_ENV: "0:6:30",  # group 0, before step 6 (a restart took 10-20 s on 2 loaded cores)
+                           DIGEST_ENV: "1", "PYTHONPATH": str(Path(__file__).parents[1])})
     assert code == 0, err
     assert ("phalanx: replica group 1: worker rank 0 exited with signal SIGKILL; restarting from its peers' live state "
             "(restart 1 of 3)") in err, err
