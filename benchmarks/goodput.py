@@ -79,18 +79,23 @@ def workers(pid: int, min_depth: int = 1) -> list[int]:
     but multiprocessing's resource tracker and forkserver. `min_depth` 2 with replica groups:
     the workers are below each group's launcher, and the launcher's own childless child is the
     lighthouse."""
-    found, todo = [], [(child, 1) for child in children(pid)]
+    def cmdline(proc: int) -> bytes:
+        try:
+            return Path(f"/proc/{proc}/cmdline").read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    # A forkserver's workers carry its command line too; the forkserver is the one whose parent does not.
+    found, todo = [], [(child, 1, cmdline(pid)) for child in children(pid)]
     while todo:
-        proc, depth = todo.pop()
+        proc, depth, parent = todo.pop()
+        own = cmdline(proc)
         below = children(proc)
         if below:
-            todo += [(child, depth + 1) for child in below]
+            todo += [(child, depth + 1, own) for child in below]
             continue
-        try:
-            cmdline = Path(f"/proc/{proc}/cmdline").read_bytes()
-        except FileNotFoundError:
-            continue
-        if depth >= min_depth and b"resource_tracker" not in cmdline and b"forkserver" not in cmdline:
+        server = b"forkserver" in own and b"forkserver" not in parent
+        if own and depth >= min_depth and b"resource_tracker" not in own and not server:
             found.append(proc)
     return sorted(found)
 
