@@ -19,9 +19,9 @@ Printed, per arm and as ratios:
 The arms run in pairs, in ABBA order (clean then failures, failures then clean), since the
 machine's load drifts; the median goodput ratio over the pairs is the headline.
 
-The replica-group arm (`--replicas`, on by default; the `ft` extra) runs beside each pair, its
-kills aimed the same way (every K steps, counted from the step the last killed group rejoined
-on). There the other group goes on stepping while the killed one restarts, so no step is
+The replica-group arm (on by default, `--no-replicas` to leave it out; the `ft` extra) runs
+beside each pair, a worker SIGKILLed at every multiple of K steps (K, 2K, ...: as many kills as
+the restart arm, whose kills count from the step each restart resumed from). There the other group goes on stepping while the killed one restarts, so no step is
 replayed; a step that only some of the R groups took part in computed only their share of the
 global batch, so its useful time counts that share: useful = sum of step_time_s x
 len(groups) / R. Its goodput ratio is against the same clean arm (no replica groups), so the
@@ -144,16 +144,17 @@ def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int
 
 
 def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int) -> dict:
-    """The replica-group arm: a worker of one group SIGKILLed each time the run reaches the next
-    multiple of kill_every steps after the last rejoin, before its last steps (the killed group
-    must be able to come back before the others finish)."""
+    """The replica-group arm: a worker of one group SIGKILLed at every multiple of kill_every
+    steps (as many kills as the restart arm: none is replayed here to push the next one later),
+    each once the group killed before has rejoined. A group killed near the end may not be back
+    before the other finishes; it then finds the final checkpoint and ends."""
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--replica-groups", str(groups), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     kills: list[dict] = []
     target = kill_every
     while kill_every and proc.poll() is None:
-        if target < steps - kill_every // 2 and last_step(out) >= target:
+        if target < steps and last_step(out) >= target:
             victim = workers(proc.pid, min_depth=2)[-1]
             killed_at = time.perf_counter()
             os.kill(victim, signal.SIGKILL)
@@ -167,7 +168,7 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
                 time.sleep(0.01)
             if "rejoined_at_step" not in kills[-1]:
                 break  # the run ended before the group came back (or failed: its status says)
-            target = kills[-1]["rejoined_at_step"] + kill_every
+            target = max(target + kill_every, kills[-1]["rejoined_at_step"] + 1)
         time.sleep(0.01)
     _, err = proc.communicate()
     wall = time.perf_counter() - began
@@ -185,12 +186,13 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
 def report_replicas(clean: dict, arm: dict) -> float:
     """Print the replica-group arm against the pair's clean arm; its goodput ratio."""
     kills = arm["kills"]
-    back = statistics.mean(k["back_after_s"] for k in kills) if kills else 0.0
+    backs = [k["back_after_s"] for k in kills if "back_after_s" in k]
+    back = statistics.mean(backs) if backs else 0.0
     print(f"  replicas  wall {arm['wall']:6.1f} s  useful step time {arm['useful']:6.1f} s  "
           f"goodput {arm['useful'] / arm['wall']:.3f}  ({arm['steps']} step rows, {arm['short_steps']} of them "
           f"without the killed group; median step {arm['median_step'] * 1e3:.0f} ms)")
-    print(f"  {len(kills)} kills; no step replayed; kill -> the group's rejoin {back:.1f} s (its restart, "
-          f"the quorum and the state received from its peer)")
+    print(f"  {len(kills)} kills, {len(backs)} rejoins before the end; no step replayed; kill -> the group's rejoin "
+          f"{back:.1f} s (its restart, the quorum and the state received from its peer)")
     ratio = arm["useful"] / arm["wall"] / (clean["useful"] / clean["wall"])
     print(f"  goodput replica groups with failures / clean = {ratio:.3f}; wall / clean = {arm['wall'] / clean['wall']:.3f}")
     return ratio
@@ -245,6 +247,7 @@ def main() -> None:
     parser.add_argument("--seq-len", default="128")
     parser.add_argument("--plan", default="dp=4")
     parser.add_argument("--pairs", type=int, default=2, help="clean/failure pairs, in ABBA order against drift")
+    parser.add_argument("--replica-plan", default="dp=2", help="the plan of each of the 2 replica groups (2 processes each)")
     parser.add_argument("--no-replicas", dest="replicas", action="store_false",
                         help="leave out the replica-group arm (--replica-groups 2, torchft)")
     parser.add_argument("--saves", action="store_true",
@@ -266,7 +269,8 @@ def main() -> None:
             arms = {}
             order = ["clean", "failures"] + (["replicas"] if args.replicas else [])
             for kind in (order if pair % 2 == 0 else order[::-1]):
-                arms[kind] = run_arm(argv, Path(tmp) / f"{kind}-{pair}", 0 if kind == "clean" else args.kill_every,
+                arm_argv = argv if kind != "replicas" else [args.replica_plan if a == args.plan else a for a in argv]
+                arms[kind] = run_arm(arm_argv, Path(tmp) / f"{kind}-{pair}", 0 if kind == "clean" else args.kill_every,
                                      args.steps, groups=2 if kind == "replicas" else 1)
             print(f"pair {pair + 1} ({' then '.join(arms)}):")
             ratios.append(report(args, arms["clean"], arms["failures"]))

@@ -224,11 +224,10 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
         if slots is not None:  # the saved placement first: each rank then loads its slots' experts
             slots.load_state(found.meta.get("expert_slots"))
         start_step = load_checkpoint(Path(found.path), model, optimizer)
-    groups = replica_group(cfg, model, optimizer, device, rank=rank, world=world_size, step=start_step, run_dir=run_dir,
-                           first_attempt=not restart_count())
-    metrics = (MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None, shared=groups is not None)
+    replicas = cfg.replica_groups > 1
+    metrics = (MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None, shared=replicas)
                if rank == 0 else None)
-    if metrics and groups is None and (row := restart_row(start_step)):  # a group's restart: its rows say so
+    if metrics and not replicas and (row := restart_row(start_step)):  # a group's restart: its rows say so
         metrics.write(row)
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
@@ -246,6 +245,10 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
+    # Last before the loop: from here this group's torchft manager heartbeats, and the other groups'
+    # quorums wait for it to ask (a second of TensorBoard's import in between stalled them all).
+    groups = replica_group(cfg, model, optimizer, device, rank=rank, world=world_size, step=start_step, run_dir=run_dir,
+                           first_attempt=not restart_count())
     # With replica groups, the data-parallel ranks of every group together read the global batch.
     batch_rank, batch_ranks = mesh.batch_rank, plan.dp
     if groups is not None:
