@@ -1,5 +1,6 @@
 """Goodput under failures: `phalanx train --nproc 4` with a worker SIGKILLed every K steps,
-against the same command without failures, on the same machine in the same run.
+against the same command without failures, on the same machine in the same run; and the
+same failures under `--replica-groups 2` (torchft: two groups of dp=2), in the same run.
 
 Both arms are the same command line (only `--out` differs) started as a fresh process; the
 failure arm's worker is killed from outside (a child of the launcher, found in /proc), the
@@ -18,11 +19,20 @@ Printed, per arm and as ratios:
 The arms run in pairs, in ABBA order (clean then failures, failures then clean), since the
 machine's load drifts; the median goodput ratio over the pairs is the headline.
 
+The replica-group arm (on by default, `--no-replicas` to leave it out; the `ft` extra) runs
+beside each pair, a worker SIGKILLed at every multiple of K steps (K, 2K, ...: as many kills as
+the restart arm, whose kills count from the step each restart resumed from). There the other group goes on stepping while the killed one restarts, so no step is
+replayed; a step that only some of the R groups took part in computed only their share of the
+global batch, so its useful time counts that share: useful = sum of step_time_s x
+len(groups) / R. Its goodput ratio is against the same clean arm (no replica groups), so the
+cost of torchft's quorum and second all-reduce at every step counts against it too.
+
 `--saves` compares instead two failure-free arms: checkpoints saved in the loop
 (`--sync-checkpoint`) against the default background saves, also in ABBA pairs: the checkpoint
 wait share of each and the ratio of their wall times.
 
-Reproduce:  .venv/bin/python benchmarks/goodput.py          (no target; recorded in README)
+Reproduce:  .venv/bin/python benchmarks/goodput.py          (issue 41's target: replica groups >= 0.9)
+            .venv/bin/python benchmarks/goodput.py --no-replicas   (restarts only, as issue 11 recorded)
             .venv/bin/python benchmarks/goodput.py --saves
 """
 
@@ -63,24 +73,39 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def workers(pid: int) -> list[int]:
+def workers(pid: int, min_depth: int = 1) -> list[int]:
     """The launcher's worker processes: its descendants without children of their own (a first
     attempt forks them from the launcher; restarts fork them from a forkserver, its child),
-    but multiprocessing's resource tracker."""
-    found, todo = [], children(pid)
+    but multiprocessing's resource tracker and forkserver. `min_depth` 2 with replica groups:
+    the workers are below each group's launcher, and the launcher's own childless child is the
+    lighthouse."""
+    def cmdline(proc: int) -> bytes:
+        try:
+            return Path(f"/proc/{proc}/cmdline").read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    # A forkserver's workers carry its command line too; the forkserver is the one whose parent does not.
+    found, todo = [], [(child, 1, cmdline(pid)) for child in children(pid)]
     while todo:
-        proc = todo.pop()
+        proc, depth, parent = todo.pop()
+        own = cmdline(proc)
         below = children(proc)
         if below:
-            todo += below
-        elif b"resource_tracker" not in Path(f"/proc/{proc}/cmdline").read_bytes():
+            todo += [(child, depth + 1, own) for child in below]
+            continue
+        server = b"forkserver" in own and b"forkserver" not in parent
+        if own and depth >= min_depth and b"resource_tracker" not in own and not server:
             found.append(proc)
     return sorted(found)
 
 
-def run_arm(argv: list[str], out: Path, kill_every: int, steps: int) -> dict:
+def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int = 1) -> dict:
     """Run the command; with kill_every, SIGKILL a worker each time the run reaches the next
-    multiple of kill_every steps (counted from where it resumed), before its last step."""
+    multiple of kill_every steps (counted from where it resumed), before its last step. With
+    `groups` > 1 (replica groups) see `run_replica_arm`."""
+    if groups > 1:
+        return run_replica_arm(argv, out, kill_every, steps, groups)
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -116,6 +141,61 @@ def run_arm(argv: list[str], out: Path, kill_every: int, steps: int) -> dict:
     ckpt = sum(r["ckpt_wait_s"] for r in steps)
     return {"wall": wall, "useful": useful, "ckpt": ckpt, "kills": kills, "steps": len(steps),
             "median_step": statistics.median(r["step_time_s"] for r in steps)}
+
+
+def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int) -> dict:
+    """The replica-group arm: a worker of one group SIGKILLed at every multiple of kill_every
+    steps (as many kills as the restart arm: none is replayed here to push the next one later),
+    each once the group killed before has rejoined. A group killed near the end may not be back
+    before the other finishes; it then finds the final checkpoint and ends."""
+    began = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--replica-groups", str(groups), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    kills: list[dict] = []
+    target = kill_every
+    while kill_every and proc.poll() is None:
+        if target < steps and last_step(out) >= target:
+            victim = workers(proc.pid, min_depth=2)[-1]
+            killed_at = time.perf_counter()
+            os.kill(victim, signal.SIGKILL)
+            kills.append({"at": killed_at, "last_step": last_step(out)})
+            while proc.poll() is None:
+                rejoined = [r for r in rows(out) if r.get("event") == "group_rejoined"]
+                if len(rejoined) == len(kills):
+                    kills[-1]["rejoined_at_step"] = rejoined[-1]["step"]
+                    kills[-1]["back_after_s"] = time.perf_counter() - killed_at
+                    break
+                time.sleep(0.01)
+            if "rejoined_at_step" not in kills[-1]:
+                break  # the run ended before the group came back (or failed: its status says)
+            target = max(target + kill_every, kills[-1]["rejoined_at_step"] + 1)
+        time.sleep(0.01)
+    _, err = proc.communicate()
+    wall = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise SystemExit(f"phalanx train --replica-groups failed ({proc.returncode}):\n{err}")
+    print("\n".join(line for line in err.splitlines() if "restarting" in line), file=sys.stderr)
+    steps_rows = [r for r in rows(out) if "loss" in r]
+    useful = sum(r["step_time_s"] * len(r["groups"]) / groups for r in steps_rows)
+    alone = sum(1 for r in steps_rows if len(r["groups"]) < groups)
+    return {"wall": wall, "useful": useful, "ckpt": sum(r["ckpt_wait_s"] for r in steps_rows), "kills": kills,
+            "steps": len(steps_rows), "short_steps": alone,
+            "median_step": statistics.median(r["step_time_s"] for r in steps_rows)}
+
+
+def report_replicas(clean: dict, arm: dict) -> float:
+    """Print the replica-group arm against the pair's clean arm; its goodput ratio."""
+    kills = arm["kills"]
+    backs = [k["back_after_s"] for k in kills if "back_after_s" in k]
+    back = statistics.mean(backs) if backs else 0.0
+    print(f"  replicas  wall {arm['wall']:6.1f} s  useful step time {arm['useful']:6.1f} s  "
+          f"goodput {arm['useful'] / arm['wall']:.3f}  ({arm['steps']} step rows, {arm['short_steps']} of them "
+          f"without the killed group; median step {arm['median_step'] * 1e3:.0f} ms)")
+    print(f"  {len(kills)} kills, {len(backs)} rejoins before the end; no step replayed; kill -> the group's rejoin "
+          f"{back:.1f} s (its restart, the quorum and the state received from its peer)")
+    ratio = arm["useful"] / arm["wall"] / (clean["useful"] / clean["wall"])
+    print(f"  goodput replica groups with failures / clean = {ratio:.3f}; wall / clean = {arm['wall'] / clean['wall']:.3f}")
+    return ratio
 
 
 def report(args, clean: dict, faulty: dict) -> float:
@@ -167,6 +247,9 @@ def main() -> None:
     parser.add_argument("--seq-len", default="128")
     parser.add_argument("--plan", default="dp=4")
     parser.add_argument("--pairs", type=int, default=2, help="clean/failure pairs, in ABBA order against drift")
+    parser.add_argument("--replica-plan", default="dp=2", help="the plan of each of the 2 replica groups (2 processes each)")
+    parser.add_argument("--no-replicas", dest="replicas", action="store_false",
+                        help="leave out the replica-group arm (--replica-groups 2, torchft)")
     parser.add_argument("--saves", action="store_true",
                         help="compare synchronous and background checkpoint saves (no failures) instead")
     args = parser.parse_args()
@@ -180,16 +263,23 @@ def main() -> None:
     if args.saves:
         compare_saves(argv, args.pairs)
         return
-    ratios = []
+    ratios, replica_ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):
             arms = {}
-            for kind in (("clean", "failures") if pair % 2 == 0 else ("failures", "clean")):
-                arms[kind] = run_arm(argv, Path(tmp) / f"{kind}-{pair}", args.kill_every if kind == "failures" else 0,
-                                     args.steps)
+            order = ["clean", "failures"] + (["replicas"] if args.replicas else [])
+            for kind in (order if pair % 2 == 0 else order[::-1]):
+                arm_argv = argv if kind != "replicas" else [args.replica_plan if a == args.plan else a for a in argv]
+                arms[kind] = run_arm(arm_argv, Path(tmp) / f"{kind}-{pair}", 0 if kind == "clean" else args.kill_every,
+                                     args.steps, groups=2 if kind == "replicas" else 1)
             print(f"pair {pair + 1} ({' then '.join(arms)}):")
             ratios.append(report(args, arms["clean"], arms["failures"]))
+            if args.replicas:
+                replica_ratios.append(report_replicas(arms["clean"], arms["replicas"]))
     print(f"goodput ratio failures / clean, median of {len(ratios)} pairs: {statistics.median(ratios):.3f}")
+    if replica_ratios:
+        print(f"goodput ratio replica groups with failures / clean, median of {len(replica_ratios)} pairs: "
+              f"{statistics.median(replica_ratios):.3f}")
 
 
 if __name__ == "__main__":

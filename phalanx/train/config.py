@@ -79,6 +79,13 @@ class TrainConfig:
     """Restarts of the workers after one fails (a signal, a crash, a collective timeout), each
     resuming from the newest complete checkpoint; a user error is never retried. -1 = the
     default: 3 when the launcher starts worker processes, 0 for one process run in its own."""
+    replica_groups: int = 1
+    """Data-parallel replica groups, each a fault domain of nproc / replica_groups processes that
+    runs the plan inside it; a failed group restarts and rejoins from its peers while the others
+    keep training (torchft, the `ft` extra; `parallel/fault_tolerance.py`). 1 = none."""
+    lighthouse: str = ""
+    """With replica_groups: HOST:PORT of a torchft lighthouse already running; empty = the
+    launcher starts one."""
     sample_tokens: int = 200
     sample_prompt: str = "def "
     device: str = "auto"
@@ -123,7 +130,7 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         problems = []
-        for name in ("steps", "global_batch", "seq_len", "eval_batches", "keep_checkpoints", "max_bad_steps"):
+        for name in ("steps", "global_batch", "seq_len", "eval_batches", "keep_checkpoints", "max_bad_steps", "replica_groups"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("nproc", "warmup_steps", "ckpt_every", "eval_every", "sample_tokens", "expert_slots", "rebalance_every"):

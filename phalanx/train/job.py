@@ -73,8 +73,9 @@ class Job:
 
     @property
     def microbatch_size(self) -> int:
-        """Sequences per micro-batch on each data-parallel rank."""
-        return self.settings.global_batch // self.plan.dp // self.microbatches
+        """Sequences per micro-batch on each data-parallel rank (of every replica group: the
+        groups' ranks share the global batch)."""
+        return self.settings.global_batch // self.settings.replica_groups // self.plan.dp // self.microbatches
 
     @property
     def start_step(self) -> int:

@@ -34,6 +34,7 @@ from phalanx.plan import parse_plan
 from phalanx.train.config import TrainConfig
 from phalanx.train.job import Job, check_sequence_length, resolve_job
 from phalanx.train.loop import train
+from phalanx.train.replica_groups import GROUP_ENV, check_group_job, group_processes, launch_replica_groups
 from phalanx.train.restarts import leave_user_error, resume_mode
 from phalanx.train.resume_point import gpu_name, saved_checkpoint
 from phalanx.train.stop_signal import STOP_STATUS, StopSignals
@@ -106,7 +107,7 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | N
         return 2
     if result.stopped_by:
         return STOP_STATUS[result.stopped_by]
-    if rank == 0:
+    if rank == 0 and os.environ.get(GROUP_ENV, "0") == "0":  # one summary, not one per replica group
         print(_summary(result, cfg, time.perf_counter() - began))
     return 0
 
@@ -138,7 +139,8 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     nodes = cfg.node_range
     if nodes[1] > 1 and not rdzv_endpoint:
         raise UserError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every machine")
-    world = nproc * nodes[0]  # exact unless elastic: then the workers plan for the world they find
+    per_group = group_processes(cfg, nproc) if cfg.replica_groups > 1 else 0  # each group runs the plan
+    world = (per_group or nproc) * nodes[0]  # exact unless elastic: then the workers plan for the world they find
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
@@ -160,6 +162,8 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     job = job_for(cfg, found)
     if job is not None:
         cfg = job.settings  # the plan as worked out: restarts go on with it, not with `auto`
+    if per_group:
+        check_group_job(job, cfg.replica_groups)
 
     def attempt_job(settings: TrainConfig) -> Job | None:
         """The first attempt's job, or a restart's, worked out again: it resumes from the
@@ -177,11 +181,15 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
     source = f" from {weights.folder}" if weights else f", random initialization from seed {cfg.seed}"
     where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
+    if per_group:
+        where += f" in {cfg.replica_groups} replica groups of {per_group}"
     plan = "chosen for the world size found" if job is None else job.plan_text
     print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "
           f"plan {plan}, run directory {run_dir}", file=sys.stderr)
     restarts = max_restarts(cfg.max_restarts, nproc * nodes[1])
-    if nproc == 1 and nodes[1] == 1 and not restarts:  # in this process: nothing would be left to restart it
+    if per_group:
+        status = launch_replica_groups(_elastic_entry, cfg, per_group, str(run_dir), restarts, attempt_job)
+    elif nproc == 1 and nodes[1] == 1 and not restarts:  # in this process: nothing would be left to restart it
         status = worker_main(asdict(cfg), str(run_dir), job=job)
     else:
         status = launch_with_restarts(_elastic_entry, cfg, nproc, str(run_dir), rdzv_endpoint, restarts, attempt_job)

@@ -23,6 +23,7 @@ from phalanx.parallel.apply import parallelize
 from phalanx.parallel.context_parallel import document_ids
 from phalanx.parallel.data_parallel import set_gradient_sync
 from phalanx.parallel.expert import expert_params
+from phalanx.parallel.fault_tolerance import membership_events, replica_group, state_digest, writer_group
 from phalanx.parallel.float8 import note_float8_device
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
@@ -30,7 +31,7 @@ from phalanx.parallel.mixed_precision import autocast_for, release_before_step
 from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, injected_nan_steps, why_bad
-from phalanx.checkpoint.store import load_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint, load_checkpoint
 from phalanx.checkpoint.writer import CheckpointWriter
 from phalanx.train.collective_watch import (
     StuckRankWatch, bound_every_group, raise_if_collective_failure, stall_if_asked,
@@ -38,7 +39,7 @@ from phalanx.train.collective_watch import (
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_load_plot import plot_expert_load
 from phalanx.train.expert_slot_training import SlotTraining, slot_placements
-from phalanx.train.metrics import MetricsLog, plot_loss
+from phalanx.train.metrics import MetricsLog, plot_loss, prepare_metrics
 from phalanx.train.pipeline_step import (
     WaitClock, bubble_record, make_pipeline, pipeline_forward_loss, pipeline_next_logits, pipeline_step,
 )
@@ -47,7 +48,7 @@ from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
 from phalanx.train.job import Job
 from phalanx.train.resume_point import agreed_job
-from phalanx.train.restarts import inject_fault, restart_row
+from phalanx.train.restarts import inject_fault, restart_count, restart_row
 from phalanx.train.sample import generate
 from phalanx.train.step_sync import StepAgreement, StepSync
 from phalanx.train.stop_signal import StopSignals
@@ -164,6 +165,21 @@ def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, s
     return record
 
 
+def resume_every_group_lost(groups, run_dir: Path, model, optimizer, metrics) -> int:
+    """A restarted replica group whose first quorum found no group ahead of it: every group
+    failed (or the others finished): as a restart of the whole run, it goes on from the newest
+    checkpoint, if there is one (the step to run). A group restart does not read it before its
+    first quorum: when a peer is alive it is not needed, and the peer may prune it meanwhile."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return 0
+    step = load_checkpoint(found[1], model, optimizer)
+    groups.set_step(step)
+    if metrics:  # the rows past it are written again, as after any resume
+        prepare_metrics(metrics.path, step)
+    return step
+
+
 def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this.
     `job`: the run worked out by the launcher (`phalanx.train.job`); given settings instead (a
@@ -208,8 +224,10 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
         if slots is not None:  # the saved placement first: each rank then loads its slots' experts
             slots.load_state(found.meta.get("expert_slots"))
         start_step = load_checkpoint(Path(found.path), model, optimizer)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None) if rank == 0 else None
-    if metrics and (row := restart_row(start_step)):
+    replicas = cfg.replica_groups > 1
+    metrics = (MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step if found else None, shared=replicas)
+               if rank == 0 else None)
+    if metrics and not replicas and (row := restart_row(start_step)):  # a group's restart: its rows say so
         metrics.write(row)
     progress = Progress(total=cfg.steps, start=start_step, enabled=cfg.progress and rank == 0)
     nan_steps, bad_steps = injected_nan_steps(), BadStepCounter(cfg.max_bad_steps)
@@ -227,22 +245,40 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
 
+    # Last before the loop: from here this group's torchft manager heartbeats, and the other groups'
+    # quorums wait for it to ask (a second of TensorBoard's import in between stalled them all).
+    groups = replica_group(cfg, model, optimizer, device, rank=rank, world=world_size, step=start_step, run_dir=run_dir,
+                           first_attempt=not restart_count())
+    # With replica groups, the data-parallel ranks of every group together read the global batch.
+    batch_rank, batch_ranks = mesh.batch_rank, plan.dp
+    if groups is not None:
+        batch_rank, batch_ranks = groups.group * plan.dp + mesh.batch_rank, groups.groups * plan.dp
+    hook_rank = rank if groups is None else groups.group * world_size + rank
+    writes, members = True, None  # replica groups: whether this group writes the step; who took part in the last
+    step = start_step
     try:
-        for step in range(start_step, cfg.steps):
-            inject_fault(rank, step)  # test hook: restarts.FAULT_ENV
-            stall_if_asked(rank, step + 1)  # test hook: collective_watch.STALL_ENV
+        while step < cfg.steps:
+            # Test hooks (restarts.FAULT_ENV, collective_watch.STALL_ENV); ranks of replica groups count on.
+            inject_fault(hook_rank, step)
+            stall_if_asked(hook_rank, step + 1)
             if stopped := sync.stop_before_step():  # agreed by every rank in the last step's collective
                 result.stopped_by = stopped
-                if writer.last_saved != step - bad_steps.in_a_row:  # skipped steps left the last good state
+                if writes and writer.last_saved != step - bad_steps.in_a_row:  # skipped steps left the last good state
                     save(step - bad_steps.in_a_row)
                 break
+            if groups is not None:
+                step = groups.begin_step()  # the quorum; a group that rejoins receives the live state and step here
+                if step == 0 and not groups.healed_now and restart_count():
+                    step = resume_every_group_lost(groups, run_dir, model, optimizer, metrics)
+                if step >= cfg.steps:
+                    break
             began = time.perf_counter()
             lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             inputs, targets = rank_batch(
                 corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                dp_rank=mesh.batch_rank, dp_size=plan.dp, cp=plan.cp, cp_rank=mesh.cp_rank,
+                dp_rank=batch_rank, dp_size=batch_ranks, cp=plan.cp, cp_rank=mesh.cp_rank,
             )
             inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq / cp)
             documents = step_documents(corpus.train_documents, corpus.train, cfg, mesh, seed=cfg.seed, step=step)
@@ -262,26 +298,42 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                     loss_sum += _plain(loss.detach())
             if slots is not None:
                 slots.sum_replica_grads()  # replicas of an expert take the same update
+            if groups is not None:  # averaged over the groups present, before clipping, as in one process
+                reduction = groups.reduce(list(model.parameters()), loss_sum)
+                loss_sum = reduction.loss_sum
             grad_norm = clip_grad_norm(model.parameters(), cfg.grad_clip, pp_group=mesh.group("pp"),
                                        experts=expert_params(model))
             done = step + 1
             if done in nan_steps:
                 loss_sum = loss_sum * float("nan")  # test hook: bad_steps.NAN_STEPS_ENV
             agreed = sync.agree(loss_sum, peak_memory_mb(device))  # the global batch's mean loss; syncs the step
+            if groups is not None:
+                if not groups.commit():  # a group failed during the step: run it again with the next quorum
+                    optimizer.zero_grad(set_to_none=True)
+                    continue
+                writes = writer_group(reduction) == groups.group
+                if metrics and writes:
+                    for row in membership_events(done, members, reduction.groups):
+                        metrics.write(row)
+                members = reduction.groups
             loss_value = agreed.loss
             result.losses.append(loss_value)
             reason = why_bad(loss_value, grad_norm)  # both reduced over all ranks: every rank agrees
             if reason:
                 optimizer.zero_grad(set_to_none=True)  # skipped: no update
                 moe_stats.end_step(model, mesh, model_cfg)  # its counters restart with the next step
-                skip_step(metrics, done, reason, bad_steps, cfg, save, rank)
-                result.steps_done = done
+                skip_step(metrics if writes else None, done, reason, bad_steps, cfg,
+                          save if writes else (lambda _step: (0.0, False)), rank)
+                result.steps_done = step = done
                 continue
             bad_steps.good()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             record = step_record(step + 1, agreed, lr, grad_norm, time.perf_counter() - began,
                                  tokens=cfg.global_batch * cfg.seq_len, mesh=mesh, clock=clock)
+            if groups is not None:
+                record["groups"] = reduction.groups
+                state_digest(run_dir, groups.group, rank, done, model, optimizer)  # test hook: fault_tolerance.DIGEST_ENV
             record.update(moe_stats.end_step(model, mesh, model_cfg))  # expert loads; loss-free bias update
             if slots is not None and (event := slots.after_step(done, record.get("moe", {}), optimizer)) and metrics:
                 metrics.write(event)  # slots moved to the new placement (weights and optimizer state)
@@ -291,11 +343,12 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                 record["val_loss"] = result.val_loss = evaluate(model, corpus.val, cfg, mesh, autocast, pipeline,
                                                                     corpus.val_documents)
             # Saved before the row is written, so the row can say how long the loop waited on it.
-            record["ckpt_wait_s"] = save(done)[0] if done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0) else 0.0
-            if metrics:
+            checkpoint_due = done == cfg.steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0)
+            record["ckpt_wait_s"] = save(done)[0] if checkpoint_due and writes else 0.0
+            if metrics and writes:
                 metrics.write(record)
             progress.update(record)
-            result.steps_done = done
+            result.steps_done = step = done
     except RuntimeError as error:
         raise_if_collective_failure(error, step + 1, cfg.collective_timeout, watch)
         raise
@@ -303,10 +356,12 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
         if metrics:
             metrics.close()  # flushes the TensorBoard event file
         writer.close(failing=sys.exc_info()[0] is not None)  # the last save completes before the run ends
+        if groups is not None:
+            groups.shutdown()
     progress.close()
     if result.stopped_by:
         return result  # the launcher says where to continue from
-    if rank == 0 and cfg.plot:
+    if rank == 0 and cfg.plot and writes:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
         plot_expert_load(run_dir / "metrics.jsonl", run_dir / "experts.png")
     if cfg.sample_tokens:

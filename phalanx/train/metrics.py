@@ -21,17 +21,13 @@ class MetricsLog:
     on resume, first drops records past the checkpoint's step (the resumed run writes them
     again) and a line a crash left half-written, so the file reads as one continuous run with
     one row per step. Call `close` at the end of the run (it flushes the event file)."""
-    def __init__(self, path: Path, resume_step: int | None = None):
+
+    def __init__(self, path: Path, resume_step: int | None = None, *, shared: bool = False):
+        """`shared`: the file is written by several writers in turn (replica groups, each of
+        which may restart): the launcher prepared it (`prepare_metrics`); only append."""
         self.path = path
-        if resume_step is not None and path.exists():
-            rows, broken = parse_lines(path.read_text())
-            if broken:
-                print(f"phalanx: warning: {path}: dropped {broken} unreadable line(s) (a write cut short by a crash)",
-                      file=sys.stderr)
-            kept = [row for row in rows if row["step"] <= resume_step]
-            path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        elif resume_step is None:
-            path.write_text("")
+        if not shared:
+            prepare_metrics(path, resume_step)
         # The first record written is resume_step + 1: TensorBoard hides older events from there on.
         self.tensorboard = TensorBoardLog(path.parent, purge_step=None if resume_step is None else resume_step + 1)
 
@@ -42,6 +38,19 @@ class MetricsLog:
 
     def close(self) -> None:
         self.tensorboard.close()
+
+
+def prepare_metrics(path: Path, resume_step: int | None) -> None:
+    """Empty the file for a fresh run; on resume, keep the rows up to `resume_step` (see MetricsLog)."""
+    if resume_step is not None and path.exists():
+        rows, broken = parse_lines(path.read_text())
+        if broken:
+            print(f"phalanx: warning: {path}: dropped {broken} unreadable line(s) (a write cut short by a crash)",
+                  file=sys.stderr)
+        kept = [row for row in rows if row["step"] <= resume_step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    elif resume_step is None:
+        path.write_text("")
 
 
 def parse_lines(text: str) -> tuple[list[dict[str, Any]], int]:

@@ -97,10 +97,13 @@ def resume_hint(run_dir: Path) -> str:
 
 
 def launch_with_restarts(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: str, restarts: int,
-                         job_for=lambda cfg: None) -> int:
+                         job_for=lambda cfg: None, *, group: int | None = None) -> int:
     """Launch the workers, and again after each failure, at most `restarts` times; the exit
     status of the last attempt (1 when a failure used up the restarts). `job_for(cfg)`: the
-    job of each attempt, worked out again for a restart (it resumes from a newer checkpoint)."""
+    job of each attempt, worked out again for a restart (it resumes from a newer checkpoint).
+    `group`: these workers are one replica group (phalanx/train/replica_groups.py); a restart
+    rejoins the other groups, which receive it into their next quorum and send it their state."""
+    label = "" if group is None else f"replica group {group}: "
     saved = {name: os.environ.get(name) for name in (RESTART_ENV, REASON_ENV)}
     try:
         for attempt in range(restarts + 1):
@@ -111,11 +114,13 @@ def launch_with_restarts(entry, cfg, nproc: int, run_dir: str, rdzv_endpoint: st
                 print(failure.traceback.rstrip(), file=sys.stderr)
             if attempt == restarts:
                 spent = f"no restarts left (--max-restarts {restarts})" if restarts else "not restarted (--max-restarts 0)"
-                print(f"phalanx: {failure.reason}; {spent}; {resume_hint(Path(run_dir))}", file=sys.stderr)
+                print(f"phalanx: {label}{failure.reason}; {spent}; {resume_hint(Path(run_dir))}", file=sys.stderr)
                 return 1
             found = latest_checkpoint(Path(run_dir))
             where = f"step {found[0]}" if found else "the start (no checkpoint yet)"
-            print(f"phalanx: {failure.reason}; restarting from {where} (restart {attempt + 1} of {restarts})",
+            if group is not None:
+                where = "its peers' live state"
+            print(f"phalanx: {label}{failure.reason}; restarting from {where} (restart {attempt + 1} of {restarts})",
                   file=sys.stderr)
             os.environ[RESTART_ENV], os.environ[REASON_ENV] = str(attempt + 1), failure.reason
             cfg = cfg.replace(resume="auto")

@@ -1,0 +1,314 @@
+"""Replica groups (`phalanx train --replica-groups R`): torchft's fault tolerance, in one place.
+
+The R groups are data-parallel replicas of one another; each runs the plan's own layout inside
+it (its own process group, its own elastic launch) and is a fault domain: a failed worker takes
+down only its group. Across groups, torchft (the `ft` extra) does the rest:
+
+- a lighthouse (`start_lighthouse`, in a process of its own that the launcher starts, or one
+  given with `--lighthouse`) forms a quorum of the groups present at every step;
+- each group's rank r all-reduces its gradients with rank r of the other groups present
+  (torchft's reconfigurable gloo or NCCL group, rebuilt when the quorum changes), and the
+  step's gradient is averaged over the groups present, as torchft's Manager defines it;
+- a group that (re)starts behind the others receives the model and optimizer state of a
+  healthy peer at its first quorum (torchft's PGTransport, over that same group: no checkpoint,
+  no replay) and takes part from that step on.
+
+`ReplicaGroupSync` is what the training loop calls, three times a step: `begin_step` (the
+quorum, and the live state when this group heals), `reduce` (after backward: the gradients,
+the loss and which groups took part, in one all-reduce) and `commit` (whether the step may
+update: every rank of every group present agreed that its all-reduce succeeded).
+
+torchft is imported only here and only when replica groups are asked for, so a run without
+them needs no torchft.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed import ReduceOp
+
+from phalanx.errors import UserError
+from phalanx.ports import free_port
+
+GROUP_ENV = "PHALANX_REPLICA_GROUP"
+"""Which replica group a worker belongs to (0 .. R-1), set by the launcher of each group."""
+
+LIGHTHOUSE_ENV = "PHALANX_LIGHTHOUSE"
+"""The lighthouse's URL, set by the launcher for the workers."""
+
+LAUNCH_ENV = "PHALANX_REPLICA_LAUNCH"
+"""An id of one launch of all groups, for their first meeting (`wait_for_groups`)."""
+
+DIGEST_ENV = "PHALANX_TEST_STATE_DIGESTS"
+"""Test hook: when set, rank 0 of each group appends, after each step it commits, a digest of its
+model's and optimizer's state to `state_digests.jsonl` in the run directory, so a test can check
+that groups hold bit-equal state (a rejoined group from its first step on)."""
+
+HEARTBEAT_TIMEOUT_MS = 2000
+"""How long the lighthouse keeps counting a group that stopped heartbeating (every 100 ms): a
+quorum waits at most this long for a group that died between two steps. 2 s leaves 20 missed
+heartbeats of slack on a loaded 2-core machine, where the first tests with 1 s dropped a live
+group now and then."""
+
+JOIN_TIMEOUT_MS = 1000
+"""How long the lighthouse waits for a heartbeating group to ask for the quorum before it forms
+one without it (a group that restarts is heartbeating from just before its first quorum)."""
+
+QUORUM_TICK_MS = 20
+"""How often the lighthouse checks whether a quorum can form (its default is 100 ms: a tenth
+of a small model's step on CPU, paid at every step)."""
+
+
+def require_torchft() -> None:
+    # torchft's Rust side logs every quorum at INFO unless RUST_LOG says otherwise, read when
+    # torchft is first imported (forked workers inherit that).
+    os.environ.setdefault("RUST_LOG", "error")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise UserError("--replica-groups needs torchft: pip install 'phalanx[ft]'") from None
+
+
+def check_replica_groups(groups: int, world: int) -> int:
+    """Processes per group; the groups must split the processes evenly."""
+    if groups < 1 or world % groups:
+        raise UserError(f"--replica-groups {groups} must divide the {world} processes (--nproc) evenly")
+    return world // groups
+
+
+def lighthouse_url(address: str) -> str:
+    """torchft's form of a lighthouse address, from HOST:PORT (or a URL already)."""
+    return address if "://" in address else f"http://{address}"
+
+
+def check_lighthouse(address: str, timeout_s: float = 3.0) -> str:
+    """A lighthouse given with --lighthouse HOST:PORT, checked reachable (one line if not)."""
+    host, sep, port = address.rpartition("://")[2].rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise UserError(f"--lighthouse {address!r} must be HOST:PORT")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise UserError(f"--lighthouse {address}: cannot reach a lighthouse there ({error.strerror or error})") from None
+    return lighthouse_url(address)
+
+
+def _serve_lighthouse(port: int, ready) -> None:
+    """Body of the lighthouse process: torchft's server (threads of its own) until terminated."""
+    require_torchft()
+    # Imported when asked for, not at the top: torchft is the optional `ft` extra, needed only with --replica-groups.
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind=f"[::]:{port}", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+                              quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    ready.send(port)
+    ready.close()
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.shutdown()
+
+
+def start_lighthouse():
+    """A lighthouse in a process of its own (so that the launcher, which forks the groups'
+    launchers, holds no server threads of torchft at a fork); returns (process, its URL)."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    port = free_port()
+    process = context.Process(target=_serve_lighthouse, args=(port, send), daemon=True, name="phalanx-lighthouse")
+    process.start()
+    send.close()
+    if not receive.poll(30) or receive.recv() != port:
+        process.kill()
+        raise RuntimeError("torchft's lighthouse did not start")
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_for_groups(run_dir: Path, launch_id: str, group: int, groups: int, timeout_s: float) -> None:
+    """A first launch's groups meet here, each with its torchft manager up (heartbeating), before
+    the first quorum: a lighthouse forms a quorum of the groups it has heard of, so a group that
+    started a little late would otherwise miss step 1 and join it only by healing. One file per
+    group in the run directory (every node sees it); `launch_id` keeps launches apart."""
+    folder = run_dir / ".replica_groups"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{launch_id}.{group}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.glob(f"{launch_id}.*"))) < groups:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"replica group {group}: the other groups did not start within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+@dataclass(frozen=True)
+class StepReduction:
+    """What a step's cross-group all-reduce gave."""
+
+    loss_sum: torch.Tensor
+    """This rank's share of the loss, averaged over the groups present (as gradients are)."""
+    groups: list[int]
+    """The groups that took part in this step, in order."""
+    healed: list[int]
+    """The groups among them that received their state from a peer at this step's quorum."""
+
+
+class ReplicaGroupSync:
+    """torchft's Manager for one rank of one replica group (see the module docstring).
+
+    `model`, `optimizer`: what a healing group receives; `rank`, `world`: this rank's place in
+    its group (rank 0 serves the group's torchft manager, whose address it leaves in the
+    elastic agent's store at MASTER_ADDR:MASTER_PORT); `step`: the step this group starts from
+    (a checkpoint's, or 0)."""
+
+    def __init__(self, *, group: int, groups: int, lighthouse: str, model, optimizer, device: torch.device,
+                 rank: int, world: int, step: int, timeout_s: float):
+        require_torchft()
+        # Imported when asked for, not at the top: torchft is the optional `ft` extra, needed only with --replica-groups.
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        # PGTransport's frombuffer of a pickle, and its use of a deprecated pytree name: torchft's own
+        # business, printed once per healing process.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torchft")
+        logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning per quorum about NCCL's flight recorder
+        self.group, self.groups, self.device = group, groups, device
+        self.model, self.optimizer = model, optimizer
+        self.healed_now = False
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.pg = _replica_process_group(device, timeout)
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
+            # The quorum before the step, healing included: a group that receives the state takes
+            # part in the same step (an asynchronous quorum would let it sit that step out).
+            use_async_quorum=False,
+            # Every group draws the same initial weights from the seed (or loads the same checkpoint):
+            # nothing to send at step 0.
+            init_sync=False,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            rank=rank, world_size=world, store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=lighthouse, replica_id=f"phalanx_group_{group}", hostname=socket.gethostname(),
+            checkpoint_transport=PGTransport(self.pg, timeout=timeout, device=device),
+        )
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def _state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def _load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.healed_now = True
+
+    def begin_step(self) -> int:
+        """The step's quorum (a healing group receives the live state here); the step to run."""
+        self.healed_now = False
+        self.manager.start_quorum()
+        return self.manager.current_step()
+
+    def set_step(self, step: int) -> None:
+        """The step this group is at, after it loaded a checkpoint itself."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def reduce(self, params, loss_sum: torch.Tensor) -> StepReduction:
+        """After backward (and the group's own gradient reduction): sum this rank's gradients,
+        loss share and a flag of its group (and whether it healed) with the same rank of every
+        group present, in one all-reduce, and divide by the groups present. A group that did
+        not take part (the all-reduce failed) is told by `commit`."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        flags = torch.zeros(2 * self.groups, dtype=torch.float32, device=self.device)
+        flags[self.group] = 1.0
+        flags[self.groups + self.group] = float(self.healed_now)
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.detach().reshape(1).float(), flags])
+
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        present = max(self.manager.num_participants(), 1)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad) / present)
+            offset += grad.numel()
+        flags = flat[offset + 1:].tolist()
+        return StepReduction(loss_sum=flat[offset] / present,
+                             groups=[g for g in range(self.groups) if flags[g] > 0.5],
+                             healed=[g for g in range(self.groups) if flags[self.groups + g] > 0.5])
+
+    def commit(self) -> bool:
+        """Whether this step may update the weights (False: a group failed during it; the step
+        is run again with the next quorum). Collective within the group."""
+        return self.manager.should_commit()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def replica_group(cfg, model, optimizer, device: torch.device, *, rank: int, world: int, step: int,
+                  run_dir: Path, first_attempt: bool) -> ReplicaGroupSync | None:
+    """This rank's torchft manager when the run has replica groups (else None), joined up: on
+    a group's first attempt, once every group's manager is up (`wait_for_groups`); a restarted
+    group goes straight to its quorum, where it heals."""
+    if cfg.replica_groups == 1:
+        return None
+    sync = ReplicaGroupSync(group=int(os.environ[GROUP_ENV]), groups=cfg.replica_groups,
+                            lighthouse=os.environ[LIGHTHOUSE_ENV], model=model, optimizer=optimizer, device=device,
+                            rank=rank, world=world, step=step, timeout_s=cfg.collective_timeout)
+    if first_attempt and rank == 0:  # the group's other ranks wait for it at the first quorum
+        wait_for_groups(run_dir, os.environ[LAUNCH_ENV], sync.group, sync.groups, cfg.collective_timeout)
+    return sync
+
+
+def state_digest(run_dir: Path, group: int, rank: int, step: int, model, optimizer) -> None:
+    """The DIGEST_ENV test hook (rank 0 of each group; a no-op unless set)."""
+    if not os.environ.get(DIGEST_ENV) or rank != 0:
+        return
+
+    digest = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(_bytes(value))
+    for index, state in sorted(optimizer.state_dict()["state"].items()):
+        for key, value in sorted(state.items()):
+            digest.update(f"{index}.{key}".encode())
+            digest.update(_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+    with (run_dir / "state_digests.jsonl").open("a") as file:
+        file.write(json.dumps({"step": step, "group": group, "digest": digest.hexdigest()}) + "\n")
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # rank 0's shard: no collective
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _replica_process_group(device: torch.device, timeout: datetime.timedelta):
+    """torchft's reconfigurable group across the replicas: gloo on CPU, NCCL on GPU."""
+    # Imported when asked for, not at the top: torchft is the optional `ft` extra, needed only with --replica-groups.
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+
+def writer_group(reduction: StepReduction) -> int | None:
+    """The group whose rank 0 writes the step's metrics row and checkpoint: the first group
+    present that did not just heal (it knows which groups took part in the step before)."""
+    steady = [g for g in reduction.groups if g not in reduction.healed]
+    return steady[0] if steady else None
+
+
+def membership_events(step: int, before: list[int] | None, now: list[int]) -> list[dict]:
+    """metrics.jsonl event rows for the groups that left or came back between two steps."""
+    if before is None:
+        return []
+    rows = [{"event": "group_lost", "step": step, "group": g} for g in before if g not in now]
+    return rows + [{"event": "group_rejoined", "step": step, "group": g} for g in now if g not in before]
