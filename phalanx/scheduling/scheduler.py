@@ -62,6 +62,10 @@ class Sequence:
     cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it first joined."""
     preemptions: int = 0
+    prompt_logprobs: int | None = None
+    """The log-probabilities of its prompt's tokens are wanted, with this many alternatives each
+    (echo, prompt_logprobs): the whole prompt is computed (no prefix cache hit, as vLLM does),
+    so that every position's logits exist to be read."""
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -198,7 +202,7 @@ class Scheduler:
         first = seq.num_computed == 0 and seq.preemptions == 0
         # At least the last token is computed, for the logits that pick the next one.
         hashes = self._full_block_hashes(seq.tokens, (len(seq.tokens) - 1) // self.block_size)
-        found = self.blocks.find_prefix(hashes)
+        found = self.blocks.find_prefix(hashes) if seq.prompt_logprobs is None else []
         start = len(found) * self.block_size
         length = min(len(seq.tokens) - start, budget)
         need = self.blocks_needed(start + length) - len(found)

@@ -24,7 +24,7 @@ from phalanx.errors import UserError
 from phalanx.inference.sampling import Sampling
 from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
-from phalanx.serve.api_requests import ApiError, Generation, parse_chat, parse_completion
+from phalanx.serve.api_requests import ApiError, Generation, parse_chat, parse_completion, prompt_alternatives
 from phalanx.serve.api_responses import DONE, Answer, sse
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import openai_sampling, seeded
@@ -111,7 +111,8 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
             for choice in range(gen.n):
                 seed = None if gen.seed is None else gen.seed + choice  # choice i of a seeded request: seed + i
                 seq = Sequence("", prompt, max_tokens, _ends(gen, state),
-                               sampling=seeded(sampling, seed, gen.logprobs, gen.min_tokens))
+                               sampling=seeded(sampling, seed, gen.logprobs, gen.min_tokens),
+                               prompt_logprobs=prompt_alternatives(gen))
                 handles.append(_submit(state, seq, gen))
     except ApiError as error:
         for handle in handles:  # a later prompt was refused: the earlier ones stop
@@ -119,7 +120,9 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
         return error_response(error)
     except ClientGone:
         return Response(status_code=499)
-    answer = Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]))
+    echoed = [text if isinstance(text, str) else state.codec.decode(ids) for text, ids in zip(gen.prompts, prompts)]
+    answer = Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]),
+                    echoed if gen.echo else None)
     for handle in handles:
         handle.seq.seq_id = answer.id
     pieces, relays = _merged(handles)

@@ -67,8 +67,10 @@ FIELDS: tuple[Field, ...] = (
     Field("request_id", BOTH, False, True, "accepted, no effect on the answer (a label)"),
     Field("store", CHAT, True, False, "false only", "nothing is stored on this server", (None, False)),
     Field("best_of", COMPLETIONS, True, True, "1 or equal to n; best_of > n refused: not there yet"),
-    Field("echo", BOTH, True, True, "false only", "echo (prompt log-probabilities) is not there yet", (None, False)),
-    Field("prompt_logprobs", BOTH, False, True, "refused", "prompt_logprobs is not there yet"),
+    Field("echo", BOTH, True, True, "completions: the prompt's text, and with logprobs its tokens' (the first null), "
+          "before the completion; chat: false only"),
+    Field("prompt_logprobs", BOTH, False, True, "completions: 0 to 20 alternatives, each prompt token's log-probability "
+          "and rank (the first null); chat: refused"),
     Field("suffix", COMPLETIONS, True, False, "refused", "suffix (fill-in-the-middle) is not supported", (None, "")),
     Field("response_format", BOTH, True, True, "text only", "structured output (json_object, json_schema) is not there yet",
           (None, {"type": "text"})),

@@ -64,6 +64,10 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None
+    echo: bool = False
+    """Completions: the prompt's text before the completion, and with `logprobs` its tokens."""
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's log-probability and rank, with this many alternatives."""
     return_token_ids: bool = False
     chat: bool = False
     asked: frozenset[str] = frozenset()
@@ -211,7 +215,16 @@ def parse_completion(body) -> Generation:
     gen.prompts = _prompt_list(body["prompt"])
     _common(body, gen, 16)
     gen.logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    gen.echo = _flag(body, "echo")
+    gen.prompt_logprobs = _number(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
     return gen
+
+
+def prompt_alternatives(gen: Generation) -> int | None:
+    """How many alternatives each prompt token's score lists (None: the prompt is not scored):
+    `echo` with `logprobs` k lists k, as the completion's tokens do; `prompt_logprobs` its own."""
+    asked = [k for k in (gen.logprobs if gen.echo else None, gen.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
 
 
 def parse_chat(body) -> Generation:
@@ -241,4 +254,8 @@ def parse_chat(body) -> Generation:
         gen.logprobs = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
     elif body.get("top_logprobs") is not None:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    if _flag(body, "echo"):
+        raise _bad("echo is taken by /v1/completions only here (give the prompt there)", "echo")
+    if body.get("prompt_logprobs") is not None:
+        raise _bad("prompt_logprobs is taken by /v1/completions only here (give the prompt there)", "prompt_logprobs")
     return gen

@@ -3,6 +3,12 @@ log-probabilities, built from the pieces the engine thread hands over (engine_lo
 
 A request has one choice per prompt and per `n`, numbered as OpenAI numbers them: choice
 `prompt_index * n + i`. Usage counts each prompt once and every choice's tokens.
+
+`echo` puts the prompt's text before each choice's text, and with `logprobs` the prompt's
+tokens before its tokens (the first prompt token's log-probability and alternatives null, as
+OpenAI and vLLM answer); streamed, both go out with the choice's first chunk.
+`prompt_logprobs` (vLLM's) is a list beside it: null, then for each prompt token a map from
+token id to its log-probability, rank and text, the prompt's token and its alternatives.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ class Choice:
     """Characters of text streamed so far (completions' text_offset)."""
     prompt_ids_sent: bool = False
     unsent_ids: list[int] = field(default_factory=list)
+    prompt_scores: list | None = None
+    """Its prompt tokens' scores (prompt_logprobs.PromptScore), from its first piece, when asked."""
+    echo_sent: bool = False
 
 
 @dataclass
@@ -38,6 +47,8 @@ class Answer:
     model: str
     prompts: list[list[int]]
     token_text: Callable[[int], str]
+    echoed: list[str] | None = None
+    """`echo`: each prompt's text."""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
@@ -54,6 +65,8 @@ class Answer:
     def add(self, index: int, piece) -> None:
         choice = self.choices[index]
         choice.text += piece.text
+        if piece.prompt_logprobs is not None:
+            choice.prompt_scores = piece.prompt_logprobs
         if piece.token is not None:
             choice.tokens.append(piece.token)
             if piece.logprob is not None:
@@ -80,7 +93,31 @@ class Answer:
             offsets.append(at)
             at += len(text)
         return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self.token_text(i): v for i, v in top} for _, _, top in entries], "text_offset": offsets}
+                "top_logprobs": [None if top is None else {self.token_text(i): v for i, v in top} for _, _, top in entries],
+                "text_offset": offsets}
+
+    def _echo(self, c: Choice) -> tuple[str, list]:
+        """What `echo` puts first in choice `c`: the prompt's text, and its tokens' log-probability
+        entries when log-probabilities are asked (empty without echo)."""
+        if self.echoed is None:
+            return "", []
+        if self.gen.logprobs is None or c.prompt_scores is None:
+            return self.echoed[c.index // self.gen.n], []
+        first = [(c.prompt[0], None, None)]  # nothing before it to score it by
+        return self.echoed[c.index // self.gen.n], first + [(token, score.logprob, score.top)
+                                                           for token, score in zip(c.prompt[1:], c.prompt_scores)]
+
+    def _prompt_logprobs(self, c: Choice) -> list | None:
+        if c.prompt_scores is None or self.gen.prompt_logprobs is None:
+            return None
+        out: list = [None]
+        for token, score in zip(c.prompt[1:], c.prompt_scores):
+            ranked = {token: (score.logprob, score.rank)}
+            for rank, (other, logprob) in enumerate(score.top[:self.gen.prompt_logprobs], 1):
+                ranked.setdefault(other, (logprob, rank))
+            out.append({str(t): {"logprob": lp, "rank": r, "decoded_token": self.token_text(t)}
+                        for t, (lp, r) in ranked.items()})
+        return out
 
     def _choice(self, index: int, text: str, entries, offset: int, finish_reason, first: bool = False) -> dict:
         if self.gen.chat:
@@ -95,7 +132,10 @@ class Answer:
     def final(self) -> dict:
         out = []
         for c in self.choices:
-            choice = self._choice(c.index, c.text, c.logprobs, 0, c.finish_reason)
+            echo_text, echo_entries = self._echo(c)
+            choice = self._choice(c.index, echo_text + c.text, echo_entries + c.logprobs, 0, c.finish_reason)
+            if self.gen.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(c)
             if self.gen.return_token_ids:
                 choice["prompt_token_ids"], choice["token_ids"] = list(c.prompt), list(c.tokens)
             out.append(choice)
@@ -129,12 +169,18 @@ class Answer:
         entries = [(piece.token, piece.logprob, piece.top_logprobs or [])] if piece.logprob is not None else []
         if piece.token is not None:
             c.unsent_ids.append(piece.token)
-        offset = c.sent_chars
-        c.sent_chars += len(piece.text)
         self.add(index, piece)
-        if not (piece.text or piece.finish_reason or entries):
+        text, first = piece.text, not c.echo_sent and (self.echoed is not None or self.gen.prompt_logprobs is not None)
+        if first:  # the choice's first piece: what echo puts before it
+            echo_text, echo_entries = self._echo(c)
+            text, entries, c.echo_sent = echo_text + text, echo_entries + entries, True
+        offset = c.sent_chars
+        c.sent_chars += len(text)
+        if not (text or piece.finish_reason or entries):
             return None
-        choice = self._choice(c.index, piece.text, entries, offset, piece.finish_reason)
+        choice = self._choice(c.index, text, entries, offset, piece.finish_reason)
+        if first and self.gen.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(c)
         if self.gen.return_token_ids:
             choice["token_ids"], c.unsent_ids = c.unsent_ids, []
             if not self.gen.chat and not c.prompt_ids_sent:

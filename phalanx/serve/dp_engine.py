@@ -58,22 +58,22 @@ class DPEngine(Engine):
         steps = [part.schedule() for part in parts]
         if not any(step.chunks for step in steps):
             return []
-        planned = [step_forwards(step) for step in steps]  # per dp rank: (forwards, sampling chunks)
+        planned = [step_forwards(step) for step in steps]  # per dp rank: (forwards, rows read)
         order = DPStep([forwards for forwards, _ in planned],
                        self.placement.take_pending() if self.placement is not None else None)
         self.channel.send(order)
         results = self.run_order(order)
         self.steps += 1
         events = []
-        for part, step, (_, chunks), (logits, _) in zip(parts, steps, planned, results):
-            events += self.sample(part, step, logits, chunks)
+        for part, step, (_, reads), (logits, _) in zip(parts, steps, planned, results):
+            events += self.sample(part, step, logits, reads)
         self._count_loads([loads for _, loads in results])
         return events
 
     @torch.no_grad()
     def run_order(self, order: DPStep) -> list | None:
         """Every rank: install a new placement, run this rank's forwards and fillers, and send
-        (logits (sampling chunks, vocab), expert counts) to rank 0, which gets all ranks' in
+        (logits (rows read, vocab), expert counts) to rank 0, which gets all ranks' in
         rank order (dp rank = global rank: dp is not combined with tp)."""
         if order.placement is not None:
             self.placement.install(order.placement)

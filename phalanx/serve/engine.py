@@ -22,6 +22,7 @@ from phalanx.inference.sampling import Row, Sampling, sample, token_logprobs
 from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
+from phalanx.serve.prompt_logprobs import PromptScore, PromptScores
 
 
 @dataclass
@@ -67,6 +68,8 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     """This request's sampling failed (it alone is ended; token is None)."""
+    prompt_logprobs: list[PromptScore] | None = None
+    """With the first token of a sequence that asked: its prompt tokens' scores (1 .. len - 1)."""
 
 
 @dataclass(frozen=True)
@@ -79,23 +82,44 @@ class Forward:
     read_at: list[int]
 
 
-def step_forwards(step: Step) -> tuple[list[Forward], list[Chunk]]:
+@dataclass
+class Reads:
+    """Which rows of a step's logits (its forwards' read rows, concatenated) are read for what:
+    `chunks`' tokens are drawn from rows `sample_rows`, and rows `prompt_rows` score the prompt
+    token after position `prompt[i][1]` of sequence `prompt[i][0]` (prompt_logprobs.py)."""
+    chunks: list[Chunk] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    prompt: list[tuple[Sequence, int]] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)
+
+
+def step_forwards(step: Step) -> tuple[list[Forward], Reads]:
     """The step as at most two forwards, decodes (one sequence per row) and prompt chunks
-    (packed, paged_cache.py), and the sampling chunks in the order their logits come back."""
+    (packed, paged_cache.py), and which logits rows they read: the last position of each
+    sampling chunk, and every prompt position of a sequence whose prompt is scored."""
     groups = [[c for c in step.chunks if c.length == 1], [c for c in step.chunks if c.length > 1]]
-    forwards, order = [], []
+    forwards, reads, rows = [], Reads(), 0
     for chunks in groups:
         if not chunks:
             continue
         ids, layouts, read_at = [], [], []
         for chunk in chunks:
+            first = len(ids)
             ids += chunk.seq.tokens[chunk.start:chunk.start + chunk.length]
             layouts.append(ChunkLayout(chunk.seq.block_table, chunk.start, chunk.length))
+            if chunk.seq.prompt_logprobs is not None and not chunk.seq.output:  # (not again after a preemption)
+                # Position p scores prompt token p + 1; the prompt's last position draws the first token.
+                for position in range(chunk.start, min(chunk.start + chunk.length, len(chunk.seq.prompt) - 1)):
+                    read_at.append(first + position - chunk.start)
+                    reads.prompt.append((chunk.seq, position))
+                    reads.prompt_rows.append(rows + len(read_at) - 1)
             if chunk.samples:
                 read_at.append(len(ids) - 1)
-                order.append(chunk)
+                reads.chunks.append(chunk)
+                reads.sample_rows.append(rows + len(read_at) - 1)
         forwards.append(Forward(ids, layouts, read_at))
-    return forwards, order
+        rows += len(read_at)
+    return forwards, reads
 
 
 def full_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -117,6 +141,7 @@ class Engine:
         self.model, self.scheduler, self.device = model.eval(), scheduler, torch.device(device)
         self.on_logits, self.channel = on_logits, channel
         self.expert_loads = ExpertLoads(model, expert_ranks)
+        self.prompt_scores = PromptScores()
         self.cache = self.new_cache(scheduler.blocks.num_blocks, scheduler.block_size)
         self.steps = 0
 
@@ -130,12 +155,12 @@ class Engine:
         return PagedKVCache(num_blocks, block_size, self.device, ragged=ragged,
                             pool_kernel=ragged and cpu_decode_kernel.usable(self.device, dtype))
 
-    def forward(self, step: Step) -> tuple[torch.Tensor, list[Chunk]]:
-        """The logits (sampling chunks, vocab) of a scheduled step, and those chunks in order."""
-        forwards, order = step_forwards(step)
+    def forward(self, step: Step) -> tuple[torch.Tensor, Reads]:
+        """The logits (rows read, vocab) of a scheduled step, and what each row is read for."""
+        forwards, reads = step_forwards(step)
         if self.channel is not None:
             self.channel.send(forwards)
-        return torch.cat([self.run_model(forward) for forward in forwards]), order
+        return torch.cat([self.run_model(forward) for forward in forwards]), reads
 
     @torch.no_grad()
     def run_model(self, forward: Forward) -> torch.Tensor:
@@ -146,7 +171,7 @@ class Engine:
         tokens = torch.tensor(forward.ids, dtype=torch.long, device=self.device).view(shape)
         read = torch.tensor(forward.read_at, dtype=torch.long, device=self.device)
         if shape[1] == 1:
-            return full_logits(self.model(tokens, self.cache))[read]  # (sampling chunks, vocab)
+            return full_logits(self.model(tokens, self.cache))[read]  # (rows read, vocab)
         return full_logits(self.model(tokens, self.cache, read_at=read))
 
     def run_order(self, forwards: list[Forward]) -> None:
@@ -169,13 +194,18 @@ class Engine:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
-        logits, sampling_chunks = self.forward(step)
+        logits, reads = self.forward(step)
         self.steps += 1
-        return self.sample(self.scheduler, step, logits, sampling_chunks)
+        return self.sample(self.scheduler, step, logits, reads)
 
-    def sample(self, scheduler: Scheduler, step: Step, logits: torch.Tensor, sampling_chunks: list[Chunk]) -> list[TokenEvent]:
+    def sample(self, scheduler: Scheduler, step: Step, logits: torch.Tensor, reads: Reads) -> list[TokenEvent]:
         """A token for each sampling chunk from its logits row (the batch sampler, every row at
-        once but the seeded draws), then `scheduler` closes the step."""
+        once but the seeded draws), prompt tokens scored where asked, then `scheduler` closes
+        the step."""
+        if reads.prompt:
+            self.prompt_scores.add(logits[reads.prompt_rows], reads.prompt)
+            logits = logits[reads.sample_rows]
+        sampling_chunks = reads.chunks
         asked: list[RequestSampling] = [chunk.seq.sampling for chunk in sampling_chunks]
         if self.on_logits is not None:
             for row, chunk in zip(logits, sampling_chunks):
@@ -195,9 +225,12 @@ class Engine:
             scheduler.abort(sampling_chunks[index].seq, "error")  # finish_step passes over it
         sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens) if token is not None}
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
-        return [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None,
-                           errors.get(index))
-                for index, (chunk, token, logprob, top) in enumerate(zip(sampling_chunks, tokens, logprobs, tops))]
+        events = [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None,
+                             errors.get(index),
+                             self.prompt_scores.take(chunk.seq) if len(chunk.seq.output) == 1 else None)
+                  for index, (chunk, token, logprob, top) in enumerate(zip(sampling_chunks, tokens, logprobs, tops))]
+        self.prompt_scores.forget_finished()
+        return events
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int | None], dict[int, str]]:

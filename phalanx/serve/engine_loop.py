@@ -46,6 +46,8 @@ class Piece:
     status: int = 503
     """With `error`: the HTTP status of the answer (503: the server's state; 500: this request)."""
     code: str = "aborted"
+    prompt_logprobs: list | None = None
+    """With a choice's first token, when asked: its prompt tokens' scores (prompt_logprobs.PromptScore)."""
 
 
 @dataclass(eq=False)
@@ -258,7 +260,7 @@ class EngineLoop:
                 finish = "stop"
             elif finish:
                 piece += handle.text.finish()
-            out = Piece(piece, event.token, event.logprob, event.top_logprobs, finish)
+            out = Piece(piece, event.token, event.logprob, event.top_logprobs, finish, prompt_logprobs=event.prompt_logprobs)
             handle.mark(out)
             by_loop.setdefault(handle.loop, []).append((handle, out))
             if finish:
