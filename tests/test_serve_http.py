@@ -137,7 +137,7 @@ BAD = [
     ("stop_token_ids not ids", {"prompt": "a", "stop_token_ids": ["x"]}, 400, "stop_token_ids"),
     ("min_tokens above max_tokens", {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
     ("best_of above n", {"prompt": "a", "best_of": 3}, 400, "best_of"),
-    ("echo", {"prompt": "a", "echo": True}, 400, "echo"),
+    ("echo on chat", {"messages": [{"role": "user", "content": "a"}], "echo": True}, 400, "echo"),
     ("tools", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
     ("an unknown field", {"prompt": "a", "temprature": 0.5}, 400, "temprature"),
     ("a second prompt beyond the positions", {"prompt": ["a", [1] * 100], "max_tokens": 29}, 400, "max_tokens"),
