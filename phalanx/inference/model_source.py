@@ -102,6 +102,9 @@ class TextCodec:
     """Every id that ends a sequence: `eos_id` and the checkpoint's (generation_config.py)."""
     decode_plain: Callable[[list[int]], str] | None = None
     """Ids to text without special tokens (vLLM's `skip_special_tokens`); None: as `decode`."""
+    encode_special: Callable[[str], list[int]] | None = None
+    """Text to ids with the special tokens the tokenizer's post-processor adds (a BOS, as
+    `transformers`' `tokenizer(text)` and vLLM's `add_special_tokens` give); None: as `encode`."""
 
 
 def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
@@ -114,5 +117,8 @@ def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
     loaded = load_tokenizer(tokenizer, model_dir)
     eos = checkpoint_eos_ids(model_dir) | set(getattr(loaded, "eos_ids", ())) | ({loaded.eos_id} - {None})
     eos = {token for token in eos if token < loaded.vocab_size}
+    special = None
+    if hasattr(loaded, "decode_plain"):  # a tokenizers tokenizer (bytes have no special tokens to add)
+        special = lambda text: [int(t) for t in loaded.encode(text, add_special_tokens=True)]  # noqa: E731
     return TextCodec(lambda text: [int(t) for t in loaded.encode(text)], loaded.decode, loaded.eos_id,
-                     frozenset(eos), getattr(loaded, "decode_plain", None))
+                     frozenset(eos), getattr(loaded, "decode_plain", None), special)

@@ -1,5 +1,7 @@
 """The HTTP API on Starlette: OpenAI's /v1/models, /v1/completions and /v1/chat/completions
-(streamed as server-sent events as OpenAI sends them), /health and /metrics.
+(streamed as server-sent events as OpenAI sends them), vLLM's /tokenize and /detokenize
+(`api_tokenize.py`), /health and /metrics; every route but the last two answers 503 until the
+model can serve (`api_readiness.py`).
 
 A handler checks the request (`api_requests.py`), turns the prompt into ids, submits a
 `Sequence` to the engine thread (`engine_loop.py`) and relays the pieces of text it hands back,
@@ -24,8 +26,10 @@ from phalanx.errors import UserError
 from phalanx.inference.sampling import Sampling
 from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
+from phalanx.serve.api_readiness import ReadinessGate
 from phalanx.serve.api_requests import ApiError, Generation, parse_chat, parse_completion, prompt_alternatives
 from phalanx.serve.api_responses import DONE, Answer, sse
+from phalanx.serve.api_tokenize import detokenize, tokenize
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import openai_sampling, seeded
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
@@ -82,6 +86,12 @@ def build_app(state: ServeState) -> Starlette:
     async def chat(request: Request) -> Response:
         return await _generate(request, state, parse_chat)
 
+    async def to_ids(request: Request) -> Response:
+        return await tokenize(request, state)
+
+    async def to_text(request: Request) -> Response:
+        return await detokenize(request, state)
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(ApiError(exc.status_code, exc.detail or "not found", code=str(exc.status_code)))
 
@@ -89,9 +99,13 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/tokenize", to_ids, methods=["POST"]),
+        Route("/detokenize", to_text, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], exception_handlers={HTTPException: http_error}, middleware=[Middleware(ApiKeyCheck, key=state.api_key)])
+    ], exception_handlers={HTTPException: http_error},
+        # The key first: a request without it gets 401 whether or not the model is in.
+        middleware=[Middleware(ApiKeyCheck, key=state.api_key), Middleware(ReadinessGate, engine=state.engine)])
     return app
 
 
@@ -255,9 +269,11 @@ def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
             gen.prompts = [state.chat_template.render(gen.messages)]
         except ValueError as error:
             raise ApiError(400, str(error), "messages") from None
+    special = gen.add_special_tokens and state.codec.encode_special
+    encode = state.codec.encode_special if special else state.codec.encode
     out = []
     for prompt in gen.prompts:
-        ids = prompt if isinstance(prompt, list) else state.codec.encode(prompt)
+        ids = prompt if isinstance(prompt, list) else encode(prompt)
         if not ids:
             raise ApiError(400, "the prompt encodes to no tokens", "prompt")
         outside = [t for t in ids if not 0 <= t < state.vocab_size]

@@ -90,7 +90,8 @@ FIELDS: tuple[Field, ...] = (
           (None, True)),
     Field("continue_final_message", CHAT, False, True, "false only", "continue_final_message is not there yet",
           (None, False)),
-    Field("add_special_tokens", BOTH, False, True, "refused", "add_special_tokens is not there yet"),
+    Field("add_special_tokens", BOTH, False, True, "a text prompt gets the tokenizer's added tokens (a BOS): "
+          "default true (completions), false (chat: the template writes them), as vLLM"),
     Field("spaces_between_special_tokens", BOTH, False, True, "true only",
           "phalanx's tokenizers decode special tokens as the tokenizer joins them", (None, True)),
     Field("truncate_prompt_tokens", BOTH, False, True, "refused", "prompts are never truncated here"),

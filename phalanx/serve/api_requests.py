@@ -69,6 +69,9 @@ class Generation:
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's log-probability and rank, with this many alternatives."""
     return_token_ids: bool = False
+    add_special_tokens: bool = True
+    """A text prompt gets the special tokens the tokenizer's post-processor adds (a BOS): vLLM's
+    default for completions; chat's default is false (the template writes them)."""
     chat: bool = False
     asked: frozenset[str] = frozenset()
     """The fields the body gave (the model's generation_config.json fills the others' defaults)."""
@@ -214,6 +217,7 @@ def parse_completion(body) -> Generation:
         raise _bad("prompt is required", "prompt")
     gen.prompts = _prompt_list(body["prompt"])
     _common(body, gen, 16)
+    gen.add_special_tokens = body.get("add_special_tokens") is None or _flag(body, "add_special_tokens")
     gen.logprobs = _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
     gen.echo = _flag(body, "echo")
     gen.prompt_logprobs = _number(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
@@ -227,10 +231,8 @@ def prompt_alternatives(gen: Generation) -> int | None:
     return max(asked) if asked else None
 
 
-def parse_chat(body) -> Generation:
-    if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object", None)
-    gen = Generation(chat=True)
+def checked_messages(body: dict) -> list[dict]:
+    """A chat body's messages, each with a role and its content as one string (text parts joined)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
@@ -248,8 +250,16 @@ def parse_chat(body) -> Generation:
         elif not isinstance(content, str):
             raise _bad(f"messages[{index}].content must be a string or a list of text parts", "messages")
         checked.append({**message, "content": content})
-    gen.messages = checked
+    return checked
+
+
+def parse_chat(body) -> Generation:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    gen = Generation(chat=True)
+    gen.messages = checked_messages(body)
     _common(body, gen, None)  # None: as many as the context holds
+    gen.add_special_tokens = _flag(body, "add_special_tokens")
     if _flag(body, "logprobs"):
         gen.logprobs = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
     elif body.get("top_logprobs") is not None:

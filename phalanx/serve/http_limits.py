@@ -94,11 +94,16 @@ class ApiKeyCheck:
         # Header bytes are what the client sent (latin-1 on the wire): a UTF-8 key's bytes match.
         if hmac.compare_digest(given, self.expected):
             return await self.app(scope, receive, send)
-        body = json.dumps(ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
-                                   code="invalid_api_key").body()).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                                        code="invalid_api_key"))
+
+
+async def send_error(send, error: ApiError) -> None:
+    """`error` as an OpenAI error body, sent from ASGI middleware (no Starlette response there)."""
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class BoundedH11Protocol(H11Protocol):

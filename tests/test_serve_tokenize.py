@@ -1,0 +1,112 @@
+"""vLLM's /tokenize and /detokenize, and `add_special_tokens` on the completion routes, against
+a real server whose tokenizer adds a BOS (a post-processor, as Llama's tokenizer.json has).
+
+A text prompt's ids are what `transformers`' `tokenizer(text)` gives (with the BOS) unless the
+request says `add_special_tokens: false`, as vLLM reads it; /tokenize answers the very ids the
+completion then feeds (compared through `return_token_ids`), and the greedy continuation of
+them equals `transformers`' (serve_server.py's near-tie rule)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from hf_models import write_checkpoint
+from serve_server import ServeProcess, assert_greedy_equal, transformers_greedy
+
+VOCAB = 64
+BOS = 1
+NAME = "tok"
+TEXT = "w5 w17 w3 w42"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    folder = write_checkpoint(tmp_path_factory.mktemp("tokenize") / "llama", "llama", vocab_size=VOCAB)
+    words = {f"w{i}": i for i in range(VOCAB)}
+    words["<s>"] = words.pop(f"w{BOS}")
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    process = ServeProcess(model_dir, "--served-model-name", NAME, "--num-kv-blocks", "32", "--block-size", "8")
+    yield process
+    process.stop()
+
+
+def _post(server, path: str, body) -> tuple[int, dict]:
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_tokenize_gives_the_ids_a_completion_feeds(server, model_dir):
+    words = [5, 17, 3, 42]
+    code, answer = _post(server, "/tokenize", {"model": NAME, "prompt": TEXT})
+    assert code == 200 and answer == {"count": 5, "max_model_len": answer["max_model_len"], "tokens": [BOS, *words],
+                                      "token_strs": None}
+    assert answer["max_model_len"] > 5
+    assert _post(server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})[1]["tokens"] == words
+    client = server.client()
+    done = client.completions.create(model=NAME, prompt=TEXT, max_tokens=6, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    assert done.choices[0].prompt_token_ids == [BOS, *words]
+    [(reference, logits)] = transformers_greedy(model_dir, [[BOS, *words]], 6)
+    assert_greedy_equal(done.choices[0].token_ids, reference, logits)
+    plain = client.completions.create(model=NAME, prompt=TEXT, max_tokens=1, temperature=0,
+                                      extra_body={"return_token_ids": True, "add_special_tokens": False})
+    assert plain.choices[0].prompt_token_ids == words
+
+
+def test_chat_form_matches_the_chat_route(server):
+    messages = [{"role": "user", "content": TEXT}]
+    code, answer = _post(server, "/tokenize", {"messages": messages})
+    chat = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1,
+                                                   extra_body={"return_token_ids": True})
+    assert code == 200 and answer["tokens"] == chat.choices[0].prompt_token_ids and BOS not in answer["tokens"]
+    assert _post(server, "/tokenize", {"messages": messages, "add_special_tokens": True})[1]["tokens"][0] == BOS
+
+
+def test_detokenize_keeps_special_tokens(server):
+    assert _post(server, "/detokenize", {"model": NAME, "tokens": [BOS, 5, 17]}) == (200, {"prompt": "<s> w5 w17"})
+    assert _post(server, "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+
+
+BAD = [
+    ("/tokenize", {"prompt": TEXT, "temperature": 0}, 400, "temperature"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": TEXT, "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": TEXT, "return_token_strs": True}, 400, "return_token_strs"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "add_generation_prompt": False}, 400,
+     "add_generation_prompt"),
+    ("/tokenize", {"model": "gpt-9", "prompt": TEXT}, 404, "model"),
+    ("/tokenize", [TEXT], 400, None),
+    ("/detokenize", {"tokens": [1, "w"]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"prompt": TEXT}, 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{b[0]} {json.dumps(b[1])}" for b in BAD])
+def test_bad_bodies_are_refused_naming_the_field(server, path, body, status, param):
+    code, answer = _post(server, path, body)
+    assert code == status and answer["error"]["param"] == param, answer
+    assert server.status("/health") == 200
