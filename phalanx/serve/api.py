@@ -1,5 +1,5 @@
-"""The HTTP API on Starlette: OpenAI's /v1/models, /v1/completions and /v1/chat/completions
-(streamed as server-sent events as OpenAI sends them), vLLM's /tokenize and /detokenize
+"""The HTTP API on Starlette: OpenAI's /v1/models, /v1/completions, /v1/chat/completions and
+/v1/responses (`api_v1_responses.py`; streamed as server-sent events as OpenAI sends them), vLLM's /tokenize and /detokenize
 (`api_tokenize.py`), /health and /metrics; every route but the last two answers 503 until the
 model can serve (`api_readiness.py`).
 
@@ -28,8 +28,9 @@ from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
 from phalanx.serve.api_readiness import ReadinessGate
 from phalanx.serve.api_requests import ApiError, Generation, parse_chat, parse_completion, prompt_alternatives
-from phalanx.serve.api_responses import DONE, Answer, sse
+from phalanx.serve.api_responses import Answer
 from phalanx.serve.api_tokenize import detokenize, tokenize
+from phalanx.serve.api_v1_responses import ResponsesAnswer, parse_responses
 from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import openai_sampling, seeded
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
@@ -86,6 +87,9 @@ def build_app(state: ServeState) -> Starlette:
     async def chat(request: Request) -> Response:
         return await _generate(request, state, parse_chat)
 
+    async def responses(request: Request) -> Response:
+        return await _generate(request, state, parse_responses, _responses_answer)
+
     async def to_ids(request: Request) -> Response:
         return await tokenize(request, state)
 
@@ -99,6 +103,7 @@ def build_app(state: ServeState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/tokenize", to_ids, methods=["POST"]),
         Route("/detokenize", to_text, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -109,7 +114,9 @@ def build_app(state: ServeState) -> Starlette:
     return app
 
 
-async def _generate(request: Request, state: ServeState, parse) -> Response:
+async def _generate(request: Request, state: ServeState, parse, answer_for=None) -> Response:
+    """`parse(body)`: the request's Generation; `answer_for(gen, prompts, state)`: what builds its
+    answer (a completion or chat completion by default; api_v1_responses for /v1/responses)."""
     handles: list = []
     try:
         body = await read_json(request, state.max_request_bytes)  # the key: http_limits.ApiKeyCheck
@@ -134,9 +141,7 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
         return error_response(error)
     except ClientGone:
         return Response(status_code=499)
-    echoed = [text if isinstance(text, str) else state.codec.decode(ids) for text, ids in zip(gen.prompts, prompts)]
-    answer = Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]),
-                    echoed if gen.echo else None)
+    answer = (answer_for or _completion_answer)(gen, prompts, state)
     for handle in handles:
         handle.seq.seq_id = answer.id
     pieces, relays = _merged(handles)
@@ -156,6 +161,15 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
         return JSONResponse(answer.final())
     finally:
         _end(handles, relays, state)
+
+
+def _completion_answer(gen: Generation, prompts: list[list[int]], state: ServeState) -> Answer:
+    echoed = [text if isinstance(text, str) else state.codec.decode(ids) for text, ids in zip(gen.prompts, prompts)]
+    return Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]), echoed if gen.echo else None)
+
+
+def _responses_answer(gen: Generation, prompts: list[list[int]], state: ServeState) -> ResponsesAnswer:
+    return ResponsesAnswer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]))
 
 
 def _piece_error(piece) -> ApiError:
@@ -241,23 +255,20 @@ def _sampling(gen: Generation, state: ServeState) -> Sampling:
         raise ApiError(400, f"{error} (with the model's generation_config.json defaults)") from None
 
 
-async def _stream(pieces, handles: list, relays: list, answer: Answer, state: ServeState):
+async def _stream(pieces, handles: list, relays: list, answer, state: ServeState):
     try:
         for chunk in answer.first_chunks():
             yield chunk
         while not answer.finished:
             index, piece = await pieces.get()
             if piece.error:
-                yield sse(_piece_error(piece).body())
-                break
+                yield answer.error_chunk(_piece_error(piece))
+                return
             chunk = answer.piece_chunk(index, piece)
             if chunk:
                 yield chunk
-        else:
-            usage = answer.usage_chunk()
-            if usage:
-                yield usage
-        yield DONE
+        for chunk in answer.last_chunks():
+            yield chunk
     finally:  # the client went away (the response was cancelled) or the stream ended
         _end(handles, relays, state)
 

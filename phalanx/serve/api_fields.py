@@ -16,14 +16,17 @@ from dataclasses import dataclass
 from phalanx.inference.sampling_bounds import (LOGIT_BIAS_RANGE, MAX_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P,
                                                PENALTY_RANGE)
 
-COMPLETIONS, CHAT, BOTH = "completions", "chat", "both"
+COMPLETIONS, CHAT, RESPONSES = "completions", "chat", "responses"
+BOTH = "completions, chat"
+ALL = "completions, chat, responses"
+CHAT_RESPONSES = "chat, responses"
 
 
 @dataclass(frozen=True)
 class Field:
     name: str
     where: str
-    """Which endpoint takes it: completions, chat or both."""
+    """Which endpoints take it: completions, chat, responses, or several, comma-separated."""
     openai: bool
     vllm: bool
     phalanx: str
@@ -35,13 +38,13 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("model", BOTH, True, True, "must be the served name (404 otherwise)"),
+    Field("model", ALL, True, True, "must be the served name (404 otherwise)"),
     Field("prompt", COMPLETIONS, True, True, "a string, token ids, or a list of either: one choice per prompt"),
     Field("messages", CHAT, True, True, "rendered with the model's chat template; text content parts"),
     Field("max_tokens", BOTH, True, True, "default 16 (completions), the context's room (chat)"),
     Field("max_completion_tokens", BOTH, True, True, "as max_tokens; wins when both are given (as vLLM)"),
-    Field("temperature", BOTH, True, True, f"0 is greedy; else at least {MIN_TEMPERATURE:g} (below, float32 cannot tell tokens apart)"),
-    Field("top_p", BOTH, True, True, f"in [{MIN_TOP_P:g}, 1] (float32's smallest normal number: below, no token is kept)"),
+    Field("temperature", ALL, True, True, f"0 is greedy; else at least {MIN_TEMPERATURE:g} (below, float32 cannot tell tokens apart)"),
+    Field("top_p", ALL, True, True, f"in [{MIN_TOP_P:g}, 1] (float32's smallest normal number: below, no token is kept)"),
     Field("top_k", BOTH, False, True, "-1 or 0: no cut"),
     Field("min_p", BOTH, False, True, "in [0, 1]"),
     Field("presence_penalty", BOTH, True, True, f"over generated tokens, in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}]"),
@@ -56,16 +59,16 @@ FIELDS: tuple[Field, ...] = (
     Field("min_tokens", BOTH, False, True, "no stop of any kind before this many tokens"),
     Field("include_stop_str_in_output", BOTH, False, True, "the stop string stays at the end of the text"),
     Field("skip_special_tokens", BOTH, False, True, "default true: special tokens leave no text"),
-    Field("stream", BOTH, True, True, "server-sent events, one chunk per piece of text"),
+    Field("stream", ALL, True, True, "server-sent events, one chunk per piece of text"),
     Field("stream_options", BOTH, True, True, "include_usage: a last chunk with usage"),
     Field("logprobs", BOTH, True, True, "completions: 0 to 20 alternatives; chat: true for top_logprobs"),
     Field("top_logprobs", CHAT, True, True, "0 to 20, with logprobs: true"),
     Field("return_token_ids", BOTH, False, True, "prompt_token_ids and token_ids in each choice"),
-    Field("service_tier", BOTH, True, False, "picks a pool under --pool (priority: latency)"),
-    Field("user", BOTH, True, True, "accepted, no effect on the answer (a label)"),
-    Field("metadata", CHAT, True, False, "accepted, no effect on the answer (labels; nothing is stored)"),
+    Field("service_tier", ALL, True, False, "picks a pool under --pool (priority: latency)"),
+    Field("user", ALL, True, True, "accepted, no effect on the answer (a label)"),
+    Field("metadata", CHAT_RESPONSES, True, False, "accepted, no effect on the answer (labels; nothing is stored)"),
     Field("request_id", BOTH, False, True, "accepted, no effect on the answer (a label)"),
-    Field("store", CHAT, True, False, "false only", "nothing is stored on this server", (None, False)),
+    Field("store", CHAT_RESPONSES, True, False, "false only", "nothing is stored on this server", (None, False)),
     Field("best_of", COMPLETIONS, True, True, "1 or equal to n; best_of > n refused: not there yet"),
     Field("echo", BOTH, True, True, "completions: the prompt's text, and with logprobs its tokens' (the first null), "
           "before the completion; chat: false only"),
@@ -109,22 +112,41 @@ FIELDS: tuple[Field, ...] = (
     Field("prediction", CHAT, True, False, "refused", "predicted outputs are not there yet"),
     Field("reasoning_effort", CHAT, True, False, "refused", "reasoning_effort is not there yet"),
     Field("web_search_options", CHAT, True, False, "refused", "this server has no web search"),
+    # /v1/responses (OpenAI's Responses API), answered as a chat completion of the same messages.
+    Field("input", RESPONSES, True, True, "a string, or message items (role, text content): the chat's messages"),
+    Field("instructions", RESPONSES, True, True, "a system message before the input"),
+    Field("max_output_tokens", RESPONSES, True, True, "as chat's max_tokens (default: as many as the context holds)"),
+    Field("top_logprobs", RESPONSES, True, True, "0 to 20: each output token's log-probability and alternatives"),
+    Field("stream_options", RESPONSES, True, False, "accepted, no effect (the events are always the same)"),
+    Field("previous_response_id", RESPONSES, True, True, "refused", "no response is stored on this server"),
+    Field("conversation", RESPONSES, True, False, "refused", "no conversation is stored on this server"),
+    Field("background", RESPONSES, True, True, "false only", "background responses need stored state", (None, False)),
+    Field("include", RESPONSES, True, True, "empty only", "include is not there yet", (None, [])),
+    Field("reasoning", RESPONSES, True, True, "refused", "reasoning settings are not there yet"),
+    Field("text", RESPONSES, True, True, "text format only", "structured output is not there yet",
+          (None, {"format": {"type": "text"}})),
+    Field("tools", RESPONSES, True, True, "refused", "tools are not there yet", (None, [])),
+    Field("tool_choice", RESPONSES, True, True, "none only", "tools are not there yet", (None, "none")),
+    Field("parallel_tool_calls", RESPONSES, True, True, "accepted without tools (no effect)"),
+    Field("max_tool_calls", RESPONSES, True, False, "refused", "tools are not there yet"),
+    Field("truncation", RESPONSES, True, True, "disabled only", "inputs are never truncated here", (None, "disabled")),
+    Field("prompt", RESPONSES, True, False, "refused", "stored prompt templates are not there"),
+    Field("prompt_cache_key", RESPONSES, True, False, "accepted, no effect (the prefix cache needs no key)"),
+    Field("safety_identifier", RESPONSES, True, False, "accepted, no effect on the answer (a label)"),
 )
 
-BY_NAME = {f.name: f for f in FIELDS}
+BY_ENDPOINT = {endpoint: {f.name: f for f in FIELDS if endpoint in f.where.split(", ")}
+               for endpoint in (COMPLETIONS, CHAT, RESPONSES)}
+PATHS = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions", RESPONSES: "/v1/responses"}
 
 
-def takes(field: Field, chat: bool) -> bool:
-    return field.where == BOTH or field.where == (CHAT if chat else COMPLETIONS)
-
-
-def refusal(body: dict, chat: bool) -> tuple[str, str] | None:
-    """(field, message) for the first field of `body` that is refused, or None."""
+def refusal(body: dict, endpoint: str) -> tuple[str, str] | None:
+    """(field, message) for the first field of `body` that `endpoint` refuses, or None."""
     for name, value in body.items():
-        field = BY_NAME.get(name)
-        if field is None or not takes(field, chat):
-            where = "chat/completions" if chat else "completions"
-            return name, f"unknown field {name!r} for /v1/{where} (docs/serve.md lists every field and what it does)"
+        field = BY_ENDPOINT[endpoint].get(name)
+        if field is None:
+            return name, (f"unknown field {name!r} for {PATHS[endpoint]} (docs/serve.md lists every field and what "
+                          "it does)")
         if field.refused and not any(value == neutral and type(value) is type(neutral) or value is neutral
                                      for neutral in field.neutral):
             return name, f"{name}: {field.refused}"

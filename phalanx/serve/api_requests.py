@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phalanx.inference.sampling_bounds import MIN_TEMPERATURE, MIN_TOP_P
-from phalanx.serve.api_fields import refusal
+from phalanx.serve.api_fields import CHAT, COMPLETIONS, refusal
 from phalanx.serve.pool_router import SERVICE_TIERS
 
 MAX_LOGPROBS = 20
@@ -141,7 +141,7 @@ def _max_tokens(body: dict, default: int | None) -> int | None:
 
 
 def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None:
-    if problem := refusal(body, gen.chat):
+    if problem := refusal(body, CHAT if gen.chat else COMPLETIONS):
         raise _bad(problem[1], problem[0])
     gen.asked = frozenset(name for name, value in body.items() if value is not None)
     gen.max_tokens = _max_tokens(body, max_tokens_default)

@@ -187,8 +187,13 @@ class Answer:
                 choice["prompt_token_ids"], c.prompt_ids_sent = list(c.prompt), True
         return self.chunk([choice])
 
-    def usage_chunk(self) -> str | None:
-        return self.chunk([], self.usage()) if self.gen.include_usage else None
+    def last_chunks(self) -> list[str]:
+        """After the last piece: the usage chunk when asked, then [DONE]."""
+        return ([self.chunk([], self.usage())] if self.gen.include_usage else []) + [DONE]
+
+    def error_chunk(self, error) -> str:
+        """The stream's end when the engine ended the request with an error (api_requests.ApiError)."""
+        return sse(error.body()) + DONE
 
 
 def sse(body: dict) -> str:

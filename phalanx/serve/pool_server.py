@@ -330,6 +330,7 @@ def build_front_app(front: PoolFront) -> Starlette:
     return Starlette(routes=[
         Route("/v1/completions", generate, methods=["POST"]),
         Route("/v1/chat/completions", generate, methods=["POST"]),
+        Route("/v1/responses", generate, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
