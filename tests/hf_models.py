@@ -77,6 +77,23 @@ def write_checkpoint(folder: Path, family: str, *, legacy_rope: bool = False, sh
     return folder
 
 
+def write_word_tokenizer(folder: Path, vocab: int, special: dict[str, int] | None = None, bos: str | None = None) -> None:
+    """A word-level tokenizer.json in `folder`: "w0" ... "w{vocab-1}" are ids 0 ... vocab-1 (w0
+    also the unknown word), split on whitespace, so a test writes prompts as words. `special`:
+    special tokens that take the place of those ids' words; `bos`: one of them, added before
+    every text by the post-processor (as Llama's tokenizer adds its BOS)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
+
+    special = special or {}
+    words = {f"w{i}": i for i in range(vocab) if i not in special.values()} | special
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(name, special=True) for name in special])
+    if bos is not None:
+        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, special[bos])])
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
 def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
     import transformers
 

@@ -14,7 +14,7 @@ import phalanx.hf as hf
 from phalanx.cli import main
 from phalanx.inference.decoding import generate_ids
 from phalanx.inference.sampling import Sampling
-from tests.hf_models import write_checkpoint
+from tests.hf_models import write_checkpoint, write_word_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -119,12 +119,8 @@ def test_cli_start_imports_no_torch():
 def test_tokenizer_json_encodes_the_prompt_and_its_eos_stops(capsys, tmp_path):
     """A model directory's tokenizer.json encodes --prompt, decodes the new ids, and the
     eos_token of its tokenizer_config.json ends generation (kept as the last new id)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     folder = write_checkpoint(tmp_path / "hf", "llama")
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(folder / "tokenizer.json"))
+    write_word_tokenizer(folder, 96)
     free_run = generate_ids(hf.load(folder), [3, 1, 4], max_new_tokens=12, max_len=128, sampling=Sampling(greedy=True)).new_ids
     eos = free_run[4]
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{eos}"}))

@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 import torch
 
-from hf_models import write_checkpoint
+from hf_models import write_checkpoint, write_word_tokenizer
 from serve_server import ServeProcess
 
 VOCAB = 64
@@ -33,12 +33,8 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     folder = write_checkpoint(tmp_path_factory.mktemp("echo") / "llama", "llama", vocab_size=VOCAB)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
+    write_word_tokenizer(folder, VOCAB)
     return folder
 
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from hf_models import write_checkpoint
+from hf_models import write_checkpoint, write_word_tokenizer
 from serve_server import NEAR_TIE, ServeProcess
 
 VOCAB = 64
@@ -42,17 +42,10 @@ def _greedy_ids(model, prompt: list[int], new: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
     folder = write_checkpoint(tmp_path_factory.mktemp("fields") / "llama", "llama", vocab_size=VOCAB)
     steps = _greedy_ids(_hf(folder), PROMPT, 8)
     end = next(t for k, t in enumerate(steps) if k >= 2 and t not in steps[:k] and t not in PROMPT)
-    words = {f"w{i}": i for i in range(VOCAB)}
-    words["<|im_end|>"] = words.pop(f"w{end}")
-    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken("<|im_end|>", special=True)])
-    tok.save(str(folder / "tokenizer.json"))
+    write_word_tokenizer(folder, VOCAB, {"<|im_end|>": end})
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [end]}))
     (folder / "chat_template.jinja").write_text(TEMPLATE)
     return folder, end

@@ -12,7 +12,7 @@ import urllib.request
 import openai
 import pytest
 
-from hf_models import write_checkpoint
+from hf_models import write_checkpoint, write_word_tokenizer
 from serve_server import ServeProcess
 
 VOCAB = 64
@@ -22,12 +22,8 @@ WORDS = "w5 w17 w3 w42 w8"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     folder = write_checkpoint(tmp_path_factory.mktemp("responses") / "llama", "llama", vocab_size=VOCAB)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
+    write_word_tokenizer(folder, VOCAB)
     process = ServeProcess(folder, "--served-model-name", NAME, "--num-kv-blocks", "32", "--block-size", "8")
     yield process
     process.stop()

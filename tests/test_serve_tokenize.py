@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from hf_models import write_checkpoint
+from hf_models import write_checkpoint, write_word_tokenizer
 from serve_server import ServeProcess, assert_greedy_equal, transformers_greedy
 
 VOCAB = 64
@@ -25,16 +25,8 @@ TEXT = "w5 w17 w3 w42"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
-
     folder = write_checkpoint(tmp_path_factory.mktemp("tokenize") / "llama", "llama", vocab_size=VOCAB)
-    words = {f"w{i}": i for i in range(VOCAB)}
-    words["<s>"] = words.pop(f"w{BOS}")
-    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken("<s>", special=True)])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    tok.save(str(folder / "tokenizer.json"))
+    write_word_tokenizer(folder, VOCAB, {"<s>": BOS}, bos="<s>")
     return folder
 
 
