@@ -191,6 +191,19 @@ def test_seeded_choices_are_reproducible_and_stream_by_index(client):
     assert texts == {0: both.choices[0].text, 1: both.choices[1].text}
 
 
+def test_best_of_answers_the_n_most_likely_candidates(client):
+    """best_of 5, n 2, seed s: the candidates are the five choices of the same request with n 5
+    (choice i draws with seed s + i), and the two answered are those of highest cumulative
+    log-probability, best first; usage counts the answered tokens (as vLLM counts them)."""
+    sampled = dict(model=NAME, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    candidates = client.completions.create(n=5, logprobs=0, **sampled).choices
+    ranked = sorted(candidates, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert len({c.text for c in candidates}) > 2, "the test needs candidates that differ"
+    best = client.completions.create(n=2, best_of=5, **sampled)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and [c.index for c in best.choices] == [0, 1]
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 12
+
+
 def test_twenty_logprobs(client):
     choice = _complete(client, PROMPT, max_tokens=2, logprobs=20, extra={"ignore_eos": True}).choices[0]
     assert all(len(top) == 20 for top in choice.logprobs.top_logprobs)

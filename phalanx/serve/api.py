@@ -129,10 +129,12 @@ async def _generate(request: Request, state: ServeState, parse, answer_for=None)
         sampling = _sampling(gen, state)
         for prompt in prompts:
             max_tokens = _max_tokens(gen, prompt, state)
-            for choice in range(gen.n):
+            # best_of > n: every candidate's log-probabilities, to rank them by (api_responses.Answer)
+            logprobs = 0 if gen.best_of > gen.n and gen.logprobs is None else gen.logprobs
+            for choice in range(gen.best_of):
                 seed = None if gen.seed is None else gen.seed + choice  # choice i of a seeded request: seed + i
                 seq = Sequence("", prompt, max_tokens, _ends(gen, state),
-                               sampling=seeded(sampling, seed, gen.logprobs, gen.min_tokens),
+                               sampling=seeded(sampling, seed, logprobs, gen.min_tokens),
                                prompt_logprobs=prompt_alternatives(gen))
                 handles.append(_submit(state, seq, gen))
     except ApiError as error:

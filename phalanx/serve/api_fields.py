@@ -69,7 +69,8 @@ FIELDS: tuple[Field, ...] = (
     Field("metadata", CHAT_RESPONSES, True, False, "accepted, no effect on the answer (labels; nothing is stored)"),
     Field("request_id", BOTH, False, True, "accepted, no effect on the answer (a label)"),
     Field("store", CHAT_RESPONSES, True, False, "false only", "nothing is stored on this server", (None, False)),
-    Field("best_of", COMPLETIONS, True, True, "1 or equal to n; best_of > n refused: not there yet"),
+    Field("best_of", COMPLETIONS, True, True, "at least n: the n of highest cumulative log-probability among best_of "
+          "candidates (not streamed)"),
     Field("echo", BOTH, True, True, "completions: the prompt's text, and with logprobs its tokens' (the first null), "
           "before the completion; chat: false only"),
     Field("prompt_logprobs", BOTH, False, True, "completions: 0 to 20 alternatives, each prompt token's log-probability "

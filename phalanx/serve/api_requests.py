@@ -55,6 +55,9 @@ class Generation:
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     n: int = 1
+    best_of: int = 1
+    """Completions: candidates generated per prompt, of which the n with the highest cumulative
+    log-probability are answered (vLLM's and OpenAI's `best_of`); at least n."""
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -160,8 +163,9 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
     gen.seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
     gen.n = _number(body, "n", 1, 1, MAX_N, integer=True)
     best_of = _number(body, "best_of", None, 1, MAX_N, integer=True)
-    if best_of is not None and best_of != gen.n and best_of != 1:
-        raise _bad(f"best_of = {best_of} with n = {gen.n}: best_of > n is not there yet", "best_of")
+    if best_of is not None and best_of < gen.n:
+        raise _bad(f"best_of = {best_of} must be at least n = {gen.n}", "best_of")
+    gen.best_of = max(gen.n, best_of or 1)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -178,6 +182,8 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
     gen.include_stop_str_in_output = _flag(body, "include_stop_str_in_output")
     gen.skip_special_tokens = True if body.get("skip_special_tokens") is None else _flag(body, "skip_special_tokens")
     gen.stream = _flag(body, "stream")
+    if gen.stream and gen.best_of > gen.n:  # the best are known only at the end (OpenAI refuses it too)
+        raise _bad(f"best_of = {gen.best_of} > n = {gen.n} cannot be streamed", "best_of")
     options = body.get("stream_options")
     if options is not None:
         if not gen.stream:

@@ -2,7 +2,9 @@
 log-probabilities, built from the pieces the engine thread hands over (engine_loop.Piece).
 
 A request has one choice per prompt and per `n`, numbered as OpenAI numbers them: choice
-`prompt_index * n + i`. Usage counts each prompt once and every choice's tokens.
+`prompt_index * n + i`. Usage counts each prompt once and every answered choice's tokens.
+Under `best_of` > n each prompt has best_of candidates, and the n of highest cumulative
+log-probability are answered.
 
 `echo` puts the prompt's text before each choice's text, and with `logprobs` the prompt's
 tokens before its tokens (the first prompt token's log-probability and alternatives null, as
@@ -13,6 +15,7 @@ token id to its log-probability, rank and text, the prompt's token and its alter
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -27,6 +30,7 @@ class Choice:
     """One choice's answer as it grows."""
     index: int
     prompt: list[int]
+    prompt_index: int = 0
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -55,8 +59,8 @@ class Answer:
 
     def __post_init__(self):
         self.id = ("chatcmpl-" if self.gen.chat else "cmpl-") + uuid.uuid4().hex
-        self.choices = [Choice(p * self.gen.n + i, prompt) for p, prompt in enumerate(self.prompts)
-                        for i in range(self.gen.n)]
+        self.choices = [Choice(p * self.gen.best_of + i, prompt, p) for p, prompt in enumerate(self.prompts)
+                        for i in range(self.gen.best_of)]
 
     @property
     def finished(self) -> bool:
@@ -73,9 +77,22 @@ class Answer:
                 choice.logprobs.append((piece.token, piece.logprob, piece.top_logprobs or []))
         choice.finish_reason = piece.finish_reason or choice.finish_reason
 
+    def answered(self) -> list[Choice]:
+        """The choices answered: all, or under best_of > n each prompt's n candidates of highest
+        cumulative log-probability (as vLLM ranks them), renumbered prompt_index * n + rank."""
+        if self.gen.best_of == self.gen.n:
+            return self.choices
+        out = []
+        for p in range(len(self.prompts)):
+            candidates = self.choices[p * self.gen.best_of:(p + 1) * self.gen.best_of]
+            best = sorted(candidates, key=lambda c: -sum(logprob for _, logprob, _ in c.logprobs))[:self.gen.n]
+            out += [dataclasses.replace(c, index=p * self.gen.n + rank) for rank, c in enumerate(best)]
+        return out
+
     def usage(self) -> dict:
+        """Each prompt once and the answered choices' tokens (as vLLM counts under best_of)."""
         prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(c.tokens) for c in self.choices)
+        completion = sum(len(c.tokens) for c in self.answered())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _logprobs(self, entries, offset: int) -> dict | None:
@@ -102,9 +119,9 @@ class Answer:
         if self.echoed is None:
             return "", []
         if self.gen.logprobs is None or c.prompt_scores is None:
-            return self.echoed[c.index // self.gen.n], []
+            return self.echoed[c.prompt_index], []
         first = [(c.prompt[0], None, None)]  # nothing before it to score it by
-        return self.echoed[c.index // self.gen.n], first + [(token, score.logprob, score.top)
+        return self.echoed[c.prompt_index], first + [(token, score.logprob, score.top)
                                                            for token, score in zip(c.prompt[1:], c.prompt_scores)]
 
     def _prompt_logprobs(self, c: Choice) -> list | None:
@@ -131,7 +148,7 @@ class Answer:
 
     def final(self) -> dict:
         out = []
-        for c in self.choices:
+        for c in self.answered():
             echo_text, echo_entries = self._echo(c)
             choice = self._choice(c.index, echo_text + c.text, echo_entries + c.logprobs, 0, c.finish_reason)
             if self.gen.prompt_logprobs is not None:
