@@ -64,7 +64,10 @@ def _expected(scores, prompt: list[int]) -> list[float]:
 def test_echo_scores_every_prompt_token_after_a_cached_prefix(server, scores):
     client = server.client()
     client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=0)  # its blocks now cached
+    again = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 20  # 5 whole blocks of 4; the 21st is computed
     answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0  # a scored prompt is computed whole
     choice = answer.choices[0]
     words = " ".join(f"w{t}" for t in PROMPT)
     assert choice.text.startswith(words) and len(choice.text) > len(words)

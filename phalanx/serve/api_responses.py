@@ -42,6 +42,8 @@ class Choice:
     prompt_scores: list | None = None
     """Its prompt tokens' scores (prompt_logprobs.PromptScore), from its first piece, when asked."""
     echo_sent: bool = False
+    cached_tokens: int = 0
+    """Of its prompt, the tokens taken from the prefix cache."""
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Answer:
             if piece.logprob is not None:
                 choice.logprobs.append((piece.token, piece.logprob, piece.top_logprobs or []))
         choice.finish_reason = piece.finish_reason or choice.finish_reason
+        choice.cached_tokens = piece.cached_tokens
 
     def answered(self) -> list[Choice]:
         """The choices answered: all, or under best_of > n each prompt's n candidates of highest
@@ -93,7 +96,10 @@ class Answer:
         """Each prompt once and the answered choices' tokens (as vLLM counts under best_of)."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.tokens) for c in self.answered())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # Each prompt's first choice: the others find its blocks in the cache (the prompt counts once).
+        cached = sum(c.cached_tokens for c in self.choices[::self.gen.best_of])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _logprobs(self, entries, offset: int) -> dict | None:
         if self.gen.logprobs is None:

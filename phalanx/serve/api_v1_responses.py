@@ -91,6 +91,7 @@ class ResponsesAnswer:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     sequence: int = 0
+    cached_tokens: int = 0
 
     def __post_init__(self):
         self.item_id = "msg_" + uuid.uuid4().hex
@@ -109,6 +110,7 @@ class ResponsesAnswer:
                 entries = [self._logprob(piece.token, piece.logprob, piece.top_logprobs or [])]
                 self.logprobs += entries
         self.finish_reason = piece.finish_reason or self.finish_reason
+        self.cached_tokens = piece.cached_tokens
         return entries
 
     def _logprob(self, token: int, logprob: float, top) -> dict:
@@ -136,7 +138,7 @@ class ResponsesAnswer:
             "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None, "store": False,
             "temperature": self.gen.temperature, "top_p": self.gen.top_p, "text": {"format": {"type": "text"}},
             "tool_choice": "none", "tools": [], "truncation": "disabled", "user": None,
-            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": self.cached_tokens},
                       "output_tokens": len(self.tokens), "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": prompt + len(self.tokens)} if done else None,
         }

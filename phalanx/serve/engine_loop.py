@@ -48,6 +48,8 @@ class Piece:
     code: str = "aborted"
     prompt_logprobs: list | None = None
     """With a choice's first token, when asked: its prompt tokens' scores (prompt_logprobs.PromptScore)."""
+    cached_tokens: int = 0
+    """Prompt tokens its sequence took from the prefix cache (usage.prompt_tokens_details)."""
 
 
 @dataclass(eq=False)
@@ -260,7 +262,8 @@ class EngineLoop:
                 finish = "stop"
             elif finish:
                 piece += handle.text.finish()
-            out = Piece(piece, event.token, event.logprob, event.top_logprobs, finish, prompt_logprobs=event.prompt_logprobs)
+            out = Piece(piece, event.token, event.logprob, event.top_logprobs, finish, prompt_logprobs=event.prompt_logprobs,
+                        cached_tokens=seq.cached_tokens)
             handle.mark(out)
             by_loop.setdefault(handle.loop, []).append((handle, out))
             if finish:
