@@ -59,6 +59,7 @@ def register(subparsers) -> None:
     add("--shutdown-grace", type=float, default=DEFAULTS["shutdown_grace"],
         help=f"seconds running requests may take to finish after SIGTERM or Ctrl-C (default {DEFAULTS['shutdown_grace']:g})")
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
+    add("--threads", type=int, default=0, metavar="N", help="torch intra-op threads per process (default 0: OMP_NUM_THREADS if set, else the cores this process may use divided among the local processes; docs/serve.md)")
     add("--plan", default="", help="parallel layout: tp=N, dp=N,ep=N (attention data parallelism, experts over the "
                                    "ranks) or tp=N,ep=N,ep_over_tp=true (default: one process)")
     add("--collective-timeout", type=float, default=DEFAULTS["collective_timeout"], metavar="SECONDS",
@@ -134,7 +135,7 @@ def worker_main(job: dict) -> int:
     from phalanx.worker_group import run_in_group
 
     startup = datetime.timedelta(seconds=max(job["collective_timeout"], STARTUP_TIMEOUT_S))
-    status = run_in_group(job["device"], lambda: _rank_main(job), timeout=startup)
+    status = run_in_group(job["device"], lambda: _rank_main(job), timeout=startup, threads=job["threads"])
     return 2 if status is None else status
 
 
