@@ -115,6 +115,7 @@ def run_job(job: dict):
     from phalanx.inference.sampling import Sampling
     from phalanx.local_device import pick_device
     from phalanx.parallel.mesh import build_mesh
+    from phalanx.worker_group import say_threads
 
     source = resolve_model(job["model"], job["step"])
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
@@ -126,6 +127,7 @@ def run_job(job: dict):
     mesh = build_mesh(plan_from_string(job["plan"], world_size), device)
     model = load_model(source, mesh)
     use_onednn(model)  # on CPU: oneDNN's GEMM for the plain matrices (cpu_ops/onednn_linear.py)
+    say_threads(job.get("threads", 0))  # once the model is in: a failed start stays one error line
     result = generate_ids(model, job["prompt"], max_new_tokens=job["max_new_tokens"], max_len=source.cfg.max_seq_len,
                           sampling=Sampling(**job["sampling"]), device=device, eos_id=codec.eos_id,
                           pad_to=mesh.plan.tp if mesh.plan.sp else 1)
@@ -146,7 +148,7 @@ def worker_main(job: dict) -> int:
     from phalanx.worker_group import run_in_group
 
     rank = int(os.environ.get("RANK", "0"))
-    done = run_in_group(job["device"], lambda: run_job(job), threads=job["threads"])
+    done = run_in_group(job["device"], lambda: run_job(job), threads=job.get("threads", 0), say=False)
     if done is None:
         return 2
     result, codec = done
