@@ -48,11 +48,14 @@ class ThreadChoice:
 
     def line(self, actual: int) -> str:
         """The start-up line; `actual`: torch.get_num_threads() once set."""
-        policy = ("passive: an idle thread sleeps instead of spinning on a core others may need"
-                  if self.wait_policy == PASSIVE["OMP_WAIT_POLICY"] else "from the environment")
+        if self.wait_policy == PASSIVE["OMP_WAIT_POLICY"]:
+            policy = "PASSIVE (an idle thread sleeps instead of spinning on a core others may need)"
+        elif self.wait_policy:
+            policy = f"{self.wait_policy} (OMP_WAIT_POLICY in the environment)"
+        else:
+            policy = "the runtime's default (KMP_BLOCKTIME in the environment: the wait is left to the user)"
         plural = "s" if actual != 1 else ""
-        return (f"phalanx: {actual} intra-op thread{plural} per process ({self.why}); "
-                f"OpenMP wait policy {self.wait_policy or 'the runtime default'} ({policy})")
+        return f"phalanx: {actual} intra-op thread{plural} per process ({self.why}); OpenMP wait policy {policy}"
 
 
 def check_requested(threads: int | None, flag: str = "--threads") -> None:

@@ -69,7 +69,8 @@ def test_the_line_says_count_policy_and_why():
     line = choose_threads(cores=2, local_ranks=1, environ={"OMP_WAIT_POLICY": "PASSIVE"}).line(2)
     assert line.startswith("phalanx: 2 intra-op threads per process (2 cores in this process's affinity / 1 local rank)")
     assert "OpenMP wait policy PASSIVE" in line
-    assert "from the environment" in choose_threads(cores=2, local_ranks=1, environ={"OMP_WAIT_POLICY": "ACTIVE"}).line(2)
+    assert "ACTIVE (OMP_WAIT_POLICY in the environment)" in choose_threads(
+        cores=2, local_ranks=1, environ={"OMP_WAIT_POLICY": "ACTIVE"}).line(2)
 
 
 def test_use_threads_sets_torch(monkeypatch):
