@@ -7,7 +7,7 @@ it to one CPU, default: wherever the kernel puts it). Beside it, each arm is a f
 `phalanx serve` (a server that ran the load holds its prompts in the prefix cache) on a small
 random llama (serve_load.py's `write_model`), warmed up, then a closed loop of `--concurrency`
 requests at a time (default 1 and 4), `--rounds` requests per slot, each generating exactly its
-length, answered whole (serve_stream_client.py's lean client). Arms:
+length (`ignore_eos`), answered whole (serve_stream_client.py's lean client). Arms:
 
 - `auto`: phalanx's choice (no OMP_NUM_THREADS, no wait policy in the environment): on the
   2-core machine 2 threads, OMP_WAIT_POLICY=PASSIVE;
@@ -71,7 +71,10 @@ async def _closed_loop(url: str, name: str, requests, concurrency: int) -> tuple
         nonlocal done
         while queue:
             prompt, out = queue.pop()
-            done += await completion_tokens(url, {"model": name, "prompt": prompt, "max_tokens": out, "temperature": 0})
+            # Awaited first: `done += await ...` reads `done` before the other slots add theirs.
+            tokens = await completion_tokens(url, {"model": name, "prompt": prompt, "max_tokens": out, "temperature": 0,
+                                                   "ignore_eos": True})
+            done += tokens
 
     began = time.perf_counter()
     await asyncio.gather(*[slot() for _ in range(concurrency)])
