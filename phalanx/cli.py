@@ -21,6 +21,7 @@ from phalanx.planner.serve_cli import main as serve_main
 from phalanx.planner.serve_cli import serve_argv
 from phalanx.planner.simulate import register as register_simulate
 from phalanx.serve.cli import register as register_serve
+from phalanx.threads import check_requested, set_wait_policy
 from phalanx.train.config import load_config
 from phalanx.train.restarts import earlier_user_error
 
@@ -49,6 +50,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--rebalance-every", "rebalance_every", int, "move expert slots to the measured loads every K steps, weights and optimizer state with them (default 0: never)"),
     ("--replica-groups", "replica_groups", int, "split the --nproc processes into R data-parallel replica groups: a failed group restarts and rejoins from its peers while the others keep training (torchft: pip install 'phalanx[ft]'; docs/fault_tolerance.md)"),
     ("--lighthouse", "lighthouse", str, "with --replica-groups: HOST:PORT of a torchft lighthouse already running (default: phalanx starts one)"),
+    ("--threads", "threads", int, "torch intra-op threads per worker (default 0: OMP_NUM_THREADS if set, else the cores this process may use divided among the local workers; docs/serve.md: Threads)"),
     ("--collective-timeout", "collective_timeout", float, "seconds a collective may wait for the other ranks before the worker fails, naming the operation and, where known, the missing rank (default 600)"),
 ]
 
@@ -129,7 +131,18 @@ def _parse(argv: list[str] | None):
         if serve_argv(argv):
             return lambda: serve_main(argv)
     args = build_parser().parse_args(argv)
-    return lambda: args.func(args)
+    return lambda: _run_command(args)
+
+
+def _run_command(args) -> int:
+    """The parsed subcommand. Those that run models (their flags have --threads) get the passive
+    OpenMP wait policy in the environment first, unless the user set one: the runtime reads it
+    once, when torch is imported, which no command has done yet; every worker inherits it
+    (phalanx/threads.py says why)."""
+    if hasattr(args, "threads"):
+        check_requested(args.threads)
+        set_wait_policy(os.environ)
+    return args.func(args)
 
 
 def run(argv: list[str] | None = None) -> int:

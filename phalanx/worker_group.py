@@ -24,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from phalanx.errors import UserError
 from phalanx.ports import free_port
 from phalanx.process_count import check_process_count, usable_cores
+from phalanx.threads import choose_for_this_process
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """For commands without --collective-timeout (generate, match, blur)."""
@@ -41,14 +42,28 @@ def check_nproc(nproc: int, device: str) -> None:
               "(fine for testing layouts, slow for training)", file=sys.stderr)
 
 
+def use_threads(requested: int = 0) -> int:
+    """Set this process's torch intra-op threads as phalanx/threads.py chooses (`requested`:
+    --threads, 0 = automatic). The previous count, for a caller that runs in someone else's
+    process (a test) to put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(choose_for_this_process(requested).threads)
+    return before
+
+
+def say_threads(requested: int = 0) -> None:
+    """Rank 0 prints the one line of the threads chosen and why (after use_threads). A command
+    says it once its work has started, after the checks whose errors are one line each."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(choose_for_this_process(requested).line(torch.get_num_threads()), file=sys.stderr, flush=True)
+
+
 def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
     """Join the process group of a launched worker (nothing in a single process). On CUDA the
     group also has a gloo backend for CPU tensors, which asynchronous checkpointing needs."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1 and not dist.is_initialized():
         use_cuda = device != "cpu" and torch.cuda.is_available()
-        if not use_cuda:
-            torch.set_num_threads(max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
         dist.init_process_group("cpu:gloo,cuda:nccl" if use_cuda else "gloo", timeout=timeout,
                                 store=_attempt_store(world_size, timeout),
                                 rank=int(os.environ["RANK"]), world_size=world_size)
@@ -85,11 +100,17 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta = PROCESS_GROUP_
     return dist.PrefixStore(f"phalanx/attempt_{attempt}", store)
 
 
-def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT):
-    """`body()` on this worker with its process group up, and torn down after. A UserError is
-    printed once (by rank 0; also passed to `on_user_error`) and gives None, for the caller's
-    exit status 2."""
+def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT,
+                 *, threads: int = 0, say: bool = True):
+    """`body()` on this worker with its process group up, and torn down after; torch on the
+    intra-op threads `use_threads(threads)` chooses for the worker's share of the cores (the
+    count it had is put back after), said at once unless `say` is False (the body then says it,
+    `say_threads`). A UserError is printed once (by rank 0; also passed to
+    `on_user_error`) and gives None, for the caller's exit status 2."""
     rank = int(os.environ.get("RANK", "0"))
+    threads_before = use_threads(threads)
+    if say:
+        say_threads(threads)
     init_worker_group(device, timeout)
     try:
         return body()
@@ -102,6 +123,7 @@ def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timede
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(threads_before)
 
 
 def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "",

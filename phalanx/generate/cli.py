@@ -36,6 +36,7 @@ def register(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=None, help=f"then among the most likely whose probabilities add up to p (default {DEFAULTS['top_p']})")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--nproc", type=int, default=1, help="local worker processes (default 1)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads per process (default 0: OMP_NUM_THREADS if set, else the cores this process may use divided among the local processes; docs/serve.md)")
     parser.add_argument("--plan", default="", help="parallel layout, e.g. tp=2 (default: tp over all processes)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--json", action="store_true", help='print {"new_ids", "text", "prefill_s", "decode_tokens_per_s"}')
@@ -102,7 +103,7 @@ def prepare_job(args) -> dict:
     step = source.step if source.is_run else args.step
     return {"model": args.model, "step": step, "tokenizer": args.tokenizer, "prompt": prompt,
             "max_new_tokens": args.max_new_tokens, "sampling": asdict(sampling), "plan": plan.to_string(),
-            "device": args.device, "json": args.json}
+            "device": args.device, "json": args.json, "threads": args.threads}
 
 
 def run_job(job: dict):
@@ -114,6 +115,7 @@ def run_job(job: dict):
     from phalanx.inference.sampling import Sampling
     from phalanx.local_device import pick_device
     from phalanx.parallel.mesh import build_mesh
+    from phalanx.worker_group import say_threads
 
     source = resolve_model(job["model"], job["step"])
     codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
@@ -125,6 +127,7 @@ def run_job(job: dict):
     mesh = build_mesh(plan_from_string(job["plan"], world_size), device)
     model = load_model(source, mesh)
     use_onednn(model)  # on CPU: oneDNN's GEMM for the plain matrices (cpu_ops/onednn_linear.py)
+    say_threads(job.get("threads", 0))  # once the model is in: a failed start stays one error line
     result = generate_ids(model, job["prompt"], max_new_tokens=job["max_new_tokens"], max_len=source.cfg.max_seq_len,
                           sampling=Sampling(**job["sampling"]), device=device, eos_id=codec.eos_id,
                           pad_to=mesh.plan.tp if mesh.plan.sp else 1)
@@ -145,7 +148,7 @@ def worker_main(job: dict) -> int:
     from phalanx.worker_group import run_in_group
 
     rank = int(os.environ.get("RANK", "0"))
-    done = run_in_group(job["device"], lambda: run_job(job))
+    done = run_in_group(job["device"], lambda: run_job(job), threads=job.get("threads", 0), say=False)
     if done is None:
         return 2
     result, codec = done

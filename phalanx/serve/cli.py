@@ -59,6 +59,7 @@ def register(subparsers) -> None:
     add("--shutdown-grace", type=float, default=DEFAULTS["shutdown_grace"],
         help=f"seconds running requests may take to finish after SIGTERM or Ctrl-C (default {DEFAULTS['shutdown_grace']:g})")
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
+    add("--threads", type=int, default=0, metavar="N", help="torch intra-op threads per process (default 0: OMP_NUM_THREADS if set, else the cores this process may use divided among the local processes; docs/serve.md)")
     add("--plan", default="", help="parallel layout: tp=N, dp=N,ep=N (attention data parallelism, experts over the "
                                    "ranks) or tp=N,ep=N,ep_over_tp=true (default: one process)")
     add("--collective-timeout", type=float, default=DEFAULTS["collective_timeout"], metavar="SECONDS",
@@ -134,7 +135,8 @@ def worker_main(job: dict) -> int:
     from phalanx.worker_group import run_in_group
 
     startup = datetime.timedelta(seconds=max(job["collective_timeout"], STARTUP_TIMEOUT_S))
-    status = run_in_group(job["device"], lambda: _rank_main(job), timeout=startup)
+    status = run_in_group(job["device"], lambda: _rank_main(job), timeout=startup, threads=job.get("threads", 0),
+                          say=False)
     return 2 if status is None else status
 
 
@@ -159,12 +161,19 @@ def _rank_main(job: dict) -> int:
     from phalanx.serve.metrics import ServeMetrics
     from phalanx.serve.rank_loop import RankChannel, heartbeat_interval
     from phalanx.serve.server import serve
+    from phalanx.worker_group import say_threads
 
     cfg = source.cfg
     channel = RankChannel(heartbeat_interval(job["collective_timeout"])) if parallel else None
     metrics = ServeMetrics(moe=cfg.n_experts > 0, slo=slo_targets(job))
-    return serve(job, lambda: build_engine(job, source, channel, metrics), codec, ChatTemplate(source.tokenizer_dir),
-                 metrics, cfg.max_seq_len, cfg.vocab_size, defaults)
+
+    def loaded_engine():
+        engine = build_engine(job, source, channel, metrics)
+        say_threads(job.get("threads", 0))  # once the model is in: a failed start stays one error line
+        return engine
+
+    return serve(job, loaded_engine, codec, ChatTemplate(source.tokenizer_dir), metrics, cfg.max_seq_len,
+                 cfg.vocab_size, defaults)
 
 
 def build_engine(job: dict, source, channel=None, metrics=None):

@@ -16,6 +16,7 @@ from phalanx.plan_model_checks import validate_tp
 from phalanx.scheduling.serving_bounds import check_counts
 from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
 from phalanx.serve.rank_restarts import max_restarts
+from phalanx.threads import check_requested
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 """--max-request-bytes' default, 4 MiB: a prompt that fills a 128k-token context is ~0.5 MB of
@@ -74,6 +75,7 @@ def prepare_job(args) -> dict:
     plan = check_plan(args)
     for name in ("expert_slots", "rebalance_every"):
         _at_least(args, name, 0)
+    check_requested(getattr(args, "threads", 0))
     slo = check_slo(args)
     if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and _data_parallel(plan):
         raise UserError(f"--ttft-ms/--tpot-ms with plan {plan} is not there yet: the latency targets size one "
@@ -87,7 +89,7 @@ def prepare_job(args) -> dict:
             "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
             "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
             "expert_placement": args.expert_placement, "generation_config": getattr(args, "generation_config", "auto"),
-            "collective_timeout": args.collective_timeout,
+            "collective_timeout": args.collective_timeout, "threads": getattr(args, "threads", 0),
             "max_restarts": max_restarts(args.max_restarts, args.nproc), "max_restarts_given": args.max_restarts,
             **slo}
 

@@ -109,6 +109,9 @@ class TrainConfig:
     doc_mask: bool = False
     """Attention stays inside each document of a packed sequence (the document starts a prepared
     directory records); with or without cp; `parallel/context_parallel.py`."""
+    threads: int = 0
+    """torch intra-op threads per worker; 0 = the user's OMP_NUM_THREADS, else the cores this
+    process may use divided among the local workers (`phalanx/threads.py`)."""
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):  # TOML `resume = true` and older callers
             object.__setattr__(self, "resume", "must" if self.resume else "")
@@ -136,6 +139,8 @@ class TrainConfig:
         for name in ("nproc", "warmup_steps", "ckpt_every", "eval_every", "sample_tokens", "expert_slots", "rebalance_every"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
+        if self.threads < 0:
+            problems.append(f"threads={self.threads} must be >= 0 (0: chosen from the cores this process may use)")
         if self.max_restarts < -1:
             problems.append(f"max_restarts={self.max_restarts} must not be negative")
         if self.dtype not in ("fp32", "bf16"):

@@ -92,7 +92,7 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | N
     with StopSignals() as stop:  # from the first moment: a signal during setup stops after one step
         try:
             result = run_in_group(cfg.device, lambda: train(job or cfg, Path(run_dir), stop=stop), on_user_error,
-                                  datetime.timedelta(seconds=cfg.collective_timeout))
+                                  datetime.timedelta(seconds=cfg.collective_timeout), threads=cfg.threads)
         except Exception as error:
             # When another worker died, this one's collective fails at once, and the agent,
             # seeing the dead one, stops this one within its monitor interval (SIGTERM). Wait
