@@ -65,7 +65,7 @@ def test_match_on_an_empty_folder(tmp_path, capsys):
 def _generate_args(**changes) -> argparse.Namespace:
     fields = dict(model="", step=None, prompt=None, prompt_ids="1,2,3", tokenizer="bytes", max_new_tokens=2, greedy=True,
                   temperature=None, top_k=None, top_p=None, seed=0, nproc=2, plan="tp=2,sp=true", device="cpu",
-                  json=True, rdzv_endpoint="")
+                  json=True, rdzv_endpoint="", threads=0)
     return argparse.Namespace(**{**fields, **changes})
 
 

@@ -221,6 +221,7 @@ def test_expert_placement_starts_from_a_training_runs_loads(skewed, tmp_path):
     loads the run's metrics.jsonl recorded (summed over its steps), so the expert that was hot
     in training starts with a replica on each rank; a run of another model is a one-line error."""
     import json
+    from types import SimpleNamespace
 
     from phalanx.balance.solve import rebalance
     from phalanx.errors import UserError
@@ -232,7 +233,7 @@ def test_expert_placement_starts_from_a_training_runs_loads(skewed, tmp_path):
     records = [{"step": step, "moe": {"0": {"expert_tokens": hot[0]}, "2": {"expert_tokens": hot[1]}}} for step in (1, 2)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     cfg, plan = read_model_config(skewed), plan_from_string("dp=2,ep=2", 2)
-    job = {"expert_slots": 8, "rebalance_every": 0, "expert_placement": str(tmp_path)}
+    job = SimpleNamespace(expert_slots=8, rebalance_every=0, expert_placement=str(tmp_path))  # a ServeJob's fields
     placed = first_placement(job, cfg, plan)
     assert (placed == rebalance([[2 * x for x in row] for row in hot], 8, 1, 1, 2, policy="global").phy2log).all()
     for row, expert in zip(placed, (0, 5)):

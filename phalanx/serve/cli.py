@@ -11,8 +11,8 @@ import os
 import sys
 
 from phalanx.errors import UserError
-from phalanx.plan import plan_from_string
-from phalanx.serve.job import DEFAULT_MAX_REQUEST_BYTES, check_for_model, prepare_job, slo_policy, slo_targets
+from phalanx.serve.job import (DEFAULT_MAX_REQUEST_BYTES, ServeJob, check_for_model, prepare_job, slo_policy,
+                               slo_targets)
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
             "max_waiting": 256, "shutdown_grace": 30.0, "collective_timeout": 600.0}
@@ -106,12 +106,12 @@ def _run(args) -> int:
         return run_pools(args, job)
     if "RANK" not in os.environ:
         check_for_model(job)
-    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or job["nproc"] == 1:
+    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or job.nproc == 1:
         return worker_main(job)
     return _launch(job)
 
 
-def _launch(job: dict) -> int:
+def _launch(job: ServeJob) -> int:
     """`--nproc N`: N local workers, started again after one dies (rank_restarts.py); SIGTERM to
     this process reaches them all (rank 0 drains, the others wait for it) and ends with 0,
     Ctrl-C with 130."""
@@ -119,43 +119,43 @@ def _launch(job: dict) -> int:
     from phalanx.serve.rank_restarts import launch_ranks
     from phalanx.worker_group import check_nproc
 
-    check_nproc(job["nproc"], job["device"])
+    check_nproc(job.nproc, job.device)
     return launch_ranks(_elastic_entry, job)
 
 
-def _elastic_entry(job: dict) -> None:
+def _elastic_entry(job: ServeJob) -> None:
     status = worker_main(job)
     if status:
         sys.exit(status)
 
 
-def worker_main(job: dict) -> int:
+def worker_main(job: ServeJob) -> int:
     """Every rank: rank 0 serves (HTTP, scheduler, sampling), the others follow its forwards."""
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.worker_group import run_in_group
 
-    startup = datetime.timedelta(seconds=max(job["collective_timeout"], STARTUP_TIMEOUT_S))
-    status = run_in_group(job["device"], lambda: _rank_main(job), timeout=startup, threads=job.get("threads", 0),
+    startup = datetime.timedelta(seconds=max(job.collective_timeout, STARTUP_TIMEOUT_S))
+    status = run_in_group(job.device, lambda: _rank_main(job), timeout=startup, threads=job.threads,
                           say=False)
     return 2 if status is None else status
 
 
-def _rank_main(job: dict) -> int:
+def _rank_main(job: ServeJob) -> int:
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     import torch.distributed as dist
 
     from phalanx.inference.generation_config import sampling_defaults
     from phalanx.inference.model_source import resolve_model, text_codec
 
-    source = resolve_model(job["model"], job["step"])
+    source = resolve_model(job.model, job.step)
     parallel = dist.is_initialized() and dist.get_world_size() > 1
     if parallel and dist.get_rank() != 0:
         # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
         from phalanx.serve.rank_loop import follow
 
         return follow(build_engine(job, source))
-    codec = text_codec(source.tokenizer_dir, job["tokenizer"] or source.tokenizer)
-    defaults = sampling_defaults(source.tokenizer_dir) if job["generation_config"] == "auto" else {}
+    codec = text_codec(source.tokenizer_dir, job.tokenizer or source.tokenizer)
+    defaults = sampling_defaults(source.tokenizer_dir) if job.generation_config == "auto" else {}
     # Imported when run, not at the top: it brings in prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     from phalanx.serve.chat_template import ChatTemplate
     from phalanx.serve.metrics import ServeMetrics
@@ -164,19 +164,19 @@ def _rank_main(job: dict) -> int:
     from phalanx.worker_group import say_threads
 
     cfg = source.cfg
-    channel = RankChannel(heartbeat_interval(job["collective_timeout"])) if parallel else None
+    channel = RankChannel(heartbeat_interval(job.collective_timeout)) if parallel else None
     metrics = ServeMetrics(moe=cfg.n_experts > 0, slo=slo_targets(job))
 
     def loaded_engine():
         engine = build_engine(job, source, channel, metrics)
-        say_threads(job.get("threads", 0))  # once the model is in: a failed start stays one error line
+        say_threads(job.threads)  # once the model is in: a failed start stays one error line
         return engine
 
     return serve(job, loaded_engine, codec, ChatTemplate(source.tokenizer_dir), metrics, cfg.max_seq_len,
                  cfg.vocab_size, defaults)
 
 
-def build_engine(job: dict, source, channel=None, metrics=None):
+def build_engine(job: ServeJob, source, channel=None, metrics=None):
     """The model (this rank's part), the block pool sized for it, the scheduler(s), the engine.
     `metrics`: rank 0's, which counts live expert rebalances."""
     # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
@@ -189,10 +189,10 @@ def build_engine(job: dict, source, channel=None, metrics=None):
     from phalanx.serve.expert_placement import first_placement, slot_placements
     from phalanx.serve.loading import kv_blocks, load_serving_model, pick_dtype
 
-    device = pick_device(job["device"])
-    dtype = pick_dtype(job["dtype"], device)
+    device = pick_device(job.device)
+    dtype = pick_dtype(job.dtype, device)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    plan = plan_from_string(job["plan"], world_size)
+    plan = job.plan
     mesh = build_mesh(plan, device)
     phy2log = first_placement(job, source.cfg, plan)
     slots = None if phy2log is None else slot_placements(phy2log, source.cfg, plan.ep)
@@ -201,13 +201,13 @@ def build_engine(job: dict, source, channel=None, metrics=None):
     if world_size > 1:  # every rank has its model: from here a collective is a step's (STARTUP_TIMEOUT_S)
         from phalanx.worker_group import bound_every_group
 
-        bound_every_group(job["collective_timeout"])
+        bound_every_group(job.collective_timeout)
 
     def scheduler() -> Scheduler:
         # Preempted sequences wait too: the bound on new requests is the engine loop's.
-        return Scheduler(num_blocks=num_blocks, block_size=job["block_size"], max_num_seqs=job["max_num_seqs"],
-                         max_num_batched_tokens=job["max_num_batched_tokens"],
-                         max_waiting=job["max_waiting"] + job["max_num_seqs"], slo=slo_policy(job))
+        return Scheduler(num_blocks=num_blocks, block_size=job.block_size, max_num_seqs=job.max_num_seqs,
+                         max_num_batched_tokens=job.max_num_batched_tokens,
+                         max_waiting=job.max_waiting + job.max_num_seqs, slo=slo_policy(job))
 
     if plan.dp == 1:
         return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep)
@@ -218,7 +218,7 @@ def build_engine(job: dict, source, channel=None, metrics=None):
 
     rank = dist.get_rank()
     live = None if phy2log is None else LivePlacement(model, phy2log, source.cfg.n_experts, plan.ep,
-                                                     job["rebalance_every"], planner=rank == 0)
+                                                     job.rebalance_every, planner=rank == 0)
     schedulers = DPSchedulers([scheduler() for _ in range(plan.dp if rank == 0 else 1)])
     return DPEngine(model, schedulers, device, dp_rank=mesh.axis_rank("dp"), channel=channel, expert_ranks=plan.ep,
                     placement=live, on_rebalance=None if metrics is None else metrics.rebalanced)

@@ -43,10 +43,10 @@ class NewPlacement:
     expert_load: np.ndarray | None
 
 
-def first_placement(job: dict, cfg, plan) -> np.ndarray | None:
+def first_placement(job, cfg, plan) -> np.ndarray | None:
     """(MoE layers, S) slot -> expert rows to start from, or None without expert slots; every
     setting checked with a one-line error (the training rules: `layout_rules`)."""
-    slots, every, run = job["expert_slots"], job["rebalance_every"], job["expert_placement"]
+    slots, every, run = job.expert_slots, job.rebalance_every, job.expert_placement
     if not (slots or every or run):
         return None
     flag = (f"--expert-slots={slots}" if slots else f"--rebalance-every={every}" if every

@@ -1,17 +1,18 @@
 """The `phalanx serve` job: every flag checked before any weights are read, worked out once
-as plain data that the launcher hands to every rank (serve/cli.py builds it; pool_main.py
-checks each pool's plan with the same `check_plan`)."""
+into a frozen `ServeJob` that the launcher hands to every rank (serve/cli.py builds it; its
+plan parsed here, once; pool_main.py checks each pool's plan with the same `check_plan`)."""
 
 from __future__ import annotations
 
 import math
 import os
 import socket
+from dataclasses import dataclass
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.inference.model_source import resolve_model
-from phalanx.plan import plan_from_string
+from phalanx.plan import Plan, plan_from_string
 from phalanx.plan_model_checks import validate_tp
 from phalanx.scheduling.serving_bounds import check_counts
 from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
@@ -26,6 +27,43 @@ tokenizer (http_limits.py applies it)."""
 KEY_ENV = "PHALANX_API_KEY"
 
 
+@dataclass(frozen=True)
+class ServeJob:
+    """Everything a serving rank needs from the command line, checked (`prepare_job`)."""
+    model: str
+    step: int | None
+    tokenizer: str | None
+    host: str
+    port: int
+    served_model_name: str
+    plan: Plan
+    """The layout, parsed and checked once for `nproc` ranks."""
+    nproc: int
+    device: str
+    dtype: str
+    """auto, fp32 or bf16 (loading.pick_dtype)."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory: float | None
+    num_kv_blocks: int | None
+    block_size: int
+    max_waiting: int
+    api_key: str | None
+    max_request_bytes: int
+    shutdown_grace: float
+    collective_timeout: float
+    expert_slots: int
+    rebalance_every: int
+    expert_placement: str | None
+    generation_config: str
+    threads: int
+    max_restarts: int
+    max_restarts_given: int | None
+    """--max-restarts as given (None: the default), for the pool front's own instance restarts."""
+    ttft_ms: float | None
+    tpot_ms: float | None
+
+
 def check_slo(args) -> dict:
     for name in ("ttft_ms", "tpot_ms"):
         value = getattr(args, name, None)
@@ -34,17 +72,17 @@ def check_slo(args) -> dict:
     return {"ttft_ms": getattr(args, "ttft_ms", None), "tpot_ms": getattr(args, "tpot_ms", None)}
 
 
-def slo_policy(job: dict):
+def slo_policy(job: ServeJob):
     """The SLO scheduler's policy for --ttft-ms/--tpot-ms (slo_policy.py), or None without them."""
     targets = slo_targets(job)
-    return None if targets is None else SloPolicy(targets, job["max_num_batched_tokens"])
+    return None if targets is None else SloPolicy(targets, job.max_num_batched_tokens)
 
 
-def slo_targets(job: dict):
-    if job.get("ttft_ms") is None and job.get("tpot_ms") is None:
+def slo_targets(job: ServeJob):
+    if job.ttft_ms is None and job.tpot_ms is None:
         return None
     ms = lambda value: None if value is None else value / 1000  # noqa: E731
-    return SloTargets(ttft_s=ms(job.get("ttft_ms")), tpot_s=ms(job.get("tpot_ms")))
+    return SloTargets(ttft_s=ms(job.ttft_ms), tpot_s=ms(job.tpot_ms))
 
 
 def _at_least(args, name: str, low: int) -> None:
@@ -53,7 +91,7 @@ def _at_least(args, name: str, low: int) -> None:
         raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
 
-def prepare_job(args) -> dict:
+def prepare_job(args) -> ServeJob:
     """Every flag checked before any weights are read, as plain data."""
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
@@ -77,21 +115,19 @@ def prepare_job(args) -> dict:
         _at_least(args, name, 0)
     check_requested(getattr(args, "threads", 0))
     slo = check_slo(args)
-    if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and _data_parallel(plan):
-        raise UserError(f"--ttft-ms/--tpot-ms with plan {plan} is not there yet: the latency targets size one "
-                        "scheduler's steps, and dp ranks each have their own (use tp=N, or pools: --pool)")
-    return {"model": args.model, "step": args.step, "tokenizer": args.tokenizer, "host": host, "port": args.port,
-            "served_model_name": args.served_model_name or args.model, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
-            "num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size, "api_key": api_key,
-            "max_request_bytes": args.max_request_bytes,
-            "dtype": args.dtype or "auto", "device": args.device, "max_waiting": args.max_waiting,
-            "shutdown_grace": args.shutdown_grace, "nproc": args.nproc, "plan": plan,
-            "expert_slots": args.expert_slots, "rebalance_every": args.rebalance_every,
-            "expert_placement": args.expert_placement, "generation_config": getattr(args, "generation_config", "auto"),
-            "collective_timeout": args.collective_timeout, "threads": getattr(args, "threads", 0),
-            "max_restarts": max_restarts(args.max_restarts, args.nproc), "max_restarts_given": args.max_restarts,
-            **slo}
+    if (slo["ttft_ms"] is not None or slo["tpot_ms"] is not None) and plan.dp > 1:
+        raise UserError(f"--ttft-ms/--tpot-ms with plan {plan.to_string()} is not there yet: the latency targets size "
+                        "one scheduler's steps, and dp ranks each have their own (use tp=N, or pools: --pool)")
+    return ServeJob(
+        model=args.model, step=args.step, tokenizer=args.tokenizer, host=host, port=args.port,
+        served_model_name=args.served_model_name or args.model, plan=plan, nproc=args.nproc, device=args.device,
+        dtype=args.dtype or "auto", max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        max_waiting=args.max_waiting, api_key=api_key, max_request_bytes=args.max_request_bytes,
+        shutdown_grace=args.shutdown_grace, collective_timeout=args.collective_timeout,
+        expert_slots=args.expert_slots, rebalance_every=args.rebalance_every, expert_placement=args.expert_placement,
+        generation_config=getattr(args, "generation_config", "auto"), threads=getattr(args, "threads", 0),
+        max_restarts=max_restarts(args.max_restarts, args.nproc), max_restarts_given=args.max_restarts, **slo)
 
 
 def _api_key(args) -> str | None:
@@ -132,7 +168,7 @@ def check_host(host: str) -> str:
     return host
 
 
-def check_plan(args) -> str:
+def check_plan(args) -> Plan:
     """The layouts serving runs: tp=N; dp=N,ep=N (attention data parallelism, every dp rank an
     expert rank); tp=N,ep=M,ep_over_tp=true (experts over the tp ranks)."""
     world_size = int(os.environ.get("WORLD_SIZE", args.nproc))
@@ -144,20 +180,16 @@ def check_plan(args) -> str:
     if plan.dp > 1 and plan.ep != plan.dp:
         raise UserError(f"phalanx serve runs attention data parallelism as dp=N,ep=N (every rank an expert rank); "
                         f"plan {plan.to_string()} has dp={plan.dp}, ep={plan.ep}: not there yet (docs/serve.md)")
-    return plan.to_string()
+    return plan
 
 
-def _data_parallel(plan: str) -> bool:
-    return plan_from_string(plan, None).dp > 1
-
-
-def check_for_model(job: dict) -> None:
+def check_for_model(job: ServeJob) -> None:
     """Before any worker starts: the plan's tp and ep and the expert-slot flags against the model."""
     # Imported here, not at the top: they reach torch, and `serve --help` should start light.
     from phalanx.serve.expert_placement import first_placement
 
-    cfg = resolve_model(job["model"], job["step"]).cfg
-    plan = plan_from_string(job["plan"], job["nproc"])
+    cfg = resolve_model(job.model, job.step).cfg
+    plan = job.plan
     # The trainer's rule, as serving shards the model with the same apply_tp: a tp that does
     # not divide the KV heads would fail in the first forward, after the server is up.
     if problems := validate_tp(plan, cfg, cfg.max_seq_len):

@@ -21,6 +21,7 @@ from phalanx.cpu_ops.onednn_linear import use_onednn
 from phalanx.errors import UserError
 from phalanx.inference.model_source import load_model
 from phalanx.parallel.tp_inference import localize_block_matrices
+from phalanx.serve.job import ServeJob
 from phalanx.serve.paged_cache import bytes_per_block, kv_channels_per_position
 
 GIB = 1 << 30
@@ -49,7 +50,7 @@ def load_serving_model(source, mesh, dtype, expert_slots: dict | None = None):
     return model
 
 
-def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> int:
+def kv_blocks(job: ServeJob, cfg, tp: int, device, dtype, agree: bool = False) -> int:
     """The size of the block pool (see the module docstring). `agree`: every rank takes the
     smallest over the ranks (free GPU memory differs), since all index the same blocks."""
     blocks = _kv_blocks(job, cfg, tp, device, dtype)
@@ -61,18 +62,18 @@ def kv_blocks(job: dict, cfg, tp: int, device, dtype, agree: bool = False) -> in
     return blocks
 
 
-def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
-    per_block = bytes_per_block(job["block_size"], cfg.n_layers, kv_channels_per_position(cfg, tp),
+def _kv_blocks(job: ServeJob, cfg, tp: int, device, dtype) -> int:
+    per_block = bytes_per_block(job.block_size, cfg.n_layers, kv_channels_per_position(cfg, tp),
                                 torch.empty((), dtype=dtype).element_size())
-    if job["num_kv_blocks"]:
+    if job.num_kv_blocks:
         held = _device_memory(device)
-        if job["num_kv_blocks"] * per_block > held:
-            raise UserError(f"--num-kv-blocks {job['num_kv_blocks']} of {per_block:,} bytes need "
-                            f"{job['num_kv_blocks'] * per_block / GIB:,.1f} GiB; this {device.type} device has "
+        if job.num_kv_blocks * per_block > held:
+            raise UserError(f"--num-kv-blocks {job.num_kv_blocks} of {per_block:,} bytes need "
+                            f"{job.num_kv_blocks * per_block / GIB:,.1f} GiB; this {device.type} device has "
                             f"{held / GIB:,.1f} GiB")
-        return job["num_kv_blocks"]
-    if job["kv_cache_memory"]:
-        budget = job["kv_cache_memory"] * GIB
+        return job.num_kv_blocks
+    if job.kv_cache_memory:
+        budget = job.kv_cache_memory * GIB
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * GPU_MEMORY_FRACTION
@@ -80,9 +81,9 @@ def _kv_blocks(job: dict, cfg, tp: int, device, dtype) -> int:
         budget = CPU_DEFAULT_KV_GIB * GIB
     blocks = int(budget // per_block)
     if blocks < 1:
-        raise UserError(f"--kv-cache-memory {job['kv_cache_memory']} GiB holds no KV block of {per_block} bytes")
-    needed = job["max_num_seqs"] * -(-cfg.max_seq_len // job["block_size"])
-    return blocks if job["kv_cache_memory"] else min(blocks, needed)
+        raise UserError(f"--kv-cache-memory {job.kv_cache_memory} GiB holds no KV block of {per_block} bytes")
+    needed = job.max_num_seqs * -(-cfg.max_seq_len // job.block_size)
+    return blocks if job.kv_cache_memory else min(blocks, needed)
 
 
 def _device_memory(device) -> int:

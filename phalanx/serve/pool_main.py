@@ -21,6 +21,7 @@ from phalanx.plan_model_checks import validate_tp
 from phalanx.process_count import check_process_count
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.serve_rates import ServeLoad
+from phalanx.serve.job import ServeJob
 from phalanx.serve.job import check_plan as check_serve_plan
 from phalanx.serve.pool_auto import auto_split, check_auto, planned_lengths
 from phalanx.serve.pool_router import Router, parse_pools
@@ -49,7 +50,7 @@ def instance_flags(args, parser) -> list[str]:
     return flags
 
 
-def check_pools(args, job: dict):
+def check_pools(args, job: ServeJob):
     """The pools as specs, every layout checked against `phalanx serve`'s rules and the model's
     shape before anything starts."""
     auto = args.pool == ["auto"]
@@ -61,10 +62,10 @@ def check_pools(args, job: dict):
     if not args.pool_move_after > 0:
         raise UserError(f"--pool-move-after must be > 0 seconds, got {args.pool_move_after}")
     specs = [] if auto else parse_pools(args.pool)  # the flags' own spelling first, then the model
-    _check_ranks(args.nproc if auto else sum(spec.world * spec.instances for spec in specs), job["device"],
+    _check_ranks(args.nproc if auto else sum(spec.world * spec.instances for spec in specs), job.device,
                  "--nproc" if auto else "the pools' ranks")
     if auto:
-        check_auto(ttft_ms=job["ttft_ms"], tpot_ms=job["tpot_ms"], ranks=args.nproc)  # before the model is read
+        check_auto(ttft_ms=job.ttft_ms, tpot_ms=job.tpot_ms, ranks=args.nproc)  # before the model is read
     cfg = _model_config(job)
 
     def check_plan(plan: str, world: int) -> None:
@@ -106,19 +107,19 @@ def layout_ok(check_plan):
     return ok
 
 
-def _plan_auto(args, job: dict, cfg, layout_ok) -> list:
+def _plan_auto(args, job: ServeJob, cfg, layout_ok) -> list:
     """`--pool auto`: the planner's two pools for the targets, each printed with why."""
     # Imported when run, not at the top: it brings in h11, prometheus_client, starlette, which start-up need not wait for.
     from phalanx.serve.pool_server import log
 
     isl, osl = planned_lengths(cfg, args.isl, args.osl)
-    load = ServeLoad(isl=isl, osl=osl, ttft_ms=job["ttft_ms"], tpot_ms=job["tpot_ms"])
+    load = ServeLoad(isl=isl, osl=osl, ttft_ms=job.ttft_ms, tpot_ms=job.tpot_ms)
     cluster = cluster_from_name("local")
-    gpu = job["device"] == "cuda" or (job["device"] == "auto" and _cuda())
+    gpu = job.device == "cuda" or (job.device == "auto" and _cuda())
     # As phalanx serve runs: fp32 on the CPU, bf16 on a GPU, unless --dtype says.
-    dtype = {"fp32": "fp32", "bf16": "bf16"}.get(job["dtype"], "bf16" if gpu else "fp32")
-    split = auto_split(cfg, cluster, ranks=args.nproc, load=load, max_num_seqs=job["max_num_seqs"],
-                       max_batch_tokens=job["max_num_batched_tokens"], weight_dtype=dtype, kv_dtype=dtype,
+    dtype = {"fp32": "fp32", "bf16": "bf16"}.get(job.dtype, "bf16" if gpu else "fp32")
+    split = auto_split(cfg, cluster, ranks=args.nproc, load=load, max_num_seqs=job.max_num_seqs,
+                       max_batch_tokens=job.max_num_batched_tokens, weight_dtype=dtype, kv_dtype=dtype,
                        layout_ok=layout_ok)
     for line in split.lines():
         log(line)
@@ -132,22 +133,22 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _model_config(job: dict):
+def _model_config(job: ServeJob):
     """The model's shape, without torch for a model directory."""
-    if is_run_dir(job["model"]):
+    if is_run_dir(job.model):
 
-        return resolve_model(job["model"], job["step"]).cfg
+        return resolve_model(job.model, job.step).cfg
 
-    return read_model_config(job["model"])
+    return read_model_config(job.model)
 
 
-def run_pools(args, job: dict) -> int:
+def run_pools(args, job: ServeJob) -> int:
     specs, check_plan = check_pools(args, job)
     flags = instance_flags(args, args.serve_parser)
     return asyncio.run(_serve(job, specs, flags, check_plan, args.pool_move_after))
 
 
-async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: float) -> int:
+async def _serve(job: ServeJob, specs, flags: list[str], check_plan, move_after_s: float) -> int:
     # Imported when run, not at the top: it brings in h11, prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     import uvicorn
 
@@ -156,14 +157,14 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
     from phalanx.serve.pool_server import DEFAULT_INSTANCE_RESTARTS, PoolFront, build_front_app, log
     from phalanx.serve.server import PhalanxServer
 
-    ttft_s = job["ttft_ms"] / 1000 if job["ttft_ms"] is not None else None
-    router = Router(specs, job["max_num_seqs"], move_after_s, layout_ok(check_plan), ttft_s)
-    front = PoolFront(router, flags, job["device"], job["api_key"], job["max_request_bytes"],
-                      restarts=DEFAULT_INSTANCE_RESTARTS if job["max_restarts_given"] is None else job["max_restarts_given"])
-    config = uvicorn.Config(build_front_app(front), host=job["host"], port=job["port"], log_level="warning",
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=job["shutdown_grace"] + 10,
+    ttft_s = job.ttft_ms / 1000 if job.ttft_ms is not None else None
+    router = Router(specs, job.max_num_seqs, move_after_s, layout_ok(check_plan), ttft_s)
+    front = PoolFront(router, flags, job.device, job.api_key, job.max_request_bytes,
+                      restarts=DEFAULT_INSTANCE_RESTARTS if job.max_restarts_given is None else job.max_restarts_given)
+    config = uvicorn.Config(build_front_app(front), host=job.host, port=job.port, log_level="warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=job.shutdown_grace + 10,
                             **uvicorn_limits())
-    host = job["host"]
+    host = job.host
     shown = f"[{host}]" if ":" in host else host
     loop = asyncio.get_running_loop()
 
@@ -175,7 +176,7 @@ async def _serve(job: dict, specs, flags: list[str], check_plan, move_after_s: f
         ready.update(news)
         if "port" in ready and "pools" in ready and not ready.get("said"):
             ready["said"] = True
-            print(f"phalanx: serving {job['served_model_name']} on http://{shown}:{ready['port']}", flush=True)
+            print(f"phalanx: serving {job.served_model_name} on http://{shown}:{ready['port']}", flush=True)
 
     def listening(port: int) -> None:
         announce(port=port)

@@ -11,6 +11,7 @@ loop; a failure with no restarts left ends it with status 1 and one line saying 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -25,12 +26,12 @@ def max_restarts(configured: int | None, nproc: int) -> int:
     return configured if configured is not None else (DEFAULT_MAX_RESTARTS if nproc > 1 else 0)
 
 
-def launch_ranks(entry, job: dict) -> int:
-    """Run `entry(job)` on job["nproc"] local ranks, again after each failure while restarts are
-    left; the exit status."""
-    restarts = job["max_restarts"]
-    if job["port"] == 0 and restarts:
-        job = {**job, "port": free_port()}
+def launch_ranks(entry, job) -> int:
+    """Run `entry(job)` (serve/job.py's ServeJob) on job.nproc local ranks, again after each
+    failure while restarts are left; the exit status."""
+    restarts = job.max_restarts
+    if job.port == 0 and restarts:
+        job = dataclasses.replace(job, port=free_port())
     for attempt in range(restarts + 1):
         status, why = _launch_once(entry, job, attempt)
         if why is None:
@@ -44,7 +45,7 @@ def launch_ranks(entry, job: dict) -> int:
     return 1
 
 
-def _launch_once(entry, job: dict, attempt: int) -> tuple[int, str | None]:
+def _launch_once(entry, job, attempt: int) -> tuple[int, str | None]:
     """One elastic launch: (status, None) when it ended for good, or (1, why a rank failed)."""
     # Imported when run, not at the top: they bring in torch, which serve/job.py (this file's
     # max_restarts) and start-up need not wait for.
@@ -55,7 +56,7 @@ def _launch_once(entry, job: dict, attempt: int) -> tuple[int, str | None]:
 
     try:
         # A restart forks from a clean server process: this one has threads by now (worker_group.py).
-        start_elastic(entry, (job,), job["nproc"], job["device"], quiet=True, grace_s=int(job["shutdown_grace"]) + 15,
+        start_elastic(entry, (job,), job.nproc, job.device, quiet=True, grace_s=int(job.shutdown_grace) + 15,
                       run_id=f"phalanx-serve-{os.getpid()}-{attempt}", fresh=attempt > 0)
     except SignalException as stop:
         return (0 if stop.sigval == signal.SIGTERM else 130), None

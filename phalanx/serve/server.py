@@ -21,6 +21,7 @@ from phalanx.errors import UserError
 from phalanx.serve.api import ServeState, build_app
 from phalanx.serve.engine_loop import EngineLoop
 from phalanx.serve.http_limits import uvicorn_limits
+from phalanx.serve.job import ServeJob
 
 
 class PhalanxServer(uvicorn.Server):
@@ -46,7 +47,7 @@ class PhalanxServer(uvicorn.Server):
         self.on_signal(sig)
 
 
-def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, vocab_size: int,
+def serve(job: ServeJob, build_engine, codec, chat_template, metrics, max_len: int, vocab_size: int,
           sampling_defaults: dict | None = None) -> int:
     """Run until a signal; `build_engine()` runs on the engine thread and returns the Engine.
     `sampling_defaults`: the checkpoint's, for the fields a request leaves out."""
@@ -76,20 +77,20 @@ def serve(job: dict, build_engine, codec, chat_template, metrics, max_len: int, 
             shown.update(news)
             if "port" in shown and "loaded" in shown and not shown.get("said"):
                 shown["said"] = True
-                print(f"phalanx: serving {job['served_model_name']} on http://{shown_host}:{shown['port']}", flush=True)
+                print(f"phalanx: serving {job.served_model_name} on http://{shown_host}:{shown['port']}", flush=True)
 
     def build_then_announce():
         built = build_engine()
         announce(loaded=True)
         return built
 
-    engine = EngineLoop(build_then_announce, job["max_waiting"], metrics, load_failed, fatal)
-    state = ServeState(job["served_model_name"], engine, codec, chat_template, metrics, max_len, vocab_size,
-                       job["api_key"], sampling_defaults or {}, job["max_request_bytes"])
-    grace = job["shutdown_grace"]
-    host = job["host"]
+    engine = EngineLoop(build_then_announce, job.max_waiting, metrics, load_failed, fatal)
+    state = ServeState(job.served_model_name, engine, codec, chat_template, metrics, max_len, vocab_size,
+                       job.api_key, sampling_defaults or {}, job.max_request_bytes)
+    grace = job.shutdown_grace
+    host = job.host
     shown_host = f"[{host}]" if ":" in host else host
-    config = uvicorn.Config(build_app(state), host=job["host"], port=job["port"], log_level="warning",
+    config = uvicorn.Config(build_app(state), host=job.host, port=job.port, log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=grace + 5, **uvicorn_limits())
 
     def listening(port: int) -> None:
