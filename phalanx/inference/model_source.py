@@ -102,6 +102,9 @@ class TextCodec:
     """Every id that ends a sequence: `eos_id` and the checkpoint's (generation_config.py)."""
     decode_plain: Callable[[list[int]], str] | None = None
     """Ids to text without special tokens (vLLM's `skip_special_tokens`); None: as `decode`."""
+    tokenizer_file: Path | None = None
+    """The tokenizer.json (None: the byte tokenizer), from which structured output's grammars
+    learn each token's bytes (grammar.py)."""
 
 
 def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
@@ -115,4 +118,4 @@ def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
     eos = checkpoint_eos_ids(model_dir) | set(getattr(loaded, "eos_ids", ())) | ({loaded.eos_id} - {None})
     eos = {token for token in eos if token < loaded.vocab_size}
     return TextCodec(lambda text: [int(t) for t in loaded.encode(text)], loaded.decode, loaded.eos_id,
-                     frozenset(eos), getattr(loaded, "decode_plain", None))
+                     frozenset(eos), getattr(loaded, "decode_plain", None), loaded.source)

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phalanx.errors import UserError
+from phalanx.inference.grammar import Constraint, GrammarError, Grammars, Vocabulary
 from phalanx.inference.sampling import Sampling
 from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
@@ -50,6 +51,13 @@ class ServeState:
     """generation_config.json's sampling settings for fields a request leaves out (empty under
     `--generation-config vllm`)."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    grammars: Grammars | None = None
+    """Structured output's compiled grammars for this tokenizer (made on the first request that asks)."""
+
+    def __post_init__(self):
+        if self.grammars is None:
+            self.grammars = Grammars(Vocabulary(getattr(self.codec, "tokenizer_file", None), self.vocab_size,
+                                                frozenset(getattr(self.codec, "eos_ids", ()))))
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -106,12 +114,15 @@ async def _generate(request: Request, state: ServeState, parse) -> Response:
                            "model", "model_not_found")
         prompts = await asyncio.to_thread(_prompt_ids, gen, state)  # a long prompt's tokenizing holds no one else
         sampling = _sampling(gen, state)
+        grammar = None if gen.constraint is None else await asyncio.to_thread(_compile, gen.constraint, state)
         for prompt in prompts:
             max_tokens = _max_tokens(gen, prompt, state)
             for choice in range(gen.n):
                 seed = None if gen.seed is None else gen.seed + choice  # choice i of a seeded request: seed + i
-                seq = Sequence("", prompt, max_tokens, _ends(gen, state),
-                               sampling=seeded(sampling, seed, gen.logprobs, gen.min_tokens),
+                ends = _ends(gen, state)
+                matcher = None if grammar is None else state.grammars.matcher(grammar, ends)
+                seq = Sequence("", prompt, max_tokens, ends,
+                               sampling=seeded(sampling, seed, gen.logprobs, gen.min_tokens, matcher),
                                prompt_logprobs=prompt_alternatives(gen))
                 handles.append(_submit(state, seq, gen))
     except ApiError as error:
@@ -204,6 +215,18 @@ def _ends(gen: Generation, state: ServeState) -> frozenset[int]:
     request's stop_token_ids."""
     eos = frozenset() if gen.ignore_eos else (state.codec.eos_ids or frozenset({state.codec.eos_id}) - {None})
     return eos | frozenset(gen.stop_token_ids)
+
+
+def _compile(constraint: Constraint, state: ServeState):
+    """The constraint's compiled grammar (in a worker thread: a large schema takes a while), or
+    a 400 naming the field that gave it."""
+    try:
+        return state.grammars.compile(constraint)
+    except GrammarError as error:
+        raise ApiError(400, f"{constraint.param}: cannot be compiled: {error}", constraint.param) from None
+    except ImportError:
+        raise ApiError(400, f"{constraint.param}: structured output needs xgrammar on the server "
+                            "(pip install 'phalanx[structured]')", constraint.param) from None
 
 
 def _sampling(gen: Generation, state: ServeState) -> Sampling:

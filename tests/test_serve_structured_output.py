@@ -1,0 +1,199 @@
+"""Structured output on a real `phalanx serve` with the `openai` client, as users ask for it:
+`response_format` (json_object, json_schema), vLLM's `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar` and `structured_outputs`, on /v1/chat/completions and
+/v1/completions.
+
+The model is a random tiny llama, so what it would write unconstrained is noise: an answer
+that parses and validates against its schema, fullmatches its regex or is one of its choices
+is the grammar's doing. Schemas here are bounded (a string's maxLength, an integer's range)
+so that greedy answers end within max_tokens: a random model never chooses to close a string.
+One server has a byte-level BPE tokenizer with an end-of-text token (the grammar ends on it);
+the other the byte tokenizer, which has none (the answer ends as soon as its grammar can).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from hf_models import write_checkpoint
+from serve_server import ServeProcess
+
+VOCAB = 320
+NAME = "structured"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green"]},
+    },
+    "required": ["name", "age", "ok", "color"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{3}-[0-9]{2}"
+CHOICES = ["red", "green", "blue", "dark blue"]
+CORPUS = ['{"name": "Ada", "age": 36, "ok": true}', "the quick brown fox jumps over the lazy dog", "red green blue"] * 20
+
+
+def _bpe_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 10, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("structured") / "llama", "llama", vocab_size=VOCAB)
+    _bpe_tokenizer(folder / "tokenizer.json")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    process = ServeProcess(model_dir, "--served-model-name", NAME, "--num-kv-blocks", "128")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def _valid(answer: dict, schema: dict) -> None:
+    import jsonschema
+
+    jsonschema.validate(answer, schema)
+
+
+def test_json_schema_on_chat_parses_and_validates(client):
+    for seed in range(3):
+        answer = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": f"who? {seed}"}], max_tokens=80, temperature=0.8,
+            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
+                                                                                 "strict": True}})
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", choice
+        _valid(json.loads(choice.message.content), SCHEMA)
+
+
+def test_guided_json_and_structured_outputs_on_completions(client):
+    for extra in ({"guided_json": SCHEMA}, {"guided_json": json.dumps(SCHEMA)}, {"structured_outputs": {"json": SCHEMA}}):
+        choice = client.completions.create(model=NAME, prompt="the quick", max_tokens=80, temperature=0,
+                                           extra_body=extra).choices[0]
+        assert choice.finish_reason == "stop", (extra, choice)
+        _valid(json.loads(choice.text), SCHEMA)
+
+
+def test_json_object(client, model_dir):
+    from tokenizers import Tokenizer
+
+    close = Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id("}")
+    # A random model never closes the object of its own accord: a bias makes `}` its choice
+    # wherever the grammar allows it (the mask comes first, so the bias adds nothing elsewhere).
+    answer = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "json"}], max_tokens=20,
+                                            temperature=0, response_format={"type": "json_object"},
+                                            logit_bias={str(close): 100})
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop" and json.loads(choice.message.content) == {}
+    streamed = client.completions.create(model=NAME, prompt="x", max_tokens=20, temperature=0, stream=True,
+                                         logit_bias={str(close): 100},
+                                         extra_body={"structured_outputs": {"json_object": True}})
+    chunks = list(streamed)
+    assert json.loads("".join(c.choices[0].text for c in chunks)) == {} and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_regex_and_choice_and_grammar(client):
+    for seed in range(4):
+        text = client.completions.create(model=NAME, prompt="code:", max_tokens=16, temperature=1.0, seed=seed,
+                                         extra_body={"guided_regex": REGEX}).choices[0]
+        assert re.fullmatch(REGEX, text.text) and text.finish_reason == "stop", text
+        choice = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "color?"}],
+                                                max_tokens=16, temperature=1.0, seed=seed,
+                                                extra_body={"guided_choice": CHOICES}).choices[0]
+        assert choice.message.content in CHOICES and choice.finish_reason == "stop", choice
+    grammar = 'root ::= "yes" | "no" | "maybe " [0-9]'
+    text = client.completions.create(model=NAME, prompt="ok?", max_tokens=8, temperature=0,
+                                     extra_body={"structured_outputs": {"grammar": grammar}}).choices[0].text
+    assert re.fullmatch(r"yes|no|maybe [0-9]", text), text
+
+
+def test_n_choices_each_follow_the_grammar(client):
+    answer = client.completions.create(model=NAME, prompt=["a", "b"], max_tokens=16, temperature=1.0, n=3, seed=7,
+                                       extra_body={"guided_regex": REGEX})
+    assert len(answer.choices) == 6 and all(re.fullmatch(REGEX, c.text) for c in answer.choices)
+
+
+def test_a_grammar_that_allows_everything_changes_nothing(client, model_dir):
+    """Greedy with a regex every text matches equals greedy without one, token for token. The
+    random model's single bytes of multi-byte characters (which no text regex allows alone)
+    are biased away in both requests alike."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    partial = {str(i): -100 for i in range(tok.get_vocab_size()) if "\ufffd" in tok.decode([i])}
+    asked = dict(model=NAME, prompt="the quick brown", max_tokens=24, temperature=0, logit_bias=partial)
+    plain = client.completions.create(**asked, extra_body={"return_token_ids": True}).choices[0]
+    free = client.completions.create(**asked, extra_body={"return_token_ids": True,
+                                                          "guided_regex": r"[\s\S]*"}).choices[0]
+    assert free.token_ids == plain.token_ids and free.text == plain.text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"guided_regex": "a(("}, "guided_regex"),
+    ({"guided_regex": 5}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", 3]}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": [1, 2]}, "guided_json"),
+    ({"guided_grammar": 'root ::= "a" | '}, "guided_grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_bad_constraints_are_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=extra)
+    assert caught.value.body["param"] == param, caught.value.body
+    # ... and the server goes on serving, structured output too.
+    assert client.completions.create(model=NAME, prompt="x", max_tokens=4, temperature=0,
+                                     extra_body={"guided_choice": ["ok"]}).choices[0].text == "ok"
+
+
+@pytest.fixture(scope="module")
+def byte_server(model_dir):
+    process = ServeProcess(model_dir, "--served-model-name", NAME, "--num-kv-blocks", "64", "--tokenizer", "bytes")
+    yield process
+    process.stop()
+
+
+def test_without_an_end_token_the_answer_ends_with_its_grammar(byte_server):
+    """The byte tokenizer has no end-of-sequence id: the answer stops where the grammar is complete."""
+    client = byte_server.client()
+    for seed in range(3):
+        choice = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "who?"}], max_tokens=100, temperature=0.8, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}).choices[0]
+        assert choice.finish_reason == "stop"
+        _valid(json.loads(choice.message.content), SCHEMA)
+    choice = client.completions.create(model=NAME, prompt="x", max_tokens=16, temperature=0,
+                                       extra_body={"guided_choice": CHOICES}).choices[0]
+    assert choice.text in CHOICES and choice.finish_reason == "stop"
