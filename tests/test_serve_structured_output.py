@@ -197,3 +197,72 @@ def test_without_an_end_token_the_answer_ends_with_its_grammar(byte_server):
     choice = client.completions.create(model=NAME, prompt="x", max_tokens=16, temperature=0,
                                        extra_body={"guided_choice": CHOICES}).choices[0]
     assert choice.text in CHOICES and choice.finish_reason == "stop"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}, "required": ["zone"]}}}
+
+
+def _weather_args(arguments: str) -> None:
+    _valid(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_named_tool_call(client):
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    for seed in range(2):
+        answer = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER, TIME], max_tokens=60,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                temperature=0.8, seed=seed)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        call, = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        _weather_args(call.function.arguments)
+    streamed = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=60,
+                                              tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                              temperature=0, stream=True)
+    deltas = [chunk.choices[0] for chunk in streamed if chunk.choices]
+    calls = [call for d in deltas for call in (d.delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and deltas[-1].finish_reason == "tool_calls"
+    _weather_args(calls[0].function.arguments)
+
+
+def test_required_tool_calls(client):
+    schemas = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+    for seed, parallel in ((0, None), (1, False), (2, True)):
+        answer = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "now?"}],
+                                                tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,
+                                                temperature=0.8, seed=seed, parallel_tool_calls=parallel)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert calls and (parallel is not False or len(calls) == 1)
+        for call in calls:
+            _valid(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tool_choice_none_answers_in_text(client):
+    choice = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
+                                            tool_choice="none", max_tokens=5, temperature=0).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # auto, the default with tools
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+])
+def test_bad_tools_are_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       extra_body=extra)
+    assert caught.value.body["param"] == param, caught.value.body

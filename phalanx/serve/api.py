@@ -275,7 +275,7 @@ def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
     """Each prompt's token ids, checked against the vocabulary and the context."""
     if gen.chat:
         try:
-            gen.prompts = [state.chat_template.render(gen.messages)]
+            gen.prompts = [state.chat_template.render(gen.messages, gen.tools)]
         except ValueError as error:
             raise ApiError(400, str(error), "messages") from None
     out = []

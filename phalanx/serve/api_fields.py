@@ -74,9 +74,11 @@ FIELDS: tuple[Field, ...] = (
     Field("suffix", COMPLETIONS, True, False, "refused", "suffix (fill-in-the-middle) is not supported", (None, "")),
     Field("response_format", BOTH, True, True, "text; json_object; json_schema (its schema required, strict "
           "accepted, always enforced): the answer constrained by the grammar (docs/serve.md: Structured output)"),
-    Field("tools", CHAT, True, True, "refused", "tools are not there yet", (None, [])),
-    Field("tool_choice", CHAT, True, True, "none only", "tools are not there yet", (None, "none")),
-    Field("parallel_tool_calls", CHAT, True, True, "refused", "tools are not there yet"),
+    Field("tools", CHAT, True, True, "functions given to the chat template; with tool_choice required or named "
+          "a call constrained by their parameters schemas, answered as message.tool_calls"),
+    Field("tool_choice", CHAT, True, True, 'none, required, or {"type": "function", "function": {"name"}}; '
+          "auto (the default with tools) refused: parsing the model's own tool-call format is not there yet"),
+    Field("parallel_tool_calls", CHAT, True, True, "with tool_choice required: false allows one call only"),
     Field("functions", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, [])),
     Field("function_call", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, "none")),
     Field("guided_json", BOTH, False, True, "a JSON schema (an object or its JSON text) the answer matches"),

@@ -72,7 +72,14 @@ class Generation:
     """vLLM's: each prompt token's log-probability and rank, with this many alternatives."""
     return_token_ids: bool = False
     constraint: Constraint | None = None
-    """Structured output: what the answer must match (response_format, guided_*, structured_outputs)."""
+    """Structured output: what the answer must match (response_format, guided_*, structured_outputs,
+    or the tool call that tool_choice asks for)."""
+    tools: list[dict] | None = None
+    """Chat: the functions the model may call, as given (the chat template sees them)."""
+    tool_call: str | None = None
+    """Chat: "required" (one or more calls of any of `tools`) or "named" (a call of `tool_name`):
+    the answer is constrained to it and returned as `message.tool_calls`; None: text."""
+    tool_name: str | None = None
     chat: bool = False
     asked: frozenset[str] = frozenset()
     """The fields the body gave (the model's generation_config.json fills the others' defaults)."""
@@ -293,6 +300,68 @@ def _choices(value, where: str) -> str:
     return json.dumps(value)
 
 
+def _tools(body: dict, gen: Generation) -> None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`: a forced call (required, or a named
+    function) is constrained by the functions' parameter schemas, as vLLM does; "none" answers in
+    text; "auto" needs the model's own tool-call format parsed, which is not there yet."""
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or len(tools) > MAX_TOKEN_LIST:
+        raise _bad("tools must be a list of functions", "tools")
+    names = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise _bad(f'tools[{index}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
+                       "tools")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise _bad(f"tools[{index}].function.parameters must be a JSON schema (an object)", "tools")
+        names.append(function["name"])
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad(f"parallel_tool_calls must be true or false, got {parallel!r}", "parallel_tool_calls")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"  # OpenAI's defaults
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise _bad('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', "tool_choice")
+        if name not in names:
+            raise _bad(f"tool_choice names the function {name!r}, which is not in tools "
+                       f"({', '.join(map(repr, names)) or 'none given'})", "tool_choice")
+        gen.tool_call, gen.tool_name = "named", name
+        schema = _parameters(tools[names.index(name)]["function"])
+    elif choice == "none" or (choice == "auto" and not tools):
+        return
+    elif choice == "auto":
+        raise _bad('tool_choice "auto" (the default with tools) is not there yet: it needs the model\'s own tool-call '
+                   'format parsed from its text; give "required" or {"type": "function", "function": {"name": ...}} '
+                   '(the call is then constrained to the function\'s parameters), or "none"', "tool_choice")
+    elif choice == "required":
+        if not tools:
+            raise _bad('tool_choice "required" needs tools', "tool_choice")
+        gen.tool_call = "required"
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                            "parameters": _parameters(tool["function"])},
+             "required": ["name", "parameters"]} for tool in tools]}}
+        if parallel is False:
+            schema["maxItems"] = 1
+    else:
+        raise _bad(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}', "tool_choice")
+    if gen.constraint is not None:
+        raise _bad(f"tool_choice {choice!r} constrains the answer to a tool call, and {gen.constraint.param} "
+                   "constrains it too: one per request", gen.constraint.param)
+    gen.tools, gen.constraint = tools, Constraint("json_schema", json.dumps(schema), "tools")
+
+
+def _parameters(function: dict) -> dict:
+    """A function's parameters schema (none: an object with no properties, as OpenAI reads it)."""
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
 def _prompt_list(prompt) -> list:
     """`prompt` as a list of prompts, each a string or a list of token ids."""
     is_ids = lambda value: (isinstance(value, list) and value  # noqa: E731
@@ -356,6 +425,7 @@ def parse_chat(body) -> Generation:
         gen.logprobs = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
     elif body.get("top_logprobs") is not None:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    _tools(body, gen)
     if _flag(body, "echo"):
         raise _bad("echo is taken by /v1/completions only here (give the prompt there)", "echo")
     if body.get("prompt_logprobs") is not None:

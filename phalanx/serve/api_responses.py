@@ -9,6 +9,10 @@ tokens before its tokens (the first prompt token's log-probability and alternati
 OpenAI and vLLM answer); streamed, both go out with the choice's first chunk.
 `prompt_logprobs` (vLLM's) is a list beside it: null, then for each prompt token a map from
 token id to its log-probability, rank and text, the prompt's token and its alternatives.
+
+A forced tool call (`tool_choice` required or a named function; its text constrained to JSON by
+the grammar) is answered as `message.tool_calls` with `finish_reason` "tool_calls"; streamed,
+in one delta when the choice ends. A call cut short by `max_tokens` stays text ("length").
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ class Choice:
     prompt_scores: list | None = None
     """Its prompt tokens' scores (prompt_logprobs.PromptScore), from its first piece, when asked."""
     echo_sent: bool = False
+    held_entries: list = field(default_factory=list)
+    """A streamed tool call's log-probability entries, sent with the call when it ends."""
 
 
 @dataclass
@@ -119,6 +125,20 @@ class Answer:
                         for t, (lp, r) in ranked.items()})
         return out
 
+    def _tool_calls(self, c: Choice) -> list[dict] | None:
+        """The choice's text as OpenAI's tool calls (None: not a tool call, or not complete JSON)."""
+        if not self.gen.chat or self.gen.tool_call is None or c.finish_reason != "stop":
+            return None
+        try:
+            calls = json.loads(c.text)
+        except ValueError:
+            return None
+        if self.gen.tool_call == "named":
+            calls = [{"name": self.gen.tool_name, "parameters": calls}]
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": call["name"], "arguments": json.dumps(call["parameters"], ensure_ascii=False)}}
+                for call in calls]
+
     def _choice(self, index: int, text: str, entries, offset: int, finish_reason, first: bool = False) -> dict:
         if self.gen.chat:
             delta_or_message = {"role": "assistant", "content": text} if first or not self.gen.stream else {"content": text}
@@ -134,6 +154,10 @@ class Answer:
         for c in self.choices:
             echo_text, echo_entries = self._echo(c)
             choice = self._choice(c.index, echo_text + c.text, echo_entries + c.logprobs, 0, c.finish_reason)
+            calls = self._tool_calls(c)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
             if self.gen.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c)
             if self.gen.return_token_ids:
@@ -170,6 +194,8 @@ class Answer:
         if piece.token is not None:
             c.unsent_ids.append(piece.token)
         self.add(index, piece)
+        if self.gen.chat and self.gen.tool_call is not None:
+            return self._tool_call_chunk(c, entries, piece)
         text, first = piece.text, not c.echo_sent and (self.echoed is not None or self.gen.prompt_logprobs is not None)
         if first:  # the choice's first piece: what echo puts before it
             echo_text, echo_entries = self._echo(c)
@@ -185,6 +211,22 @@ class Answer:
             choice["token_ids"], c.unsent_ids = c.unsent_ids, []
             if not self.gen.chat and not c.prompt_ids_sent:
                 choice["prompt_token_ids"], c.prompt_ids_sent = list(c.prompt), True
+        return self.chunk([choice])
+
+    def _tool_call_chunk(self, c: Choice, entries, piece) -> str | None:
+        """A streamed forced tool call: nothing until the choice ends, then its calls in one
+        delta (as text if it was cut short)."""
+        if not piece.finish_reason:
+            c.held_entries += entries
+            return None
+        entries = c.held_entries + entries
+        calls = self._tool_calls(c)
+        if not calls:
+            return self.chunk([self._choice(c.index, c.text, entries, 0, piece.finish_reason)])
+        choice = self._choice(c.index, "", entries, 0, "tool_calls")
+        choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        if self.gen.return_token_ids:
+            choice["token_ids"], c.unsent_ids = c.unsent_ids, []
         return self.chunk([choice])
 
     def usage_chunk(self) -> str | None:

@@ -51,12 +51,15 @@ class ChatTemplate:
             env.globals["raise_exception"] = raise_exception
             self.template = env.from_string(text)
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text; ValueError when the template refuses the messages."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text; ValueError when the template refuses the messages. `tools`: the
+        request's functions, which templates that know tools (Qwen's, Llama 3's) describe to the
+        model (the plain fallback does not)."""
         if self.template is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        extra = {"tools": tools} if tools else {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens, **extra)
         except ValueError:
             raise
         except Exception as error:  # a template error is the request's (e.g. a role it does not know)
