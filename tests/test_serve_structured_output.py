@@ -53,10 +53,18 @@ def _bpe_tokenizer(path):
     return tok
 
 
+TEMPLATE = ("{% if tools %}You may call {{ tools | map(attribute='function.name') | join(', ') }} as "
+            "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\n{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+"""A chat template that shows Hermes' tool-call format, as Qwen's does (tool_choice auto reads it)."""
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("structured") / "llama", "llama", vocab_size=VOCAB)
+    folder = write_checkpoint(tmp_path_factory.mktemp("structured") / "llama", "llama", vocab_size=VOCAB,
+                              max_position_embeddings=512)
     _bpe_tokenizer(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     return folder
 
 
@@ -179,8 +187,10 @@ def test_bad_constraints_are_400_naming_the_field(client, extra, param):
 
 
 @pytest.fixture(scope="module")
-def byte_server(model_dir):
-    process = ServeProcess(model_dir, "--served-model-name", NAME, "--num-kv-blocks", "64", "--tokenizer", "bytes")
+def byte_server(tmp_path_factory):
+    """The byte tokenizer, and no chat template (the plain fallback, which shows no tool-call format)."""
+    folder = write_checkpoint(tmp_path_factory.mktemp("bytes") / "llama", "llama", vocab_size=VOCAB)
+    process = ServeProcess(folder, "--served-model-name", NAME, "--num-kv-blocks", "64", "--tokenizer", "bytes")
     yield process
     process.stop()
 
@@ -234,7 +244,7 @@ def test_required_tool_calls(client):
     schemas = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
     for seed, parallel in ((0, None), (1, False), (2, True)):
         answer = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "now?"}],
-                                                tools=[WEATHER, TIME], tool_choice="required", max_tokens=100,
+                                                tools=[WEATHER, TIME], tool_choice="required", max_tokens=300,
                                                 temperature=0.8, seed=seed, parallel_tool_calls=parallel)
         choice = answer.choices[0]
         assert choice.finish_reason == "tool_calls", choice
@@ -251,8 +261,6 @@ def test_tool_choice_none_answers_in_text(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [WEATHER]}, "tool_choice"),  # auto, the default with tools
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
@@ -266,3 +274,35 @@ def test_bad_tools_are_400_naming_the_field(client, extra, param):
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        extra_body=extra)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_parsed_from_the_models_hermes_text(client, stream):
+    """Under auto the model chooses; a random one never calls, so a regex makes it write a
+    Hermes call after some content, which must come back as content and tool_calls."""
+    asked = dict(model=NAME, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME], max_tokens=80,
+                 temperature=0, extra_body={"guided_regex": "Let me look[.]\n" + re.escape(CALL)})
+    if stream:
+        deltas = [chunk.choices[0] for chunk in client.chat.completions.create(**asked, stream=True) if chunk.choices]
+        content = "".join(d.delta.content or "" for d in deltas)
+        calls = [call for d in deltas for call in (d.delta.tool_calls or [])]
+        finish = deltas[-1].finish_reason
+    else:
+        choice = client.chat.completions.create(**asked).choices[0]
+        content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+    assert content.strip() == "Let me look." and finish == "tool_calls"
+    call, = calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "unit": "c"}
+    plain = client.chat.completions.create(**{**asked, "extra_body": {"guided_regex": "no <tool_ call here"}})
+    assert plain.choices[0].message.content == "no <tool_ call here" and plain.choices[0].message.tool_calls is None
+
+
+def test_auto_is_refused_where_the_template_shows_no_tool_call_format(byte_server):
+    for extra in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            byte_server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=4, extra_body=extra)
+        assert caught.value.body["param"] == "tool_choice" and "format" in caught.value.body["message"]

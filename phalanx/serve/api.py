@@ -274,6 +274,11 @@ async def _stream(pieces, handles: list, relays: list, answer: Answer, state: Se
 def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
     """Each prompt's token ids, checked against the vocabulary and the context."""
     if gen.chat:
+        if gen.tool_call == "auto" and state.chat_template.tool_call_format is None:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools): this model\'s chat template writes tool '
+                                "calls in no format phalanx parses (Hermes' <tool_call> JSON, as Qwen's); give "
+                                '"required" or {"type": "function", "function": {"name": ...}} (the call is then '
+                                'constrained to the function\'s parameters), or "none"', "tool_choice")
         try:
             gen.prompts = [state.chat_template.render(gen.messages, gen.tools)]
         except ValueError as error:

@@ -76,8 +76,9 @@ FIELDS: tuple[Field, ...] = (
           "accepted, always enforced): the answer constrained by the grammar (docs/serve.md: Structured output)"),
     Field("tools", CHAT, True, True, "functions given to the chat template; with tool_choice required or named "
           "a call constrained by their parameters schemas, answered as message.tool_calls"),
-    Field("tool_choice", CHAT, True, True, 'none, required, or {"type": "function", "function": {"name"}}; '
-          "auto (the default with tools) refused: parsing the model's own tool-call format is not there yet"),
+    Field("tool_choice", CHAT, True, True, 'none, auto (the default with tools: calls parsed from the model\'s '
+          'Hermes <tool_call> text; refused for a template without it), required, or {"type": "function", '
+          '"function": {"name"}}'),
     Field("parallel_tool_calls", CHAT, True, True, "with tool_choice required: false allows one call only"),
     Field("functions", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, [])),
     Field("function_call", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, "none")),

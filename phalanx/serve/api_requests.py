@@ -78,7 +78,8 @@ class Generation:
     """Chat: the functions the model may call, as given (the chat template sees them)."""
     tool_call: str | None = None
     """Chat: "required" (one or more calls of any of `tools`) or "named" (a call of `tool_name`):
-    the answer is constrained to it and returned as `message.tool_calls`; None: text."""
+    the answer is constrained to it and returned as `message.tool_calls`; "auto": calls parsed
+    from the model's own text where it makes them; None: text."""
     tool_name: str | None = None
     chat: bool = False
     asked: frozenset[str] = frozenset()
@@ -303,7 +304,7 @@ def _choices(value, where: str) -> str:
 def _tools(body: dict, gen: Generation) -> None:
     """`tools`, `tool_choice` and `parallel_tool_calls`: a forced call (required, or a named
     function) is constrained by the functions' parameter schemas, as vLLM does; "none" answers in
-    text; "auto" needs the model's own tool-call format parsed, which is not there yet."""
+    text; "auto" lets the model choose, its calls parsed from its own format (hermes_tool_calls.py)."""
     tools = body.get("tools") or []
     if not isinstance(tools, list) or len(tools) > MAX_TOKEN_LIST:
         raise _bad("tools must be a list of functions", "tools")
@@ -335,10 +336,9 @@ def _tools(body: dict, gen: Generation) -> None:
         schema = _parameters(tools[names.index(name)]["function"])
     elif choice == "none" or (choice == "auto" and not tools):
         return
-    elif choice == "auto":
-        raise _bad('tool_choice "auto" (the default with tools) is not there yet: it needs the model\'s own tool-call '
-                   'format parsed from its text; give "required" or {"type": "function", "function": {"name": ...}} '
-                   '(the call is then constrained to the function\'s parameters), or "none"', "tool_choice")
+    elif choice == "auto":  # the model chooses; its own format is parsed (the server checks it has one)
+        gen.tools, gen.tool_call = tools, "auto"
+        return
     elif choice == "required":
         if not tools:
             raise _bad('tool_choice "required" needs tools', "tool_choice")

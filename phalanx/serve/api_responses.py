@@ -13,6 +13,8 @@ token id to its log-probability, rank and text, the prompt's token and its alter
 A forced tool call (`tool_choice` required or a named function; its text constrained to JSON by
 the grammar) is answered as `message.tool_calls` with `finish_reason` "tool_calls"; streamed,
 in one delta when the choice ends. A call cut short by `max_tokens` stays text ("length").
+Under "auto" the calls are parsed from the model's `<tool_call>` text (hermes_tool_calls.py):
+streamed, the content before the first call goes out as it comes, the calls when it ends.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from phalanx.serve import hermes_tool_calls
 from phalanx.serve.api_requests import Generation
 
 
@@ -125,19 +128,28 @@ class Answer:
                         for t, (lp, r) in ranked.items()})
         return out
 
-    def _tool_calls(self, c: Choice) -> list[dict] | None:
-        """The choice's text as OpenAI's tool calls (None: not a tool call, or not complete JSON)."""
-        if not self.gen.chat or self.gen.tool_call is None or c.finish_reason != "stop":
+    def _tool_calls(self, c: Choice) -> tuple[str | None, list[dict]] | None:
+        """(content, OpenAI's tool calls) of a finished choice; None: it is not a tool call
+        (text asked for, a forced call cut short, or auto's model wrote none)."""
+        if not self.gen.chat or self.gen.tool_call is None or not c.finish_reason:
             return None
-        try:
-            calls = json.loads(c.text)
-        except ValueError:
+        if self.gen.tool_call == "auto":
+            content, parsed = hermes_tool_calls.parse(c.text)
+            calls = [(call.name, call.arguments) for call in parsed]
+        else:
+            if c.finish_reason != "stop":
+                return None
+            try:
+                values = json.loads(c.text)
+            except ValueError:
+                return None
+            if self.gen.tool_call == "named":
+                values = [{"name": self.gen.tool_name, "parameters": values}]
+            content, calls = None, [(v["name"], json.dumps(v["parameters"], ensure_ascii=False)) for v in values]
+        if not calls:
             return None
-        if self.gen.tool_call == "named":
-            calls = [{"name": self.gen.tool_name, "parameters": calls}]
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": call["name"], "arguments": json.dumps(call["parameters"], ensure_ascii=False)}}
-                for call in calls]
+        return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
 
     def _choice(self, index: int, text: str, entries, offset: int, finish_reason, first: bool = False) -> dict:
         if self.gen.chat:
@@ -154,9 +166,9 @@ class Answer:
         for c in self.choices:
             echo_text, echo_entries = self._echo(c)
             choice = self._choice(c.index, echo_text + c.text, echo_entries + c.logprobs, 0, c.finish_reason)
-            calls = self._tool_calls(c)
-            if calls:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            called = self._tool_calls(c)
+            if called:
+                choice["message"] = {"role": "assistant", "content": called[0], "tool_calls": called[1]}
                 choice["finish_reason"] = "tool_calls"
             if self.gen.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c)
@@ -214,17 +226,28 @@ class Answer:
         return self.chunk([choice])
 
     def _tool_call_chunk(self, c: Choice, entries, piece) -> str | None:
-        """A streamed forced tool call: nothing until the choice ends, then its calls in one
-        delta (as text if it was cut short)."""
+        """A streamed choice that may call tools: content as far as it cannot be the start of a
+        call (auto; none for a forced call), the calls in one delta when it ends (or the rest of
+        its text, if it made none)."""
+        c.held_entries += entries
         if not piece.finish_reason:
-            c.held_entries += entries
-            return None
-        entries = c.held_entries + entries
-        calls = self._tool_calls(c)
-        if not calls:
-            return self.chunk([self._choice(c.index, c.text, entries, 0, piece.finish_reason)])
-        choice = self._choice(c.index, "", entries, 0, "tool_calls")
-        choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            end = hermes_tool_calls.sendable(c.text) if self.gen.tool_call == "auto" else 0
+            if end <= c.sent_chars:
+                return None
+            text, c.sent_chars = c.text[c.sent_chars:end], end
+            choice = self._choice(c.index, text, c.held_entries, 0, None)
+            c.held_entries = []
+            return self.chunk([choice])
+        called = self._tool_calls(c)
+        if not called:
+            choice = self._choice(c.index, c.text[c.sent_chars:], c.held_entries, 0, piece.finish_reason)
+        else:
+            choice = self._choice(c.index, "", c.held_entries, 0, "tool_calls")
+            content = c.text[c.sent_chars:c.text.index(hermes_tool_calls.OPEN)] if self.gen.tool_call == "auto" else ""
+            choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(called[1])]}
+            if content:
+                choice["delta"]["content"] = content
+        c.sent_chars = len(c.text)
         if self.gen.return_token_ids:
             choice["token_ids"], c.unsent_ids = c.unsent_ids, []
         return self.chunk([choice])

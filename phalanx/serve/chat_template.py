@@ -37,6 +37,9 @@ class ChatTemplate:
                     named = {entry.get("name"): entry.get("template") for entry in text}
                     text = named.get("default") or next(iter(named.values()))
                 self.source = str(config_path)
+        self.tool_call_format = "hermes" if text and "<tool_call>" in text else None
+        """The format the model writes tool calls in, as its template shows it (Qwen's and Hermes'
+        `<tool_call>` JSON: hermes_tool_calls.py); None: none phalanx parses."""
         self.tokens = {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}
         self.template = None
         if text:
