@@ -18,8 +18,11 @@ import re
 
 import openai
 import pytest
+import torch
 
 from hf_models import write_checkpoint
+from phalanx.inference.grammar import Constraint, Grammars, Vocabulary
+from phalanx.inference.sampling import Row, Sampling, sample
 from serve_server import ServeProcess
 
 VOCAB = 320
@@ -80,6 +83,27 @@ def client(server):
     return server.client()
 
 
+def test_masks_in_a_batch_change_only_their_rows():
+    """The batch sampler: each constrained row keeps only what its grammar allows, the rows
+    beside it (and the caller's logits) are untouched, and a grammar that allows only its end
+    wins over min_tokens' ban of that end."""
+    end = 256
+    grammars = Grammars(Vocabulary(None, 260, frozenset({end})))
+    digit = grammars.matcher(grammars.compile(Constraint("regex", "[0-9]")), frozenset({end}))
+    yes = grammars.matcher(grammars.compile(Constraint("choice", json.dumps(["yes"]))), frozenset({end}))
+    logits = torch.randn(3, 260, generator=torch.Generator().manual_seed(0))
+    logits[:, ord("a")] = 50.0  # the unconstrained choice of every row
+    before = logits.clone()
+    greedy = Sampling(greedy=True)
+    tokens = sample(logits, [Row(greedy, grammar=digit), Row(greedy), Row(greedy, grammar=yes)])
+    assert torch.equal(logits, before)
+    assert chr(tokens[0]) in "0123456789" and tokens[0] == 48 + logits[0, 48:58].argmax().item()
+    assert tokens[1] == ord("a") and tokens[2] == ord("y")
+    assert digit.accept(tokens[0]) and not digit.terminated  # complete, but its end is the model's to take
+    assert sample(logits[:1], [Row(greedy, grammar=digit, banned=frozenset({end}))]) == [end]
+    assert digit.accept(end) and digit.terminated
+
+
 def _valid(answer: dict, schema: dict) -> None:
     import jsonschema
 
@@ -136,6 +160,12 @@ def test_regex_and_choice_and_grammar(client):
     text = client.completions.create(model=NAME, prompt="ok?", max_tokens=8, temperature=0,
                                      extra_body={"structured_outputs": {"grammar": grammar}}).choices[0].text
     assert re.fullmatch(r"yes|no|maybe [0-9]", text), text
+
+
+def test_min_tokens_gives_way_to_the_grammars_end(client):
+    choice = client.completions.create(model=NAME, prompt="x", max_tokens=20, temperature=0,
+                                       extra_body={"guided_choice": ["ok"], "min_tokens": 10}).choices[0]
+    assert choice.text == "ok" and choice.finish_reason == "stop"
 
 
 def test_n_choices_each_follow_the_grammar(client):

@@ -7,7 +7,7 @@ repetition penalty):
 0. a row under a grammar (structured output, `grammar.py`) keeps only the tokens its grammar
    allows next: the step's constrained rows masked by one bitmask, on the logits' device;
 1. tokens the row may not emit yet (`banned`: its end-of-sequence and stop ids before
-   `min_tokens`) get -inf;
+   `min_tokens`) get -inf, unless its grammar allows nothing else (the grammar's end wins);
 2. `logit_bias` is added to its tokens' logits;
 3. penalties: `repetition_penalty` p divides a positive logit by p and multiplies a negative one
    by p, for every token of the prompt or the output so far; `frequency_penalty` subtracts
@@ -155,8 +155,14 @@ def processed(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     if constrained:
         apply_masks(logits, constrained, [rows[i].grammar for i in constrained])
     if banned:
+        allowed = logits[constrained] if constrained else None  # (constrained rows, vocab): a copy
         at = torch.tensor(banned, dtype=torch.long, device=device)  # (banned, 2): row, token
         logits[at[:, 0], at[:, 1]] = -math.inf
+        if constrained:
+            # A grammar that allows only an end here wins over min_tokens: the answer is complete.
+            dead = (~torch.isfinite(logits[constrained]).any(-1)).nonzero().flatten().tolist()
+            if dead:
+                logits[[constrained[i] for i in dead]] = allowed[dead]
     if biased:
         at = torch.tensor([(r, t) for r, t, _ in biased], dtype=torch.long, device=device)
         values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=device)
