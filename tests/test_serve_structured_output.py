@@ -142,7 +142,8 @@ def test_json_object(client, model_dir):
     assert choice.finish_reason == "stop" and json.loads(choice.message.content) == {}
     streamed = client.completions.create(model=NAME, prompt="x", max_tokens=20, temperature=0, stream=True,
                                          logit_bias={str(close): 100},
-                                         extra_body={"structured_outputs": {"json_object": True}})
+                                         extra_body={"structured_outputs": {"json_object": True,
+                                                                            "disable_any_whitespace": True}})
     chunks = list(streamed)
     assert json.loads("".join(c.choices[0].text for c in chunks)) == {} and chunks[-1].choices[0].finish_reason == "stop"
 
@@ -205,6 +206,7 @@ def test_a_grammar_that_allows_everything_changes_nothing(client, model_dir):
     ({"guided_grammar": 'root ::= "a" | '}, "guided_grammar"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs"),  # and no constraint
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
 ])
 def test_bad_constraints_are_400_naming_the_field(client, extra, param):

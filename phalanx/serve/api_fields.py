@@ -87,7 +87,7 @@ FIELDS: tuple[Field, ...] = (
     Field("guided_choice", BOTH, False, True, "the answer is one of these strings"),
     Field("guided_grammar", BOTH, False, True, "an EBNF grammar (xgrammar's dialect, rule root) the answer matches"),
     Field("structured_outputs", BOTH, False, True, "one of json, regex, choice, grammar, json_object (as the "
-          "guided_* fields); its other keys refused"),
+          "guided_* fields; disable_any_whitespace: true is what is done anyway); its other keys refused"),
     Field("chat_template_kwargs", CHAT, False, True, "refused", "chat_template_kwargs is not there yet", (None, {})),
     Field("chat_template", CHAT, False, True, "refused", "a request's own chat template is not accepted"),
     Field("add_generation_prompt", CHAT, False, True, "true only", "the template always adds the assistant's turn",

@@ -234,7 +234,9 @@ def _constraint_of(name: str, value) -> Constraint | None:
         return Constraint("choice", _choices(value, name), name)
     if not isinstance(value, dict):
         raise _bad(f"structured_outputs must be an object with one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}", name)
-    given = {key: v for key, v in value.items() if v is not None and v is not False}
+    # disable_any_whitespace: true asks for what is done anyway (JSON is written compactly, grammar.py).
+    given = {key: v for key, v in value.items() if v is not None and v is not False
+             and not (key == "disable_any_whitespace" and v is True)}
     other = sorted(set(given) - set(STRUCTURED_OUTPUTS_KEYS))
     if other:
         raise _bad(f"structured_outputs.{other[0]} is not there yet (honoured: {', '.join(STRUCTURED_OUTPUTS_KEYS)})",
