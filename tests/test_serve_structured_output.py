@@ -222,20 +222,31 @@ def test_bad_constraints_are_400_naming_the_field(client, extra, param):
 def byte_server(tmp_path_factory):
     """The byte tokenizer, and no chat template (the plain fallback, which shows no tool-call format)."""
     folder = write_checkpoint(tmp_path_factory.mktemp("bytes") / "llama", "llama", vocab_size=VOCAB)
-    process = ServeProcess(folder, "--served-model-name", NAME, "--num-kv-blocks", "64", "--tokenizer", "bytes")
+    # 12 blocks of 16 positions: four answers of up to 100 tokens at once do not fit, so some are preempted.
+    process = ServeProcess(folder, "--served-model-name", NAME, "--num-kv-blocks", "12", "--tokenizer", "bytes")
     yield process
     process.stop()
 
 
 def test_without_an_end_token_the_answer_ends_with_its_grammar(byte_server):
-    """The byte tokenizer has no end-of-sequence id: the answer stops where the grammar is complete."""
+    """The byte tokenizer has no end-of-sequence id: the answer stops where the grammar is
+    complete. Four at once on a pool too small for them: a preempted sequence keeps its place
+    in its grammar while its context is recomputed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     client = byte_server.client()
-    for seed in range(3):
-        choice = client.chat.completions.create(
+
+    def ask(seed: int):
+        return client.chat.completions.create(
             model=NAME, messages=[{"role": "user", "content": "who?"}], max_tokens=100, temperature=0.8, seed=seed,
             response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}).choices[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        choices = list(pool.map(ask, range(4)))
+    for choice in choices:
         assert choice.finish_reason == "stop"
         _valid(json.loads(choice.message.content), SCHEMA)
+    assert byte_server.metrics()["phalanx_preemptions_total"] > 0
     choice = client.completions.create(model=NAME, prompt="x", max_tokens=16, temperature=0,
                                        extra_body={"guided_choice": CHOICES}).choices[0]
     assert choice.text in CHOICES and choice.finish_reason == "stop"
