@@ -105,6 +105,9 @@ class TextCodec:
     encode_special: Callable[[str], list[int]] | None = None
     """Text to ids with the special tokens the tokenizer's post-processor adds (a BOS, as
     `transformers`' `tokenizer(text)` and vLLM's `add_special_tokens` give); None: as `encode`."""
+    tokenizer_file: Path | None = None
+    """The tokenizer.json (None: the byte tokenizer), from which structured output's grammars
+    learn each token's bytes (grammar.py)."""
 
 
 def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
@@ -121,4 +124,5 @@ def text_codec(model_dir: Path | None, tokenizer: str = "") -> TextCodec:
     if hasattr(loaded, "decode_plain"):  # a tokenizers tokenizer (bytes have no special tokens to add)
         special = lambda text: [int(t) for t in loaded.encode(text, add_special_tokens=True)]  # noqa: E731
     return TextCodec(lambda text: [int(t) for t in loaded.encode(text)], loaded.decode, loaded.eos_id,
-                     frozenset(eos), getattr(loaded, "decode_plain", None), special)
+                     frozenset(eos), getattr(loaded, "decode_plain", None), encode_special=special,
+                     tokenizer_file=loaded.source)

@@ -4,8 +4,10 @@ share this one module.
 
 For each row, in this order (vLLM's `SamplingParams` semantics, `transformers`' rule for the
 repetition penalty):
+0. a row under a grammar (structured output, `grammar.py`) keeps only the tokens its grammar
+   allows next: the step's constrained rows masked by one bitmask, on the logits' device;
 1. tokens the row may not emit yet (`banned`: its end-of-sequence and stop ids before
-   `min_tokens`) get -inf;
+   `min_tokens`) get -inf, unless its grammar allows nothing else (the grammar's end wins);
 2. `logit_bias` is added to its tokens' logits;
 3. penalties: `repetition_penalty` p divides a positive logit by p and multiplies a negative one
    by p, for every token of the prompt or the output so far; `frequency_penalty` subtracts
@@ -16,7 +18,7 @@ repetition penalty):
 5. the others divide by the temperature, keep the `top_k` largest logits, then the smallest set
    whose probabilities add up to `top_p`, then those whose probability is at least `min_p`
    times the largest, and draw from what is left with the row's own seeded generator.
-Steps 1-5 run on the batch's tensors at once, on the logits' device; only the draw is one call
+Steps 0-5 run on the batch's tensors at once, on the logits' device; only the draw is one call
 per row, since each request has its own generator (a seeded request draws the same tokens
 whatever else shares its batch). Every rank of a layout holds the same full logits and the
 same generator states, so all ranks draw the same tokens without communicating.
@@ -31,6 +33,7 @@ from typing import Sequence
 import torch
 
 from phalanx.errors import UserError
+from phalanx.inference.grammar import Matcher, apply_masks
 from phalanx.inference.sampling_bounds import (LOGIT_BIAS_RANGE, MAX_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P,
                                                PENALTY_RANGE)
 
@@ -113,6 +116,8 @@ class Row:
     """The tokens generated so far: penalties."""
     banned: frozenset[int] = field(default_factory=frozenset)
     """Tokens it may not emit at this step (ends of sequence before `min_tokens`)."""
+    grammar: Matcher | None = None
+    """Its structured output's place in its grammar: only what that allows next is kept."""
 
 
 def sample(logits: torch.Tensor, rows: list[Row]) -> list[int]:
@@ -136,19 +141,28 @@ def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 def processed(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    """Steps 1-3 of the module docstring on (rows, vocab) float logits: the logits the choice
+    """Steps 0-3 of the module docstring on (rows, vocab) float logits: the logits the choice
     is made from (a new tensor where anything changed)."""
     vocab, device = logits.shape[-1], logits.device
+    constrained = [index for index, row in enumerate(rows) if row.grammar is not None]
     banned = [(index, token) for index, row in enumerate(rows) for token in row.banned if 0 <= token < vocab]
     biased = [(index, token, value) for index, row in enumerate(rows) for token, value in row.sampling.logit_bias
               if 0 <= token < vocab]
     penalized = [index for index, row in enumerate(rows) if row.sampling.penalized]
-    if not (banned or biased or penalized):
+    if not (constrained or banned or biased or penalized):
         return logits
     logits = logits.clone()
+    if constrained:
+        apply_masks(logits, constrained, [rows[i].grammar for i in constrained])
     if banned:
+        allowed = logits[constrained] if constrained else None  # (constrained rows, vocab): a copy
         at = torch.tensor(banned, dtype=torch.long, device=device)  # (banned, 2): row, token
         logits[at[:, 0], at[:, 1]] = -math.inf
+        if constrained:
+            # A grammar that allows only an end here wins over min_tokens: the answer is complete.
+            dead = (~torch.isfinite(logits[constrained]).any(-1)).nonzero().flatten().tolist()
+            if dead:
+                logits[[constrained[i] for i in dead]] = allowed[dead]
     if biased:
         at = torch.tensor([(r, t) for r, t, _ in biased], dtype=torch.long, device=device)
         values = torch.tensor([v for _, _, v in biased], dtype=logits.dtype, device=device)

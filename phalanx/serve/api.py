@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from phalanx.errors import UserError
+from phalanx.inference.grammar import Constraint, GrammarError, Grammars, Vocabulary
 from phalanx.inference.sampling import Sampling
 from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
@@ -55,6 +56,13 @@ class ServeState:
     """generation_config.json's sampling settings for fields a request leaves out (empty under
     `--generation-config vllm`)."""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    grammars: Grammars | None = None
+    """Structured output's compiled grammars for this tokenizer (made on the first request that asks)."""
+
+    def __post_init__(self):
+        if self.grammars is None:
+            self.grammars = Grammars(Vocabulary(getattr(self.codec, "tokenizer_file", None), self.vocab_size,
+                                                frozenset(getattr(self.codec, "eos_ids", ()))))
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -127,14 +135,17 @@ async def _generate(request: Request, state: ServeState, parse, answer_for=None)
                            "model", "model_not_found")
         prompts = await asyncio.to_thread(_prompt_ids, gen, state)  # a long prompt's tokenizing holds no one else
         sampling = _sampling(gen, state)
+        grammar = None if gen.constraint is None else await asyncio.to_thread(_compile, gen.constraint, state)
         for prompt in prompts:
             max_tokens = _max_tokens(gen, prompt, state)
             # best_of > n: every candidate's log-probabilities, to rank them by (api_responses.Answer)
             logprobs = 0 if gen.best_of > gen.n and gen.logprobs is None else gen.logprobs
             for choice in range(gen.best_of):
                 seed = None if gen.seed is None else gen.seed + choice  # choice i of a seeded request: seed + i
-                seq = Sequence("", prompt, max_tokens, _ends(gen, state),
-                               sampling=seeded(sampling, seed, logprobs, gen.min_tokens),
+                ends = _ends(gen, state)
+                matcher = None if grammar is None else state.grammars.matcher(grammar, ends)
+                seq = Sequence("", prompt, max_tokens, ends,
+                               sampling=seeded(sampling, seed, logprobs, gen.min_tokens, matcher),
                                prompt_logprobs=prompt_alternatives(gen))
                 handles.append(_submit(state, seq, gen))
     except ApiError as error:
@@ -236,6 +247,18 @@ def _ends(gen: Generation, state: ServeState) -> frozenset[int]:
     return eos | frozenset(gen.stop_token_ids)
 
 
+def _compile(constraint: Constraint, state: ServeState):
+    """The constraint's compiled grammar (in a worker thread: a large schema takes a while), or
+    a 400 naming the field that gave it."""
+    try:
+        return state.grammars.compile(constraint)
+    except GrammarError as error:
+        raise ApiError(400, f"{constraint.param}: cannot be compiled: {error}", constraint.param) from None
+    except ImportError:
+        raise ApiError(400, f"{constraint.param}: structured output needs xgrammar on the server "
+                            "(pip install 'phalanx[structured]')", constraint.param) from None
+
+
 def _sampling(gen: Generation, state: ServeState) -> Sampling:
     """The request's sampling, the checkpoint's generation_config.json filling the fields the
     request left out (`--generation-config auto`, as vLLM)."""
@@ -278,8 +301,13 @@ async def _stream(pieces, handles: list, relays: list, answer, state: ServeState
 def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
     """Each prompt's token ids, checked against the vocabulary and the context."""
     if gen.chat:
+        if gen.tool_call == "auto" and state.chat_template.tool_call_format is None:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools): this model\'s chat template writes tool '
+                                "calls in no format phalanx parses (Hermes' <tool_call> JSON, as Qwen's); give "
+                                '"required" or {"type": "function", "function": {"name": ...}} (the call is then '
+                                'constrained to the function\'s parameters), or "none"', "tool_choice")
         try:
-            gen.prompts = [state.chat_template.render(gen.messages)]
+            gen.prompts = [state.chat_template.render(gen.messages, gen.tools)]
         except ValueError as error:
             raise ApiError(400, str(error), "messages") from None
     special = gen.add_special_tokens and state.codec.encode_special

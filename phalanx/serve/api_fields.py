@@ -76,18 +76,22 @@ FIELDS: tuple[Field, ...] = (
     Field("prompt_logprobs", BOTH, False, True, "completions: 0 to 20 alternatives, each prompt token's log-probability "
           "and rank (the first null); chat: refused"),
     Field("suffix", COMPLETIONS, True, False, "refused", "suffix (fill-in-the-middle) is not supported", (None, "")),
-    Field("response_format", BOTH, True, True, "text only", "structured output (json_object, json_schema) is not there yet",
-          (None, {"type": "text"})),
-    Field("tools", CHAT, True, True, "refused", "tools are not there yet", (None, [])),
-    Field("tool_choice", CHAT, True, True, "none only", "tools are not there yet", (None, "none")),
-    Field("parallel_tool_calls", CHAT, True, True, "refused", "tools are not there yet"),
+    Field("response_format", BOTH, True, True, "text; json_object; json_schema (its schema required, strict "
+          "accepted, always enforced): the answer constrained by the grammar (docs/serve.md: Structured output)"),
+    Field("tools", CHAT, True, True, "functions given to the chat template; with tool_choice required or named "
+          "a call constrained by their parameters schemas, answered as message.tool_calls"),
+    Field("tool_choice", CHAT, True, True, 'none, auto (the default with tools: calls parsed from the model\'s '
+          'Hermes <tool_call> text; refused for a template without it), required, or {"type": "function", '
+          '"function": {"name"}}'),
+    Field("parallel_tool_calls", CHAT, True, True, "with tool_choice required: false allows one call only"),
     Field("functions", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, [])),
     Field("function_call", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, "none")),
-    Field("guided_json", BOTH, False, True, "refused", "guided decoding is not there yet"),
-    Field("guided_regex", BOTH, False, True, "refused", "guided decoding is not there yet"),
-    Field("guided_choice", BOTH, False, True, "refused", "guided decoding is not there yet"),
-    Field("guided_grammar", BOTH, False, True, "refused", "guided decoding is not there yet"),
-    Field("structured_outputs", BOTH, False, True, "refused", "structured output is not there yet"),
+    Field("guided_json", BOTH, False, True, "a JSON schema (an object or its JSON text) the answer matches"),
+    Field("guided_regex", BOTH, False, True, "a regular expression the whole answer matches"),
+    Field("guided_choice", BOTH, False, True, "the answer is one of these strings"),
+    Field("guided_grammar", BOTH, False, True, "an EBNF grammar (xgrammar's dialect, rule root) the answer matches"),
+    Field("structured_outputs", BOTH, False, True, "one of json, regex, choice, grammar, json_object (as the "
+          "guided_* fields; disable_any_whitespace: true is what is done anyway); its other keys refused"),
     Field("chat_template_kwargs", CHAT, False, True, "refused", "chat_template_kwargs is not there yet", (None, {})),
     Field("chat_template", CHAT, False, True, "refused", "a request's own chat template is not accepted"),
     Field("add_generation_prompt", CHAT, False, True, "true only", "the template always adds the assistant's turn",

@@ -8,8 +8,10 @@ honoured field's value are here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
+from phalanx.inference.grammar import Constraint
 from phalanx.inference.sampling_bounds import MIN_TEMPERATURE, MIN_TOP_P
 from phalanx.serve.api_fields import CHAT, COMPLETIONS, refusal
 from phalanx.serve.pool_router import SERVICE_TIERS
@@ -75,6 +77,16 @@ class Generation:
     add_special_tokens: bool = True
     """A text prompt gets the special tokens the tokenizer's post-processor adds (a BOS): vLLM's
     default for completions; chat's default is false (the template writes them)."""
+    constraint: Constraint | None = None
+    """Structured output: what the answer must match (response_format, guided_*, structured_outputs,
+    or the tool call that tool_choice asks for)."""
+    tools: list[dict] | None = None
+    """Chat: the functions the model may call, as given (the chat template sees them)."""
+    tool_call: str | None = None
+    """Chat: "required" (one or more calls of any of `tools`) or "named" (a call of `tool_name`):
+    the answer is constrained to it and returned as `message.tool_calls`; "auto": calls parsed
+    from the model's own text where it makes them; None: text."""
+    tool_name: str | None = None
     chat: bool = False
     asked: frozenset[str] = frozenset()
     """The fields the body gave (the model's generation_config.json fills the others' defaults)."""
@@ -192,12 +204,173 @@ def _common(body: dict, gen: Generation, max_tokens_default: int | None) -> None
             raise _bad("stream_options must be an object", "stream_options")
         gen.include_usage = _flag(options, "include_usage")
     gen.return_token_ids = _flag(body, "return_token_ids")
+    gen.constraint = _constraint(body)
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):  # picks a pool (pool_router.py)
         raise _bad(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}", "service_tier")
     for name in ("user", "request_id"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise _bad(f"{name} must be a string", name)
+
+
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                           "json_object": "json_object"}
+"""vLLM's `structured_outputs` keys this server honours, and the constraint each is."""
+
+
+def _constraint(body: dict) -> Constraint | None:
+    """The one structured-output constraint of the request, from whichever field gave it."""
+    found = [c for name in CONSTRAINT_FIELDS if body.get(name) is not None
+             for c in [_constraint_of(name, body[name])] if c is not None]
+    if len(found) > 1:
+        raise _bad(f"{found[1].param}: one structured-output constraint per request, but {found[0].param} "
+                   "gives one too", found[1].param)
+    return found[0] if found else None
+
+
+def _constraint_of(name: str, value) -> Constraint | None:
+    if name == "response_format":
+        return _response_format(value)
+    if name == "guided_json":
+        return Constraint("json_schema", _schema_text(value, name), name)
+    if name in ("guided_regex", "guided_grammar"):
+        if not isinstance(value, str) or not value:
+            raise _bad(f"{name} must be a non-empty string, got {value!r}", name)
+        return Constraint("regex" if name == "guided_regex" else "grammar", value, name)
+    if name == "guided_choice":
+        return Constraint("choice", _choices(value, name), name)
+    if not isinstance(value, dict):
+        raise _bad(f"structured_outputs must be an object with one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}", name)
+    # disable_any_whitespace: true asks for what is done anyway (JSON is written compactly, grammar.py).
+    given = {key: v for key, v in value.items() if v is not None and v is not False
+             and not (key == "disable_any_whitespace" and v is True)}
+    other = sorted(set(given) - set(STRUCTURED_OUTPUTS_KEYS))
+    if other:
+        raise _bad(f"structured_outputs.{other[0]} is not there yet (honoured: {', '.join(STRUCTURED_OUTPUTS_KEYS)})",
+                   name)
+    if len(given) != 1:
+        raise _bad(f"structured_outputs must give exactly one of {', '.join(STRUCTURED_OUTPUTS_KEYS)}, got "
+                   f"{sorted(given) or 'none'}", name)
+    (key, v), = given.items()
+    param = f"{name}.{key}"
+    if key == "json":
+        return Constraint("json_schema", _schema_text(v, param), name)
+    if key == "json_object":
+        if v is not True:
+            raise _bad(f"{param} must be true, got {v!r}", name)
+        return Constraint("json_object", "", name)
+    if key == "choice":
+        return Constraint("choice", _choices(v, param), name)
+    if not isinstance(v, str) or not v:
+        raise _bad(f"{param} must be a non-empty string, got {v!r}", name)
+    return Constraint(STRUCTURED_OUTPUTS_KEYS[key], v, name)
+
+
+def _response_format(value) -> Constraint | None:
+    name = "response_format"
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise _bad("response_format must be an object with a type: text, json_object or json_schema", name)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object", "", name)
+    if kind != "json_schema":
+        reason = "is not there yet" if kind == "structural_tag" else "is not a response format"
+        raise _bad(f"response_format type {kind!r} {reason} (text, json_object or json_schema)", name)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad("response_format.json_schema must be an object with a name and a schema", name)
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise _bad("response_format.json_schema.name must be a non-empty string", name)
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _bad(f"response_format.json_schema.strict must be true or false, got {spec['strict']!r}", name)
+    if spec.get("schema") is None:
+        raise _bad("response_format.json_schema.schema is required here: the JSON schema the answer must match", name)
+    return Constraint("json_schema", _schema_text(spec["schema"], "response_format.json_schema.schema"), name)
+
+
+def _schema_text(schema, where: str) -> str:
+    """A JSON schema (an object, or its JSON text) as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise _bad(f"{where} is a string that is not JSON text", where.split(".")[0]) from None
+    if not isinstance(schema, dict):
+        raise _bad(f"{where} must be a JSON schema (an object), got {type(schema).__name__}", where.split(".")[0])
+    return json.dumps(schema)
+
+
+def _choices(value, where: str) -> str:
+    if (not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value)
+            or len(value) > MAX_TOKEN_LIST):
+        raise _bad(f"{where} must be a list of 1 to {MAX_TOKEN_LIST} non-empty strings, got {value!r}",
+                   where.split(".")[0])
+    return json.dumps(value)
+
+
+def _tools(body: dict, gen: Generation) -> None:
+    """`tools`, `tool_choice` and `parallel_tool_calls`: a forced call (required, or a named
+    function) is constrained by the functions' parameter schemas, as vLLM does; "none" answers in
+    text; "auto" lets the model choose, its calls parsed from its own format (hermes_tool_calls.py)."""
+    tools = body.get("tools") or []
+    if not isinstance(tools, list) or len(tools) > MAX_TOKEN_LIST:
+        raise _bad("tools must be a list of functions", "tools")
+    names = []
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise _bad(f'tools[{index}] must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}',
+                       "tools")
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise _bad(f"tools[{index}].function.parameters must be a JSON schema (an object)", "tools")
+        names.append(function["name"])
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad(f"parallel_tool_calls must be true or false, got {parallel!r}", "parallel_tool_calls")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"  # OpenAI's defaults
+    if isinstance(choice, dict):
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise _bad('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                       '{"name": ...}}', "tool_choice")
+        if name not in names:
+            raise _bad(f"tool_choice names the function {name!r}, which is not in tools "
+                       f"({', '.join(map(repr, names)) or 'none given'})", "tool_choice")
+        gen.tool_call, gen.tool_name = "named", name
+        schema = _parameters(tools[names.index(name)]["function"])
+    elif choice == "none" or (choice == "auto" and not tools):
+        return
+    elif choice == "auto":  # the model chooses; its own format is parsed (the server checks it has one)
+        gen.tools, gen.tool_call = tools, "auto"
+        return
+    elif choice == "required":
+        if not tools:
+            raise _bad('tool_choice "required" needs tools', "tool_choice")
+        gen.tool_call = "required"
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                            "parameters": _parameters(tool["function"])},
+             "required": ["name", "parameters"]} for tool in tools]}}
+        if parallel is False:
+            schema["maxItems"] = 1
+    else:
+        raise _bad(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}', "tool_choice")
+    if gen.constraint is not None:
+        raise _bad(f"tool_choice {choice!r} constrains the answer to a tool call, and {gen.constraint.param} "
+                   "constrains it too: one per request", gen.constraint.param)
+    gen.tools, gen.constraint = tools, Constraint("json_schema", json.dumps(schema), "tools")
+
+
+def _parameters(function: dict) -> dict:
+    """A function's parameters schema (none: an object with no properties, as OpenAI reads it)."""
+    return function.get("parameters") or {"type": "object", "properties": {}}
 
 
 def _prompt_list(prompt) -> list:
@@ -270,6 +443,7 @@ def parse_chat(body) -> Generation:
         gen.logprobs = _number(body, "top_logprobs", 0, 0, MAX_LOGPROBS, integer=True)
     elif body.get("top_logprobs") is not None:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    _tools(body, gen)
     if _flag(body, "echo"):
         raise _bad("echo is taken by /v1/completions only here (give the prompt there)", "echo")
     if body.get("prompt_logprobs") is not None:

@@ -11,6 +11,12 @@ tokens before its tokens (the first prompt token's log-probability and alternati
 OpenAI and vLLM answer); streamed, both go out with the choice's first chunk.
 `prompt_logprobs` (vLLM's) is a list beside it: null, then for each prompt token a map from
 token id to its log-probability, rank and text, the prompt's token and its alternatives.
+
+A forced tool call (`tool_choice` required or a named function; its text constrained to JSON by
+the grammar) is answered as `message.tool_calls` with `finish_reason` "tool_calls"; streamed,
+in one delta when the choice ends. A call cut short by `max_tokens` stays text ("length").
+Under "auto" the calls are parsed from the model's `<tool_call>` text (hermes_tool_calls.py):
+streamed, the content before the first call goes out as it comes, the calls when it ends.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from phalanx.serve import hermes_tool_calls
 from phalanx.serve.api_requests import Generation
 
 
@@ -44,6 +51,8 @@ class Choice:
     echo_sent: bool = False
     cached_tokens: int = 0
     """Of its prompt, the tokens taken from the prefix cache."""
+    held_entries: list = field(default_factory=list)
+    """A streamed tool call's log-probability entries, sent with the call when it ends."""
 
 
 @dataclass
@@ -142,6 +151,29 @@ class Answer:
                         for t, (lp, r) in ranked.items()})
         return out
 
+    def _tool_calls(self, c: Choice) -> tuple[str | None, list[dict]] | None:
+        """(content, OpenAI's tool calls) of a finished choice; None: it is not a tool call
+        (text asked for, a forced call cut short, or auto's model wrote none)."""
+        if not self.gen.chat or self.gen.tool_call is None or not c.finish_reason:
+            return None
+        if self.gen.tool_call == "auto":
+            content, parsed = hermes_tool_calls.parse(c.text)
+            calls = [(call.name, call.arguments) for call in parsed]
+        else:
+            if c.finish_reason != "stop":
+                return None
+            try:
+                values = json.loads(c.text)
+            except ValueError:
+                return None
+            if self.gen.tool_call == "named":
+                values = [{"name": self.gen.tool_name, "parameters": values}]
+            content, calls = None, [(v["name"], json.dumps(v["parameters"], ensure_ascii=False)) for v in values]
+        if not calls:
+            return None
+        return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+
     def _choice(self, index: int, text: str, entries, offset: int, finish_reason, first: bool = False) -> dict:
         if self.gen.chat:
             delta_or_message = {"role": "assistant", "content": text} if first or not self.gen.stream else {"content": text}
@@ -157,6 +189,10 @@ class Answer:
         for c in self.answered():
             echo_text, echo_entries = self._echo(c)
             choice = self._choice(c.index, echo_text + c.text, echo_entries + c.logprobs, 0, c.finish_reason)
+            called = self._tool_calls(c)
+            if called:
+                choice["message"] = {"role": "assistant", "content": called[0], "tool_calls": called[1]}
+                choice["finish_reason"] = "tool_calls"
             if self.gen.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self._prompt_logprobs(c)
             if self.gen.return_token_ids:
@@ -193,6 +229,8 @@ class Answer:
         if piece.token is not None:
             c.unsent_ids.append(piece.token)
         self.add(index, piece)
+        if self.gen.chat and self.gen.tool_call is not None:
+            return self._tool_call_chunk(c, entries, piece)
         text, first = piece.text, not c.echo_sent and (self.echoed is not None or self.gen.prompt_logprobs is not None)
         if first:  # the choice's first piece: what echo puts before it
             echo_text, echo_entries = self._echo(c)
@@ -217,6 +255,33 @@ class Answer:
     def error_chunk(self, error) -> str:
         """The stream's end when the engine ended the request with an error (api_requests.ApiError)."""
         return sse(error.body()) + DONE
+
+    def _tool_call_chunk(self, c: Choice, entries, piece) -> str | None:
+        """A streamed choice that may call tools: content as far as it cannot be the start of a
+        call (auto; none for a forced call), the calls in one delta when it ends (or the rest of
+        its text, if it made none)."""
+        c.held_entries += entries
+        if not piece.finish_reason:
+            end = hermes_tool_calls.sendable(c.text) if self.gen.tool_call == "auto" else 0
+            if end <= c.sent_chars:
+                return None
+            text, c.sent_chars = c.text[c.sent_chars:end], end
+            choice = self._choice(c.index, text, c.held_entries, 0, None)
+            c.held_entries = []
+            return self.chunk([choice])
+        called = self._tool_calls(c)
+        if not called:
+            choice = self._choice(c.index, c.text[c.sent_chars:], c.held_entries, 0, piece.finish_reason)
+        else:
+            choice = self._choice(c.index, "", c.held_entries, 0, "tool_calls")
+            content = c.text[c.sent_chars:c.text.index(hermes_tool_calls.OPEN)] if self.gen.tool_call == "auto" else ""
+            choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(called[1])]}
+            if content:
+                choice["delta"]["content"] = content
+        c.sent_chars = len(c.text)
+        if self.gen.return_token_ids:
+            choice["token_ids"], c.unsent_ids = c.unsent_ids, []
+        return self.chunk([choice])
 
 
 def sse(body: dict) -> str:

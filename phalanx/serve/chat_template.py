@@ -37,6 +37,9 @@ class ChatTemplate:
                     named = {entry.get("name"): entry.get("template") for entry in text}
                     text = named.get("default") or next(iter(named.values()))
                 self.source = str(config_path)
+        self.tool_call_format = "hermes" if text and "<tool_call>" in text else None
+        """The format the model writes tool calls in, as its template shows it (Qwen's and Hermes'
+        `<tool_call>` JSON: hermes_tool_calls.py); None: none phalanx parses."""
         self.tokens = {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}
         self.template = None
         if text:
@@ -51,12 +54,15 @@ class ChatTemplate:
             env.globals["raise_exception"] = raise_exception
             self.template = env.from_string(text)
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text; ValueError when the template refuses the messages."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text; ValueError when the template refuses the messages. `tools`: the
+        request's functions, which templates that know tools (Qwen's, Llama 3's) describe to the
+        model (the plain fallback does not)."""
         if self.template is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        extra = {"tools": tools} if tools else {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens)
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens, **extra)
         except ValueError:
             raise
         except Exception as error:  # a template error is the request's (e.g. a role it does not know)

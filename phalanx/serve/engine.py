@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel
+from phalanx.inference.grammar import Matcher
 from phalanx.inference.sampling import Row, Sampling, sample, token_logprobs
 from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 from phalanx.serve.expert_loads import ExpertLoads
@@ -34,6 +35,9 @@ class RequestSampling:
     """Also return the sampled token's log-probability and this many top alternatives."""
     min_tokens: int = 0
     """Until this many tokens are out, its ends of sequence (the sequence's `eos_ids`) are banned."""
+    grammar: Matcher | None = None
+    """Structured output: the sequence's place in its grammar, advanced by each token it takes;
+    the sequence ends ("stop") when the grammar is terminated."""
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self):
@@ -52,11 +56,12 @@ def openai_sampling(*, temperature: float, top_p: float = 1.0, top_k: int | None
     return Sampling(greedy=temperature == 0, temperature=temperature or 1.0, top_k=top_k or 0, top_p=top_p, **fields)
 
 
-def seeded(sampling: Sampling, seed: int | None, logprobs: int | None = None, min_tokens: int = 0) -> RequestSampling:
+def seeded(sampling: Sampling, seed: int | None, logprobs: int | None = None, min_tokens: int = 0,
+           grammar: Matcher | None = None) -> RequestSampling:
     """`sampling` with `seed` (None: a random one) as a request's."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
-    return RequestSampling(dataclasses.replace(sampling, seed=seed), logprobs, min_tokens)
+    return RequestSampling(dataclasses.replace(sampling, seed=seed), logprobs, min_tokens, grammar)
 
 
 @dataclass(frozen=True)
@@ -211,9 +216,10 @@ class Engine:
             for row, chunk in zip(logits, sampling_chunks):
                 self.on_logits(chunk.seq, row)
         rows = [Row(a.sampling, a.generator, chunk.seq.prompt, chunk.seq.output,
-                    chunk.seq.eos_ids if len(chunk.seq.output) < a.min_tokens else frozenset())
+                    chunk.seq.eos_ids if len(chunk.seq.output) < a.min_tokens else frozenset(), a.grammar)
                 for a, chunk in zip(asked, sampling_chunks)]
         tokens, errors = _sample_rows(logits, rows)
+        ended = _advance_grammars(asked, tokens, errors)
         logprobs: list[float | None] = [None] * len(asked)
         tops: list[list[tuple[int, float]] | None] = [None] * len(asked)
         wanted = [index for index, a in enumerate(asked) if a.logprobs is not None and index not in errors]
@@ -225,12 +231,34 @@ class Engine:
             scheduler.abort(sampling_chunks[index].seq, "error")  # finish_step passes over it
         sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens) if token is not None}
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
+        for index in ended:  # the grammar is complete: the answer is too
+            seq = sampling_chunks[index].seq
+            if id(seq) not in finished and seq in scheduler.running:
+                scheduler.finish(seq, "stop")
+                finished.add(id(seq))
         events = [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None,
                              errors.get(index),
                              self.prompt_scores.take(chunk.seq) if len(chunk.seq.output) == 1 else None)
                   for index, (chunk, token, logprob, top) in enumerate(zip(sampling_chunks, tokens, logprobs, tops))]
         self.prompt_scores.forget_finished()
         return events
+
+
+def _advance_grammars(asked: list[RequestSampling], tokens: list[int | None], errors: dict[int, str]) -> list[int]:
+    """Each constrained row's grammar advanced by its new token; the rows whose grammar is now
+    terminated. A token the grammar refuses (only when nothing was left to allow, e.g. its end
+    banned by `min_tokens`) fails that request alone, as a sampling error does."""
+    ended = []
+    for index, (a, token) in enumerate(zip(asked, tokens)):
+        if a.grammar is None or token is None:
+            continue
+        if not a.grammar.accept(token):
+            tokens[index] = None
+            errors[index] = (f"structured output: the grammar allows no token here (token {token} was the "
+                             "likeliest left; is min_tokens longer than the grammar lets the answer be?)")
+        elif a.grammar.terminated:
+            ended.append(index)
+    return ended
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[Row]) -> tuple[list[int | None], dict[int, str]]:
