@@ -9,6 +9,8 @@ them equals `transformers`' (serve_server.py's near-tie rule)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -30,9 +32,16 @@ def model_dir(tmp_path_factory):
     return folder
 
 
+TEMPLATE = "{{ lead | default('w9') }}{% for m in messages %} {{ m.content }}{% endfor %}"
+"""--chat-template's file: a variable that chat_template_kwargs sets, else w9."""
+
+
 @pytest.fixture(scope="module")
-def server(model_dir):
-    process = ServeProcess(model_dir, "--served-model-name", NAME, "--num-kv-blocks", "32", "--block-size", "8")
+def server(model_dir, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    process = ServeProcess(model_dir, "--served-model-name", NAME, "--num-kv-blocks", "32", "--block-size", "8",
+                           "--chat-template", str(template))
     yield process
     process.stop()
 
@@ -66,12 +75,39 @@ def test_tokenize_gives_the_ids_a_completion_feeds(server, model_dir):
 
 
 def test_chat_form_matches_the_chat_route(server):
+    """--chat-template's file renders both; chat_template_kwargs sets its variable in both."""
     messages = [{"role": "user", "content": TEXT}]
     code, answer = _post(server, "/tokenize", {"messages": messages})
     chat = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1,
                                                    extra_body={"return_token_ids": True})
-    assert code == 200 and answer["tokens"] == chat.choices[0].prompt_token_ids and BOS not in answer["tokens"]
+    assert code == 200 and answer["tokens"] == chat.choices[0].prompt_token_ids == [9, 5, 17, 3, 42]
     assert _post(server, "/tokenize", {"messages": messages, "add_special_tokens": True})[1]["tokens"][0] == BOS
+    lead = {"chat_template_kwargs": {"lead": "w7 w8"}}
+    chat = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1,
+                                                   extra_body={"return_token_ids": True, **lead})
+    assert chat.choices[0].prompt_token_ids == [7, 8, 5, 17, 3, 42]
+    assert _post(server, "/tokenize", {"messages": messages, **lead})[1]["tokens"] == [7, 8, 5, 17, 3, 42]
+
+
+@pytest.mark.parametrize("kwargs", [["x"], {"messages": []}, {"add_generation_prompt": False}])
+def test_chat_template_kwargs_cannot_replace_the_request(server, kwargs):
+    body = {"model": NAME, "messages": [{"role": "user", "content": TEXT}], "chat_template_kwargs": kwargs}
+    request = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["param"] == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize("content, problem", [(None, "No such file"), ("{% for %}", "does not compile")])
+def test_a_bad_chat_template_file_is_one_line_before_loading(model_dir, tmp_path, content, problem):
+    path = tmp_path / "chat.jinja"
+    if content is not None:
+        path.write_text(content)
+    done = subprocess.run([sys.executable, "-m", "phalanx", "serve", "--model", str(model_dir), "--chat-template",
+                           str(path)], capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("phalanx: error:")]
+    assert done.returncode == 2 and len(lines) == 1 and problem in lines[0] and str(path) in lines[0], done.stderr
 
 
 def test_detokenize_keeps_special_tokens(server):

@@ -307,7 +307,7 @@ def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
                                 '"required" or {"type": "function", "function": {"name": ...}} (the call is then '
                                 'constrained to the function\'s parameters), or "none"', "tool_choice")
         try:
-            gen.prompts = [state.chat_template.render(gen.messages, gen.tools)]
+            gen.prompts = [state.chat_template.render(gen.messages, gen.tools, gen.template_variables)]
         except ValueError as error:
             raise ApiError(400, str(error), "messages") from None
     special = gen.add_special_tokens and state.codec.encode_special

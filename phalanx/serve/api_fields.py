@@ -92,7 +92,8 @@ FIELDS: tuple[Field, ...] = (
     Field("guided_grammar", BOTH, False, True, "an EBNF grammar (xgrammar's dialect, rule root) the answer matches"),
     Field("structured_outputs", BOTH, False, True, "one of json, regex, choice, grammar, json_object (as the "
           "guided_* fields; disable_any_whitespace: true is what is done anyway); its other keys refused"),
-    Field("chat_template_kwargs", CHAT, False, True, "refused", "chat_template_kwargs is not there yet", (None, {})),
+    Field("chat_template_kwargs", CHAT, False, True, "the chat template's variables (e.g. enable_thinking); not "
+          "messages, tools or add_generation_prompt"),
     Field("chat_template", CHAT, False, True, "refused", "a request's own chat template is not accepted"),
     Field("add_generation_prompt", CHAT, False, True, "true only", "the template always adds the assistant's turn",
           (None, True)),

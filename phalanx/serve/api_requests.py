@@ -81,6 +81,8 @@ class Generation:
     """Structured output: what the answer must match (response_format, guided_*, structured_outputs,
     or the tool call that tool_choice asks for)."""
     tools: list[dict] | None = None
+    template_variables: dict = field(default_factory=dict)
+    """Chat: chat_template_kwargs, the chat template's own variables (Qwen 3's enable_thinking)."""
     """Chat: the functions the model may call, as given (the chat template sees them)."""
     tool_call: str | None = None
     """Chat: "required" (one or more calls of any of `tools`) or "named" (a call of `tool_name`):
@@ -432,6 +434,23 @@ def checked_messages(body: dict) -> list[dict]:
     return checked
 
 
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
+"""What the request's own fields set: chat_template_kwargs cannot replace them."""
+
+
+def template_variables(body: dict) -> dict:
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(f"chat_template_kwargs must be an object of template variables, got {value!r}"[:300],
+                   "chat_template_kwargs")
+    if taken := [name for name in RESERVED_TEMPLATE_VARIABLES if name in value]:
+        raise _bad(f"chat_template_kwargs cannot set {taken[0]}: the request's own field sets it",
+                   "chat_template_kwargs")
+    return value
+
+
 def parse_chat(body) -> Generation:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None)
@@ -444,6 +463,7 @@ def parse_chat(body) -> Generation:
     elif body.get("top_logprobs") is not None:
         raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
     _tools(body, gen)
+    gen.template_variables = template_variables(body)
     if _flag(body, "echo"):
         raise _bad("echo is taken by /v1/completions only here (give the prompt there)", "echo")
     if body.get("prompt_logprobs") is not None:

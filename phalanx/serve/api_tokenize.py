@@ -15,12 +15,12 @@ import asyncio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from phalanx.serve.api_requests import ApiError, checked_messages
+from phalanx.serve.api_requests import ApiError, checked_messages, template_variables
 from phalanx.serve.http_limits import ClientGone, read_json
 
 PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 CHAT_FIELDS = {"model", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
-               "return_token_strs"}
+               "return_token_strs", "chat_template_kwargs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 NEUTRAL = {"add_generation_prompt": True, "continue_final_message": False, "return_token_strs": False}
 """Fields accepted only with these values, as on /v1/chat/completions (api_fields.py says why)."""
@@ -36,7 +36,7 @@ async def tokenize(request: Request, state) -> Response:
         if chat:
             messages = checked_messages(body)
             try:
-                text = state.chat_template.render(messages)
+                text = state.chat_template.render(messages, variables=template_variables(body))
             except ValueError as error:
                 raise ApiError(400, str(error), "messages") from None
         else:

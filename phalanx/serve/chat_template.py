@@ -5,7 +5,11 @@ else `tokenizer_config.json`'s `chat_template` (a string, or a list of named tem
 "default"), rendered with jinja2 in a sandbox, as transformers renders it: `messages`,
 `add_generation_prompt=True`, `bos_token`, `eos_token`, `raise_exception`.
 
-Without either, the documented plain fallback: one line `role: content` per message, then
+`phalanx serve --chat-template FILE` replaces them with that file (a jinja template, as vLLM's
+flag). A request's `chat_template_kwargs` become the template's variables (Qwen 3's
+`enable_thinking`, say), as vLLM passes them to `apply_chat_template`.
+
+Without any, the documented plain fallback: one line `role: content` per message, then
 `assistant:` (docs/serve.md).
 """
 
@@ -13,6 +17,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from phalanx.errors import UserError
 
 
 def _token_text(value) -> str:
@@ -22,7 +28,8 @@ def _token_text(value) -> str:
 
 
 class ChatTemplate:
-    def __init__(self, model_dir: Path | None):
+    def __init__(self, model_dir: Path | None, template_file: str | None = None):
+        """`template_file`: --chat-template, read here (UserError when it cannot be)."""
         self.source, text, config = "plain", None, {}
         if model_dir is not None:
             config_path = Path(model_dir) / "tokenizer_config.json"
@@ -37,6 +44,11 @@ class ChatTemplate:
                     named = {entry.get("name"): entry.get("template") for entry in text}
                     text = named.get("default") or next(iter(named.values()))
                 self.source = str(config_path)
+        if template_file is not None:
+            try:
+                text, self.source = Path(template_file).read_text(encoding="utf-8"), template_file
+            except (OSError, UnicodeDecodeError) as error:
+                raise UserError(f"--chat-template {template_file}: {getattr(error, 'strerror', None) or error}") from None
         self.tool_call_format = "hermes" if text and "<tool_call>" in text else None
         """The format the model writes tool calls in, as its template shows it (Qwen's and Hermes'
         `<tool_call>` JSON: hermes_tool_calls.py); None: none phalanx parses."""
@@ -52,17 +64,22 @@ class ChatTemplate:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
             env.globals["raise_exception"] = raise_exception
-            self.template = env.from_string(text)
+            try:
+                self.template = env.from_string(text)
+            except Exception as error:  # jinja2's TemplateSyntaxError: the template's author's, said in one line
+                raise UserError(f"the chat template {self.source} does not compile: {error}") from None
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, variables: dict | None = None) -> str:
         """The prompt text; ValueError when the template refuses the messages. `tools`: the
         request's functions, which templates that know tools (Qwen's, Llama 3's) describe to the
-        model (the plain fallback does not)."""
+        model (the plain fallback does not); `variables`: chat_template_kwargs (checked by the
+        request parser: they never replace messages, tools or add_generation_prompt)."""
         if self.template is None:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         extra = {"tools": tools} if tools else {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.tokens, **extra)
+            return self.template.render(**{**self.tokens, **(variables or {})}, messages=messages,
+                                        add_generation_prompt=True, **extra)
         except ValueError:
             raise
         except Exception as error:  # a template error is the request's (e.g. a role it does not know)

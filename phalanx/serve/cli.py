@@ -53,6 +53,8 @@ def register(subparsers) -> None:
     add("--generation-config", choices=("auto", "vllm"), default="auto",
         help="auto: the model's generation_config.json fills the sampling fields a request leaves out (temperature, "
              "top_p, top_k, min_p, repetition_penalty); vllm: vLLM's own defaults (default auto, as vLLM)")
+    add("--chat-template", default=None, metavar="FILE",
+        help="a jinja chat template to use instead of the model's own (chat_template.jinja or tokenizer_config.json)")
     add("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto, cpu or cuda")
     add("--max-waiting", type=int, default=DEFAULTS["max_waiting"],
         help=f"most requests waiting for a seat; more get 429 (default {DEFAULTS['max_waiting']})")
@@ -172,7 +174,7 @@ def _rank_main(job: ServeJob) -> int:
         say_threads(job.threads)  # once the model is in: a failed start stays one error line
         return engine
 
-    return serve(job, loaded_engine, codec, ChatTemplate(source.tokenizer_dir), metrics, cfg.max_seq_len,
+    return serve(job, loaded_engine, codec, ChatTemplate(source.tokenizer_dir, job.chat_template), metrics, cfg.max_seq_len,
                  cfg.vocab_size, defaults)
 
 

@@ -16,6 +16,7 @@ from phalanx.plan import Plan, plan_from_string
 from phalanx.plan_model_checks import validate_tp
 from phalanx.scheduling.serving_bounds import check_counts
 from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
+from phalanx.serve.chat_template import ChatTemplate
 from phalanx.serve.rank_restarts import max_restarts
 from phalanx.threads import check_requested
 
@@ -56,6 +57,8 @@ class ServeJob:
     rebalance_every: int
     expert_placement: str | None
     generation_config: str
+    chat_template: str | None
+    """--chat-template FILE (checked: it reads and compiles), or None: the model's own."""
     threads: int
     max_restarts: int
     max_restarts_given: int | None
@@ -126,8 +129,15 @@ def prepare_job(args) -> ServeJob:
         max_waiting=args.max_waiting, api_key=api_key, max_request_bytes=args.max_request_bytes,
         shutdown_grace=args.shutdown_grace, collective_timeout=args.collective_timeout,
         expert_slots=args.expert_slots, rebalance_every=args.rebalance_every, expert_placement=args.expert_placement,
-        generation_config=getattr(args, "generation_config", "auto"), threads=getattr(args, "threads", 0),
+        generation_config=getattr(args, "generation_config", "auto"),
+        chat_template=_chat_template(getattr(args, "chat_template", None)), threads=getattr(args, "threads", 0),
         max_restarts=max_restarts(args.max_restarts, args.nproc), max_restarts_given=args.max_restarts, **slo)
+
+
+def _chat_template(path: str | None) -> str | None:
+    if path is not None:
+        ChatTemplate(None, path)  # UserError: unreadable, or not a template
+    return path
 
 
 def _api_key(args) -> str | None:
