@@ -34,17 +34,19 @@ class AdaptRules:
     band: float = 0.10
     """Hysteresis: shares change only when the step time predicted with the new ones is at
     least this fraction below the current shares' (from the same speeds). Step-to-step
-    compute-time noise on the shared 2-core machine was 3-6% (median absolute deviation over
-    a rank's steps, benchmarks/README.md: straggler), and the window's median divides it
-    further; 10% keeps shares still when speeds wobble within the noise, and a sequence's
-    worth of shift at global batch 16 over 2 ranks (1/8 = 12.5%) still moves them."""
+    compute-time noise measured on the shared 2-core machine (benchmarks/straggler.py, equal
+    shares, no competitor): 1.2-1.7% median absolute deviation per rank for the `small` model's
+    0.25 s steps, 3.3-4.5% for `tiny`'s 20 ms steps, single steps up to 20% apart between the
+    ranks; the window's median removes the single steps. 10% keeps shares still when speeds
+    wobble within that, and a shift worth one sequence of a rank's 8 (12.5%) still moves them."""
     straggler_margin: float = 0.25
     """A rank whose compute time exceeds its peers' median by more than this fraction ..."""
     straggler_steps: int = 5
     """... for this many steps in a row is named in a `straggler` event (once, until it
-    recovers). 25%: above the 3-6% noise and its occasional single-step spikes of 20%
-    (another process's burst on the core), which 5 steps in a row rule out; a rank at 2/3 of
-    its peers' speed (50% longer) is named."""
+    recovers). 25%: above the noise (`band`) and its single steps up to 20% apart (another
+    process's burst on the core), which 5 steps in a row rule out as well; a rank at 2/3 of its
+    peers' speed (50% longer) is named, and a rank beside a busy process (1.8x its peer's
+    compute time in benchmarks/straggler.py) is named at step 5."""
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.straggler_steps < 1 or not 0 <= self.band < 1 or self.straggler_margin <= 0:
