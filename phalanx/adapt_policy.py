@@ -127,20 +127,35 @@ class ShareGovernor:
         return {"event": "adapt", "step": step, "shares": list(proposed), "reason": reason}
 
 
+def data_parallel_peers(world: int, *, dp: int, cp: int = 1, tp: int = 1) -> list[list[int]]:
+    """Groups of ranks that do the same work on different sequences: the same pipeline stage,
+    tp rank and cp rank, each dp rank once (rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x
+    tp + tp_rank, docs/layout.md). Stages of a pipeline, or the cp ranks of a sequence, differ
+    in work by design; only such peers tell a slow device."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for rank in range(world):
+        tp_rank, rest = rank % tp, rank // tp
+        cp_rank, rest = rest % cp, rest // cp
+        groups.setdefault((rest // dp, cp_rank, tp_rank), []).append(rank)
+    return list(groups.values())
+
+
 @dataclass
 class StragglerWatch:
     """Names a rank whose compute time stays above its peers' median (`AdaptRules`' margin
     and number of steps); `observe` returns the step's `straggler` event rows."""
     rules: AdaptRules = field(default_factory=AdaptRules)
+    peers: list[list[int]] | None = None
+    """Groups of ranks that do the same work (`data_parallel_peers`); None: all ranks."""
     slow_for: dict[int, int] = field(default_factory=dict)
     """Steps in a row each rank has been slow (absent: not slow last step)."""
 
     def observe(self, step: int, compute_s: Sequence[float]) -> list[dict]:
         events = []
-        if len(compute_s) < 2:
-            return events
-        for rank, mine in enumerate(compute_s):
-            peers = median(c for r, c in enumerate(compute_s) if r != rank)
+        groups = self.peers if self.peers is not None else [list(range(len(compute_s)))]
+        for rank, group in sorted((rank, group) for group in groups if len(group) > 1 for rank in group):
+            mine = compute_s[rank]
+            peers = median(compute_s[r] for r in group if r != rank)
             if mine > peers * (1 + self.rules.straggler_margin):
                 self.slow_for[rank] = self.slow_for.get(rank, 0) + 1
                 if self.slow_for[rank] == self.rules.straggler_steps:

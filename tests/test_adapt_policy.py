@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.adapt_policy import (
-    AdaptRules, ShareGovernor, StragglerWatch, adaptation_refusal, equal_shares, predicted_step_s, proportional_shares,
+    AdaptRules, ShareGovernor, StragglerWatch, adaptation_refusal, data_parallel_peers, equal_shares, predicted_step_s, proportional_shares,
     share_rows,
 )
 
@@ -65,6 +65,17 @@ def test_a_rank_persistently_slower_is_named_once():
     assert watch.observe(5, [1.0, 1.6, 1.0]) == [
         {"event": "straggler", "step": 5, "rank": 1, "compute_s": 1.6, "median_s": 1.0}]
     assert watch.observe(6, [1.0, 1.6, 1.0]) == []  # said once per slow spell
+
+
+def test_stragglers_are_judged_against_ranks_doing_the_same_work():
+    """dp=2,tp=2,pp=2 (8 ranks): stage 0 is ranks 0-3, its dp replicas the tp pairs {0,1} and
+    {2,3}; rank 0's peer is rank 2. A slower pipeline stage (ranks 4-7) is not a straggler."""
+    peers = data_parallel_peers(8, dp=2, tp=2)
+    assert peers == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert data_parallel_peers(8, dp=2, cp=2, tp=2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    watch = StragglerWatch(AdaptRules(straggler_steps=1), peers=peers)
+    assert watch.observe(1, [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]) == []
+    assert [e["rank"] for e in watch.observe(2, [1.0, 1.0, 1.5, 1.0, 2.0, 2.0, 2.0, 2.0])] == [2]
 
 
 def test_which_layouts_adapt():

@@ -13,7 +13,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.adapt_policy import AdaptRules, ShareGovernor, StragglerWatch, equal_shares, share_rows
+from phalanx.adapt_policy import (
+    AdaptRules, ShareGovernor, StragglerWatch, data_parallel_peers, equal_shares, share_rows,
+)
 from phalanx.data.batches import rank_batch, rank_documents
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.data.tokenizer import save_tokenizer_files
@@ -282,7 +284,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     # measured speeds when the job says so (phalanx/adapt_policy.py); equal otherwise.
     shares = job.shares or equal_shares(cfg.global_batch // cfg.replica_groups, plan.dp)
     governor = ShareGovernor(shares, job.adapt, minimum=accum) if job.adapt else None
-    stragglers = StragglerWatch(job.adapt or AdaptRules())
+    stragglers = StragglerWatch(job.adapt or AdaptRules(),  # each rank against the ranks doing its work
+                                peers=data_parallel_peers(world_size, dp=plan.dp, cp=plan.cp, tp=plan.tp))
     rank_clock = RankClock(model, device)  # this rank's compute and wait seconds per step
     writes, members = True, None  # replica groups: whether this group writes the step; who took part in the last
     step = start_step
