@@ -78,6 +78,9 @@ def _add_train(subparsers) -> None:
     parser.add_argument("--doc-mask", dest="doc_mask", action="store_true", default=None,
                         help="attention stays inside each document of a packed sequence (needs --data prepared by "
                              "phalanx prepare, which records where documents start)")
+    parser.add_argument("--no-adapt", dest="adapt", action="store_false", default=None,
+                        help="equal data-parallel shares (default: each rank's share of the global batch follows its "
+                             "measured speed; docs/layout.md: Adapting to slow ranks)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
     parser.add_argument("--no-plot", dest="plot", action="store_false", default=None,
                         help="no loss.png / experts.png at the end (metrics.jsonl and TensorBoard keep every figure)")
@@ -87,7 +90,7 @@ def _add_train(subparsers) -> None:
 
 def _run_train(args) -> int:
     overrides = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS}
-    overrides.update(resume=args.resume, progress=args.progress, plot=args.plot, max_bad_steps=args.max_bad_steps,
+    overrides.update(resume=args.resume, progress=args.progress, plot=args.plot, adapt=args.adapt, max_bad_steps=args.max_bad_steps,
                      sync_checkpoint=args.sync_checkpoint, max_restarts=args.max_restarts,
                      compile=args.compile, float8=args.float8, doc_mask=args.doc_mask)
     cfg = load_config(args.config, overrides)

@@ -54,6 +54,8 @@ def test_event_file_equals_metrics_jsonl(tiny_config):
         "speed/tokens_per_s": _expected(rows, "tokens_per_s"), "speed/step_time_s": _expected(rows, "step_time_s"),
         "memory/peak_mem_mb": _expected(rows, "peak_mem_mb"),
         "memory/peak_mem_mb_max_rank": _expected(rows, "peak_mem_mb_by_rank", max),
+        "ranks/compute_s/rank_0": _expected(rows, "compute_s_by_rank", lambda v: v[0]),
+        "ranks/wait_s/rank_0": _expected(rows, "wait_s_by_rank", lambda v: v[0]),
     }
     assert [step for step, _ in expected["train/val_loss"]] == [2, 4]
     assert got == expected

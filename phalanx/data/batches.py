@@ -36,27 +36,35 @@ def chunk_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in rules.cp_chunks(cp, rank)])
 
 
+def rank_rows(global_batch: int, dp_rank: int, dp_size: int, rows: tuple[int, int] | None) -> slice:
+    """The rows of the global batch a dp rank reads: `rows` ([start, stop), uneven shares
+    adapted to the ranks' speeds, `adapt_policy.share_rows`), else its equal slice."""
+    if rows is not None:
+        return slice(*rows)
+    per_rank = global_batch // dp_size
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+
 def rank_documents(
     document_starts: np.ndarray, n_tokens: int, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int,
-    dp_size: int,
+    dp_size: int, rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """For `--doc-mask`: which document each input position of this dp rank's whole sequences
     (not cut for cp) belongs to, (per_rank, seq_len) int64 (`rank_batch`'s windows)."""
     starts = window_starts(n_tokens, seq_len, global_batch, seed, step)
-    per_rank = global_batch // dp_size
-    positions = starts[dp_rank * per_rank : (dp_rank + 1) * per_rank, None] + np.arange(seq_len)  # (per_rank, seq_len)
+    positions = starts[rank_rows(global_batch, dp_rank, dp_size, rows), None] + np.arange(seq_len)  # (per_rank, seq_len)
     return torch.from_numpy(np.searchsorted(document_starts, positions, side="right").astype(np.int64))
 
 
 def rank_batch(
     tokens: np.ndarray, *, seed: int, step: int, global_batch: int, seq_len: int, dp_rank: int, dp_size: int,
-    cp: int = 1, cp_rank: int = 0,
+    cp: int = 1, cp_rank: int = 0, rows: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's contiguous slice of the step's global batch; with context
-    parallelism, of each sequence only this cp rank's positions (`chunk_positions`)."""
+    """This data-parallel rank's contiguous slice of the step's global batch (`rows` when the
+    shares are uneven, `rank_rows`); with context parallelism, of each sequence only this cp
+    rank's positions (`chunk_positions`)."""
     starts = window_starts(len(tokens), seq_len, global_batch, seed, step)
-    per_rank = global_batch // dp_size
-    inputs, targets = take_windows(tokens, starts[dp_rank * per_rank : (dp_rank + 1) * per_rank], seq_len)
+    inputs, targets = take_windows(tokens, starts[rank_rows(global_batch, dp_rank, dp_size, rows)], seq_len)
     if cp == 1:
         return inputs, targets
     mine = chunk_positions(seq_len, cp, cp_rank)

@@ -109,6 +109,10 @@ class TrainConfig:
     doc_mask: bool = False
     """Attention stays inside each document of a packed sequence (the document starts a prepared
     directory records); with or without cp; `parallel/context_parallel.py`."""
+    adapt: bool = True
+    """Data-parallel ranks share the global batch in proportion to their measured speeds,
+    re-decided when speeds shift (`phalanx/adapt_policy.py`; plain dp only, docs/layout.md:
+    Adapting to slow ranks); false (`--no-adapt`): equal shares."""
     threads: int = 0
     """torch intra-op threads per worker; 0 = the user's OMP_NUM_THREADS, else the cores this
     process may use divided among the local workers (`phalanx/threads.py`)."""

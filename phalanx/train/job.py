@@ -11,7 +11,9 @@ process computes, and where it starts. Torch-free at import; below both the laun
      expert slots), no plan = dp over every process, a user's plan following a changed world
      size (`world_change.py`); then checked against the world size, the model, the batch and
      `--dtype` (`plan_model_checks.validate_for_model`, torch-free: parallel/ is not imported);
-  4. the settings a resume may not change (`resume_settings.py`), and a line for each that did.
+  4. the settings a resume may not change (`resume_settings.py`), and a line for each that did;
+  5. the data-parallel shares the run starts with (equal) and whether they adapt to the ranks'
+     measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not).
 
 Deterministic in its inputs, so a launcher, rank 0 of a user's torchrun, or every rank alike
 gets the same job. The checkpoint is found by the caller (`resume_point.saved_checkpoint`):
@@ -24,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from phalanx.adapt_policy import AdaptRules, adaptation_refusal, equal_shares
 from phalanx.checkpoint.reader import no_checkpoint_reason
 from phalanx.errors import UserError
 from phalanx.model.by_name import model_config
@@ -66,6 +69,13 @@ class Job:
     `--rebalance-every` alone); 0 = none."""
     resume_from: SavedCheckpoint | None = None
     """The checkpoint to load, or None for a fresh run."""
+    shares: tuple[int, ...] = ()
+    """Sequences of the global batch per data-parallel rank at the start, in dp-rank order
+    (`adapt_policy.share_rows`: which rows each reads); () = equal shares. The loop changes
+    them as `adapt` decides."""
+    adapt: AdaptRules | None = None
+    """How the shares follow the ranks' speeds; None: they stay as they are (`--no-adapt`, or a
+    layout that does not adapt yet)."""
     @property
     def microbatches(self) -> int:
         """Micro-batches per optimizer step per data-parallel rank (gradient accumulation)."""
@@ -109,5 +119,14 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
                              settings={**dataclasses.asdict(cfg), "world_size": world_size})
         for line in notes if log else ():
             log(line)
+    adapt = None
+    if cfg.adapt:
+        why_not = adaptation_refusal(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, sharded=plan.zero >= 2,
+                                     replica_groups=cfg.replica_groups, compile=cfg.compile, moe=bool(model_cfg.n_experts))
+        if not why_not:
+            adapt = AdaptRules()
+        elif plan.dp > 1 and log:
+            log(f"phalanx: equal data-parallel shares (not adapted to the ranks' speeds): {why_not}")
+    shares = equal_shares(cfg.global_batch // cfg.replica_groups, plan.dp) if adapt else ()
     return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=planned_expert_slots(cfg, model_cfg),
-               resume_from=checkpoint)
+               resume_from=checkpoint, shares=shares, adapt=adapt)

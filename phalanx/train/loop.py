@@ -8,10 +8,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from phalanx.adapt_policy import (
+    AdaptRules, ShareGovernor, StragglerWatch, data_parallel_peers, equal_shares, share_rows,
+)
 from phalanx.data.batches import rank_batch, rank_documents
 from phalanx.data.corpus import check_corpus, open_training_data
 from phalanx.data.tokenizer import save_tokenizer_files
@@ -46,6 +50,7 @@ from phalanx.train.pipeline_step import (
 from phalanx.train.loss import token_loss
 from phalanx.train.lr_schedule import lr_at
 from phalanx.train.progress import Progress
+from phalanx.train.rank_clock import RankClock
 from phalanx.train.job import Job
 from phalanx.train.resume_point import agreed_job
 from phalanx.train.restarts import inject_fault, restart_count, restart_row
@@ -90,12 +95,13 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def step_documents(starts, tokens, cfg: TrainConfig, mesh: ParallelMesh, *, seed: int, step: int):
-    """With `--doc-mask`, the document ids of this rank's sequences of `step` (else None)."""
+def step_documents(starts, tokens, cfg: TrainConfig, mesh: ParallelMesh, *, seed: int, step: int, rows=None):
+    """With `--doc-mask`, the document ids of this rank's sequences of `step` (else None);
+    `rows`: this rank's rows of the global batch when the shares are uneven."""
     if not cfg.doc_mask:
         return None
     return rank_documents(starts, len(tokens), seed=seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                          dp_rank=mesh.batch_rank, dp_size=mesh.batch_ranks)
+                          dp_rank=mesh.batch_rank, dp_size=mesh.batch_ranks, rows=rows)
 
 
 @torch.no_grad()
@@ -160,9 +166,26 @@ def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, s
     }
     if agreed.peak_mb_by_rank is not None:  # from the step's agreement (step_sync.py)
         record["peak_mem_mb_by_rank"] = agreed.peak_mb_by_rank
+    if agreed.compute_s_by_rank is not None:  # what each counts: rank_clock.py
+        record["compute_s_by_rank"], record["wait_s_by_rank"] = agreed.compute_s_by_rank, agreed.wait_s_by_rank
     if clock is not None:  # pipelined: the time this step waited on transfers
         record.update(bubble_record(clock, step_time, mesh.plan, mesh))
     return record
+
+
+def adapt_events(step: int, agreed: StepAgreement, governor: ShareGovernor | None, stragglers: StragglerWatch,
+                 speeds: Callable[[int], Sequence[float]] | None) -> list[dict]:
+    """The step's `straggler` and `adapt` event rows; the governor's new shares apply from the
+    next step. Every rank runs this on the same agreed figures, so all decide alike."""
+    computes = agreed.compute_s_by_rank
+    if computes is None:
+        return []
+    events = stragglers.observe(step, computes)
+    if governor is not None:  # plain dp only: global rank = dp rank
+        measured = [n / c if c > 0 else 0.0 for n, c in zip(governor.shares, computes)]
+        if event := governor.observe(step, list(speeds(step)) if speeds else measured):
+            events.append(event)
+    return events
 
 
 def resume_every_group_lost(groups, run_dir: Path, model, optimizer, metrics) -> int:
@@ -180,13 +203,16 @@ def resume_every_group_lost(groups, run_dir: Path, model, optimizer, metrics) ->
     return step
 
 
-def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None) -> TrainResult:
+def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None, *,
+          speeds: Callable[[int], Sequence[float]] | None = None) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this.
     `job`: the run worked out by the launcher (`phalanx.train.job`); given settings instead (a
     user's torchrun, an elastic launch, tests and benchmarks), rank 0 works the job out here
     and every rank receives it (`resume_point.agreed_job`). `stop`: the worker's signal
     handlers; a SIGTERM or SIGINT they note stops every rank after the same step, with a
-    checkpoint."""
+    checkpoint. `speeds`: a test hook, step -> the per-rank speeds (sequences per second) the
+    data-parallel shares adapt to after that step, in place of the measured ones (the same on
+    every rank)."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if isinstance(job, TrainConfig):
@@ -254,6 +280,13 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     if groups is not None:
         batch_rank, batch_ranks = groups.group * plan.dp + mesh.batch_rank, groups.groups * plan.dp
     hook_rank = rank if groups is None else groups.group * world_size + rank
+    # Data-parallel shares of the global batch (sequences per dp rank), adapted to the ranks'
+    # measured speeds when the job says so (phalanx/adapt_policy.py); equal otherwise.
+    shares = job.shares or equal_shares(cfg.global_batch // cfg.replica_groups, plan.dp)
+    governor = ShareGovernor(shares, job.adapt, minimum=accum) if job.adapt else None
+    stragglers = StragglerWatch(job.adapt or AdaptRules(),  # each rank against the ranks doing its work
+                                peers=data_parallel_peers(world_size, dp=plan.dp, cp=plan.cp, tp=plan.tp))
+    rank_clock = RankClock(model, device)  # this rank's compute and wait seconds per step
     writes, members = True, None  # replica groups: whether this group writes the step; who took part in the last
     step = start_step
     try:
@@ -273,28 +306,37 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                 if step >= cfg.steps:
                     break
             began = time.perf_counter()
+            rank_clock.begin()
             lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            rows = share_rows(governor.shares, batch_rank) if governor else None  # None: the equal slice
             inputs, targets = rank_batch(
                 corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-                dp_rank=batch_rank, dp_size=batch_ranks, cp=plan.cp, cp_rank=mesh.cp_rank,
+                dp_rank=batch_rank, dp_size=batch_ranks, cp=plan.cp, cp_rank=mesh.cp_rank, rows=rows,
             )
             inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq / cp)
-            documents = step_documents(corpus.train_documents, corpus.train, cfg, mesh, seed=cfg.seed, step=step)
+            documents = step_documents(corpus.train_documents, corpus.train, cfg, mesh, seed=cfg.seed, step=step, rows=rows)
             clock = WaitClock() if pipeline is not None else None
             if pipeline is not None:
                 loss_sum = pipeline_step(pipeline, mesh, inputs, targets, autocast=autocast, clock=clock,
                                          documents=documents)
+                rank_clock.add_wait(clock.seconds)
             else:
                 loss_sum = torch.zeros((), device=device)
+                parts = equal_shares(len(inputs), accum)  # sequences per micro-batch (uneven shares: +-1)
                 for i in range(accum):
                     set_gradient_sync(model, i == accum - 1)
-                    rows = slice(i * micro, (i + 1) * micro)
+                    part = slice(*share_rows(parts, i))
+                    # The micro-batch's mean times its fraction of the global batch, times the ranks
+                    # the gradients are averaged over (dp x replica groups): summed over micro-batches
+                    # and averaged over the ranks, the global batch's mean whatever the shares (the
+                    # local sum over the global count, not the local mean). Equal shares: 1 / accum.
+                    weight = (part.stop - part.start) * batch_ranks / cfg.global_batch
                     # The backward too: loss_parallel has its own, recomputation needs the documents.
-                    with loss_context(plan), document_ids(None if documents is None else documents[rows]):
-                        loss = batch_loss(model, inputs[rows], targets[rows], autocast) / accum
-                        (loss + moe_aux_loss.aux_loss(model) / accum).backward()  # aux: MoE balance losses, if set
+                    with loss_context(plan), document_ids(None if documents is None else documents[part]):
+                        loss = batch_loss(model, inputs[part], targets[part], autocast) * weight
+                        rank_clock.backward(loss + moe_aux_loss.aux_loss(model) * weight)  # aux: MoE balance losses
                     loss_sum += _plain(loss.detach())
             if slots is not None:
                 slots.sum_replica_grads()  # replicas of an expert take the same update
@@ -306,7 +348,10 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
             done = step + 1
             if done in nan_steps:
                 loss_sum = loss_sum * float("nan")  # test hook: bad_steps.NAN_STEPS_ENV
-            agreed = sync.agree(loss_sum, peak_memory_mb(device))  # the global batch's mean loss; syncs the step
+            # With replica groups, their reduction above (waits for the other groups included) is compute.
+            compute_s, wait_s = rank_clock.read()
+            # The global batch's mean loss, every rank's figures; syncs the step.
+            agreed = sync.agree(loss_sum, peak_memory_mb(device), compute_s, wait_s)
             if groups is not None:
                 if not groups.commit():  # a group failed during the step: run it again with the next quorum
                     optimizer.zero_grad(set_to_none=True)
@@ -316,6 +361,9 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                     for row in membership_events(done, members, reduction.groups):
                         metrics.write(row)
                 members = reduction.groups
+            for row in adapt_events(done, agreed, governor, stragglers, speeds):
+                if metrics and writes:
+                    metrics.write(row)
             loss_value = agreed.loss
             result.losses.append(loss_value)
             reason = why_bad(loss_value, grad_norm)  # both reduced over all ranks: every rank agrees
@@ -353,6 +401,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
         raise_if_collective_failure(error, step + 1, cfg.collective_timeout, watch)
         raise
     finally:
+        rank_clock.close()
         if metrics:
             metrics.close()  # flushes the TensorBoard event file
         writer.close(failing=sys.exc_info()[0] is not None)  # the last save completes before the run ends

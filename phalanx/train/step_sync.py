@@ -1,9 +1,11 @@
-"""Each step's one small collective: the global loss, the stop signal and every rank's peak
-memory in a single all-reduce over all ranks, which is also the step's liveness check.
+"""Each step's one small collective: the global loss, the stop signal, and every rank's peak
+memory, compute time and time waiting in collectives, in a single all-reduce over all ranks,
+which is also the step's liveness check.
 
 The packed tensor (float64, on the mesh's device, so NCCL or gloo carries it like any other):
 
-    [loss_sum, ranks that got SIGTERM, ranks that got SIGINT, peak MB of rank 0 .. rank P-1]
+    [loss_sum, ranks that got SIGTERM, ranks that got SIGINT, peak MB of rank 0 .. rank P-1,
+     compute s of rank 0 .. P-1, wait s of rank 0 .. P-1]
 
 Each rank fills its own slots and zeros elsewhere, so one sum gives all of it. The loss is the
 same on every tp and pp rank of a data-parallel replica (tensor parallelism replicates it, the
@@ -11,7 +13,9 @@ pipeline sums it over its stages), so the sum over all P ranks divided by P is t
 the dp ranks, the global batch's mean loss. A stop signal noted on any rank before its
 collective stops every rank after that same step (SIGTERM wins over SIGINT, as a scheduler's
 preemption should); the peak is each rank's peak so far, read before the step's optimizer
-update. Cost per step: one all-reduce of 8 (P + 3) bytes (a tree: O(log P) latency under NCCL;
+update; the times are the rank's own (phalanx/train/rank_clock.py says what each counts), and
+every rank receives all of them, so every rank's adaptation decides alike
+(phalanx/adapt_policy.py). Cost per step: one all-reduce of 8 (3P + 3) bytes (a tree: O(log P) latency under NCCL;
 gloo's ring), instead of a monitored barrier through rank 0 (O(P)), a stop-flag all-reduce, the
 loss all-reduce and a peak-memory all-gather. A rank that never arrives makes it (or an earlier
 collective of the step) time out; collective_watch.py then names the rank.
@@ -39,6 +43,10 @@ class StepAgreement:
     """The signal every rank stops for after this step; 0: go on."""
     peak_mb_by_rank: list[float] | None
     """Every rank's peak memory (MB) so far, in rank order; None without a process group."""
+    compute_s_by_rank: list[float] | None = None
+    """Every rank's compute time this step (s), in rank order; None without a process group."""
+    wait_s_by_rank: list[float] | None = None
+    """Every rank's time waiting in the step's measured collectives (s), in rank order."""
 
 
 class StepSync:
@@ -59,19 +67,26 @@ class StepSync:
             return 0
         return self.stop.received if self.world == 1 else self.agreed_stop
 
-    def agree(self, loss_sum: torch.Tensor, peak_mb: float) -> StepAgreement:
-        """Collective: this rank's share of the step's loss (a scalar tensor) and its peak memory."""
+    def agree(self, loss_sum: torch.Tensor, peak_mb: float, compute_s: float = 0.0, wait_s: float = 0.0) -> StepAgreement:
+        """Collective: this rank's share of the step's loss (a scalar tensor), its peak memory,
+        and its compute and wait seconds in this step."""
         self.steps += 1
-        if self.world == 1:  # nothing to agree on; a process group of one still lists its rank's peak
+        if self.world == 1:  # nothing to agree on; a process group of one still lists its rank's figures
+            listed = dist.is_initialized()
             return StepAgreement(loss=float(loss_sum), stop=self.stop.received if self.stop else 0,
-                                 peak_mb_by_rank=[round(peak_mb, 1)] if dist.is_initialized() else None)
+                                 peak_mb_by_rank=[round(peak_mb, 1)] if listed else None,
+                                 compute_s_by_rank=[round(compute_s, 6)] if listed else None,
+                                 wait_s_by_rank=[round(wait_s, 6)] if listed else None)
         got = self.stop.received if self.stop else 0
-        extra = [float(got == sig) for sig in _STOPS] + [0.0] * self.world
-        extra[len(_STOPS) + self.rank] = peak_mb
+        extra = [float(got == sig) for sig in _STOPS] + [0.0] * (3 * self.world)
+        slots = len(_STOPS) + self.rank
+        extra[slots], extra[slots + self.world], extra[slots + 2 * self.world] = peak_mb, compute_s, wait_s
         packed = torch.cat([loss_sum.detach().reshape(1).to(torch.float64),
-                            torch.tensor(extra, dtype=torch.float64, device=self.device)])  # (3 + world,)
+                            torch.tensor(extra, dtype=torch.float64, device=self.device)])  # (3 + 3 world,)
         dist.all_reduce(packed)
         values = packed.tolist()  # the step's one host sync
         self.agreed_stop = next((int(sig) for sig, count in zip(_STOPS, values[1:]) if count), 0)
-        peaks = [round(value, 1) for value in values[len(_STOPS) + 1:]]
-        return StepAgreement(loss=values[0] / self.world, stop=self.agreed_stop, peak_mb_by_rank=peaks)
+        first = len(_STOPS) + 1
+        peaks, computes, waits = (values[first + i * self.world : first + (i + 1) * self.world] for i in range(3))
+        return StepAgreement(loss=values[0] / self.world, stop=self.agreed_stop, peak_mb_by_rank=[round(v, 1) for v in peaks],
+                             compute_s_by_rank=[round(v, 6) for v in computes], wait_s_by_rank=[round(v, 6) for v in waits])

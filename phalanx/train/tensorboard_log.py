@@ -6,6 +6,7 @@ the scalars of `scalars(record)`, tagged by what they measure:
 
     train/loss, train/val_loss, train/lr, train/grad_norm
     speed/tokens_per_s, speed/step_time_s
+    ranks/compute_s/rank_R, ranks/wait_s/rank_R (each rank's compute and collective-wait seconds)
     memory/peak_mem_mb (rank 0), memory/peak_mem_mb_max_rank (the fullest rank)
     pipeline/bubble (measured), pipeline/bubble_formula (the schedule's)
     moe/expert_imbalance/layer_N, moe/rank_imbalance/layer_N, moe/dropped/layer_N
@@ -44,6 +45,9 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     out = {tag: float(record[key]) for key, tag in _TOP_LEVEL.items() if record.get(key) is not None}
     if record.get("peak_mem_mb_by_rank"):
         out["memory/peak_mem_mb_max_rank"] = float(max(record["peak_mem_mb_by_rank"]))
+    for key in ("compute_s", "wait_s"):
+        for rank, value in enumerate(record.get(f"{key}_by_rank") or ()):
+            out[f"ranks/{key}/rank_{rank}"] = float(value)
     for layer, stats in record.get("moe", {}).items():
         for field in _PER_MOE_LAYER:
             out[f"moe/{field}/layer_{layer}"] = float(stats[field])
