@@ -8,6 +8,7 @@ likely tokens are within NEAR_TIE of each other; anywhere else the ids must be e
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -86,6 +88,16 @@ class ServeProcess:
                 name, value = line.rsplit(" ", 1)
                 samples[name] = float(value)
         return samples
+
+    def post(self, path: str, body) -> tuple[int, dict]:
+        """(status, JSON answer) of POSTing `body` as JSON to `path`, errors included."""
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
 
     def client(self, api_key: str = "none"):
         import openai

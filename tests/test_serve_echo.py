@@ -14,10 +14,6 @@ prompt must not use (its positions' logits would never be computed).
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
-
 import pytest
 import torch
 
@@ -127,16 +123,6 @@ def test_echo_without_logprobs_is_text_alone(server):
     assert answer.choices[0].text.startswith("w5 w17 w3") and answer.choices[0].logprobs is None
 
 
-def _post(server, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{server.url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "w1", "echo": "yes"}, "echo"),
     ("/v1/completions", {"prompt": "w1", "prompt_logprobs": 21}, "prompt_logprobs"),
@@ -146,6 +132,6 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "prompt_logprobs": 1}, "prompt_logprobs"),
 ])
 def test_bad_echo_fields_are_400_naming_the_field(server, path, body, param):
-    status, answer = _post(server, path, body)
+    status, answer = server.post(path, body)
     assert status == 400 and answer["error"]["param"] == param, answer
-    assert _post(server, "/v1/completions", {"prompt": "w1", "max_tokens": 1})[0] == 200  # and it keeps serving
+    assert server.post("/v1/completions", {"prompt": "w1", "max_tokens": 1})[0] == 200  # and it keeps serving

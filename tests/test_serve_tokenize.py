@@ -46,23 +46,13 @@ def server(model_dir, tmp_path_factory):
     process.stop()
 
 
-def _post(server, path: str, body) -> tuple[int, dict]:
-    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_tokenize_gives_the_ids_a_completion_feeds(server, model_dir):
     words = [5, 17, 3, 42]
-    code, answer = _post(server, "/tokenize", {"model": NAME, "prompt": TEXT})
+    code, answer = server.post("/tokenize", {"model": NAME, "prompt": TEXT})
     assert code == 200 and answer == {"count": 5, "max_model_len": answer["max_model_len"], "tokens": [BOS, *words],
                                       "token_strs": None}
     assert answer["max_model_len"] > 5
-    assert _post(server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False})[1]["tokens"] == words
+    assert server.post("/tokenize", {"prompt": TEXT, "add_special_tokens": False})[1]["tokens"] == words
     client = server.client()
     done = client.completions.create(model=NAME, prompt=TEXT, max_tokens=6, temperature=0,
                                      extra_body={"return_token_ids": True})
@@ -77,16 +67,16 @@ def test_tokenize_gives_the_ids_a_completion_feeds(server, model_dir):
 def test_chat_form_matches_the_chat_route(server):
     """--chat-template's file renders both; chat_template_kwargs sets its variable in both."""
     messages = [{"role": "user", "content": TEXT}]
-    code, answer = _post(server, "/tokenize", {"messages": messages})
+    code, answer = server.post("/tokenize", {"messages": messages})
     chat = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1,
                                                    extra_body={"return_token_ids": True})
     assert code == 200 and answer["tokens"] == chat.choices[0].prompt_token_ids == [9, 5, 17, 3, 42]
-    assert _post(server, "/tokenize", {"messages": messages, "add_special_tokens": True})[1]["tokens"][0] == BOS
+    assert server.post("/tokenize", {"messages": messages, "add_special_tokens": True})[1]["tokens"][0] == BOS
     lead = {"chat_template_kwargs": {"lead": "w7 w8"}}
     chat = server.client().chat.completions.create(model=NAME, messages=messages, max_tokens=1,
                                                    extra_body={"return_token_ids": True, **lead})
     assert chat.choices[0].prompt_token_ids == [7, 8, 5, 17, 3, 42]
-    assert _post(server, "/tokenize", {"messages": messages, **lead})[1]["tokens"] == [7, 8, 5, 17, 3, 42]
+    assert server.post("/tokenize", {"messages": messages, **lead})[1]["tokens"] == [7, 8, 5, 17, 3, 42]
 
 
 @pytest.mark.parametrize("kwargs", [["x"], {"messages": []}, {"add_generation_prompt": False}])
@@ -111,8 +101,8 @@ def test_a_bad_chat_template_file_is_one_line_before_loading(model_dir, tmp_path
 
 
 def test_detokenize_keeps_special_tokens(server):
-    assert _post(server, "/detokenize", {"model": NAME, "tokens": [BOS, 5, 17]}) == (200, {"prompt": "<s> w5 w17"})
-    assert _post(server, "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+    assert server.post("/detokenize", {"model": NAME, "tokens": [BOS, 5, 17]}) == (200, {"prompt": "<s> w5 w17"})
+    assert server.post("/detokenize", {"tokens": []}) == (200, {"prompt": ""})
 
 
 BAD = [
@@ -135,6 +125,6 @@ BAD = [
 
 @pytest.mark.parametrize("path, body, status, param", BAD, ids=[f"{b[0]} {json.dumps(b[1])}" for b in BAD])
 def test_bad_bodies_are_refused_naming_the_field(server, path, body, status, param):
-    code, answer = _post(server, path, body)
+    code, answer = server.post(path, body)
     assert code == status and answer["error"]["param"] == param, answer
     assert server.status("/health") == 200
