@@ -10,8 +10,11 @@ the largest difference between their per-choice log-likelihoods (the baseline is
 
     .venv/bin/python benchmarks/lm_eval_local_completions.py --lm-eval /path/to/venv/bin/lm_eval
 
-lm-eval is a reference, not a phalanx dependency: install it in a venv of its own
-(`python3 -m venv v && v/bin/pip install torch==2.13.0 lm-eval transformers`).
+lm-eval is a reference, not a phalanx dependency (the test extra has it, for
+tests/test_lm_eval_harness.py, which checks the served side against `transformers` directly);
+its `hf` model also needs accelerate: a venv of its own keeps that apart (`python3 -m venv v &&
+v/bin/pip install torch==2.13.0 lm-eval==0.4.13 transformers accelerate aiohttp tenacity`).
+The model and tasks are tests/lm_eval_tasks.py's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import random
 import subprocess
 import sys
 import tempfile
@@ -28,65 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VOCAB = 64
+from tests.lm_eval_tasks import write_model, write_tasks  # noqa: E402 (the path above first)
+
 NAME = "tiny"
-MC_TASK = """task: phalanx_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-GEN_TASK = """task: phalanx_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["w1"]
-  max_gen_toks: 8
-  do_sample: false
-  temperature: 0
-metric_list:
-  - metric: exact_match
-"""
-
-
-def write_model(folder: Path) -> Path:
-    """A random tiny llama and a word-level tokenizer (words w0 .. w63) that transformers loads."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.hf_models import write_checkpoint
-
-    write_checkpoint(folder, "llama", vocab_size=VOCAB)
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", unk_token="w0").save_pretrained(folder)
-    return folder
-
-
-def write_tasks(folder: Path, docs: int, seed: int) -> None:
-    rng = random.Random(seed)
-    words = lambda count: " ".join(f"w{rng.randrange(2, VOCAB)}" for _ in range(count))  # noqa: E731
-    with open(folder / "mc.jsonl", "w") as mc, open(folder / "gen.jsonl", "w") as gen:
-        for _ in range(docs):
-            mc.write(json.dumps({"question": words(rng.randint(3, 12)), "choices": [words(rng.randint(1, 3)) for _ in range(4)],
-                                 "answer": rng.randrange(4)}) + "\n")
-            gen.write(json.dumps({"question": words(rng.randint(3, 12)), "answer": words(2)}) + "\n")
-    (folder / "phalanx_mc.yaml").write_text(MC_TASK.format(data=folder / "mc.jsonl"))
-    (folder / "phalanx_gen.yaml").write_text(GEN_TASK.format(data=folder / "gen.jsonl"))
 
 
 def run_lm_eval(lm_eval: str, model: str, model_args: str, tasks: Path, out: Path) -> float:
