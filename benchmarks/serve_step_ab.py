@@ -129,7 +129,7 @@ def run(model, requests, toggle, phase: int) -> dict[bool, float]:
                           max_waiting=len(requests))
     engine = Engine(model, scheduler)
     for index, (prompt, out) in enumerate(requests):
-        scheduler.add(Sequence(str(index), prompt, out, sampling=request_sampling(0, 1, None, 0, logprobs=0)))
+        scheduler.add(Sequence.of(str(index), prompt, out, params=request_sampling(0, 1, None, 0, logprobs=0)))
     times, step = {False: 0.0, True: 0.0}, 0
     while scheduler.has_work():
         b = (step + phase) % 2 == 1

@@ -114,7 +114,7 @@ def run_engine(model, requests, args, timers: Timers):
     engine = Engine(model, scheduler)
     decode = ByteTokenizer().decode
     for index, (prompt, out) in enumerate(requests):
-        seq = Sequence(str(index), prompt, out, sampling=request_sampling(0, 1, None, 0, logprobs=0))
+        seq = Sequence.of(str(index), prompt, out, params=request_sampling(0, 1, None, 0, logprobs=0))
         seq.payload = IncrementalText(decode)
         scheduler.add(seq)
     steps, generated = [], 0

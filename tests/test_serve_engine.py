@@ -107,7 +107,7 @@ def _run(model, prompts: dict[str, list[int]], max_tokens: int, scheduler_out: l
     engine = Engine(model, scheduler, on_logits=lambda seq, row: seen[seq.seq_id].append(row.clone()))
     assert engine.cache.pool_kernel == cpu_decode_kernel.ON  # the way the test asked for
     for name, prompt in prompts.items():
-        scheduler.add(Sequence(name, prompt, max_tokens, sampling=request_sampling(0, 1, None, 0)))
+        scheduler.add(Sequence.of(name, prompt, max_tokens, params=request_sampling(0, 1, None, 0)))
     while scheduler.has_work():
         engine.step()
     if scheduler_out is not None:

@@ -186,13 +186,13 @@ def test_requests_go_to_the_least_busy_dp_rank():
     abort finds the rank that holds the sequence."""
     parts = DPSchedulers([Scheduler(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                     max_waiting=8) for _ in range(2)])
-    seqs = [Sequence(str(i), [1, 2, 3], 2) for i in range(3)]
+    seqs = [Sequence.of(str(i), [1, 2, 3], 2) for i in range(3)]
     for seq in seqs:
         parts.add(seq)
     assert [len(part.waiting) for part in parts.parts] == [2, 1]
     assert parts.parts[1].waiting[0] is seqs[1]
     assert parts.abort(seqs[1]) and [len(part.waiting) for part in parts.parts] == [2, 0]
-    parts.add(Sequence("3", [1], 2))
+    parts.add(Sequence.of("3", [1], 2))
     assert [len(part.waiting) for part in parts.parts] == [2, 1] and len(parts.waiting) == 3
 
 

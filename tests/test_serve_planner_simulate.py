@@ -36,8 +36,8 @@ def _by_hand() -> tuple[list[str], list[str], list[tuple[str, float, float]], in
     while nxt < len(TRACE) or sched.has_work():
         while nxt < len(TRACE) and TRACE[nxt].at <= now[0]:
             a = TRACE[nxt]
-            seq = Sequence(seq_id=f"r{nxt}", prompt=[rng.randrange(1, 2**31) for _ in range(a.prompt_tokens)],
-                           max_tokens=a.output_tokens, arrival=a.at)
+            seq = Sequence.of(seq_id=f"r{nxt}", prompt=[rng.randrange(1, 2**31) for _ in range(a.prompt_tokens)],
+                              max_tokens=a.output_tokens, arrival=a.at)
             sched.add(seq)
             seqs.append(seq)
             nxt += 1

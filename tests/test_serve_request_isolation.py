@@ -21,12 +21,12 @@ def _run(model, bad: bool):
     scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_waiting=16)
     engine = Engine(model, scheduler)
     generator = torch.Generator().manual_seed(5)
-    good = [Sequence(f"good{i}", torch.randint(0, VOCAB, (6 + i,), generator=generator).tolist(), 12,
-                     sampling=request_sampling(0, 1, None, 0)) for i in range(3)]
+    good = [Sequence.of(f"good{i}", torch.randint(0, VOCAB, (6 + i,), generator=generator).tolist(), 12,
+                     params=request_sampling(0, 1, None, 0)) for i in range(3)]
     for seq in good:
         scheduler.add(seq)
     if bad:
-        scheduler.add(Sequence("bad", [1, 2, 3, 4, 5], 12, sampling=request_sampling(1e-300, 1, None, 0)))
+        scheduler.add(Sequence.of("bad", [1, 2, 3, 4, 5], 12, params=request_sampling(1e-300, 1, None, 0)))
     events = []
     while scheduler.has_work():
         events += engine.step()

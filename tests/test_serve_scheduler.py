@@ -40,7 +40,7 @@ def _drive(scheduler: Scheduler, clock: Clock, arrivals: dict[int, list[Sequence
 
 
 def _seq(name: str, prompt_len: int, max_tokens: int, first: int = 0) -> Sequence:
-    return Sequence(name, list(range(first, first + prompt_len)), max_tokens)
+    return Sequence.of(name, list(range(first, first + prompt_len)), max_tokens)
 
 
 def test_decodes_first_and_a_long_prompt_in_chunks():
@@ -119,8 +119,8 @@ def test_prefix_blocks_are_shared_and_counted():
     clock = Clock()
     scheduler = _scheduler(clock)
     shared = list(range(9))
-    a = Sequence("a", shared + [40, 41], 6)
-    b = Sequence("b", shared + [50], 6)
+    a = Sequence.of("a", shared + [40, 41], 6)
+    b = Sequence.of("b", shared + [50], 6)
     steps = _drive(scheduler, clock, {0: [a], 2: [b]})
     assert steps[2]["b"] == 10 - 8
     assert b.cached_tokens == 8 and a.cached_tokens == 0

@@ -33,8 +33,8 @@ class Clock:
 def _load(count: int = 60, gap_s: float = 0.03, seed: int = 0) -> list[tuple[float, Sequence]]:
     """Arrivals every `gap_s`: prompts of 64-320 tokens, outputs of 16-48."""
     rng = random.Random(seed)
-    return [(i * gap_s, Sequence(str(i), [rng.randrange(1000) for _ in range(rng.randint(64, 320))],
-                                 rng.randint(16, 48))) for i in range(count)]
+    return [(i * gap_s, Sequence.of(str(i), [rng.randrange(1000) for _ in range(rng.randint(64, 320))],
+                                    rng.randint(16, 48))) for i in range(count)]
 
 
 def _serve(policy: SloPolicy | None, load, max_steps: int = 20000):

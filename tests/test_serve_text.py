@@ -57,14 +57,14 @@ def test_waiting_queue_is_bounded_and_loading_refuses():
 
     async def submit_all():
         with pytest.raises(NotAccepting):
-            loop.submit(Sequence("early", [1], 1), IncrementalText(_bytes))
+            loop.submit(Sequence.of("early", [1], 1), IncrementalText(_bytes))
         loop.scheduler = scheduler  # as the engine thread does once the model is loaded
         loop.ready.set()
         for name in "ab":
-            loop.submit(Sequence(name, [1], 1), IncrementalText(_bytes))
+            loop.submit(Sequence.of(name, [1], 1), IncrementalText(_bytes))
         with pytest.raises(QueueFull):
-            loop.submit(Sequence("c", [1], 1), IncrementalText(_bytes))
+            loop.submit(Sequence.of("c", [1], 1), IncrementalText(_bytes))
         with pytest.raises(ValueError, match="KV blocks"):
-            loop.submit(Sequence("huge", [1] * 40, 1), IncrementalText(_bytes))
+            loop.submit(Sequence.of("huge", [1] * 40, 1), IncrementalText(_bytes))
 
     asyncio.run(submit_all())

@@ -48,8 +48,7 @@ def _add(engine, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
     rng = random.Random(tag)  # distinct prompts: no prefix-cache hits
     for i in range(n):
         prompt = [rng.randrange(engine.model.cfg.vocab_size) for _ in range(prompt_len)]
-        seq = Sequence(seq_id=f"{tag}{i}", prompt=prompt, max_tokens=max_tokens,
-                       sampling=request_sampling(0.0, 1.0, None, 0))
+        seq = Sequence.of(f"{tag}{i}", prompt, max_tokens, params=request_sampling(0.0, 1.0, None, 0))
         engine.scheduler.add(seq)
 
 
@@ -90,9 +89,9 @@ def engine_splits_forwards() -> bool:
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.serve.engine import step_forwards
 
-    decoding = Sequence(seq_id="decoding", prompt=[1, 2], max_tokens=4)
+    decoding = Sequence.of("decoding", [1, 2], 4)
     decoding.num_computed = 1
-    prompt = Sequence(seq_id="prompt", prompt=[3, 4, 5], max_tokens=4)
+    prompt = Sequence.of("prompt", [3, 4, 5], 4)
     forwards, _ = step_forwards(Step([Chunk(decoding, 1, 1), Chunk(prompt, 0, 3)], []))
     return len(forwards) > 1
 

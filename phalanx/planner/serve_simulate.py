@@ -111,7 +111,7 @@ def simulate(arrivals: list[Arrival], *, ranks: int, lockstep: bool, num_blocks:
         while nxt < len(pending) and pending[nxt].at <= t:
             a = pending[nxt]
             prompt = [rng.randrange(1, 2**31) for _ in range(a.prompt_tokens)]  # unique: no prefix hits
-            seq = Sequence(seq_id=f"r{nxt}", prompt=prompt, max_tokens=a.output_tokens, arrival=a.at)
+            seq = Sequence.of(f"r{nxt}", prompt, a.output_tokens, arrival=a.at)
             target = min(range(ranks), key=lambda r: (len(schedulers[r].running) + len(schedulers[r].waiting), r))
             schedulers[target].add(seq)
             result.requests.append(seq)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from phalanx.scheduling.block_manager import BlockManager, block_hash
+from phalanx.scheduling.request import Request
 from phalanx.scheduling.slo_policy import QueueShape
 
 
@@ -40,12 +41,12 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class Sequence:
+    """The state of serving one request (request.py): its tokens, blocks and times."""
     seq_id: str
-    prompt: list[int]
-    max_tokens: int
-    eos_ids: frozenset[int] = frozenset()
-    sampling: Any = None
-    """How the engine picks its tokens (`engine.RequestSampling`)."""
+    request: Request
+    draws: Any = None
+    """The state of its sampling (`serve.engine.Draws`: its seeded generator, its place in a
+    grammar); the engine starts it at the first draw when the caller did not."""
     payload: Any = None
     """What the server keeps with it (its text so far, where its tokens go)."""
     tokens: list[int] = field(default_factory=list)
@@ -62,13 +63,31 @@ class Sequence:
     cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it first joined."""
     preemptions: int = 0
-    prompt_logprobs: int | None = None
-    """The log-probabilities of its prompt's tokens are wanted, with this many alternatives each
-    (echo, prompt_logprobs): the whole prompt is computed (no prefix cache hit, as vLLM does),
-    so that every position's logits exist to be read."""
 
     def __post_init__(self):
-        self.tokens = list(self.prompt)
+        self.tokens = list(self.request.prompt)
+
+    @classmethod
+    def of(cls, seq_id: str, prompt: list[int], max_tokens: int, eos_ids: frozenset[int] = frozenset(), *,
+           params=None, prompt_logprobs: int | None = None, **state) -> Sequence:
+        """A new sequence of a request made from these fields; `state`: the Sequence's own."""
+        return cls(seq_id, Request(tuple(prompt), max_tokens, eos_ids, params, prompt_logprobs), **state)
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt
+
+    @property
+    def max_tokens(self) -> int:
+        return self.request.max_tokens
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.request.eos_ids
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.request.prompt_logprobs
 
     @property
     def output(self) -> list[int]:

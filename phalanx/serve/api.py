@@ -25,6 +25,7 @@ from starlette.routing import Route
 from phalanx.errors import UserError
 from phalanx.inference.grammar import Constraint, GrammarError, Grammars, Vocabulary
 from phalanx.inference.sampling import Sampling
+from phalanx.scheduling.request import Request
 from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
 from phalanx.serve.api_readiness import ReadinessGate
@@ -33,7 +34,7 @@ from phalanx.serve.api_responses import Answer
 from phalanx.serve.api_tokenize import detokenize, tokenize
 from phalanx.serve.api_v1_responses import ResponsesAnswer, parse_responses
 from phalanx.serve.detokenize import IncrementalText
-from phalanx.serve.engine import openai_sampling, seeded
+from phalanx.serve.engine import Draws, openai_sampling, seeded
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
 from phalanx.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, ClientGone, read_json
 
@@ -144,9 +145,9 @@ async def _generate(request: Request, state: ServeState, parse, answer_for=None)
                 seed = None if gen.seed is None else gen.seed + choice  # choice i of a seeded request: seed + i
                 ends = _ends(gen, state)
                 matcher = None if grammar is None else state.grammars.matcher(grammar, ends)
-                seq = Sequence("", prompt, max_tokens, ends,
-                               sampling=seeded(sampling, seed, logprobs, gen.min_tokens, matcher),
-                               prompt_logprobs=prompt_alternatives(gen))
+                request = Request(tuple(prompt), max_tokens, ends, seeded(sampling, seed, logprobs, gen.min_tokens),
+                                  prompt_alternatives(gen))
+                seq = Sequence("", request, draws=Draws(grammar=matcher))
                 handles.append(_submit(state, seq, gen))
     except ApiError as error:
         for handle in handles:  # a later prompt was refused: the earlier ones stop

@@ -26,26 +26,32 @@ from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.prompt_logprobs import PromptScore, PromptScores
 
 
-@dataclass
-class RequestSampling:
-    """What a request asked for (`sampling` is `phalanx generate`'s, immutable) and the state
-    of its draws (its own seeded generator)."""
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request's tokens are picked, as it asked (a Request's `params`; vLLM's
+    SamplingParams): `sampling` is `phalanx generate`'s, its seed included."""
     sampling: Sampling
     logprobs: int | None = None
     """Also return the sampled token's log-probability and this many top alternatives."""
     min_tokens: int = 0
-    """Until this many tokens are out, its ends of sequence (the sequence's `eos_ids`) are banned."""
-    grammar: Matcher | None = None
-    """Structured output: the sequence's place in its grammar, advanced by each token it takes;
-    the sequence ends ("stop") when the grammar is terminated."""
-    generator: torch.Generator = field(init=False)
+    """Until this many tokens are out, its ends of sequence (the request's `eos_ids`) are banned."""
 
-    def __post_init__(self):
-        self.generator = self.sampling.generator()
+
+GREEDY = SamplingParams(Sampling(greedy=True))
+"""A request that says nothing of sampling."""
+
+
+@dataclass
+class Draws:
+    """A sequence's state of sampling (its Sequence's `draws`): its own generator, seeded from
+    its request's seed at its first draw, and under structured output its place in its grammar,
+    advanced by each token it takes (the sequence ends, "stop", when the grammar is terminated)."""
+    generator: torch.Generator | None = None
+    grammar: Matcher | None = None
 
 
 def request_sampling(temperature: float, top_p: float, top_k: int | None, seed: int | None,
-                     logprobs: int | None = None) -> RequestSampling:
+                     logprobs: int | None = None) -> SamplingParams:
     """OpenAI's basic fields as a request's sampling: temperature 0 is greedy."""
     return seeded(openai_sampling(temperature=temperature, top_p=top_p, top_k=top_k), seed, logprobs)
 
@@ -56,12 +62,20 @@ def openai_sampling(*, temperature: float, top_p: float = 1.0, top_k: int | None
     return Sampling(greedy=temperature == 0, temperature=temperature or 1.0, top_k=top_k or 0, top_p=top_p, **fields)
 
 
-def seeded(sampling: Sampling, seed: int | None, logprobs: int | None = None, min_tokens: int = 0,
-           grammar: Matcher | None = None) -> RequestSampling:
+def seeded(sampling: Sampling, seed: int | None, logprobs: int | None = None, min_tokens: int = 0) -> SamplingParams:
     """`sampling` with `seed` (None: a random one) as a request's."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
-    return RequestSampling(dataclasses.replace(sampling, seed=seed), logprobs, min_tokens, grammar)
+    return SamplingParams(dataclasses.replace(sampling, seed=seed), logprobs, min_tokens)
+
+
+def _draws(seq: Sequence, params: SamplingParams) -> Draws:
+    """The sequence's sampling state, started at its first draw."""
+    if seq.draws is None:
+        seq.draws = Draws()
+    if seq.draws.generator is None:
+        seq.draws.generator = params.sampling.generator()
+    return seq.draws
 
 
 @dataclass(frozen=True)
@@ -211,15 +225,16 @@ class Engine:
             self.prompt_scores.add(logits[reads.prompt_rows], reads.prompt)
             logits = logits[reads.sample_rows]
         sampling_chunks = reads.chunks
-        asked: list[RequestSampling] = [chunk.seq.sampling for chunk in sampling_chunks]
+        asked: list[SamplingParams] = [chunk.seq.request.params or GREEDY for chunk in sampling_chunks]
+        draws = [_draws(chunk.seq, a) for chunk, a in zip(sampling_chunks, asked)]
         if self.on_logits is not None:
             for row, chunk in zip(logits, sampling_chunks):
                 self.on_logits(chunk.seq, row)
-        rows = [Row(a.sampling, a.generator, chunk.seq.prompt, chunk.seq.output,
-                    chunk.seq.eos_ids if len(chunk.seq.output) < a.min_tokens else frozenset(), a.grammar)
-                for a, chunk in zip(asked, sampling_chunks)]
+        rows = [Row(a.sampling, d.generator, chunk.seq.prompt, chunk.seq.output,
+                    chunk.seq.eos_ids if len(chunk.seq.output) < a.min_tokens else frozenset(), d.grammar)
+                for a, d, chunk in zip(asked, draws, sampling_chunks)]
         tokens, errors = _sample_rows(logits, rows)
-        ended = _advance_grammars(asked, tokens, errors)
+        ended = _advance_grammars(draws, tokens, errors)
         logprobs: list[float | None] = [None] * len(asked)
         tops: list[list[tuple[int, float]] | None] = [None] * len(asked)
         wanted = [index for index, a in enumerate(asked) if a.logprobs is not None and index not in errors]
@@ -244,19 +259,19 @@ class Engine:
         return events
 
 
-def _advance_grammars(asked: list[RequestSampling], tokens: list[int | None], errors: dict[int, str]) -> list[int]:
+def _advance_grammars(draws: list[Draws], tokens: list[int | None], errors: dict[int, str]) -> list[int]:
     """Each constrained row's grammar advanced by its new token; the rows whose grammar is now
     terminated. A token the grammar refuses (only when nothing was left to allow, e.g. its end
     banned by `min_tokens`) fails that request alone, as a sampling error does."""
     ended = []
-    for index, (a, token) in enumerate(zip(asked, tokens)):
-        if a.grammar is None or token is None:
+    for index, (d, token) in enumerate(zip(draws, tokens)):
+        if d.grammar is None or token is None:
             continue
-        if not a.grammar.accept(token):
+        if not d.grammar.accept(token):
             tokens[index] = None
             errors[index] = (f"structured output: the grammar allows no token here (token {token} was the "
                              "likeliest left; is min_tokens longer than the grammar lets the answer be?)")
-        elif a.grammar.terminated:
+        elif d.grammar.terminated:
             ended.append(index)
     return ended
 
