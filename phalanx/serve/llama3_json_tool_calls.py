@@ -4,10 +4,11 @@ taken), separated by `;`, optionally behind `<|python_tag|>`. Meta's Llama 3.1, 
 templates ask for it ("Respond in the format {"name": function name, "parameters": dictionary of
 argument name and its value}") and render earlier calls that way.
 
-The calls must be the whole answer (whitespace aside), as in vLLM's first llama3_json parser: a
-text that only contains a JSON object somewhere, an object without a string "name" and a
-"parameters" or "arguments", or JSON that does not parse, leaves the whole answer as content (an
-answer `{"name": "Ada"}` to a question about people is not a call). A call has no content beside it.
+The calls must be the whole answer (whitespace aside), so that an answer that quotes or is JSON
+is not taken for a call: a text that only contains a JSON object somewhere, an object without a
+string "name" and a "parameters" or "arguments", or JSON that does not parse, leaves the whole
+answer as content (`{"name": "Ada"}`, an answer about people, is no call). A call has no content
+beside it.
 
 Streamed, an answer that may still become calls (it starts with `{` or `<|python_tag|>`, or is
 only whitespace so far) is held back until it ends; any other answer streams as it comes.
