@@ -43,3 +43,21 @@ def test_help_imports_no_torch():
             "heavy = [m for m in ('torch', 'uvicorn', 'starlette', 'prometheus_client') if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tool_call_parser_flag(model, capsys):
+    """--tool-call-parser names a format (vLLM's names) into the job; another name is argparse's
+    error, naming the choices, before anything is read."""
+    from phalanx.cli import build_parser
+    from phalanx.serve.job import prepare_job
+
+    for given, expected in (([], None), (["--tool-call-parser", "llama3_json"], "llama3_json"),
+                            (["--tool-call-parser", "hermes"], "hermes")):
+        args = build_parser().parse_args(["serve", "--model", model, *given])
+        assert prepare_job(args).tool_call_parser == expected
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--model", model, "--tool-call-parser", "mistral"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == ("phalanx serve: error: argument --tool-call-parser: invalid choice: 'mistral' "
+                     "(choose from 'hermes', 'llama3_json')"), error

@@ -349,3 +349,123 @@ def test_auto_is_refused_where_the_template_shows_no_tool_call_format(byte_serve
             byte_server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}],
                                                          max_tokens=4, extra_body=extra)
         assert caught.value.body["param"] == "tool_choice" and "format" in caught.value.body["message"]
+
+
+LLAMA3_TEMPLATE = (
+    "{% if tools %}Given the following functions, please respond with a JSON for a function call with its proper "
+    "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": "
+    "dictionary of argument name and its value}. Do not use variables.\n\n"
+    "{{ tools | map(attribute='function.name') | join(', ') }}\n\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+"""A chat template shaped like Meta's Llama 3.1-3.3 ones: it asks for JSON calls in their words
+(naming the functions only, where theirs give each schema as JSON: the tiny model's context is short)."""
+WEATHER_JSON = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+TIME_JSON = '{"name": "get_time", "arguments": {"zone": 2}}'
+
+
+@pytest.mark.parametrize("text, calls", [
+    (WEATHER_JSON, [("get_weather", {"city": "Paris", "unit": "c"})]),
+    (f" {WEATHER_JSON} ;\n{TIME_JSON}\n", [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": 2})]),
+    (f"<|python_tag|>{WEATHER_JSON}; {TIME_JSON}", [("get_weather", {"city": "Paris", "unit": "c"}),
+                                                     ("get_time", {"zone": 2})]),
+    ('{"name": "f", "parameters": "{\\"a\\": 1}"}', [("f", {"a": 1})]),  # arguments already as JSON text
+    (f"Let me look. {WEATHER_JSON}", []),  # a call must be the whole answer
+    (f"{WEATHER_JSON} and then", []),
+    (f"{WEATHER_JSON}; ", []),
+    (f"{WEATHER_JSON} {TIME_JSON}", []),  # not separated by ;
+    ('{"name": "get_weather", "parameters": {"city": "Par', []),  # malformed (cut short)
+    ('{"name": "Ada", "age": 36}', []),  # JSON, but no parameters: an answer, not a call
+    ('{"name": 3, "parameters": {}}', []),
+    ('[{"name": "f", "parameters": {}}]', []),
+    ("<|python_tag|>print(1)", []),
+    ("plain text", []),
+    ("", []),
+])
+def test_llama3_json_parser(text, calls):
+    from phalanx.serve import llama3_json_tool_calls
+
+    content, parsed = llama3_json_tool_calls.parse(text)
+    assert [(call.name, json.loads(call.arguments)) for call in parsed] == calls
+    assert content == (None if calls else text)
+
+
+def test_llama3_json_streaming_holds_back_only_what_may_be_a_call():
+    from phalanx.serve.llama3_json_tool_calls import sendable
+
+    for held in ("", "  \n", "{", '{"name": "get_we', "<|python", "<|python_tag|>{", '{"name": "Ada"} is'):
+        assert sendable(held) == 0, held
+    for text in ("Hello", "<b>x", " Sure {", "<|pythonic"):
+        assert sendable(text) == len(text), text
+
+
+def test_the_format_comes_from_the_template_or_the_flag(tmp_path):
+    from phalanx.serve.chat_template import ChatTemplate
+    from phalanx.serve.tool_call_parsers import PARSERS, detect
+
+    assert (detect(TEMPLATE), detect(LLAMA3_TEMPLATE), detect("{{ messages }}"), detect(None)) == (
+        "hermes", "llama3_json", None, None)
+    assert set(PARSERS) == {"hermes", "llama3_json"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA3_TEMPLATE}))
+    assert ChatTemplate(tmp_path).tool_call_format == "llama3_json"
+    assert ChatTemplate(tmp_path, None, "hermes").tool_call_format == "hermes"
+    assert ChatTemplate(None, None, "llama3_json").tool_call_format == "llama3_json"  # the plain fallback, told
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("llama3_tools") / "llama", "llama", vocab_size=VOCAB,
+                              max_position_embeddings=512)
+    _bpe_tokenizer(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA3_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama3_client(llama3_dir):
+    process = ServeProcess(llama3_dir, "--served-model-name", NAME, "--num-kv-blocks", "128")
+    yield process.client()
+    process.stop()
+
+
+def _auto(client, regex: str, stream: bool) -> tuple[str | None, list, str]:
+    """(content, tool calls, finish_reason) of a tool_choice auto answer the regex makes the
+    random model write, streamed or not."""
+    asked = dict(model=NAME, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER, TIME],
+                 max_tokens=160, temperature=0, extra_body={"guided_regex": regex})
+    if not stream:
+        choice = client.chat.completions.create(**asked).choices[0]
+        return choice.message.content, choice.message.tool_calls or [], choice.finish_reason
+    deltas = [chunk.choices[0] for chunk in client.chat.completions.create(**asked, stream=True) if chunk.choices]
+    content = "".join(d.delta.content or "" for d in deltas)
+    return content or None, [call for d in deltas for call in (d.delta.tool_calls or [])], deltas[-1].finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_parsed_from_the_models_llama3_json(llama3_client, stream):
+    """A template shaped like Llama 3's: under auto a regex makes the random model write two
+    JSON calls behind <|python_tag|>, which come back as tool_calls without content; an answer
+    that is not a call (text, or JSON without parameters, held back while streamed until it
+    ends) comes back whole as content."""
+    content, calls, finish = _auto(llama3_client, re.escape(f"<|python_tag|>{WEATHER_JSON}; {TIME_JSON}"), stream)
+    assert content is None and finish == "tool_calls"
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": 2})]
+    assert all(call.type == "function" and call.id.startswith("call_") for call in calls)
+    assert [getattr(call, "index", i) for i, call in enumerate(calls)] == [0, 1]
+    for text in ("no call here", '{"name": "Ada", "age": 36}'):
+        content, calls, finish = _auto(llama3_client, re.escape(text), stream)
+        assert (content, calls) == (text, []) and finish == "stop"
+
+
+def test_tool_call_parser_flag_replaces_the_templates_format(llama3_dir):
+    """--tool-call-parser hermes on a template that shows Llama 3's format: Hermes calls are read,
+    Llama 3's JSON is text."""
+    process = ServeProcess(llama3_dir, "--served-model-name", NAME, "--num-kv-blocks", "64",
+                           "--tool-call-parser", "hermes")
+    try:
+        content, calls, finish = _auto(process.client(), re.escape(CALL), False)
+        assert finish == "tool_calls" and [call.function.name for call in calls] == ["get_weather"]
+        content, calls, finish = _auto(process.client(), re.escape(WEATHER_JSON), False)
+        assert (content, calls) == (WEATHER_JSON, [])
+    finally:
+        process.stop()

@@ -8,6 +8,8 @@ One job per file:
 - `engine`: one step: the scheduler's batch through the model, then sampling;
 - `detokenize`: ids to text pieces that never split a character or show a stop string;
 - `api`, `api_requests`, `chat_template`, `metrics`, `server`: HTTP and what it shows;
+- `tool_call_parsers`, `hermes_tool_calls`, `llama3_json_tool_calls`: tool calls read from a
+  model's own text (tool_choice auto), one module per format;
 - `cli`: the `phalanx serve` command;
 - `slo_policy`, `slo_step_time`: `--ttft-ms/--tpot-ms`, step sizes and admission from a
   step-time predictor learned online;

@@ -37,6 +37,7 @@ from phalanx.serve.detokenize import IncrementalText
 from phalanx.serve.engine import Draws, openai_sampling, seeded
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
 from phalanx.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, ClientGone, read_json
+from phalanx.serve.tool_call_parsers import PARSERS
 
 DISCONNECT_POLL_S = 0.5
 
@@ -179,7 +180,9 @@ async def _generate(request: Request, state: ServeState, parse, answer_for=None)
 
 def _completion_answer(gen: Generation, prompts: list[list[int]], state: ServeState) -> Answer:
     echoed = [text if isinstance(text, str) else state.codec.decode(ids) for text, ids in zip(gen.prompts, prompts)]
-    return Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]), echoed if gen.echo else None)
+    parser = PARSERS[state.chat_template.tool_call_format] if gen.chat and gen.tool_call == "auto" else None
+    return Answer(gen, state.model_name, prompts, lambda token: state.codec.decode([token]), echoed if gen.echo else None,
+                  parser)
 
 
 def _responses_answer(gen: Generation, prompts: list[list[int]], state: ServeState) -> ResponsesAnswer:
@@ -304,7 +307,8 @@ def _prompt_ids(gen: Generation, state: ServeState) -> list[list[int]]:
     if gen.chat:
         if gen.tool_call == "auto" and state.chat_template.tool_call_format is None:
             raise ApiError(400, 'tool_choice "auto" (the default with tools): this model\'s chat template writes tool '
-                                "calls in no format phalanx parses (Hermes' <tool_call> JSON, as Qwen's); give "
+                                "calls in no format phalanx knows (Hermes' <tool_call> JSON, as Qwen's, or Llama 3's JSON; "
+                                "a server started with --tool-call-parser NAME reads NAME's); give "
                                 '"required" or {"type": "function", "function": {"name": ...}} (the call is then '
                                 'constrained to the function\'s parameters), or "none"', "tool_choice")
         try:

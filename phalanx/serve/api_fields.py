@@ -81,8 +81,8 @@ FIELDS: tuple[Field, ...] = (
     Field("tools", CHAT, True, True, "functions given to the chat template; with tool_choice required or named "
           "a call constrained by their parameters schemas, answered as message.tool_calls"),
     Field("tool_choice", CHAT, True, True, 'none, auto (the default with tools: calls parsed from the model\'s '
-          'Hermes <tool_call> text; refused for a template without it), required, or {"type": "function", '
-          '"function": {"name"}}'),
+          "text in the server's format, Hermes <tool_call> or Llama 3 JSON, as the template shows or "
+          '--tool-call-parser names; refused without one), required, or {"type": "function", "function": {"name"}}'),
     Field("parallel_tool_calls", CHAT, True, True, "with tool_choice required: false allows one call only"),
     Field("functions", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, [])),
     Field("function_call", CHAT, True, False, "refused", "functions (deprecated tools) are not there yet", (None, "none")),

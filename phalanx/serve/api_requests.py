@@ -317,7 +317,7 @@ def _choices(value, where: str) -> str:
 def _tools(body: dict, gen: Generation) -> None:
     """`tools`, `tool_choice` and `parallel_tool_calls`: a forced call (required, or a named
     function) is constrained by the functions' parameter schemas, as vLLM does; "none" answers in
-    text; "auto" lets the model choose, its calls parsed from its own format (hermes_tool_calls.py)."""
+    text; "auto" lets the model choose, its calls parsed from its own format (tool_call_parsers.py)."""
     tools = body.get("tools") or []
     if not isinstance(tools, list) or len(tools) > MAX_TOKEN_LIST:
         raise _bad("tools must be a list of functions", "tools")

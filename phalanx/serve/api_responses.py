@@ -15,8 +15,9 @@ token id to its log-probability, rank and text, the prompt's token and its alter
 A forced tool call (`tool_choice` required or a named function; its text constrained to JSON by
 the grammar) is answered as `message.tool_calls` with `finish_reason` "tool_calls"; streamed,
 in one delta when the choice ends. A call cut short by `max_tokens` stays text ("length").
-Under "auto" the calls are parsed from the model's `<tool_call>` text (hermes_tool_calls.py):
-streamed, the content before the first call goes out as it comes, the calls when it ends.
+Under "auto" the calls are parsed from the model's own text in the server's format
+(tool_call_parsers.py: Hermes' `<tool_call>`, Llama 3's JSON): streamed, the content goes out as
+it comes, less what may be the start of a call, the calls when the choice ends.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-from phalanx.serve import hermes_tool_calls
 from phalanx.serve.api_requests import Generation
 
 
@@ -64,6 +64,8 @@ class Answer:
     token_text: Callable[[int], str]
     echoed: list[str] | None = None
     """`echo`: each prompt's text."""
+    tool_parser: object = None
+    """Under tool_choice "auto": the module of tool_call_parsers.PARSERS that reads the calls."""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
@@ -157,7 +159,7 @@ class Answer:
         if not self.gen.chat or self.gen.tool_call is None or not c.finish_reason:
             return None
         if self.gen.tool_call == "auto":
-            content, parsed = hermes_tool_calls.parse(c.text)
+            content, parsed = self.tool_parser.parse(c.text)
             calls = [(call.name, call.arguments) for call in parsed]
         else:
             if c.finish_reason != "stop":
@@ -262,7 +264,7 @@ class Answer:
         its text, if it made none)."""
         c.held_entries += entries
         if not piece.finish_reason:
-            end = hermes_tool_calls.sendable(c.text) if self.gen.tool_call == "auto" else 0
+            end = self.tool_parser.sendable(c.text) if self.gen.tool_call == "auto" else 0
             if end <= c.sent_chars:
                 return None
             text, c.sent_chars = c.text[c.sent_chars:end], end
@@ -274,7 +276,7 @@ class Answer:
             choice = self._choice(c.index, c.text[c.sent_chars:], c.held_entries, 0, piece.finish_reason)
         else:
             choice = self._choice(c.index, "", c.held_entries, 0, "tool_calls")
-            content = c.text[c.sent_chars:c.text.index(hermes_tool_calls.OPEN)] if self.gen.tool_call == "auto" else ""
+            content = c.text[c.sent_chars:self.tool_parser.sendable(c.text)] if self.gen.tool_call == "auto" else ""
             choice["delta"] = {"tool_calls": [{"index": i, **call} for i, call in enumerate(called[1])]}
             if content:
                 choice["delta"]["content"] = content

@@ -9,6 +9,9 @@ else `tokenizer_config.json`'s `chat_template` (a string, or a list of named tem
 flag). A request's `chat_template_kwargs` become the template's variables (Qwen 3's
 `enable_thinking`, say), as vLLM passes them to `apply_chat_template`.
 
+The template's text also says which format tool calls come back in (tool_call_parsers.py), unless
+`phalanx serve --tool-call-parser NAME` names it.
+
 Without any, the documented plain fallback: one line `role: content` per message, then
 `assistant:` (docs/serve.md).
 """
@@ -19,6 +22,7 @@ import json
 from pathlib import Path
 
 from phalanx.errors import UserError
+from phalanx.serve import tool_call_parsers
 
 
 def _token_text(value) -> str:
@@ -28,8 +32,10 @@ def _token_text(value) -> str:
 
 
 class ChatTemplate:
-    def __init__(self, model_dir: Path | None, template_file: str | None = None):
-        """`template_file`: --chat-template, read here (UserError when it cannot be)."""
+    def __init__(self, model_dir: Path | None, template_file: str | None = None, tool_call_parser: str | None = None):
+        """`template_file`: --chat-template, read here (UserError when it cannot be);
+        `tool_call_parser`: --tool-call-parser, a name in tool_call_parsers.PARSERS (None: as the
+        template shows)."""
         self.source, text, config = "plain", None, {}
         if model_dir is not None:
             config_path = Path(model_dir) / "tokenizer_config.json"
@@ -49,9 +55,9 @@ class ChatTemplate:
                 text, self.source = Path(template_file).read_text(encoding="utf-8"), template_file
             except (OSError, UnicodeDecodeError) as error:
                 raise UserError(f"--chat-template {template_file}: {getattr(error, 'strerror', None) or error}") from None
-        self.tool_call_format = "hermes" if text and "<tool_call>" in text else None
-        """The format the model writes tool calls in, as its template shows it (Qwen's and Hermes'
-        `<tool_call>` JSON: hermes_tool_calls.py); None: none phalanx parses."""
+        self.tool_call_format = tool_call_parser or tool_call_parsers.detect(text)
+        """The format the model writes tool calls in (a name in tool_call_parsers.PARSERS), as
+        --tool-call-parser names it or else as its template shows it; None: none phalanx parses."""
         self.tokens = {"bos_token": _token_text(config.get("bos_token")), "eos_token": _token_text(config.get("eos_token"))}
         self.template = None
         if text:

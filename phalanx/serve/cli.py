@@ -13,6 +13,7 @@ import sys
 from phalanx.errors import UserError
 from phalanx.serve.job import (DEFAULT_MAX_REQUEST_BYTES, ServeJob, check_for_model, prepare_job, slo_policy,
                                slo_targets)
+from phalanx.serve.tool_call_parsers import PARSERS
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
             "max_waiting": 256, "shutdown_grace": 30.0, "collective_timeout": 600.0}
@@ -55,6 +56,9 @@ def register(subparsers) -> None:
              "top_p, top_k, min_p, repetition_penalty); vllm: vLLM's own defaults (default auto, as vLLM)")
     add("--chat-template", default=None, metavar="FILE",
         help="a jinja chat template to use instead of the model's own (chat_template.jinja or tokenizer_config.json)")
+    add("--tool-call-parser", choices=tuple(PARSERS), default=None,
+        help="the format tool_choice auto reads the model's tool calls in: hermes (<tool_call> JSON, Qwen's) or "
+             "llama3_json (Llama 3's JSON objects) (default: as the chat template shows it)")
     add("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto, cpu or cuda")
     add("--max-waiting", type=int, default=DEFAULTS["max_waiting"],
         help=f"most requests waiting for a seat; more get 429 (default {DEFAULTS['max_waiting']})")
@@ -174,8 +178,8 @@ def _rank_main(job: ServeJob) -> int:
         say_threads(job.threads)  # once the model is in: a failed start stays one error line
         return engine
 
-    return serve(job, loaded_engine, codec, ChatTemplate(source.tokenizer_dir, job.chat_template), metrics, cfg.max_seq_len,
-                 cfg.vocab_size, defaults)
+    chat_template = ChatTemplate(source.tokenizer_dir, job.chat_template, job.tool_call_parser)
+    return serve(job, loaded_engine, codec, chat_template, metrics, cfg.max_seq_len, cfg.vocab_size, defaults)
 
 
 def build_engine(job: ServeJob, source, channel=None, metrics=None):

@@ -3,7 +3,7 @@ template writes it): each call a JSON object `{"name": ..., "arguments": {...}}`
 `<tool_call>` and `</tool_call>`, the text before the first call the answer's content.
 
 This is what `tool_choice` "auto" reads (the model chooses whether to call); a chat template
-that mentions `<tool_call>` is taken to use it (`chat_template.py`). A call whose JSON does not
+that mentions `<tool_call>` is taken to use it (`tool_call_parsers.py`). A call whose JSON does not
 parse leaves the whole answer text, as vLLM's hermes parser does.
 """
 
@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TEMPLATE_MARKER = OPEN
+"""A chat template that mentions `<tool_call>` is taken to ask for this format (tool_call_parsers.py)."""
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
 

@@ -59,6 +59,8 @@ class ServeJob:
     generation_config: str
     chat_template: str | None
     """--chat-template FILE (checked: it reads and compiles), or None: the model's own."""
+    tool_call_parser: str | None
+    """--tool-call-parser NAME (tool_call_parsers.PARSERS), or None: the format the chat template shows."""
     threads: int
     max_restarts: int
     max_restarts_given: int | None
@@ -130,7 +132,8 @@ def prepare_job(args) -> ServeJob:
         shutdown_grace=args.shutdown_grace, collective_timeout=args.collective_timeout,
         expert_slots=args.expert_slots, rebalance_every=args.rebalance_every, expert_placement=args.expert_placement,
         generation_config=getattr(args, "generation_config", "auto"),
-        chat_template=_chat_template(getattr(args, "chat_template", None)), threads=getattr(args, "threads", 0),
+        chat_template=_chat_template(getattr(args, "chat_template", None)),
+        tool_call_parser=getattr(args, "tool_call_parser", None), threads=getattr(args, "threads", 0),
         max_restarts=max_restarts(args.max_restarts, args.nproc), max_restarts_given=args.max_restarts, **slo)
 
 
