@@ -52,6 +52,26 @@ def test_run_with_a_text_tokenizer_exports_it(tiny_config, tmp_path):
     main_status(["export", str(run), str(tmp_path / "hf")])
     assert json.loads((tmp_path / "hf" / "tokenizer.json").read_text()) == json.loads(bpe.read_text())
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 0  # <|endoftext|>
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"eos_token_id": 0}
+
+
+def test_export_records_every_end_of_sequence_id(tmp_path):
+    """A tokenizer whose tokenizer_config.json names an end-of-turn token (an instruct model's
+    <|im_end|>): generation_config.json lists it beside the end-of-text id, so transformers,
+    vLLM and phalanx serve all stop on either."""
+    import shutil
+
+    from phalanx.hf.export_run import _eos
+    from phalanx.testing.tokenizers import sample_text, train_bpe
+
+    bpe = train_bpe(tmp_path / "tok" / "tokenizer.json", vocab_size=200, texts=[sample_text(2000, 0)])
+    vocab = json.loads(bpe.read_text())["model"]["vocab"]
+    turn_end = next(token for token, index in vocab.items() if index == 50)
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": turn_end}))
+    assert _eos([bpe]) == (0, [0, 50])
+    (tmp_path / "alone").mkdir()
+    shutil.copy(bpe, tmp_path / "alone" / "tokenizer.json")
+    assert _eos([tmp_path / "alone" / "tokenizer.json"]) == (0, [0])
 
 
 def main_status(argv: list[str]) -> int:

@@ -67,15 +67,23 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     model = load_checkpoint_model(path, cfg)
     with tempfile.TemporaryDirectory() as scratch:
         files = _tokenizer_files(run_dir, Path(scratch))
-        return write_hf_directory(model.state_dict(), cfg, out_dir, tokenizer_files=files, eos_id=_eos_id(files))
+        eos_id, eos_ids = _eos(files)
+        return write_hf_directory(model.state_dict(), cfg, out_dir, tokenizer_files=files, eos_id=eos_id,
+                                  generation_eos_ids=eos_ids)
 
 
-def _eos_id(files: list[Path]) -> int | None:
+def _eos(files: list[Path]) -> tuple[int | None, list[int]]:
+    """The tokenizer's end-of-text id (config.json's), and every id that ends a sequence: it and
+    the configured eos_token an instruct model's turns end with (generation_config.json's, which
+    `transformers.generate`, vLLM and `phalanx serve` stop on)."""
     # Imported when run, not at the top: it brings in numpy, which start-up need not wait for.
     from phalanx.data.tokenizer import HFTokenizer
 
     tokenizer_json = next((f for f in files if f.name == "tokenizer.json"), None)
-    return HFTokenizer(tokenizer_json).eos_id if tokenizer_json else None
+    if tokenizer_json is None:
+        return None, []
+    tokenizer = HFTokenizer(tokenizer_json)
+    return tokenizer.eos_id, sorted(tokenizer.eos_ids)
 
 
 def register(subparsers) -> None:

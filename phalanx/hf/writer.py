@@ -62,9 +62,11 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
 
 def write_hf_directory(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
                        tokenizer_files: list[Path] = (), bos_id: int | None = None, eos_id: int | None = None,
-                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None) -> Path:
+                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: torch.dtype | None = None,
+                       generation_eos_ids: list[int] = ()) -> Path:
     """Write config.json, the weights and the tokenizer files to `out_dir` (must not exist
-    or be empty)."""
+    or be empty); with `generation_eos_ids`, generation_config.json naming them (an int for
+    one, a list for several, as Hugging Face checkpoints write it)."""
     # Imported when run, not at the top: it brings in safetensors, which start-up need not wait for.
     from safetensors.torch import save_file
 
@@ -83,6 +85,10 @@ def write_hf_directory(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir
         if dtype is not None:
             config["dtype"] = str(dtype).removeprefix("torch.")
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if generation_eos_ids:
+            ids = list(generation_eos_ids)
+            generation = {"eos_token_id": ids[0] if len(ids) == 1 else ids}
+            (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         shards = _shards(tensors, max_shard_bytes)
         weight_map = {}
         for i, shard in enumerate(shards, 1):
