@@ -98,6 +98,15 @@ def test_refusals_name_the_field(server, body, param):
     assert server.status("/health") == 200
 
 
+def test_structured_output_with_a_tokenizer_that_names_no_end_of_text(server):
+    """This server's tokenizer has no end-of-text token (xgrammar wants stop ids; its words
+    cannot write JSON, so a choice of words): the answer is one of the choices and ends where
+    its grammar does."""
+    answer = server.client().completions.create(model=NAME, prompt=WORDS, max_tokens=10, temperature=0,
+                                                extra_body={"guided_choice": ["w5 w6", "w7"]})
+    assert answer.choices[0].text in ("w5 w6", "w7") and answer.choices[0].finish_reason == "stop"
+
+
 def test_the_sdk_sees_a_refusal_as_a_bad_request(server):
     with pytest.raises(openai.BadRequestError, match="stored"):
         server.client().responses.create(model=NAME, input=WORDS, previous_response_id="resp_1")

@@ -30,6 +30,8 @@ Torch-free at import: the request checks of the HTTP front import `Constraint` f
 
 from __future__ import annotations
 
+import warnings
+
 import json
 import threading
 from collections import OrderedDict
@@ -176,7 +178,12 @@ def _tokenizer_info(vocabulary: Vocabulary):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(vocabulary.tokenizer_file))
-    return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocabulary.vocab_size, stop_token_ids=stops)
+    # A tokenizer that names no end of text: xgrammar refuses an empty list but takes None (and
+    # warns that it found none); the answer then ends where the grammar does (engine.py).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocabulary.vocab_size,
+                                                       stop_token_ids=stops or None)
 
 
 def _without_control_characters(info, vocab_size: int):
