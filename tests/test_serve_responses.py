@@ -105,6 +105,10 @@ def test_structured_output_with_a_tokenizer_that_names_no_end_of_text(server):
     answer = server.client().completions.create(model=NAME, prompt=WORDS, max_tokens=10, temperature=0,
                                                 extra_body={"guided_choice": ["w5 w6", "w7"]})
     assert answer.choices[0].text in ("w5 w6", "w7") and answer.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="no token of this model's vocabulary") as refused:
+        server.client().completions.create(model=NAME, prompt=WORDS, max_tokens=10, temperature=0,
+                                           extra_body={"guided_choice": ["red", "blue"]})  # words it cannot spell
+    assert refused.value.body["param"] == "guided_choice"
 
 
 def test_the_sdk_sees_a_refusal_as_a_bad_request(server):

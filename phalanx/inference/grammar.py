@@ -132,6 +132,7 @@ class Matcher:
         import xgrammar
 
         self.allowed_words = compiled.allowed_words
+        self.vocab_size = compiled.grammar.tokenizer_info.vocab_size
         if ends:
             self._matcher = xgrammar.GrammarMatcher(compiled.grammar, override_stop_tokens=sorted(ends))
         else:  # nothing can end the sequence but the grammar itself
@@ -145,6 +146,19 @@ class Matcher:
     def terminated(self) -> bool:
         """The grammar is complete and asks for nothing more: the sequence ends here."""
         return bool(self._matcher.is_terminated())
+
+    def can_begin(self) -> bool:
+        """Whether any token of the vocabulary can come first (a vocabulary that cannot write
+        what the grammar asks for, say words that cannot spell `{`, allows none)."""
+        # Imported when run, not at the top: see Grammars.compiler.
+        import torch
+        import xgrammar
+
+        vocab = self.vocab_size
+        bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+        self.fill(bitmask, 0)
+        bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # (vocab / 32, 32), id = 32 i + j
+        return bool(bits.flatten()[:vocab].any())
 
     def fill(self, bitmask, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -146,6 +146,9 @@ async def _generate(request: Request, state: ServeState, parse, answer_for=None)
                 seed = None if gen.seed is None else gen.seed + choice  # choice i of a seeded request: seed + i
                 ends = _ends(gen, state)
                 matcher = None if grammar is None else state.grammars.matcher(grammar, ends)
+                if matcher is not None and choice == 0 and not (matcher.terminated or matcher.can_begin()):
+                    raise ApiError(400, f"{gen.constraint.param}: no token of this model's vocabulary can begin an "
+                                        "answer the constraint allows", gen.constraint.param)
                 request = Request(tuple(prompt), max_tokens, ends, seeded(sampling, seed, logprobs, gen.min_tokens),
                                   prompt_alternatives(gen))
                 seq = Sequence("", request, draws=Draws(grammar=matcher))
