@@ -169,6 +169,9 @@ import sys
 from phalanx.cli import main
 for argv in (["plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16",
               "--seq-len", "128", "--top", "1", "--json"],
+             ["plan", "--model", "tiny", "--cluster", "dgx-h100", "--gpus", "8", "--global-batch", "16",
+              "--seq-len", "128", "--top", "2", "--objective", "energy", "--max-slowdown", "1.1",
+              "--price", "dgx-h100=2"],
              ["plan", "--model", "tiny-moe", "--cluster", "dgx-h100", "--gpus", "4", "--global-batch", "8",
               "--seq-len", "128", "--top", "1", "--expert-slots", "12"],
              ["simulate", "--model", "tiny", "--cluster", "dgx-h100", "--global-batch", "16", "--seq-len", "128",

@@ -11,7 +11,8 @@ from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.plan_flags import add_plan_flags, options_for
-from phalanx.planner.report import COLUMNS, explain, format_table, plan_record, table_rows
+from phalanx.planner.energy import OBJECTIVES, check_prices, objective_for, parse_prices
+from phalanx.planner.report import columns, explain, format_table, plan_record, table_rows
 from phalanx.planner.memory_fit import fit_hints
 from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
 from phalanx.planner.validation import step_time_band
@@ -26,6 +27,12 @@ def register(subparsers) -> None:
     p.add_argument("--fix", default="", help="pin knobs with the --plan grammar plus mbs= and zero=")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--objective", default="time", choices=OBJECTIVES,
+                   help="rank by step time (default), energy per step, or cost per token (needs --price); "
+                        "docs/planner.md, Energy and cost")
+    p.add_argument("--max-slowdown", type=float, default=None, metavar="F",
+                   help="with --objective energy|cost: only plans within F x the fastest plan's step time "
+                        "(1.1: up to 10%% slower), the least energy or cost among them first")
     p.add_argument("--serve", action="store_true",
                    help="plan serving instead (its own flags: phalanx plan --serve --help; docs/serve_planner.md)")
     p.set_defaults(func=run_plan)
@@ -42,29 +49,39 @@ def run_plan(args) -> int:
     for cluster in clusters:
         cluster.check_device_count(args.gpus)
     fixed = parse_fix(args.fix)
+    prices = parse_prices(args.price)
+    check_prices(prices, clusters)
+    objectives = {c.name: objective_for(args.objective, args.max_slowdown, c, prices) for c in clusters}
     space = SearchSpace(zero_levels=args.zero_levels, phalanx_trainer=not args.any_runtime)
     results = []
     for cluster in clusters:
         result = search(model, cluster, workload, world_size=args.gpus, fixed=fixed, space=space,
-                        options=options_for(args, cluster), keep=args.top)
+                        options=options_for(args, cluster), keep=args.top, objective=objectives[cluster.name])
         if not result.ranked and result.considered == 0:
             raise UserError(_why_empty(args, fixed, fix_problems(model, workload, args.gpus, fixed, space,
                                                                  expert_slots=args.expert_slots)))
         results.append((cluster, result))
     if args.json:
         out = [{"cluster": c.name, "considered": r.considered, "pruned_memory": r.pruned_memory,
-                "search_seconds": r.seconds, "plans": [plan_record(e, step_time_band(c)) for e in r.ranked]} for c, r in results]
+                "search_seconds": r.seconds, "objective": args.objective, "max_slowdown": args.max_slowdown,
+                "announced": c.announced,
+                "plans": [plan_record(e, step_time_band(c), cluster=c, price=prices.get(c.name)) for e in r.ranked]}
+               for c, r in results]
         print(json.dumps(out[0] if len(out) == 1 else {"clusters": out}, indent=2))
         return 0 if all(r.ranked for _, r in results) else 1
     if len(results) > 1:
-        _print_side_by_side(model.name, args, results)
+        _print_side_by_side(model.name, args, results, prices)
     else:
         cluster, result = results[0]
         print(f"{model.name} on {args.gpus} x {cluster.name}, global batch {args.global_batch} x {args.seq_len} tokens")
+        if cluster.announced:
+            print(f"{cluster.name}: announced figures, not measured hardware (phalanx/planner/hardware.py)")
         if result.ranked:
-            print(format_table(COLUMNS, table_rows(result.ranked, step_time_band(cluster))))
+            price = prices.get(cluster.name)
+            print(format_table(columns(priced=price is not None),
+                               table_rows(result.ranked, step_time_band(cluster), cluster=cluster, price=price)))
             print()
-            print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib)))
+            print("\n".join(explain(result, cluster.memory_gib - cluster.memory_reserved_gib, objectives[cluster.name])))
             slots = f" --expert-slots {args.expert_slots}" if args.expert_slots else ""  # what phalanx train needs beside it
             print(f"best plan: --plan {result.ranked[0].layout.plan_string()}{slots}"
                   f"  (mbs={result.ranked[0].layout.mbs}, zero={result.ranked[0].layout.zero})")
@@ -104,20 +121,28 @@ def _rejected(model, cluster, workload, est, options) -> str:
             f"({parts} GiB){fix}")
 
 
-def _print_side_by_side(model_name: str, args, results) -> None:
-    print(f"best plan for {model_name} on {args.gpus} GPUs, global batch {args.global_batch} x {args.seq_len}")
-    names = [c.name for c, _ in results]
+def _print_side_by_side(model_name: str, args, results, prices: dict[str, float]) -> None:
+    print(f"best plan for {model_name} on {args.gpus} GPUs, global batch {args.global_batch} x {args.seq_len}"
+          + (f", by {args.objective}" if args.objective != "time" else ""))
+    names = [c.name + (" (announced)" if c.announced else "") for c, _ in results]
     fields = ["dp", "cp", "tp", "pp", "ep", "mbs", "microbatches", "schedule", "virtual", "recompute", "zero",
-              "step_time_s", "step_time_band", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu"]
+              "step_time_s", "step_time_band", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib_per_gpu",
+              "energy_j_per_token", *(("cost_usd_per_mtok",) if prices else ())]
     rows = []
-    records = [plan_record(r.ranked[0], step_time_band(c)) if r.ranked else None for c, r in results]
+    records = [plan_record(r.ranked[0], step_time_band(c), cluster=c, price=prices.get(c.name)) if r.ranked else None
+               for c, r in results]
     for f in fields:
         row = [f]
         for rec in records:
             v = rec[f] if rec else "no fit"
-            row.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+            row.append(f"{v:.4g}" if isinstance(v, float) else "-" if v is None else str(v))
         rows.append(row)
     for key in records[0]["breakdown"] if records[0] else []:
         rows.append([f"  {key} s"] + [f"{rec['breakdown'][key]:.3g}" if rec else "-" for rec in records])
     rows.append(["pruned for memory"] + [str(r.pruned_memory) for _, r in results])
     print(format_table(["", *names], rows))
+    key = {"time": "step_time_s", "energy": "energy_j_per_token", "cost": "cost_usd_per_mtok"}[args.objective]
+    scored = [(rec[key], name) for rec, name in zip(records, names) if rec and rec[key] is not None]
+    if len(scored) > 1 and args.objective != "time":
+        value, name = min(scored)
+        print(f"least {args.objective}: {name} ({value:.4g} {'J/token' if args.objective == 'energy' else '$/Mtok'})")

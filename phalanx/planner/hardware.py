@@ -93,6 +93,16 @@ class Cluster:
     """(group size, latency us per step, bus GB/s) measured by calibrate; they replace the intra
     figures for groups of that size inside the fast domain (a CPU's collectives slow down as
     more processes share its cores)."""
+    idle_w: float = 0.0
+    """Watts one device draws while it waits (a bubble, an exposed collective, a fixed overhead):
+    published idle measurements, each preset naming its source. 0: not known (no energy is
+    predicted; planner/energy.py)."""
+    busy_w: float = 0.0
+    """Watts one device draws while it computes: the datasheet's maximum board power (TDP),
+    an upper bound of what training draws. 0: not known."""
+    announced: bool = False
+    """The figures are a vendor's announcement for hardware not yet measured (shown beside
+    every plan for this cluster)."""
     framework: FrameworkCosts = FrameworkCosts()
     """What the training framework costs beyond FLOPs, bytes and collectives (measured by
     `phalanx calibrate` on CPUs; none on the GPU presets)."""
@@ -131,7 +141,10 @@ class Cluster:
                      "comm_sm_fraction"):
             if getattr(self, name) > 1:
                 problems.append(f"{name}={getattr(self, name)} is a fraction of peak, at most 1")
-        for name in ("fp8_tflops", "fp4_tflops", "memory_reserved_gib", "intra_latency_us", "inter_latency_us", "matmul_half_dim",
+        if self.busy_w < self.idle_w:
+            problems.append(f"busy_w={self.busy_w} must be at least idle_w={self.idle_w} (a device computing draws "
+                            "more than one waiting)")
+        for name in ("idle_w", "busy_w", "fp8_tflops", "fp4_tflops", "memory_reserved_gib", "intra_latency_us", "inter_latency_us", "matmul_half_dim",
                      "comm_sm_fraction", "thread_speedup"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
@@ -198,6 +211,22 @@ class Cluster:
         return max(1.0, world_size / self.devices_per_node) if self.shared_compute else 1.0
 
 
+# Power (idle_w, busy_w), one figure per GPU, the GPU board alone (no CPUs, NICs, switches,
+# fans or cooling: planner/energy.py says why). busy_w is the datasheet's maximum board power
+# (TDP), the most a device draws while it computes. idle_w: the one published idle reading
+# found is an H200 SXM's 80 W against 593 W under load (the Alice "GPU Energy Benchmark",
+# 2026: NVML readings of an idle H200 with its context open), 0.114 of its 700 W TDP; for the
+# other GPUs no published idle figure was found, so idle_w is that same share of each TDP
+# (rounded). A rank waiting inside a step (a bubble, an exposed collective) keeps its clocks up
+# and polls, so it draws more than idle: the prediction's waiting energy is a floor.
+IDLE_SHARE_OF_TDP = 80.0 / 700.0
+"""The H200's published idle draw over its TDP, applied to GPUs with no idle figure of their own."""
+
+
+def _idle(tdp_w: float) -> float:
+    return float(round(IDLE_SHARE_OF_TDP * tdp_w))
+
+
 # Presets. Link figures are the measured ones of published-figures.md section 2; peak and
 # memory are the vendors' datasheet values (fp8/fp4 peaks dense, i.e. half the sheets'
 # "with sparsity" figures, as published-figures.md section 5 lists them). The efficiency fields keep their defaults (one
@@ -206,37 +235,62 @@ PRESETS: dict[str, Cluster] = {
     c.name: c
     for c in [
         # DGX A100 80GB: NVLink3 + NVSwitch (229 GB/s all-reduce bus bw), 8x HDR 200 Gb/s (24 GB/s).
+        # Power: A100 SXM 80GB 400 W max TDP (NVIDIA A100 Tensor Core GPU datasheet).
         Cluster(name="dgx-a100", peak_tflops=312.0, sm_count=108, memory_gib=80.0, hbm_tbs=2.04,
-                intra_bw_gbs=229.0, inter_bw_gbs=24.0),
+                intra_bw_gbs=229.0, inter_bw_gbs=24.0, busy_w=400.0, idle_w=_idle(400.0)),
         # DGX H100: NVLink4 (about 370 GB/s effective), 8x NDR 400 Gb/s (46-48 GB/s).
         # FP8 1,979 dense (NVIDIA H100 Tensor Core GPU datasheet, SXM: 3,958 with sparsity); no fp4.
+        # Power: H100 SXM up to 700 W (configurable) max TDP (same datasheet).
         Cluster(name="dgx-h100", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
-                intra_bw_gbs=370.0, inter_bw_gbs=47.0),
+                intra_bw_gbs=370.0, inter_bw_gbs=47.0, busy_w=700.0, idle_w=_idle(700.0)),
         # DGX H200: same NVLink4 (about 475 GB/s all-reduce bus bw measured), 141 GB HBM3e.
         # Device figures from NVIDIA's H200 Tensor Core GPU datasheet (H200 SXM): 989 TFLOP/s
         # dense BF16 (the sheet's 1,979 counts 2:4 sparsity), 141 GB HBM3e at 4.8 TB/s; the
         # H100's Hopper die, so its 132 SMs (shared/reference/published-figures.md, "Hardware").
+        # Power: H200 SXM up to 700 W max TDP (same datasheet); idle 80 W measured (see above).
         Cluster(name="dgx-h200", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=141.0, hbm_tbs=4.8,
-                intra_bw_gbs=475.0, inter_bw_gbs=47.0),
+                intra_bw_gbs=475.0, inter_bw_gbs=47.0, busy_w=700.0, idle_w=80.0),
         # GB200 NVL72: 72 GPUs in one NVLink domain (835-847 GB/s at 4-8 GiB), 400 Gb/s NIC each.
         # GB200 NVL72 datasheet per GPU, dense: BF16 2.5 PF, FP8 5, FP4 10 (published-figures.md section 5).
         Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0, fp8_tflops=5000.0,
                 fp4_tflops=10000.0, sm_count=148,
-                memory_gib=186.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0),
+                memory_gib=186.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0,
+                # Power: a liquid-cooled Blackwell GPU runs up to 1,200 W (NVIDIA, GTC 2024); a GB200
+                # superchip (one Grace, two GPUs) is configurable up to 2,700 W, the Grace CPU and its
+                # memory being the rest. The GPU's share only; the Grace CPUs are node overhead.
+                busy_w=1200.0, idle_w=_idle(1200.0)),
         # DGX B200 datasheet: 8 B200, 1,440 GB HBM3e (180 GB each), 64 TB/s HBM (8 TB/s each),
         # 72 PF FP8 training and 144 PF FP4 inference per system with sparsity, so per GPU dense
         # BF16 2.25 PF, FP8 4.5, FP4 9 (published-figures.md section 5); 148 SMs (Blackwell die).
         # NVLink 5 (900 GB/s per direction): the bus bandwidth measured on GB200's NVLink 5
         # (840 GB/s) for want of a published 8-GPU figure; 8x ConnectX-7 400 Gb/s as the DGX H100.
+        # Power: B200 in HGX/DGX B200 (air-cooled) up to 1,000 W max TDP (NVIDIA HGX B200 specifications).
         Cluster(name="dgx-b200", peak_tflops=2250.0, fp8_tflops=4500.0, fp4_tflops=9000.0, sm_count=148,
-                memory_gib=180.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0),
+                memory_gib=180.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0, busy_w=1000.0,
+                idle_w=_idle(1000.0)),
         # 8x H100 PCIe without NVLink bridges: every collective goes through PCIe Gen5 x16
         # (about 28 GB/s all-reduce bus bw measured on such boxes), so the fast domain is 1.
         Cluster(name="pcie-h100", fast_domain=1, peak_tflops=756.0, fp8_tflops=1513.0, sm_count=114, memory_gib=80.0, hbm_tbs=2.0,
-                intra_bw_gbs=28.0, inter_bw_gbs=28.0, inter_latency_us=5.0),
+                intra_bw_gbs=28.0, inter_bw_gbs=28.0, inter_latency_us=5.0,
+                # Power: H100 PCIe 350 W max TDP (NVIDIA H100 datasheet, PCIe: 300-350 W configurable).
+                busy_w=350.0, idle_w=_idle(350.0)),
         # H800 (DeepSeek-V3 report: NVLink about 160 GB/s, IB 50 GB/s per GPU): same core as H100.
+        # Power: the H100 SXM's board, 700 W max TDP.
         Cluster(name="hgx-h800", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
-                intra_bw_gbs=160.0, inter_bw_gbs=47.0),
+                intra_bw_gbs=160.0, inter_bw_gbs=47.0, busy_w=700.0, idle_w=_idle(700.0)),
+        # Vera Rubin NVL72: ANNOUNCED, NOT MEASURED (NVIDIA, GTC 2025 as "NVL144", counting dies,
+        # and CES 2026 as NVL72, counting packages); every figure will move when it ships.
+        # Per GPU: 288 GB HBM4 at 22 TB/s; NVFP4 35 PF for training (50 PF inference with its
+        # adaptive compression), so fp4_tflops=35,000. FP8: the rack's 1.2 EF of FP8 training
+        # over 72 GPUs, 16.7 PF (3.3x the GB300 NVL72's dense 360 PF, so dense). BF16: NVIDIA
+        # has announced none; half the FP8 rate, as on every generation before. NVLink 6:
+        # 3.6 TB/s per GPU both ways, twice NVLink 5, so twice GB200's measured bus bandwidth;
+        # ConnectX-9 1.6 Tb/s per GPU at the 47/50 of line rate CX-7 reaches. SMs unannounced:
+        # 0 (no wave quantization). Power: about 1,800 W per GPU, as reported by the press, not a
+        # datasheet; idle the H200's share of it. 4 GPUs per compute tray, 72 in the NVLink domain.
+        Cluster(name="rubin-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=8333.0, fp8_tflops=16667.0,
+                fp4_tflops=35000.0, memory_gib=288.0, hbm_tbs=22.0, intra_bw_gbs=1680.0, inter_bw_gbs=188.0,
+                busy_w=1800.0, idle_w=_idle(1800.0), announced=True),
         # This machine before `phalanx calibrate` has measured it: a rough CPU guess.
         Cluster(name="local", devices_per_node=os.cpu_count() or 1, fast_domain=os.cpu_count() or 1,
                 peak_tflops=0.1, memory_gib=8.0, memory_reserved_gib=1.0, hbm_tbs=0.02, hbm_efficiency=1.0,

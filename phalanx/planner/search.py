@@ -23,6 +23,7 @@ from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
 from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
+from phalanx.planner.energy import Objective
 from phalanx.planner.options import Options, trainer_options
 from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
@@ -59,11 +60,14 @@ class SearchSpace:
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
     ranked: list[Estimate]
-    """Layouts that fit in memory, fastest first (at most `keep`)."""
+    """Layouts that fit in memory, best first by the search's objective (fastest first by
+    default; with a `max_slowdown`, only those within it of the fastest), at most `keep`."""
     considered: int
     pruned_memory: int
     fastest_pruned: Estimate | None
-    """The fastest layout that did not fit, if it was faster than the winner."""
+    """The fastest layout that did not fit, if it was faster than the fastest that fits."""
+    fastest: Estimate | None = None
+    """The fastest layout that fits (ranked[0] when ranking by time), for explaining another objective's choice."""
     seconds: float
     offload_only: bool = False
     """Nothing fitted on the device, so the ranked layouts keep their weights, gradients and
@@ -198,8 +202,9 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
            fixed: dict[str, object] | None = None, space: SearchSpace = SearchSpace(),
-           options: Options = Options(), keep: int = 10) -> SearchResult:
-    """Rank every fitting layout by predicted step time; count the ones memory pruned."""
+           options: Options = Options(), keep: int = 10, objective: Objective = Objective()) -> SearchResult:
+    """Rank every fitting layout by the objective (predicted step time by default, or energy or
+    cost per step: energy.py); count the ones memory pruned."""
     start = time.perf_counter()
     fixed = dict(fixed or {})
     if "zero" in fixed and fixed["zero"] not in space.zero_levels:
@@ -247,7 +252,8 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         offload_only = bool(fitting)
     fitting.sort(key=lambda e: (e.step_time_s, e.memory_bytes))
     best = fitting[0].step_time_s if fitting else math.inf
-    return SearchResult(ranked=fitting[:keep], considered=considered, pruned_memory=len(too_big),
+    ranked = fitting if objective.kind == "time" and objective.max_slowdown is None else objective.rank(fitting)
+    return SearchResult(ranked=ranked[:keep], fastest=fitting[0] if fitting else None, considered=considered, pruned_memory=len(too_big),
                         fastest_pruned=_fastest(model, cluster, workload, too_big, options, best),
                         seconds=time.perf_counter() - start, offload_only=offload_only)
 

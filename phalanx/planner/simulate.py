@@ -26,6 +26,7 @@ from phalanx.errors import UserError
 from phalanx.output_path import check_output_folder
 from phalanx.planner import comm
 from phalanx.planner.cost import BF16, Estimate
+from phalanx.planner.energy import busy_seconds, check_prices, cost_usd_per_mtok, energy_per_step_j, parse_prices
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.layout import Workload
 from phalanx.planner.model_spec import model_from_name
@@ -282,6 +283,8 @@ def simulate_command(args) -> int:
     model = model_from_name(args.model)
     cluster = cluster_from_name(args.cluster)
     workload = Workload(global_batch=args.global_batch, seq_len=args.seq_len)
+    prices = parse_prices(args.price)
+    check_prices(prices, [cluster])
     fixed = parse_fix(args.plan)
     dp, tp, pp = (int(fixed.get(k, 1)) for k in ("dp", "tp", "pp"))
     result = search(model, cluster, workload, world_size=dp * tp * pp, fixed={**fixed, "dp": dp, "tp": tp, "pp": pp},
@@ -305,5 +308,11 @@ def simulate_command(args) -> int:
     write_png(events, out / "timeline.png", title=title)
     print(f"layout: {est.layout.to_string()}")
     print(f"simulated step {step:.4g} s; cost model {est.step_time_s:.4g} s")
+    energy = energy_per_step_j(est, cluster)
+    if energy is not None:  # of the cost model's step (energy.py), not the simulated timeline's
+        print(f"predicted energy {energy / 1e3:.4g} kJ per step, {energy / est.tokens:.4g} J/token "
+              f"(busy {busy_seconds(est) / est.step_time_s:.0%} of the step)")
+    if price := prices.get(cluster.name):
+        print(f"predicted cost ${cost_usd_per_mtok(est, price):.4g} per million tokens at ${price:g} per GPU hour")
     print(f"wrote {out / 'trace.json'} (open in https://ui.perfetto.dev) and {out / 'timeline.png'}")
     return 0
