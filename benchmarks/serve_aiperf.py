@@ -37,13 +37,14 @@ NAME = "llama"
 VOCAB = 2048
 
 
-def write_model(folder: Path) -> Path:
+def write_model(folder: Path, hidden: int = 512, layers: int = 4) -> Path:
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden,
+                                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                      num_key_value_heads=hidden // 128, max_position_embeddings=1024,
                                       bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
@@ -60,7 +61,8 @@ def run_aiperf(aiperf: str, url: str, model: Path, concurrency: int, args, out: 
                "0", "--prompt-output-tokens-mean", str(args.osl), "--prompt-output-tokens-stddev", "0",
                "--extra-inputs", "ignore_eos:true", "--concurrency", str(concurrency),
                "--request-count", str(max(args.requests, concurrency)), "--warmup-request-count", str(concurrency),
-               "--random-seed", "0", "--output-artifact-dir", str(out), "--no-server-metrics", "--no-gpu-telemetry",
+               "--random-seed", str(getattr(args, "seed", 0)), "--output-artifact-dir", str(out),
+               "--no-server-metrics", "--no-gpu-telemetry",
                "--export-outputs-json", "--use-server-token-count"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
