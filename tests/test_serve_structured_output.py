@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import openai
 import pytest
@@ -62,13 +63,18 @@ TEMPLATE = ("{% if tools %}You may call {{ tools | map(attribute='function.name'
 """A chat template that shows Hermes' tool-call format, as Qwen's does (tool_choice auto reads it)."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("structured") / "llama", "llama", vocab_size=VOCAB,
+def _model_with_template(tmp_path_factory, name: str, template: str) -> Path:
+    """The tiny llama with the byte-level BPE tokenizer and `template` as its chat template."""
+    folder = write_checkpoint(tmp_path_factory.mktemp(name) / "llama", "llama", vocab_size=VOCAB,
                               max_position_embeddings=512)
     _bpe_tokenizer(folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _model_with_template(tmp_path_factory, "structured", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -413,11 +419,7 @@ def test_the_format_comes_from_the_template_or_the_flag(tmp_path):
 
 @pytest.fixture(scope="module")
 def llama3_dir(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("llama3_tools") / "llama", "llama", vocab_size=VOCAB,
-                              max_position_embeddings=512)
-    _bpe_tokenizer(folder / "tokenizer.json")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA3_TEMPLATE}))
-    return folder
+    return _model_with_template(tmp_path_factory, "llama3_tools", LLAMA3_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
