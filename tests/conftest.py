@@ -67,3 +67,19 @@ def moe_reference(moe_config):
     return run_ranks(1, run_and_gather, moe_config.replace(out=moe_config.out + "-ref"))[0]
 
 
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that talked to a real `phalanx serve` shows that server's log: a 500 seen by
+    the client says nothing of its cause, which only the server printed (a flake in CI cannot
+    be rerun to look)."""
+    report = yield
+    if report.failed:
+        from tests.serve_server import ServeProcess
+
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, ServeProcess):
+                report.sections.append((f"stderr of the server `{name}` (its last 6000 characters)",
+                                        "".join(value.stderr)[-6000:]))
+    return report
