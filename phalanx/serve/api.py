@@ -151,7 +151,9 @@ async def _generate(request: Request, state: ServeState, parse, answer_for=None)
                                         "answer the constraint allows", gen.constraint.param)
                 wanted = EngineRequest(tuple(prompt), max_tokens, ends, seeded(sampling, seed, logprobs, gen.min_tokens),
                                        prompt_alternatives(gen))
-                seq = Sequence("", wanted, draws=Draws(grammar=matcher))
+                # Guesses are checked token by token; a grammar's state and log-probabilities are not (yet).
+                seq = Sequence("", wanted, draws=Draws(grammar=matcher),
+                               may_speculate=matcher is None and logprobs is None and wanted.prompt_logprobs is None)
                 handles.append(_submit(state, seq, gen))
     except ApiError as error:
         for handle in handles:  # a later prompt was refused: the earlier ones stop
