@@ -362,9 +362,10 @@ def _no_dense_mask_forward(layout: str) -> list[tuple]:
                     found.append((str(func), tuple(t.shape), str(t.dtype)))
             return result
 
-    doc_mask = layout == "docmask"
+    doc_mask = layout.startswith("docmask")
     cfg = model_config("tiny")
-    mesh = build_mesh(plan_from_string("cp=2", dist.get_world_size()), torch.device("cpu"))
+    plan = "cp=2,cp_ring=true" if layout.endswith("ring") else "cp=2"
+    mesh = build_mesh(plan_from_string(plan, dist.get_world_size()), torch.device("cpu"))
     model = parallelize(cfg, mesh, seed=0, seq_len=seq, doc_mask=doc_mask)
     tokens = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([5, 19, 13, 11]))[None].repeat(2, 1)  # (2, 48)
@@ -374,11 +375,11 @@ def _no_dense_mask_forward(layout: str) -> list[tuple]:
     return found
 
 
-@pytest.mark.parametrize("layout", ["causal", "docmask"])
+@pytest.mark.parametrize("layout", ["causal", "docmask", "causal ring", "docmask ring"])
 def test_cp_forward_builds_no_queries_by_keys_tensor(layout):
     """No tensor of (queries x keys) shape, mask or scores, is made in a cp=2 training forward
-    and backward of the model, with and without `--doc-mask` (`_no_dense_mask_forward` says
-    which shapes count): the explicit mask of the former implementation, (24, 48), or scores
+    and backward of the model, with and without `--doc-mask`, all-gathered or around the ring
+    (cp_ring=true) (`_no_dense_mask_forward` says which shapes count): the explicit mask of the former implementation, (24, 48), or scores
     computed outside the flash kernels would be found."""
     for found in run_ranks(2, _no_dense_mask_forward, layout):
         assert found == [], found[:5]
