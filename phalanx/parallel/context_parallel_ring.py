@@ -11,8 +11,9 @@ chunks every step is the same work: rank r's chunks r and 2cp-1-r against rank j
 2cp-1-j are two whole (chunk x chunk) blocks for every j != r (query chunk 2cp-1-r sees chunk j,
 and chunk r sees chunk j if j < r, else chunk 2cp-1-r sees chunk 2cp-1-j), and at j = r the two
 causal diagonals and one whole block. So each of the cp - 1 transfers hides behind one of cp
-equal steps of attention (`planner/stage_time.trainer_cp_hidden`). The pieces are kept, put in
-position order, for backward, as the gather's result is: the same memory.
+equal steps of attention (`planner/stage_time.cp_exposed`). Each piece is copied into its
+place in position order as it arrives, and the whole kept for backward, as the gather's result
+is: the same memory, with no second whole-sequence buffer to reorder.
 
 Backward, step s computes the key/value gradient blocks of rank r - 1 - s's keys (its own last),
 adds the partial sum rank r - 1 received for them (every rank before it on the ring added its
@@ -30,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.parallel.context_parallel_blocks import block_backward, block_forward, merge
-from phalanx.parallel.context_parallel_layout import owner_blocks, position_order, rank_order, row_blocks
+from phalanx.layout_rules import cp_chunks
+from phalanx.parallel.context_parallel_layout import owner_blocks, row_blocks
 from phalanx.parallel.context_parallel_schedule import PendingPass
 
 
@@ -45,15 +47,17 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: t
     chunk, rank = queries // 2, dist.get_rank(group)
     rows = row_blocks(batch, documents, chunks, chunk)
     held = torch.cat([k, v], dim=-1)  # (batch, kv_heads, 2 chunk, d + dv): this rank's own
-    pieces: list[torch.Tensor] = [held] * cp  # by owner; every slot filled by the end
+    # Filled in position order as the keys come round (no gathered copy to reorder afterwards).
+    kv_all = held.new_empty((*held.shape[:2], cp * queries, held.shape[3]))
     merged: dict[tuple[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor]] = {}
     for step in range(cp):
         owner = (rank - step) % cp
-        pieces[owner] = held
         pending = None
         if step < cp - 1:
             with torch.profiler.record_function("cp ring: pass keys/values on"):
                 pending = PendingPass(held, group, "next keys/values")
+        for slot, c in enumerate(cp_chunks(cp, owner)):  # while they travel on
+            kv_all[:, :, c * chunk:(c + 1) * chunk] = held[:, :, slot * chunk:(slot + 1) * chunk]
         with torch.profiler.record_function("cp ring: blocks of the keys at hand"):
             for r, (row, by_range) in enumerate(rows):
                 for key_range, blocks in by_range.items():
@@ -71,7 +75,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: t
         for q0, q1 in by_range:
             part_out, part_lse = merged[(r, (q0, q1))]
             out[row, :, q0:q1], lse[row, :, q0:q1] = part_out.to(out.dtype), part_lse
-    return out, lse, position_order(torch.cat(pieces, dim=2), cp)
+    return out, lse, kv_all
 
 
 def ring_backward(grad: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv_all: torch.Tensor,
@@ -83,19 +87,17 @@ def ring_backward(grad: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: t
     batch, _, queries, width = q.shape
     chunk, rank = queries // 2, dist.get_rank(group)
     rows = row_blocks(batch, documents, chunks, chunk)
-    own = rank_order(kv_all, cp)  # (batch, kv_heads, seq, d + dv): rank j's keys at j * 2 chunk
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     pending = None
     for step in range(cp):
         owner = (rank - 1 - step) % cp  # this rank's own keys last
-        base = owner * 2 * chunk
         # fp32 sums: a key's gradient adds up over every query range that reads it.
         mine = torch.zeros((*kv_all.shape[:2], 2 * chunk, kv_all.shape[3]), dtype=torch.float32, device=q.device)
         with torch.profiler.record_function("cp ring: gradient blocks of one rank's keys"):
             for row, by_range in rows:
                 for (q0, q1), blocks in by_range.items():
                     for b, local in owner_blocks(blocks, cp, chunk, owner):
-                        keys = own[row, :, base + local:base + local + b.key_end - b.key_start]
+                        keys = kv_all[row, :, b.key_start:b.key_end]  # the block's keys are in position order
                         gq, gk, gv = block_backward(grad[row, :, q0:q1], q[row, :, q0:q1], keys[..., :width],
                                                     keys[..., width:], out[row, :, q0:q1], lse[row, :, q0:q1],
                                                     b.causal, scale)
