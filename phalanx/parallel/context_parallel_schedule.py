@@ -104,9 +104,10 @@ class PendingPass:
     def __init__(self, t: torch.Tensor, group, what: str):
         me, cp = dist.get_rank(group), dist.get_world_size(group)
         self.what = what
-        self.buffer = torch.empty_like(t)
+        self.sent = t.contiguous()  # held until the pass is waited for: a temporary must outlive its send
+        self.buffer = torch.empty_like(self.sent)
         self.works = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, (me + 1) % cp), group),
+            dist.P2POp(dist.isend, self.sent, dist.get_global_rank(group, (me + 1) % cp), group),
             dist.P2POp(dist.irecv, self.buffer, dist.get_global_rank(group, (me - 1) % cp), group)])
 
     def wait(self) -> torch.Tensor:
