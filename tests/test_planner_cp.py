@@ -209,8 +209,8 @@ def test_planner_picks_gather_or_ring_per_layout(capsys):
     """The search prices both of the trainer's cp schedules for every cp layout and keeps the
     faster: Llama 3.1 8B at 32,768 tokens on dp=8 x cp=8 H100s (attention per step shorter than
     the whole gather, so the ring hides more of it) runs the ring; a latent-attention model keeps
-    the gather (the ring refuses it); `--cp-overlap` gives every cp layout the ring; the chosen
-    plan is what `phalanx train --plan` runs."""
+    the gather (the ring refuses it), and so does a CPU cluster unless asked; `--cp-overlap`
+    gives every cp layout the ring; the chosen plan is what `phalanx train --plan` runs."""
     def plans(fix: str, *extra: str) -> list[dict]:
         assert cli.run(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "64", "--global-batch",
                         "64", "--seq-len", "32768", "--fix", fix, "--json", *extra]) == 0
@@ -223,3 +223,9 @@ def test_planner_picks_gather_or_ring_per_layout(capsys):
     latent = search(PRESETS["tiny-dsv3"], H100, Workload(global_batch=2, seq_len=256), world_size=2,
                     fixed={"cp": 2}, space=SearchSpace(min_cp_chunk=1))
     assert latent.ranked and not any(e.layout.cp_ring for e in latent.ranked)
+    # A CPU cluster keeps the gather unless asked: no transfer hides there, and the ring measured slower.
+    local = CLUSTERS["local"]
+    cpu = search(GQA, local, LONG, world_size=2, fixed={"cp": 2}, options=Options(phalanx_trainer=True))
+    assert cpu.ranked and not any(e.layout.cp_ring for e in cpu.ranked)
+    asked = search(GQA, local, LONG, world_size=2, fixed={"cp": 2, "cp_ring": True}, options=Options(phalanx_trainer=True))
+    assert asked.ranked and all(e.layout.cp_ring for e in asked.ranked)

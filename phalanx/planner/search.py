@@ -53,7 +53,8 @@ class SearchSpace:
     cp_rings: tuple[bool, ...] = (False, True)
     """With cp > 1, the trainer's cp schedules tried (the plan's cp_ring): the all-gather and
     the ring, each priced (stage_time.cp_exposed) so the faster is picked per layout; (True,)
-    under `--cp-overlap`. Latent attention, and other implementations, keep the gather."""
+    under `--cp-overlap`. Latent attention, and other implementations, keep the gather, and so
+    does a CPU cluster unless asked (`--fix cp_ring=true`, `--cp-overlap`)."""
     phalanx_trainer: bool = True
     """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
     padding), sp needs tp to divide seq_len and no experts; tp leaves the MoE blocks whole (pair
@@ -182,6 +183,11 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
             folds = (False, True) if space.phalanx_trainer and tp > 1 and model.n_experts and cp == 1 else (False,)
             # The trainer's cp schedules (gather or ring), each priced: the planner picks per layout.
             rings = space.cp_rings if space.phalanx_trainer and cp > 1 and not model.is_latent else (False,)
+            if cluster.shared_compute and len(rings) > 1 and "cp_ring" not in fixed:
+                # On CPUs gloo's transfers run on the cores that compute, so no ring step hides
+                # behind attention: the two price alike, and the ring's smaller kernel calls and
+                # per-step merges measured slower (benchmarks/context_parallel.py, 5 of 5 runs).
+                rings = (False,)
             rings = tuple(ring for ring in rings if bool(f("cp_ring", ring)) == ring)
             for fold in folds:
                 if bool(f("ep_over_tp", fold)) != fold:
