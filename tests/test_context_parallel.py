@@ -379,8 +379,8 @@ def _no_dense_mask_forward(layout: str) -> list[tuple]:
 def test_cp_forward_builds_no_queries_by_keys_tensor(layout):
     """No tensor of (queries x keys) shape, mask or scores, is made in a cp=2 training forward
     and backward of the model, with and without `--doc-mask`, all-gathered or around the ring
-    (cp_ring=true) (`_no_dense_mask_forward` says which shapes count): the explicit mask of the former implementation, (24, 48), or scores
-    computed outside the flash kernels would be found."""
+    (cp_ring=true) (`_no_dense_mask_forward` says which shapes count): the explicit mask of the
+    former implementation, (24, 48), or scores computed outside the flash kernels would be found."""
     for found in run_ranks(2, _no_dense_mask_forward, layout):
         assert found == [], found[:5]
 

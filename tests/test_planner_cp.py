@@ -201,7 +201,8 @@ def test_trainer_ring_hides_each_step_behind_a_step_of_attention():
     assert ring < gather.breakdown["cp_comm"]
     # Memory: the ring fills the kept keys in place and sums one rank's key gradients at a time
     # (1 + 4 / cp copies of the whole sequence's keys and values) where the gather holds 4.
-    saved = gather.memory_breakdown["comm_buffers"] - evaluate(GQA, H100, LONG, lay, trainer).memory_breakdown["comm_buffers"]
+    ringed = evaluate(GQA, H100, LONG, lay, trainer).memory_breakdown["comm_buffers"]
+    saved = gather.memory_breakdown["comm_buffers"] - ringed
     assert saved == pytest.approx((4 - 1 - 4 / cp) * gathered_kv_bytes(GQA, 1, LONG.seq_len, 1), rel=1e-9)
 
 
@@ -227,5 +228,6 @@ def test_planner_picks_gather_or_ring_per_layout(capsys):
     local = CLUSTERS["local"]
     cpu = search(GQA, local, LONG, world_size=2, fixed={"cp": 2}, options=Options(phalanx_trainer=True))
     assert cpu.ranked and not any(e.layout.cp_ring for e in cpu.ranked)
-    asked = search(GQA, local, LONG, world_size=2, fixed={"cp": 2, "cp_ring": True}, options=Options(phalanx_trainer=True))
+    asked = search(GQA, local, LONG, world_size=2, fixed={"cp": 2, "cp_ring": True},
+                   options=Options(phalanx_trainer=True))
     assert asked.ranked and all(e.layout.cp_ring for e in asked.ranked)

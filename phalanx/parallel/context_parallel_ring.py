@@ -109,4 +109,5 @@ def ring_backward(grad: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: t
             with torch.profiler.record_function("cp ring: pass key/value gradients on"):
                 pending = PendingPass(mine.to(kv_all.dtype), group, "key/value gradients")
     # Contiguous copies: the op's outputs may not alias each other (and are laid out as its fake says).
-    return dq.to(q.dtype), mine[..., :width].contiguous().to(kv_all.dtype), mine[..., width:].contiguous().to(kv_all.dtype)
+    dk, dv = (part.contiguous().to(kv_all.dtype) for part in (mine[..., :width], mine[..., width:]))
+    return dq.to(q.dtype), dk, dv

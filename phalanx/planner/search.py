@@ -282,7 +282,8 @@ def _fastest(model: ModelConfig, cluster: Cluster, workload: Workload, layouts: 
     bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO level: one per rest
     bounded = []
     for i, lay in enumerate(layouts):
-        key = (lay.tp, lay.cp, lay.cp_ring, lay.pp, lay.ep, lay.ep_over_tp, lay.mbs, lay.microbatches, lay.sp, lay.schedule, lay.virtual,
+        key = (lay.tp, lay.cp, lay.cp_ring, lay.pp, lay.ep, lay.ep_over_tp, lay.mbs, lay.microbatches, lay.sp, lay.schedule,
+               lay.virtual,
                lay.recompute, lay.recompute_layers)
         if key not in bounds:
             bounds[key] = step_time_lower_bound(model, cluster, workload, lay, options)
