@@ -23,6 +23,12 @@ sizes leave, not what a GPU would show. Before and after a change of the cp impl
 added): run this at both commits on the same quiet machine; the gather and ring rows of one
 run compare the two schedules on the same machine state (`--no-ring`: the gather only).
 
+Attention alone (`--attention-rounds`): one layer's attention forward and backward on cp = 2
+and 4 gloo ranks, one thread each, the explicit mask of before issue 38 (rebuilt here as that
+implementation ran it: gathered keys, a (queries x keys) causal mask, one
+scaled_dot_product_attention) against the trainer's key blocks with the gather and with the
+ring, alternated call by call, wall and process CPU seconds, ratios from the same run.
+
 Each row prints its ratio against cp=1 measured in the same run, and beside it the planner's
 prediction for the same layout (`phalanx plan --fix cp=N,... --json`, the `activations` of its
 memory breakdown and its `step_time_s`, cluster `local`), or "planner: no cp yet" where the
@@ -90,6 +96,56 @@ def step_times(plan: str, steps: int, out: str) -> list[float]:
     return [row["step_time_s"] for row in rows if "step_time_s" in row]
 
 
+def attention_seconds(rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """On every rank of a cp group (the whole world): one attention layer of `small`'s shape
+    (batch 2 x 1024 tokens, 6 query heads and 2 KV heads of 32 channels), forward and backward,
+    three ways alternated call by call: "mask", the implementation before issue 38 (keys and
+    values gathered by torch's functional all-gather, a (queries x keys) causal mask of this
+    rank's positions, scaled_dot_product_attention over all of them), and the trainer's
+    `ChunkAttention` with the gather and with the ring. -> {way: [(wall s, process CPU s)]}, per
+    call; CPU seconds (every thread of the rank, gloo's included) move less with the machine's
+    load than wall seconds do."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from phalanx.data.batches import chunk_positions
+    from phalanx.parallel.context_parallel_attention import ChunkAttention
+    from phalanx.parallel.context_parallel_layout import rank_chunks
+    from phalanx.parallel.context_parallel_schedule import gather_keys_values
+
+    torch.set_num_threads(1)  # one core per rank, as on the 2-core machine with cp=2
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(cp)))
+    gen = torch.Generator().manual_seed(rank)
+    local = SEQ // cp
+    q = torch.randn(BATCH, 6, local, 32, generator=gen)
+    k, v = (torch.randn(BATCH, 2, local, 32, generator=gen) for _ in range(2))
+    mine = chunk_positions(SEQ, cp, rank)
+    mask = mine[:, None] >= torch.arange(SEQ)[None, :]  # (local, seq): the explicit mask of before
+
+    def masked(qq, kk, vv):
+        k_all, v_all = gather_keys_values(kk, vv, group, cp)
+        return F.scaled_dot_product_attention(qq, k_all, v_all, attn_mask=mask, enable_gqa=True)
+
+    ways = {"mask": masked,
+            "gather": ChunkAttention(rank_chunks(cp, rank), None, cp, group.group_name, False).attend,
+            "ring": ChunkAttention(rank_chunks(cp, rank), None, cp, group.group_name, True).attend}
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}
+    for i in range(rounds + 1):
+        for name, way in ways.items():
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            dist.barrier(group)
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = way(*inputs[:3]) if name == "mask" else way(*inputs, None)
+            result.sum().backward()
+            if i:  # the first round warms up
+                out[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return out
+
+
 def planner_row(cp: int, ring: bool = False) -> dict | None:
     """The planner's row for cp=`cp` (with `ring`: cp_ring=true) on cp devices, or None when
     its rows carry no cp."""
@@ -120,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-cp", default="1,2", help="the cp degrees of the step-time rows, comma-separated, "
                         "1 first (cp=4 runs 4 processes, more than the 2-core machine's cores)")
     parser.add_argument("--no-ring", action="store_true", help="the gather's rows only (no cp_ring=true rows)")
+    parser.add_argument("--attention-rounds", type=int, default=20,
+                        help="calls of each way in the attention rows (one layer, alternated; 0: no attention rows)")
     args = parser.parse_args(argv)
     schedules = (False,) if args.no_ring else (False, True)
 
@@ -146,6 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         base = base or measured
         print(f"  {plan:>16}: {measured:8.2f} MiB  ratio {measured / base:.3f} (1/cp = {1 / cp:.3f})   "
               f"{_predicted(planner[(cp, ring)], planner[(1, False)], activations)}", flush=True)
+
+    if args.attention_rounds:
+        print(f"\none attention layer forward + backward per rank (rank 0), median of {args.attention_rounds} calls "
+              "alternated with the others; ratio against the explicit mask of before issue 38, same run")
+        for cp in (2, 4):
+            calls = run_ranks(cp, attention_seconds, args.attention_rounds, timeout_s=600.0)[0]
+            base = [statistics.median(part) for part in zip(*calls["mask"])]
+            for name, measured in calls.items():
+                wall, cpu = (statistics.median(part) for part in zip(*measured))
+                print(f"  cp={cp} {name:>6}: {wall * 1e3:7.1f} ms wall (ratio {wall / base[0]:.3f})  "
+                      f"{cpu * 1e3:7.1f} ms CPU (ratio {cpu / base[1]:.3f})", flush=True)
 
     print(f"\nstep time, median of steps 2..{args.steps} (phalanx train)")
     with tempfile.TemporaryDirectory() as out:
