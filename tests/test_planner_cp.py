@@ -224,7 +224,7 @@ def test_planner_picks_gather_or_ring_per_layout(capsys):
     latent = search(PRESETS["tiny-dsv3"], H100, Workload(global_batch=2, seq_len=256), world_size=2,
                     fixed={"cp": 2}, space=SearchSpace(min_cp_chunk=1))
     assert latent.ranked and not any(e.layout.cp_ring for e in latent.ranked)
-    # A CPU cluster keeps the gather unless asked: no transfer hides there, and the ring measured slower.
+    # A CPU cluster keeps the gather unless asked: no transfer hides there, and the ring cost more CPU.
     local = CLUSTERS["local"]
     cpu = search(GQA, local, LONG, world_size=2, fixed={"cp": 2}, options=Options(phalanx_trainer=True))
     assert cpu.ranked and not any(e.layout.cp_ring for e in cpu.ranked)

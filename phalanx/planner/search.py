@@ -186,7 +186,8 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
             if cluster.shared_compute and len(rings) > 1 and "cp_ring" not in fixed:
                 # On CPUs gloo's transfers run on the cores that compute, so no ring step hides
                 # behind attention: the two price alike, and the ring's smaller kernel calls and
-                # per-step merges measured slower (benchmarks/context_parallel.py, 5 of 5 runs).
+                # per-step merges took 1-6% more CPU than the gather in 5 of 6 comparisons
+                # (benchmarks/context_parallel.py's attention rows, benchmarks/README.md).
                 rings = (False,)
             rings = tuple(ring for ring in rings if bool(f("cp_ring", ring)) == ring)
             for fold in folds:
