@@ -42,7 +42,8 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 LAYOUTS = {
     4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "docmask pp=2,cp=2,recompute=full", "dp=2,cp=2,zero=3",
-        "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true", "docmask cp=4,cp_ring=true"],
+        "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true", "docmask cp=4,cp_ring=true",
+        "tp=2,cp=2,sp=true,cp_ring=true"],
     2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full", "cp=2,recompute=selective",
         "compile cp=2,cp_ring=true,recompute=selective"],
 }
@@ -59,7 +60,8 @@ and AOT autograd's graphs without inductor's C++), whose blocks then hold the ga
 recompute=selective recomputes the attention core, whose op holds the gather, so it gathers
 again in backward (every rank alike). cp_ring=true passes keys and values around the cp ranks
 instead of gathering them (tests/test_context_parallel_ring.py tests its steps): over 3 hops
-within documents at cp=4, and compiled and recomputed at cp=2.
+within documents at cp=4, beside tp (a cp group of ranks tp apart: the ring's neighbours are
+global ranks 2 apart), and compiled and recomputed at cp=2.
 tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
 MoE with the learned routing bias, experts over dp x cp; tiny-moe with ep_over_tp folds the
 experts over the dp x cp x tp ranks."""
