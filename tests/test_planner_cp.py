@@ -218,7 +218,7 @@ def test_planner_picks_gather_or_ring_per_layout(capsys):
         return json.loads(capsys.readouterr().out)["plans"]
 
     best = plans("dp=8,cp=8,recompute=full")[0]
-    assert "cp_ring=true" in best["plan"]
+    assert "cp_ring=true" in best["plan"] and best["cp_ring"] is True
     assert best["step_time_s"] < plans("dp=8,cp=8,recompute=full,cp_ring=false")[0]["step_time_s"]
     assert all("cp_ring=true" in row["plan"] for row in plans("cp=8,recompute=full", "--cp-overlap"))
     latent = search(PRESETS["tiny-dsv3"], H100, Workload(global_batch=2, seq_len=256), world_size=2,
