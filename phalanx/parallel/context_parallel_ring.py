@@ -22,7 +22,7 @@ rank holds the sum of every rank's gradients of its own keys, as the reduce-scat
 The partial sums travel in the keys' dtype, as a reduce-scatter's ring adds them in it.
 
 Latent attention decompresses its keys after the gather, so only the latents travel: it keeps
-the gather (`plan_model_checks.validate_cp` refuses cp_ring=true for it).
+the gather (`layout_rules.cp_ring_problem` refuses cp_ring=true for it, before launch).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.parallel.context_parallel_blocks import block_backward, block_forward, merge
 from phalanx.layout_rules import cp_chunks
+from phalanx.parallel.context_parallel_blocks import block_backward, block_forward, merge
 from phalanx.parallel.context_parallel_layout import owner_blocks, row_blocks
 from phalanx.parallel.context_parallel_schedule import PendingPass
 
