@@ -39,6 +39,11 @@ class Plan:
     over the whole sequence by gathering keys and values over the cp ranks
     (`phalanx.parallel.context_parallel`). Weights are replicated over cp, so gradients reduce
     and zero levels shard over dp x cp."""
+    cp_ring: bool = False
+    """With cp > 1: keys and values passed around a ring of the cp ranks, each step's transfer
+    overlapped with attention on the keys at hand, and their gradients passed back the same way
+    (`phalanx.parallel.context_parallel_ring`). False: one all-gather per layer (Llama 3's
+    choice), overlapped with the chunks' diagonal blocks only. The planner picks per layout."""
     ep: int = 1
     """Expert-parallel degree, carved out of the dp x cp ranks (must divide dp x cp), or with ep_over_tp out
     of the dp x cp x tp ranks (must divide dp x cp x tp)."""
@@ -159,6 +164,8 @@ class Plan:
             problems.append(f"replicate={self.replicate} (HSDP) needs zero=2 or 3 (fsdp=true), got zero={self.zero}")
         if self.dp % self.replicate:
             problems.append(f"replicate={self.replicate} must divide dp={self.dp}")
+        if self.cp_ring and self.cp == 1:
+            problems.append("cp_ring=true needs cp > 1 (it passes keys and values around the cp ranks)")
         if self.sp and self.tp == 1:
             problems.append("sp=true needs tp > 1 (sequence parallelism splits along the tp group)")
         if self.schedule not in SCHEDULES:
