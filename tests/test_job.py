@@ -81,3 +81,18 @@ def test_rank_0_works_the_job_out_and_every_rank_gets_it(tiny_config):
     assert jobs[0] == jobs[1] and jobs[0].world_size == 2 and jobs[0].settings.plan not in ("", "auto")
     errors = run_ranks(2, _agreed, tiny_config.replace(plan="dp=3"))
     assert errors[0] == errors[1] and errors[0].startswith("UserError: invalid plan: dp=3 x tp=1 x pp=1 = 3"), errors
+
+
+def test_which_jobs_re_split_their_pipeline(tiny_config):
+    """A pipeline of one stage per rank adapts its split (`Job.adapt_split`); --no-adapt, pp=1
+    and an interleaved schedule (a line says why) keep it."""
+    lines: list[str] = []
+    job = resolve_job(tiny_config.replace(plan="pp=2"), 2, None, run_dir="r", log=lines.append)
+    assert job.adapt_split is not None and job.adapt is None and not lines
+    assert resolve_job(tiny_config.replace(plan="pp=2", adapt=False), 2, None, run_dir="r").adapt_split is None
+    assert resolve_job(tiny_config.replace(plan="dp=2"), 2, None, run_dir="r").adapt_split is None
+    job = resolve_job(tiny_config.replace(plan="pp=2,schedule=interleaved,virtual=2"), 2, None, run_dir="r",
+                      log=lines.append)
+    assert job.adapt_split is None
+    assert lines[-1] == ("phalanx: the pipeline's split stays as planned (not adapted to the stages' speeds): "
+                         "schedule=interleaved: a rank holds several stages, whose times are not measured apart yet")

@@ -13,7 +13,9 @@ process computes, and where it starts. Torch-free at import; below both the laun
      `--dtype` (`plan_model_checks.validate_for_model`, torch-free: parallel/ is not imported);
   4. the settings a resume may not change (`resume_settings.py`), and a line for each that did;
   5. the data-parallel shares the run starts with (equal) and whether they adapt to the ranks'
-     measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not).
+     measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not);
+     whether a pipeline's layers re-split between its stages from their measured times
+     (`adapt_policy.split_adaptation_refusal`; the split itself is the plan's `split`).
 
 Deterministic in its inputs, so a launcher, rank 0 of a user's torchrun, or every rank alike
 gets the same job. The checkpoint is found by the caller (`resume_point.saved_checkpoint`):
@@ -26,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.adapt_policy import AdaptRules, adaptation_refusal, equal_shares
+from phalanx.adapt_policy import AdaptRules, adaptation_refusal, equal_shares, split_adaptation_refusal
 from phalanx.checkpoint.reader import no_checkpoint_reason
 from phalanx.errors import UserError
 from phalanx.model.by_name import model_config
@@ -76,6 +78,10 @@ class Job:
     adapt: AdaptRules | None = None
     """How the shares follow the ranks' speeds; None: they stay as they are (`--no-adapt`, or a
     layout that does not adapt yet)."""
+    adapt_split: AdaptRules | None = None
+    """How a pipeline's layers per stage (the plan's `split`, or the cost-balanced one when it
+    has none) follow the stages' measured times; None: the split stays (`--no-adapt`, pp=1, or a
+    layout that does not adapt it yet). The loop re-splits as `adapt` decides, into a new plan."""
     @property
     def microbatches(self) -> int:
         """Micro-batches per optimizer step per data-parallel rank (gradient accumulation)."""
@@ -128,5 +134,14 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
         elif plan.dp > 1 and log:
             log(f"phalanx: equal data-parallel shares (not adapted to the ranks' speeds): {why_not}")
     shares = equal_shares(cfg.global_batch // cfg.replica_groups, plan.dp) if adapt else ()
-    return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=planned_expert_slots(cfg, model_cfg),
-               resume_from=checkpoint, shares=shares, adapt=adapt)
+    slots = planned_expert_slots(cfg, model_cfg)
+    adapt_split = None
+    if cfg.adapt:
+        why_not = split_adaptation_refusal(pp=plan.pp, schedule=plan.schedule, replica_groups=cfg.replica_groups,
+                                           compile=cfg.compile, expert_slots=slots)
+        if not why_not:
+            adapt_split = AdaptRules()
+        elif plan.pp > 1 and log:
+            log(f"phalanx: the pipeline's split stays as planned (not adapted to the stages' speeds): {why_not}")
+    return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=slots,
+               resume_from=checkpoint, shares=shares, adapt=adapt, adapt_split=adapt_split)

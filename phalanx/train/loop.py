@@ -23,7 +23,8 @@ __all__ = ["TrainResult", "batch_loss", "make_optimizer", "train"]
 
 
 def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None, *,
-          faults: InjectedFaults = InjectedFaults(), speeds: Callable[[int], Sequence[float]] | None = None) -> TrainResult:
+          faults: InjectedFaults = InjectedFaults(), speeds: Callable[[int], Sequence[float]] | None = None,
+          stage_times: Callable[[int], Sequence[float]] | None = None) -> TrainResult:
     """Train on this rank. With a process group, every rank of the group must call this.
     `job`: the run worked out by the launcher (`phalanx.train.job`); given settings instead (a
     user's torchrun, an elastic launch, tests and benchmarks), rank 0 works the job out here
@@ -32,8 +33,9 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
     checkpoint. `faults`: what a test injects (a killed or stalled rank, NaN steps), the same on
     every rank. `speeds`: a test hook, step -> the per-rank speeds (sequences per second) the
     data-parallel shares adapt to after that step, in place of the measured ones (the same on
-    every rank)."""
-    run = set_up(job, run_dir, stop, faults=faults, speeds=speeds)
+    every rank); `stage_times`: the same for a pipeline's split, step -> every rank's compute
+    seconds."""
+    run = set_up(job, run_dir, stop, faults=faults, speeds=speeds, stage_times=stage_times)
     try:
         while run.step < run.cfg.steps and run_step(run):
             pass

@@ -1,5 +1,5 @@
 """A training run's setup: everything the steps share, built once per rank before the first
-step (`set_up`; the model, its schedule and optimizer in `build_model`).
+step (`set_up`), and the parts a pipeline re-split builds again (`build_model`).
 
 `Run` holds it: the job (plain data: the plan, the shares), the mesh, the data, the model and
 its optimizer, the checkpoint writer, the step's bookkeeping, and the adaptation policy's
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import resource
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.adapt_policy import (
-    AdaptRules, ShareGovernor, StragglerWatch, data_parallel_peers, equal_shares,
+    AdaptRules, ShareGovernor, SplitGovernor, StragglerWatch, data_parallel_peers, equal_shares,
 )
 from phalanx.checkpoint.store import load_checkpoint
 from phalanx.checkpoint.writer import CheckpointWriter
@@ -34,6 +35,7 @@ from phalanx.parallel.fault_tolerance import replica_group
 from phalanx.parallel.float8 import note_float8_device
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.mixed_precision import autocast_for, release_before_step
+from phalanx.parallel.stage_split import stage_layer_counts, unit_costs
 from phalanx.train import moe_aux_loss
 from phalanx.train.bad_steps import BadStepCounter
 from phalanx.train.collective_watch import StuckRankWatch, bound_every_group
@@ -102,6 +104,9 @@ class Run:
     faults: InjectedFaults
     speeds: Callable[[int], Sequence[float]] | None
     """Test hook: step -> per-rank speeds in place of the measured ones (`train`'s docstring)."""
+    stage_times: Callable[[int], Sequence[float]] | None
+    """Test hook: step -> every rank's compute seconds, what the pipeline's split adapts to in
+    place of the measured ones."""
     model: torch.nn.Module = None
     pipeline: object = None
     optimizer: torch.optim.Optimizer = None
@@ -122,6 +127,8 @@ class Run:
     hook_rank: int = 0
     """This rank's number for the injected faults: across replica groups, groups count on."""
     governor: ShareGovernor | None = None
+    splitter: SplitGovernor | None = None
+    """The pipeline's layers per stage, when they adapt (`Job.adapt_split`)."""
     stragglers: StragglerWatch = None
     writes: bool = True
     """Replica groups: whether this group writes the step's rows and checkpoints."""
@@ -146,7 +153,8 @@ class Run:
 
 def build_model(run: Run) -> None:
     """The model of `run.job.plan` (parallelized), its pipeline schedule when pp > 1, its
-    optimizer and its rank clock. Weights are the run's initial ones; a checkpoint load follows."""
+    optimizer and its rank clock: at setup, and again after a pipeline re-split (whose new
+    split is in the plan). Weights are the run's initial ones; a checkpoint load follows."""
     cfg, plan = run.cfg, run.plan
     micro = run.job.microbatch_size
     run.model = parallelize(run.model_cfg, run.mesh, seed=cfg.seed, seq_len=cfg.seq_len,
@@ -163,8 +171,31 @@ def build_model(run: Run) -> None:
         run.result.model = run.model
 
 
+def split_governor(job: Job, model_cfg) -> SplitGovernor | None:
+    """The pipeline split's governor when the job adapts it (`Job.adapt_split`), else None:
+    the stages' costs and layer counts as `parallelize` splits them (`stage_split.py`)."""
+    if job.adapt_split is None:
+        return None
+    plan, cfg = job.plan, job.settings
+    tokens = job.microbatch_size * cfg.seq_len
+    counts = stage_layer_counts(model_cfg, plan.pp, split=plan.split, seq_len=cfg.seq_len, tokens_per_microbatch=tokens)
+    per_stage = job.world_size // plan.pp  # rank = (pp_rank x dp + dp_rank) x cp x tp + ...: docs/layout.md
+    return SplitGovernor(tuple(counts), tuple(unit_costs(model_cfg, cfg.seq_len, tokens)),
+                         ranks=[list(range(p * per_stage, (p + 1) * per_stage)) for p in range(plan.pp)],
+                         rules=job.adapt_split)
+
+
+def slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's `seconds` (collective), so that every rank decides alike."""
+    if not dist.is_initialized():
+        return seconds
+    value = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
 def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, faults: InjectedFaults,
-           speeds=None) -> Run:
+           speeds=None, stage_times=None) -> Run:
     """Everything before the first step, on every rank (collective)."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -172,6 +203,7 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
         job = agreed_job(job, run_dir)
     if job.world_size != world_size:
         raise UserError(f"the run was planned for {job.world_size} processes, but {world_size} were started")
+    began = time.perf_counter()
     cfg, plan, found = job.settings, job.plan, job.resume_from
     model_cfg = model_config(cfg.model)
     device = pick_device(cfg.device)
@@ -186,7 +218,7 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
         raise UserError(f"--out {run_dir}: cannot create the run directory ({error.strerror})") from None
     run = Run(job=job, run_dir=run_dir, rank=rank, world_size=world_size, device=device, mesh=mesh, model_cfg=model_cfg,
               corpus=corpus, autocast=autocast_for(plan, cfg.dtype, device),  # only for param_dtype=fp32 under --dtype bf16
-              placements=slot_placements(cfg, model_cfg, plan), faults=faults, speeds=speeds)
+              placements=slot_placements(cfg, model_cfg, plan), faults=faults, speeds=speeds, stage_times=stage_times)
     build_model(run)
     run.slots = SlotTraining(run.model, run.placements, cfg.rebalance_every) if run.placements else None
 
@@ -220,6 +252,10 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
     run.governor = ShareGovernor(shares, job.adapt, minimum=run.accum) if job.adapt else None
     run.stragglers = StragglerWatch(job.adapt or AdaptRules(),  # each rank against the ranks doing its work
                                     peers=data_parallel_peers(world_size, dp=plan.dp, cp=plan.cp, tp=plan.tp))
+
+    run.splitter = split_governor(job, model_cfg)
+    if run.splitter is not None:  # a re-split repeats this setup's work; until one is measured, its cost
+        run.splitter.cost_s = slowest(time.perf_counter() - began, device)
 
     # Last: from here this group's torchft manager heartbeats, and the other groups' quorums
     # wait for it to ask (a second of TensorBoard's import in between stalled them all).

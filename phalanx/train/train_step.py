@@ -1,7 +1,8 @@
 """One optimizer step of a training run (`run_step`), on every rank, over the global batch.
 
 The step reads the plan data it runs with from the `Run` (run_setup.py): the data-parallel
-shares (`run.governor.shares`), the pipeline's split (the job's plan). What it measures (each
+shares (`run.governor.shares`), the pipeline's split (the job's plan, which a re-split
+replaces: stage_resplit.py). What it measures (each
 rank's compute and wait seconds) reaches every rank in the step's one bookkeeping all-reduce,
 and the adaptation policy (phalanx/adapt_policy.py) decides from it, alike on every rank.
 """
@@ -14,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from phalanx.adapt_policy import ShareGovernor, StragglerWatch, equal_shares, share_rows
+from phalanx.adapt_policy import ShareGovernor, SplitGovernor, StragglerWatch, equal_shares, share_rows
 from phalanx.checkpoint.store import latest_checkpoint, load_checkpoint
 from phalanx.data.batches import rank_batch, rank_documents
 from phalanx.errors import UserError
@@ -34,6 +35,7 @@ from phalanx.train.metrics import prepare_metrics
 from phalanx.train.pipeline_step import WaitClock, bubble_record, pipeline_forward_loss, pipeline_step
 from phalanx.train.restarts import restart_count
 from phalanx.train.run_setup import Run, peak_memory_mb
+from phalanx.train.stage_resplit import resplit
 from phalanx.train.step_sync import StepAgreement
 
 EVAL_SEED = 7919
@@ -118,9 +120,11 @@ def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, s
 
 
 def adapt_events(step: int, agreed: StepAgreement, governor: ShareGovernor | None, stragglers: StragglerWatch,
-                 speeds: Callable[[int], Sequence[float]] | None) -> list[dict]:
+                 speeds: Callable[[int], Sequence[float]] | None, splitter: SplitGovernor | None = None,
+                 stage_times: Callable[[int], Sequence[float]] | None = None, steps_left: int = 0) -> list[dict]:
     """The step's `straggler` and `adapt` event rows; the governor's new shares apply from the
-    next step. Every rank runs this on the same agreed figures, so all decide alike."""
+    next step, the splitter's new split after this step's update (`stage_resplit.py`). Every
+    rank runs this on the same agreed figures, so all decide alike."""
     computes = agreed.compute_s_by_rank
     if computes is None:
         return []
@@ -128,6 +132,9 @@ def adapt_events(step: int, agreed: StepAgreement, governor: ShareGovernor | Non
     if governor is not None:  # plain dp only: global rank = dp rank
         measured = [n / c if c > 0 else 0.0 for n, c in zip(governor.shares, computes)]
         if event := governor.observe(step, list(speeds(step)) if speeds else measured):
+            events.append(event)
+    if splitter is not None and splitter.pending is None:
+        if event := splitter.observe(step, list(stage_times(step)) if stage_times else computes, steps_left):
             events.append(event)
     return events
 
@@ -238,7 +245,8 @@ def run_step(run: Run) -> bool:
             for row in membership_events(done, run.members, reduction.groups):
                 run.metrics.write(row)
         run.members = reduction.groups
-    for row in adapt_events(done, agreed, run.governor, run.stragglers, run.speeds):
+    for row in adapt_events(done, agreed, run.governor, run.stragglers, run.speeds, run.splitter, run.stage_times,
+                            steps_left=cfg.steps - done):
         if run.metrics and run.writes:
             run.metrics.write(row)
     run.result.losses.append(agreed.loss)
@@ -259,6 +267,10 @@ def run_step(run: Run) -> bool:
         record["groups"] = reduction.groups
         state_digest(run.run_dir, run.groups.group, run.rank, done, run.model, run.optimizer)  # test hook: fault_tolerance.DIGEST_ENV
     finish_step(run, done, record)
+    if run.splitter is not None and run.splitter.pending is not None:
+        seconds = resplit(run, done)  # layers move between the stages; the next step runs the new split
+        if run.metrics:
+            run.metrics.write({"event": "resplit", "step": done, "split": run.plan.split, "seconds": round(seconds, 3)})
     return True
 
 
