@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from phalanx.adapt_policy import AdaptRules
 from phalanx.balance.rebalancer import ExpertRebalancer
 from phalanx.balance.solve import rebalance
 from phalanx.balance.speed_weighted import place, times
@@ -71,17 +72,27 @@ def test_speeds_are_checked():
 
 
 def test_the_rebalancer_weights_by_speeds_beyond_the_band():
-    """Loads [8, 4, 2, 2] over 4 ep ranks, one slot each, re-planned every step. Speeds within
-    10% of each other count as equal (the balancer's usual placement, no `speeds` in the row);
-    rank 3 at twice the others' speed takes expert 0 (the others move one rank down)."""
-    equal = ExpertRebalancer([[0, 1, 2, 3]], 4, 4, every=1, slot_bytes=1, decay=0.0)
-    event = equal.observe(1, [[8, 4, 2, 2]], speeds=[1.0, 1.0, 1.05, 1.0])
-    assert "speeds" not in event.row() and event.moved_slots == 0 and equal.phy2log.tolist() == [[0, 1, 2, 3]]
-    fast = ExpertRebalancer([[0, 1, 2, 3]], 4, 4, every=1, slot_bytes=1, decay=0.0)
-    event = fast.observe(1, [[8, 4, 2, 2]], speeds=[10.0, 10.0, 10.0, 20.0])
+    """Loads [8, 4, 2, 2] over 4 ep ranks, one slot each, re-planned every step, a window of 2
+    steps. Speeds within 10% of each other count as equal (the balancer's usual placement, no
+    `speeds` in the row); rank 3 at twice the others' speed takes expert 0 (the others move one
+    rank down) once the window is full; one fast step in the window's median moves nothing."""
+    rules = AdaptRules(window=2)
+    equal = ExpertRebalancer([[0, 1, 2, 3]], 4, 4, every=1, slot_bytes=1, decay=0.0, speed_rules=rules)
+    for step in (1, 2):
+        event = equal.observe(step, [[8, 4, 2, 2]], speeds=[1.0, 1.0, 1.05, 1.0])
+        assert "speeds" not in event.row() and event.moved_slots == 0 and equal.phy2log.tolist() == [[0, 1, 2, 3]]
+    fast = ExpertRebalancer([[0, 1, 2, 3]], 4, 4, every=1, slot_bytes=1, decay=0.0, speed_rules=rules)
+    assert "speeds" not in fast.observe(1, [[8, 4, 2, 2]], speeds=[10.0, 10.0, 10.0, 20.0]).row()  # window not full
+    spike = ExpertRebalancer([[0, 1, 2, 3]], 4, 4, every=1, slot_bytes=1, decay=0.0, speed_rules=AdaptRules(window=3))
+    for step, speeds in enumerate(([1, 1, 1, 1], [1, 1, 1, 2], [1, 1, 1, 1]), start=1):
+        assert "speeds" not in spike.observe(step, [[8, 4, 2, 2]], speeds=speeds).row()
+    event = fast.observe(2, [[8, 4, 2, 2]], speeds=[10.0, 10.0, 10.0, 20.0])
     assert fast.phy2log.tolist() == [[1, 2, 3, 0]] and event.moved_slots == 4
     row = event.row()
     assert row["speeds"] == [0.5, 0.5, 0.5, 1.0]
     # Before: times [16, 8, 4, 2], mean 7.5: (16 - 7.5) / 7.5. After: [8, 4, 4, 8], mean 6: 1/3.
     assert row["imbalance_before"] == pytest.approx(8.5 / 7.5) and row["imbalance_after"] == pytest.approx(1 / 3)
-    assert fast.state_dict()["speeds"] == [0.5, 0.5, 0.5, 1.0]
+    assert fast.state_dict()["speeds"] == [[0.5, 0.5, 0.5, 1.0]] * 2
+    unweighted = ExpertRebalancer([[0, 1, 2, 3]], 4, 4, every=1, slot_bytes=1, decay=0.0)  # no speed_rules: loads alone
+    unweighted.observe(1, [[8, 4, 2, 2]], speeds=[10.0, 10.0, 10.0, 20.0])
+    assert unweighted.phy2log.tolist() == [[0, 1, 2, 3]] and unweighted.speeds == []

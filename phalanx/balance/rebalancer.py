@@ -19,17 +19,20 @@ imbalance after = before); after a move the measured average starts again, on th
 the weight move (`phalanx.parallel.expert_slot_moves`) and `bytes_moved` both use it, so the
 figure is the bytes that the move really sends between ranks.
 
-Ranks of different speeds (issue 40): `observe` may also take each ep rank's measured speed;
-their moving average weights the placement (`balance/speed_weighted.py`: a rank's time is its
-load over its speed, and the times are evened) once the fastest is more than
-`adapt_policy.AdaptRules.band` (10%) above the slowest; below that they count as equal, the
+Ranks of different speeds (issue 40): given `speed_rules` (`adapt_policy.AdaptRules`),
+`observe` also takes each ep rank's measured speed; each rank's median over the last `window`
+steps (8: one slow step moves nothing) weights the placement (`balance/speed_weighted.py`: a
+rank's time is its load over its speed, and the times are evened) once the window is full and
+the fastest is more than `band` (10%) above the slowest; until then they count as equal, the
 placement is the balancer's usual one and the row has no `speeds`. Imbalance is then of the
-ranks' times (load / relative speed), before and after.
+ranks' times (load / relative speed), before and after, and a move is made when it lowers the
+slowest rank's time (averaged over the layers).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from statistics import median
 
 import numpy as np
 
@@ -94,9 +97,10 @@ class ExpertRebalancer:
     """The load average and the placement of every MoE layer; one per trainer, same on every rank."""
 
     def __init__(self, phy2log, n_experts: int, ep: int, *, every: int, slot_bytes: int,
-                 decay: float = DEFAULT_DECAY):
+                 decay: float = DEFAULT_DECAY, speed_rules: AdaptRules | None = None):
         """phy2log: (MoE layers, S) the current slot -> expert rows (one per layer);
-        slot_bytes: bytes of one slot's weights and optimizer state (what a moved slot sends)."""
+        slot_bytes: bytes of one slot's weights and optimizer state (what a moved slot sends);
+        speed_rules: how the ep ranks' speeds weigh the placement (None: they do not)."""
         if every < 1:
             raise UserError(f"--rebalance-every={every} must be at least 1")
         if not 0 <= decay < 1:
@@ -106,18 +110,24 @@ class ExpertRebalancer:
         self.slot_bytes = slot_bytes
         self.expert_load: np.ndarray | None = None  # (layers, experts) moving average
         self.rank_load: np.ndarray | None = None  # (layers, ep) moving average of measured arrivals
-        self.speeds: np.ndarray | None = None  # (ep,) moving average of the ep ranks' speeds (fastest 1)
+        self.speed_rules = speed_rules
+        self.speeds: list[list[float]] = []  # the last `window` steps' ep rank speeds, each step's fastest 1
 
     def _average(self, current: np.ndarray | None, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=float)
         return tokens.copy() if current is None else self.decay * current + (1 - self.decay) * tokens
 
     def weights(self) -> np.ndarray | None:
-        """The ep ranks' relative speeds to weight the placement by, or None when they are
-        within `AdaptRules.band` of each other (or unknown): equal."""
-        if self.speeds is None or self.speeds.max() <= self.speeds.min() * (1 + AdaptRules().band):
+        """The ep ranks' relative speeds to weight the placement by (each one's median over the
+        window, the fastest 1), or None while the window is not full or they are within the
+        band of each other: equal."""
+        rules = self.speed_rules
+        if rules is None or len(self.speeds) < rules.window:
             return None
-        return self.speeds / self.speeds.max()
+        smooth = np.array([median(step[e] for step in self.speeds) for e in range(self.ep)])
+        if smooth.max() <= smooth.min() * (1 + rules.band):
+            return None
+        return smooth / smooth.max()
 
     def observe(self, step: int, expert_tokens, rank_tokens=None, speeds=None) -> RebalanceEvent | None:
         """Fold in one step's loads; on every K-th step re-plan and return the event (else None).
@@ -137,11 +147,11 @@ class ExpertRebalancer:
             if rank_tokens.shape != (len(self.phy2log), self.ep):
                 raise UserError(f"rank loads of shape {rank_tokens.shape}, expected {(len(self.phy2log), self.ep)} (MoE layers, ep ranks)")
             self.rank_load = self._average(self.rank_load, rank_tokens)
-        if speeds is not None:
+        if speeds is not None and self.speed_rules is not None:
             speeds = np.asarray(speeds, dtype=float)
             if speeds.shape != (self.ep,) or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
                 raise UserError(f"rank speeds {speeds.tolist()}: expected {self.ep} positive numbers (ep ranks)")
-            self.speeds = self._average(self.speeds, speeds / speeds.max())
+            self.speeds = [*self.speeds, (speeds / speeds.max()).tolist()][-self.speed_rules.window:]
         if step < 1 or step % self.every:
             return None
         old = self.phy2log
@@ -155,7 +165,12 @@ class ExpertRebalancer:
         after = measure.gpu_loads(self.expert_load, result.phy2log, self.ep) / scale
         imbalance_after = float(measure.imbalance(after).mean())
         shown = None if weights is None else [round(float(w), 4) for w in weights]
-        if imbalance_after >= imbalance_before:
+        # With equal speeds every layout of a layer's load has the same mean, so the imbalance
+        # orders them as the top rank's load does; with speeds the mean time changes too, and the
+        # step waits on the slowest rank: compare its time.
+        no_gain = (imbalance_after >= imbalance_before if weights is None
+                   else after.max(axis=1).mean() >= (before / scale).max(axis=1).mean() * (1 - 1e-12))
+        if no_gain:
             # A move sends weights and stalls a step; one that promises no less imbalance than
             # what is measured now (an even load, or the balancer's best is already in place)
             # is not made: the placement, and so the imbalance, stay as they are.
@@ -178,7 +193,7 @@ class ExpertRebalancer:
         """What a checkpoint keeps so a resumed run routes and re-plans as the saved one would."""
         as_list = lambda a: None if a is None else a.tolist()  # noqa: E731
         return {"phy2log": self.phy2log.tolist(), "expert_load": as_list(self.expert_load), "rank_load": as_list(self.rank_load),
-                "speeds": as_list(self.speeds)}
+                "speeds": self.speeds}
 
     def load_state_dict(self, state: dict) -> None:
         phy2log = np.array(state["phy2log"], dtype=np.int64, ndmin=2)
@@ -187,4 +202,4 @@ class ExpertRebalancer:
         self.phy2log = phy2log
         as_array = lambda a: None if a is None else np.array(a, dtype=float)  # noqa: E731
         self.expert_load, self.rank_load = as_array(state["expert_load"]), as_array(state["rank_load"])
-        self.speeds = as_array(state.get("speeds"))  # absent in checkpoints from before issue 40
+        self.speeds = list(state.get("speeds") or [])  # absent in checkpoints from before issue 40

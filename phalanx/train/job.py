@@ -15,7 +15,8 @@ process computes, and where it starts. Torch-free at import; below both the laun
   5. the data-parallel shares the run starts with (equal) and whether they adapt to the ranks'
      measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not);
      whether a pipeline's layers re-split between its stages from their measured times
-     (`adapt_policy.split_adaptation_refusal`; the split itself is the plan's `split`).
+     (`adapt_policy.split_adaptation_refusal`; the split itself is the plan's `split`); whether
+     the expert slots' placement weighs the ep ranks' measured speeds (with `--rebalance-every`).
 
 Deterministic in its inputs, so a launcher, rank 0 of a user's torchrun, or every rank alike
 gets the same job. The checkpoint is found by the caller (`resume_point.saved_checkpoint`):
@@ -82,6 +83,11 @@ class Job:
     """How a pipeline's layers per stage (the plan's `split`, or the cost-balanced one when it
     has none) follow the stages' measured times; None: the split stays (`--no-adapt`, pp=1, or a
     layout that does not adapt it yet). The loop re-splits as `adapt` decides, into a new plan."""
+    adapt_experts: AdaptRules | None = None
+    """How the expert slots' re-placements (`--rebalance-every`) weigh each ep rank's measured
+    speed as well as the experts' loads (`balance/rebalancer.py`, `speed_weighted.py`); None:
+    loads alone (`--no-adapt`, or no rebalancing)."""
+
     @property
     def microbatches(self) -> int:
         """Micro-batches per optimizer step per data-parallel rank (gradient accumulation)."""
@@ -144,4 +150,5 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
         elif plan.pp > 1 and log:
             log(f"phalanx: the pipeline's split stays as planned (not adapted to the stages' speeds): {why_not}")
     return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=slots,
-               resume_from=checkpoint, shares=shares, adapt=adapt, adapt_split=adapt_split)
+               resume_from=checkpoint, shares=shares, adapt=adapt, adapt_split=adapt_split,
+               adapt_experts=AdaptRules() if cfg.adapt and cfg.rebalance_every and model_cfg.n_experts else None)

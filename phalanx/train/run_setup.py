@@ -220,7 +220,8 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
               corpus=corpus, autocast=autocast_for(plan, cfg.dtype, device),  # only for param_dtype=fp32 under --dtype bf16
               placements=slot_placements(cfg, model_cfg, plan), faults=faults, speeds=speeds, stage_times=stage_times)
     build_model(run)
-    run.slots = SlotTraining(run.model, run.placements, cfg.rebalance_every) if run.placements else None
+    run.slots = (SlotTraining(run.model, run.placements, cfg.rebalance_every, speed_rules=job.adapt_experts)
+                 if run.placements else None)
 
     run.result = TrainResult(run_dir=run_dir, model=run.model)
     if found:

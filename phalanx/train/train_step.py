@@ -29,6 +29,7 @@ from phalanx.parallel.tensor_parallel import loss_context
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, why_bad
 from phalanx.train.config import TrainConfig
+from phalanx.train.expert_speeds import ep_speeds, measured_rank_speeds
 from phalanx.train.loss import token_loss
 from phalanx.train.lr_schedule import lr_at
 from phalanx.train.metrics import prepare_metrics
@@ -223,7 +224,9 @@ def run_step(run: Run) -> bool:
     clock = WaitClock() if run.pipeline is not None else None
     loss_sum = forward_backward(run, inputs, targets, documents, clock)
     if run.slots is not None:
+        waited = time.perf_counter()
         run.slots.sum_replica_grads()  # replicas of an expert take the same update
+        run.rank_clock.add_wait(time.perf_counter() - waited)  # a collective: the faster ranks wait in it
     if run.groups is not None:  # averaged over the groups present, before clipping, as in one process
         reduction = run.groups.reduce(list(run.model.parameters()), loss_sum)
         loss_sum = reduction.loss_sum
@@ -274,11 +277,27 @@ def run_step(run: Run) -> bool:
     return True
 
 
+def expert_rank_speeds(run: Run, done: int, record: dict) -> list[float] | None:
+    """Each ep rank's speed this step, for the slots' placement when the job adapts it
+    (`expert_speeds.py`); the `speeds` test hook's figures instead when given."""
+    if run.job.adapt_experts is None:
+        return None
+    if run.speeds is not None:
+        per_rank = list(run.speeds(done))
+    else:
+        cfg = run.cfg
+        per_rank = measured_rank_speeds(record.get("moe", {}), record.get("compute_s_by_rank"), model_cfg=run.model_cfg,
+                                        seq_len=cfg.seq_len, tokens=cfg.global_batch * cfg.seq_len / run.world_size,
+                                        cuda=run.device.type == "cuda")
+    return None if per_rank is None else ep_speeds(per_rank, run.slots.ep)
+
+
 def finish_step(run: Run, done: int, record: dict) -> None:
     """After a step's update: its expert loads and slot moves, validation, checkpoint and row."""
     cfg = run.cfg
     record.update(moe_stats.end_step(run.model, run.mesh, run.model_cfg))  # expert loads; loss-free bias update
-    if run.slots is not None and (event := run.slots.after_step(done, record.get("moe", {}), run.optimizer)) and run.metrics:
+    if run.slots is not None and (event := run.slots.after_step(done, record.get("moe", {}), run.optimizer,
+                                                                speeds=expert_rank_speeds(run, done, record))) and run.metrics:
         run.metrics.write(event)  # slots moved to the new placement (weights and optimizer state)
     if run.slots is not None:
         run.meta["expert_slots"] = run.slots.state_dict()
