@@ -24,11 +24,13 @@ from phalanx.train.run_setup import Run, build_model
 
 def resplit(run: Run, done: int) -> float:
     """Re-split `run`'s pipeline into `run.splitter.pending` layers per stage after `done`
-    steps; returns the seconds it took on the slowest rank."""
+    steps; returns the seconds it took on the slowest rank (0.0: not done, the weights are
+    not finite and were not saved)."""
     began = time.perf_counter()
     counts = run.splitter.pending
-    if run.writer.last_saved != done:
-        run.writer.save(done)
+    if run.writer.last_saved != done and not run.writer.save(done)[1]:
+        run.splitter.pending = None  # weights not finite (every rank sees the same): no state to move
+        return 0.0
     run.writer.wait()  # this rank's files written (rank 0: the checkpoint renamed into place too)
     if dist.is_initialized():
         dist.barrier()  # ... on every rank, before any reads it

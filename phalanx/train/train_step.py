@@ -272,7 +272,7 @@ def run_step(run: Run) -> bool:
     finish_step(run, done, record)
     if run.splitter is not None and run.splitter.pending is not None:
         seconds = resplit(run, done)  # layers move between the stages; the next step runs the new split
-        if run.metrics:
+        if run.metrics and seconds:
             run.metrics.write({"event": "resplit", "step": done, "split": run.plan.split, "seconds": round(seconds, 3)})
     return True
 
