@@ -231,6 +231,8 @@ class SplitGovernor:
     returns an `adapt` event row when the layers should move (applied after the step's update:
     `pending`), that is when the step time predicted with the new split is `band` below the
     current one and the time saved over the steps left exceeds `cost_s`, what a re-split costs.
+    A split run within the last `RECENT` windows counts at its measured time where that is
+    worse than predicted.
 
     One stage per pp rank (gpipe, 1f1b: `split_adaptation_refusal`). A pp rank's time is the
     slowest of its ranks (dp, cp, tp): they run the stage in step with each other."""
@@ -249,6 +251,8 @@ class SplitGovernor:
     history: list[tuple[float, ...]] = field(default_factory=list)
     pending: tuple[int, ...] | None = None
     """The split decided, applied after the step's update."""
+    measured: dict[tuple[int, ...], tuple[float, int]] = field(default_factory=dict)
+    """Splits run so far: (their slowest stage's median time, the step it was measured at)."""
 
     def observe(self, step: int, compute_s: Sequence[float], steps_left: int) -> dict | None:
         """`compute_s`: every global rank's compute seconds in `step` (run with the current
@@ -263,7 +267,14 @@ class SplitGovernor:
         scales = [t / c for t, c in zip(smooth, stage_costs(self.costs, self.counts))]  # seconds per unit of cost
         proposed = tuple(weighted_layer_counts(self.costs, scales))
         now = max(smooth)
+        self.measured[self.counts] = (now, step)
         then = max(k * c for k, c in zip(scales, stage_costs(self.costs, proposed)))
+        # A split run recently was measured, which beats predicting it: a stage's time is not
+        # all in proportion to its layers' FLOPs (host work, the output's softmax), and the
+        # prediction alone sent a quiet run back and forth between two splits
+        # (benchmarks/straggler.py --plan pp=2,...). Older than RECENT windows, speeds may have moved.
+        if proposed in self.measured and step - self.measured[proposed][1] <= RECENT * self.rules.window:
+            then = max(then, self.measured[proposed][0])
         # The slowest stage's compute time bounds the step's (the others wait on it); the
         # saving counts that alone, not the bubble it also shortens: an underestimate.
         gain = (now - then) * steps_left
@@ -280,6 +291,12 @@ class SplitGovernor:
     def applied(self, cost_s: float) -> None:
         """The pending split is in place; it took `cost_s` (every rank's slowest)."""
         self.counts, self.pending, self.cost_s = self.pending, None, cost_s
+
+
+RECENT = 4
+"""Windows for which a split's measured time stands in for its prediction (`SplitGovernor`):
+long enough to stop a run returning to a split it just left as slower, short enough that a
+change of speeds since (a competitor starting or stopping) is measured afresh."""
 
 
 def split_adaptation_refusal(*, pp: int, schedule: str, replica_groups: int, compile: bool, expert_slots: int) -> str:

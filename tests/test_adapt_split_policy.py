@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.adapt_policy import (
-    AdaptRules, SplitGovernor, split_adaptation_refusal, stage_costs, weighted_layer_counts,
+    RECENT, AdaptRules, SplitGovernor, split_adaptation_refusal, stage_costs, weighted_layer_counts,
 )
 from phalanx.errors import UserError
 from phalanx.parallel.stage_split import balanced_layer_counts
@@ -79,6 +79,22 @@ def test_hysteresis_keeps_the_split_for_a_small_gain():
         governor = _governor(band=band)
         governor.observe(1, [2.0, 2.0, 6.0, 6.0], steps_left=100)
         assert (governor.observe(2, [2.0, 2.0, 6.0, 6.0], steps_left=100) is not None) == moves, band
+
+
+def test_a_split_measured_slower_is_not_returned_to():
+    """2:2 measured at 6 s (stage 1 at 3 s per layer): to 3:1 (predicted 3 s). Under 3:1 the
+    stages take 6 s and 2 s (2 s and 2 s per layer): the prediction says 2:2 gives 4 s, but 2:2
+    was measured at 6 s two steps ago, so the split stays. Past RECENT windows it is predicted
+    again (speeds may have moved since)."""
+    governor = _governor()
+    governor.observe(1, [2.0, 2.0, 6.0, 6.0], steps_left=100)
+    assert governor.observe(2, [2.0, 2.0, 6.0, 6.0], steps_left=100)["split"] == "3:1"
+    governor.applied(1.0)
+    governor.observe(3, [6.0, 6.0, 2.0, 2.0], steps_left=100)
+    assert governor.observe(4, [6.0, 6.0, 2.0, 2.0], steps_left=100) is None
+    late = 2 + RECENT * 2 + 1  # the window is 2 steps
+    governor.observe(late - 1, [6.0, 6.0, 2.0, 2.0], steps_left=100)
+    assert governor.observe(late, [6.0, 6.0, 2.0, 2.0], steps_left=100)["split"] == "2:2"
 
 
 def test_which_layouts_re_split():
