@@ -48,8 +48,9 @@ def _train(cfg, plan: str):
     if job.adapt_split is not None:
         job = dataclasses.replace(job, adapt_split=AdaptRules(window=2))
     result = train(job, run_dir, stage_times=_stage_times)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] if run_dir.exists() else []
-    return result.losses, gathered_weights(result.model), job.adapt_split is not None, rows
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = json.loads((run_dir / "checkpoints" / f"step_{cfg.steps:06d}" / "phalanx.json").read_text())
+    return result.losses, gathered_weights(result.model), job.adapt_split is not None, rows + [last]
 
 
 def test_pipeline_re_split_mid_run_matches_one_process(tiny_config):
@@ -57,7 +58,9 @@ def test_pipeline_re_split_mid_run_matches_one_process(tiny_config):
     ref_losses, ref_weights, _, ref_rows = run_ranks(1, _train, cfg, "")[0]
     results = run_ranks(2, _train, cfg, PLAN, timeout_s=300)
     assert all(adapts for _, _, adapts, _ in results)  # pp=2, 1f1b: the job adapts the split
-    rows = results[0][3]  # rank 0 writes the rows
+    *rows, last_checkpoint = results[0][3]  # rank 0 writes the rows
+    assert last_checkpoint["stage_split"] == "1:3"  # a resume starts from it (tests/test_job.py)
+    ref_rows = ref_rows[:-1]
     events = [(row["event"], row["step"], row["split"]) for row in rows if row.get("event") in ("adapt", "resplit")]
     assert events == [("adapt", 2, "3:1"), ("resplit", 2, "3:1"), ("adapt", 4, "1:3"), ("resplit", 4, "1:3")], events
     steps, ref_steps = [r for r in rows if "loss" in r], [r for r in ref_rows if "loss" in r]

@@ -96,3 +96,22 @@ def test_which_jobs_re_split_their_pipeline(tiny_config):
     assert job.adapt_split is None
     assert lines[-1] == ("phalanx: the pipeline's split stays as planned (not adapted to the stages' speeds): "
                          "schedule=interleaved: a rank holds several stages, whose times are not measured apart yet")
+
+
+def test_a_resume_starts_from_the_split_the_run_adapted_to(tiny_config):
+    """A checkpoint written after a re-split records `stage_split`; a resume with adaptation
+    starts from it (and says so), one with --no-adapt or another number of stages from the
+    plan's own split."""
+    from dataclasses import asdict
+
+    from phalanx.model.by_name import model_config
+
+    cfg = tiny_config.replace(plan="pp=2", resume="must")
+    meta = {"step": 4, "world_size": 2, "model": model_config("tiny").to_dict(), "train": asdict(cfg), "stage_split": "3:1"}
+    saved = SavedCheckpoint(4, "r/checkpoints/step_000004", meta)
+    said: list[str] = []
+    assert resolve_job(cfg, 2, saved, run_dir="r", log=said.append).plan.split == "3:1"
+    assert said == ["phalanx: resuming with the pipeline split 3:1 the run had adapted to (layers per stage)"]
+    assert resolve_job(cfg.replace(adapt=False), 2, saved, run_dir="r").plan.split == ""
+    four = dict(meta, stage_split="1:1:1:1")
+    assert resolve_job(cfg, 2, SavedCheckpoint(4, "r/checkpoints/step_000004", four), run_dir="r").plan.split == ""

@@ -15,7 +15,8 @@ process computes, and where it starts. Torch-free at import; below both the laun
   5. the data-parallel shares the run starts with (equal) and whether they adapt to the ranks'
      measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not);
      whether a pipeline's layers re-split between its stages from their measured times
-     (`adapt_policy.split_adaptation_refusal`; the split itself is the plan's `split`); whether
+     (`adapt_policy.split_adaptation_refusal`; the split itself is the plan's `split`, on a
+     resume the one the run had adapted to when it fits); whether
      the expert slots' placement weighs the ep ranks' measured speeds (with `--rebalance-every`).
 
 Deterministic in its inputs, so a launcher, rank 0 of a user's torchrun, or every rank alike
@@ -33,7 +34,7 @@ from phalanx.adapt_policy import AdaptRules, adaptation_refusal, equal_shares, s
 from phalanx.checkpoint.reader import no_checkpoint_reason
 from phalanx.errors import UserError
 from phalanx.model.by_name import model_config
-from phalanx.plan import Plan
+from phalanx.plan import Plan, parse_split
 from phalanx.plan_model_checks import validate_for_model
 from phalanx.train.config import TrainConfig
 from phalanx.train.resume_settings import check_resume
@@ -104,6 +105,20 @@ class Job:
         return self.resume_from.step if self.resume_from else 0
 
 
+def _resumed_split(plan: Plan, saved: str | None, n_layers: int, log) -> Plan:
+    """The plan with the split the checkpoint's run had adapted to (`stage_resplit.py` records
+    it as `stage_split`), where it fits this plan's stages; else the plan as it is."""
+    if not saved or saved == plan.split:
+        return plan
+    try:
+        parse_split(saved, plan.pp * plan.virtual, n_layers)
+    except UserError:
+        return plan  # another number of stages: the plan's own split, measured again
+    if log:
+        log(f"phalanx: resuming with the pipeline split {saved} the run had adapted to (layers per stage)")
+    return plan.replace(split=saved)
+
+
 def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
     if cfg.seq_len > model_cfg.max_seq_len:
         raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
@@ -149,6 +164,8 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
             adapt_split = AdaptRules()
         elif plan.pp > 1 and log:
             log(f"phalanx: the pipeline's split stays as planned (not adapted to the stages' speeds): {why_not}")
+    if adapt_split is not None and checkpoint is not None:
+        plan = _resumed_split(plan, checkpoint.meta.get("stage_split"), model_cfg.n_layers, log)
     return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=slots,
                resume_from=checkpoint, shares=shares, adapt=adapt, adapt_split=adapt_split,
                adapt_experts=AdaptRules() if cfg.adapt and cfg.rebalance_every and model_cfg.n_experts else None)

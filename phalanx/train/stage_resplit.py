@@ -3,7 +3,8 @@ the state after the step is checkpointed, the model is built again for the new p
 plan with another `split`), and the checkpoint is loaded into it, resharded by DCP as a resume
 on another layout would be. Nothing is lost: the run goes on with the next step, from the
 weights and optimizer moments of the one it just finished (the checkpoint is an ordinary one,
-kept and pruned like the others).
+kept and pruned like the others). Checkpoints written after it record the split
+(`stage_split` in phalanx.json), and a resume starts from it (`job.resolve_job`).
 
 When: `adapt_policy.SplitGovernor` decides from the stages' measured compute times, on every
 rank alike; the re-split runs after the step's update and checkpoint, on every rank (collective).
@@ -37,6 +38,7 @@ def resplit(run: Run, done: int) -> float:
     split = ":".join(map(str, counts))
     run.job = dataclasses.replace(run.job, plan=run.plan.replace(split=split))
     run.mesh = dataclasses.replace(run.mesh, plan=run.mesh.plan.replace(split=split))  # the same process groups
+    run.meta["stage_split"] = split  # the next checkpoints' phalanx.json: a resume starts from it (job.py)
     run.model = run.pipeline = run.optimizer = None  # the old stages' memory goes before the new ones are built
     build_model(run)
     load_checkpoint(checkpoint_dir(run.run_dir, done), run.model, run.optimizer)
