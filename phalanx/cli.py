@@ -17,8 +17,8 @@ from phalanx.generate.cli import register as register_generate
 from phalanx.hf.export_run import register as register_export
 from phalanx.kernels.cli import register as register_kernels
 from phalanx.planner.cli import register as register_plan
-from phalanx.planner.serve_cli import main as serve_main
-from phalanx.planner.serve_cli import serve_argv
+from phalanx.planner.serve.cli import main as serve_main
+from phalanx.planner.serve.cli import serve_argv
 from phalanx.planner.simulate import register as register_simulate
 from phalanx.serve.cli import register as register_serve
 from phalanx.threads import check_requested, set_wait_policy
@@ -124,12 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse(argv: list[str] | None):
     """The subcommand to run: `plan --serve` / `simulate --serve` take the serving planner's own
-    flags (phalanx/planner/serve_cli.py), everything else the parser above."""
+    flags (phalanx/planner/serve/cli.py), everything else the parser above."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--serve" in argv:
         # Imported when asked for, not at the top: the serving planner's modules, which every
         # other command's start-up need not load.
-        from phalanx.planner.serve_cli import main as serve_main, serve_argv
+        from phalanx.planner.serve.cli import main as serve_main, serve_argv
 
         if serve_argv(argv):
             return lambda: serve_main(argv)

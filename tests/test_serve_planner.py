@@ -13,9 +13,9 @@ import pytest
 
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
-from phalanx.planner.serve_rates import ServeLoad
-from phalanx.planner.serve_search import search_serving
-from phalanx.planner.serve_step import ServeLayout, decode_step_time, step_time
+from phalanx.planner.serve.rates import ServeLoad
+from phalanx.planner.serve.search import search_serving
+from phalanx.planner.serve.step import ServeLayout, decode_step_time, step_time
 
 
 def _best(model, cluster, load, gpus, fixed=None, **kw):

@@ -17,6 +17,7 @@ report.py  the plan table, the JSON records and why the runners-up lose
 simulate.py  per-rank timeline of one step as a Chrome trace and a PNG
 plan_flags.py  the flags `plan` and `simulate` share, and the `Options` they name
 cli.py  the `plan` subcommand (simulate.py and phalanx/calibrate/cli.py register their own)
+serve/  the serving half (plan --serve, simulate --serve): its own package on this shared core
 
 Nothing here needs torch: planning a 400B model runs on a laptop. Measuring a machine is
 `phalanx.calibrate`'s job; the planner only reads the cluster files it writes. The rules of a

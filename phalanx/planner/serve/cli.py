@@ -14,11 +14,11 @@ import sys
 from phalanx.errors import UserError
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.serve_disagg import disaggregated
-from phalanx.planner.serve_flags import add_serve_flags, check_lengths, dtypes_for, load_from
-from phalanx.planner.serve_report import explain, serve_record, table
-from phalanx.planner.serve_search import parse_serve_fix, search_serving
-from phalanx.planner.serve_sim_report import add_simulate_flags, run_serve_simulate
+from phalanx.planner.serve.disagg import disaggregated
+from phalanx.planner.serve.flags import add_serve_flags, check_lengths, dtypes_for, load_from
+from phalanx.planner.serve.report import explain, serve_record, table
+from phalanx.planner.serve.search import parse_serve_fix, search_serving
+from phalanx.planner.serve.sim_report import add_simulate_flags, run_serve_simulate
 
 def serve_argv(argv: list[str]) -> bool:
     """Whether a `phalanx` argv is `plan --serve ...` or `simulate --serve ...`."""

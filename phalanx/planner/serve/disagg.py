@@ -17,9 +17,9 @@ import dataclasses
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_rates import Rates, ServeLoad
-from phalanx.planner.serve_search import ServePlan, phalanx_serve_gaps, search_serving
-from phalanx.planner.serve_step import KV_BYTES
+from phalanx.planner.serve.rates import Rates, ServeLoad
+from phalanx.planner.serve.search import ServePlan, phalanx_serve_gaps, search_serving
+from phalanx.planner.serve.step import KV_BYTES
 
 
 MAX_SPLITS = 4

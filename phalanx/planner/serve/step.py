@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, latent_attention
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_costs import ServeCosts, serve_costs_for
+from phalanx.planner.serve.costs import ServeCosts, serve_costs_for
 from phalanx.planner.stage_time import GEMM_TILE, gemm_time
 
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
@@ -66,7 +66,7 @@ class ServeLayout:
     each ep rank holds slots / ep of them, hot experts replicated; 0: one slot per expert."""
     expert_imbalance: float = 0.0
     """(max - mean) / mean of the routed rows over the ep ranks that the slots' placement leaves
-    for the plan's expert load (serve_expert_load.expected_imbalance): the most loaded rank
+    for the plan's expert load (serve/expert_load.expected_imbalance): the most loaded rank
     computes, receives and returns 1 + this times the mean rows."""
 
     def slot_count(self, n_experts: int) -> int:
@@ -190,7 +190,7 @@ def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, deco
     Under an engine that runs decodes and prompt chunks as separate forwards
     (`costs.split_forwards`, phalanx serve) a step holding both is the two forwards' time, the
     per-step host cost (`step_s`) once. `shares` (decode, prompt): for a mean step of a load
-    (serve_rates), the share of steps that hold each forward, its tokens then coming in that
+    (serve/rates.py), the share of steps that hold each forward, its tokens then coming in that
     share of the steps: every per-forward cost scales with the share, every per-token and
     per-sequence cost stays (a step with a fifth of a prompt's tokens on average is a prompt
     forward one step in five, not a fifth-size forward every step)."""

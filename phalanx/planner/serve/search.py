@@ -1,12 +1,12 @@
 """The serving planner's search: every way to lay out N GPUs as instances of dp x tp x pp
 ranks (ep carved from dp), each with the running batch and prompt budget its KV cache allows,
-rated by serve_rates.py and ranked by goodput under the targets (without targets or a load:
+rated by serve/rates.py and ranked by goodput under the targets (without targets or a load:
 by output tokens/s per GPU at the concurrency the KV cache allows).
 
 The rules (one place): tp divides the attention heads and stays inside a fast domain (its
 all-reduces are on every layer's path); ep divides the dp ranks and the routed-expert slots
 (S per MoE layer, at least the experts: one slot per expert unless redundant experts are
-wanted or ep does not divide the experts, `serve_expert_load.slot_choices`); pp is at most
+wanted or ep does not divide the experts, `serve/expert_load.slot_choices`); pp is at most
 the layer count; world = instances x dp x tp x pp.
 """
 
@@ -19,11 +19,11 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_costs import serve_costs_for
-from phalanx.planner.serve_expert_load import ExpertLoad, expected_imbalance, slot_choices
-from phalanx.planner.serve_memory import VLLM_POOL, PoolRule, RankMemory, max_batch_for, rank_memory
-from phalanx.planner.serve_rates import Rates, ServeLoad, Setting, colocated, phase_only
-from phalanx.planner.serve_step import ServeLayout
+from phalanx.planner.serve.costs import serve_costs_for
+from phalanx.planner.serve.expert_load import ExpertLoad, expected_imbalance, slot_choices
+from phalanx.planner.serve.memory import VLLM_POOL, PoolRule, RankMemory, max_batch_for, rank_memory
+from phalanx.planner.serve.rates import Rates, ServeLoad, Setting, colocated, phase_only
+from phalanx.planner.serve.step import ServeLayout
 
 FIX_KEYS = ("tp", "ep", "dp", "pp", "slots", "max_batch", "max_batch_tokens", "instances")
 TRAINING_ONLY_KEYS = ("zero", "fsdp", "schedule", "virtual", "mbs", "microbatches", "recompute", "sp",
