@@ -187,3 +187,26 @@ def test_an_overloaded_plan_shows_no_ttft(capsys):
             main([*base, "--rate", rate])
         rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit() and "layouts" not in line]
         assert rows and all(("overloaded" in row) == overloaded for row in rows), rows
+
+
+def test_fp4_gemms_run_at_the_published_share_of_fp8_not_the_datasheet_ratio():
+    """An NVFP4 GEMM is priced at NVFP4_OVER_FP8 times the fp8 rate (NVIDIA's published 1.5-2.2x),
+    never above the datasheet's fp4 peak; a cluster with fp4 units and no fp8 figure keeps its
+    datasheet fp4 peak. So a compute-bound fp4 prefill is faster than fp8, but by less than 2x."""
+    from phalanx.planner.serve.step import NVFP4_OVER_FP8, gemm_peak
+
+    b200 = CLUSTERS["dgx-b200"]
+    fp8, fp4 = gemm_peak(b200, "fp8", 8), gemm_peak(b200, "fp4", 8)
+    assert fp4 == pytest.approx(fp8 * NVFP4_OVER_FP8)
+    assert fp8 < fp4 < fp8 * b200.fp4_tflops / b200.fp8_tflops
+    no_fp8 = dataclasses.replace(b200, fp8_tflops=0.0)
+    assert gemm_peak(no_fp8, "fp4", 8) == pytest.approx(gemm_peak(b200, "bf16", 8) * b200.fp4_tflops / b200.peak_tflops)
+    slow_fp4 = dataclasses.replace(b200, fp4_tflops=b200.fp8_tflops * 1.2)
+    assert gemm_peak(slow_fp4, "fp4", 8) == pytest.approx(fp8 * 1.2)
+    model = MODELS["llama3-70b"]
+    layout = dict(tp=1)
+    t8 = step_time(model, b200, ServeLayout(weight_dtype="fp8", kv_dtype="fp8", **layout), decodes=0, context=0,
+                   prefill_tokens=8192).seconds
+    t4 = step_time(model, b200, ServeLayout(weight_dtype="fp4", kv_dtype="fp8", **layout), decodes=0, context=0,
+                   prefill_tokens=8192).seconds
+    assert t8 / 2 < t4 < t8

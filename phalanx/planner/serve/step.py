@@ -98,13 +98,24 @@ def act_bytes(layout: ServeLayout) -> float:
     return 4.0 if layout.weight_dtype == "fp32" else 2.0
 
 
+NVFP4_OVER_FP8 = (1.5 + 2.2) / 2
+"""What an NVFP4 (W4A4) GEMM reaches over an fp8 one on Blackwell: NVIDIA's Nemotron 3 Super
+quantization page (docs.nvidia.com/nemotron/latest/nemotron/super3/quantization.html) gives
+"1.5-2.2x higher GEMM FLOPS than FP8" for its NVFP4 checkpoint on B200; the middle of that
+range. The datasheets' dense fp4 peak is twice the fp8 one, which real W4A4 GEMMs do not reach:
+each quantizes its bf16 activations to fp4 with a scale per 16 values on the way in, and the
+block scales take their own passes through the tensor cores' pipeline."""
+
+
 def gemm_peak(cluster: Cluster, dtype: str, world: int) -> float:
-    """FLOP/s of one rank's GEMMs in the weights' dtype (fp8/fp4 tensor cores where present)."""
+    """FLOP/s of one rank's GEMMs in the weights' dtype (fp8/fp4 tensor cores where present):
+    fp4 at `NVFP4_OVER_FP8` times the fp8 rate, at most the datasheet's fp4 peak."""
     base = cluster.peak_flops_per_rank(world)
     if dtype == "fp8" and cluster.fp8_tflops:
         return base * cluster.fp8_tflops / cluster.peak_tflops
     if dtype == "fp4" and cluster.fp4_tflops:
-        return base * cluster.fp4_tflops / cluster.peak_tflops
+        fp4 = min(cluster.fp4_tflops, NVFP4_OVER_FP8 * cluster.fp8_tflops) if cluster.fp8_tflops else cluster.fp4_tflops
+        return base * fp4 / cluster.peak_tflops
     return base
 
 
