@@ -5,6 +5,7 @@ framework_costs.py  the measured framework overheads a cluster file may carry
 model_spec.py  model description (presets, project JSON, Hugging Face config.json)
 layout.py  a candidate: the trainer's Plan plus the micro-batch size and the planner-only ZeRO-1; the workload
 comm.py  alpha-beta collective times on the two link levels
+kv_cache.py  a model's KV cache per token on one tp rank (phalanx serve's paged cache sizes by it too)
 memory.py  parameter, optimizer-state and activation bytes
 peak_memory.py  a candidate's peak bytes per device by cause (priced before its time)
 pipeline_orders.py  zbv's and dualpipev's order of operations per rank, timed

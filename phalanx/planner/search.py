@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
+from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
 from phalanx.plan import RECOMPUTE, Plan, parse_plan
 from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
@@ -72,10 +73,6 @@ class SearchResult:
     offload_only: bool = False
     """Nothing fitted on the device, so the ranked layouts keep their weights, gradients and
     optimizer state on the host (offload=true, zero 3): slower, picked only then."""
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def parse_fix(text: str) -> dict[str, object]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
+from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.serve.costs import serve_costs_for
@@ -90,10 +91,6 @@ class ServeSearchResult:
     seconds: float = 0.0
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_fixed_slots(model: ModelConfig, fixed: dict[str, int]) -> None:
     """`--fix slots=S` on a model whose experts S cannot hold: one line (phalanx serve's rule)."""
     if "slots" in fixed:
@@ -116,20 +113,20 @@ def layouts(model: ModelConfig, cluster: Cluster, gpus: int, fixed: dict[str, in
             kv_dtype: str, expert_load: ExpertLoad | None = None):
     """(layout, instances) of exactly `gpus` devices that obey the rules and `fixed`, each
     layout with its expert slots and the imbalance the balancer leaves them for `expert_load`."""
-    for instances in _divisors(gpus):
+    for instances in divisors(gpus):
         if fixed.get("instances", instances) != instances:
             continue
         per = gpus // instances
-        for tp in _divisors(per):
+        for tp in divisors(per):
             if fixed.get("tp", tp) != tp or model.n_heads % tp or tp > cluster.fast_domain:
                 continue
-            for pp in _divisors(per // tp):
+            for pp in divisors(per // tp):
                 if fixed.get("pp", pp) != pp or pp > model.n_layers:
                     continue
                 dp = per // (tp * pp)
                 if fixed.get("dp", dp) != dp:
                     continue
-                eps = _divisors(dp) if model.n_experts else [1]
+                eps = divisors(dp) if model.n_experts else [1]
                 for ep in eps:
                     # dp ranks without ep share nothing: they are instances (unless pinned).
                     if fixed.get("ep", ep) != ep or (dp > 1 and ep == 1 and "dp" not in fixed):

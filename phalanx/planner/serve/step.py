@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, latent_attention
 from phalanx.planner.hardware import Cluster
+from phalanx.planner.kv_cache import kv_bytes_per_token
 from phalanx.planner.serve.costs import ServeCosts, serve_costs_for
 from phalanx.planner.stage_time import GEMM_TILE, gemm_time
 
@@ -122,10 +123,7 @@ def gemm_peak(cluster: Cluster, dtype: str, world: int) -> float:
 def kv_bytes_per_token_layer(model: ModelConfig, layout: ServeLayout) -> float:
     """One token's cache in one layer on one tp rank: GQA's KV heads split over tp (replicated
     past n_kv_heads ranks); latent attention's single latent, whole on every tp rank."""
-    values = model.kv_cache_values_per_token
-    if not model.is_latent:
-        values = values / min(layout.tp, model.n_kv_heads)
-    return values * KV_BYTES[layout.kv_dtype]
+    return kv_bytes_per_token(model, bytes_per_value=KV_BYTES[layout.kv_dtype], tp=layout.tp, layers=1)
 
 
 @functools.lru_cache(maxsize=256)
