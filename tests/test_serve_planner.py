@@ -210,3 +210,25 @@ def test_fp4_gemms_run_at_the_published_share_of_fp8_not_the_datasheet_ratio():
     t4 = step_time(model, b200, ServeLayout(weight_dtype="fp4", kv_dtype="fp8", **layout), decodes=0, context=0,
                    prefill_tokens=8192).seconds
     assert t8 / 2 < t4 < t8
+
+
+def test_plan_and_simulate_take_serve_as_their_registered_second_grammar():
+    """`plan --serve` and `simulate --serve` are the `plan` and `simulate` parsers' own second
+    grammar (phalanx/cli.py registers it), not an argv scanned before parsing: the parsed
+    command is `plan`, runs the serving planner, and the training grammar is untouched."""
+    from phalanx.cli import build_parser
+    from phalanx.planner.cli import run_plan
+    from phalanx.planner.serve.cli import run_serve_plan
+    from phalanx.planner.serve.sim_report import run_serve_simulate
+
+    parser = build_parser()
+    base = ["--model", "llama3-8b", "--gpus", "8", "--isl", "100", "--osl", "10"]
+    args = parser.parse_args(["plan", *base, "--serve"])
+    assert (args.command, args.func, args.isl) == ("plan", run_serve_plan, 100)
+    args = parser.parse_args(["simulate", "--serve", *base, "--rate", "2"])
+    assert (args.command, args.func, args.rate) == ("simulate", run_serve_simulate, 2.0)
+    args = parser.parse_args(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq-len", "64"])
+    assert (args.command, args.func, args.serve) == ("plan", run_plan, False)
+    with pytest.raises(SystemExit):  # the serving grammar's own flags belong to it alone
+        parser.parse_args(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq-len", "64",
+                           "--isl", "100"])
