@@ -91,6 +91,8 @@ def test_nvlink_rack_beats_8_gpu_nodes_when_dispatch_dominates():
     (["--fix", "zero=1"], "--fix zero= is a training knob"),
     (["--fix", "schedule=1f1b"], "--fix schedule= is a training knob"),
     (["--fix", "tq=2"], "unknown serving key 'tq'"),
+    (["--fix", "tp=2,tp=4"], "--fix key 'tp' is given twice"),
+    (["--fix", "tp"], "--fix item 'tp' is not of the form key=value"),
     (["--fix", "tp=3"], "no serving layout of 8 GPUs matches --fix tp=3"),
     (["--weight-dtype", "fp4"], "has no fp4 tensor cores"),
     (["--rate", "-1"], "--rate=-1.0 must be a positive number"),

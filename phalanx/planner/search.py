@@ -22,7 +22,7 @@ from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
-from phalanx.plan import RECOMPUTE, Plan, parse_plan
+from phalanx.plan import RECOMPUTE, Plan, key_values, parse_plan
 from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
 from phalanx.planner.energy import Objective
 from phalanx.planner.options import Options, trainer_options
@@ -78,7 +78,7 @@ class SearchResult:
 def parse_fix(text: str) -> dict[str, object]:
     """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
     plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
-    given = {item.partition("=")[0].strip().lower() for item in text.split(",") if item.strip()}
+    given = {key for key, _ in key_values(text)}
     fixed: dict[str, object] = {}
     for key in given - {"mbs", "zero", "fsdp", *extras}:
         fixed[key] = getattr(plan, key)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
 from phalanx.layout_rules import divisors
+from phalanx.plan import key_values
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.serve.costs import serve_costs_for
@@ -37,11 +38,7 @@ prefill and TensorRT-LLM's max_num_tokens default to 8192)."""
 def parse_serve_fix(text: str) -> dict[str, int]:
     """`tp=2,max_batch=64`: serving knobs; training-only keys and unknown ones are errors."""
     fixed: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, eq, raw = part.partition("=")
-        key = key.strip()
-        if not eq:
-            raise UserError(f"--fix {text!r}: {part!r} is not key=value")
+    for key, raw in key_values(text, what="--fix"):  # the training --fix's reader too (phalanx/plan.py)
         if key in TRAINING_ONLY_KEYS:
             raise UserError(f"--fix {key}= is a training knob; a serving --fix takes {', '.join(FIX_KEYS)}")
         if key not in FIX_KEYS:
