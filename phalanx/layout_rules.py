@@ -17,6 +17,12 @@ MULTI_CHUNK_SCHEDULES = ("interleaved", *V_SCHEDULES)
 """Schedules that hold more than one model chunk per rank (`virtual` of them)."""
 
 
+def divisors(n: int) -> list[int]:
+    """Every degree that splits `n` evenly, ascending: the counts a search over `n` devices (or
+    experts, or slots) tries. The one definition the training and serving searches share."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _of(model: str) -> str:
     return f" of model {model!r}" if model else ""
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
+from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
-from phalanx.plan import RECOMPUTE, Plan, parse_plan
+from phalanx.plan import RECOMPUTE, Plan, key_values, parse_plan
 from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
 from phalanx.planner.energy import Objective
 from phalanx.planner.options import Options, trainer_options
@@ -79,14 +80,10 @@ class SearchResult:
     optimizer state on the host (offload=true, zero 3): slower, picked only then."""
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def parse_fix(text: str) -> dict[str, object]:
     """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
     plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
-    given = {item.partition("=")[0].strip().lower() for item in text.split(",") if item.strip()}
+    given = {key for key, _ in key_values(text)}
     fixed: dict[str, object] = {}
     for key in given - {"mbs", "zero", "fsdp", *extras}:
         fixed[key] = getattr(plan, key)
