@@ -11,6 +11,7 @@ clients with the real `openai` client. Prints per concurrency each arm's median 
 over the rounds, the ratio, and the acceptance rate the server's /metrics gave.
 
 Reproduce:  .venv/bin/python benchmarks/serve_speculative.py [--concurrency 1 8] [--rounds 2] [--k 4]
+                [--disable-by-batch-size 4]
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="the config's disable_by_batch_size (default: none, guesses at any batch)")
     parser.add_argument("--isl", type=int, default=128)
     parser.add_argument("--osl", type=int, default=128)
     parser.add_argument("--requests", type=int, default=16, help="requests per concurrency and arm")
     args = parser.parse_args()
     from tests.serve_server import ServeProcess
 
-    config = f'{{"method": "ngram", "num_speculative_tokens": {args.k}}}'
+    config = f'{{"method": "ngram", "num_speculative_tokens": {args.k}'
+    config += "}" if args.disable_by_batch_size is None else f', "disable_by_batch_size": {args.disable_by_batch_size}}}'
     arms = {"plain": (), "guessing": ("--speculative-config", config)}
     speeds: dict[tuple[str, int], list[float]] = {}
     rates: list[float] = []

@@ -65,6 +65,23 @@ def test_scheduler_keeps_only_the_kept_guesses_computed():
     assert (scheduler.guessed_tokens, scheduler.kept_guesses) == (3, 2)
 
 
+def test_no_guesses_beyond_the_batch_size_set():
+    """disable_by_batch_size 1: one sequence guesses, two running do not."""
+    config = SpeculativeConfig.parse('{"num_speculative_tokens": 3, "disable_by_batch_size": 1}')
+    scheduler = Scheduler(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, max_waiting=4,
+                          speculative=config)
+    first = Sequence.of("a", [1, 2, 3, 4, 1], 10, may_speculate=True)
+    scheduler.add(first)
+    scheduler.finish_step(scheduler.schedule(), {id(first): 2})
+    alone = scheduler.schedule()
+    assert alone.chunks[0].guesses == (3, 4, 1)
+    scheduler.finish_step(alone, {id(first): [3]})
+    second = Sequence.of("b", [1, 2, 3, 1, 2], 10, may_speculate=True)
+    scheduler.add(second)
+    scheduler.finish_step(scheduler.schedule(), {id(first): 4, id(second): 3})
+    assert all(chunk.guesses == () for chunk in scheduler.schedule().chunks)
+
+
 def test_an_end_among_the_kept_tokens_ends_the_sequence_there():
     scheduler = Scheduler(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_waiting=4,
                           speculative=LOOKUP)

@@ -241,6 +241,9 @@ class Scheduler:
         (the last token it may have is drawn, never guessed)."""
         if self.speculative is None or not seq.may_speculate:
             return ()
+        if (self.speculative.disable_by_batch_size is not None
+                and len(self.running) + len(self.waiting) > self.speculative.disable_by_batch_size):
+            return ()
         return tuple(self.speculative.propose(seq.tokens, min(room, seq.max_tokens - len(seq.output) - 1)))
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:

@@ -24,6 +24,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
+    """No guesses while more sequences than this run or wait (vLLM's field): a full batch is
+    compute-bound, and guessed positions then cost what they might save."""
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig | None:
@@ -41,7 +44,7 @@ class SpeculativeConfig:
         if method != "ngram":
             raise UserError(f"--speculative-config: method {method!r} is not supported; phalanx serve has \"ngram\" "
                             "(prompt lookup)")
-        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise UserError(f"--speculative-config: unknown field(s) {', '.join(unknown)}; known: method, "
