@@ -259,6 +259,8 @@ def _inverse_draw(probs: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     zero-probability index). The sum is in float64: over 151,936 float32 terms, float32's
     rounding would move the boundaries by more than the smallest probabilities."""
     totals = probs.cumsum(-1, dtype=torch.float64)
+    if not bool((totals[:, -1] > 0).all() and torch.isfinite(totals[:, -1]).all()):  # NaN fails both
+        raise RuntimeError("the probabilities to draw from are not finite and positive (the logits overflowed)")
     uniform = torch.cat([1 - torch.rand(1, dtype=torch.float64, generator=row.generator) for row in rows])
     targets = (uniform.to(totals.device) * totals[:, -1])[:, None]
     return torch.searchsorted(totals, targets).flatten().clamp_(max=probs.shape[-1] - 1)
