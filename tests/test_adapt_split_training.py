@@ -49,7 +49,10 @@ def _train(cfg, plan: str):
         job = dataclasses.replace(job, adapt_split=AdaptRules(window=2))
     result = train(job, run_dir, stage_times=_stage_times)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = json.loads((run_dir / "checkpoints" / f"step_{cfg.steps:06d}" / "phalanx.json").read_text())
+    # Rank 0 writes the checkpoint's manifest once every rank has saved: another rank may return first.
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    manifest = run_dir / "checkpoints" / f"step_{cfg.steps:06d}" / "phalanx.json"
+    last = json.loads(manifest.read_text()) if rank == 0 else None
     return result.losses, gathered_weights(result.model), job.adapt_split is not None, rows + [last]
 
 
