@@ -23,6 +23,7 @@ import pytest
 from phalanx.adapt_policy import stage_costs, weighted_layer_counts
 from phalanx.errors import UserError
 from phalanx.plan import Plan, parse_shares, plan_from_string
+from phalanx.plan_model_checks import validate_for_model
 from phalanx.planner.cost import evaluate
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Layout, Workload
@@ -53,6 +54,7 @@ def test_a_group_twice_as_fast_gets_twice_the_share(tmp_path):
     plans = dp_plans(model, mixed, 128, 48, _options)  # 16 devices, 3 sequences each when equal
     best = min(plans, key=lambda p: p.step_time_s)
     shares = parse_shares(best.plan.shares, 16, 48, best.plan.num_microbatches)
+    validate_for_model(plan_from_string(best.plan.to_string(), 16), model, global_batch=48, seq_len=128)
     assert shares == (4,) * 8 + (2,) * 8, shares
     speeds = best.detail["speeds_seq_per_s"]
     assert speeds[0] == pytest.approx(2 * speeds[1], rel=1e-9)
@@ -94,6 +96,8 @@ def test_a_pipeline_over_groups_gives_the_fast_stage_the_layers(tmp_path):
     plans = pipeline_plans(model, mixed, 256, 64, _options, zero_levels=(0,))
     assert plans
     for p in plans:
+        # What `phalanx train --plan` checks before any worker starts: the printed plan runs.
+        validate_for_model(plan_from_string(p.plan.to_string(), 16), model, global_batch=64, seq_len=256)
         assert p.detail["stage_groups"] == [0, 1] or p.detail["stage_groups"] == [0] * (p.plan.pp // 2) + [1] * (p.plan.pp // 2)
         scales = p.detail["seconds_per_tflop_by_group"]
         split = [int(x) for x in p.plan.split.split(":")]
@@ -124,7 +128,9 @@ for argv in (["plan", "--model", "tiny", "--cluster", {str(path)!r}, "--gpus", "
              ["plan", "--model", "tiny", "--cluster", {str(path)!r}, "--gpus", "16", "--global-batch", "48",
               "--seq-len", "128", "--json"],
              ["simulate", "--model", "tiny", "--cluster", {str(path)!r}, "--global-batch", "48", "--seq-len", "128",
-              "--plan", "dp=16,shares=4:4:4:4:4:4:4:4:2:2:2:2:2:2:2:2"]):
+              "--plan", "dp=16,shares=4:4:4:4:4:4:4:4:2:2:2:2:2:2:2:2"],
+             ["simulate", "--model", "tiny", "--cluster", {str(path)!r}, "--global-batch", "48", "--seq-len", "128",
+              "--plan", "dp=8,pp=2,microbatches=2"]):
     try:
         main(argv)
     except SystemExit as exit:
@@ -139,7 +145,8 @@ assert "torch" not in sys.modules, "torch was imported"
     start = out.index("{")
     record = json.JSONDecoder().raw_decode(out[start:])[0]
     assert record["plans"][0]["kind"] == "dp" and record["groups"][0]["devices"] == 8
-    assert "cost model step" in out
+    assert "cost model step" in out and "slowest rank 8 (group slow)" in out
+    assert "stage 0: fast, stage 1: slow" in out and "with the even split" in out
 
 
 @pytest.mark.parametrize("data, message", [
@@ -156,6 +163,15 @@ assert "torch" not in sys.modules, "torch was imported"
 def test_bad_mixed_cluster_files_say_what_is_wrong(data, message):
     with pytest.raises(UserError, match=message):
         mixed_cluster_from_dict(data, source="bad.toml")
+
+
+def test_simulate_refuses_a_pipeline_that_splits_a_stage_over_groups(tmp_path):
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"groups": [{"preset": "dgx-h100", "nodes": 1}, {"preset": "dgx-a100", "nodes": 2}]}))
+    run = subprocess.run([sys.executable, "-m", "phalanx", "simulate", "--model", "tiny", "--cluster", str(path),
+                          "--global-batch", "48", "--seq-len", "128", "--plan", "dp=12,pp=2"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "holds whole stages" in run.stderr, run.stderr
 
 
 def test_a_mixed_file_on_the_command_line_checks_gpus(tmp_path):

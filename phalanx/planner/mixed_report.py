@@ -37,6 +37,15 @@ def train_command(args, mixed: MixedCluster, p: MixedPlan) -> list[str]:
     return notes
 
 
+def best_line(mixed: MixedCluster, p: MixedPlan) -> str:
+    """A pipeline's stages: where each runs, its layers and time per micro-batch."""
+    d = p.detail
+    groups = ", ".join(f"stage {s}: {mixed.groups[g].name}" for s, g in enumerate(d["stage_groups"]))
+    return (f"{groups}; layers {p.plan.split}, per micro-batch "
+            f"{', '.join(f'{t:.4g}' for t in d['stage_ms_per_microbatch'])} ms by stage, "
+            f"seconds per PFLOP by group {', '.join(f'{k * 1e3:.4g}' for k in d['seconds_per_tflop_by_group'])}")
+
+
 def explain(mixed: MixedCluster, best: MixedPlan) -> list[str]:
     d = best.detail
     lines = [f"why: {best.kind} layout, {best.step_time_s:.4g} s per step against {best.baseline_s:.4g} s "
@@ -49,10 +58,7 @@ def explain(mixed: MixedCluster, best: MixedPlan) -> list[str]:
         lines.append(f"  sequences per device: {shares} ({d['chosen']} shares; priced: {priced}); "
                      f"the gradient all-reduce over every group {d['dp_comm_s']:.3g} s at the slowest link")
     else:
-        groups = ", ".join(f"stage {s}: {mixed.groups[g].name}" for s, g in enumerate(d["stage_groups"]))
-        lines.append(f"  {groups}; layers {best.plan.split} (even split {d['even_split']}), per micro-batch "
-                     f"{', '.join(f'{t:.4g}' for t in d['stage_ms_per_microbatch'])} ms by stage, "
-                     f"seconds per PFLOP by group {', '.join(f'{k * 1e3:.4g}' for k in d['seconds_per_tflop_by_group'])}")
+        lines.append(f"  {best_line(mixed, best)} (even split {d['even_split']})")
     return lines
 
 
@@ -95,8 +101,17 @@ def run_mixed_simulate(args, path: str) -> int:
     p = evaluate_mixed_plan(model, mixed, args.seq_len, args.global_batch, plan.validate(),
                             lambda c: options_for(args, c))
     print(f"layout: {p.plan.to_string()} on {mixed.name}: {mixed.describe()}")
-    print(f"cost model step {p.step_time_s:.4g} s ({args.global_batch * args.seq_len / p.step_time_s:,.0f} tokens/s); "
-          f"slowest rank {p.detail['slowest_rank']}, gradient all-reduce {p.detail['dp_comm_s']:.3g} s; "
+    tokens = args.global_batch * args.seq_len
+    print(f"cost model step {p.step_time_s:.4g} s ({tokens / p.step_time_s:,.0f} tokens/s); "
           f"GiB by group {' / '.join(f'{x:.1f}' for x in p.memory_gib)}")
-    print("no timeline is drawn for a mixed cluster (a dp step has no pipeline to draw)")
+    d = p.detail
+    if p.kind == "dp":
+        print(f"slowest rank {d['slowest_rank']} (group {mixed.groups[d['group_of_slowest']].name}), gradient "
+              f"all-reduce over every group {d['dp_comm_s']:.3g} s at the slowest link")
+    else:
+        print(f"the plan's split {p.plan.split or '(none: the planner cut it)'}: {best_line(mixed, p)}; "
+              f"with the even split {d['even_split']}: {p.baseline_s:.4g} s")
+        if any(x > g.cluster.memory_gib - g.cluster.memory_reserved_gib for x, g in zip(p.memory_gib, mixed.groups)):
+            print("does not fit: a stage needs more memory than its group's devices have")
+    print("no timeline is drawn for a mixed cluster yet (trace.json and timeline.png are the homogeneous simulator's)")
     return 0

@@ -37,7 +37,7 @@ from phalanx.adapt_policy import equal_shares, proportional_shares, stage_costs,
 from phalanx.errors import UserError
 from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
-from phalanx.plan import Plan, parse_shares
+from phalanx.plan import Plan, parse_shares, parse_split
 from phalanx.planner import comm
 from phalanx.planner.cost import Estimate, evaluate, layer_flops, problems
 from phalanx.planner.hardware import Cluster
@@ -218,7 +218,9 @@ def pipeline_plans(model: ModelConfig, mixed: MixedCluster, seq: int, global_bat
 
 
 def _price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, costs, mean_layer,
-                    options_for) -> MixedPlan | None:
+                    options_for, *, given: bool = False) -> MixedPlan | None:
+    """The pipeline `plan` over the groups (`stage_group`: each stage's), with the split the
+    group speeds give, or the plan's own `split=` when `given`; None if it does not run or fit."""
     p, m = plan.pp, plan.microbatches
     layout = Layout(plan, mbs=mbs)
     workload = Workload(global_batch=global_batch, seq_len=seq)
@@ -229,7 +231,7 @@ def _price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cos
     loaded = (n_bal * mean_layer + costs[-1]) * mbs  # the homogeneous model's most loaded stage
     scale = [(e.stage.f + e.stage.b + e.stage.w + e.stage.r) / loaded for e in ests]  # s per FLOP, per group
     stage_scale = [scale[g] for g in stage_group]
-    counts = weighted_layer_counts(costs, stage_scale)
+    counts = [int(x) for x in plan.split.split(":")] if given and plan.split else weighted_layer_counts(costs, stage_scale)
     even = weighted_layer_counts(costs, [1.0] * p)
 
     def step(split: list[int]) -> tuple[float, list[float]]:
@@ -250,7 +252,7 @@ def _price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cos
     for g, est in enumerate(ests):
         most = max(c for c, sg in zip(counts, stage_group) if sg == g)
         memory.append(est.memory_bytes * max(1.0, most / n_bal))
-    if any(mem > g.cluster.usable_bytes for mem, g in zip(memory, mixed.groups)):
+    if any(mem > g.cluster.usable_bytes for mem, g in zip(memory, mixed.groups)) and not given:
         return None
     return MixedPlan(kind="pipeline", plan=plan.replace(split=":".join(map(str, counts))), mbs=mbs,
                      step_time_s=time + cross_s, baseline_s=base + cross_s, memory_gib=tuple(x / 2**30 for x in memory),
@@ -281,8 +283,23 @@ def evaluate_mixed_plan(model: ModelConfig, mixed: MixedCluster, seq: int, globa
         if not plan.shares:  # equal shares, as a homogeneous plan gives them
             plan = plan.replace(shares=":".join(map(str, equal_shares(global_batch, plan.dp))))
         return _dp_given(model, mixed, seq, global_batch, plan, options_for)
-    raise UserError(f"--plan {plan}: on a mixed cluster `phalanx simulate` prices plain data parallelism "
-                    "(dp=N[,microbatches=M][,shares=a:b:...]); pipelines over groups are priced by `phalanx plan`")
+    stage_group = _stage_group(mixed, plan.dp * plan.tp) if plan.pp > 1 and plan.cp == 1 and plan.virtual == 1 else None
+    if stage_group is None or len(stage_group) != plan.pp or plan.shares:
+        raise UserError(f"--plan {plan}: on a mixed cluster `phalanx simulate` prices plain data parallelism "
+                        "(dp=N[,microbatches=M][,shares=a:b:...]) or a pipeline whose every group holds whole "
+                        "stages of dp x tp devices (pp=P,dp=D[,tp=T][,split=...], one stage per pp rank)")
+    if plan.split:
+        parse_split(plan.split, plan.pp, model.n_layers)
+    m = plan.num_microbatches
+    if global_batch % (plan.dp * m):
+        raise UserError(f"--plan {plan}: global batch {global_batch} does not split into dp={plan.dp} x "
+                        f"microbatches={m} micro-batches")
+    costs = unit_costs(model, seq)
+    priced = _price_pipeline(model, mixed, seq, global_batch, plan, global_batch // (plan.dp * m), stage_group, costs,
+                             sum(costs[1:-1]) / model.n_layers, options_for, given=True)
+    if priced is None:
+        raise UserError(f"--plan {plan} is not a layout {model.name} runs at global batch {global_batch}")
+    return priced
 
 
 def _dp_given(model, mixed, seq, global_batch, plan, options_for) -> MixedPlan:
@@ -300,4 +317,4 @@ def _dp_given(model, mixed, seq, global_batch, plan, options_for) -> MixedPlan:
                    for i in range(len(mixed.groups)))
     return MixedPlan(kind="dp", plan=plan, mbs=math.ceil(max(shares) / m), step_time_s=times[slowest] + dp_comm,
                      baseline_s=math.nan, memory_gib=memory,
-                     detail={"chosen": "given", "dp_comm_s": dp_comm, "slowest_rank": slowest})
+                     detail={"chosen": "given", "dp_comm_s": dp_comm, "slowest_rank": slowest, "group_of_slowest": g})
