@@ -142,6 +142,7 @@ assert "torch" not in sys.modules, "torch was imported"
     out = run.stdout
     assert "phalanx train --model tiny --global-batch 48 --seq-len 128 --nnodes 2 --nproc 8" in out
     assert "shares=4:4:4:4:4:4:4:4:2:2:2:2:2:2:2:2" in out and "why: dp layout" in out
+    assert "torchrun --nnodes 2 --nproc-per-node 8 --node-rank r --master-addr HOST --master-port PORT -m phalanx train" in out
     start = out.index("{")
     record = json.JSONDecoder().raw_decode(out[start:])[0]
     assert record["plans"][0]["kind"] == "dp" and record["groups"][0]["devices"] == 8

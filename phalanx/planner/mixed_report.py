@@ -26,11 +26,16 @@ def train_command(args, mixed: MixedCluster, p: MixedPlan) -> list[str]:
     nodes = sum(g.nodes for g in mixed.groups)
     line = (f"phalanx train --model {args.model} --global-batch {args.global_batch} --seq-len {args.seq_len} "
             f"--nnodes {nodes} --nproc {max(per_node)} --rdzv-endpoint HOST:PORT --plan {p.plan.to_string()}")
+    flags = f"--model {args.model} --global-batch {args.global_batch} --seq-len {args.seq_len} --plan {p.plan.to_string()}"
+    first = " + ".join(f"{g.nodes} {g.name}" for g in mixed.groups)
     notes = [f"  {line}",
-             "  ranks are given group by group in the file's order (" + ", then ".join(g.name for g in mixed.groups)
-             + "); phalanx train's rendezvous numbers nodes as they join, so where they join in another order "
-             "the run's adaptation (on unless --no-adapt) moves the "
-             + ("shares to the measured speeds" if p.kind == "dp" else "layers to the stages' measured times")]
+             "  phalanx train's rendezvous numbers nodes as they join; the plan's "
+             + ("shares" if p.kind == "dp" else "stages") + " are given group by group in the file's order, so to "
+             f"pin that order start node r (r = 0 .. {nodes - 1}: {first}) with torchrun's static node rank:",
+             f"  torchrun --nnodes {nodes} --nproc-per-node {max(per_node)} --node-rank r --master-addr HOST "
+             f"--master-port PORT -m phalanx train {flags}",
+             "  (out of order, the run's adaptation, on unless --no-adapt, moves the "
+             + ("shares to the measured speeds)" if p.kind == "dp" else "layers to the stages' measured times)")]
     if len(per_node) > 1:
         notes.append("  not expressible yet: the groups have different devices per node, and --nproc is one "
                      "count for every node")
