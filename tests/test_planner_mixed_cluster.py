@@ -28,7 +28,8 @@ from phalanx.planner.cost import evaluate
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.mixed_cluster import load_mixed_cluster, mixed_cluster_from_dict
-from phalanx.planner.mixed_search import dp_plans, mixed_search, pipeline_plans, unit_costs
+from phalanx.planner.mixed_dp import dp_plans
+from phalanx.planner.mixed_pipeline import pipeline_plans, unit_costs
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.options import trainer_options
 
@@ -193,6 +194,13 @@ def test_shares_in_a_plan_are_checked():
         parse_shares("5:2", 2, 8)
     with pytest.raises(UserError, match="at least microbatches=2"):
         parse_shares("7:1", 2, 8, 2)
+
+
+def test_a_changed_world_drops_shares_given_for_the_old_ranks():
+    from phalanx.train.world_change import dp_follows
+
+    assert dp_follows(plan_from_string("dp=2,shares=6:2"), 4, 8).shares == ""
+    assert dp_follows(plan_from_string("dp=2,shares=6:2"), 2, 8).shares == "6:2"
 
 
 def test_a_job_takes_the_plans_shares_and_refuses_them_where_they_do_not_run(tiny_config):

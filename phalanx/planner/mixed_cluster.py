@@ -1,7 +1,7 @@
 """A mixed cluster: groups of machines of different kinds (2 x dgx-h100 nodes and 4 x dgx-a100
 nodes, say), each group homogeneous, and the network between the groups. `phalanx plan` and
 `phalanx simulate` read it from a cluster file with a `groups` list (docs/planner.md, Mixed
-clusters); `mixed_search.py` plans over it.
+clusters); `mixed_search.py` plans over it (`mixed_dp.py`, `mixed_pipeline.py`).
 
     name = "h100+a100"
     between_bw_gbs = 12.5        # per device, between groups (optional)

@@ -8,7 +8,8 @@ import json
 from phalanx.errors import UserError
 from phalanx.plan import parse_plan
 from phalanx.planner.mixed_cluster import MixedCluster, load_mixed_cluster
-from phalanx.planner.mixed_search import MixedPlan, evaluate_mixed_plan, mixed_search
+from phalanx.planner.mixed_plan import MixedPlan
+from phalanx.planner.mixed_search import evaluate_mixed_plan, mixed_search
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.plan_flags import options_for
 from phalanx.planner.report import format_table
