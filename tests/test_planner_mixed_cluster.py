@@ -196,6 +196,27 @@ def test_shares_in_a_plan_are_checked():
         parse_shares("7:1", 2, 8, 2)
 
 
+def test_train_plan_auto_on_a_mixed_cluster_starts_from_its_shares(tiny_config, tmp_path):
+    """`phalanx train --plan auto --cluster MIXED_FILE` on 2 processes, one device per group
+    (groups of one-device machines, the fast one twice the slow one's rates): the job starts
+    from the planner's shares. At least twice as many sequences on the fast rank: its compute
+    per sequence is half, and its optimizer step (the same bytes at twice the bandwidth, paid
+    whatever the share) half too, so the min-max may give it more than twice."""
+    from phalanx.train.job import resolve_job
+
+    fast, slow = tmp_path / "fast1.toml", tmp_path / "slow1.toml"
+    fast.write_text('name = "fast"\ndevices_per_node = 1\nfast_domain = 1\npeak_tflops = 800\nhbm_tbs = 3.2\n')
+    slow.write_text('name = "slow"\ndevices_per_node = 1\nfast_domain = 1\npeak_tflops = 400\nhbm_tbs = 1.6\n')
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"groups": [{"preset": str(fast), "nodes": 1}, {"preset": str(slow), "nodes": 1}]}))
+    cfg = tiny_config.replace(plan="auto", cluster=str(path), global_batch=12)
+    job = resolve_job(cfg, 2, None, run_dir=cfg.out)
+    assert job.plan.dp == 2 and job.shares == parse_shares(job.plan.shares, 2, 12), (job.plan, job.shares)
+    assert job.shares[0] >= 2 * job.shares[1], job.shares
+    with pytest.raises(UserError, match="3 processes, but the mixed cluster has 2 devices"):
+        resolve_job(cfg, 3, None, run_dir=cfg.out)
+
+
 def test_a_changed_world_drops_shares_given_for_the_old_ranks():
     from phalanx.train.world_change import dp_follows
 

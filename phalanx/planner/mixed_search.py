@@ -12,11 +12,11 @@ from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan, parse_split
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.mixed_cluster import MixedCluster
+from phalanx.planner.mixed_cluster import MixedCluster, load_mixed_cluster
 from phalanx.planner.mixed_dp import dp_plans, priced_shares
 from phalanx.planner.mixed_pipeline import pipeline_plans, price_pipeline, stage_groups, unit_costs
 from phalanx.planner.mixed_plan import MixedPlan
-from phalanx.planner.options import Options
+from phalanx.planner.options import Options, trainer_options
 
 
 def mixed_search(model: ModelConfig, mixed: MixedCluster, seq: int, global_batch: int,
@@ -57,3 +57,19 @@ def evaluate_mixed_plan(model: ModelConfig, mixed: MixedCluster, seq: int, globa
     if priced is None:
         raise UserError(f"--plan {plan} is not a layout {model.name} runs at global batch {global_batch}")
     return priced
+
+
+def mixed_auto_plan(model: ModelConfig, path: str, *, world_size: int, global_batch: int, seq_len: int,
+                    dtype: str, expert_slots: int = 0) -> Plan:
+    """`phalanx train --plan auto --cluster MIXED_FILE`: the fastest mixed layout, its shares or
+    split included (the trainer starts from them and adapts)."""
+    mixed = load_mixed_cluster(path)
+    if world_size != mixed.devices:
+        raise UserError(f"--plan auto for {path}: {world_size} processes, but the mixed cluster has {mixed.devices} "
+                        f"devices ({mixed.describe()})")
+    if expert_slots:
+        raise UserError(f"--plan auto for the mixed cluster {path}: expert slots are not planned over groups yet")
+    plans = mixed_search(model, mixed, seq_len, global_batch, lambda c: trainer_options(dtype, c), keep=1)
+    if not plans:
+        raise UserError(f"no layout of {model.name!r} over the mixed cluster {path} fits at global batch {global_batch}")
+    return plans[0].plan
