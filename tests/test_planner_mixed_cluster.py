@@ -5,9 +5,12 @@ command it prints runs, with the plan's `shares=`.
 The hand-computable cases use two group files identical but for the compute rates (peak
 FLOP/s and memory bandwidth) halved in one, on GPU presets' terms (no per-layer framework
 costs, no wave quantization): every term of a device's time but the gradient all-reduce is a
-rate, so the fast group's device takes exactly half the slow one's time for the same work and
-must get exactly twice the share, and a pipeline over the groups the cut that
-`adapt_policy.weighted_layer_counts` gives for stage speeds 2:1.
+rate, so the fast group's device takes exactly half the slow one's time for the same work: its
+measured speed is exactly twice, the speed-proportional shares twice the slow one's, and a
+pipeline over the groups gets the cut `adapt_policy.weighted_layer_counts` gives for stage
+speeds 2:1. (The min-max shares may give the fast device more than twice: its optimizer step,
+paid whatever its share, is half the slow one's too. At the sizes below compute outweighs it
+and twice is also the min-max.)
 """
 
 from __future__ import annotations
