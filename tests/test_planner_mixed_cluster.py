@@ -190,6 +190,10 @@ def test_a_mixed_file_on_the_command_line_checks_gpus(tmp_path):
 
 
 def test_shares_in_a_plan_are_checked():
+    from phalanx.planner.search import parse_fix
+
+    with pytest.raises(UserError, match="planned for mixed cluster files"):
+        parse_fix("dp=2,shares=1:1")
     assert plan_from_string("dp=2,shares=6:2").shares == "6:2"
     with pytest.raises(UserError, match="gives 3 data-parallel ranks, but dp=2"):
         plan_from_string("dp=2,shares=3:3:2")

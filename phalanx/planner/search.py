@@ -86,6 +86,9 @@ def parse_fix(text: str) -> dict[str, object]:
     """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
     plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
     given = {key for key, _ in key_values(text)}
+    if "shares" in given:  # not a knob of one kind of device: equal is the best shares there
+        raise UserError("--fix shares=: uneven data-parallel shares are planned for mixed cluster files "
+                        "(docs/planner.md, Mixed clusters); on one kind of device the planner gives equal shares")
     fixed: dict[str, object] = {}
     for key in given - {"mbs", "zero", "fsdp", *extras}:
         fixed[key] = getattr(plan, key)
