@@ -109,6 +109,10 @@ def price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cost
             rest.append(b["pp_comm"] + (b["dp_comm"] + b["optimizer"]) * split[s] / n_bal + b["overhead"])
         return (m + p - 1) * max(per_mb) + max(rest), per_mb
 
+    # Each group's pp_comm already counts the sends of all p - 1 boundaries on its own links
+    # (2 per micro-batch and boundary on the critical path, plus fill and drain); the share of
+    # them that crosses groups is added again at the between-groups link: an overestimate by
+    # the group's own time for those sends.
     crossings = sum(1 for a, b in zip(stage_group, stage_group[1:]) if a != b)
     link = mixed_link_cluster(mixed, mixed.groups[0].cluster)
     boundary = mbs * seq * model.dim * BF16 / (plan.tp if plan.sp else 1)
