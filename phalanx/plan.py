@@ -88,6 +88,12 @@ class Plan:
     split: str = ""
     """Transformer layers per pipeline stage by hand, `a:b:...` (pp x virtual counts, in stage
     order); empty = balanced by estimated cost (see `phalanx.parallel.stage_split`)."""
+    shares: str = ""
+    """Sequences of the global batch per data-parallel rank at the start, `a:b:...` (dp counts,
+    in dp-rank order, adding up to the global batch: `parse_shares`); empty = equal. What the
+    planner picks for a mixed cluster (a device twice as fast gets twice the share); the run
+    then adapts them to the measured speeds unless `--no-adapt`. Plain data parallelism only
+    (`adapt_policy.adaptation_refusal`)."""
     fsdp: InitVar[bool] = False
     """The older spelling of zero=3: `Plan(fsdp=True)` is `Plan(zero=3)`. Not a field: read
     `plan.fsdp` (zero == 3), and change a plan with `Plan.replace`, not `dataclasses.replace`."""
@@ -182,6 +188,8 @@ class Plan:
                 problems.append(problem)
         if self.split and self.pp == 1:
             problems.append(f"split={self.split} divides layers between pipeline stages, but pp=1")
+        if self.shares and (problem := shares_problem(self.shares, self.dp)):
+            problems.append(problem)
         if world_size is not None and self.world_size != world_size:
             problems.append(
                 f"dp={self.dp}{f' x cp={self.cp}' if self.cp > 1 else ''} x tp={self.tp} x pp={self.pp} = {self.world_size}, "
@@ -283,4 +291,31 @@ def parse_split(text: str, n_stages: int, n_layers: int) -> list[int]:
         raise UserError(f"split={text}: every stage needs at least one layer")
     if sum(counts) != n_layers:
         raise UserError(f"split={text} adds up to {sum(counts)} layers, but the model has {n_layers}")
+    return counts
+
+
+def shares_problem(text: str, dp: int) -> str:
+    """What is wrong with the plan's `shares=a:b:...` on its own ('' when nothing)."""
+    try:
+        counts = [int(part) for part in text.split(":")]
+    except ValueError:
+        return f"shares={text!r} must be sequence counts separated by ':', e.g. shares=8:4"
+    if len(counts) != dp:
+        return f"shares={text} gives {len(counts)} data-parallel ranks, but dp={dp}"
+    if any(c < 1 for c in counts):
+        return f"shares={text}: every data-parallel rank needs at least one sequence"
+    return ""
+
+
+def parse_shares(text: str, dp: int, total: int, microbatches: int = 1) -> tuple[int, ...]:
+    """The plan's `shares=a:b:...` (sequences per dp rank), checked against the run's global
+    batch (`total` sequences over the dp ranks) and its micro-batches (each rank's share is cut
+    into that many, so it needs at least one sequence for each)."""
+    if problem := shares_problem(text, dp):
+        raise UserError(problem)
+    counts = tuple(int(part) for part in text.split(":"))
+    if sum(counts) != total:
+        raise UserError(f"shares={text} adds up to {sum(counts)} sequences, but the global batch has {total}")
+    if min(counts) < microbatches:
+        raise UserError(f"shares={text}: every rank needs at least microbatches={microbatches} sequences")
     return counts

@@ -14,6 +14,8 @@ from phalanx.planner.plan_flags import add_plan_flags, options_for
 from phalanx.planner.energy import OBJECTIVES, check_prices, objective_for, parse_prices
 from phalanx.planner.report import columns, explain, format_table, plan_record, table_rows
 from phalanx.planner.memory_fit import fit_hints
+from phalanx.planner.mixed_cluster import is_mixed_cluster_file
+from phalanx.planner.mixed_report import run_mixed_plan
 from phalanx.planner.search import SearchSpace, fix_problems, parse_fix, search
 from phalanx.planner.validation import step_time_band
 
@@ -39,6 +41,10 @@ def register(subparsers) -> None:
 
 
 def run_plan(args) -> int:
+    if any(is_mixed_cluster_file(name) for name in args.cluster or ()):
+        if len(args.cluster) > 1:
+            raise UserError("a mixed cluster file (groups of presets) is planned on its own, not beside other --cluster")
+        return run_mixed_plan(args, args.cluster[0])
     model = model_from_name(args.model)
     workload = Workload(global_batch=args.global_batch, seq_len=args.seq_len)
     clusters = [cluster_from_name(name) for name in (args.cluster or ["local"])]

@@ -30,6 +30,8 @@ from phalanx.planner.peak_memory import memory_breakdown
 from phalanx.planner.hardware import Cluster, cluster_from_name
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory_fit import fewest_recomputed_layers
+from phalanx.planner.mixed_cluster import is_mixed_cluster_file
+from phalanx.planner.mixed_search import mixed_auto_plan
 from phalanx.planner.slot_layouts import slots_problem
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +86,9 @@ def parse_fix(text: str) -> dict[str, object]:
     """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
     plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
     given = {key for key, _ in key_values(text)}
+    if "shares" in given:  # not a knob of one kind of device: equal is the best shares there
+        raise UserError("--fix shares=: uneven data-parallel shares are planned for mixed cluster files "
+                        "(docs/planner.md, Mixed clusters); on one kind of device the planner gives equal shares")
     fixed: dict[str, object] = {}
     for key in given - {"mbs", "zero", "fsdp", *extras}:
         fixed[key] = getattr(plan, key)
@@ -309,6 +314,12 @@ def auto_plan(model: ModelConfig, *, world_size: int, global_batch: int, seq_len
     --expert-slots (n_experts for --rebalance-every alone, 0 for neither): only layouts the
     trainer runs slots in, with S / ep slots of expert state per rank.
     """
+    if isinstance(cluster, str) and is_mixed_cluster_file(cluster):
+        if fixed:
+            raise UserError(f"--plan auto for the mixed cluster {cluster}: pinned knobs {sorted(fixed)} are not "
+                            "planned over groups yet")
+        return mixed_auto_plan(model, cluster, world_size=world_size, global_batch=global_batch, seq_len=seq_len,
+                               dtype=dtype, expert_slots=expert_slots)
     if isinstance(cluster, str):
         cluster = cluster_from_name(cluster)
     workload = Workload(global_batch=global_batch, seq_len=seq_len)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from phalanx.errors import UserError
 from phalanx.output_path import check_output_folder
+from phalanx.planner.mixed_cluster import is_mixed_cluster_file
+from phalanx.planner.mixed_report import run_mixed_simulate
 from phalanx.planner import comm
 from phalanx.planner.cost import BF16, Estimate
 from phalanx.planner.energy import busy_seconds, check_prices, cost_usd_per_mtok, energy_per_step_j, parse_prices
@@ -281,6 +283,8 @@ def register(subparsers) -> None:
 
 
 def simulate_command(args) -> int:
+    if is_mixed_cluster_file(args.cluster):
+        return run_mixed_simulate(args, args.cluster)
     check_output_folder(args.out, "--out")  # before the search and the simulation
     model = model_from_name(args.model)
     cluster = cluster_from_name(args.cluster)

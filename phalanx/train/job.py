@@ -12,7 +12,7 @@ process computes, and where it starts. Torch-free at import; below both the laun
      size (`world_change.py`); then checked against the world size, the model, the batch and
      `--dtype` (`plan_model_checks.validate_for_model`, torch-free: parallel/ is not imported);
   4. the settings a resume may not change (`resume_settings.py`), and a line for each that did;
-  5. the data-parallel shares the run starts with (equal) and whether they adapt to the ranks'
+  5. the data-parallel shares the run starts with (the plan's `shares=`, else equal) and whether they adapt to the ranks'
      measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not);
      whether a pipeline's layers re-split between its stages from their measured times
      (`adapt_policy.split_adaptation_refusal`; the split itself is the plan's `split`, on a
@@ -34,7 +34,7 @@ from phalanx.adapt_policy import AdaptRules, adaptation_refusal, equal_shares, s
 from phalanx.checkpoint.reader import no_checkpoint_reason
 from phalanx.errors import UserError
 from phalanx.model.by_name import model_config
-from phalanx.plan import Plan, parse_split
+from phalanx.plan import Plan, parse_shares, parse_split
 from phalanx.plan_model_checks import validate_for_model
 from phalanx.train.config import TrainConfig
 from phalanx.train.resume_settings import check_resume
@@ -119,6 +119,16 @@ def _resumed_split(plan: Plan, saved: str | None, n_layers: int, log) -> Plan:
     return plan.replace(split=saved)
 
 
+def planned_shares(plan: Plan, cfg: TrainConfig, model_cfg) -> tuple[int, ...]:
+    """The plan's `shares=`, checked against the batch, and refused for layouts whose shares the
+    trainer keeps equal (`adapt_policy.adaptation_refusal`: plain data parallelism only)."""
+    why_not = adaptation_refusal(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, ep=plan.ep, sharded=plan.zero >= 2,
+                                 replica_groups=cfg.replica_groups, compile=cfg.compile, moe=bool(model_cfg.n_experts))
+    if why_not:
+        raise UserError(f"shares={plan.shares}: uneven data-parallel shares are not run with this layout ({why_not})")
+    return parse_shares(plan.shares, plan.dp, cfg.global_batch // cfg.replica_groups, plan.num_microbatches)
+
+
 def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
     if cfg.seq_len > model_cfg.max_seq_len:
         raise UserError(f"seq_len={cfg.seq_len} exceeds model {cfg.model!r}'s max_seq_len={model_cfg.max_seq_len}")
@@ -155,6 +165,8 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
         elif plan.dp > 1 and log:
             log(f"phalanx: equal data-parallel shares (not adapted to the ranks' speeds): {why_not}")
     shares = equal_shares(cfg.global_batch // cfg.replica_groups, plan.dp) if adapt else ()
+    if plan.shares:  # the plan's own start (the planner's for a mixed cluster), adapted or kept
+        shares = planned_shares(plan, cfg, model_cfg)
     slots = planned_expert_slots(cfg, model_cfg)
     adapt_split = None
     if cfg.adapt:

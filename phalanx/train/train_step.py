@@ -181,6 +181,13 @@ def forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor, docu
     return loss_sum
 
 
+def batch_rows(run: Run) -> tuple[int, int] | None:
+    """This rank's [start, stop) rows of the global batch: by the governor's shares when they
+    adapt, else the plan's `shares=` kept as they are (`--no-adapt`); None: the equal slice."""
+    shares = run.governor.shares if run.governor else run.job.shares
+    return share_rows(shares, run.batch_rank) if shares else None
+
+
 def stop_now(run: Run) -> bool:
     """Before a step: whether the run stops here (a stop signal every rank agreed on in the
     last step's collective, with a checkpoint; or, with replica groups, nothing left to do).
@@ -213,7 +220,7 @@ def run_step(run: Run) -> bool:
     lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    rows = share_rows(run.governor.shares, run.batch_rank) if run.governor else None  # None: the equal slice
+    rows = batch_rows(run)
     inputs, targets = rank_batch(
         run.corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
         dp_rank=run.batch_rank, dp_size=run.batch_ranks, cp=run.plan.cp, cp_rank=run.mesh.cp_rank, rows=rows,

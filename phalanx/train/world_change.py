@@ -34,7 +34,9 @@ def dp_follows(plan: Plan, world_size: int, global_batch: int) -> Plan:
     dp = world_size // fixed
     micro_size = max(1, global_batch // plan.dp // plan.num_microbatches)  # sequences per micro-batch before
     per_rank = global_batch // dp
-    adapted = plan.replace(dp=dp)
+    # Shares were given per dp rank of the old world (a mixed cluster's plan): with other ranks
+    # they name nobody, so the run starts equal and adaptation measures the new ranks' speeds.
+    adapted = plan.replace(dp=dp, shares=plan.shares if dp == plan.dp else "")
     if per_rank % micro_size == 0 and per_rank // micro_size != adapted.num_microbatches:
         adapted = adapted.replace(microbatches=per_rank // micro_size)
     return adapted

@@ -1,0 +1,44 @@
+"""What the mixed-cluster planner (`mixed_dp.py`, `mixed_pipeline.py`, `mixed_search.py`) gives
+back for one layout, and the links a collective over every group runs at."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from phalanx.plan import Plan
+from phalanx.planner.hardware import Cluster
+from phalanx.planner.mixed_cluster import MixedCluster
+
+MAX_MBS = 16
+"""Most sequences per micro-batch searched, as the homogeneous search's `SearchSpace.max_mbs`."""
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """One priced layout over a mixed cluster."""
+    kind: str
+    """"dp" (uneven shares) or "pipeline" (stages over groups)."""
+    plan: Plan
+    mbs: int
+    """Sequences per micro-batch (the largest, with uneven shares)."""
+    step_time_s: float
+    baseline_s: float
+    """The same layout as a homogeneous planner would give it: equal shares, or the even split."""
+    memory_gib: tuple[float, ...]
+    """Per group, the most loaded device's."""
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def gain(self) -> float:
+        return self.baseline_s / self.step_time_s
+
+
+def mixed_link_cluster(mixed: MixedCluster, base: Cluster) -> Cluster:
+    """`base` with the links a collective over every group runs at: the slowest NIC or
+    between-groups link, the highest latency, the smallest fast domain."""
+    groups = [g.cluster for g in mixed.groups]
+    return dataclasses.replace(
+        base, inter_bw_gbs=min(mixed.between_bw_gbs, *(c.inter_bw_gbs for c in groups)),
+        inter_latency_us=max(mixed.between_latency_us, *(c.inter_latency_us for c in groups)),
+        fast_domain=min(c.fast_domain for c in groups), devices_per_node=min(c.devices_per_node for c in groups))
