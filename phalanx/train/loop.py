@@ -358,7 +358,7 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
                     continue
                 writes = writer_group(reduction) == groups.group
                 if metrics and writes:
-                    for row in membership_events(done, members, reduction.groups):
+                    for row in membership_events(done, members, reduction):
                         metrics.write(row)
                 members = reduction.groups
             for row in adapt_events(done, agreed, governor, stragglers, speeds):
