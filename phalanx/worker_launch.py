@@ -27,16 +27,41 @@ from phalanx.restart_policy import CONDITIONS, STOP_STATUS, Failure, run_attempt
 from phalanx.worker_group import start_elastic, warm_forkserver
 
 
-@record  # a worker's exception and traceback go to the agent (`describe` prints them once)
 def elastic_entry(main: Callable[..., int], args: tuple, phalanx_env: dict | None = None) -> None:
-    """Every launched worker: `main(*args)`, its status the process's exit status."""
+    """Every launched worker: `main(*args)`, its status the process's exit status.
+
+    A worker that failed (an exception, or status 1) leaves at once, without the interpreter's
+    shutdown: that joins every thread left, and a thread blocked on a dead rank (a background
+    checkpoint save's collective, a torchft wait) would keep the process alive until the
+    elastic agent kills it, after its fixed 30 s (torch 2.13's `_stop_workers`), the restart
+    and any replica group's quorum waiting meanwhile. Its state is discarded anyway; a restart
+    reads only complete checkpoints."""
     if phalanx_env is not None:
         for name in [n for n in os.environ if n.startswith("PHALANX_") and n not in phalanx_env]:
             del os.environ[name]
         os.environ.update(phalanx_env)
-    status = main(*args)
+    try:
+        status = _recorded(main, args)
+    except Exception:  # `record` has written it, with its traceback, for the agent
+        _leave(FAILED_STATUS)
+    if status == FAILED_STATUS:
+        _leave(status)
     if status:
         sys.exit(status)
+
+
+FAILED_STATUS = 1
+
+
+@record  # a worker's exception and traceback go to the agent (`describe` prints them once)
+def _recorded(main: Callable[..., int], args: tuple) -> int:
+    return main(*args)
+
+
+def _leave(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def worker_name(rank: int) -> str:

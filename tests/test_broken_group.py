@@ -96,3 +96,27 @@ def test_membership_events():
     # Restarted between two steps without missing one: lost and rejoined at the same step.
     assert membership_events(9, [0, 1], _reduction([0, 1], healed=[1])) == [
         {"event": "group_lost", "step": 9, "group": 1}, {"event": "group_rejoined", "step": 9, "group": 1}]
+
+
+def _fails_with_a_thread_left(status):
+    threading.Thread(target=time.sleep, args=(600,), name="blocked-on-a-dead-rank").start()  # not a daemon
+    if status is None:
+        raise RuntimeError("a collective with a dead rank")
+    return status
+
+
+def test_a_failed_worker_leaves_without_waiting_for_its_threads(tmp_path, monkeypatch):
+    """phalanx/worker_launch.py's `elastic_entry`: a worker that failed (status 1 or an exception)
+    exits though a thread of it is still blocked (a background save's collective on a dead
+    rank), instead of waiting in the interpreter's shutdown for the agent's kill 30 s later."""
+    from phalanx.worker_launch import elastic_entry
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # where `record` writes
+    context = multiprocessing.get_context("fork")
+    for status in (1, None):
+        worker = context.Process(target=elastic_entry, args=(_fails_with_a_thread_left, (status,), None))
+        worker.start()
+        worker.join(20)  # without the fix it never ends: the thread sleeps 600 s
+        alive_after = worker.is_alive()
+        worker.kill()
+        assert not alive_after and worker.exitcode == 1, (status, worker.exitcode)
