@@ -4,12 +4,12 @@ of 1 to 3 req/s, in two halves: the rows the model was changed while looking at 
 a hold-out the model has never been looked at against (`ROWS`).
 
 First the engine's constants are fitted from a short timing of its own steps in this process
-(`phalanx calibrate --serve`'s measurement, planner/serve_fit.py), on each of the benchmark's
+(`phalanx calibrate --serve`'s measurement, planner/serve/fit.py), on each of the benchmark's
 two models (4 heads; 8 heads for tp=4, see `ROWS`); then a real `phalanx serve` (one thread per process, as the HTTP tests run it) gets seeded
 Poisson arrivals through HTTP, each request streamed and timed; the planner predicts the same
-layout, block pool, batch limits and load (`serve_search.evaluate`). What the engine's steps
+layout, block pool, batch limits and load (`serve/search.evaluate`). What the engine's steps
 alone do not show is probed on each server before the rates with `phalanx calibrate --serve`'s
-own probe (phalanx/calibrate/serve_probe.py, planner/serve_fit.fit_probe): after a warm-up
+own probe (phalanx/calibrate/serve_probe.py, planner/serve/fit.fit_probe): after a warm-up
 request, three requests one at a time (and at 1 process four at once) give the per-step and
 per-sequence costs of streaming each token through the server's thread and the per-request
 HTTP path (1 process), and the tp group's per-step cost (2 and 4 processes, as calibrate's
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve_load import _drive, write_model  # noqa: E402
 from phalanx.planner.hardware import cluster_from_name  # noqa: E402
 from phalanx.planner.model_spec import model_from_name  # noqa: E402
-from phalanx.planner.serve_rates import ServeLoad  # noqa: E402
-from phalanx.planner.serve_search import evaluate  # noqa: E402
-from phalanx.planner.serve_simulate import poisson_arrivals  # noqa: E402
-from phalanx.planner.serve_step import ServeLayout  # noqa: E402
+from phalanx.planner.serve.rates import ServeLoad  # noqa: E402
+from phalanx.planner.serve.search import evaluate  # noqa: E402
+from phalanx.planner.serve.simulate import poisson_arrivals  # noqa: E402
+from phalanx.planner.serve.step import ServeLayout  # noqa: E402
 
 DECIDE, HOLDOUT = "decide", "hold-out"
 ROWS = [  # (attention heads of the model, processes with tp over them, Poisson req/s, half)
@@ -91,7 +91,7 @@ def run_model(args, heads: int, rows: list, errors: dict) -> None:
 
     from phalanx.calibrate.serve_probe import probe_running
     from phalanx.calibrate.serve_steps import engine_splits_forwards, measure
-    from phalanx.planner.serve_fit import fit, fit_probe
+    from phalanx.planner.serve.fit import fit, fit_probe
     from tests.serve_server import ServeProcess
 
     args.heads = heads

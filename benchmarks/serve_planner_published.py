@@ -1,6 +1,6 @@
 """Predicted vs published serving throughput: `phalanx plan --serve` against published runs.
 
-The rows (phalanx/planner/serve_validation.json, each with its source and engine) are
+The rows (phalanx/planner/serve/validation.json, each with its source and engine) are
 TensorRT-LLM's perf-overview tables, v1.0 (PyTorch backend; Llama 3.1 8B, 3.3 70B, 3.1 405B,
 Qwen3-235B-A22B, Qwen3-30B-A3B, Llama 4 Scout and Maverick on H100, H200, B200 and GB200, fp8
 and fp4) and v0.17 (TensorRT engines; Llama 3.1 8B, 70B, 405B and Mixtral 8x7B, 8x22B on H200,
@@ -30,12 +30,12 @@ from pathlib import Path
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.model_spec import model_from_dict
-from phalanx.planner.serve_costs import GPU_KERNEL_FILL_S, kernel_fill_seconds
-from phalanx.planner.serve_memory import MAX_BATCH_LIMIT, PoolRule
-from phalanx.planner.serve_rates import ServeLoad
-from phalanx.planner.serve_search import parse_serve_fix, search_serving
+from phalanx.planner.serve.costs import GPU_KERNEL_FILL_S, kernel_fill_seconds
+from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule
+from phalanx.planner.serve.rates import ServeLoad
+from phalanx.planner.serve.search import parse_serve_fix, search_serving
 
-ROWS = Path(__file__).resolve().parents[1] / "phalanx" / "planner" / "serve_validation.json"
+ROWS = Path(__file__).resolve().parents[1] / "phalanx" / "planner" / "serve" / "validation.json"
 
 
 def source_name(row: dict) -> str:

@@ -1,6 +1,8 @@
-"""A slow rank under data parallelism: shares adapted to measured speeds against equal shares.
+"""A slow rank under data parallelism: shares adapted to measured speeds against equal shares;
+with `--plan pp=2,...`, a slow pipeline stage: layers re-split from measured stage times
+against the planned split.
 
-dp=2 on 2 gloo ranks forked from this process, each pinned to its own core
+dp=2 (or the `--plan` given) on 2 gloo ranks forked from this process, each pinned to its own core
 (`os.sched_setaffinity` on every thread of the rank: gloo's threads too), the `small` model.
 Arms, in one run:
   busy:  a busy-looping process pinned to rank 1's core (rank 1 at about half speed), with
@@ -14,6 +16,8 @@ the adaptation's hysteresis band and straggler margin are set above (phalanx/ada
 
 Reproduce:  .venv/bin/python benchmarks/straggler.py     (goals: busy adapt / no-adapt >= 1.3x;
             quiet adapt / no-adapt >= 0.98; about 3 minutes on 2 cores)
+            .venv/bin/python benchmarks/straggler.py --plan pp=2,microbatches=4   (the pipeline:
+            a re-split's own seconds are in its `resplit` event row, not in the median step)
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--plan", default="dp=2", help="a layout of 2 processes: dp=2 (shares) or pp=2,... (the split)")
     args = parser.parse_args()
 
     from phalanx.train.config import TrainConfig
@@ -101,10 +106,10 @@ def main() -> None:
     if len(cores) < 2:
         raise SystemExit("needs 2 cores")
     out = tempfile.mkdtemp(prefix="straggler-")
-    cfg = TrainConfig(model=args.model, plan="dp=2", steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
+    cfg = TrainConfig(model=args.model, plan=args.plan, steps=args.steps, global_batch=args.global_batch, seq_len=args.seq_len,
                       eval_every=0, ckpt_every=0, sample_tokens=0, progress=False, plot=False, device="cpu", out=out,
                       threads=1)
-    print(f"model {args.model}, dp=2 on cores {cores}, global batch {args.global_batch} x {args.seq_len} tokens, "
+    print(f"model {args.model}, {args.plan} on cores {cores}, global batch {args.global_batch} x {args.seq_len} tokens, "
           f"{args.steps} steps (median step of steps {WARMUP + 1}..{args.steps}), load before: {os.getloadavg()[0]:.1f}")
     began = time.perf_counter()
     arms = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from phalanx.balance.cli import register as register_balance
@@ -17,8 +18,7 @@ from phalanx.generate.cli import register as register_generate
 from phalanx.hf.export_run import register as register_export
 from phalanx.kernels.cli import register as register_kernels
 from phalanx.planner.cli import register as register_plan
-from phalanx.planner.serve_cli import main as serve_main
-from phalanx.planner.serve_cli import serve_argv
+from phalanx.planner.serve.cli import serve_parser
 from phalanx.planner.simulate import register as register_simulate
 from phalanx.serve.cli import register as register_serve
 from phalanx.threads import check_requested, set_wait_policy
@@ -104,11 +104,26 @@ def _run_train(args) -> int:
     return launch_train(cfg, rdzv_endpoint=args.rdzv_endpoint)
 
 
+class Command(argparse.ArgumentParser):
+    """A subcommand's parser. One whose `alternate` is set, (flag, parser builder), takes a
+    second grammar: arguments holding that flag are that parser's (`plan --serve` and `simulate
+    --serve`, the serving planner's own flags; argparse itself has no flag that switches a
+    command's grammar)."""
+
+    alternate: tuple[str, Callable[[], argparse.ArgumentParser]] | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.alternate and args is not None and self.alternate[0] in args:
+            _, build = self.alternate
+            return build().parse_known_args(args, namespace)
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand, registered here and only here (each module's `register` adds its own
     flags; none imports torch until its command runs)."""
     parser = argparse.ArgumentParser(prog="phalanx", description="Train transformers across many devices.")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=Command)
     _add_train(subparsers)
     register_export(subparsers)
     register_prepare(subparsers)
@@ -119,20 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     register_calibrate(subparsers)
     register_balance(subparsers)
     register_kernels(subparsers)  # match, blur
+    for command in ("plan", "simulate"):  # --serve: the serving planner's grammar (planner/serve/cli.py)
+        subparsers.choices[command].alternate = ("--serve", lambda command=command: serve_parser(command))
     return parser
 
 
 def _parse(argv: list[str] | None):
-    """The subcommand to run: `plan --serve` / `simulate --serve` take the serving planner's own
-    flags (phalanx/planner/serve_cli.py), everything else the parser above."""
+    """The subcommand to run, as the parser above reads `argv` (`plan --serve` and `simulate
+    --serve` included: their parsers' alternate grammar)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--serve" in argv:
-        # Imported when asked for, not at the top: the serving planner's modules, which every
-        # other command's start-up need not load.
-        from phalanx.planner.serve_cli import main as serve_main, serve_argv
-
-        if serve_argv(argv):
-            return lambda: serve_main(argv)
     args = build_parser().parse_args(argv)
     return lambda: _run_command(args)
 

@@ -17,6 +17,12 @@ MULTI_CHUNK_SCHEDULES = ("interleaved", *V_SCHEDULES)
 """Schedules that hold more than one model chunk per rank (`virtual` of them)."""
 
 
+def divisors(n: int) -> list[int]:
+    """Every degree that splits `n` evenly, ascending: the counts a search over `n` devices (or
+    experts, or slots) tries. The one definition the training and serving searches share."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _of(model: str) -> str:
     return f" of model {model!r}" if model else ""
 
@@ -239,6 +245,28 @@ def cp_problem(cp: int, *, seq_len: int, tp: int = 1, sp: bool = False) -> str:
         spelled = f"2 x cp x tp = 2 x {cp} x {tp} = {unit} (cp={cp} with sp=true)" if sp else f"2 x cp = {unit} (cp={cp})"
         return f"seq_len={seq_len} must divide by {spelled}: each sequence is cut into {unit} equal chunks"
     return ""
+
+
+def cp_ring_problem(cp_ring: bool, *, latent: bool, model: str) -> str:
+    """The ring schedule passes per-head keys and values; latent attention gathers its
+    compressed latents and decompresses them on each rank (only they travel)."""
+    if cp_ring and latent:
+        return (f"cp_ring=true does not run latent attention (model {model!r}): its cp ranks gather the compressed "
+                "latents before decompressing them per head, so that only those travel; use cp_ring=false")
+    return ""
+
+
+def ring_step_pairs(seq_len: int, cp: int, rank: int, owner: int) -> int:
+    """Query-key pairs under the causal mask between cp rank `rank`'s queries and rank
+    `owner`'s keys: what one step of the ring schedule computes (parallel/context_parallel_ring.py).
+    With the load-balanced chunks it is 2 chunk^2 for every owner but the rank itself, and
+    chunk^2 + chunk (chunk + 1) for it: every step is the same work, to 1/chunk."""
+    chunk = seq_len // (2 * cp)
+    pairs = 0
+    for c in cp_chunks(cp, rank):
+        for k in cp_chunks(cp, owner):
+            pairs += chunk * chunk if k < c else chunk * (chunk + 1) // 2 if k == c else 0
+    return pairs
 
 
 def causal_pairs(seq_len: int, cp: int, rank: int) -> int:

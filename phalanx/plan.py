@@ -39,6 +39,11 @@ class Plan:
     over the whole sequence by gathering keys and values over the cp ranks
     (`phalanx.parallel.context_parallel`). Weights are replicated over cp, so gradients reduce
     and zero levels shard over dp x cp."""
+    cp_ring: bool = False
+    """With cp > 1: keys and values passed around a ring of the cp ranks, each step's transfer
+    overlapped with attention on the keys at hand, and their gradients passed back the same way
+    (`phalanx.parallel.context_parallel_ring`). False: one all-gather per layer (Llama 3's
+    choice), overlapped with the chunks' diagonal blocks only. The planner picks per layout."""
     ep: int = 1
     """Expert-parallel degree, carved out of the dp x cp ranks (must divide dp x cp), or with ep_over_tp out
     of the dp x cp x tp ranks (must divide dp x cp x tp)."""
@@ -159,6 +164,8 @@ class Plan:
             problems.append(f"replicate={self.replicate} (HSDP) needs zero=2 or 3 (fsdp=true), got zero={self.zero}")
         if self.dp % self.replicate:
             problems.append(f"replicate={self.replicate} must divide dp={self.dp}")
+        if self.cp_ring and self.cp == 1:
+            problems.append("cp_ring=true needs cp > 1 (it passes keys and values around the cp ranks)")
         if self.sp and self.tp == 1:
             problems.append("sp=true needs tp > 1 (sequence parallelism splits along the tp group)")
         if self.schedule not in SCHEDULES:
@@ -209,6 +216,23 @@ def _convert(key: str, raw: str):
     return raw.lower()
 
 
+def key_values(text: str, *, what: str = "plan") -> list[tuple[str, str]]:
+    """`k=v,k=v` as (key, raw value) pairs, keys lower-cased: the one reader of both `--fix`
+    grammars (the training plan's, `parse_plan`, and the serving planner's,
+    planner/serve/search.parse_serve_fix) and of `--plan`. An item without `=` or a value, or a
+    key given twice, is an error naming `what` (plan, --fix)."""
+    pairs: list[tuple[str, str]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower()
+        if not sep or not raw.strip():
+            raise UserError(f"{what} item {item!r} is not of the form key=value")
+        if any(key == seen for seen, _ in pairs):
+            raise UserError(f"{what} key {key!r} is given twice")
+        pairs.append((key, raw.strip()))
+    return pairs
+
+
 def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, dict[str, str]]:
     """Parse `k=v,k=v` into a Plan; keys named in `extra_keys` are returned raw beside it.
 
@@ -216,17 +240,11 @@ def parse_plan(text: str, *, extra_keys: tuple[str, ...] = ()) -> tuple[Plan, di
     """
     values: dict[str, object] = {}
     extras: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, raw = item.partition("=")
-        key = key.strip().lower()
-        if not sep or not raw.strip():
-            raise UserError(f"plan item {item!r} is not of the form key=value")
-        if key in values or key in extras:
-            raise UserError(f"plan key {key!r} is given twice")
+    for key, raw in key_values(text):
         if key in extra_keys:
-            extras[key] = raw.strip()
+            extras[key] = raw
         elif key in _FIELDS or key in ALIASES:
-            values[key] = _convert(key, raw.strip())
+            values[key] = _convert(key, raw)
         else:
             valid = ", ".join(dict.fromkeys([*_FIELDS, *ALIASES, *extra_keys]))  # the planner's extras repeat zero
             raise UserError(f"unknown plan key {key!r}; valid keys: {valid}")

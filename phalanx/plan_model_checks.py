@@ -139,7 +139,8 @@ def validate_cp(plan: Plan, seq_len: int, cfg: ModelConfig | None = None, *, doc
     """Why `plan.cp` cannot cut sequences of `seq_len` (empty if it can). cp composes with every
     other part of a plan, latent attention, `--compile` and `--doc-mask` (docs/layout.md), but
     not with a sliding window, nor does `--doc-mask`: their attention runs the flash kernels on
-    whole or causal blocks of keys (parallel/context_parallel_layout.py), never a band."""
+    whole or causal blocks of keys (parallel/context_parallel_layout.py), never a band. Nor does
+    the ring schedule (cp_ring=true) run latent attention (`rules.cp_ring_problem`)."""
     window = cfg.sliding_window if cfg is not None else 0
     if window and (plan.cp > 1 or doc_mask):
         what = f"cp={plan.cp}" if plan.cp > 1 else "--doc-mask"
@@ -147,4 +148,5 @@ def validate_cp(plan: Plan, seq_len: int, cfg: ModelConfig | None = None, *, doc
                 "its attention blocks are whole or causal, never banded; use tp or pp for this model"]
     if plan.cp == 1:
         return []
-    return [problem for problem in [rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp)] if problem]
+    ring = rules.cp_ring_problem(plan.cp_ring, latent=cfg.is_latent, model=cfg.name) if cfg is not None else ""
+    return [problem for problem in [ring, rules.cp_problem(plan.cp, seq_len=seq_len, tp=plan.tp, sp=plan.sp)] if problem]

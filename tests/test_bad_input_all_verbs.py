@@ -240,6 +240,8 @@ ODD_VALUES = [
     pytest.param(["serve", "--model", "<hf>", "--host", "999.1.1.1"], "999.1.1.1", id="serve-host-not-an-address"),
     pytest.param(["serve", "--model", "<hf>", "--api-key", "k", "--api-key-file", "<text>"], "--api-key",
                  id="serve-two-keys"),
+    pytest.param(["serve", "--model", "<hf>", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+                 "--speculative-config", id="serve-speculative-method-unknown"),
     pytest.param(["serve", "--model", "<hf>", "--pool", "auto", "--nproc", "1024", "--tpot-ms", "50"], "--nproc 1024",
                  id="serve-pool-auto-nproc-past-the-machine"),
     pytest.param(["plan", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "2000", "--osl", "64"], "--isl 2000",

@@ -1,6 +1,7 @@
 """Steps with a non-finite loss or gradient norm are skipped (no update) and reported; more
 than --max-bad-steps in a row stop the run with a checkpoint of the last good state. NaN is
-injected through the documented test hook (phalanx.train.bad_steps.NAN_STEPS_ENV)."""
+injected as `train`'s `faults` argument (phalanx.train.injected_faults; under the launcher,
+the NAN_STEPS_ENV variable, tests/test_restarts.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,15 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from phalanx.errors import UserError
 from phalanx.testing.fork_ranks import run_ranks
-from phalanx.train.bad_steps import NAN_STEPS_ENV
 from phalanx.checkpoint.store import latest_checkpoint
+from phalanx.train.injected_faults import InjectedFaults
 from phalanx.train.loop import train
 from phalanx.train.metrics import parse_lines
 
 
-def _train_or_error(cfg):
+def _train_or_error(cfg, nan_steps=()):
     try:
-        return train(cfg, Path(cfg.out)).losses
+        return train(cfg, Path(cfg.out), faults=InjectedFaults(nan_steps=frozenset(nan_steps))).losses
     except UserError as error:
         return str(error)
 
@@ -35,10 +36,9 @@ def _weights(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in torch.load(scratch, weights_only=False)["model"].items()}
 
 
-def test_one_nan_step_is_skipped_and_reported(tiny_config, monkeypatch):
-    monkeypatch.setenv(NAN_STEPS_ENV, "3")
+def test_one_nan_step_is_skipped_and_reported(tiny_config):
     cfg = tiny_config.replace(steps=5, plan="dp=2")
-    losses = run_ranks(2, _train_or_error, cfg)[0]
+    losses = run_ranks(2, _train_or_error, cfg, [3])[0]
     assert math.isnan(losses[2]) and all(math.isfinite(x) for i, x in enumerate(losses) if i != 2)
     rows = _rows(Path(cfg.out))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -47,15 +47,14 @@ def test_one_nan_step_is_skipped_and_reported(tiny_config, monkeypatch):
     assert rows[-1]["ckpt_wait_s"] > 0.0 and rows[0]["ckpt_wait_s"] == 0.0  # the final save, and none
 
 
-def test_six_nan_steps_stop_with_last_good_checkpoint(tiny_config, monkeypatch, tmp_path):
+def test_six_nan_steps_stop_with_last_good_checkpoint(tiny_config, tmp_path):
     """Steps 3-8 are NaN: five are skipped, the sixth stops the run. Its checkpoint, saved
     from the weights in memory at the stop, must equal step 2 of an unharmed run with the
     same settings (same arithmetic: bit-equal), proving no skipped step moved a weight."""
     cfg = tiny_config.replace(steps=10, ckpt_every=0, keep_checkpoints=5)
     reference = cfg.replace(out=cfg.out + "-ref", ckpt_every=2)
     run_ranks(1, _train_or_error, reference)
-    monkeypatch.setenv(NAN_STEPS_ENV, "3,4,5,6,7,8")
-    message = run_ranks(1, _train_or_error, cfg)[0]
+    message = run_ranks(1, _train_or_error, cfg, [3, 4, 5, 6, 7, 8])[0]
     assert isinstance(message, str) and "stopped at step 8: 6 steps in a row" in message and "step 2" in message, message
     step, folder = latest_checkpoint(Path(cfg.out))
     assert step == 2

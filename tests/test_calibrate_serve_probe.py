@@ -14,14 +14,14 @@ import pytest
 
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
-from phalanx.planner.serve_costs import ServeCosts, serve_costs_for
-from phalanx.planner.serve_fit import fit_probe, predicted_latency
+from phalanx.planner.serve.costs import ServeCosts, serve_costs_for
+from phalanx.planner.serve.fit import fit_probe, predicted_latency
 
 
 def test_a_real_server_is_probed_and_its_costs_written_for_the_local_cluster(tmp_path, monkeypatch):
     from phalanx.calibrate.serve_probe import probe_model_folder, probe_server
     from phalanx.calibrate.serve_steps import write_serve_costs
-    from phalanx.planner.serve_costs import serve_costs_path
+    from phalanx.planner.serve.costs import serve_costs_path
 
     model, cluster = MODELS["tiny"], CLUSTERS["local"]
     folder = probe_model_folder(model, tmp_path / "model")

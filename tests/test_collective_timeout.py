@@ -1,7 +1,7 @@
 """A stuck rank ends the run within --collective-timeout, naming the step and the rank; under
 the launcher, the group then restarts.
 
-With a 5 s timeout, a rank that stalls before a step (test hook STALL_ENV, sleeping 120 s)
+With a 5 s timeout, a rank that stalls before a step (`train`'s injected faults, sleeping 120 s)
 makes the others' first collective of that step time out; they then meet in the barrier that
 counts the ranks (at most the same 5 s), and rank 0 fails within 25 s (5 + 5 s plus start-up)
 with an error that names the step and the missing rank, instead of hanging. No barrier runs in
@@ -18,19 +18,19 @@ import pytest
 from phalanx.cli import main
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.train.collective_watch import STALL_ENV
+from phalanx.train.injected_faults import InjectedFaults
 from phalanx.train.loop import train
 from phalanx.train.metrics import parse_lines
 
 
-def _train(cfg):
-    return train(cfg, Path(cfg.out)).losses
+def _train(cfg, faults):
+    return train(cfg, Path(cfg.out), faults=faults).losses
 
 
-def test_stalled_rank_is_named_within_the_collective_timeout(tiny_config, monkeypatch):
-    monkeypatch.setenv(STALL_ENV, "1:1:120")  # rank 1 sleeps before step 1
+def test_stalled_rank_is_named_within_the_collective_timeout(tiny_config):
     began = time.monotonic()
-    with pytest.raises(RuntimeError) as error:
-        run_ranks(2, _train, tiny_config.replace(steps=1, collective_timeout=5.0))
+    with pytest.raises(RuntimeError) as error:  # rank 1 sleeps before step 1
+        run_ranks(2, _train, tiny_config.replace(steps=1, collective_timeout=5.0), InjectedFaults(stall=(1, 1, 120.0)))
     assert time.monotonic() - began < 25
     assert ("CollectiveTimeout: rank 0: a collective of step 1 waited past 5 s (--collective-timeout); the ranks "
             "then counted within 5 s: [Rank 0]: Ranks 1 failed to pass monitoredBarrier") in str(error.value), error.value

@@ -42,8 +42,10 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 LAYOUTS = {
     4: ["cp=4", "dp=2,cp=2", "tp=2,cp=2,sp=true", "docmask pp=2,cp=2,recompute=full", "dp=2,cp=2,zero=3",
-        "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true"],
-    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full", "cp=2,recompute=selective"],
+        "tiny-dsv3 dp=2,cp=2,ep=4", "tiny-moe tp=2,cp=2,ep=4,ep_over_tp=true", "docmask cp=4,cp_ring=true",
+        "tp=2,cp=2,sp=true,cp_ring=true"],
+    2: ["cp=2", "resume cp=2", "compile docmask cp=2,recompute=full", "cp=2,recompute=selective",
+        "compile cp=2,cp_ring=true,recompute=selective"],
 }
 """A model name before the plan trains that model; "resume" continues the cp=4 run's step-1
 checkpoint (the cp=4 layout saves one every step) on this plan; "docmask" trains with
@@ -56,7 +58,10 @@ the pipeline with pp, where the sampling forwards step around cp's and the mask'
 "compile" trains with `--compile` (aot_eager, as tests/test_compile.py's ranks: dynamo's capture
 and AOT autograd's graphs without inductor's C++), whose blocks then hold the gather;
 recompute=selective recomputes the attention core, whose op holds the gather, so it gathers
-again in backward (every rank alike).
+again in backward (every rank alike). cp_ring=true passes keys and values around the cp ranks
+instead of gathering them (tests/test_context_parallel_ring.py tests its steps): over 3 hops
+within documents at cp=4, beside tp (a cp group of ranks tp apart: the ring's neighbours are
+global ranks 2 apart), and compiled and recomputed at cp=2.
 tiny-dsv3 is latent attention (its cp ranks gather the latent and the rotated shared key) and
 MoE with the learned routing bias, experts over dp x cp; tiny-moe with ep_over_tp folds the
 experts over the dp x cp x tp ranks."""
@@ -359,9 +364,10 @@ def _no_dense_mask_forward(layout: str) -> list[tuple]:
                     found.append((str(func), tuple(t.shape), str(t.dtype)))
             return result
 
-    doc_mask = layout == "docmask"
+    doc_mask = layout.startswith("docmask")
     cfg = model_config("tiny")
-    mesh = build_mesh(plan_from_string("cp=2", dist.get_world_size()), torch.device("cpu"))
+    plan = "cp=2,cp_ring=true" if layout.endswith("ring") else "cp=2"
+    mesh = build_mesh(plan_from_string(plan, dist.get_world_size()), torch.device("cpu"))
     model = parallelize(cfg, mesh, seed=0, seq_len=seq, doc_mask=doc_mask)
     tokens = torch.randint(0, cfg.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([5, 19, 13, 11]))[None].repeat(2, 1)  # (2, 48)
@@ -371,12 +377,12 @@ def _no_dense_mask_forward(layout: str) -> list[tuple]:
     return found
 
 
-@pytest.mark.parametrize("layout", ["causal", "docmask"])
+@pytest.mark.parametrize("layout", ["causal", "docmask", "causal ring", "docmask ring"])
 def test_cp_forward_builds_no_queries_by_keys_tensor(layout):
     """No tensor of (queries x keys) shape, mask or scores, is made in a cp=2 training forward
-    and backward of the model, with and without `--doc-mask` (`_no_dense_mask_forward` says
-    which shapes count): the explicit mask of the former implementation, (24, 48), or scores
-    computed outside the flash kernels would be found."""
+    and backward of the model, with and without `--doc-mask`, all-gathered or around the ring
+    (cp_ring=true) (`_no_dense_mask_forward` says which shapes count): the explicit mask of the
+    former implementation, (24, 48), or scores computed outside the flash kernels would be found."""
     for found in run_ranks(2, _no_dense_mask_forward, layout):
         assert found == [], found[:5]
 

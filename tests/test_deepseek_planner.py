@@ -60,3 +60,15 @@ def test_dispatch_bytes_drop_as_topk_group_falls():
     lay = Layout(dp=128, pp=16, ep=64, microbatches=8, mbs=1, schedule="1f1b", recompute="full", zero=1)
     ep_comm = [evaluate(DSV3.replace(topk_groups=t), cluster, work, lay).breakdown["ep_comm"] for t in (8, 4, 2, 1)]
     assert ep_comm[0] > ep_comm[1] > ep_comm[2] > ep_comm[3] > 0, ep_comm
+
+
+def test_kv_values_per_token_layer_by_hand():
+    """One tp rank's cache per token and layer (planner/kv_cache.py, which phalanx serve's paged
+    cache also sizes by): Llama 3 8B's 8 KV heads of 128 keys and 128 values split over tp, one
+    head each past 8 ranks; DeepSeek-V3's latent (512 + 64) whole on every rank."""
+    from phalanx.planner.kv_cache import kv_bytes_per_token, kv_values_per_token_layer
+
+    llama = model_config("llama3-8b")
+    assert [kv_values_per_token_layer(llama, tp) for tp in (1, 2, 8, 16)] == [2048, 1024, 256, 256]
+    assert kv_values_per_token_layer(DSV3, 1) == kv_values_per_token_layer(DSV3, 8) == 576
+    assert kv_bytes_per_token(llama, bytes_per_value=1, tp=2, layers=3) == 3 * 1024

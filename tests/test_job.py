@@ -81,3 +81,37 @@ def test_rank_0_works_the_job_out_and_every_rank_gets_it(tiny_config):
     assert jobs[0] == jobs[1] and jobs[0].world_size == 2 and jobs[0].settings.plan not in ("", "auto")
     errors = run_ranks(2, _agreed, tiny_config.replace(plan="dp=3"))
     assert errors[0] == errors[1] and errors[0].startswith("UserError: invalid plan: dp=3 x tp=1 x pp=1 = 3"), errors
+
+
+def test_which_jobs_re_split_their_pipeline(tiny_config):
+    """A pipeline of one stage per rank adapts its split (`Job.adapt_split`); --no-adapt, pp=1
+    and an interleaved schedule (a line says why) keep it."""
+    lines: list[str] = []
+    job = resolve_job(tiny_config.replace(plan="pp=2"), 2, None, run_dir="r", log=lines.append)
+    assert job.adapt_split is not None and job.adapt is None and not lines
+    assert resolve_job(tiny_config.replace(plan="pp=2", adapt=False), 2, None, run_dir="r").adapt_split is None
+    assert resolve_job(tiny_config.replace(plan="dp=2"), 2, None, run_dir="r").adapt_split is None
+    job = resolve_job(tiny_config.replace(plan="pp=2,schedule=interleaved,virtual=2"), 2, None, run_dir="r",
+                      log=lines.append)
+    assert job.adapt_split is None
+    assert lines[-1] == ("phalanx: the pipeline's split stays as planned (not adapted to the stages' speeds): "
+                         "schedule=interleaved: a rank holds several stages, whose times are not measured apart yet")
+
+
+def test_a_resume_starts_from_the_split_the_run_adapted_to(tiny_config):
+    """A checkpoint written after a re-split records `stage_split`; a resume with adaptation
+    starts from it (and says so), one with --no-adapt or another number of stages from the
+    plan's own split."""
+    from dataclasses import asdict
+
+    from phalanx.model.by_name import model_config
+
+    cfg = tiny_config.replace(plan="pp=2", resume="must")
+    meta = {"step": 4, "world_size": 2, "model": model_config("tiny").to_dict(), "train": asdict(cfg), "stage_split": "3:1"}
+    saved = SavedCheckpoint(4, "r/checkpoints/step_000004", meta)
+    said: list[str] = []
+    assert resolve_job(cfg, 2, saved, run_dir="r", log=said.append).plan.split == "3:1"
+    assert said == ["phalanx: resuming with the pipeline split 3:1 the run had adapted to (layers per stage)"]
+    assert resolve_job(cfg.replace(adapt=False), 2, saved, run_dir="r").plan.split == ""
+    four = dict(meta, stage_split="1:1:1:1")
+    assert resolve_job(cfg, 2, SavedCheckpoint(4, "r/checkpoints/step_000004", four), run_dir="r").plan.split == ""

@@ -114,7 +114,9 @@ def test_sequence_length_must_divide_into_the_chunks(tmp_path, capsys):
     assert_cli_error([*argv, "--seq-len", "20", "--fix", "cp=2,tp=2,sp=true"], capsys,
                      "seq_len=20 must divide by 2 x cp x tp = 2 x 2 x 2 = 8 (cp=2 with sp=true)")
     assert_cli_error([*argv, "--seq-len", "64", "--fix", "cp=0"], capsys, "cp=0 must be at least 1")
-    assert_cli_error([*argv, "--seq-len", "64", "--cp-overlap"], capsys, "the phalanx trainer all-gathers keys and values")
+    assert_cli_error([*argv, "--seq-len", "64", "--fix", "cp=1,cp_ring=true"], capsys, "cp_ring=true needs cp > 1")
+    assert_cli_error(["plan", "--model", "tiny-dsv3", "--gpus", "2", "--global-batch", "2", "--seq-len", "64", "--fix",
+                      "cp=2,cp_ring=true"], capsys, "cp_ring=true does not run latent attention (model 'tiny-dsv3')")
 
 
 def test_long_sequences_cp_beats_tp_on_llama_8b():
@@ -174,3 +176,58 @@ def test_trainer_prefers_cp_over_tp_at_131k_on_llama_8b():
                         space=SearchSpace(phalanx_trainer=True), keep=1)
         best[name] = result.ranked[0]
     assert best["cp"].step_time_s < best["tp"].step_time_s
+
+
+def test_trainer_ring_hides_each_step_behind_a_step_of_attention():
+    """cp_ring=true (parallel/context_parallel_ring.py): the gather's bytes go around the ring
+    in cp - 1 point-to-point steps of t_gather / (cp - 1) each (a ring all-gather's steps), each
+    in flight while one of the cp equal steps of attention computes (every step is the same
+    causal work with the load-balanced chunks: `ring_step_pairs`), forward and backward."""
+    from phalanx import layout_rules as rules
+    from phalanx.planner.stage_time import layer_costs
+
+    cp = 4
+    assert {rules.ring_step_pairs(LONG.seq_len, cp, 1, owner) for owner in (0, 2, 3)} == {2 * (LONG.seq_len // 8) ** 2}
+    lay = Layout(dp=1, cp=cp, cp_ring=True, microbatches=8, mbs=1)
+    trainer = Options(phalanx_trainer=True)
+    step = comm.all_gather(H100, kv_gather_bytes(GQA, 1, LONG.seq_len, 1), size=cp, stride=1) / (cp - 1)
+    dense = layer_costs(GQA, H100, LONG, lay, trainer, overhead=0.0, moe=False)[0]
+    sm = H100.hidden_comm_cost
+    expected = sum((cp - 1) * (max(step - a / cp, 0.0) + sm * min(step, a / cp))
+                   for a in (dense.attention_f, dense.attention_b))
+    ring = evaluate(GQA, H100, LONG, lay, trainer).breakdown["cp_comm"]
+    assert ring == pytest.approx(8 * GQA.n_layers * expected, rel=1e-12)
+    gather = evaluate(GQA, H100, LONG, lay.replace(cp_ring=False), trainer)
+    assert ring < gather.breakdown["cp_comm"]
+    # Memory: the ring fills the kept keys in place and sums one rank's key gradients at a time
+    # (1 + 4 / cp copies of the whole sequence's keys and values) where the gather holds 4.
+    ringed = evaluate(GQA, H100, LONG, lay, trainer).memory_breakdown["comm_buffers"]
+    saved = gather.memory_breakdown["comm_buffers"] - ringed
+    assert saved == pytest.approx((4 - 1 - 4 / cp) * gathered_kv_bytes(GQA, 1, LONG.seq_len, 1), rel=1e-9)
+
+
+def test_planner_picks_gather_or_ring_per_layout(capsys):
+    """The search prices both of the trainer's cp schedules for every cp layout and keeps the
+    faster: Llama 3.1 8B at 32,768 tokens on dp=8 x cp=8 H100s (attention per step shorter than
+    the whole gather, so the ring hides more of it) runs the ring; a latent-attention model keeps
+    the gather (the ring refuses it), and so does a CPU cluster unless asked; `--cp-overlap`
+    gives every cp layout the ring; the chosen plan is what `phalanx train --plan` runs."""
+    def plans(fix: str, *extra: str) -> list[dict]:
+        assert cli.run(["plan", "--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "64", "--global-batch",
+                        "64", "--seq-len", "32768", "--fix", fix, "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["plans"]
+
+    best = plans("dp=8,cp=8,recompute=full")[0]
+    assert "cp_ring=true" in best["plan"] and best["cp_ring"] is True
+    assert best["step_time_s"] < plans("dp=8,cp=8,recompute=full,cp_ring=false")[0]["step_time_s"]
+    assert all("cp_ring=true" in row["plan"] for row in plans("cp=8,recompute=full", "--cp-overlap"))
+    latent = search(PRESETS["tiny-dsv3"], H100, Workload(global_batch=2, seq_len=256), world_size=2,
+                    fixed={"cp": 2}, space=SearchSpace(min_cp_chunk=1))
+    assert latent.ranked and not any(e.layout.cp_ring for e in latent.ranked)
+    # A CPU cluster keeps the gather unless asked: no transfer hides there, and the ring cost more CPU.
+    local = CLUSTERS["local"]
+    cpu = search(GQA, local, LONG, world_size=2, fixed={"cp": 2}, options=Options(phalanx_trainer=True))
+    assert cpu.ranked and not any(e.layout.cp_ring for e in cpu.ranked)
+    asked = search(GQA, local, LONG, world_size=2, fixed={"cp": 2, "cp_ring": True},
+                   options=Options(phalanx_trainer=True))
+    assert asked.ranked and all(e.layout.cp_ring for e in asked.ranked)

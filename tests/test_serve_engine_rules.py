@@ -9,8 +9,8 @@ import pytest
 
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
-from phalanx.planner.serve_memory import PoolRule, max_batch_for, rank_memory
-from phalanx.planner.serve_step import ServeLayout
+from phalanx.planner.serve.memory import PoolRule, max_batch_for, rank_memory
+from phalanx.planner.serve.step import ServeLayout
 
 
 def test_free_memory_share_and_device_share():
@@ -48,8 +48,8 @@ def test_each_gemm_launch_pays_its_fill():
     import dataclasses
 
     from phalanx.planner.hardware import PRESETS as CLUSTERS
-    from phalanx.planner.serve_costs import GPU_ENGINE, GPU_KERNEL_FILL_S, kernel_fill_seconds
-    from phalanx.planner.serve_step import step_time
+    from phalanx.planner.serve.costs import GPU_ENGINE, GPU_KERNEL_FILL_S, kernel_fill_seconds
+    from phalanx.planner.serve.step import step_time
 
     cluster = CLUSTERS["dgx-h100"]
     for name, layout, launches in (("llama3-8b", ServeLayout(weight_dtype="fp8"), 129),

@@ -75,6 +75,25 @@ def test_concurrent_greedy_equals_transformers_through_preemption(server, client
     assert len({tuple(a.choices[0].token_ids) for a in answers}) > 16, "distinct prompts, distinct continuations"
 
 
+def test_unstreamed_answers_outlast_the_disconnect_poll(client):
+    """24 unstreamed completions of 100 tokens on the 15-block cache (one at a time: each needs
+    all of it) wait on each other for longer than DISCONNECT_POLL_S, the interval at which the
+    handler looks whether its client hung up: each still gets its whole answer (the engine
+    request's local name once shadowed the HTTP request's, and every such wait was a 500)."""
+    from phalanx.serve.api import DISCONNECT_POLL_S
+
+    def complete(first: int):
+        began = time.monotonic()
+        answer = client.completions.create(model=NAME, prompt=[first] * 20, max_tokens=100, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        return answer, time.monotonic() - began
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(complete, range(30, 54)))
+    assert max(took for _, took in results) > DISCONNECT_POLL_S, "the test needs a wait longer than the poll"
+    assert all(answer.usage.completion_tokens == 100 for answer, _ in results)
+
+
 def test_streamed_equals_unstreamed_with_multibyte_text(client):
     """Sampled (seed 7, temperature 1) from a prompt of 2- and 3-byte characters over 256 byte
     tokens: the streamed pieces concatenate to the unstreamed text, which is the bytes of its

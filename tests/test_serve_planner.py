@@ -13,9 +13,9 @@ import pytest
 
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
-from phalanx.planner.serve_rates import ServeLoad
-from phalanx.planner.serve_search import search_serving
-from phalanx.planner.serve_step import ServeLayout, decode_step_time, step_time
+from phalanx.planner.serve.rates import ServeLoad
+from phalanx.planner.serve.search import search_serving
+from phalanx.planner.serve.step import ServeLayout, decode_step_time, step_time
 
 
 def _best(model, cluster, load, gpus, fixed=None, **kw):
@@ -91,6 +91,8 @@ def test_nvlink_rack_beats_8_gpu_nodes_when_dispatch_dominates():
     (["--fix", "zero=1"], "--fix zero= is a training knob"),
     (["--fix", "schedule=1f1b"], "--fix schedule= is a training knob"),
     (["--fix", "tq=2"], "unknown serving key 'tq'"),
+    (["--fix", "tp=2,tp=4"], "--fix key 'tp' is given twice"),
+    (["--fix", "tp"], "--fix item 'tp' is not of the form key=value"),
     (["--fix", "tp=3"], "no serving layout of 8 GPUs matches --fix tp=3"),
     (["--weight-dtype", "fp4"], "has no fp4 tensor cores"),
     (["--rate", "-1"], "--rate=-1.0 must be a positive number"),
@@ -187,3 +189,48 @@ def test_an_overloaded_plan_shows_no_ttft(capsys):
             main([*base, "--rate", rate])
         rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:1].isdigit() and "layouts" not in line]
         assert rows and all(("overloaded" in row) == overloaded for row in rows), rows
+
+
+def test_fp4_gemms_run_at_the_published_share_of_fp8_not_the_datasheet_ratio():
+    """An NVFP4 GEMM is priced at NVFP4_OVER_FP8 times the fp8 rate (NVIDIA's published 1.5-2.2x),
+    never above the datasheet's fp4 peak; a cluster with fp4 units and no fp8 figure keeps its
+    datasheet fp4 peak. So a compute-bound fp4 prefill is faster than fp8, but by less than 2x."""
+    from phalanx.planner.serve.step import NVFP4_OVER_FP8, gemm_peak
+
+    b200 = CLUSTERS["dgx-b200"]
+    fp8, fp4 = gemm_peak(b200, "fp8", 8), gemm_peak(b200, "fp4", 8)
+    assert fp4 == pytest.approx(fp8 * NVFP4_OVER_FP8)
+    assert fp8 < fp4 < fp8 * b200.fp4_tflops / b200.fp8_tflops
+    no_fp8 = dataclasses.replace(b200, fp8_tflops=0.0)
+    assert gemm_peak(no_fp8, "fp4", 8) == pytest.approx(gemm_peak(b200, "bf16", 8) * b200.fp4_tflops / b200.peak_tflops)
+    slow_fp4 = dataclasses.replace(b200, fp4_tflops=b200.fp8_tflops * 1.2)
+    assert gemm_peak(slow_fp4, "fp4", 8) == pytest.approx(fp8 * 1.2)
+    model = MODELS["llama3-70b"]
+    layout = dict(tp=1)
+    t8 = step_time(model, b200, ServeLayout(weight_dtype="fp8", kv_dtype="fp8", **layout), decodes=0, context=0,
+                   prefill_tokens=8192).seconds
+    t4 = step_time(model, b200, ServeLayout(weight_dtype="fp4", kv_dtype="fp8", **layout), decodes=0, context=0,
+                   prefill_tokens=8192).seconds
+    assert t8 / 2 < t4 < t8
+
+
+def test_plan_and_simulate_take_serve_as_their_registered_second_grammar():
+    """`plan --serve` and `simulate --serve` are the `plan` and `simulate` parsers' own second
+    grammar (phalanx/cli.py registers it), not an argv scanned before parsing: the parsed
+    command is `plan`, runs the serving planner, and the training grammar is untouched."""
+    from phalanx.cli import build_parser
+    from phalanx.planner.cli import run_plan
+    from phalanx.planner.serve.cli import run_serve_plan
+    from phalanx.planner.serve.sim_report import run_serve_simulate
+
+    parser = build_parser()
+    base = ["--model", "llama3-8b", "--gpus", "8", "--isl", "100", "--osl", "10"]
+    args = parser.parse_args(["plan", *base, "--serve"])
+    assert (args.command, args.func, args.isl) == ("plan", run_serve_plan, 100)
+    args = parser.parse_args(["simulate", "--serve", *base, "--rate", "2"])
+    assert (args.command, args.func, args.rate) == ("simulate", run_serve_simulate, 2.0)
+    args = parser.parse_args(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq-len", "64"])
+    assert (args.command, args.func, args.serve) == ("plan", run_plan, False)
+    with pytest.raises(SystemExit):  # the serving grammar's own flags belong to it alone
+        parser.parse_args(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq-len", "64",
+                           "--isl", "100"])

@@ -1,4 +1,4 @@
-"""Calibration of the serving engine's constants (planner/serve_fit.py, serve_costs.py),
+"""Calibration of the serving engine's constants (planner/serve/fit.py, serve/costs.py),
 without timing anything: steps made by the step model itself from known constants must be
 fitted back to them, and a bad calibration file is a one-line error."""
 
@@ -12,9 +12,9 @@ import pytest
 from phalanx.errors import UserError
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
-from phalanx.planner.serve_costs import ServeCosts, load_serve_costs, serve_costs_for
-from phalanx.planner.serve_fit import MeasuredStep, fit
-from phalanx.planner.serve_step import ServeLayout, step_time
+from phalanx.planner.serve.costs import ServeCosts, load_serve_costs, serve_costs_for
+from phalanx.planner.serve.fit import MeasuredStep, fit
+from phalanx.planner.serve.step import ServeLayout, step_time
 
 
 def test_fit_recovers_the_constants_that_made_the_steps():
@@ -55,7 +55,7 @@ def test_probe_fit_recovers_what_the_server_adds_to_the_engine_steps():
     step, 1 ms per sequence, 30 ms per request, 20 ms per step of a tp=2 group) are fitted back
     to those extras from the base constants, as `phalanx calibrate --serve` does with measured
     ones; an extra the steps already over-explain is clipped at 0, never negative."""
-    from phalanx.planner.serve_fit import ServerProbe, fit_probe, predicted_latency
+    from phalanx.planner.serve.fit import ServerProbe, fit_probe, predicted_latency
 
     model, cluster = MODELS["small"], CLUSTERS["local"]
     base = ServeCosts(step_s=1e-3, sequence_layer_s=1e-4, flops_scale=0.3, bandwidth_scale=0.3)
@@ -107,7 +107,7 @@ def test_a_prompt_that_finds_the_engine_idle_waits_for_no_step():
     """At a vanishing rate (the probe's one request at a time) the TTFT is the request's own
     cost and its prompt's step alone: no half step of waiting for a running step, no decodes'
     forward beside it (both scale with the chance that some sequence is running)."""
-    from phalanx.planner.serve_fit import ServerProbe, predicted_latency
+    from phalanx.planner.serve.fit import ServerProbe, predicted_latency
 
     model, cluster = MODELS["small"], CLUSTERS["local"]
     costs = ServeCosts(step_s=4e-3, request_s=0.01, group_step_s=((2, 0.05),), split_forwards=True)

@@ -1,4 +1,4 @@
-"""The serving simulator (planner/serve_simulate.py) on scripted arrivals, on a simulated clock:
+"""The serving simulator (planner/serve/simulate.py) on scripted arrivals, on a simulated clock:
 it must make the scheduler's own decisions (admission, completion and preemption order) and
 be deterministic; no timing of this machine enters."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from phalanx.planner.serve_simulate import Arrival, simulate
+from phalanx.planner.serve.simulate import Arrival, simulate
 from phalanx.scheduling.scheduler import Scheduler, Sequence
 
 # A scripted trace: bursts and gaps, prompts longer than the token budget (chunked prefill),

@@ -12,11 +12,11 @@ import pytest
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.memory import param_counts
-from phalanx.planner.serve_expert_load import expected_imbalance, zipf_load
-from phalanx.planner.serve_memory import weight_bytes
-from phalanx.planner.serve_rates import ServeLoad
-from phalanx.planner.serve_search import search_serving
-from phalanx.planner.serve_step import WEIGHT_BYTES, ServeLayout, step_time
+from phalanx.planner.serve.expert_load import expected_imbalance, zipf_load
+from phalanx.planner.serve.memory import weight_bytes
+from phalanx.planner.serve.rates import ServeLoad
+from phalanx.planner.serve.search import search_serving
+from phalanx.planner.serve.step import WEIGHT_BYTES, ServeLayout, step_time
 
 SGLANG_DECODE = ["plan", "--serve", "--model", "deepseek-v3", "--cluster", "dgx-h100", "--gpus", "72",
                  "--isl", "2000", "--osl", "100", "--phase", "decode", "--weight-dtype", "fp8"]

@@ -182,7 +182,7 @@ def _auto(ranks: int, *, ttft_ms=2000.0, tpot_ms=None, isl=512, osl=128):
     from phalanx.layout_rules import tp_problem
     from phalanx.planner.hardware import cluster_from_name
     from phalanx.planner.model_spec import model_from_name
-    from phalanx.planner.serve_rates import ServeLoad
+    from phalanx.planner.serve.rates import ServeLoad
     from phalanx.serve.pool_auto import auto_split
 
     model, cluster = model_from_name("small"), cluster_from_name("local")
@@ -200,7 +200,7 @@ def test_pool_auto_takes_the_smallest_latency_pool_within_the_targets_and_the_re
     them, and it ranks first (the planner's key) among its size's layouts within them; the
     throughput pool's layout ranks first among its size's without targets; and a tighter TPOT
     target never gives the latency pool a slower predicted TPOT (nor fewer ranks)."""
-    from phalanx.planner.serve_rates import ServeLoad
+    from phalanx.planner.serve.rates import ServeLoad
     from phalanx.serve.pool_auto import meets, pool_layouts, rate_pool
 
     monkeypatch.setenv("PHALANX_HOME", str(tmp_path))

@@ -68,3 +68,31 @@ def test_waiting_queue_is_bounded_and_loading_refuses():
             loop.submit(Sequence.of("huge", [1] * 40, 1), IncrementalText(_bytes))
 
     asyncio.run(submit_all())
+
+
+def test_windowed_pieces_add_up_to_decoding_every_id(tmp_path):
+    """The pieces decode a window of ids, not all of them: for a byte-level BPE (with its special
+    token skipped or kept), words joined by a WordPiece decoder, a SentencePiece-style Metaspace
+    decoder (which drops the first token's leading space) and bytes, over random ids including
+    invalid byte runs, the pieces always add up to decoding every id at once."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from phalanx.testing.tokenizers import train_bpe
+
+    bpe = Tokenizer.from_file(str(train_bpe(tmp_path / "bpe.json", vocab_size=300, byte_alphabet=True)))
+    words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["w0", "a", "b", "##c", ".", ","])}, unk_token="w0"))
+    words.decoder = decoders.WordPiece(prefix="##")
+    pieces = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "\u2581hi", "\u2581a", "b", "\u2581"])},
+                                        unk_token="<unk>"))
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace()
+    pieces.decoder = decoders.Metaspace()
+    cases = [(lambda ids: bpe.decode(ids, skip_special_tokens=True), bpe.get_vocab_size()),
+             (lambda ids: bpe.decode(ids, skip_special_tokens=False), bpe.get_vocab_size()),
+             (words.decode, 6), (pieces.decode, 5), (_bytes, 256)]
+    rng = random.Random(0)
+    for decode, vocab in cases:
+        for _ in range(40):
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+            assert "".join(_pieces(IncrementalText(decode), ids)) == decode(ids), (ids, decode(ids))

@@ -1,4 +1,4 @@
-"""The published serving runs the planner is checked on (phalanx/planner/serve_validation.json,
+"""The published serving runs the planner is checked on (phalanx/planner/serve/validation.json,
 benchmarks/serve_planner_published.py): each row names its source and engine and states the
 whole configuration the planner needs; half of every source is held out; and the planner
 refuses none of them (each really ran). Torch-free; the predictions' accuracy is the

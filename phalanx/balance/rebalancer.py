@@ -18,14 +18,25 @@ imbalance after = before); after a move the measured average starts again, on th
 `phalanx.balance.slot_copies.copy_sources` decides which old slot each new slot copies from;
 the weight move (`phalanx.parallel.expert_slot_moves`) and `bytes_moved` both use it, so the
 figure is the bytes that the move really sends between ranks.
+
+Ranks of different speeds (issue 40): given `speed_rules` (`adapt_policy.AdaptRules`),
+`observe` also takes each ep rank's measured speed; each rank's median over the last `window`
+steps (8: one slow step moves nothing) weights the placement (`balance/speed_weighted.py`: a
+rank's time is its load over its speed, and the times are evened) once the window is full and
+the fastest is more than `band` (10%) above the slowest; until then they count as equal, the
+placement is the balancer's usual one and the row has no `speeds`. Imbalance is then of the
+ranks' times (load / relative speed), before and after, and a move is made when it lowers the
+slowest rank's time (averaged over the layers).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from statistics import median
 
 import numpy as np
 
+from phalanx.adapt_policy import AdaptRules
 from phalanx.balance import measure
 from phalanx.balance.slot_copies import remote_copies
 from phalanx.balance.solve import rebalance
@@ -42,10 +53,16 @@ class RebalanceEvent:
     imbalance_after: float
     moved_slots: int
     bytes_moved: int
+    speeds: list[float] | None = None
+    """The ep ranks' relative speeds the placement was weighted by (None: taken as equal)."""
 
     def row(self) -> dict:
-        """The metrics.jsonl event row; keys kept exactly as issue 13 names them."""
-        return {"event": "rebalance", **asdict(self)}
+        """The metrics.jsonl event row; keys kept exactly as issue 13 names them, and `speeds`
+        (issue 40) when the ranks' speeds weighted it."""
+        row = {"event": "rebalance", **asdict(self)}
+        if self.speeds is None:
+            del row["speeds"]
+        return row
 
 
 def loads_from_record(moe_record: dict, ep: int) -> tuple[np.ndarray, np.ndarray]:
@@ -80,9 +97,10 @@ class ExpertRebalancer:
     """The load average and the placement of every MoE layer; one per trainer, same on every rank."""
 
     def __init__(self, phy2log, n_experts: int, ep: int, *, every: int, slot_bytes: int,
-                 decay: float = DEFAULT_DECAY):
+                 decay: float = DEFAULT_DECAY, speed_rules: AdaptRules | None = None):
         """phy2log: (MoE layers, S) the current slot -> expert rows (one per layer);
-        slot_bytes: bytes of one slot's weights and optimizer state (what a moved slot sends)."""
+        slot_bytes: bytes of one slot's weights and optimizer state (what a moved slot sends);
+        speed_rules: how the ep ranks' speeds weigh the placement (None: they do not)."""
         if every < 1:
             raise UserError(f"--rebalance-every={every} must be at least 1")
         if not 0 <= decay < 1:
@@ -92,16 +110,31 @@ class ExpertRebalancer:
         self.slot_bytes = slot_bytes
         self.expert_load: np.ndarray | None = None  # (layers, experts) moving average
         self.rank_load: np.ndarray | None = None  # (layers, ep) moving average of measured arrivals
+        self.speed_rules = speed_rules
+        self.speeds: list[list[float]] = []  # the last `window` steps' ep rank speeds, each step's fastest 1
 
     def _average(self, current: np.ndarray | None, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, dtype=float)
         return tokens.copy() if current is None else self.decay * current + (1 - self.decay) * tokens
 
-    def observe(self, step: int, expert_tokens, rank_tokens=None) -> RebalanceEvent | None:
+    def weights(self) -> np.ndarray | None:
+        """The ep ranks' relative speeds to weight the placement by (each one's median over the
+        window, the fastest 1), or None while the window is not full or they are within the
+        band of each other: equal."""
+        rules = self.speed_rules
+        if rules is None or len(self.speeds) < rules.window:
+            return None
+        smooth = np.array([median(step[e] for step in self.speeds) for e in range(self.ep)])
+        if smooth.max() <= smooth.min() * (1 + rules.band):
+            return None
+        return smooth / smooth.max()
+
+    def observe(self, step: int, expert_tokens, rank_tokens=None, speeds=None) -> RebalanceEvent | None:
         """Fold in one step's loads; on every K-th step re-plan and return the event (else None).
 
         expert_tokens: (layers, experts) this step's tokens per expert, summed over dp;
-        rank_tokens: (layers, ep) tokens each ep rank's slots computed, if measured.
+        rank_tokens: (layers, ep) tokens each ep rank's slots computed, if measured;
+        speeds: (ep,) each ep rank's speed this step (any unit), if measured.
         After an event, `phy2log` is the new placement; the caller moves the slots
         (`copy_sources` says from where) before the next forward.
         """
@@ -114,21 +147,35 @@ class ExpertRebalancer:
             if rank_tokens.shape != (len(self.phy2log), self.ep):
                 raise UserError(f"rank loads of shape {rank_tokens.shape}, expected {(len(self.phy2log), self.ep)} (MoE layers, ep ranks)")
             self.rank_load = self._average(self.rank_load, rank_tokens)
+        if speeds is not None and self.speed_rules is not None:
+            speeds = np.asarray(speeds, dtype=float)
+            if speeds.shape != (self.ep,) or not np.all(np.isfinite(speeds)) or np.any(speeds <= 0):
+                raise UserError(f"rank speeds {speeds.tolist()}: expected {self.ep} positive numbers (ep ranks)")
+            self.speeds = [*self.speeds, (speeds / speeds.max()).tolist()][-self.speed_rules.window:]
         if step < 1 or step % self.every:
             return None
         old = self.phy2log
+        weights = self.weights()
+        scale = 1.0 if weights is None else weights  # a rank's time: its load over its relative speed
         before = self.rank_load if self.rank_load is not None else measure.gpu_loads(self.expert_load, old, self.ep)
-        imbalance_before = float(measure.imbalance(before).mean())
+        imbalance_before = float(measure.imbalance(before / scale).mean())
         # One node, global policy: phalanx's routers pick experts without group limits, so the
         # balancer's hierarchical policy (groups packed onto nodes) has nothing to work with.
-        result = rebalance(self.expert_load, old.shape[1], 1, 1, self.ep, policy="global", previous=old)
-        imbalance_after = float(measure.imbalance(measure.gpu_loads(self.expert_load, result.phy2log, self.ep)).mean())
-        if imbalance_after >= imbalance_before:
+        result = rebalance(self.expert_load, old.shape[1], 1, 1, self.ep, policy="global", previous=old, speeds=weights)
+        after = measure.gpu_loads(self.expert_load, result.phy2log, self.ep) / scale
+        imbalance_after = float(measure.imbalance(after).mean())
+        shown = None if weights is None else [round(float(w), 4) for w in weights]
+        # With equal speeds every layout of a layer's load has the same mean, so the imbalance
+        # orders them as the top rank's load does; with speeds the mean time changes too, and the
+        # step waits on the slowest rank: compare its time.
+        no_gain = (imbalance_after >= imbalance_before if weights is None
+                   else after.max(axis=1).mean() >= (before / scale).max(axis=1).mean() * (1 - 1e-12))
+        if no_gain:
             # A move sends weights and stalls a step; one that promises no less imbalance than
             # what is measured now (an even load, or the balancer's best is already in place)
             # is not made: the placement, and so the imbalance, stay as they are.
             return RebalanceEvent(step=step, imbalance_before=imbalance_before, imbalance_after=imbalance_before,
-                                  moved_slots=0, bytes_moved=0)
+                                  moved_slots=0, bytes_moved=0, speeds=shown)
         self.phy2log = result.phy2log
         if measure.moved_slots(self.phy2log, old):
             # The measured arrivals were the old placement's: the next decision measures the new one.
@@ -139,12 +186,14 @@ class ExpertRebalancer:
             imbalance_after=imbalance_after,
             moved_slots=measure.moved_slots(self.phy2log, old),
             bytes_moved=remote_copies(old, self.phy2log, self.ep) * self.slot_bytes,
+            speeds=shown,
         )
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps so a resumed run routes and re-plans as the saved one would."""
         as_list = lambda a: None if a is None else a.tolist()  # noqa: E731
-        return {"phy2log": self.phy2log.tolist(), "expert_load": as_list(self.expert_load), "rank_load": as_list(self.rank_load)}
+        return {"phy2log": self.phy2log.tolist(), "expert_load": as_list(self.expert_load), "rank_load": as_list(self.rank_load),
+                "speeds": self.speeds}
 
     def load_state_dict(self, state: dict) -> None:
         phy2log = np.array(state["phy2log"], dtype=np.int64, ndmin=2)
@@ -153,3 +202,4 @@ class ExpertRebalancer:
         self.phy2log = phy2log
         as_array = lambda a: None if a is None else np.array(a, dtype=float)  # noqa: E731
         self.expert_load, self.rank_load = as_array(state["expert_load"]), as_array(state["rank_load"])
+        self.speeds = list(state.get("speeds") or [])  # absent in checkpoints from before issue 40

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from phalanx.balance import incremental, measure
+from phalanx.balance import incremental, measure, speed_weighted
 from phalanx.balance.node_assignments import lightest_assignments
 from phalanx.balance.packing import pack, spread
 from phalanx.balance.placement import NodeFrame, Problem, check_problem, greedy, group_bounds
@@ -93,13 +93,19 @@ def check_load(load) -> np.ndarray:
 
 
 def rebalance(load, replicas: int, groups: int, nodes: int, gpus: int, *, policy: str = "auto",
-              refine: bool = True, previous=None) -> Result:
-    """Place `replicas` slots per layer over `gpus` GPUs on `nodes` nodes (see placement.py)."""
+              refine: bool = True, previous=None, speeds=None) -> Result:
+    """Place `replicas` slots per layer over `gpus` GPUs on `nodes` nodes (see placement.py).
+    `speeds`: each GPU's relative speed, to even load / speed instead of load (one node,
+    speed_weighted.py); None: all alike."""
     start = time.perf_counter()
     load = check_load(load)
     problem = check_problem(*load.shape, replicas, groups, nodes, gpus, policy)
     if previous is not None:
         previous = incremental.check_previous(previous, problem)
+    if speeds is not None:
+        if nodes != 1:
+            raise UserError(f"rank speeds place slots on one node only, not {nodes}")
+        return Result(speed_weighted.place(load, replicas, speeds, previous), problem, time.perf_counter() - start, previous)
     frame = greedy(load, problem)
     if refine:
         _improve(frame, load, problem)

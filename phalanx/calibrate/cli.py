@@ -30,7 +30,7 @@ def run_calibrate(args) -> int:
 
         # Imported when run, not at the top: the command's own code, which start-up need not load.
         from phalanx.calibrate.serve_steps import calibrate_serve
-        from phalanx.planner.serve_costs import serve_costs_path
+        from phalanx.planner.serve.costs import serve_costs_path
 
         if args.max_procs < 1:
             raise UserError(f"--max-procs {args.max_procs}: with --serve, the largest tp group probed (1: none)")

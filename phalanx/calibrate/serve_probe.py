@@ -1,6 +1,6 @@
 """`phalanx calibrate --serve`'s second half: a real `phalanx serve` on 127.0.0.1 (a free port),
 probed with a few streamed requests, for what the engine's steps in-process do not show
-(planner/serve_fit.fit_probe): streaming each sequence's token through the server's thread
+(planner/serve/fit.fit_probe): streaming each sequence's token through the server's thread
 (per step, per sequence), a tp group's cost per step, the HTTP path per request.
 
 Each request's prompt is `isl` random token ids (no prefix-cache hits) and it streams `osl`
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from phalanx import hf
 from phalanx.layout_rules import tp_problem
-from phalanx.planner.serve_fit import ServerProbe, fit_probe
+from phalanx.planner.serve.fit import ServerProbe, fit_probe
 from phalanx.serve.pool_backend import Backend, backend_command
 from phalanx.serve.pool_proxy import forward
 

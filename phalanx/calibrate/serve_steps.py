@@ -1,6 +1,6 @@
 """`phalanx calibrate --serve`: time `phalanx serve`'s own engine steps on this machine and fit
-the serving planner's engine constants (planner/serve_fit.py), written to `serve-local.json`
-beside the cluster file (planner/serve_costs.py reads it for `--cluster local`).
+the serving planner's engine constants (planner/serve/fit.py), written to `serve-local.json`
+beside the cluster file (planner/serve/costs.py reads it for `--cluster local`).
 
 The steps are the engine's (phalanx/serve/engine.py: the scheduler's batch through the
 model and its paged cache, sampling included), in this process, on a randomly initialized
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.serve_fit import MeasuredStep, fit
-from phalanx.planner.serve_step import ServeLayout
+from phalanx.planner.serve.fit import MeasuredStep, fit
+from phalanx.planner.serve.step import ServeLayout
 from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 
 

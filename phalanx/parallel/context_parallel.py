@@ -7,9 +7,11 @@ earlier key. Three small pieces do it:
 - context_parallel_layout.py: which positions a rank holds, and the blocks of keys its queries
   see (each chunk's causal diagonal and the unmasked keys before it; per document under
   `--doc-mask`): no (queries x keys) mask is ever built;
-- context_parallel_attention.py: the flash kernels on those blocks, merged by log-sum-exp;
+- context_parallel_attention.py: the flash kernels on those blocks (context_parallel_blocks.py),
+  merged by log-sum-exp;
 - context_parallel_schedule.py: the all-gather of keys and values over the cp group (whose
-  backward reduce-scatters their gradients).
+  backward reduce-scatters their gradients), or with the plan's `cp_ring=true` a ring of
+  point-to-point passes, each overlapped with a step of attention (context_parallel_ring.py).
 The loss is each rank's mean over its tokens; gradients are then averaged over the dp x cp
 ranks (every rank holds as many tokens), which is the global batch's mean, as one process
 computes it.
@@ -70,11 +72,12 @@ class SequenceView:
     position order, and a `ChunkAttention` in place of a mask."""
 
     def __init__(self, queries: torch.Tensor, group, cp: int, rank: int, documents: torch.Tensor | None,
-                 gather_here: bool):
+                 gather_here: bool, ring: bool = False):
         self.queries, self.group, self.cp, self.gather_here = queries, group, cp, gather_here or cp == 1
-        # Without gather_here, the attention gathers the keys itself, overlapped with its diagonal blocks.
+        # Without gather_here, the attention gathers the keys itself, overlapped with its diagonal
+        # blocks, or (ring) passes them around the cp ranks, overlapped with each step's blocks.
         self.attention = ChunkAttention(rank_chunks(cp, rank), documents, cp,
-                                        "" if self.gather_here else group.group_name)
+                                        "" if self.gather_here else group.group_name, ring and not self.gather_here)
 
     def positions(self, seq: int, device) -> torch.Tensor:
         return self.queries  # (seq,) absolute positions of this rank's two chunks
@@ -114,8 +117,8 @@ class WholeSequence:
 class ContextParallel:
     """Hands every attention layer of this rank its `SequenceView` (see the module docstring)."""
 
-    def __init__(self, cp: int, rank: int, group, doc_mask: bool):
-        self.cp, self.rank, self.group, self.doc_mask = cp, rank, group, doc_mask
+    def __init__(self, cp: int, rank: int, group, doc_mask: bool, ring: bool = False):
+        self.cp, self.rank, self.group, self.doc_mask, self.ring = cp, rank, group, doc_mask, ring
 
     def view(self, local_len: int, device, gather_here: bool = False) -> SequenceView:
         # Positions made afresh for every layer (a few aranges), not cached on this object: under
@@ -125,7 +128,8 @@ class ContextParallel:
         documents = _documents[0]
         if self.doc_mask and documents is None:
             raise RuntimeError("--doc-mask: no document ids for this forward (wrap it in document_ids)")
-        return SequenceView(queries, self.group, self.cp, self.rank, documents if self.doc_mask else None, gather_here)
+        return SequenceView(queries, self.group, self.cp, self.rank, documents if self.doc_mask else None, gather_here,
+                            self.ring)
 
     def hook(self, module: nn.Module, args: tuple):
         if len(args) > 2 and args[2] is not None:
@@ -139,10 +143,11 @@ class ContextParallel:
 
 def apply_context_parallel(model: nn.Module, mesh, *, doc_mask: bool = False) -> nn.Module:
     """Give every attention layer of `model` (a model or pipeline chunk) the whole sequence's
-    keys over the cp group, and with `doc_mask` a document mask. No-op without either."""
+    keys over the cp group (all-gathered, or around a ring with the plan's `cp_ring=true`), and
+    with `doc_mask` a document mask. No-op without either."""
     if mesh.cp == 1 and not doc_mask:
         return model
-    context = ContextParallel(mesh.cp, mesh.cp_rank, mesh.cp_group(), doc_mask)
+    context = ContextParallel(mesh.cp, mesh.cp_rank, mesh.cp_group(), doc_mask, mesh.plan.cp_ring)
     for block in model.layers.values():
         block.attention.register_forward_pre_hook(context.hook)
     return model

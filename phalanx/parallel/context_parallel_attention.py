@@ -1,35 +1,23 @@
-"""Context parallelism's attention merge: a rank's queries against the keys of the whole
-sequence, block by block with the flash kernels (no mask), merged by log-sum-exp.
+"""Context parallelism's attention: a rank's queries against the keys of the whole sequence,
+block by block with the flash kernels (no mask), merged by log-sum-exp
+(context_parallel_blocks.py holds the kernel calls on one block and the merge).
 
 The blocks (context_parallel_layout.py) are unmasked or causal with queries and keys of one
-length, exactly what the kernels take without a mask (`is_causal`'s top-left alignment is
-right for a square block): torch's flash kernel for CPU, FlashAttention-2 on CUDA in bf16/fp16,
-the memory-efficient kernel on CUDA in fp32. Each returns its output and the log-sum-exp of
-each query's scores; the blocks of one query range merge as
-    lse = log(sum_i exp(lse_i)),  out = sum_i exp(lse_i - lse) out_i,
-which is softmax over the union of their keys. The causal half of the sequence is skipped
-by construction (no block covers it), so a rank does ~(seq/cp) x seq / 2 query-key pairs.
-
-Backward is the flash backward of each block, given the merged output and the merged
-log-sum-exp (as ring attention does): the kernel recomputes each block's probabilities as
-exp(scores - lse), the merged softmax's own, and its D = rowsum(dout * out) is the merged one,
-so the per-block gradients add up to the gradient of the merged softmax. Key and value
-gradients of blocks shared by several query ranges add up.
+length, exactly what the kernels take without a mask. The causal half of the sequence is
+skipped by construction (no block covers it), so a rank does ~(seq/cp) x seq / 2 query-key
+pairs. Key and value gradients of blocks shared by several query ranges add up.
 
 Both directions are custom ops (`phalanx::cp_attention`, `phalanx::cp_attention_backward`):
 opaque to dynamo, so `--compile` keeps a block's one graph (the per-document blocks of
 `--doc-mask` depend on the data, which a traced graph could not loop over), and autograd sees
-one node per layer. Grouped-query attention repeats a block's kv heads for the kernel call
-only (the kernels want one kv head per query head) and sums their gradients back; value
-channels that differ from the key's (latent attention) are padded with zeros to the kernel's
-one head size.
+one node per layer.
 
 Given a cp group, the op takes this rank's own keys and values and gathers the rest itself,
 overlapped with the diagonal blocks, and reduce-scatters their gradients, overlapped with the
-diagonal blocks' backward (context_parallel_schedule.py); given none (cp=1 under `--doc-mask`,
-or latent attention, whose gather comes before its decompression), the whole sequence's keys.
-The CUDA kernel calls follow the ops' schemas of torch 2.11 and 2.13 (their meta kernels
-accept these arguments) but have not yet run on a GPU.
+diagonal blocks' backward (context_parallel_schedule.py); or, with the plan's `cp_ring=true`,
+passes them around the cp ranks, each step's transfer overlapped with a step of attention
+(context_parallel_ring.py). Given none (cp=1 under `--doc-mask`, or latent attention, whose
+gather comes before its decompression), the whole sequence's keys.
 """
 
 from __future__ import annotations
@@ -38,97 +26,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from phalanx.parallel.context_parallel_layout import KeyBlock, causal_blocks, document_blocks, document_runs
+from phalanx.parallel.context_parallel_blocks import block_backward, block_forward, merge
+from phalanx.parallel.context_parallel_layout import KeyBlock, row_blocks
+from phalanx.parallel.context_parallel_ring import ring_backward, ring_forward
 from phalanx.parallel.context_parallel_schedule import PendingGather, PendingReduceScatter
-
-
-def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(batch, kv_heads, keys, c) -> (batch, heads, keys, c), each kv head for its heads / kv_heads query heads."""
-    batch, kv_heads, keys, c = t.shape
-    if kv_heads == heads:
-        return t
-    return t[:, :, None].expand(batch, kv_heads, heads // kv_heads, keys, c).reshape(batch, heads, keys, c)
-
-
-def _sum_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    batch, heads, keys, c = grad.shape
-    if kv_heads == heads:
-        return grad
-    return grad.view(batch, kv_heads, heads // kv_heads, keys, c).sum(2)  # (batch, kv_heads, keys, c)
-
-
-def _widths(q: torch.Tensor, v: torch.Tensor) -> int:
-    """The one head size the kernels take: the larger of the key's and the value's."""
-    return max(q.shape[-1], v.shape[-1])
-
-
-def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
-
-
-def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: q (batch, heads, queries, d), k (batch, kv_heads, keys, d), v (batch,
-    kv_heads, keys, dv) -> out (batch, heads, queries, dv), lse (batch, heads, queries) fp32."""
-    heads, dv, width = q.shape[1], v.shape[-1], _widths(q, v)
-    qp, kp, vp = _pad(q, width), _pad(_repeat_kv(k, heads), width), _pad(_repeat_kv(v, heads), width)
-    if not q.is_cuda:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qp, kp, vp, 0.0, causal, scale=scale)
-    elif q.dtype in (torch.float16, torch.bfloat16):
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)
-    else:  # fp32 on CUDA: the memory-efficient kernel, whose lse is padded to a multiple of 32 queries
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(qp, kp, vp, None, True, 0.0, causal,
-                                                                             scale=scale)
-        lse = lse[..., :q.shape[2]]
-    return out[..., :dv], lse.float()
-
-
-def block_backward(grad, q, k, v, out, lse, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
-    """One block's dq, dk, dv given the merged `out` and `lse` of its queries (module docstring)."""
-    heads, kv_heads, dv, width = q.shape[1], k.shape[1], v.shape[-1], _widths(q, v)
-    qp, kp, vp = _pad(q, width), _pad(_repeat_kv(k, heads), width), _pad(_repeat_kv(v, heads), width)
-    gp, op = _pad(grad, width), _pad(out, width)
-    if not q.is_cuda:
-        dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            gp, qp, kp, vp, op, lse, 0.0, causal, scale=scale)
-    elif q.dtype in (torch.float16, torch.bfloat16):
-        # The forward's bookkeeping outputs (no varlen: no cumulative lengths; no dropout: its
-        # random state unread), as autograd would pass them, taken from a one-query forward.
-        one = qp[:1, :1, :1]
-        _, _, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            one, one, one, 0.0, False, False, scale=scale)
-        dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            gp, qp, kp, vp, op, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
-    else:
-        # The kernel's log-sum-exp may be padded past the queries: pad the merged one as its
-        # forward would (its shape from the meta kernel), and its random state as a forward's.
-        meta = [t.to("meta") for t in (qp, kp, vp)]
-        padded = torch.ops.aten._scaled_dot_product_efficient_attention(*meta, None, True, 0.0, causal,
-                                                                         scale=scale)[1].shape[-1]
-        lse_p = F.pad(lse, (0, padded - q.shape[2]))
-        one = qp[:1, :1, :1]
-        _, _, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(one, one, one, None, True, 0.0, False,
-                                                                                   scale=scale)
-        dq, dk, dvv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            gp, qp, kp, vp, None, op, lse_p, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
-    return (dq[..., :q.shape[-1]], _sum_kv(dk[..., :k.shape[-1]], kv_heads), _sum_kv(dvv[..., :dv], kv_heads))
-
-
-def _row_blocks(batch: int, documents: torch.Tensor | None, chunks: list[int],
-                chunk: int) -> list[tuple[slice, dict[tuple[int, int], list[KeyBlock]]]]:
-    """[(batch rows, {query range: its blocks})]: all rows at once without documents, else row by row."""
-    if documents is None:
-        rows = [(slice(None), causal_blocks(chunks, chunk))]
-    else:
-        rows = [(slice(i, i + 1), document_blocks(chunks, chunk, document_runs(documents[i]))) for i in range(batch)]
-    out = []
-    for row, blocks in rows:
-        by_range: dict[tuple[int, int], list[KeyBlock]] = {}
-        for block in blocks:
-            by_range.setdefault((block.query_start, block.query_end), []).append(block)
-        out.append((row, by_range))
-    return out
 
 
 def _local_keys(block: KeyBlock, chunks: list[int], chunk: int) -> slice:
@@ -136,16 +38,6 @@ def _local_keys(block: KeyBlock, chunks: list[int], chunk: int) -> slice:
     slot = block.query_start // chunk
     shift = slot * chunk - chunks[slot] * chunk
     return slice(block.key_start + shift, block.key_end + shift)
-
-
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks' (out, lse) of the same queries -> the softmax over the union of their keys."""
-    if len(parts) == 1:
-        return parts[0]
-    lses = torch.stack([part[1] for part in parts])  # (blocks, batch, heads, queries)
-    merged = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - merged)[..., None]  # (blocks, batch, heads, queries, 1)
-    return sum(w * part[0].float() for w, part in zip(weights, parts)).to(dtype), merged
 
 
 def _group(group_name: str):
@@ -163,20 +55,23 @@ def _output(q: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
-                  chunks: list[int], scale: float, cp: int, group_name: str) -> tuple[torch.Tensor, ...]:
+                  chunks: list[int], scale: float, cp: int, group_name: str, ring: bool) -> tuple[torch.Tensor, ...]:
     """The forward of `phalanx::cp_attention`. q (batch, heads, len(chunks) * chunk, d): this
     rank's queries, chunk after chunk; `documents` (batch, seq) ids or None. With a
     `group_name`, k and v (batch, kv_heads, queries, d or dv) are this rank's own, gathered over
     the cp group here while the diagonal blocks compute (context_parallel_schedule.py); without,
     they are the whole sequence's in position order. -> out (batch, heads, queries, dv), lse
     (batch, heads, queries) fp32, and the gathered keys and values side by side on the
-    channels (empty without a group), kept for backward."""
+    channels (empty without a group), kept for backward. `ring`: with a group, the keys go
+    around the cp ranks instead (context_parallel_ring.py)."""
     batch, heads, queries, _ = q.shape
     chunk = queries // len(chunks)
     group = _group(group_name)
+    if ring and group is not None:
+        return ring_forward(q, k, v, documents, chunks, scale, cp, group, _output(q, v.shape[-1]))
     with torch.profiler.record_function("cp: issue the key/value gather"):
         pending = PendingGather(k, v, group, cp) if group is not None else None
-    rows = _row_blocks(batch, documents, chunks, chunk)
+    rows = row_blocks(batch, documents, chunks, chunk)
     parts: dict[tuple, list] = {}
     with torch.profiler.record_function("cp: diagonal blocks"):
         for r, (row, by_range) in enumerate(rows):
@@ -197,36 +92,38 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: 
                 mine += [block_forward(q[row, :, q0:q1], k_all[row, :, b.key_start:b.key_end],
                                        v_all[row, :, b.key_start:b.key_end], False, scale)
                          for b in blocks if not b.causal]
-                out[row, :, q0:q1], lse[row, :, q0:q1] = _merge(mine, out.dtype)
+                out[row, :, q0:q1], lse[row, :, q0:q1] = merge(mine, out.dtype)
     return out, lse, kv_all
 
 
 @torch.library.custom_op("phalanx::cp_attention", mutates_args=())
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None,
-                 chunks: list[int], scale: float, cp: int,
-                 group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attend_blocks(q, k, v, documents, chunks, scale, cp, group_name)
+                 chunks: list[int], scale: float, cp: int, group_name: str,
+                 ring: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attend_blocks(q, k, v, documents, chunks, scale, cp, group_name, ring)
 
 
 @cp_attention.register_fake
-def _(q, k, v, documents, chunks, scale, cp, group_name):
+def _(q, k, v, documents, chunks, scale, cp, group_name, ring):
     kv_all = k.new_empty((*k.shape[:2], k.shape[2] * cp, k.shape[3] + v.shape[3])) if group_name else k.new_empty(0)
     return _output(q, v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32), kv_all
 
 
 def attend_blocks_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, kv_all: torch.Tensor, documents: torch.Tensor | None,
-                           chunks: list[int], scale: float, cp: int,
-                           group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           chunks: list[int], scale: float, cp: int, group_name: str,
+                           ring: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward of `phalanx::cp_attention`: dq, dk, dv (of its inputs). With a group, k
     and v are not kept (empty here): the diagonal blocks read this rank's own keys from the
     gathered ones, and the gradients of the others are reduce-scattered while the diagonal
-    blocks' compute."""
+    blocks' compute (with `ring`, passed around the ring: context_parallel_ring.py)."""
     batch, _, queries, width = q.shape
     chunk = queries // len(chunks)
     group = _group(group_name)
+    if ring and group is not None:
+        return ring_backward(grad, q, out, lse, kv_all, documents, chunks, scale, cp, group)
     k_all, v_all = (kv_all[..., :width], kv_all[..., width:]) if group is not None else (k, v)
-    rows = _row_blocks(batch, documents, chunks, chunk)
+    rows = row_blocks(batch, documents, chunks, chunk)
     # fp32 sums: a key block's gradient adds up over every query range that reads it.
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = (torch.zeros((*t.shape[:2], queries, t.shape[3]), dtype=torch.float32, device=t.device)
@@ -261,13 +158,13 @@ def attend_blocks_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 @torch.library.custom_op("phalanx::cp_attention_backward", mutates_args=())
 def cp_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, kv_all: torch.Tensor, documents: torch.Tensor | None,
-                          chunks: list[int], scale: float, cp: int,
-                          group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attend_blocks_backward(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name)
+                          chunks: list[int], scale: float, cp: int, group_name: str,
+                          ring: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attend_blocks_backward(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name, ring)
 
 
 @cp_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name):
+def _(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name, ring):
     # Contiguous, as the real gradients are (not empty_like, which would copy a transposed input's strides).
     if not group_name:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -278,19 +175,19 @@ def _(grad, q, k, v, out, lse, kv_all, documents, chunks, scale, cp, group_name)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, documents, chunks, scale, cp, group_name = inputs
+    q, k, v, documents, chunks, scale, cp, group_name, ring = inputs
     out, lse, kv_all = output
     if group_name:  # the diagonal blocks' backward reads this rank's keys from the gathered ones
         k, v = k.new_empty(0), v.new_empty(0)
     ctx.save_for_backward(q, k, v, out, lse, kv_all, documents)
-    ctx.settings = chunks, scale, cp, group_name
+    ctx.settings = chunks, scale, cp, group_name, ring
 
 
 def _backward(ctx, grad_out, *_):
     q, k, v, out, lse, kv_all, documents = ctx.saved_tensors
     dq, dk, dv = cp_attention_backward(grad_out.contiguous(), q, k, v, out, lse, kv_all, documents,
                                        *ctx.settings)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 cp_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -301,15 +198,17 @@ class ChunkAttention:
     """What a cp rank's attention gets from its `SequenceView` in place of a mask (the
     interface of a serving step's `RaggedAttention`: `AttentionCore` calls `attend`): its
     queries are the chunks `chunks`. With a `group_name` (a cp group's), the keys and values it
-    is handed are this rank's own and it gathers the rest itself; without, they are the whole
-    sequence's in position order."""
+    is handed are this rank's own and it gathers the rest itself (or, with `ring`, has them
+    passed around the cp ranks); without, they are the whole sequence's in position order."""
     chunks: list[int]
     documents: torch.Tensor | None = None
     """(batch, seq) document ids in position order under `--doc-mask`, else None."""
     cp: int = 1
     group_name: str = ""
+    ring: bool = False
+    """The plan's cp_ring: keys and values around a ring of the cp ranks, not all-gathered."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """q (batch, heads, queries, d), k and v (batch, kv_heads, keys, d or dv) -> (batch, heads, queries, dv)."""
         scale = q.shape[-1] ** -0.5 if scale is None else scale  # scaled_dot_product_attention's default
-        return cp_attention(q, k, v, self.documents, self.chunks, scale, self.cp, self.group_name)[0]
+        return cp_attention(q, k, v, self.documents, self.chunks, scale, self.cp, self.group_name, self.ring)[0]

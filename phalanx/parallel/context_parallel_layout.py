@@ -78,6 +78,41 @@ def document_blocks(chunks: list[int], chunk: int, runs: list[int]) -> list[KeyB
     return blocks
 
 
+
+
+def row_blocks(batch: int, documents: torch.Tensor | None, chunks: list[int],
+                chunk: int) -> list[tuple[slice, dict[tuple[int, int], list[KeyBlock]]]]:
+    """[(batch rows, {query range: its blocks})]: all rows at once without documents, else row by row."""
+    if documents is None:
+        rows = [(slice(None), causal_blocks(chunks, chunk))]
+    else:
+        rows = [(slice(i, i + 1), document_blocks(chunks, chunk, document_runs(documents[i]))) for i in range(batch)]
+    out = []
+    for row, blocks in rows:
+        by_range: dict[tuple[int, int], list[KeyBlock]] = {}
+        for block in blocks:
+            by_range.setdefault((block.query_start, block.query_end), []).append(block)
+        out.append((row, by_range))
+    return out
+
+
+def owner_blocks(blocks: list[KeyBlock], cp: int, chunk: int, owner: int) -> list[tuple[KeyBlock, int]]:
+    """The parts of `blocks` whose keys cp rank `owner` holds (its chunks `owner` and
+    2cp-1-owner), each as (the part, its keys' start among the owner's own positions: its two
+    chunks one after the other). A causal block lies inside one chunk, so it is whole in one
+    owner's part; an unmasked block is cut at chunk edges. What a ring step computes with the
+    keys it holds (context_parallel_ring.py)."""
+    parts = []
+    for b in blocks:
+        for slot, c in enumerate(rules.cp_chunks(cp, owner)):
+            first, last = c * chunk, (c + 1) * chunk
+            a, e = max(b.key_start, first), min(b.key_end, last)
+            if a < e:
+                parts.append((KeyBlock(b.query_start, b.query_end, a, e, b.causal), slot * chunk + a - first))
+    return parts
+
+
+
 def _chunks_by_rank(cp: int) -> list[int]:
     """The chunk at each chunk slot of a gather in rank order: 0, 2cp-1, 1, 2cp-2, ..."""
     return [c for rank in range(cp) for c in rules.cp_chunks(cp, rank)]

@@ -17,6 +17,11 @@ reduce-scattered while those of the diagonal blocks are computed (`PendingReduce
 both inside the custom op `phalanx::cp_attention` (context_parallel_attention.py), which
 `--compile` keeps whole in the block's graph.
 
+The ring (the plan's cp_ring=true, context_parallel_ring.py): instead of one collective, cp - 1
+point-to-point passes to the next cp rank (`PendingPass`), each issued before a step of
+attention and waited for after it; in backward the partial sums of the key/value gradients go
+around the same way.
+
 Latent attention decompresses its keys per head after the gather (so that only the latents
 travel), so its gather comes before its attention, not overlapped: `gather_keys_values`,
 torch's functional all-gather, whose reduce-scatter autograd registers and dynamo traces
@@ -89,3 +94,24 @@ class PendingReduceScatter:
             self.work.wait()
         both = self.buffer.movedim(0, -2)  # (batch, kv_heads, local, c_k + c_v)
         return both[..., :self.width], both[..., self.width:]
+
+
+class PendingPass:
+    """One step of a ring over the cp group: `t` sent to the next cp rank while the same-shaped
+    tensor of the rank before is received, both issued on construction (point-to-point, no
+    collective: each rank talks to its two neighbours only); `wait` returns what came in."""
+
+    def __init__(self, t: torch.Tensor, group, what: str):
+        me, cp = dist.get_rank(group), dist.get_world_size(group)
+        self.what = what
+        self.sent = t.contiguous()  # held until the pass is waited for: a temporary must outlive its send
+        self.buffer = torch.empty_like(self.sent)
+        self.works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, self.sent, dist.get_global_rank(group, (me + 1) % cp), group),
+            dist.P2POp(dist.irecv, self.buffer, dist.get_global_rank(group, (me - 1) % cp), group)])
+
+    def wait(self) -> torch.Tensor:
+        with torch.profiler.record_function(f"cp ring: wait for the {self.what}"):
+            for work in self.works:
+                work.wait()
+        return self.buffer

@@ -15,14 +15,35 @@ Order on arrival. Rows arrive source-major: one block per (source rank, local ex
 kernel needs one contiguous group per expert. The per-expert loop does not: it can run each
 block where it lies (`plan_dispatch`, `send_rows`, `return_rows`; `ShardedExperts` does on
 CPU), sparing both permutations of every received row, forward and backward.
+
+Waits. Each all-to-all's host time is added up (`take_dispatch_waits`): on gloo the host blocks
+until every rank's rows arrived, so that is this rank's time waiting for slower peers (and for
+the transfer), which the trainer's rank clock counts as waiting, not computing
+(phalanx/train/rank_clock.py). With NCCL the call returns once queued: near zero, not the wait.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+_waited = [0.0]
+"""Host seconds in the dispatch's all-to-alls since the last `take_dispatch_waits` (this process's)."""
+
+
+def take_dispatch_waits() -> float:
+    """The seconds spent in the dispatch's all-to-alls since the last call (then zero again)."""
+    seconds, _waited[0] = _waited[0], 0.0
+    return seconds
+
+
+def _all_to_all(out: torch.Tensor, x: torch.Tensor, **kwargs) -> None:
+    began = time.perf_counter()
+    dist.all_to_all_single(out, x, **kwargs)
+    _waited[0] += time.perf_counter() - began
 
 
 class _AllToAll(torch.autograd.Function):
@@ -32,13 +53,13 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        _all_to_all(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_in = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(
+        _all_to_all(
             grad_in, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv, group=ctx.group
         )
         return grad_in, None, None, None
@@ -99,7 +120,7 @@ def plan_dispatch(counts: torch.Tensor, group) -> DispatchPlan:
     n_local = counts.numel() // ep
     # recv_counts[s, e] = rows rank s will send for my local expert e.
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    _all_to_all(recv_counts, counts.contiguous(), group=group)
     recv_counts = recv_counts.view(ep, n_local)  # (source rank, local expert)
     # The one host read: rows sent to each rank, and received per (source rank, local expert).
     host = torch.cat([counts.view(ep, n_local).sum(dim=1), recv_counts.reshape(-1)]).tolist()

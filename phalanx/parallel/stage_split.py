@@ -10,7 +10,7 @@ as possible, counting the embedding and the output layer at their own cost.
 
 from __future__ import annotations
 
-from phalanx.errors import UserError
+from phalanx.adapt_policy import weighted_layer_counts
 from phalanx.model.config import ModelConfig
 from phalanx.plan import parse_split
 
@@ -44,39 +44,16 @@ def unit_costs(cfg: ModelConfig, seq_len: int, tokens_per_microbatch: int) -> li
 
 
 def balanced_layer_counts(costs: list[float], n_stages: int) -> list[int]:
-    """Layers per stage that minimize the most expensive stage. Of equally good splits, the
-    earliest cuts win (earlier stages lighter): under 1F1B the first stages keep the most
-    micro-batches' activations in flight, so fewer layers there also saves peak memory.
+    """Layers per stage that minimize the most expensive stage, every stage equally fast
+    (`adapt_policy.weighted_layer_counts`, which re-splits for stages of measured speeds, holds
+    the rule). Of equally good splits, the earliest cuts win (earlier stages lighter): under
+    1F1B the first stages keep the most micro-batches' activations in flight, so fewer layers
+    there also saves peak memory.
 
     `costs` is [embedding, layers..., output] as from `unit_costs`; every stage gets at least
-    one layer. Exact dynamic programme over contiguous cuts, O(stages x layers^2).
+    one layer.
     """
-    embed, layers, output = costs[0], costs[1:-1], costs[-1]
-    n = len(layers)
-    if n_stages < 1 or n < n_stages:
-        raise UserError(f"{n_stages} pipeline stages need at least {n_stages} layers; the model has {n}")
-    prefix = [0.0]
-    for cost in layers:
-        prefix.append(prefix[-1] + cost)
-
-    def stage_cost(first_stage: bool, last_stage: bool, lo: int, hi: int) -> float:
-        return prefix[hi] - prefix[lo] + (embed if first_stage else 0.0) + (output if last_stage else 0.0)
-
-    # best[s][i]: (max stage cost, cuts) for the first i layers over the first s stages.
-    inf = float("inf")
-    best: list[list[tuple[float, tuple[int, ...]]]] = [[(inf, ())] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = (0.0, ())
-    for s in range(1, n_stages + 1):
-        for i in range(s, n - (n_stages - s) + 1):
-            for j in range(s - 1, i):
-                prev, cuts = best[s - 1][j]
-                if prev == inf:
-                    continue
-                worst = max(prev, stage_cost(s == 1, s == n_stages, j, i))
-                # Strictly better only: of equal splits, keep the one with the earliest cuts.
-                if worst < best[s][i][0] * (1 - 1e-12):
-                    best[s][i] = (worst, cuts + (i - j,))
-    return list(best[n_stages][n][1])
+    return weighted_layer_counts(costs, [1.0] * n_stages)
 
 
 def stage_modules(layer_counts: list[int]) -> list[list[str]]:
@@ -93,11 +70,16 @@ def stage_modules(layer_counts: list[int]) -> list[list[str]]:
     return stages
 
 
+def stage_layer_counts(cfg: ModelConfig, n_stages: int, *, split: str = "", seq_len: int,
+                       tokens_per_microbatch: int) -> list[int]:
+    """Layers per stage: by hand when `split` is given, else balanced by cost."""
+    if split:
+        return parse_split(split, n_stages, cfg.n_layers)
+    return balanced_layer_counts(unit_costs(cfg, seq_len, tokens_per_microbatch), n_stages)
+
+
 def split_stages(cfg: ModelConfig, n_stages: int, *, split: str = "", seq_len: int,
                  tokens_per_microbatch: int) -> list[list[str]]:
     """Module names per stage: by hand when `split` is given, else balanced by cost."""
-    if split:
-        counts = parse_split(split, n_stages, cfg.n_layers)
-    else:
-        counts = balanced_layer_counts(unit_costs(cfg, seq_len, tokens_per_microbatch), n_stages)
-    return stage_modules(counts)
+    return stage_modules(stage_layer_counts(cfg, n_stages, split=split, seq_len=seq_len,
+                                            tokens_per_microbatch=tokens_per_microbatch))

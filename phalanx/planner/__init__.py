@@ -5,6 +5,7 @@ framework_costs.py  the measured framework overheads a cluster file may carry
 model_spec.py  model description (presets, project JSON, Hugging Face config.json)
 layout.py  a candidate: the trainer's Plan plus the micro-batch size and the planner-only ZeRO-1; the workload
 comm.py  alpha-beta collective times on the two link levels
+kv_cache.py  a model's KV cache per token on one tp rank (phalanx serve's paged cache sizes by it too)
 memory.py  parameter, optimizer-state and activation bytes
 peak_memory.py  a candidate's peak bytes per device by cause (priced before its time)
 pipeline_orders.py  zbv's and dualpipev's order of operations per rank, timed
@@ -17,6 +18,7 @@ report.py  the plan table, the JSON records and why the runners-up lose
 simulate.py  per-rank timeline of one step as a Chrome trace and a PNG
 plan_flags.py  the flags `plan` and `simulate` share, and the `Options` they name
 cli.py  the `plan` subcommand (simulate.py and phalanx/calibrate/cli.py register their own)
+serve/  the serving half (plan --serve, simulate --serve): its own package on this shared core
 
 Nothing here needs torch: planning a 400B model runs on a laptop. Measuring a machine is
 `phalanx.calibrate`'s job; the planner only reads the cluster files it writes. The rules of a

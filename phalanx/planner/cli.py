@@ -1,5 +1,5 @@
 """The `plan` subcommand (`phalanx/cli.py` registers it with `register`); `plan --serve` has its
-own flags (serve_cli.py)."""
+own flags (serve/cli.py)."""
 
 from __future__ import annotations
 

@@ -139,6 +139,7 @@ def problems(model: ModelConfig, workload: Workload, cluster: Cluster, layout: L
             rules.ep_problem(lay.ep, dp=lay.dp if lay.ep_over_tp else lay.replicas, n_experts=model.n_experts, tp=lay.tp,
                              over_tp=lay.ep_over_tp),
             rules.cp_problem(lay.cp, seq_len=workload.seq_len, tp=lay.tp, sp=lay.sp),
+            rules.cp_ring_problem(lay.cp_ring, latent=model.is_latent, model=model.name),
             "ep_over_tp=true with cp > 1 is not priced by the planner yet (the trainer runs it: give the plan by hand)" if lay.cp > 1 and lay.ep_over_tp else "",
             rules.pipeline_problem(lay.schedule, pp=lay.pp, virtual=lay.virtual, microbatches=lay.microbatches,
                                    n_layers=model.n_layers)):

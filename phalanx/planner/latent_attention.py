@@ -10,6 +10,7 @@ heads, the down-projections and latent norms replicated (parallel/latent_tp.py).
 from __future__ import annotations
 
 from phalanx.model.config import ModelConfig
+from phalanx.planner.kv_cache import kv_bytes_per_token
 
 BF16 = 2
 
@@ -61,4 +62,4 @@ def kv_cache_bytes_per_token(model: ModelConfig, *, bytes_per_value: int = BF16)
     """Serving KV cache per token over all layers: the latent and the rotated key part with
     latent attention (576 values per layer for DeepSeek-V3), keys and values of every KV head
     with grouped-query attention (`ModelConfig.kv_cache_values_per_token`)."""
-    return model.n_layers * model.kv_cache_values_per_token * bytes_per_value
+    return int(kv_bytes_per_token(model, bytes_per_value=bytes_per_value))

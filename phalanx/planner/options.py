@@ -73,11 +73,13 @@ class Options:
     (`gradient_as_bucket_view=False`)."""
     cp_overlap: bool = False
     """Context parallelism passes key/value blocks around a ring while attention runs on the
-    blocks at hand (Megatron-Core's, torchtitan's), so attention compute hides the transfer
-    where it is longer. False: the keys and values are all-gathered before attention needs
-    them, on the critical path (Llama 3's choice, paper section 3.3.2), and their gradients
-    reduce-scattered after; the phalanx trainer (`phalanx_trainer`) hides them behind each
-    chunk's diagonal block only (`stage_time.trainer_cp_hidden`)."""
+    blocks at hand (Megatron-Core's, torchtitan's, the phalanx trainer's cp_ring=true, which the
+    search then gives every cp layout), so attention compute hides the transfer where it is
+    longer (`stage_time.cp_exposed`). False: the keys and values are all-gathered before
+    attention needs them, on the critical path (Llama 3's choice, paper section 3.3.2), and
+    their gradients reduce-scattered after; the phalanx trainer (`phalanx_trainer`) hides them
+    behind each chunk's diagonal block only (`stage_time.trainer_cp_hidden`), or runs the ring
+    where a layout's plan says cp_ring=true (the search tries both)."""
     expert_slots: int = 0
     """The trainer's `--expert-slots S` (docs/expert_slots.md): each ep rank holds S / ep expert
     slots, replicas of hot experts included, with their gradients and optimizer state, instead of

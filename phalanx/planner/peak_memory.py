@@ -272,7 +272,12 @@ def peak_memory(model: ModelConfig, workload: Workload, lay: Layout, options: Op
         # The trainer's attention (parallel/context_parallel_attention.py) sums the gradients of
         # the whole sequence's keys and values in fp32 (2 x their bf16 bytes), then casts and
         # reorders them for the reduce-scatter: 4 in all at its backward's peak.
+        # Its ring (cp_ring=true, parallel/context_parallel_ring.py) fills the kept keys and values
+        # in place as they come round and sums one rank's key gradients at a time: the whole
+        # sequence once, and at its backward's peak one rank's fp32 partial sums (2/cp) with the
+        # pass out and the pass in (1/cp each).
         trainer = options.phalanx_trainer and not model.is_latent
-        buffers += (4 if trainer else 2) * gathered_kv_bytes(model, lay.mbs, workload.seq_len, lay.tp)
+        copies = (1 + 4 / lay.cp if lay.cp_ring else 4) if trainer else 2
+        buffers += copies * gathered_kv_bytes(model, lay.mbs, workload.seq_len, lay.tp)
     out = {**state, "activations": activations, "logits": logits_held, "comm_buffers": buffers}
     return out, host

@@ -27,9 +27,10 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-overlap", action="store_true",
                    help="assume TP collectives are pipelined with GEMMs (Megatron's tp-comm-overlap)")
     p.add_argument("--cp-overlap", action="store_true",
-                   help="with --any-runtime: context parallelism passes keys and values around a ring, hidden "
-                        "behind attention compute (Megatron-Core, torchtitan; the phalanx trainer and Llama 3 "
-                        "all-gather them on the critical path)")
+                   help="context parallelism passes keys and values around a ring, each step hidden behind a step "
+                        "of attention: the phalanx trainer's cp_ring=true wherever cp > 1 (without the flag the "
+                        "planner picks gather or ring per layout); with --any-runtime, Megatron-Core's and "
+                        "torchtitan's ring (Llama 3 all-gathered them on the critical path)")
     p.add_argument("--sp-regather", action="store_true",
                    help="with --any-runtime: sequence parallelism keeps its GEMM inputs sharded and gathers them "
                         "again in backward (Megatron; the phalanx trainer always does)")
@@ -63,11 +64,8 @@ def options_for(args, cluster) -> Options:
                             "implementations, which have none")
         return Options(tp_overlap=args.tp_overlap, sp_regather=args.sp_regather, tp_splits_experts=True,
                        cp_overlap=args.cp_overlap)
-    if args.cp_overlap:
-        raise UserError("--cp-overlap plans a ring implementation of context parallelism; the phalanx trainer "
-                        "all-gathers keys and values, hidden behind each chunk's diagonal block only (add "
-                        "--any-runtime to plan another implementation)")
     if args.expert_slots < 0:
         raise UserError(f"--expert-slots={args.expert_slots} must not be negative (0: one slot per expert)")
     dtype = args.dtype or ("fp32" if cluster.shared_compute else "bf16")
-    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, expert_slots=args.expert_slots)
+    return trainer_options(dtype, cluster, tp_overlap=args.tp_overlap, expert_slots=args.expert_slots,
+                           cp_overlap=args.cp_overlap)

@@ -24,7 +24,7 @@ def plan_record(est: Estimate, band: float = 0.0, *, cluster: Cluster | None = N
         "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "mbs": lay.mbs,
         "microbatches": lay.microbatches, "schedule": lay.schedule, "virtual": lay.virtual,
         "recompute": lay.recompute, "recompute_layers": lay.recompute_layers, "fsdp": lay.zero == 3, "zero": lay.zero, "sp": lay.sp,
-        "replicate": lay.replicate, "ep_over_tp": lay.ep_over_tp, "plan": lay.plan_string(), "fix": lay.to_string(),
+        "replicate": lay.replicate, "ep_over_tp": lay.ep_over_tp, "cp_ring": lay.cp_ring, "plan": lay.plan_string(), "fix": lay.to_string(),
         "step_time_s": est.step_time_s, "step_time_band": band, "tokens_per_s": est.tokens_per_s,
         "tflops_per_gpu": est.tflops_per_gpu, "mfu": est.mfu,
         "memory_gib_per_gpu": est.memory_gib,
@@ -58,7 +58,8 @@ def table_rows(ranked: list[Estimate], band: float = 0.0, *, cluster: Cluster | 
     rows = []
     for i, est in enumerate(ranked, start=1):
         lay = est.layout
-        rows.append([str(i), str(lay.dp), str(lay.cp), str(lay.tp), str(lay.pp), str(lay.ep), str(lay.mbs),
+        cp = f"{lay.cp} ring" if lay.cp_ring else str(lay.cp)  # cp_ring=true: keys around a ring, not gathered
+        rows.append([str(i), str(lay.dp), cp, str(lay.tp), str(lay.pp), str(lay.ep), str(lay.mbs),
                      str(lay.microbatches), lay.schedule if lay.pp > 1 else "-", str(lay.virtual),
                      f"{lay.recompute}:{lay.recompute_layers}" if lay.recompute_layers else lay.recompute, str(lay.zero), step_time_text(est.step_time_s, band), f"{est.tokens_per_s:,.0f}",
                      f"{est.tflops_per_gpu:.1f}", f"{est.mfu:.1%}", f"{est.memory_gib:.1f}"])

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
+from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
-from phalanx.plan import RECOMPUTE, Plan, parse_plan
+from phalanx.plan import RECOMPUTE, Plan, key_values, parse_plan
 from phalanx.planner.cost import Estimate, evaluate, step_time_lower_bound
 from phalanx.planner.energy import Objective
 from phalanx.planner.options import Options, trainer_options
@@ -50,6 +51,11 @@ class SearchSpace:
     positions (Llama 3's 131,072-token stage: 4,096 with cp 16). A bound on the search's size,
     which each cp value multiplies, not a claim of the cost model: what cp buys is activation
     memory per sequence, which short sequences do not need. `--fix cp=N` evaluates any cp."""
+    cp_rings: tuple[bool, ...] = (False, True)
+    """With cp > 1, the trainer's cp schedules tried (the plan's cp_ring): the all-gather and
+    the ring, each priced (stage_time.cp_exposed) so the faster is picked per layout; (True,)
+    under `--cp-overlap`. Latent attention, and other implementations, keep the gather, and so
+    does a CPU cluster unless asked (`--fix cp_ring=true`, `--cp-overlap`)."""
     phalanx_trainer: bool = True
     """Only layouts phalanx's trainer accepts: tp divides n_kv_heads and the vocabulary (no
     padding), sp needs tp to divide seq_len and no experts; tp leaves the MoE blocks whole (pair
@@ -74,14 +80,10 @@ class SearchResult:
     optimizer state on the host (offload=true, zero 3): slower, picked only then."""
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def parse_fix(text: str) -> dict[str, object]:
     """`--fix` string -> the Layout fields it pins (plan grammar plus mbs and zero)."""
     plan, extras = parse_plan(text, extra_keys=("mbs", "zero"))
-    given = {item.partition("=")[0].strip().lower() for item in text.split(",") if item.strip()}
+    given = {key for key, _ in key_values(text)}
     fixed: dict[str, object] = {}
     for key in given - {"mbs", "zero", "fsdp", *extras}:
         fixed[key] = getattr(plan, key)
@@ -125,7 +127,7 @@ def _tp_problem(model: ModelConfig, tp: int, space: SearchSpace) -> str:
 
 
 def _plans(space: SearchSpace, fixed: dict[str, object], *, dp: int, tp: int, pp: int, ep: int, microbatches: int,
-           fold: bool, sp_ok: bool, n_layers: int, cp: int = 1):
+           fold: bool, sp_ok: bool, n_layers: int, cp: int = 1, ring: bool = False):
     """(plan, zero level) for each schedule, recompute mode and zero level the space allows
     for one split of the devices and of the batch (zero level 1 is a planning knob: ZeRO-1)."""
     f = fixed.get
@@ -145,7 +147,7 @@ def _plans(space: SearchSpace, fixed: dict[str, object], *, dp: int, tp: int, pp
                 sp = fixed.get("sp", tp > 1 and sp_ok)
                 yield Plan(cp=cp, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=microbatches, schedule=schedule, virtual=v,
                            recompute=rc, zero=0 if zero == 1 else zero, sp=bool(sp), replicate=int(f("replicate", 1)),
-                           offload=offload, ep_over_tp=fold), zero
+                           offload=offload, ep_over_tp=fold, cp_ring=ring), zero
 
 
 def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -176,6 +178,15 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
             # splitting the expert rows instead of repeating them; tried beside the duplicated one
             # (without cp, whose ranks hold other tokens: ep is then carved from dp x cp).
             folds = (False, True) if space.phalanx_trainer and tp > 1 and model.n_experts and cp == 1 else (False,)
+            # The trainer's cp schedules (gather or ring), each priced: the planner picks per layout.
+            rings = space.cp_rings if space.phalanx_trainer and cp > 1 and not model.is_latent else (False,)
+            if cluster.shared_compute and len(rings) > 1 and "cp_ring" not in fixed:
+                # On CPUs gloo's transfers run on the cores that compute, so no ring step hides
+                # behind attention: the two price alike, and the ring's smaller kernel calls and
+                # per-step merges took 1-6% more CPU than the gather in 5 of 6 comparisons
+                # (benchmarks/context_parallel.py's attention rows, benchmarks/README.md).
+                rings = (False,)
+            rings = tuple(ring for ring in rings if bool(f("cp_ring", ring)) == ring)
             for fold in folds:
                 if bool(f("ep_over_tp", fold)) != fold:
                     continue
@@ -195,9 +206,11 @@ def candidates(model: ModelConfig, cluster: Cluster, workload: Workload, *, worl
                             break
                         if f("microbatches", m) != m:
                             continue
-                        for plan, zero in _plans(space, fixed, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m, fold=fold,
-                                                 sp_ok=cp_sp_ok, n_layers=model.n_layers, cp=cp):
-                            yield Layout(plan, mbs=mbs, zero1=zero == 1, cp=cp)
+                        for ring in rings:
+                            for plan, zero in _plans(space, fixed, dp=dp, tp=tp, pp=pp, ep=ep, microbatches=m,
+                                                     fold=fold, sp_ok=cp_sp_ok, n_layers=model.n_layers, cp=cp,
+                                                     ring=ring):
+                                yield Layout(plan, mbs=mbs, zero1=zero == 1, cp=cp)
 
 
 def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_size: int,
@@ -213,6 +226,8 @@ def search(model: ModelConfig, cluster: Cluster, workload: Workload, *, world_si
         space = dataclasses.replace(space, schedules=(str(fixed["schedule"]),))
     if "virtual" in fixed and fixed["virtual"] not in space.virtual:
         space = dataclasses.replace(space, virtual=(int(fixed["virtual"]),))
+    if options.cp_overlap and space.phalanx_trainer:  # --cp-overlap: the trainer's ring wherever cp > 1
+        space = dataclasses.replace(space, cp_rings=(True,))
     if options.flash_attention and "recompute" not in fixed and "selective" in space.recompute:
         space = dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != "selective"))
     if options.expert_slots and (problem := rules.expert_slots_count_problem(
@@ -265,7 +280,8 @@ def _fastest(model: ModelConfig, cluster: Cluster, workload: Workload, layouts: 
     bounds: dict[tuple, float] = {}  # the bound does not depend on the ZeRO level: one per rest
     bounded = []
     for i, lay in enumerate(layouts):
-        key = (lay.tp, lay.cp, lay.pp, lay.ep, lay.ep_over_tp, lay.mbs, lay.microbatches, lay.sp, lay.schedule, lay.virtual,
+        key = (lay.tp, lay.cp, lay.cp_ring, lay.pp, lay.ep, lay.ep_over_tp, lay.mbs, lay.microbatches, lay.sp, lay.schedule,
+               lay.virtual,
                lay.recompute, lay.recompute_layers)
         if key not in bounds:
             bounds[key] = step_time_lower_bound(model, cluster, workload, lay, options)
@@ -326,6 +342,10 @@ def fix_problems(model: ModelConfig, workload: Workload, world_size: int, fixed:
     if "dp" in fixed and dp * cp * tp * pp != world_size:
         out.append(f"dp={dp} x cp={cp} x tp={tp} x pp={pp} = {dp * cp * tp * pp}, not {world_size} GPUs")
     if problem := rules.cp_problem(cp, seq_len=workload.seq_len, tp=tp, sp=bool(f("sp", False))):
+        out.append(problem)
+    if f("cp_ring") and "cp" in fixed and cp == 1:
+        out.append("cp_ring=true needs cp > 1 (it passes keys and values around the cp ranks)")
+    if f("cp_ring") and (problem := rules.cp_ring_problem(True, latent=model.is_latent, model=model.name)):
         out.append(problem)
     if dp and workload.global_batch % dp:
         out.append(f"dp={dp} does not divide global batch {workload.global_batch}")

@@ -275,6 +275,8 @@ def register(subparsers) -> None:
     s.add_argument("--cluster", default="local")
     s.add_argument("--plan", required=True, help="layout (--plan grammar plus mbs=, zero=); the rest is searched")
     s.add_argument("--out", default="simulation", help="output directory for trace.json and timeline.png")
+    s.add_argument("--serve", action="store_true",
+                   help="simulate serving instead (its own flags: phalanx simulate --serve --help; docs/serve_planner.md)")
     s.set_defaults(func=simulate_command)
 
 

@@ -27,11 +27,12 @@ Communication per layer per micro-batch (comm.py for the alpha-beta times):
   CP: T = mbs * seq / cp tokens per rank attend to all seq keys (the causal work is even over
     the group by the chunking); one all-gather of the whole sequence's keys and values
     (2 seq h_kv / tp bf16) over the cp group forward, a reduce-scatter of their gradients
-    backward, exposed (`Options.cp_overlap`: hidden behind attention compute); the group is
-    tp-strided, inside the NVLink domain while tp x cp fits in it. The phalanx trainer runs
-    the flash kernels on key blocks (the causal half skipped, as everywhere) and hides the
-    gather and the reduce-scatter behind each chunk's diagonal block only, 1/(2 cp) of a
-    rank's attention (`trainer_cp_hidden`).
+    backward, exposed; the group is tp-strided, inside the NVLink domain while tp x cp fits
+    in it. The phalanx trainer runs the flash kernels on key blocks (the causal half skipped,
+    as everywhere) and hides the gather and the reduce-scatter behind each chunk's diagonal
+    block only, 1/(2 cp) of a rank's attention (`trainer_cp_hidden`); with the plan's
+    cp_ring=true (or `Options.cp_overlap` for other implementations) the same bytes go around
+    a ring in cp - 1 steps, each hidden behind one of cp equal steps of attention (`cp_exposed`).
 Full recompute under zbv re-runs each block's forward once more per weight tensor, in the
   W slots (Options.split_backward_recompute: PyTorch's split backward).
 The last stage's logits and loss are charged to the most loaded stage as well.
@@ -211,6 +212,28 @@ def trainer_cp_hidden(cp: int) -> float:
     return 1 / (2 * cp)
 
 
+def cp_exposed(t_cp: float, attention: float, sm: float, model: ModelConfig, lay: Layout, options: Options) -> float:
+    """Seconds one layer's cp transfer adds to one pass (forward: the key/value all-gather,
+    backward: their gradients' reduce-scatter, each `t_cp`), given the pass's `attention`
+    compute; a hidden transfer still takes `sm` of its time from the compute it hides behind
+    (`Cluster.hidden_comm_cost`).
+    - The ring (the plan's cp_ring=true, or `Options.cp_overlap` for other implementations):
+      cp - 1 point-to-point steps, each one rank's keys (1/cp of the gather's bytes over the
+      same links, so t_cp / (cp - 1) each, as a ring all-gather's steps are), each in flight
+      while one of the cp equal steps of attention computes (`layout_rules.ring_step_pairs`).
+    - The phalanx trainer's gather: hidden behind the chunks' diagonal blocks
+      (`trainer_cp_hidden`); latent attention gathers before its attention, exposed.
+    - Other implementations' gather (Llama 3's): exposed."""
+    if lay.cp == 1:
+        return 0.0
+    if lay.cp_ring or options.cp_overlap:
+        steps = lay.cp - 1
+        step, hide = t_cp / steps, attention / lay.cp
+        return steps * (max(step - hide, 0.0) + sm * min(step, hide))
+    hide = trainer_cp_hidden(lay.cp) * attention if options.phalanx_trainer and not model.is_latent else 0.0
+    return max(t_cp - hide, 0.0) + sm * min(t_cp, hide)
+
+
 def weight_tensors(model: ModelConfig, *, moe: bool) -> int:
     """Parameter tensors of one block (each its own weight-gradient call in a split backward):
     two norms, four attention projections, and the MLP's (router, grouped experts' three,
@@ -313,14 +336,9 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     # Context parallelism: per layer one gather forward, one reduce-scatter (the same cost)
     # backward; folded into the tp terms below, which carry the same exposure rules.
     t_cp = _collective(comm.all_gather, cluster, dense.cp_bytes, lay.cp, lay.tp) if lay.cp > 1 else 0.0
-    hide_f, hide_b = 0.0, 0.0  # the attention compute that runs while the gather (reduce-scatter) travels
-    if options.cp_overlap:
-        hide_f, hide_b = dense.attention_f, dense.attention_f
-    elif options.phalanx_trainer and lay.cp > 1 and not model.is_latent:
-        share = trainer_cp_hidden(lay.cp)
-        hide_f, hide_b = share * dense.attention_f, share * dense.attention_b
-    cp_f = n * (max(t_cp - hide_f, 0.0) + sm * min(t_cp, hide_f))
-    cp_b = n * (max(t_cp - hide_b, 0.0) + sm * min(t_cp, hide_b))
+    # Each transfer against the attention compute that runs while it travels (`cp_exposed`).
+    cp_f = n * cp_exposed(t_cp, dense.attention_f, sm, model, lay, options)
+    cp_b = n * cp_exposed(t_cp, dense.attention_b, sm, model, lay, options)
     tp_f, tp_b = tp_f + cp_f, tp_b + cp_b
 
     # Logits and loss on the last stage (vocab split over tp).

@@ -21,6 +21,9 @@ within that target.
 A sequence's `num_computed` counts the tokens whose keys and values are in the cache; the
 tokens from there to the end are what it still has to feed. Logits are read (and a token
 sampled) only for a chunk that reaches the end of its sequence's tokens.
+With speculative decoding (`speculation.py`) a decoding sequence that allows it feeds its last
+token and the tokens it guesses next in one chunk; the engine says which of them the model
+kept, and the cache holds the keys of those only.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any, Callable
 from phalanx.scheduling.block_manager import BlockManager, block_hash
 from phalanx.scheduling.request import Request
 from phalanx.scheduling.slo_policy import QueueShape
+from phalanx.scheduling.speculation import SpeculativeConfig
 
 
 class QueueFull(Exception):
@@ -63,6 +67,9 @@ class Sequence:
     cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when it first joined."""
     preemptions: int = 0
+    may_speculate: bool = False
+    """Its steps may guess tokens (speculative decoding): what it asked for can be checked
+    token by token (no grammar, no log-probabilities; the caller decides)."""
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt)
@@ -100,11 +107,19 @@ class Chunk:
     start: int
     """The position of its first token (= num_computed when scheduled)."""
     length: int
+    """Tokens fed, the guesses included."""
+    guesses: tuple[int, ...] = ()
+    """Tokens guessed after the sequence's last (speculative decoding), fed after it."""
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence's tokens: its last logits are read."""
-        return self.start + self.length == len(self.seq.tokens)
+        return self.start + self.length - len(self.guesses) == len(self.seq.tokens)
+
+    @property
+    def ids(self) -> list[int]:
+        """The token ids it feeds."""
+        return self.seq.tokens[self.start:self.start + self.length - len(self.guesses)] + list(self.guesses)
 
 
 @dataclass
@@ -120,7 +135,7 @@ class Step:
 class Scheduler:
     def __init__(self, *, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_waiting: int, prefix_caching: bool = True, clock: Callable[[], float] = time.monotonic,
-                 slo=None):
+                 slo=None, speculative: SpeculativeConfig | None = None):
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_num_batched_tokens, self.max_waiting, self.clock = max_num_batched_tokens, max_waiting, clock
@@ -132,6 +147,10 @@ class Scheduler:
         self.slo = slo
         """An `slo_policy.SloPolicy`, or None: batches bounded by the flags alone."""
         self.last_step: Step | None = None
+        self.speculative = speculative
+        self.guessed_tokens = 0
+        self.kept_guesses = 0
+        """Tokens guessed, and of them kept (the model drew the same), since the start."""
 
     def queue_shape(self) -> QueueShape:
         """What a request arriving now queues behind (for the SLO policy's admission)."""
@@ -188,6 +207,8 @@ class Scheduler:
                 if (want == 1) != decoding or budget == 0:
                     continue
                 length = min(want, budget)
+                guesses = self._guesses(seq, budget - length) if decoding else ()
+                length += len(guesses)
                 while self.blocks_needed(seq.num_computed + length) - len(seq.block_table) > self.blocks.num_free:
                     victim = self.running[-1]
                     if id(victim) in chunks:
@@ -199,7 +220,7 @@ class Scheduler:
                 if seq not in self.running:
                     continue
                 self._grow(seq, seq.num_computed + length)
-                chunks[id(seq)] = Chunk(seq, seq.num_computed, length)
+                chunks[id(seq)] = Chunk(seq, seq.num_computed, length, guesses)
                 budget -= length
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             if self.slo is not None and not self.slo.may_join([len(s.tokens) for s in self.running],
@@ -214,6 +235,16 @@ class Scheduler:
             budget -= chunk.length
         self.last_step = Step(list(chunks.values()), preempted)
         return self.last_step
+
+    def _guesses(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """What a decoding sequence guesses next, within the step's budget and its max_tokens
+        (the last token it may have is drawn, never guessed)."""
+        if self.speculative is None or not seq.may_speculate:
+            return ()
+        if (self.speculative.disable_by_batch_size is not None
+                and len(self.running) + len(self.waiting) > self.speculative.disable_by_batch_size):
+            return ()
+        return tuple(self.speculative.propose(seq.tokens, min(room, seq.max_tokens - len(seq.output) - 1)))
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """The first chunk of a waiting sequence, after taking its cached prefix, or None when
@@ -267,24 +298,35 @@ class Scheduler:
             self.blocks.release(block)
         seq.block_table, seq.hashes = [], []
 
-    def finish_step(self, step: Step, sampled: dict[int, int]) -> list[Sequence]:
+    def finish_step(self, step: Step, sampled: dict[int, int | list[int]]) -> list[Sequence]:
         """After the model ran `step`: its tokens are computed, full blocks enter the prefix
         cache, each sampling chunk's sequence gets its new token (`sampled`: id(seq) -> token
-        id); returns the sequences that finished (their blocks freed)."""
+        id; for a chunk with guesses, the list of the guesses kept then the model's next
+        token); returns the sequences that finished (their blocks freed)."""
         now, finished = self.clock(), []
         for chunk in step.chunks:
             seq = chunk.seq
             if seq not in self.running:  # aborted while the step ran
                 continue
-            seq.num_computed = chunk.start + chunk.length
-            self._register_full_blocks(seq)
+            seq.num_computed = chunk.start + chunk.length - len(chunk.guesses)
             if not chunk.samples:
+                self._register_full_blocks(seq)
                 continue
-            token = sampled[id(seq)]
-            seq.tokens.append(token)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            reason = "stop" if token in seq.eos_ids else "length" if len(seq.output) >= seq.max_tokens else None
+            new = sampled[id(seq)]
+            new = new if isinstance(new, list) else [new]
+            if chunk.guesses:
+                self.guessed_tokens += len(chunk.guesses)
+                self.kept_guesses += len(new) - 1
+            reason = None
+            for token in new:
+                seq.tokens.append(token)
+                if seq.first_token_at is None:
+                    seq.first_token_at = now
+                reason = "stop" if token in seq.eos_ids else "length" if len(seq.output) >= seq.max_tokens else None
+                if reason:
+                    break
+            seq.num_computed = len(seq.tokens) - 1  # the guesses kept are computed; the last token is not
+            self._register_full_blocks(seq)
             if reason:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from phalanx.errors import UserError
 from phalanx.inference.grammar import Constraint, GrammarError, Grammars, Vocabulary
 from phalanx.inference.sampling import Sampling
-from phalanx.scheduling.request import Request
+from phalanx.scheduling.request import Request as EngineRequest  # not starlette's Request, the HTTP one
 from phalanx.scheduling.scheduler import QueueFull, Sequence
 from phalanx.scheduling.slo_policy import SloUnattainable
 from phalanx.serve.api_readiness import ReadinessGate
@@ -149,9 +149,11 @@ async def _generate(request: Request, state: ServeState, parse, answer_for=None)
                 if matcher is not None and choice == 0 and not (matcher.terminated or matcher.can_begin()):
                     raise ApiError(400, f"{gen.constraint.param}: no token of this model's vocabulary can begin an "
                                         "answer the constraint allows", gen.constraint.param)
-                request = Request(tuple(prompt), max_tokens, ends, seeded(sampling, seed, logprobs, gen.min_tokens),
-                                  prompt_alternatives(gen))
-                seq = Sequence("", request, draws=Draws(grammar=matcher))
+                wanted = EngineRequest(tuple(prompt), max_tokens, ends, seeded(sampling, seed, logprobs, gen.min_tokens),
+                                       prompt_alternatives(gen))
+                # Guesses are checked token by token; a grammar's state and log-probabilities are not (yet).
+                seq = Sequence("", wanted, draws=Draws(grammar=matcher),
+                               may_speculate=matcher is None and logprobs is None and wanted.prompt_logprobs is None)
                 handles.append(_submit(state, seq, gen))
     except ApiError as error:
         for handle in handles:  # a later prompt was refused: the earlier ones stop

@@ -57,6 +57,10 @@ def register(subparsers) -> None:
              "top_p, top_k, min_p, repetition_penalty); vllm: vLLM's own defaults (default auto, as vLLM)")
     add("--chat-template", default=None, metavar="FILE",
         help="a jinja chat template to use instead of the model's own (chat_template.jinja or tokenizer_config.json)")
+    add("--speculative-config", default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\' guesses up to 4 '
+             "tokens a step from earlier text (prompt_lookup_max, prompt_lookup_min: the n-gram lengths tried; "
+             "default none; docs/serve.md)")
     add("--tool-call-parser", choices=tuple(PARSERS), default=None,
         help="the format tool_choice auto reads the model's tool calls in: hermes (<tool_call> JSON, Qwen's) or "
              "llama3_json (Llama 3's JSON objects) (default: as the chat template shows it)")
@@ -221,7 +225,8 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
         # Preempted sequences wait too: the bound on new requests is the engine loop's.
         return Scheduler(num_blocks=num_blocks, block_size=job.block_size, max_num_seqs=job.max_num_seqs,
                          max_num_batched_tokens=job.max_num_batched_tokens,
-                         max_waiting=job.max_waiting + job.max_num_seqs, slo=slo_policy(job))
+                         max_waiting=job.max_waiting + job.max_num_seqs, slo=slo_policy(job),
+                         speculative=job.speculative)
 
     if plan.dp == 1:
         return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep)

@@ -85,3 +85,11 @@ class DPSchedulers:
     @property
     def preemptions(self) -> int:
         return sum(part.preemptions for part in self.parts)
+
+    @property
+    def guessed_tokens(self) -> int:
+        return sum(part.guessed_tokens for part in self.parts)
+
+    @property
+    def kept_guesses(self) -> int:
+        return sum(part.kept_guesses for part in self.parts)

@@ -24,6 +24,7 @@ from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.serve.prompt_logprobs import PromptScore, PromptScores
+from phalanx.serve.speculative import kept_and_next
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class Reads:
     sample_rows: list[int] = field(default_factory=list)
     prompt: list[tuple[Sequence, int]] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)
+    guess_rows: list[list[int]] = field(default_factory=list)
+    """Per chunk of `chunks`, the rows after each of its guesses (speculative decoding), by
+    index into the step's logits rows (as `sample_rows`)."""
 
 
 def step_forwards(step: Step) -> tuple[list[Forward], Reads]:
@@ -124,7 +128,7 @@ def step_forwards(step: Step) -> tuple[list[Forward], Reads]:
         ids, layouts, read_at = [], [], []
         for chunk in chunks:
             first = len(ids)
-            ids += chunk.seq.tokens[chunk.start:chunk.start + chunk.length]
+            ids += chunk.ids
             layouts.append(ChunkLayout(chunk.seq.block_table, chunk.start, chunk.length))
             if chunk.seq.prompt_logprobs is not None and not chunk.seq.output:  # (not again after a preemption)
                 # Position p scores prompt token p + 1; the prompt's last position draws the first token.
@@ -133,9 +137,12 @@ def step_forwards(step: Step) -> tuple[list[Forward], Reads]:
                     reads.prompt.append((chunk.seq, position))
                     reads.prompt_rows.append(rows + len(read_at) - 1)
             if chunk.samples:
-                read_at.append(len(ids) - 1)
+                guessed = len(chunk.guesses)
+                read_at.append(len(ids) - 1 - guessed)
                 reads.chunks.append(chunk)
                 reads.sample_rows.append(rows + len(read_at) - 1)
+                reads.guess_rows.append([rows + len(read_at) + i for i in range(guessed)])
+                read_at += range(len(ids) - guessed, len(ids))
         forwards.append(Forward(ids, layouts, read_at))
         rows += len(read_at)
     return forwards, reads
@@ -221,8 +228,10 @@ class Engine:
         """A token for each sampling chunk from its logits row (the batch sampler, every row at
         once but the seeded draws), prompt tokens scored where asked, then `scheduler` closes
         the step."""
+        read = logits  # every row the step read, guesses' rows included
         if reads.prompt:
             self.prompt_scores.add(logits[reads.prompt_rows], reads.prompt)
+        if reads.prompt or any(reads.guess_rows):
             logits = logits[reads.sample_rows]
         sampling_chunks = reads.chunks
         asked: list[SamplingParams] = [chunk.seq.request.params or GREEDY for chunk in sampling_chunks]
@@ -244,17 +253,31 @@ class Engine:
                 logprobs[index], tops[index] = logprob, top
         for index in errors:
             scheduler.abort(sampling_chunks[index].seq, "error")  # finish_step passes over it
-        sampled = {id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens) if token is not None}
+        sampled: dict[int, int | list[int]] = {
+            id(chunk.seq): token for chunk, token in zip(sampling_chunks, tokens) if token is not None}
+        for index, guess_rows in enumerate(reads.guess_rows):
+            if guess_rows and tokens[index] is not None:
+                chunk = sampling_chunks[index]
+                sampled[id(chunk.seq)] = kept_and_next(read, chunk, tokens[index], guess_rows, asked[index],
+                                                       draws[index].generator)
+        lengths = [len(chunk.seq.tokens) for chunk in sampling_chunks]
         finished = {id(seq) for seq in scheduler.finish_step(step, sampled)}
         for index in ended:  # the grammar is complete: the answer is too
             seq = sampling_chunks[index].seq
             if id(seq) not in finished and seq in scheduler.running:
                 scheduler.finish(seq, "stop")
                 finished.add(id(seq))
-        events = [TokenEvent(chunk.seq, token, logprob, top, chunk.seq.finish_reason if id(chunk.seq) in finished else None,
-                             errors.get(index),
-                             self.prompt_scores.take(chunk.seq) if len(chunk.seq.output) == 1 else None)
-                  for index, (chunk, token, logprob, top) in enumerate(zip(sampling_chunks, tokens, logprobs, tops))]
+        events = []
+        for index, (chunk, token, logprob, top) in enumerate(zip(sampling_chunks, tokens, logprobs, tops)):
+            seq = chunk.seq
+            new = [None] if token is None else seq.tokens[lengths[index]:]
+            for place, kept in enumerate(new):  # one token, or with guesses the kept ones and the next
+                first, last = place == 0, place == len(new) - 1
+                events.append(TokenEvent(seq, kept, logprob if first else None, top if first else None,
+                                         seq.finish_reason if last and id(seq) in finished else None,
+                                         errors.get(index) if first else None,
+                                         self.prompt_scores.take(seq) if first and lengths[index] == len(seq.prompt)
+                                         and token is not None else None))
         self.prompt_scores.forget_finished()
         return events
 

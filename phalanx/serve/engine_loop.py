@@ -247,6 +247,8 @@ class EngineLoop:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Handle, Piece]]] = {}
         for event in events:
             seq, handle = event.seq, event.seq.payload
+            if handle.done:  # a stop string ended it at an earlier token of this step (guessed tokens)
+                continue
             if event.error is not None:  # this request alone failed (its sampling)
                 out = Piece("", error=event.error, status=500, code="sampling_failed")
                 handle.mark(out)

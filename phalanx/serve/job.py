@@ -16,6 +16,7 @@ from phalanx.plan import Plan, plan_from_string
 from phalanx.plan_model_checks import validate_tp
 from phalanx.scheduling.serving_bounds import check_counts
 from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
+from phalanx.scheduling.speculation import SpeculativeConfig
 from phalanx.serve.chat_template import ChatTemplate
 from phalanx.restart_policy import max_restarts
 from phalanx.threads import check_requested
@@ -67,6 +68,8 @@ class ServeJob:
     """--max-restarts as given (None: the default), for the pool front's own instance restarts."""
     ttft_ms: float | None
     tpot_ms: float | None
+    speculative: SpeculativeConfig | None = None
+    """--speculative-config: guessed tokens per step (scheduling/speculation.py), or None: none."""
 
 
 def check_slo(args) -> dict:
@@ -134,7 +137,8 @@ def prepare_job(args) -> ServeJob:
         generation_config=getattr(args, "generation_config", "auto"),
         chat_template=_chat_template(getattr(args, "chat_template", None)),
         tool_call_parser=getattr(args, "tool_call_parser", None), threads=getattr(args, "threads", 0),
-        max_restarts=max_restarts(args.max_restarts, args.nproc), max_restarts_given=args.max_restarts, **slo)
+        max_restarts=max_restarts(args.max_restarts, args.nproc), max_restarts_given=args.max_restarts,
+        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)), **slo)
 
 
 def _chat_template(path: str | None) -> str | None:

@@ -31,6 +31,12 @@ class ServeMetrics:
         self.preemptions = Counter("phalanx_preemptions", "Sequences preempted (freed, requeued, recomputed)", registry=registry)
         self.prompt_tokens = Counter("phalanx_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter("phalanx_generation_tokens", "Tokens generated", registry=registry)
+        self.guessed = Counter("phalanx_spec_decode_draft_tokens", "Tokens guessed by speculative decoding "
+                               "(--speculative-config)", registry=registry)
+        self.kept = Counter("phalanx_spec_decode_accepted_tokens", "Guessed tokens kept (the model drew the same)",
+                            registry=registry)
+        self.acceptance = Gauge("phalanx_spec_decode_acceptance_rate", "Guessed tokens kept over guessed, since the "
+                                "start (0 before any guess)", registry=registry)
         self.finished = Counter("phalanx_requests_finished", "Requests ended, by reason (stop, length, abort, error)",
                                 ["finish_reason"], registry=registry)
         self.ttft = Histogram("phalanx_time_to_first_token_seconds", "Arrival to first token", buckets=LATENCY_BUCKETS,
@@ -62,6 +68,9 @@ class ServeMetrics:
         self._counter_to(self.prefix_hits, scheduler.prefix_hit_tokens)
         self._counter_to(self.preemptions, scheduler.preemptions)
         self.generation_tokens.inc(generated)
+        self._counter_to(self.guessed, scheduler.guessed_tokens)
+        self._counter_to(self.kept, scheduler.kept_guesses)
+        self.acceptance.set(scheduler.kept_guesses / scheduler.guessed_tokens if scheduler.guessed_tokens else 0.0)
         if self.slo is not None and scheduler.slo is not None:
             self._counter_to(self.slo_rejected, scheduler.slo.rejected)
             self.slo_prefill_budget.set(scheduler.slo.last_prefill_budget)

@@ -38,6 +38,7 @@ from itertools import accumulate
 
 import torch
 
+from phalanx.planner.kv_cache import kv_values_per_token_layer
 from phalanx.serve.paged_attention import PoolRead, RaggedAttention, decode_groups
 
 
@@ -53,10 +54,9 @@ def kv_channels_per_position(cfg, tp: int = 1) -> int:
     """What one layer keeps per position on this rank: the keys and values of this rank's kv
     heads, or with latent attention the compressed latent and the rotated key, one pair shared
     by every head and whole on every tp rank (parallel/latent_tp.py), cached through `update`
-    as (batch, 1, seq, kv_lora_rank) and (batch, 1, seq, qk_rope_head_dim)."""
-    if cfg.is_latent:
-        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return 2 * max(1, cfg.n_kv_heads // tp) * cfg.head_dim
+    as (batch, 1, seq, kv_lora_rank) and (batch, 1, seq, qk_rope_head_dim). The planner's own
+    count (planner/kv_cache.py), so a plan's KV pool and the server's are the same size."""
+    return kv_values_per_token_layer(cfg, tp)
 
 
 def bytes_per_block(block_size: int, n_layers: int, channels: int, element_size: int) -> int:

@@ -30,9 +30,9 @@ from typing import Callable
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_rates import ServeLoad
-from phalanx.planner.serve_search import ServePlan, evaluate
-from phalanx.planner.serve_step import ServeLayout
+from phalanx.planner.serve.rates import ServeLoad
+from phalanx.planner.serve.search import ServePlan, evaluate
+from phalanx.planner.serve.step import ServeLayout
 from phalanx.serve.pool_router import PoolSpec, tp_plan
 
 DEFAULT_ISL, DEFAULT_OSL = 512, 128

@@ -20,7 +20,7 @@ from phalanx.plan import plan_from_string
 from phalanx.plan_model_checks import validate_tp
 from phalanx.process_count import check_process_count
 from phalanx.planner.hardware import cluster_from_name
-from phalanx.planner.serve_rates import ServeLoad
+from phalanx.planner.serve.rates import ServeLoad
 from phalanx.serve.job import ServeJob
 from phalanx.serve.job import check_plan as check_serve_plan
 from phalanx.serve.pool_auto import auto_split, check_auto, planned_lengths

@@ -5,17 +5,12 @@ the same decision without another collective."""
 from __future__ import annotations
 
 import math
-import os
 
 
 NAN_STEPS_ENV = "PHALANX_TEST_NAN_STEPS"
 """Test hook: comma-separated step numbers (1-based, as in metrics.jsonl) whose loss is made
-NaN after the backward pass, so tests can drive the skip and stop logic on a healthy model."""
-
-
-def injected_nan_steps() -> frozenset[int]:
-    text = os.environ.get(NAN_STEPS_ENV, "")
-    return frozenset(int(part) for part in text.split(",") if part.strip())
+NaN after the backward pass, so tests can drive the skip and stop logic on a healthy model; read by
+`injected_faults.InjectedFaults.from_env`."""
 
 
 def why_bad(loss: float, grad_norm: float) -> str | None:

@@ -24,17 +24,15 @@ import contextlib
 import datetime
 import os
 import sys
-import time
 
 import torch.distributed as dist
 
-from phalanx.train.restarts import restart_count
 from phalanx.worker_group import bound_every_group  # noqa: F401 (the training loop's name for it)
 
 STALL_ENV = "PHALANX_TEST_STALL"
 """Test hook: `RANK:STEP:SECONDS`; on the first attempt only (a restart must not stall again),
 that rank sleeps SECONDS before step STEP (1-based, as in metrics.jsonl), like a rank stuck in
-I/O or a hung kernel."""
+I/O or a hung kernel. Read by `injected_faults.InjectedFaults.from_env`."""
 DIAGNOSIS_S = 30.0
 """Longest wait (capped by --collective-timeout) of the barrier that counts the ranks after a
 timeout: the healthy ranks reach it within their skew into the collective that timed out."""
@@ -49,15 +47,6 @@ class CollectiveTimeout(RuntimeError):
     def __init__(self, message: str, others_may_name_s: float = 0.0):
         super().__init__(message)
         self.others_may_name_s = others_may_name_s
-
-
-def stall_if_asked(rank: int, step: int) -> None:
-    """The STALL_ENV hook, called before each step."""
-    text = os.environ.get(STALL_ENV, "")
-    if text and not restart_count():
-        who, when, seconds = text.split(":")
-        if int(who) == rank and int(when) == step:
-            time.sleep(float(seconds))
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ The pieces (placement and routing, replica gradient sums, slot moves, the rebala
   * `SlotTraining.sum_replica_grads`: after the last micro-batch's backward, before clipping,
     so every replica of an expert takes the same update (the unreplicated model's math);
   * `SlotTraining.after_step`: after `optimizer.step`/`zero_grad` and `moe_stats.end_step`,
-    feed the step's loads to the rebalancer; on an event, move slots (weights and AdamW
+    feed the step's loads (and the ep ranks' speeds, when the job adapts) to the rebalancer; on an event, move slots (weights and AdamW
     moments) and rebuild every layer's router from the new placement and the load average.
 """
 
@@ -81,7 +81,8 @@ def _weights(module: ShardedExperts) -> list[nn.Parameter]:
 
 class SlotTraining:
     """The trainer's handle on every MoE layer's slots and, with `--rebalance-every`, the rebalancer."""
-    def __init__(self, model: nn.Module, placements: dict[int, SlotPlacement], every: int):
+    def __init__(self, model: nn.Module, placements: dict[int, SlotPlacement], every: int, speed_rules=None):
+        """`speed_rules`: how the ep ranks' speeds weigh re-placements (`Job.adapt_experts`)."""
         self.modules = slot_modules(model)
         self.layers = sorted(placements)  # every MoE layer of the model, also other stages'
         first = next(iter(placements.values()))
@@ -91,18 +92,21 @@ class SlotTraining:
         self.phy2log = np.array([placements[layer].slot_expert for layer in self.layers])  # (MoE layers, S)
         if every:
             per_slot = slot_bytes(_weights(self.modules[0][1])) * 3 if self.modules else 0  # weights + AdamW's two moments (fp32)
-            self.rebalancer = ExpertRebalancer(self.phy2log, self.n_experts, self.ep, every=every, slot_bytes=per_slot)
+            self.rebalancer = ExpertRebalancer(self.phy2log, self.n_experts, self.ep, every=every, slot_bytes=per_slot,
+                                               speed_rules=speed_rules)
 
     def sum_replica_grads(self) -> None:
         """Every replica's gradient := the sum over its expert's replicas (all ep ranks call this)."""
         for _, module in self.modules:
             sum_replica_param_grads(_weights(module), module.placement, module.shard.group)
 
-    def after_step(self, step: int, moe_record: dict, optimizer: torch.optim.Optimizer) -> dict | None:
-        """Feed the step's loads to the rebalancer; on an event move the slots and return its row."""
+    def after_step(self, step: int, moe_record: dict, optimizer: torch.optim.Optimizer,
+                   speeds: list[float] | None = None) -> dict | None:
+        """Feed the step's loads (and, when measured, each ep rank's speed: `expert_speeds.py`)
+        to the rebalancer; on an event move the slots and return its row."""
         if self.rebalancer is None or not moe_record:
             return None
-        event = self.rebalancer.observe(step, *loads_from_record(moe_record, self.ep))
+        event = self.rebalancer.observe(step, *loads_from_record(moe_record, self.ep), speeds=speeds)
         if event is None:
             return None
         self.apply_placement(self.rebalancer.phy2log, optimizer, move=True)

@@ -13,7 +13,11 @@ process computes, and where it starts. Torch-free at import; below both the laun
      `--dtype` (`plan_model_checks.validate_for_model`, torch-free: parallel/ is not imported);
   4. the settings a resume may not change (`resume_settings.py`), and a line for each that did;
   5. the data-parallel shares the run starts with (equal) and whether they adapt to the ranks'
-     measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not).
+     measured speeds (`adapt_policy.adaptation_refusal`: a line says why a layout does not);
+     whether a pipeline's layers re-split between its stages from their measured times
+     (`adapt_policy.split_adaptation_refusal`; the split itself is the plan's `split`, on a
+     resume the one the run had adapted to when it fits); whether
+     the expert slots' placement weighs the ep ranks' measured speeds (with `--rebalance-every`).
 
 Deterministic in its inputs, so a launcher, rank 0 of a user's torchrun, or every rank alike
 gets the same job. The checkpoint is found by the caller (`resume_point.saved_checkpoint`):
@@ -26,11 +30,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.adapt_policy import AdaptRules, adaptation_refusal, equal_shares
+from phalanx.adapt_policy import AdaptRules, adaptation_refusal, equal_shares, split_adaptation_refusal
 from phalanx.checkpoint.reader import no_checkpoint_reason
 from phalanx.errors import UserError
 from phalanx.model.by_name import model_config
-from phalanx.plan import Plan
+from phalanx.plan import Plan, parse_split
 from phalanx.plan_model_checks import validate_for_model
 from phalanx.train.config import TrainConfig
 from phalanx.train.resume_settings import check_resume
@@ -76,6 +80,15 @@ class Job:
     adapt: AdaptRules | None = None
     """How the shares follow the ranks' speeds; None: they stay as they are (`--no-adapt`, or a
     layout that does not adapt yet)."""
+    adapt_split: AdaptRules | None = None
+    """How a pipeline's layers per stage (the plan's `split`, or the cost-balanced one when it
+    has none) follow the stages' measured times; None: the split stays (`--no-adapt`, pp=1, or a
+    layout that does not adapt it yet). The loop re-splits as `adapt` decides, into a new plan."""
+    adapt_experts: AdaptRules | None = None
+    """How the expert slots' re-placements (`--rebalance-every`) weigh each ep rank's measured
+    speed as well as the experts' loads (`balance/rebalancer.py`, `speed_weighted.py`); None:
+    loads alone (`--no-adapt`, or no rebalancing)."""
+
     @property
     def microbatches(self) -> int:
         """Micro-batches per optimizer step per data-parallel rank (gradient accumulation)."""
@@ -90,6 +103,20 @@ class Job:
     @property
     def start_step(self) -> int:
         return self.resume_from.step if self.resume_from else 0
+
+
+def _resumed_split(plan: Plan, saved: str | None, n_layers: int, log) -> Plan:
+    """The plan with the split the checkpoint's run had adapted to (`stage_resplit.py` records
+    it as `stage_split`), where it fits this plan's stages; else the plan as it is."""
+    if not saved or saved == plan.split:
+        return plan
+    try:
+        parse_split(saved, plan.pp * plan.virtual, n_layers)
+    except UserError:
+        return plan  # another number of stages: the plan's own split, measured again
+    if log:
+        log(f"phalanx: resuming with the pipeline split {saved} the run had adapted to (layers per stage)")
+    return plan.replace(split=saved)
 
 
 def check_sequence_length(cfg: TrainConfig, model_cfg) -> None:
@@ -128,5 +155,17 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
         elif plan.dp > 1 and log:
             log(f"phalanx: equal data-parallel shares (not adapted to the ranks' speeds): {why_not}")
     shares = equal_shares(cfg.global_batch // cfg.replica_groups, plan.dp) if adapt else ()
-    return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=planned_expert_slots(cfg, model_cfg),
-               resume_from=checkpoint, shares=shares, adapt=adapt)
+    slots = planned_expert_slots(cfg, model_cfg)
+    adapt_split = None
+    if cfg.adapt:
+        why_not = split_adaptation_refusal(pp=plan.pp, schedule=plan.schedule, replica_groups=cfg.replica_groups,
+                                           compile=cfg.compile, expert_slots=slots)
+        if not why_not:
+            adapt_split = AdaptRules()
+        elif plan.pp > 1 and log:
+            log(f"phalanx: the pipeline's split stays as planned (not adapted to the stages' speeds): {why_not}")
+    if adapt_split is not None and checkpoint is not None:
+        plan = _resumed_split(plan, checkpoint.meta.get("stage_split"), model_cfg.n_layers, log)
+    return Job(settings=cfg, world_size=world_size, plan=plan, plan_text=shown, expert_slots=slots,
+               resume_from=checkpoint, shares=shares, adapt=adapt, adapt_split=adapt_split,
+               adapt_experts=AdaptRules() if cfg.adapt and cfg.rebalance_every and model_cfg.n_experts else None)

@@ -33,6 +33,7 @@ from phalanx.model.init import build_model
 from phalanx.plan import parse_plan
 from phalanx.restart_policy import max_restarts
 from phalanx.train.config import TrainConfig
+from phalanx.train.injected_faults import InjectedFaults  # test hooks, read once here
 from phalanx.train.job import Job, check_sequence_length, resolve_job
 from phalanx.train.loop import train
 from phalanx.train.replica_groups import GROUP_ENV, check_group_job, group_processes, launch_replica_groups
@@ -97,7 +98,8 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | N
     began = time.perf_counter()
     with StopSignals() as stop:  # from the first moment: a signal during setup stops after one step
         try:
-            result = run_in_group(cfg.device, lambda: train(job or cfg, Path(run_dir), stop=stop), on_user_error,
+            faults = InjectedFaults.from_env()
+            result = run_in_group(cfg.device, lambda: train(job or cfg, Path(run_dir), stop=stop, faults=faults), on_user_error,
                                   datetime.timedelta(seconds=cfg.collective_timeout), threads=cfg.threads)
         except Exception as error:
             # When another worker died, this one's collective fails at once, and the agent,

@@ -68,7 +68,8 @@ class WaitClock:
 def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, targets: torch.Tensor,
                   *, autocast, clock: WaitClock | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Forward and backward of this dp rank's batch; returns its mean loss, the same on
-    every pp rank. `clock`: adds up the time the schedule waited on transfers. `documents`:
+    every pp rank. `clock`: adds up the time the schedule waited on transfers, and the loss's
+    all-reduce after it (where stages that are done wait for the others). `documents`:
     with `--doc-mask`, the batch's document ids (batch, seq), cut per micro-batch."""
     losses: list[torch.Tensor] = []
     with loss_context(mesh.plan), autocast(), (clock.timing() if clock else contextlib.nullcontext()), \
@@ -80,7 +81,12 @@ def pipeline_step(pipeline: Pipeline, mesh: ParallelMesh, inputs: torch.Tensor, 
     if pipeline.has_last:
         values = [l.full_tensor() if hasattr(l, "full_tensor") else l for l in losses]
         loss = torch.stack([v.detach().float() for v in values]).mean()
+    began = time.perf_counter()
     dist.all_reduce(loss, group=mesh.group("pp"))  # only the last stage's rank adds a value
+    if clock is not None:
+        # Waiting too: the stages that finished their part of the schedule first (the last,
+        # under 1F1B) wait here for the rest, and a stage's compute time must not count it.
+        clock.seconds += time.perf_counter() - began
     return loss
 
 

@@ -13,8 +13,14 @@ What is counted where:
   peers' gradients (the slower ranks) and for the transfers still in flight. That span is
   `wait_s`. A bucket's all-reduce that overlaps the rank's compute costs the rank only the CPU
   it takes (on gloo, its threads): compute.
-- pipelines: the host time blocked on point-to-point transfers (`pipeline_step.WaitClock`).
-- elsewhere (tp, cp, ep, FSDP's gathers and reduce-scatters) collectives sit inside the forward
+- pipelines: the host time blocked on point-to-point transfers (`pipeline_step.WaitClock`) and
+  in the loss's all-reduce after the schedule.
+- expert parallelism: the host time inside the token dispatch's all-to-alls, forward and
+  backward (`parallel/expert_dispatch.take_dispatch_waits`), and in the sum of the expert
+  replicas' gradients (the step adds it). On gloo the host blocks in them until the slower
+  peers' rows arrive; with NCCL they return once queued, so on CUDA these waits are not
+  measured (and expert placement does not weigh measured speeds there: train/expert_speeds.py).
+- elsewhere (tp, cp, FSDP's gathers and reduce-scatters) collectives sit inside the forward
   and backward and are counted as compute: their waits are not separated yet, and such
   layouts keep equal data-parallel shares (`adapt_policy.adaptation_refusal`).
 
@@ -31,6 +37,8 @@ import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+from phalanx.parallel.expert_dispatch import take_dispatch_waits
 
 
 class RankClock:
@@ -59,6 +67,7 @@ class RankClock:
             self.last_grad = time.perf_counter()
 
     def begin(self) -> None:
+        take_dispatch_waits()  # what validation or the last step left: not this step's
         self.began, self.waited, self.spans = time.perf_counter(), 0.0, []
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -83,6 +92,7 @@ class RankClock:
             end.synchronize()
             self.waited += last_grad.elapsed_time(end) / 1000
         self.spans = []
+        self.waited += take_dispatch_waits()
         total = time.perf_counter() - self.began
         return max(total - self.waited, 0.0), self.waited
 

@@ -15,7 +15,6 @@ torch, until torchrun's restarts are spent. A first attempt removes an old one.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 from phalanx.restart_policy import REASON_ENV, RESTART_ENV, restart_count, restart_reason  # noqa: F401 (the workers' names)
@@ -24,7 +23,8 @@ USER_ERROR_FILE = "user_error.txt"
 FAULT_ENV = "PHALANX_TEST_FAULT"
 """Test hook: `RANK:STEP:SIGNAL` (e.g. `1:3:SIGKILL`): on the first attempt only, rank RANK
 sends itself SIGNAL once STEP steps are done (after that step's checkpoint, if any), so tests
-can kill a worker, or interrupt a run, at a known step."""
+can kill a worker, or interrupt a run, at a known step. Read once by the worker's entry
+(`injected_faults.InjectedFaults.from_env`), not by the loop."""
 
 
 def restart_row(step: int) -> dict | None:
@@ -36,16 +36,6 @@ def restart_row(step: int) -> dict | None:
 def resume_mode(resume: str) -> str:
     """A restart continues where the run stopped, or starts fresh if it never checkpointed."""
     return "auto" if restart_count() else resume
-
-
-def inject_fault(rank: int, step: int) -> None:
-    """The FAULT_ENV hook, called at each step boundary with the steps done."""
-    text = os.environ.get(FAULT_ENV, "")
-    if not text or restart_count():
-        return
-    fault_rank, fault_step, name = text.split(":")
-    if int(fault_rank) == rank and int(fault_step) == step:
-        os.kill(os.getpid(), signal.Signals[name])
 
 
 def earlier_user_error(run_dir: Path) -> str | None:

@@ -3,7 +3,7 @@ figures come from.
 
 On this CPU they are measured: `phalanx calibrate --serve` times `phalanx serve`'s own engine
 on a small model at a few batch sizes and contexts, fits these constants (planner/
-serve_fit.py) together with the CPU's effective FLOP rate and bandwidth, and writes them to
+serve/fit.py) together with the CPU's effective FLOP rate and bandwidth, and writes them to
 `serve-local.json` beside the training calibration (`--cluster local` then reads it). On the
 GPU presets they are what the engines whose published runs the validation uses (TensorRT-LLM,
 SGLang) spend beyond the GPU's work, which their own documents put at nothing while the GPU's

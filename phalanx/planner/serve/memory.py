@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.memory import param_counts
-from phalanx.planner.serve_step import WEIGHT_BYTES, ServeLayout, act_bytes, kv_bytes_per_token_layer, stage_layers
+from phalanx.planner.serve.step import WEIGHT_BYTES, ServeLayout, act_bytes, kv_bytes_per_token_layer, stage_layers
 
 KV_UTILIZATION = 0.9
 BLOCK_SIZE = 16

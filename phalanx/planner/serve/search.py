@@ -1,12 +1,12 @@
 """The serving planner's search: every way to lay out N GPUs as instances of dp x tp x pp
 ranks (ep carved from dp), each with the running batch and prompt budget its KV cache allows,
-rated by serve_rates.py and ranked by goodput under the targets (without targets or a load:
+rated by serve/rates.py and ranked by goodput under the targets (without targets or a load:
 by output tokens/s per GPU at the concurrency the KV cache allows).
 
 The rules (one place): tp divides the attention heads and stays inside a fast domain (its
 all-reduces are on every layer's path); ep divides the dp ranks and the routed-expert slots
 (S per MoE layer, at least the experts: one slot per expert unless redundant experts are
-wanted or ep does not divide the experts, `serve_expert_load.slot_choices`); pp is at most
+wanted or ep does not divide the experts, `serve/expert_load.slot_choices`); pp is at most
 the layer count; world = instances x dp x tp x pp.
 """
 
@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 
 from phalanx import layout_rules as rules
 from phalanx.errors import UserError
+from phalanx.layout_rules import divisors
+from phalanx.plan import key_values
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_costs import serve_costs_for
-from phalanx.planner.serve_expert_load import ExpertLoad, expected_imbalance, slot_choices
-from phalanx.planner.serve_memory import VLLM_POOL, PoolRule, RankMemory, max_batch_for, rank_memory
-from phalanx.planner.serve_rates import Rates, ServeLoad, Setting, colocated, phase_only
-from phalanx.planner.serve_step import ServeLayout
+from phalanx.planner.serve.costs import serve_costs_for
+from phalanx.planner.serve.expert_load import ExpertLoad, expected_imbalance, slot_choices
+from phalanx.planner.serve.memory import VLLM_POOL, PoolRule, RankMemory, max_batch_for, rank_memory
+from phalanx.planner.serve.rates import Rates, ServeLoad, Setting, colocated, phase_only
+from phalanx.planner.serve.step import ServeLayout
 
 FIX_KEYS = ("tp", "ep", "dp", "pp", "slots", "max_batch", "max_batch_tokens", "instances")
 TRAINING_ONLY_KEYS = ("zero", "fsdp", "schedule", "virtual", "mbs", "microbatches", "recompute", "sp",
@@ -36,11 +38,7 @@ prefill and TensorRT-LLM's max_num_tokens default to 8192)."""
 def parse_serve_fix(text: str) -> dict[str, int]:
     """`tp=2,max_batch=64`: serving knobs; training-only keys and unknown ones are errors."""
     fixed: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, eq, raw = part.partition("=")
-        key = key.strip()
-        if not eq:
-            raise UserError(f"--fix {text!r}: {part!r} is not key=value")
+    for key, raw in key_values(text, what="--fix"):  # the training --fix's reader too (phalanx/plan.py)
         if key in TRAINING_ONLY_KEYS:
             raise UserError(f"--fix {key}= is a training knob; a serving --fix takes {', '.join(FIX_KEYS)}")
         if key not in FIX_KEYS:
@@ -90,10 +88,6 @@ class ServeSearchResult:
     seconds: float = 0.0
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def check_fixed_slots(model: ModelConfig, fixed: dict[str, int]) -> None:
     """`--fix slots=S` on a model whose experts S cannot hold: one line (phalanx serve's rule)."""
     if "slots" in fixed:
@@ -116,20 +110,20 @@ def layouts(model: ModelConfig, cluster: Cluster, gpus: int, fixed: dict[str, in
             kv_dtype: str, expert_load: ExpertLoad | None = None):
     """(layout, instances) of exactly `gpus` devices that obey the rules and `fixed`, each
     layout with its expert slots and the imbalance the balancer leaves them for `expert_load`."""
-    for instances in _divisors(gpus):
+    for instances in divisors(gpus):
         if fixed.get("instances", instances) != instances:
             continue
         per = gpus // instances
-        for tp in _divisors(per):
+        for tp in divisors(per):
             if fixed.get("tp", tp) != tp or model.n_heads % tp or tp > cluster.fast_domain:
                 continue
-            for pp in _divisors(per // tp):
+            for pp in divisors(per // tp):
                 if fixed.get("pp", pp) != pp or pp > model.n_layers:
                     continue
                 dp = per // (tp * pp)
                 if fixed.get("dp", dp) != dp:
                     continue
-                eps = _divisors(dp) if model.n_experts else [1]
+                eps = divisors(dp) if model.n_experts else [1]
                 for ep in eps:
                     # dp ranks without ep share nothing: they are instances (unless pinned).
                     if fixed.get("ep", ep) != ep or (dp > 1 and ep == 1 and "dp" not in fixed):

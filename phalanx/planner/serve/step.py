@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, latent_attention
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_costs import ServeCosts, serve_costs_for
+from phalanx.planner.kv_cache import kv_bytes_per_token
+from phalanx.planner.serve.costs import ServeCosts, serve_costs_for
 from phalanx.planner.stage_time import GEMM_TILE, gemm_time
 
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "fp4": 0.5 + 1 / 16}
@@ -66,7 +67,7 @@ class ServeLayout:
     each ep rank holds slots / ep of them, hot experts replicated; 0: one slot per expert."""
     expert_imbalance: float = 0.0
     """(max - mean) / mean of the routed rows over the ep ranks that the slots' placement leaves
-    for the plan's expert load (serve_expert_load.expected_imbalance): the most loaded rank
+    for the plan's expert load (serve/expert_load.expected_imbalance): the most loaded rank
     computes, receives and returns 1 + this times the mean rows."""
 
     def slot_count(self, n_experts: int) -> int:
@@ -98,23 +99,31 @@ def act_bytes(layout: ServeLayout) -> float:
     return 4.0 if layout.weight_dtype == "fp32" else 2.0
 
 
+NVFP4_OVER_FP8 = (1.5 + 2.2) / 2
+"""What an NVFP4 (W4A4) GEMM reaches over an fp8 one on Blackwell: NVIDIA's Nemotron 3 Super
+quantization page (docs.nvidia.com/nemotron/latest/nemotron/super3/quantization.html) gives
+"1.5-2.2x higher GEMM FLOPS than FP8" for its NVFP4 checkpoint on B200; the middle of that
+range. The datasheets' dense fp4 peak is twice the fp8 one, which real W4A4 GEMMs do not reach:
+each quantizes its bf16 activations to fp4 with a scale per 16 values on the way in, and the
+block scales take their own passes through the tensor cores' pipeline."""
+
+
 def gemm_peak(cluster: Cluster, dtype: str, world: int) -> float:
-    """FLOP/s of one rank's GEMMs in the weights' dtype (fp8/fp4 tensor cores where present)."""
+    """FLOP/s of one rank's GEMMs in the weights' dtype (fp8/fp4 tensor cores where present):
+    fp4 at `NVFP4_OVER_FP8` times the fp8 rate, at most the datasheet's fp4 peak."""
     base = cluster.peak_flops_per_rank(world)
     if dtype == "fp8" and cluster.fp8_tflops:
         return base * cluster.fp8_tflops / cluster.peak_tflops
     if dtype == "fp4" and cluster.fp4_tflops:
-        return base * cluster.fp4_tflops / cluster.peak_tflops
+        fp4 = min(cluster.fp4_tflops, NVFP4_OVER_FP8 * cluster.fp8_tflops) if cluster.fp8_tflops else cluster.fp4_tflops
+        return base * fp4 / cluster.peak_tflops
     return base
 
 
 def kv_bytes_per_token_layer(model: ModelConfig, layout: ServeLayout) -> float:
     """One token's cache in one layer on one tp rank: GQA's KV heads split over tp (replicated
     past n_kv_heads ranks); latent attention's single latent, whole on every tp rank."""
-    values = model.kv_cache_values_per_token
-    if not model.is_latent:
-        values = values / min(layout.tp, model.n_kv_heads)
-    return values * KV_BYTES[layout.kv_dtype]
+    return kv_bytes_per_token(model, bytes_per_value=KV_BYTES[layout.kv_dtype], tp=layout.tp, layers=1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -190,7 +199,7 @@ def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, deco
     Under an engine that runs decodes and prompt chunks as separate forwards
     (`costs.split_forwards`, phalanx serve) a step holding both is the two forwards' time, the
     per-step host cost (`step_s`) once. `shares` (decode, prompt): for a mean step of a load
-    (serve_rates), the share of steps that hold each forward, its tokens then coming in that
+    (serve/rates.py), the share of steps that hold each forward, its tokens then coming in that
     share of the steps: every per-forward cost scales with the share, every per-token and
     per-sequence cost stays (a step with a fifth of a prompt's tokens on average is a prompt
     forward one step in five, not a fifth-size forward every step)."""

@@ -1,5 +1,5 @@
 """`phalanx simulate --serve`: the planner's best layout (or the `--fix` one) run through the
-discrete-event simulator (serve_simulate.py) at a sweep of Poisson rates; writes a Chrome
+discrete-event simulator (serve/simulate.py) at a sweep of Poisson rates; writes a Chrome
 trace of the run at `--rate` (trace.json: every rank's steps, every request's life), a PNG of
 TTFT and TPOT percentiles against the request rate beside the closed-form predictions
 (latency.png), and the figures as JSON (summary.json). Torch-free."""
@@ -12,12 +12,12 @@ from pathlib import Path
 from phalanx.errors import UserError
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.serve_flags import check_lengths, dtypes_for, load_from
-from phalanx.planner.serve_costs import serve_costs_for
-from phalanx.planner.serve_memory import BLOCK_SIZE
-from phalanx.planner.serve_rates import ServeLoad
-from phalanx.planner.serve_search import ServePlan, evaluate, parse_serve_fix, search_serving
-from phalanx.planner.serve_simulate import SimResult, percentile, poisson_arrivals, simulate, step_model_seconds
+from phalanx.planner.serve.flags import check_lengths, dtypes_for, load_from
+from phalanx.planner.serve.costs import serve_costs_for
+from phalanx.planner.serve.memory import BLOCK_SIZE
+from phalanx.planner.serve.rates import ServeLoad
+from phalanx.planner.serve.search import ServePlan, evaluate, parse_serve_fix, search_serving
+from phalanx.planner.serve.simulate import SimResult, percentile, poisson_arrivals, simulate, step_model_seconds
 
 RATE_FRACTIONS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.2)
 MAX_SIMULATED_TOKENS = 5_000_000

@@ -1,6 +1,6 @@
 """What one serving layout delivers under a load: TTFT, TPOT p50/p99, tokens/s per GPU and
-goodput, from the step model (serve_step.py), in closed form so that the search stays under a
-second (the discrete-event simulator, serve_simulate.py, checks these on a trace).
+goodput, from the step model (serve/step.py), in closed form so that the search stays under a
+second (the discrete-event simulator, serve/simulate.py, checks these on a trace).
 
 Colocated prefill and decode (chunked prefill, decodes first, as phalanx serve, vLLM and
 SGLang schedule): in steady state a dp rank running B sequences makes one token for each per
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_costs import ServeCosts
-from phalanx.planner.serve_expert_load import ExpertLoad
-from phalanx.planner.serve_step import ServeLayout, step_time
+from phalanx.planner.serve.costs import ServeCosts
+from phalanx.planner.serve.expert_load import ExpertLoad
+from phalanx.planner.serve.step import ServeLayout, step_time
 
 Z99 = 2.326
 """Standard normal 99th percentile."""
@@ -62,7 +62,7 @@ class Rates:
     """Requests/s within both targets (all requests when none is set), whole deployment."""
     overloaded: bool = False
     breakdown: dict[str, float] = field(default_factory=dict)
-    """The decode step's seconds by cause (serve_step.StepTime)."""
+    """The decode step's seconds by cause (serve/step.StepTime)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Setting:
 
     def step(self, batch: float, prompt_tokens: float, load: ServeLoad, shares: tuple[float, float] = (1.0, 1.0)):
         """One step of `batch` decodes and `prompt_tokens` prompt tokens on a dp rank, through
-        all pp stages (each stage a 1/pp micro-batch); `shares`: serve_step.step_time's."""
+        all pp stages (each stage a 1/pp micro-batch); `shares`: serve/step.step_time's."""
         pp = self.layout.pp
         st = step_time(self.model, self.cluster, self.layout, decodes=batch / pp, context=load.isl + load.osl / 2,
                        prefill_tokens=prompt_tokens / pp, prefill_context=load.isl / 2, world=self.world,

@@ -1,5 +1,5 @@
 """The flags `plan --serve` and `simulate --serve` share, and the workload and dtypes they
-describe (torch-free): one home for both commands (serve_cli.py, serve_sim_report.py)."""
+describe (torch-free): one home for both commands (serve/cli.py, serve/sim_report.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import argparse
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_expert_load import parse_expert_load
-from phalanx.planner.serve_rates import ServeLoad
+from phalanx.planner.serve.expert_load import parse_expert_load
+from phalanx.planner.serve.rates import ServeLoad
 from phalanx.scheduling.serving_bounds import check_counts
 
 TRAINING_FLAGS = ("--global-batch", "--seq-len", "--dtype", "--zero-levels", "--any-runtime", "--tp-overlap",

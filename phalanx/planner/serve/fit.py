@@ -1,4 +1,4 @@
-"""Fitting the serving engine's constants (serve_costs.ServeCosts) to measured steps, and then
+"""Fitting the serving engine's constants (serve/costs.ServeCosts) to measured steps, and then
 to latencies measured through a real server (`fit_probe`), torch-free. The measuring is
 phalanx/calibrate/serve_steps.py's and serve_probe.py's.
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_costs import ServeCosts
-from phalanx.planner.serve_rates import ServeLoad
-from phalanx.planner.serve_search import evaluate
-from phalanx.planner.serve_step import ServeLayout, step_time
+from phalanx.planner.serve.costs import ServeCosts
+from phalanx.planner.serve.rates import ServeLoad
+from phalanx.planner.serve.search import evaluate
+from phalanx.planner.serve.step import ServeLayout, step_time
 
 NAMES = ("mechanical", "step_s", "sequence_s", "sequence_layer_s", "token_s")
 

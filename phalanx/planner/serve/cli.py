@@ -1,8 +1,10 @@
 """`phalanx plan --serve ...`: the serving planner's command line (torch-free).
 
-`plan --serve` (and `simulate --serve`) take their own flags, so the main CLI hands an argv
-holding `--serve` here before the training parser would ask for `--global-batch`
-(`serve_argv`). Training-only flags are refused by name.
+`plan --serve` (and `simulate --serve`) take their own flags: `serve_parser` builds that
+grammar, and phalanx/cli.py registers it as the `plan` and `simulate` parsers' `--serve` form
+(`Command.alternate`), so `plan`'s parser hands its arguments to it when they hold `--serve`,
+before the training grammar would ask for `--global-batch`. Training-only flags are refused
+by name.
 """
 
 from __future__ import annotations
@@ -14,15 +16,26 @@ import sys
 from phalanx.errors import UserError
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.serve_disagg import disaggregated
-from phalanx.planner.serve_flags import add_serve_flags, check_lengths, dtypes_for, load_from
-from phalanx.planner.serve_report import explain, serve_record, table
-from phalanx.planner.serve_search import parse_serve_fix, search_serving
-from phalanx.planner.serve_sim_report import add_simulate_flags, run_serve_simulate
+from phalanx.planner.serve.disagg import disaggregated
+from phalanx.planner.serve.flags import add_serve_flags, check_lengths, dtypes_for, load_from
+from phalanx.planner.serve.report import explain, serve_record, table
+from phalanx.planner.serve.search import parse_serve_fix, search_serving
+from phalanx.planner.serve.sim_report import add_simulate_flags, run_serve_simulate
 
-def serve_argv(argv: list[str]) -> bool:
-    """Whether a `phalanx` argv is `plan --serve ...` or `simulate --serve ...`."""
-    return len(argv) > 1 and argv[0] in ("plan", "simulate") and "--serve" in argv
+def serve_parser(command: str) -> argparse.ArgumentParser:
+    """The grammar of `phalanx plan --serve` or `phalanx simulate --serve` (`command`), with the
+    function that runs it as its `func` default, as every subcommand's parser has."""
+    parser = argparse.ArgumentParser(prog=f"phalanx {command} --serve",
+                                     description="Rank serving layouts of N GPUs by goodput (docs/serve_planner.md)."
+                                     if command == "plan" else "Run the best serving layout through the "
+                                     "discrete-event simulator (docs/serve_planner.md).")
+    add_serve_flags(parser)
+    if command == "simulate":
+        add_simulate_flags(parser)
+        parser.set_defaults(func=run_serve_simulate)
+    else:
+        parser.set_defaults(func=run_serve_plan)
+    return parser
 
 
 def run_serve_plan(args) -> int:
@@ -80,15 +93,3 @@ def run_serve_plan(args) -> int:
         return 1
     return 0
 
-
-def main(argv: list[str]) -> int:
-    """`plan --serve ...` or `simulate --serve ...` (argv without the program name)."""
-    command, rest = argv[0], argv[1:]
-    parser = argparse.ArgumentParser(prog=f"phalanx {command} --serve")
-    add_serve_flags(parser)
-    if command == "simulate":
-        add_simulate_flags(parser)
-        args = parser.parse_args(rest)
-        return run_serve_simulate(args)
-    args = parser.parse_args(rest)
-    return run_serve_plan(args)

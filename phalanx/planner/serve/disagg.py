@@ -17,9 +17,10 @@ import dataclasses
 from phalanx.errors import UserError
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve_rates import Rates, ServeLoad
-from phalanx.planner.serve_search import ServePlan, phalanx_serve_gaps, search_serving
-from phalanx.planner.serve_step import KV_BYTES
+from phalanx.planner.kv_cache import kv_bytes_per_token
+from phalanx.planner.serve.rates import Rates, ServeLoad
+from phalanx.planner.serve.search import ServePlan, phalanx_serve_gaps, search_serving
+from phalanx.planner.serve.step import KV_BYTES
 
 
 MAX_SPLITS = 4
@@ -45,7 +46,7 @@ def _splits(cluster: Cluster, gpus: int) -> list[int]:
 
 def kv_transfer_seconds(model: ModelConfig, cluster: Cluster, *, tokens: int, kv_dtype: str) -> float:
     """One prompt's KV cache (all layers) from a prefill GPU to a decode GPU over the NIC."""
-    nbytes = tokens * model.n_layers * model.kv_cache_values_per_token * KV_BYTES[kv_dtype]
+    nbytes = tokens * kv_bytes_per_token(model, bytes_per_value=KV_BYTES[kv_dtype])
     return nbytes / (cluster.inter_bw_gbs * 1e9) + cluster.inter_latency_us * 1e-6
 
 

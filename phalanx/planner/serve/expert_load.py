@@ -7,7 +7,7 @@ holding two replicas of one) and predicts (max - mean) / mean of the ranks' rout
 (TensorRT-LLM's imbalance ratio), averaged over the load's layers. The rank with the most
 rows sets an MoE layer's time (every ep rank waits for the slowest in the combine), so the
 step model charges the routed experts' rows and the dispatch and combine bytes at 1 +
-imbalance times the mean (serve_step.py).
+imbalance times the mean (serve/step.py).
 
 Without `--expert-load` every expert is equally hot: with one slot per expert and ep dividing
 the experts the imbalance is 0 (every rank priced as the average one, as before slots); with S

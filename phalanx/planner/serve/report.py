@@ -5,8 +5,8 @@ command of each plan, and why the runners-up lose. The table layout is the train
 from __future__ import annotations
 
 from phalanx.planner.report import format_table
-from phalanx.planner.serve_search import ServePlan
-from phalanx.planner.serve_step import ServeLayout
+from phalanx.planner.serve.search import ServePlan
+from phalanx.planner.serve.step import ServeLayout
 
 GIB = 2**30
 REBALANCE_EVERY = 64

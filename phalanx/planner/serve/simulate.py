@@ -4,7 +4,7 @@ preemption, on a simulated clock, torch-free.
 Every dp rank runs `phalanx serve`'s own scheduler (phalanx/scheduling/scheduler.py: decodes first,
 chunked prefill within the step's token budget, blocks from the paged pool, newest-first
 preemption with recompute) over a block pool the size the planner gives the rank; a step lasts
-what the step model (serve_step.py) says for the batch the scheduler chose. Arrivals go to
+what the step model (serve/step.py) says for the batch the scheduler chose. Arrivals go to
 the dp rank with the fewest sequences (running + waiting), the lowest index on a tie. Under
 ep > 1 the dp ranks step together (the MoE all-to-all is collective: a step lasts the slowest
 rank's, and a rank with nothing to do still waits), otherwise each on its own clock.
@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from phalanx.planner.serve_step import ServeLayout, step_time
+from phalanx.planner.serve.step import ServeLayout, step_time
 from phalanx.scheduling.scheduler import Scheduler, Sequence, Step
 
 

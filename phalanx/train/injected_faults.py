@@ -1,0 +1,56 @@
+"""Faults a test injects into a training run, given to `train()` as an argument.
+
+The loop reads no environment variable: `InjectedFaults` is plain data handed to it. Tests that
+call `train()` in their own processes build one directly; tests that start workers through the
+launcher (a `phalanx train --nproc N` under pytest) set the documented variables, and the
+worker's entry (`launch.worker_main`) reads them once, with `from_env()`:
+
+- `restarts.FAULT_ENV`  `RANK:STEP:SIGNAL`: rank RANK sends itself SIGNAL once STEP steps are done;
+- `collective_watch.STALL_ENV`  `RANK:STEP:SECONDS`: rank RANK sleeps before step STEP (1-based);
+- `bad_steps.NAN_STEPS_ENV`  `S1,S2,...`: those steps' (1-based) loss is made NaN after the backward.
+
+Kills and stalls happen on a first attempt only: a restarted worker must not meet them again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from phalanx.train.bad_steps import NAN_STEPS_ENV
+from phalanx.train.collective_watch import STALL_ENV
+from phalanx.train.restarts import FAULT_ENV, restart_count
+
+
+@dataclass(frozen=True, kw_only=True)
+class InjectedFaults:
+    kill: tuple[int, int, str] | None = None
+    """(rank, steps done, signal name): that rank signals itself at that step boundary (after
+    the step's checkpoint, if any)."""
+    stall: tuple[int, int, float] | None = None
+    """(rank, step, seconds): that rank sleeps before that step (1-based), like a rank stuck in
+    I/O or a hung kernel."""
+    nan_steps: frozenset[int] = frozenset()
+    """Steps (1-based) whose loss is made NaN after the backward pass."""
+
+    @classmethod
+    def from_env(cls) -> "InjectedFaults":
+        """The faults the test variables name; a restarted worker gets no kill and no stall."""
+        kill = stall = None
+        if (text := os.environ.get(FAULT_ENV, "")) and not restart_count():
+            who, when, name = text.split(":")
+            kill = (int(who), int(when), name)
+        if (text := os.environ.get(STALL_ENV, "")) and not restart_count():
+            who, when, seconds = text.split(":")
+            stall = (int(who), int(when), float(seconds))
+        nan = frozenset(int(part) for part in os.environ.get(NAN_STEPS_ENV, "").split(",") if part.strip())
+        return cls(kill=kill, stall=stall, nan_steps=nan)
+
+    def before_step(self, rank: int, steps_done: int) -> None:
+        """At each step boundary, with the steps done so far (`rank`: across replica groups)."""
+        if self.kill is not None and self.kill[:2] == (rank, steps_done):
+            os.kill(os.getpid(), signal.Signals[self.kill[2]])
+        if self.stall is not None and self.stall[:2] == (rank, steps_done + 1):
+            time.sleep(self.stall[2])
