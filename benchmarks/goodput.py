@@ -27,6 +27,11 @@ global batch, so its useful time counts that share: useful = sum of step_time_s 
 len(groups) / R. Its goodput ratio is against the same clean arm (no replica groups), so the
 cost of torchft's quorum and second all-reduce at every step counts against it too.
 
+`--replica-overhead` adds a fourth arm, the replica-group command without failures, so that
+the replica arm's loss splits into what torchft costs at every step (its quorum, the second
+all-reduce, the commit: this arm against clean) and what the failures cost (the replica arm
+against this one).
+
 `--saves` compares instead two failure-free arms: checkpoints saved in the loop
 (`--sync-checkpoint`) against the default background saves, also in ABBA pairs: the checkpoint
 wait share of each and the ratio of their wall times.
@@ -174,7 +179,8 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
     wall = time.perf_counter() - began
     if proc.returncode != 0:
         raise SystemExit(f"phalanx train --replica-groups failed ({proc.returncode}):\n{err}")
-    print("\n".join(line for line in err.splitlines() if "restarting" in line), file=sys.stderr)
+    if kill_every:  # the launchers' line per failure
+        print("\n".join(line for line in err.splitlines() if "restarting" in line), file=sys.stderr)
     steps_rows = [r for r in rows(out) if "loss" in r]
     useful = sum(r["step_time_s"] * len(r["groups"]) / groups for r in steps_rows)
     alone = sum(1 for r in steps_rows if len(r["groups"]) < groups)
@@ -196,6 +202,17 @@ def report_replicas(clean: dict, arm: dict) -> float:
     ratio = arm["useful"] / arm["wall"] / (clean["useful"] / clean["wall"])
     print(f"  goodput replica groups with failures / clean = {ratio:.3f}; wall / clean = {arm['wall'] / clean['wall']:.3f}")
     return ratio
+
+
+def report_replica_overhead(clean: dict, quiet: dict, failing: dict) -> None:
+    """The replica groups without failures against clean (torchft's cost at every step) and the
+    replica arm against them (the failures' cost)."""
+    goodput = {name: arm["useful"] / arm["wall"] for name, arm in (("clean", clean), ("quiet", quiet), ("failing", failing))}
+    print(f"  replicas without failures  wall {quiet['wall']:6.1f} s  useful step time {quiet['useful']:6.1f} s  goodput "
+          f"{goodput['quiet']:.3f}  (median step {quiet['median_step'] * 1e3:.0f} ms against the clean arm's "
+          f"{clean['median_step'] * 1e3:.0f} ms)")
+    print(f"  goodput replica groups without failures / clean = {goodput['quiet'] / goodput['clean']:.3f} (torchft at every "
+          f"step); with failures / without = {goodput['failing'] / goodput['quiet']:.3f} (the failures)")
 
 
 def report(args, clean: dict, faulty: dict) -> float:
@@ -250,6 +267,8 @@ def main() -> None:
     parser.add_argument("--replica-plan", default="dp=2", help="the plan of each of the 2 replica groups (2 processes each)")
     parser.add_argument("--no-replicas", dest="replicas", action="store_false",
                         help="leave out the replica-group arm (--replica-groups 2, torchft)")
+    parser.add_argument("--replica-overhead", action="store_true",
+                        help="also run the replica-group command without failures (torchft's cost at every step)")
     parser.add_argument("--saves", action="store_true",
                         help="compare synchronous and background checkpoint saves (no failures) instead")
     args = parser.parse_args()
@@ -267,15 +286,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(args.pairs):
             arms = {}
-            order = ["clean", "failures"] + (["replicas"] if args.replicas else [])
+            order = (["clean", "failures"] + (["replicas"] if args.replicas else [])
+                     + (["replicas-quiet"] if args.replicas and args.replica_overhead else []))
             for kind in (order if pair % 2 == 0 else order[::-1]):
-                arm_argv = argv if kind != "replicas" else [args.replica_plan if a == args.plan else a for a in argv]
-                arms[kind] = run_arm(arm_argv, Path(tmp) / f"{kind}-{pair}", 0 if kind == "clean" else args.kill_every,
-                                     args.steps, groups=2 if kind == "replicas" else 1)
+                replicas = kind.startswith("replicas")
+                arm_argv = argv if not replicas else [args.replica_plan if a == args.plan else a for a in argv]
+                arms[kind] = run_arm(arm_argv, Path(tmp) / f"{kind}-{pair}",
+                                     0 if kind in ("clean", "replicas-quiet") else args.kill_every, args.steps,
+                                     groups=2 if replicas else 1)
             print(f"pair {pair + 1} ({' then '.join(arms)}):")
             ratios.append(report(args, arms["clean"], arms["failures"]))
             if args.replicas:
                 replica_ratios.append(report_replicas(arms["clean"], arms["replicas"]))
+            if "replicas-quiet" in arms:
+                report_replica_overhead(arms["clean"], arms["replicas-quiet"], arms["replicas"])
     print(f"goodput ratio failures / clean, median of {len(ratios)} pairs: {statistics.median(ratios):.3f}")
     if replica_ratios:
         print(f"goodput ratio replica groups with failures / clean, median of {len(replica_ratios)} pairs: "

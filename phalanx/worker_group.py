@@ -1,7 +1,7 @@
-"""The worker processes of every multi-process command (`phalanx train`, `generate`, `match`,
-`blur`): starting them through PyTorch's elastic launcher (the machinery of `torchrun`), and,
-in each worker, joining and leaving the process group. What is particular to training
-(restarts, the run directory, stop signals) is in phalanx/train/launch.py."""
+"""The worker processes of every multi-process command (`phalanx train`, `serve`, `generate`,
+`match`, `blur`): starting them through PyTorch's elastic launcher (the machinery of
+`torchrun`), and, in each worker, joining and leaving the process group. The launcher of
+`train`, `serve` and `generate`, with its one restart policy, is phalanx/worker_launch.py."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ import threading
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from phalanx.errors import UserError
@@ -128,7 +126,7 @@ def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timede
 
 def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "",
                   nodes: tuple[int, int] = (1, 1), *, quiet: bool = False, grace_s: int = 30, run_id: str = "",
-                  fresh: bool = False) -> dict:
+                  fresh: bool = False, preload: str = "phalanx.worker_launch") -> dict:
     """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
     `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `nodes`:
@@ -136,7 +134,9 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     `run_id` must then be the same on every machine. `quiet`:
     not even the agent's error lines (the caller reports); `grace_s`: how long the agent waits
     for workers it signals (SIGTERM, SIGINT) before it kills them; `fresh`: on CPU, fork the
-    workers from a clean server process instead of this one (see the start method below)."""
+    workers from a clean server process instead of this one (see the start method below), one
+    that imported the module `preload` (the workers' code: each worker then starts without
+    importing it)."""
     # The agent's loggers each carry their own level; quiet them all, errors still show.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL if quiet else logging.ERROR)
@@ -153,8 +153,7 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     elif fresh or nodes[1] > 1:
         # Several machines: another machine's workers may connect to this machine's store
         # while it forks (the barrier below only orders this machine's own workers).
-
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["phalanx.train.launch"])
+        multiprocessing.get_context("forkserver").set_forkserver_preload([preload])
         start_method = "forkserver"
     if start_method == "fork":
         # A first launch still forks from this process (a forkserver costs a torch import, some
@@ -177,6 +176,21 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def warm_forkserver(device: str, preload: str) -> None:
+    """Start now the forkserver that a restart (`start_elastic(..., fresh=True)`) forks its
+    workers from, with `preload` imported, instead of at the restart: its interpreter start and
+    torch import (seconds on busy cores) are then off the restart's path. A forkserver is
+    started by executing a new interpreter (no fork of this process's threads), once per
+    process. Nothing on GPUs, whose workers are spawned."""
+    if torch.cuda.is_available() and device != "cpu":
+        return
+    # Imported when asked for, not at the top: the forkserver's own module, used only here.
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload([preload])
+    forkserver.ensure_running()
 
 
 class AfterSiblingsForked:
@@ -205,21 +219,3 @@ class AfterSiblingsForked:
         except threading.BrokenBarrierError:
             pass
         return self.entry(*args)
-
-
-def run_elastic(entry, args: tuple, nproc: int, *, device: str, rdzv_endpoint: str = "") -> int:
-    """`start_elastic` for commands whose workers report by exit status: 0, 2 (a user error
-    that rank 0 has printed), 130 (interrupted) or 1 (a failure, printed here)."""
-    try:
-        start_elastic(entry, args, nproc, device, rdzv_endpoint)
-    except (SignalException, KeyboardInterrupt):
-        return 130  # the agent has already stopped the workers
-    except ChildFailedError as error:
-        codes = {failure.exitcode for failure in error.failures.values()}
-        if codes <= {2}:
-            return 2  # a user error, already printed by rank 0
-        if codes <= {130}:
-            return 130
-        print(f"phalanx: a worker failed: {error.get_first_failure()[1].message}", file=sys.stderr)
-        return 1
-    return 0

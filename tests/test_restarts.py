@@ -168,7 +168,7 @@ def test_torchrun_restart_does_not_retry_a_user_error(tmp_path, capsys, monkeypa
 def test_max_restarts_setting(tmp_path, capsys):
     """The default follows the process count; TOML key max_restarts; a negative count is refused."""
     from phalanx.train.config import load_config
-    from phalanx.train.worker_restarts import max_restarts
+    from phalanx.restart_policy import max_restarts
 
     assert (max_restarts(-1, 1), max_restarts(-1, 2), max_restarts(0, 4), max_restarts(5, 1)) == (0, 3, 0, 5)
     (tmp_path / "run.toml").write_text("max_restarts = 5\n")
@@ -201,3 +201,18 @@ def test_torchrun_restart_keeps_process_group_keys_apart(monkeypatch):
     restarted.set("default_pg/rank_0", "new address")
     assert agent_store.get("phalanx/attempt_1/default_pg/rank_0") == b"new address"
     assert agent_store.get("default_pg/rank_0") == b"dead address"
+
+
+def test_a_resumed_run_says_so(tmp_path, capsys):
+    """`train --resume` names the checkpoint it goes on from (not "random initialization") and
+    its summary counts the steps this run took (not the step it reached)."""
+    run = tmp_path / "run"
+    assert _run([*TINY, "--nproc", "1", "--steps", "2", "--out", str(run)], capsys)[0] == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, "--nproc", "1", "--steps", "3", "--resume", "--out", str(run)])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 0, err
+    start = [line for line in err.splitlines() if line.startswith("phalanx: training ")]
+    assert len(start) == 1 and "resuming from its checkpoint of step 2" in start[0], err
+    assert "random initialization" not in start[0]
+    assert "done: step 3, 1 step in this run (from step 2)" in out, out

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import asdict
 
 from phalanx.errors import UserError
@@ -157,12 +156,6 @@ def worker_main(job: dict) -> int:
     return 0
 
 
-def _elastic_entry(job: dict) -> None:
-    status = worker_main(job)
-    if status:
-        sys.exit(status)
-
-
 def _run(args) -> int:
     job = prepare_job(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # already a worker of torchrun
@@ -170,7 +163,10 @@ def _run(args) -> int:
     if args.nproc == 1:
         return worker_main(job)
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
-    from phalanx.worker_group import check_nproc, run_elastic
+    from phalanx.worker_group import check_nproc
+    from phalanx.worker_launch import launch_workers
 
     check_nproc(args.nproc, args.device)
-    return run_elastic(_elastic_entry, (job,), args.nproc, device=args.device, rdzv_endpoint=args.rdzv_endpoint)
+    # The one launcher of every command, with no restarts (a generation is short: run it again).
+    return launch_workers(worker_main, lambda attempt: (job,), args.nproc, args.device, 0, flag=None,
+                          rdzv_endpoint=args.rdzv_endpoint)

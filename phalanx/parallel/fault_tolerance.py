@@ -11,7 +11,9 @@ down only its group. Across groups, torchft (the `ft` extra) does the rest:
   step's gradient is averaged over the groups present, as torchft's Manager defines it;
 - a group that (re)starts behind the others receives the model and optimizer state of a
   healthy peer at its first quorum (torchft's PGTransport, over that same group: no checkpoint,
-  no replay) and takes part from that step on.
+  no replay) and takes part from that step on;
+- a group whose worker died ends its other workers' torchft waits at once (`broken_group.py`),
+  so that neither it nor the healthy groups' quorum waits for the elastic agent's 30 s.
 
 `ReplicaGroupSync` is what the training loop calls, three times a step: `begin_step` (the
 quorum, and the live state when this group heals), `reduce` (after backward: the gradients,
@@ -40,6 +42,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from phalanx.errors import UserError
+from phalanx.parallel.broken_group import BrokenGroupWatch
 from phalanx.ports import free_port
 
 GROUP_ENV = "PHALANX_REPLICA_GROUP"
@@ -183,7 +186,10 @@ class ReplicaGroupSync:
         # business, printed once per healing process.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torchft")
-        logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning per quorum about NCCL's flight recorder
+        # A warning per quorum about NCCL's flight recorder, and, when a group dies, a traceback per
+        # surviving rank of the all-reduce that lost it: expected, the step runs again, and the
+        # launcher's line and the metrics' event rows say which group left.
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
         self.group, self.groups, self.device = group, groups, device
         self.model, self.optimizer = model, optimizer
         self.healed_now = False
@@ -203,6 +209,7 @@ class ReplicaGroupSync:
             checkpoint_transport=PGTransport(self.pg, timeout=timeout, device=device),
         )
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.watch = BrokenGroupWatch(_sibling_pids(world))  # a dead sibling ends this worker's torchft waits
 
     def _state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -215,7 +222,8 @@ class ReplicaGroupSync:
     def begin_step(self) -> int:
         """The step's quorum (a healing group receives the live state here); the step to run."""
         self.healed_now = False
-        self.manager.start_quorum()
+        with self.watch.waiting():
+            self.manager.start_quorum()
         return self.manager.current_step()
 
     def set_step(self, step: int) -> None:
@@ -234,7 +242,8 @@ class ReplicaGroupSync:
         flags[self.groups + self.group] = float(self.healed_now)
         flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.detach().reshape(1).float(), flags])
 
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        with self.watch.waiting():
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         present = max(self.manager.num_participants(), 1)
         offset = 0
         for grad in grads:
@@ -248,10 +257,21 @@ class ReplicaGroupSync:
     def commit(self) -> bool:
         """Whether this step may update the weights (False: a group failed during it; the step
         is run again with the next quorum). Collective within the group."""
-        return self.manager.should_commit()
+        with self.watch.waiting():
+            return self.manager.should_commit()
 
     def shutdown(self) -> None:
+        self.watch.stop()
         self.manager.shutdown(wait=False)
+
+
+def _sibling_pids(world: int) -> list[int]:
+    """The process ids of this group's other workers (one all-gather in the group)."""
+    if world == 1 or not torch.distributed.is_initialized():
+        return []
+    pids: list[int] = [0] * world
+    torch.distributed.all_gather_object(pids, os.getpid())
+    return [pid for pid in pids if pid != os.getpid()]
 
 
 def replica_group(cfg, model, optimizer, device: torch.device, *, rank: int, world: int, step: int,
@@ -306,9 +326,15 @@ def writer_group(reduction: StepReduction) -> int | None:
     return steady[0] if steady else None
 
 
-def membership_events(step: int, before: list[int] | None, now: list[int]) -> list[dict]:
-    """metrics.jsonl event rows for the groups that left or came back between two steps."""
+def membership_events(step: int, before: list[int] | None, now: StepReduction) -> list[dict]:
+    """metrics.jsonl event rows for the groups that left or came back between two steps: a
+    group missing from `now`'s step that took part in the one `before` is lost; one back is
+    rejoined. A group that restarted so fast that it missed no step (its new workers were at
+    the quorum before the lighthouse dropped the old ones) took part in both steps but received
+    its state at this one (`now.healed`): it was lost and rejoined at this step."""
     if before is None:
         return []
-    rows = [{"event": "group_lost", "step": step, "group": g} for g in before if g not in now]
-    return rows + [{"event": "group_rejoined", "step": step, "group": g} for g in now if g not in before]
+    lost = [g for g in before if g not in now.groups or g in now.healed]
+    back = [g for g in now.groups if g not in before or g in now.healed]
+    return ([{"event": "group_lost", "step": step, "group": g} for g in lost]
+            + [{"event": "group_rejoined", "step": step, "group": g} for g in back])

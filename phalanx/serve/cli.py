@@ -6,9 +6,10 @@ stays cheap); the command does.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
-import sys
+import signal
 
 from phalanx.errors import UserError
 from phalanx.serve.job import (DEFAULT_MAX_REQUEST_BYTES, ServeJob, check_for_model, prepare_job, slo_policy,
@@ -122,21 +123,28 @@ def _run(args) -> int:
 
 
 def _launch(job: ServeJob) -> int:
-    """`--nproc N`: N local workers, started again after one dies (rank_restarts.py); SIGTERM to
-    this process reaches them all (rank 0 drains, the others wait for it) and ends with 0,
-    Ctrl-C with 130."""
+    """`--nproc N`: N local workers, started again after one dies, by the one launcher of every
+    command and its restart policy (phalanx/worker_launch.py, phalanx/restart_policy.py).
+
+    A rank that dies (SIGKILL, a crash, a collective past `--collective-timeout`) breaks the
+    group: rank 0 answers every request 503 and exits (`rank_loop.py`), the agent stops the
+    others, and all ranks start again on the same port (a `--port 0` is resolved to a free port
+    once, before the first start, so that clients find the restarted server where the first
+    one was). SIGTERM to this process reaches every rank (rank 0 drains, the others wait for
+    it) and ends with 0, Ctrl-C with 130; with no restarts left, 1 and one line saying why."""
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
-    from phalanx.serve.rank_restarts import launch_ranks
+    from phalanx.ports import free_port
+    from phalanx.restart_policy import STOP_STATUS
     from phalanx.worker_group import check_nproc
+    from phalanx.worker_launch import launch_workers
 
     check_nproc(job.nproc, job.device)
-    return launch_ranks(_elastic_entry, job)
-
-
-def _elastic_entry(job: ServeJob) -> None:
-    status = worker_main(job)
-    if status:
-        sys.exit(status)
+    if job.port == 0 and job.max_restarts:
+        job = dataclasses.replace(job, port=free_port())
+    status = launch_workers(worker_main, lambda attempt: (job,), job.nproc, job.device, job.max_restarts,
+                            restarting=lambda: "restarting the server's ranks", grace_s=int(job.shutdown_grace) + 15,
+                            run_id=f"phalanx-serve-{os.getpid()}", who=lambda rank: f"rank {rank} of the server")
+    return 0 if status == STOP_STATUS[signal.SIGTERM] else status  # a stop by SIGTERM, done gracefully
 
 
 def worker_main(job: ServeJob) -> int:

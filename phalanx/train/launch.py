@@ -4,7 +4,8 @@
 - `--nproc 1` runs in this process, with no process group (unless `--max-restarts` asks for restarts).
 - `--nproc N` starts N local workers through PyTorch's elastic launcher (the machinery of
   `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise, and starts
-  them again after a failure (`--max-restarts`, phalanx/train/worker_restarts.py).
+  them again after a failure (`--max-restarts`), both by the one launcher of every command
+  (phalanx/worker_launch.py) and its restart policy (phalanx/restart_policy.py).
 - SIGTERM and SIGINT stop every worker after the same step, with a checkpoint
   (phalanx/train/stop_signal.py); `report_stop` says how to continue.
 """
@@ -22,7 +23,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from phalanx.checkpoint.store import latest_checkpoint
 from phalanx.data.corpus import check_corpus, open_training_data
@@ -31,6 +31,7 @@ from phalanx.hf.weights import initial_weights
 from phalanx.model.by_name import model_config
 from phalanx.model.init import build_model
 from phalanx.plan import parse_plan
+from phalanx.restart_policy import max_restarts
 from phalanx.train.config import TrainConfig
 from phalanx.train.injected_faults import InjectedFaults  # test hooks, read once here
 from phalanx.train.job import Job, check_sequence_length, resolve_job
@@ -38,9 +39,9 @@ from phalanx.train.loop import train
 from phalanx.train.replica_groups import GROUP_ENV, check_group_job, group_processes, launch_replica_groups
 from phalanx.train.restarts import leave_user_error, resume_mode
 from phalanx.train.resume_point import gpu_name, saved_checkpoint
-from phalanx.train.stop_signal import STOP_STATUS, StopSignals
-from phalanx.train.worker_restarts import launch_with_restarts, max_restarts
+from phalanx.train.stop_signal import GRACE_S, STOP_STATUS, StopSignals
 from phalanx.worker_group import check_nproc, run_in_group, usable_cores
+from phalanx.worker_launch import launch_workers
 
 TEARDOWN_WAIT_S = 1.0
 """How long a worker that raised waits for the agent's SIGTERM before reporting its own error
@@ -70,7 +71,12 @@ def resolve_run_dir(cfg: TrainConfig) -> Path:
 
 
 def _summary(result, cfg: TrainConfig, seconds: float) -> str:
-    lines = [f"done: {result.steps_done} steps in {seconds:.0f} s"]
+    ran = len(result.losses)  # one per step this run took (a resumed run starts past step 0)
+    if ran == result.steps_done:
+        lines = [f"done: {ran} steps in {seconds:.0f} s"]
+    else:
+        lines = [f"done: step {result.steps_done}, {ran} step{'s' if ran != 1 else ''} in this run "
+                 f"(from step {result.steps_done - ran}) in {seconds:.0f} s"]
     if result.losses:
         lines.append(f"  train loss   {result.losses[-1]:.3f} (first step of this run: {result.losses[0]:.3f})")
     if result.val_loss is not None:
@@ -114,20 +120,48 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | N
     return 0
 
 
-@record  # a worker's exception and traceback go to the agent (worker_restarts.describe prints them once)
-def _elastic_entry(cfg_fields: dict, job: Job | None, run_dir: str, phalanx_env: dict | None = None) -> None:
-    if phalanx_env is not None:  # a forkserver's child has the server's environment, not the launcher's
-        for name in [n for n in os.environ if n.startswith("PHALANX_") and n not in phalanx_env]:
-            del os.environ[name]
-        os.environ.update(phalanx_env)
-    # Across machines no launcher holds the run directory's lock (each would refuse the others').
+def node_worker(cfg_fields: dict, job: Job | None, run_dir: str) -> int:
+    """Every worker the launcher starts (phalanx/worker_launch.py runs it): `worker_main`, with
+    the run directory's lock held by rank 0 across machines (there no launcher holds it: each
+    would refuse the others')."""
     across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
     lock = lock_run_dir(Path(run_dir)) if across_nodes else None
-    status = worker_main(cfg_fields, run_dir, job=job)
-    if lock:
-        lock.close()
-    if status:
-        sys.exit(status)
+    try:
+        return worker_main(cfg_fields, run_dir, job=job)
+    finally:
+        if lock:
+            lock.close()
+
+
+def launch_with_restarts(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str, restarts: int,
+                         job_for=lambda cfg: None, *, group: int | None = None) -> int:
+    """The workers under the one restart policy (phalanx/restart_policy.py): each restart goes
+    on from the newest checkpoint (`--resume auto`, its job worked out again by `job_for`), or,
+    for a replica `group` (phalanx/train/replica_groups.py), from its peers' live state, which
+    it receives at its first quorum. Across machines every launcher names the same run (each
+    counts its attempts alike: a failure anywhere fails every node's workers)."""
+    def args_for(attempt: int) -> tuple:
+        settings = cfg if attempt == 0 else cfg.replace(resume="auto")
+        return asdict(settings), job_for(settings), run_dir
+
+    def restarting() -> str:
+        if group is not None:
+            return "restarting from its peers' live state"
+        found = latest_checkpoint(Path(run_dir))
+        return f"restarting from step {found[0]}" if found else "restarting from the start (no checkpoint yet)"
+
+    run = f"phalanx-{rdzv_endpoint}" if cfg.node_range[1] > 1 else f"phalanx-{os.getpid()}"
+    return launch_workers(node_worker, args_for, nproc, cfg.device, restarts,
+                          label="" if group is None else f"replica group {group}: ", restarting=restarting,
+                          after=lambda: resume_hint(Path(run_dir)), rdzv_endpoint=rdzv_endpoint, nodes=cfg.node_range,
+                          grace_s=GRACE_S, run_id=run, warm=group is not None)
+
+
+def resume_hint(run_dir: Path) -> str:
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return "no checkpoint was written"
+    return f"last checkpoint: step {found[0]}; continue with: phalanx train --out {run_dir} --resume auto"
 
 
 def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
@@ -181,7 +215,11 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
-    source = f" from {weights.folder}" if weights else f", random initialization from seed {cfg.seed}"
+    resumed = job.resume_from if job is not None else (found if cfg.resume else None)
+    if resumed is not None:  # the weights come from the run's own checkpoint, not the initialization
+        source = f", resuming from its checkpoint of step {resumed.step}"
+    else:
+        source = f" from {weights.folder}" if weights else f", random initialization from seed {cfg.seed}"
     where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
     if per_group:
         where += f" in {cfg.replica_groups} replica groups of {per_group}"
@@ -190,11 +228,14 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
           f"plan {plan}, run directory {run_dir}", file=sys.stderr)
     restarts = max_restarts(cfg.max_restarts, nproc * nodes[1])
     if per_group:
-        status = launch_replica_groups(_elastic_entry, cfg, per_group, str(run_dir), restarts, attempt_job)
+        def run_group(group: int, first: Job, rejoin: Job) -> int:
+            return launch_with_restarts(cfg, per_group, str(run_dir), "", restarts,
+                                        lambda settings: first if settings is cfg else rejoin, group=group)
+        status = launch_replica_groups(cfg, str(run_dir), attempt_job, run_group)
     elif nproc == 1 and nodes[1] == 1 and not restarts:  # in this process: nothing would be left to restart it
         status = worker_main(asdict(cfg), str(run_dir), job=job)
     else:
-        status = launch_with_restarts(_elastic_entry, cfg, nproc, str(run_dir), rdzv_endpoint, restarts, attempt_job)
+        status = launch_with_restarts(cfg, nproc, str(run_dir), rdzv_endpoint, restarts, attempt_job)
     status = report_stop(status, run_dir)
     if status and created:
         remove_if_empty(run_dir)

@@ -2,9 +2,10 @@
 launcher of its own, so that a failed worker stops and restarts only its group.
 
 This process starts torchft's lighthouse (unless `--lighthouse` names one), then forks one
-launcher per group. Each runs the restart loop every launch of `phalanx train` runs
-(`worker_restarts.launch_with_restarts`: one elastic launch per attempt, the same policy and
-lines, here prefixed with the group) for its own workers, with `PHALANX_REPLICA_GROUP` set;
+launcher per group. Each runs, for its own workers and with `PHALANX_REPLICA_GROUP` set, the
+one launcher and restart policy of every command (phalanx/worker_launch.py,
+phalanx/restart_policy.py: one elastic launch per attempt, the same lines, here prefixed with
+the group), as `phalanx train`'s `launch_with_restarts` calls them;
 the workers meet the other groups through the lighthouse (`parallel/fault_tolerance.py`). A
 restarted group receives at its first quorum the live state of a group that is ahead; only
 when none is (every group failed, or the others finished) does it load the newest checkpoint.
@@ -30,7 +31,6 @@ from phalanx.parallel.fault_tolerance import (
 )
 from phalanx.train.config import TrainConfig
 from phalanx.train.metrics import prepare_metrics
-from phalanx.train.worker_restarts import launch_with_restarts
 
 
 def group_processes(cfg: TrainConfig, nproc: int) -> int:
@@ -60,9 +60,11 @@ def _is_moe(model: str) -> bool:
     return bool(getattr(model_config(model), "n_experts", 0))
 
 
-def launch_replica_groups(entry, cfg: TrainConfig, per_group: int, run_dir: str, restarts: int, job_for) -> int:
-    """Run the R groups to the end; the run's exit status. `job_for(cfg)`: a group's job for
-    each attempt (its world is `per_group` processes)."""
+def launch_replica_groups(cfg: TrainConfig, run_dir: str, job_for, run_group) -> int:
+    """Run the R groups to the end; the run's exit status. `job_for(cfg)`: a group's job (its
+    world is one group's processes); `run_group(group, first, rejoin)`: a group's launcher,
+    under the restart policy, its first attempt running the job `first` and each restart
+    `rejoin`; its exit status."""
     first = job_for(cfg)
     # A restarted group rejoins from a peer's live state, with no checkpoint read (one a peer may
     # be pruning); only if no group is ahead at its first quorum does it load one (loop.py).
@@ -75,16 +77,15 @@ def launch_replica_groups(entry, cfg: TrainConfig, per_group: int, run_dir: str,
     saved = {name: os.environ.get(name) for name in (LAUNCH_ENV, LIGHTHOUSE_ENV, GROUP_ENV)}
     os.environ[LAUNCH_ENV], os.environ[LIGHTHOUSE_ENV] = uuid.uuid4().hex[:12], url
 
-    def run_group(group: int) -> None:
+    def group_launcher(group: int) -> None:
         os.environ[GROUP_ENV] = str(group)
-        status = launch_with_restarts(entry, cfg, per_group, run_dir, "", restarts,
-                                      lambda settings: first if settings is cfg else rejoin, group=group)
+        status = run_group(group, first, rejoin)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)  # a forked launcher: no atexit handlers of the parent's
 
     context = multiprocessing.get_context("fork")
-    launchers = [context.Process(target=run_group, args=(g,), name=f"phalanx-group-{g}") for g in range(cfg.replica_groups)]
+    launchers = [context.Process(target=group_launcher, args=(g,), name=f"phalanx-group-{g}") for g in range(cfg.replica_groups)]
     forward = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for launcher in launchers:

@@ -1,7 +1,7 @@
 """What a worker needs to know about restarts (torch-free: the CLI reads it before torch).
 
 A worker is a restart when the built-in launcher says so (`RESTART_ENV`, with the reason in
-`REASON_ENV`; launcher side: phalanx/train/worker_restarts.py) or when a user's own
+`REASON_ENV`; launcher side: the one restart policy, phalanx/restart_policy.py) or when a user's own
 `torchrun --max-restarts` restarted it (`TORCHELASTIC_RESTART_COUNT` > 0). A restart resumes
 from the newest complete checkpoint when there is one, else starts fresh (`--resume auto`),
 and rank 0 writes an event row to metrics.jsonl.
@@ -17,23 +17,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-RESTART_ENV = "PHALANX_RESTART_COUNT"
-REASON_ENV = "PHALANX_RESTART_REASON"
+from phalanx.restart_policy import REASON_ENV, RESTART_ENV, restart_count, restart_reason  # noqa: F401 (the workers' names)
+
 USER_ERROR_FILE = "user_error.txt"
 FAULT_ENV = "PHALANX_TEST_FAULT"
 """Test hook: `RANK:STEP:SIGNAL` (e.g. `1:3:SIGKILL`): on the first attempt only, rank RANK
 sends itself SIGNAL once STEP steps are done (after that step's checkpoint, if any), so tests
 can kill a worker, or interrupt a run, at a known step. Read once by the worker's entry
 (`injected_faults.InjectedFaults.from_env`), not by the loop."""
-
-
-def restart_count() -> int:
-    """0 for a first attempt, N for the N-th restart (built-in launcher or torchrun)."""
-    return int(os.environ.get(RESTART_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-
-
-def restart_reason() -> str:
-    return os.environ.get(REASON_ENV) or "torchrun restarted the workers after a failure"
 
 
 def restart_row(step: int) -> dict | None:

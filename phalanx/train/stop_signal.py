@@ -16,8 +16,8 @@ import signal
 import threading
 import time
 
-STOP_STATUS = {signal.SIGTERM: 143, signal.SIGINT: 130}
-"""Exit status of a worker stopped by each signal (128 + the signal's number, as a shell reports)."""
+from phalanx.restart_policy import STOP_STATUS  # noqa: F401 (exit status of a worker stopped by each signal)
+
 GRACE_S = 120
 """Seconds the built-in launcher's agent waits for stopped workers to finish a step and save."""
 

@@ -252,7 +252,7 @@ def run_step(run: Run) -> bool:
             return True
         run.writes = writer_group(reduction) == run.groups.group
         if run.metrics and run.writes:
-            for row in membership_events(done, run.members, reduction.groups):
+            for row in membership_events(done, run.members, reduction):
                 run.metrics.write(row)
         run.members = reduction.groups
     for row in adapt_events(done, agreed, run.governor, run.stragglers, run.speeds, run.splitter, run.stage_times,

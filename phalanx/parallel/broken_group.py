@@ -1,0 +1,89 @@
+"""A replica group whose worker died ends at once, instead of 30 s later (`BrokenGroupWatch`).
+
+When one worker of a replica group dies (SIGKILL, the OOM killer), the group's other workers
+are often waiting in one of torchft's calls for it: the group's quorum or commit, which torchft's
+manager (a server in the group's rank 0) answers only once every rank of the group has asked,
+within the manager's timeout (`--collective-timeout`, 600 s by default). The elastic agent
+notices the death within 0.1 s and sends the others SIGTERM, but a worker only notes SIGTERM
+(it stops after a step, with a checkpoint: phalanx/train/stop_signal.py), so it waits on, and the
+agent kills it after its fixed 30 s (torch 2.13: `LocalElasticAgent._stop_workers` calls
+`_shutdown()` with its default timeout, not the launch's `shutdown_timeout`). Meanwhile the
+group's manager keeps heartbeating to the lighthouse, whose quorum needs more than half of the
+heartbeating groups: with two groups the healthy one waited for those 30 s too (measured: the
+surviving group's quorum took 32.07 s, the dead group's launcher saw the failure 30.5 s after
+the kill; issue 41's 36.9 s rejoin).
+
+So each worker of a group of several processes learns its siblings' process ids when it joins
+(one all-gather in the group) and a thread looks every `POLL_S`: while this worker has been
+inside a torchft wait for longer than `POLL_S` and a sibling has exited, the group cannot finish
+the step, and the worker exits at once (`os._exit`: the wait is in torchft's own threads and
+Rust code, which no exception reaches), which also ends its manager's heartbeats. Outside a
+torchft wait nothing is done: a gloo collective with a dead rank fails by itself, and a sibling
+that exits at the end of the run is not a failure. The siblings are processes of this machine
+(replica groups are one launcher's, on one node).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+POLL_S = 0.1
+"""How often the watch looks, and how long a torchft wait must have lasted before it counts."""
+
+BROKEN_STATUS = 1
+"""The exit status of a worker whose group broke (the agent reports the sibling that died first)."""
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel (a zombie then counts as alive)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+class BrokenGroupWatch:
+    """This worker's watch over its group's other processes (see the module docstring).
+    `waiting()` marks a torchft wait; `stop()` ends the watch."""
+
+    def __init__(self, siblings: list[int], *, exit_now=os._exit):
+        self.siblings, self.exit_now = siblings, exit_now
+        self.since: float | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="phalanx-broken-group", daemon=True)
+        if siblings:
+            self.thread.start()
+
+    @contextmanager
+    def waiting(self):
+        self.since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.since = None
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _run(self) -> None:
+        while not self.done.wait(POLL_S):
+            since = self.since
+            if since is None or time.monotonic() - since < POLL_S:
+                continue
+            dead = [pid for pid in self.siblings if not alive(pid)]
+            if dead and self.since is not None and not self.done.is_set():
+                # Quietly: the launcher says in one line which worker died and that the group restarts.
+                sys.stderr.flush()
+                self.exit_now(BROKEN_STATUS)
+                return

@@ -1,0 +1,122 @@
+"""A replica group with a dead worker ends its other workers' torchft waits at once
+(phalanx/parallel/broken_group.py), and the metrics' event rows name a group that restarted
+without missing a step (phalanx/parallel/fault_tolerance.py's `membership_events`).
+
+The watch is tested on real processes (a child that is killed), with its exit replaced by a
+note, so the test process lives on."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from phalanx.parallel import broken_group
+from phalanx.parallel.broken_group import BrokenGroupWatch, alive
+from phalanx.parallel.fault_tolerance import StepReduction, membership_events
+
+
+def _sleeper():
+    time.sleep(60)
+
+
+def _sibling():
+    process = multiprocessing.get_context("fork").Process(target=_sleeper, daemon=True)
+    process.start()
+    return process
+
+
+def _watch(siblings):
+    exited = threading.Event()
+    return BrokenGroupWatch(siblings, exit_now=lambda status: exited.set()), exited
+
+
+def test_a_dead_sibling_ends_a_torchft_wait_at_once():
+    sibling = _sibling()
+    watch, exited = _watch([sibling.pid])
+    try:
+        with watch.waiting():
+            time.sleep(3 * broken_group.POLL_S)
+            assert not exited.is_set()  # a live sibling: the wait goes on
+            os.kill(sibling.pid, signal.SIGKILL)
+            # Measured against the watch's own poll, not a speed: a few polls at most.
+            assert exited.wait(30), "the watch did not end the wait"
+    finally:
+        watch.stop()
+        sibling.kill()
+
+
+def test_no_exit_outside_a_torchft_wait_or_after_stop():
+    """A sibling that exits while this worker is not in a torchft wait (a gloo collective fails
+    by itself; the end of the run is no failure), or after the watch stopped, ends nothing."""
+    sibling = _sibling()
+    watch, exited = _watch([sibling.pid])
+    os.kill(sibling.pid, signal.SIGKILL)
+    sibling.join(10)
+    assert not alive(sibling.pid)
+    time.sleep(5 * broken_group.POLL_S)
+    assert not exited.is_set()
+    watch.stop()
+    with watch.waiting():
+        time.sleep(5 * broken_group.POLL_S)
+    assert not exited.is_set()
+
+
+def test_a_zombie_is_not_alive():
+    """A child killed but not yet reaped by its parent is dead to the watch."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        assert alive(pid)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(pid):  # not reaped: /proc shows it as a zombie
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        os.waitpid(pid, 0)
+
+
+def _reduction(groups, healed=()):
+    return StepReduction(loss_sum=torch.zeros(()), groups=list(groups), healed=list(healed))
+
+
+def test_membership_events():
+    assert membership_events(5, None, _reduction([0, 1])) == []
+    assert membership_events(5, [0, 1], _reduction([0, 1])) == []
+    assert membership_events(5, [0, 1], _reduction([0])) == [{"event": "group_lost", "step": 5, "group": 1}]
+    # Back after missing steps: it heals at its first step again.
+    assert membership_events(8, [0], _reduction([0, 1], healed=[1])) == [{"event": "group_rejoined", "step": 8, "group": 1}]
+    # Restarted between two steps without missing one: lost and rejoined at the same step.
+    assert membership_events(9, [0, 1], _reduction([0, 1], healed=[1])) == [
+        {"event": "group_lost", "step": 9, "group": 1}, {"event": "group_rejoined", "step": 9, "group": 1}]
+
+
+def _fails_with_a_thread_left(status):
+    threading.Thread(target=time.sleep, args=(600,), name="blocked-on-a-dead-rank").start()  # not a daemon
+    if status is None:
+        raise RuntimeError("a collective with a dead rank")
+    return status
+
+
+def test_a_failed_worker_leaves_without_waiting_for_its_threads(tmp_path, monkeypatch):
+    """phalanx/worker_launch.py's `elastic_entry`: a worker that failed (status 1 or an exception)
+    exits though a thread of it is still blocked (a background save's collective on a dead
+    rank), instead of waiting in the interpreter's shutdown for the agent's kill 30 s later."""
+    from phalanx.worker_launch import elastic_entry
+
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # where `record` writes
+    context = multiprocessing.get_context("fork")
+    for status in (1, None):
+        worker = context.Process(target=elastic_entry, args=(_fails_with_a_thread_left, (status,), None))
+        worker.start()
+        worker.join(20)  # without the fix it never ends: the thread sleeps 600 s
+        alive_after = worker.is_alive()
+        worker.kill()
+        assert not alive_after and worker.exitcode == 1, (status, worker.exitcode)
