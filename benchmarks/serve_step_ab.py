@@ -122,7 +122,8 @@ def variant(name: str, model):
 
 def run(model, requests, toggle, phase: int) -> dict[bool, float]:
     """The closed loop once, step k run as B when (k + phase) is odd: summed step times of A, B."""
-    from phalanx.serve.engine import Engine, request_sampling
+    from phalanx.serve.engine import Engine
+    from phalanx.serve.sampling_params import request_sampling
     from phalanx.scheduling.scheduler import Scheduler, Sequence
 
     scheduler = Scheduler(num_blocks=1024, block_size=16, max_num_seqs=len(requests), max_num_batched_tokens=512,

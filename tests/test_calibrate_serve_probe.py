@@ -55,7 +55,7 @@ def test_calibration_asks_the_engine_whether_a_step_of_decodes_and_a_prompt_is_t
     """`engine_splits_forwards` asks the engine's own step_forwards with a step of a decode and a
     prompt chunk: True where it makes two forwards of them, False where it packs both in one
     (what the planner then prices: ServeCosts.split_forwards)."""
-    import phalanx.serve.engine as engine
+    import phalanx.serve.input_batch as engine
     from phalanx.calibrate.serve_steps import engine_splits_forwards
 
     real = engine.step_forwards

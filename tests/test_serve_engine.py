@@ -19,7 +19,8 @@ from phalanx.inference.decoding import generate_ids
 from phalanx.inference.sampling import Sampling
 from phalanx.cpu_ops.onednn_linear import use_onednn
 from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel
-from phalanx.serve.engine import Engine, request_sampling
+from phalanx.serve.engine import Engine
+from phalanx.serve.sampling_params import request_sampling
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 from phalanx.scheduling.scheduler import Scheduler, Sequence
 from tests.deepseek_models import write_deepseek
@@ -105,7 +106,7 @@ def _run(model, prompts: dict[str, list[int]], max_tokens: int, scheduler_out: l
     settings = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_waiting=16) | limits
     scheduler = Scheduler(**settings)
     engine = Engine(model, scheduler, on_logits=lambda seq, row: seen[seq.seq_id].append(row.clone()))
-    assert engine.cache.pool_kernel == cpu_decode_kernel.ON  # the way the test asked for
+    assert engine.runner.cache.pool_kernel == cpu_decode_kernel.ON  # the way the test asked for
     for name, prompt in prompts.items():
         scheduler.add(Sequence.of(name, prompt, max_tokens, params=request_sampling(0, 1, None, 0)))
     while scheduler.has_work():

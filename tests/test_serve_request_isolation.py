@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import phalanx.hf as hf
-from phalanx.serve.engine import Engine, request_sampling
+from phalanx.serve.engine import Engine
+from phalanx.serve.sampling_params import request_sampling
 from phalanx.scheduling.scheduler import Scheduler, Sequence
 from tests.hf_models import VOCAB, write_checkpoint
 

@@ -19,7 +19,8 @@ from phalanx.errors import UserError
 from phalanx.inference.sampling import Sampling
 from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence
 from phalanx.scheduling.speculation import SpeculativeConfig
-from phalanx.serve.engine import Engine, SamplingParams, request_sampling
+from phalanx.serve.engine import Engine
+from phalanx.serve.sampling_params import SamplingParams, request_sampling
 from phalanx.serve.speculative import kept_and_next
 from tests.hf_models import write_checkpoint
 from tests.serve_server import assert_greedy_equal

@@ -43,7 +43,7 @@ def _engine(cfg, *, num_blocks: int, block_size: int, max_tokens: int):
 
 def _add(engine, n: int, prompt_len: int, max_tokens: int, tag: str) -> None:
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
-    from phalanx.serve.engine import request_sampling
+    from phalanx.serve.sampling_params import request_sampling
 
     rng = random.Random(tag)  # distinct prompts: no prefix-cache hits
     for i in range(n):
@@ -85,9 +85,9 @@ def measure(cfg, *, repeats: int = 5, log=print) -> list[MeasuredStep]:
 
 def engine_splits_forwards() -> bool:
     """Whether `phalanx serve`'s engine runs a step of one decode and one prompt chunk as two
-    forwards (serve/engine.step_forwards, asked with such a step; `ServeCosts.split_forwards`)."""
+    forwards (serve/input_batch.step_forwards, asked with such a step; `ServeCosts.split_forwards`)."""
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
-    from phalanx.serve.engine import step_forwards
+    from phalanx.serve.input_batch import step_forwards
 
     decoding = Sequence.of("decoding", [1, 2], 4)
     decoding.num_computed = 1

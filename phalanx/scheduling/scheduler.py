@@ -28,6 +28,7 @@ kept, and the cache holds the keys of those only.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class Sequence:
     seq_id: str
     request: Request
     draws: Any = None
-    """The state of its sampling (`serve.engine.Draws`: its seeded generator, its place in a
+    """The state of its sampling (`serve.sampling_params.Draws`: its seeded generator, its place in a
     grammar); the engine starts it at the first draw when the caller did not."""
     payload: Any = None
     """What the server keeps with it (its text so far, where its tokens go)."""
@@ -70,6 +71,9 @@ class Sequence:
     may_speculate: bool = False
     """Its steps may guess tokens (speculative decoding): what it asked for can be checked
     token by token (no grammar, no log-probabilities; the caller decides)."""
+    serial: int = field(default_factory=itertools.count().__next__)
+    """Unique in this process (the choices of one request share its `seq_id`): what the
+    engine's ranks name its block table by (serve/block_tables.py)."""
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt)

@@ -34,7 +34,7 @@ from phalanx.serve.api_responses import Answer
 from phalanx.serve.api_tokenize import detokenize, tokenize
 from phalanx.serve.api_v1_responses import ResponsesAnswer, parse_responses
 from phalanx.serve.detokenize import IncrementalText
-from phalanx.serve.engine import Draws, openai_sampling, seeded
+from phalanx.serve.sampling_params import Draws, openai_sampling, seeded
 from phalanx.serve.engine_loop import EngineLoop, NotAccepting
 from phalanx.serve.http_limits import DEFAULT_MAX_REQUEST_BYTES, ApiKeyCheck, ClientGone, read_json
 from phalanx.serve.tool_call_parsers import PARSERS

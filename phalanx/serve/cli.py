@@ -171,7 +171,7 @@ def _rank_main(job: ServeJob) -> int:
         # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
         from phalanx.serve.rank_loop import follow
 
-        return follow(build_engine(job, source))
+        return follow(build_engine(job, source).runner)
     codec = text_codec(source.tokenizer_dir, job.tokenizer or source.tokenizer)
     defaults = sampling_defaults(source.tokenizer_dir) if job.generation_config == "auto" else {}
     # Imported when run, not at the top: it brings in prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.

@@ -1,9 +1,9 @@
 """One engine step under attention data parallelism (`--plan dp=N,ep=N`, docs/serve.md).
 
 Rank 0 holds one scheduler per dp rank (`dp_assign.py`); each step every scheduler picks its
-rank's batch, and rank 0 broadcasts all of them at once (`DPStep`: per dp rank its forwards, as
-`engine.Forward` plain data). Every rank runs its own forwards on its own paged cache and
-replicated attention weights; the experts are spread over the ep ranks, and in every MoE layer
+rank's batch, and rank 0 broadcasts all of them at once (`DPStep`: per dp rank its
+`input_batch.StepMessage`, plain data). Every rank's `DPRunner` runs its own forwards on its own
+paged cache and replicated attention weights; the experts are spread over the ep ranks, and in every MoE layer
 the rows travel to their experts and back by all-to-all (`phalanx.parallel.expert`), so the
 ranks of an ep group must run the same number of forwards in lockstep. A rank with fewer
 forwards than the most any rank runs this step runs filler forwards: one token written into a
@@ -24,33 +24,78 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from phalanx.serve.block_tables import BlockTables
 from phalanx.serve.dp_assign import DPSchedulers
-from phalanx.serve.engine import Engine, Forward, TokenEvent, step_forwards
-from phalanx.serve.paged_cache import ChunkLayout
+from phalanx.serve.expert_loads import ExpertLoads
+from phalanx.serve.input_batch import Forward, StepMessage, step_message
+from phalanx.serve.model_runner import ModelRunner
+from phalanx.serve.step_sampler import StepSampler, TokenEvent
+
+FILLER = -1
+"""The serial of the filler forwards' block table: one scratch block no sequence owns."""
 
 
 @dataclass(frozen=True)
 class DPStep:
     """What rank 0 broadcasts each step under attention data parallelism."""
-    forwards: list[list[Forward]]
-    """Per dp rank, its forwards (at most two: decodes and prompt chunks)."""
+    messages: list[StepMessage]
+    """Per dp rank, its step: its block tables' changes and its forwards (at most two)."""
     placement: object | None = None
     """A new expert placement (`expert_placement.NewPlacement`) to install before the forwards."""
 
 
-class DPEngine(Engine):
+class DPRunner:
+    """Every rank's side: its dp rank's forwards on its model runner, filler forwards to keep
+    the ep group in lockstep, and (logits, expert counts) gathered to rank 0."""
+
+    def __init__(self, model: torch.nn.Module, device, num_blocks: int, block_size: int, *, dp_rank: int,
+                 expert_ranks: int, placement=None):
+        # One more block than the scheduler hands out: the filler forwards' scratch block.
+        self.runner = ModelRunner(model, device, num_blocks + 1, block_size)
+        self.runner.tables.tables[FILLER] = [num_blocks]
+        self.filler = Forward([0], [(FILLER, 0, 1)], [0])
+        self.dp_rank, self.placement = dp_rank, placement
+        self.expert_loads = ExpertLoads(model, expert_ranks)
+
+    @torch.no_grad()
+    def run_message(self, order: DPStep) -> list | None:
+        """Install a new placement, run this rank's forwards and fillers, and send (logits
+        (rows read, vocab), expert counts) to rank 0, which gets all ranks' in rank order
+        (dp rank = global rank: dp is not combined with tp)."""
+        if order.placement is not None:
+            self.placement.install(order.placement)
+        mine = order.messages[self.dp_rank]
+        self.runner.tables.apply(mine.tables)
+        logits = [self.runner.run(forward) for forward in mine.forwards]
+        with self.expert_loads.ignored():
+            for _ in range(max(len(message.forwards) for message in order.messages) - len(mine.forwards)):
+                self.runner.run(self.filler)
+        # To the host before pickling: gather_object would unpickle a GPU tensor onto rank 0's device anyway.
+        result = (torch.cat(logits).cpu() if logits else torch.empty(0), self.expert_loads.take_counts())
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        return gathered
+
+
+class DPEngine:
     def __init__(self, model: torch.nn.Module, scheduler: DPSchedulers, device, *, dp_rank: int, channel=None,
                  expert_ranks: int = 1, placement=None, on_rebalance: Callable | None = None):
         """`scheduler`: every dp rank's scheduler (only rank 0 schedules; the other ranks read
         their pool size from it). `placement`: a `LivePlacement` with expert slots; rank 0
         re-plans with it and calls `on_rebalance(event)` after each move."""
-        super().__init__(model, scheduler, device, channel=channel, expert_ranks=expert_ranks)
-        blocks = scheduler.parts[0].blocks.num_blocks
-        # One more block than the scheduler hands out: the filler forwards' scratch block.
-        self.cache = self.new_cache(blocks + 1, scheduler.block_size)
-        self.filler = Forward([0], [ChunkLayout([blocks], 0, 1)], [0])
-        self.dp_rank, self.placement, self.on_rebalance = dp_rank, placement, on_rebalance
+        self.scheduler, self.channel = scheduler, channel
+        self.runner = DPRunner(model, device, scheduler.parts[0].blocks.num_blocks, scheduler.block_size,
+                               dp_rank=dp_rank, expert_ranks=expert_ranks, placement=placement)
+        self.sampler = StepSampler()
+        self.sent = [BlockTables() for _ in scheduler.parts]
+        """Per dp rank, its block tables as that rank holds them since the last message."""
+        self.placement, self.on_rebalance = placement, on_rebalance
+        self.steps = 0
         self._rows: list[list[int]] | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.runner.model
 
     def step(self) -> list[TokenEvent]:
         """Every dp rank's batch through its rank; sampling and bookkeeping here (rank 0)."""
@@ -58,34 +103,17 @@ class DPEngine(Engine):
         steps = [part.schedule() for part in parts]
         if not any(step.chunks for step in steps):
             return []
-        planned = [step_forwards(step) for step in steps]  # per dp rank: (forwards, rows read)
-        order = DPStep([forwards for forwards, _ in planned],
+        planned = [step_message(step, part.running, sent) for step, part, sent in zip(steps, parts, self.sent)]
+        order = DPStep([message for message, _ in planned],
                        self.placement.take_pending() if self.placement is not None else None)
         self.channel.send(order)
-        results = self.run_order(order)
+        results = self.runner.run_message(order)
         self.steps += 1
         events = []
         for part, step, (_, reads), (logits, _) in zip(parts, steps, planned, results):
-            events += self.sample(part, step, logits, reads)
+            events += self.sampler.sample(part, step, logits, reads)
         self._count_loads([loads for _, loads in results])
         return events
-
-    @torch.no_grad()
-    def run_order(self, order: DPStep) -> list | None:
-        """Every rank: install a new placement, run this rank's forwards and fillers, and send
-        (logits (rows read, vocab), expert counts) to rank 0, which gets all ranks' in
-        rank order (dp rank = global rank: dp is not combined with tp)."""
-        if order.placement is not None:
-            self.placement.install(order.placement)
-        mine = order.forwards[self.dp_rank]
-        logits = [self.run_model(forward) for forward in mine]
-        with self.expert_loads.ignored():
-            for _ in range(max(map(len, order.forwards)) - len(mine)):
-                self.run_model(self.filler)
-        result = (torch.cat(logits) if logits else torch.empty(0), self.expert_loads.take_counts())
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        return gathered
 
     def _count_loads(self, loads: list) -> None:
         """Sum the dp ranks' expert counts: rows per ep rank for /metrics, and with slots the
@@ -106,6 +134,7 @@ class DPEngine(Engine):
         return rows
 
     def close(self) -> None:
+        """Stop the other ranks."""
         if self.channel is not None:
             self.channel.close()
             self.channel = None

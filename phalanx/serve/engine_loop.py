@@ -6,7 +6,7 @@ which the engine thread applies before its next step, so a new request joins the
 the next step and a disconnected client's blocks are freed at the next step. Text is
 detokenized here (`detokenize.py`), so that a stop string ends the sequence at once.
 
-Failures: a request whose sampling fails (`engine.TokenEvent.error`) fails alone. A step that
+Failures: a request whose sampling fails (`step_sampler.TokenEvent.error`) fails alone. A step that
 raises in one process fails the sequences of that step only, and the server goes on. Over
 several ranks a failed step means the ranks are out of step for good (`rank_loop.py`): every
 request fails with a clear 503, `failed` says why (/health answers 503), and `on_fatal` tells

@@ -2,9 +2,9 @@
 `prompt_logprobs`): what lm-evaluation-harness and perplexity scripts read from a server.
 
 Token p of the prompt (p >= 1) is scored by the logits at position p - 1: the engine reads
-those positions' logits while the prompt is computed (`engine.step_forwards`), possibly over
+those positions' logits while the prompt is computed (`input_batch.step_forwards`), possibly over
 several steps of a chunked prefill, and this keeps each position's score until the sequence's
-first token is drawn, which carries them all out (`TokenEvent.prompt_logprobs`). The first
+first token is drawn, which carries them all out (`step_sampler.TokenEvent.prompt_logprobs`). The first
 prompt token has no score (nothing comes before it), as OpenAI and vLLM answer null.
 """
 
@@ -41,7 +41,7 @@ class PromptScores:
             return
         tokens = [seq.prompt[position + 1] for seq, position in reads]
         chosen, tops = token_logprobs(logits, tokens, [seq.prompt_logprobs for seq, _ in reads])
-        index = torch.tensor(tokens, dtype=torch.long)[:, None]
+        index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
         ranks = (logits.float() > logits.float().gather(1, index)).sum(1).add(1).tolist()
         for (seq, position), logprob, rank, top in zip(reads, chosen, ranks, tops):
             self._by_seq.setdefault(id(seq), (seq, {}))[1][position + 1] = PromptScore(logprob, rank, top)

@@ -1,7 +1,7 @@
 """Serving over several ranks (`--nproc N --plan tp=N`): rank 0 runs HTTP and the scheduler,
-and before every forward sends the other ranks its plain-data description (`engine.Forward`:
-token ids, block tables, positions, which logits are read), so every rank runs the same
-forward, collectives included, on its own slice of the weights and its own kv heads.
+and before every step sends the other ranks its plain-data description
+(`input_batch.StepMessage`: the changes to the block tables every rank keeps, then per forward
+the token ids, positions and which logits are read), so every rank runs the same forward, collectives included, on its own slice of the weights and its own kv heads.
 Sampling happens on rank 0 only (every rank holds the gathered logits anyway).
 Under attention data parallelism (`--plan dp=N,ep=N`) the message holds each dp rank's own
 forwards instead, and the logits come back to rank 0 (`dp_engine.py`).
@@ -74,9 +74,10 @@ class RankChannel:
         self.send(STOP)
 
 
-def follow(engine) -> int:
-    """A rank other than 0: run every forward rank 0 sends, until it stops (0), or until the
-    group breaks (1, said in one line)."""
+def follow(runner) -> int:
+    """A rank other than 0: run every step rank 0 sends through this rank's runner
+    (`model_runner.ModelRunner`, or `dp_engine.DPRunner`: `run_message`), until it stops (0), or
+    until the group breaks (1, said in one line)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     while True:
@@ -91,7 +92,7 @@ def follow(engine) -> int:
         if box[0] == HEARTBEAT:
             continue
         try:
-            engine.run_order(box[0])
+            runner.run_message(box[0])
         except RuntimeError as error:  # a collective of the step with a rank that died (or a bug: its line says)
             print(f"phalanx: rank {dist.get_rank()}: a step failed: {first_line(error)}", file=sys.stderr, flush=True)
             return 1

@@ -60,7 +60,7 @@ class ServeCosts:
     server)."""
     split_forwards: bool = False
     """The engine runs a step's decodes and its prompt chunks as two forwards (`phalanx serve`:
-    serve/engine.step_forwards), so a step holding both pays every per-forward cost twice:
+    serve/input_batch.step_forwards), so a step holding both pays every per-forward cost twice:
     reading the weights, the all-reduces, the group's cost per forward (timed on this CPU: such
     a step took about the sum of the two alone, at one process and at tp=2). The GPU engines
     whose published runs the presets are checked on batch both into one forward."""
