@@ -49,18 +49,19 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, first: torch.Tensor,
-           end: torch.Tensor, scale: float) -> torch.Tensor:
+           end: torch.Tensor, most: int, scale: float) -> torch.Tensor:
     """q (n, kv_heads, group, head_dim); k_pool (pool slots, kv_heads, head_dim) and v_pool
     (pool slots, kv_heads, channels): views of one pool whose rows are `stride(0)` apart, each
-    row's heads contiguous; slots (n, positions) int64; sequence s sees the keys at
-    slots[s, first[s]:end[s]] -> (n, kv_heads, group, channels), float32."""
+    row's heads contiguous; slots (n, positions) int64, contiguous; sequence s sees the keys at
+    slots[s, first[s]:end[s]] (first and end contiguous int64), `most` the largest such count
+    (the caller works these out once for every layer of a step) -> (n, kv_heads, group,
+    channels), float32."""
     n, kv_heads, group, dim = q.shape
     channels = v_pool.shape[-1]
     if k_pool.stride(0) != v_pool.stride(0) or k_pool.stride()[1:] != (dim, 1) or v_pool.stride()[1:] != (channels, 1):
         raise ValueError(f"k_pool and v_pool need one row stride and contiguous heads, got strides "
                          f"{k_pool.stride()} and {v_pool.stride()}")
-    q, slots, first, end = q.contiguous(), slots.contiguous(), first.contiguous(), end.contiguous()
-    most = int((end - first).max())
+    q = q.contiguous()
     scratch = torch.empty(n, kv_heads * group, most)
     out = torch.empty(n, kv_heads, group, channels)
     _load()(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), slots.data_ptr(), slots.stride(0),

@@ -94,6 +94,8 @@ class RaggedAttention:
     window: int = 0
     """A sliding window (0: none): a query sees itself and the window - 1 positions before."""
     _masks: list = field(default_factory=list)
+    _kernel_rows: tuple | None = None
+    """With `pool_read`: the kernel's slots, first and end keys, and most keys, for every layer."""
 
     def with_window(self, window: int) -> "RaggedAttention":
         return RaggedAttention(self.rows, self.key_offsets, self.key_counts, self.query_offsets, self.query_counts,
@@ -126,10 +128,11 @@ class RaggedAttention:
         kv_heads = k.shape[1]
         folded = q.reshape(sequences, kv_heads, heads // kv_heads, dim)  # (sequences, kv_heads, group, head_dim)
         if self.pool_read is not None:
-            ends = self.pool_read.ends
-            first = (ends - self.window).clamp(min=0) if self.window else torch.zeros_like(ends)
-            out = cpu_decode_kernel.attend(folded, k, v, self.pool_read.slots, first, ends,
-                                           dim ** -0.5 if scale is None else scale)
+            if self._kernel_rows is None:  # the same in every layer: worked out once a step
+                ends = self.pool_read.ends.contiguous()
+                first = (ends - self.window).clamp(min=0) if self.window else torch.zeros_like(ends)
+                self._kernel_rows = (self.pool_read.slots.contiguous(), first, ends, int((ends - first).max()))
+            out = cpu_decode_kernel.attend(folded, k, v, *self._kernel_rows, dim ** -0.5 if scale is None else scale)
             return out.view(sequences, heads, 1, -1)  # (sequences, heads, 1, channels)
         out = q.new_empty((sequences, kv_heads, heads // kv_heads, v.shape[-1]))
         if not self._masks:
