@@ -17,7 +17,9 @@ length (`ignore_eos`), answered whole (serve_stream_client.py's lean client). Ar
   while, then sleeps): what `phalanx serve` ran with before this choice, reached by setting
   KMP_BLOCKTIME (which libgomp ignores), so that phalanx, seeing a wait variable the user
   set, sets none;
-- `1 thread`: `--threads 1`.
+- `1 thread`: `--threads 1`;
+- `2 spin 20k` (only when asked, `--arms`): `--threads 2`, libgomp spinning 20,000 times before it
+  sleeps (GOMP_SPINCOUNT; KMP_BLOCKTIME=1 for Intel's runtime, and so that phalanx sets none).
 
 Prints output tokens/s per arm and concurrency, and each arm's ratio to the baseline (`2
 active`) and to `1 thread` measured in the same run, with the load average before and after.
@@ -48,6 +50,7 @@ ARMS = {
     "2 default": (["--threads", "2"], {"KMP_BLOCKTIME": "200"}),
     "auto": ([], {}),
     "1 thread": (["--threads", "1"], {}),
+    "2 spin 20k": (["--threads", "2"], {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}),
 }
 BASELINE = "2 active"
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")
@@ -104,7 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,4", help="requests at once, one closed loop each")
     parser.add_argument("--rounds", type=int, default=3, help="requests per slot of the closed loop")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument("--arms", default="2 active,2 default,auto,1 thread", help=f"of {', '.join(ARMS)}")
     parser.add_argument("--pin", type=int, default=None, help="pin the competing process to this CPU")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=512)
