@@ -93,6 +93,11 @@ class Cluster:
     """(group size, latency us per step, bus GB/s) measured by calibrate; they replace the intra
     figures for groups of that size inside the fast domain (a CPU's collectives slow down as
     more processes share its cores)."""
+    host_cpu_slowdown: float = 1.0
+    """How much slower the host CPU driving the devices runs a serving engine's per-request
+    Python than an x86 server CPU (planner/serve: a step is never shorter than its sequences'
+    host work). GB200's Grace: NVIDIA/TransformerEngine issue 2053 times one PyTorch Linear's
+    forward at 37.08 us of CPU on a GB200 against 13.48 us on a DGX H100's Xeon 8480C (2.75x). 1: x86."""
     idle_w: float = 0.0
     """Watts one device draws while it waits (a bubble, an exposed collective, a fixed overhead):
     published idle measurements, each preset naming its source. 0: not known (no energy is
@@ -134,7 +139,8 @@ class Cluster:
         if self.sm_count < 0:
             problems.append(f"sm_count={self.sm_count} must be 0 (no wave quantization) or positive")
         for name in ("peak_tflops", "memory_gib", "hbm_tbs", "intra_bw_gbs", "inter_bw_gbs",
-                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency"):
+                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency",
+                     "host_cpu_slowdown"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
         for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency",
@@ -223,6 +229,12 @@ IDLE_SHARE_OF_TDP = 80.0 / 700.0
 """The H200's published idle draw over its TDP, applied to GPUs with no idle figure of their own."""
 
 
+GRACE_HOST_SLOWDOWN = 37.08 / 13.48
+"""A GB200's Grace CPU against a DGX H100's Xeon Platinum 8480C on the same PyTorch host work
+(torch.nn.Linear's forward, hidden 2048, 8192 tokens, bf16: 37.08 us against 13.48 us of CPU
+per call; NVIDIA/TransformerEngine issue 2053's table)."""
+
+
 def _idle(tdp_w: float) -> float:
     return float(round(IDLE_SHARE_OF_TDP * tdp_w))
 
@@ -253,7 +265,7 @@ PRESETS: dict[str, Cluster] = {
         # GB200 NVL72: 72 GPUs in one NVLink domain (835-847 GB/s at 4-8 GiB), 400 Gb/s NIC each.
         # GB200 NVL72 datasheet per GPU, dense: BF16 2.5 PF, FP8 5, FP4 10 (published-figures.md section 5).
         Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0, fp8_tflops=5000.0,
-                fp4_tflops=10000.0, sm_count=148,
+                fp4_tflops=10000.0, sm_count=148, host_cpu_slowdown=GRACE_HOST_SLOWDOWN,
                 memory_gib=186.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0,
                 # Power: a liquid-cooled Blackwell GPU runs up to 1,200 W (NVIDIA, GTC 2024); a GB200
                 # superchip (one Grace, two GPUs) is configurable up to 2,700 W, the Grace CPU and its
