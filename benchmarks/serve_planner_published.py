@@ -126,7 +126,7 @@ def main() -> None:
             print(f"    worst: {row['id']:<22} {row['what'][:50]:<50} {row['isl']:>5}/{row['osl']:<5} pred/pub "
                   f"{ratio:.2f}, step mostly {cause}")
     fills = ", ".join(f"{x * 1e6:.2f}" for x in kernel_fill_seconds())
-    print(f"GPU engines: no host time (overlapped, CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
+    print(f"GPU engines: host work overlapped with the GPU's (CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
           f"per launch (the median of DeepGEMM's decode-size fp8 GEMMs on H800: {fills} us beyond their bytes)")
     print(f"Python-driven engines: a step at least {TORCH_SAMPLER_HOST_S * 1e6:.1f} us of host work per sequence "
           f"(TensorRT-LLM's TorchSampler at a batch of 1,000, its pull request 11983), x{CLUSTERS['gb200-nvl72'].host_cpu_slowdown:.2f} "
