@@ -3,7 +3,7 @@
 `phalanx generate --nproc N` (which has no restarts: the same lines, none left).
 
 A launch is a loop of attempts, each one elastic launch of all the workers
-(phalanx/worker_launch.py), rather than the elastic agent's own `max_restarts`: the agent
+(phalanx/launch/worker_launch.py), rather than the elastic agent's own `max_restarts`: the agent
 restarts every failure, a user error (exit status 2) too, and keeps the failure to itself, so
 the workers could not be told why they were restarted, nor the user get one clean line. Here
 each attempt ends with (status, failure):

@@ -16,7 +16,7 @@ Staying up while idle, and noticing a dead rank:
   timeout where the rank hangs instead. Either is `RankGroupFailed` on rank 0: the ranks are
   out of step for good, so rank 0 fails every request with a clear error, /health says 503,
   and the process exits non-zero for the launcher to restart the ranks (`serve/cli.py`'s
-  `_launch`: the one launcher and restart policy, phalanx/worker_launch.py).
+  `_launch`: the one launcher and restart policy, phalanx/launch/worker_launch.py).
   A rank other than 0 that loses rank 0 says so in one line and exits non-zero.
 
 The other ranks ignore SIGTERM and SIGINT (the launcher forwards them to every worker): they
