@@ -94,3 +94,21 @@ def test_a_failed_load_never_prints_the_serving_line(model, tmp_path):
         assert run.returncode == 2, (flags, run.stdout, run.stderr)
         assert "serving" not in run.stdout and "Traceback" not in run.stderr, (run.stdout, run.stderr)
         assert len(errors) == 1 and errors[0].startswith("phalanx: error: ") and message in errors[0], errors
+
+
+def test_the_key_from_the_environment(monkeypatch, capsys):
+    """$PHALANX_API_KEY (issue 36: a key that no command line shows), UTF-8 as given; set but
+    empty is one line, and two sources at once too."""
+    from phalanx.cli import build_parser
+    from phalanx.serve.job import KEY_ENV, prepare_job
+
+    def key(*flags: str):
+        return prepare_job(build_parser().parse_args(["serve", "--model", "m", *flags])).api_key
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    assert key() is None
+    monkeypatch.setenv(KEY_ENV, "clé-🔑")
+    assert key() == "clé-🔑"
+    assert key("--api-key", "given") == "given"  # the flag, when given, wins
+    monkeypatch.setenv(KEY_ENV, " ")
+    assert_cli_error(["serve", "--model", "m"], capsys, f"${KEY_ENV} is set but empty")
