@@ -37,7 +37,7 @@ would be left to restart it)."""
 STOP_STATUS = {signal.SIGTERM: 143, signal.SIGINT: 130}
 """A worker's exit status after a stop by this signal (the shell's 128 + signal number)."""
 
-CONDITIONS = ("CollectiveTimeout:", "RankGroupFailed:")
+CONDITIONS = ("CollectiveTimeout:",)
 """Worker exceptions that describe the cluster's state, not a fault in the code: their one
 line says all (no traceback)."""
 
