@@ -246,6 +246,8 @@ ODD_VALUES = [
                  id="serve-pool-auto-nproc-past-the-machine"),
     pytest.param(["plan", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "2000", "--osl", "64"], "--isl 2000",
                  id="plan-serve-isl-beyond-positions"),
+    pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "2000", "--osl", "64", "--rate", "2",
+                  "--requests", "10", "--out", "<out>"], "--isl 2000", id="simulate-serve-isl-beyond-positions"),
     pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE, "--rate", "2", "--requests", "1000000", "--out", "<out>"],
                  "--requests 1000000", id="simulate-serve-requests-unbounded"),
     pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "1", "--osl", "2000", "--rate", "2",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from phalanx.serve.detokenize import IncrementalText
-from phalanx.serve.rank_loop import first_line
+from phalanx.launch.rank_loop import first_line
 from phalanx.scheduling.scheduler import QueueFull, Scheduler, Sequence
 from phalanx.scheduling.slo_policy import QueueShape
 

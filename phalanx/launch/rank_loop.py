@@ -13,10 +13,11 @@ Staying up while idle, and noticing a dead rank:
   reaches the timeout however long the server idles, and a rank that died is noticed at the
   next heartbeat, within a second, not at the next request.
 - A collective with a dead rank fails at once on gloo ("Connection closed by peer"), or at the
-  timeout where the rank hangs instead. Either is `RankGroupFailed` on rank 0: the ranks are
-  out of step for good, so rank 0 fails every request with a clear error, /health says 503,
+  timeout where the rank hangs instead. On rank 0 either ends its step or heartbeat with an
+  error (serve/engine_loop.py): the ranks are out of step for good, so rank 0 fails every
+  request with a clear error, /health says 503,
   and the process exits non-zero for the launcher to restart the ranks (`serve/cli.py`'s
-  `_launch`: the one launcher and restart policy, phalanx/worker_launch.py).
+  `_launch`: the one launcher and restart policy, phalanx/launch/worker_launch.py).
   A rank other than 0 that loses rank 0 says so in one line and exits non-zero.
 
 The other ranks ignore SIGTERM and SIGINT (the launcher forwards them to every worker): they
@@ -44,10 +45,6 @@ is host data anyway (no copy to the device and back)."""
 HEARTBEAT_MAX_S = 1.0
 """The longest gap between heartbeats: a dead rank is noticed within about this long while
 idle (one small broadcast a second costs nothing next to a step)."""
-
-
-class RankGroupFailed(RuntimeError):
-    """A collective with the other ranks failed: one died, or hung past the timeout."""
 
 
 def heartbeat_interval(collective_timeout_s: float) -> float:
