@@ -115,7 +115,8 @@ def price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cost
     # the group's own time for those sends.
     crossings = sum(1 for a, b in zip(stage_group, stage_group[1:]) if a != b)
     link = mixed_link_cluster(mixed, mixed.groups[0].cluster)
-    boundary = mbs * seq * model.dim * BF16 / (plan.tp if plan.sp else 1)
+    partitioned = plan.sp or options_for(mixed.groups[0].cluster).pp_partitioned_sends
+    boundary = mbs * seq * model.dim * BF16 / (plan.tp if partitioned else 1)
     cross_s = 2 * (m + p - 1) * comm.send(link, boundary, same_domain=False) * crossings / max(p - 1, 1)
     time, per_mb = step(counts)
     base, _ = step(even)
