@@ -18,14 +18,17 @@ bandwidth between GPUs of one node at the group's size; multizone_bandwidths_het
 two nodes); peaks and memory from NVIDIA's datasheets (below).
 
 Which rows count: the mixed planner prices a pipeline whose every stage sits in one group
-(one GPU type) and plain data parallelism with tp=1. Sailor's rows whose stages mix GPU types
-across dp replicas, or whose dp replicas use tp>1, are printed as "not representable" and left
-out of both medians (what the mixed planner cannot express yet, not an error of its model).
+(one GPU type), and data parallelism over groups (`dp=N,tp=T`, each dp rank inside one group;
+`phalanx simulate` prices tp > 1 so, the trainer's uneven shares being tp=1). Sailor's rows
+whose pipeline stages mix GPU types across dp replicas are printed as "not representable" and
+left out of both medians (what the mixed planner cannot express yet, not an error of its model).
 
-The split, fixed before any row was evaluated: the representable rows in the order of their
-file names (N2_D1, N3_D1, N4_D1, ...), even positions into the "visible" half (the only half a
-modelling decision may look at), odd positions into the "hold-out" half (its median is the
-estimate of the error on a run nobody looked at).
+The split, fixed before each row was first evaluated: rows in the order they became
+representable, then of their file names, alternating visible (the only half a modelling
+decision may look at) and hold-out (its median estimates the error on runs nobody looked at).
+The three pipelines came first (N2_D1 visible, N3_D1 hold-out, N4_D1 visible); the three dp
+rows when dp with tp > 1 was priced, after those three had been looked at (N2_D2 hold-out,
+N4_D4 visible, N6_D6 hold-out), so no row changed half once its error was seen.
 
     PYTHONPATH=. python benchmarks/planner_published_mixed.py [--record]
 """
@@ -140,13 +143,18 @@ OPTIONS = Options(flash_attention=False, pp_partitioned_sends=True)
 
 def representable(row: Row) -> str:
     """Why the mixed planner cannot express the row's layout ("" if it can)."""
-    if any(len(set(gpus)) > 1 for gpus, _ in row.stages):
-        return "a stage's dp replicas on different GPU types"
     if len(row.stages) == 1:
-        return "dp replicas with tp>1 (the mixed planner's uneven dp is tp=1)"
+        return ""  # data parallelism over groups, one dp rank (tp devices) per node
+    if any(len(set(gpus)) > 1 for gpus, _ in row.stages):
+        return "a pipeline stage's dp replicas on different GPU types"
     if len({len(gpus) for gpus, _ in row.stages}) > 1 or len({tp for _, tp in row.stages}) > 1:
         return "stages of different dp x tp"
     return ""
+
+
+SPLIT_ORDER = ("N2_D1", "N3_D1", "N4_D1", "N2_D2", "N4_D4", "N6_D6")
+"""Representable rows in the order they became so (the pipelines, then the dp rows), each
+group in file-name order: the split alternates down this list."""
 
 
 def transformer_split(layers: tuple[int, ...]) -> str:
@@ -159,27 +167,37 @@ def transformer_split(layers: tuple[int, ...]) -> str:
 
 def evaluate(row: Row) -> float:
     """Predicted seconds per iteration of the row's layout on its cluster."""
+    model = opt_350m()
     dp = len(row.stages[0][0])
     tp = row.stages[0][1]
-    used = dp * tp  # one node per stage: its GPUs hold the stage's dp x tp ranks
-    groups = tuple(Group(name=f"stage{s} {gpus[0]}", cluster=group_cluster(gpus[0], used), nodes=1)
-                   for s, (gpus, _) in enumerate(row.stages))
-    names = [gpus[0] for gpus, _ in row.stages]
-    between = min(node_link_bps(a, b) for a, b in zip(names, names[1:])) / used / GB
+    if len(row.stages) == 1:
+        # Data parallelism: one node per dp replica, its tp GPUs; equal shares (Sailor's plans
+        # give one batch per replica); the gradient all-reduce crosses every node pair's link.
+        names = list(row.stages[0][0])
+        groups = tuple(Group(name=f"replica{r} {gpu}", cluster=group_cluster(gpu, tp), nodes=1)
+                       for r, gpu in enumerate(names))
+        between = min(node_link_bps(a, b) for i, a in enumerate(names) for b in names[i + 1:]) / tp / GB
+        plan = Plan(dp=dp, tp=tp, microbatches=row.global_batch // (dp * row.mbs))
+    else:
+        used = dp * tp  # one node per stage: its GPUs hold the stage's dp x tp ranks
+        groups = tuple(Group(name=f"stage{s} {gpus[0]}", cluster=group_cluster(gpus[0], used), nodes=1)
+                       for s, (gpus, _) in enumerate(row.stages))
+        names = [gpus[0] for gpus, _ in row.stages]
+        between = min(node_link_bps(a, b) for a, b in zip(names, names[1:])) / used / GB
+        plan = Plan(dp=dp, tp=tp, pp=len(row.stages), microbatches=row.global_batch // (dp * row.mbs),
+                    schedule="1f1b", split=transformer_split(row.layers))
     mixed = MixedCluster(name=f"sailor-mit-{row.label}", groups=groups, between_bw_gbs=between, between_latency_us=50.0)
-    plan = Plan(dp=dp, tp=tp, pp=len(row.stages), microbatches=row.global_batch // (dp * row.mbs),
-                schedule="1f1b", split=transformer_split(row.layers))
-    model = opt_350m()
     priced = evaluate_mixed_plan(model, mixed, model.max_seq_len, row.global_batch, plan.validate(),
                                  lambda c: OPTIONS)
     return priced.step_time_s
 
 
 def split_halves(rows: list[Row]) -> dict[str, str]:
-    """The rule fixed before any row was evaluated: representable rows in file-name order,
-    even positions visible, odd positions hold-out."""
-    kept = [r.label for r in rows if not representable(r)]
-    return {label: ("visible" if i % 2 == 0 else "hold-out") for i, label in enumerate(kept)}
+    """The rule fixed before each row was first evaluated (module docstring): alternating down
+    SPLIT_ORDER, visible first."""
+    kept = {r.label for r in rows if not representable(r)}
+    assert kept == set(SPLIT_ORDER), "a newly representable row: append it to SPLIT_ORDER before running it"
+    return {label: ("visible" if i % 2 == 0 else "hold-out") for i, label in enumerate(SPLIT_ORDER)}
 
 
 def main() -> int:

@@ -13,10 +13,14 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 from phalanx.plan import Plan
 from phalanx.planner.cost import evaluate
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.mixed_cluster import mixed_cluster_from_dict
+from phalanx.planner.mixed_search import evaluate_mixed_plan
 from phalanx.planner.options import Options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,9 +50,25 @@ def test_partitioned_sends_divide_pipeline_traffic_by_tp():
 def test_split_rule_and_representable_rows():
     bench = _bench()
     halves = bench.split_halves(bench.ROWS)
-    # Representable rows in file-name order, even positions visible, odd hold-out.
-    assert halves == {"N2_D1": "visible", "N3_D1": "hold-out", "N4_D1": "visible"}
+    # Alternating down the order the rows became representable: no row changed half once seen.
+    assert halves == {"N2_D1": "visible", "N3_D1": "hold-out", "N4_D1": "visible", "N2_D2": "hold-out",
+                      "N4_D4": "visible", "N6_D6": "hold-out"}
     assert bench.transformer_split((5, 7, 7, 7)) == "4:7:7:6"  # embedding and head are Sailor's layers too
     for row in bench.ROWS:
         if not bench.representable(row):
             assert 0 < bench.evaluate(row) < 1e4
+
+
+def test_dp_with_tp_over_two_equal_groups_prices_as_the_homogeneous_model():
+    """`dp=8,tp=2` over two groups of one dgx-h100 node each, the link between them the nodes'
+    own: the same cluster split in two, so the mixed pricing (each dp rank of 2 devices inside
+    a group, the all-reduce at the slowest link) must give the homogeneous model's step."""
+    model = _bench().opt_350m()
+    h100 = PRESETS["dgx-h100"]
+    mixed = mixed_cluster_from_dict({"groups": [{"preset": "dgx-h100", "nodes": 1}, {"preset": "dgx-h100", "nodes": 1}]},
+                                    source="two.toml")
+    plan = Plan(dp=8, tp=2, microbatches=2)
+    priced = evaluate_mixed_plan(model, mixed, 2048, 64, plan, lambda c: Options())
+    homogeneous = evaluate(model, h100, Workload(global_batch=64, seq_len=2048), Layout(plan, mbs=4), Options())
+    assert priced.step_time_s == pytest.approx(homogeneous.step_time_s, rel=1e-9)
+    assert priced.plan.shares == "8:8:8:8:8:8:8:8"
