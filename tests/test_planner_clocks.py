@@ -15,6 +15,8 @@ from phalanx.planner.cost import evaluate
 from phalanx.planner.energy import Objective
 from phalanx.planner.hardware import PRESETS, cluster_to_dict
 from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.mixed_cluster import Group, MixedCluster
+from phalanx.planner.mixed_dp import _slack_clocks
 
 H100 = PRESETS["dgx-h100"]
 POWERED = dataclasses.replace(H100, idle_w=100.0, busy_w=700.0, min_clock_fraction=0.5)
@@ -122,3 +124,15 @@ def test_mixed_pipeline_lighter_stage_gets_a_lower_clock(tmp_path, capsys):
             assert r == pytest.approx(max(floor, t / slowest) if t < slowest else 1.0)
         assert p["clock_energy_saved_j_per_step"] >= 0
     assert any(r < 1 for p in plans for r in p["stage_clock_fraction"])  # the split leaves a stage slack
+
+
+def test_uneven_dp_ranks_that_finish_early_get_lower_clocks():
+    """Two ranks: A computes 1.0 s of a 1.2 s share time, B 0.5 s of 0.6 s. A is the slowest (no
+    slack: full clock); B waits 0.6 s, so 0.5 / (0.5 + 0.6) = 0.45, held at the floor 0.5.
+    B saves (700 - 100) x 0.5 x (1 - 0.5^2) = 225 J."""
+    mixed = MixedCluster(name="two", groups=(Group("a", POWERED, 1), Group("b", POWERED, 1)), between_bw_gbs=47.0,
+                         between_latency_us=8.0)
+    a, b = _estimate(1.2, {"compute": 1.0, "overhead": 0.2}), _estimate(0.6, {"compute": 0.5, "overhead": 0.1})
+    out = _slack_clocks(mixed, [a, b], [1.2, 0.6], [0, 1])
+    assert out["clock_fraction_by_group"] == pytest.approx([1.0, 0.5])
+    assert out["clock_energy_saved_j_per_step"] == pytest.approx(600.0 * 0.5 * 0.75)

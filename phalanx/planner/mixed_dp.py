@@ -18,7 +18,9 @@ from phalanx.adapt_policy import equal_shares, proportional_shares
 from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan, parse_shares
+from phalanx.planner import clocks
 from phalanx.planner.cost import Estimate, evaluate
+from phalanx.planner.energy import busy_seconds
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.mixed_cluster import MixedCluster
@@ -102,8 +104,28 @@ def dp_plans(model: ModelConfig, mixed: MixedCluster, seq: int, global_batch: in
                              baseline_s=priced["equal"][0], memory_gib=memory,
                              detail={"shares_by_group": per_group, "chosen": name, "dp_comm_s": dp_comm,
                                      "speeds_seq_per_s": [round(per_rank / times[g][per_rank], 4) for g in range(len(counts))],
-                                     "priced_s": {k: v[0] for k, v in priced.items()}}))
+                                     "priced_s": {k: v[0] for k, v in priced.items()},
+                                     **_slack_clocks(mixed, [ests[group_of[r]][shares[r]] for r in range(world)],
+                                                     [times[group_of[r]][shares[r]] for r in range(world)], group_of)}))
     return out
+
+
+def _slack_clocks(mixed: MixedCluster, ests: list[Estimate], times: list[float], group_of: list[int]) -> dict:
+    """Perseus's case for uneven dp (planner/clocks.py): a rank that finishes its share before the
+    slowest waits in the gradient all-reduce, so it can compute at a lower clock at no cost in
+    step time: its busy seconds stretched into its wait (the most loaded rank of each group,
+    `clock_fraction_by_group`), and the joules that saves over every rank (null without power)."""
+    slowest = max(times)
+    fractions, saved = [], 0.0
+    for est, t, g in zip(ests, times, group_of):
+        cluster = mixed.groups[g].cluster
+        busy = busy_seconds(est)
+        r = clocks.clock_fraction(busy, busy + slowest - t, cluster.min_clock_fraction)
+        fractions.append(r)
+        saved += clocks.saved_busy_energy_j(busy, r, cluster)
+    by_group = [max(r for r, g in zip(fractions, group_of) if g == i) for i in range(len(mixed.groups))]
+    powered = all(g.cluster.busy_w > 0 for g in mixed.groups)
+    return {"clock_fraction_by_group": by_group, "clock_energy_saved_j_per_step": saved if powered else None}
 
 
 def priced_shares(model, mixed, seq, global_batch, plan, options_for) -> MixedPlan:
