@@ -30,7 +30,8 @@ from pathlib import Path
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.model_spec import model_from_dict
-from phalanx.planner.serve.costs import GPU_KERNEL_FILL_S, kernel_fill_seconds
+from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_KERNEL_FILL_S, TORCH_SAMPLER_HOST_S,
+                                         ServeCosts, kernel_fill_seconds)
 from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.planner.serve.search import parse_serve_fix, search_serving
@@ -52,13 +53,20 @@ def pool_of(row: dict) -> PoolRule:
     return PoolRule(fraction=row["kv_free_fraction"], of_free=True, max_batch=row.get("max_batch_limit", MAX_BATCH_LIMIT))
 
 
+def costs_of(row: dict) -> ServeCosts:
+    """The engine's framework costs: TensorRT-LLM's TensorRT engines under the C++ executor run
+    no Python per request (no host time per sequence is published for them: none charged);
+    every other engine here (TensorRT-LLM's PyTorch backend, SGLang) is driven from Python."""
+    return GPU_CPP_EXECUTOR if "C++ executor" in row["engine"] else GPU_ENGINE
+
+
 def predict(row: dict, models: dict, kv_dtype: str) -> tuple[float, str]:
     """(predicted metric, the decode step's largest cause); nan where no layout holds the run."""
     model = MODELS.get(row["model"]) or model_from_dict(models[row["model"]], source=row["model"])
     load = ServeLoad(isl=row["isl"], osl=row["osl"], concurrency=row.get("concurrency"), phase=row["phase"])
     result = search_serving(model, CLUSTERS[row["cluster"]], load, gpus=row["gpus"], fixed=parse_serve_fix(row["fix"]),
                             weight_dtype=row["weight_dtype"], kv_dtype=row.get("kv_dtype", kv_dtype), keep=1,
-                            pool=pool_of(row))
+                            pool=pool_of(row), costs=costs_of(row))
     if not result.ranked:
         return float("nan"), "refused"
     rates = result.ranked[0].rates
@@ -118,8 +126,11 @@ def main() -> None:
             print(f"    worst: {row['id']:<22} {row['what'][:50]:<50} {row['isl']:>5}/{row['osl']:<5} pred/pub "
                   f"{ratio:.2f}, step mostly {cause}")
     fills = ", ".join(f"{x * 1e6:.2f}" for x in kernel_fill_seconds())
-    print(f"GPU engines: no host time (overlapped, CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
+    print(f"GPU engines: host work overlapped with the GPU's (CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
           f"per launch (the median of DeepGEMM's decode-size fp8 GEMMs on H800: {fills} us beyond their bytes)")
+    print(f"Python-driven engines: a step at least {TORCH_SAMPLER_HOST_S * 1e6:.1f} us of host work per sequence "
+          f"(TensorRT-LLM's TorchSampler at a batch of 1,000, its pull request 11983), x{CLUSTERS['gb200-nvl72'].host_cpu_slowdown:.2f} "
+          f"on GB200's Grace (TransformerEngine issue 2053); none under the C++ executor")
     print(f"({time.perf_counter() - start:.2f} s; KV dtype where a row states none: {args.kv_dtype})")
 
 

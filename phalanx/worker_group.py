@@ -1,7 +1,7 @@
 """The worker processes of every multi-process command (`phalanx train`, `serve`, `generate`,
 `match`, `blur`): starting them through PyTorch's elastic launcher (the machinery of
 `torchrun`), and, in each worker, joining and leaving the process group. The launcher of
-`train`, `serve` and `generate`, with its one restart policy, is phalanx/worker_launch.py."""
+`train`, `serve` and `generate`, with its one restart policy, is phalanx/launch/worker_launch.py."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timede
 
 def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: str = "",
                   nodes: tuple[int, int] = (1, 1), *, quiet: bool = False, grace_s: int = 30, run_id: str = "",
-                  fresh: bool = False, preload: str = "phalanx.worker_launch") -> dict:
+                  fresh: bool = False, preload: str = "phalanx.launch.worker_launch") -> dict:
     """Run entry(*args) on `nproc` local workers through PyTorch's elastic launcher (RANK,
     WORLD_SIZE, LOCAL_RANK set in each); returns {rank: return value}. Shared with
     `phalanx match` and `phalanx blur`; failures raise the launcher's own exceptions. `nodes`:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.cli import main
+from phalanx.process_count import usable_cores
 
 FILE_KINDS = ("missing", "directory", "binary", "truncated", "empty", "proc")
 OUTPUT_KINDS = ("unwritable", "proc", "under_a_file")
@@ -244,8 +245,12 @@ ODD_VALUES = [
                  "--speculative-config", id="serve-speculative-method-unknown"),
     pytest.param(["serve", "--model", "<hf>", "--pool", "auto", "--nproc", "1024", "--tpot-ms", "50"], "--nproc 1024",
                  id="serve-pool-auto-nproc-past-the-machine"),
+    pytest.param(["serve", "--model", "<hf>", "--pool", "auto", "--nproc", str(usable_cores() + 1), "--tpot-ms", "50"],
+                 "one rank per core", id="serve-pool-auto-nproc-past-the-cores"),
     pytest.param(["plan", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "2000", "--osl", "64"], "--isl 2000",
                  id="plan-serve-isl-beyond-positions"),
+    pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "2000", "--osl", "64", "--rate", "2",
+                  "--requests", "10", "--out", "<out>"], "--isl 2000", id="simulate-serve-isl-beyond-positions"),
     pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE, "--rate", "2", "--requests", "1000000", "--out", "<out>"],
                  "--requests 1000000", id="simulate-serve-requests-unbounded"),
     pytest.param(["simulate", "--serve", *SERVE_PLAN_BASE[:-4], "--isl", "1", "--osl", "2000", "--rate", "2",

@@ -106,10 +106,10 @@ def _fails_with_a_thread_left(status):
 
 
 def test_a_failed_worker_leaves_without_waiting_for_its_threads(tmp_path, monkeypatch):
-    """phalanx/worker_launch.py's `elastic_entry`: a worker that failed (status 1 or an exception)
+    """phalanx/launch/worker_launch.py's `elastic_entry`: a worker that failed (status 1 or an exception)
     exits though a thread of it is still blocked (a background save's collective on a dead
     rank), instead of waiting in the interpreter's shutdown for the agent's kill 30 s later."""
-    from phalanx.worker_launch import elastic_entry
+    from phalanx.launch.worker_launch import elastic_entry
 
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))  # where `record` writes
     context = multiprocessing.get_context("fork")

@@ -53,6 +53,7 @@ def test_cluster_toml_and_json(tmp_path):
     ('hbm_tbs = nan\n', "hbm_tbs=nan must be a finite number"),
     ('intra_latency_us = -3\n', "intra_latency_us=-3.0 must not be negative"),
     ('memory_gib = 0\n', "memory_gib=0.0 must be positive"),
+    ('min_clock_fraction = 1.5\n', "min_clock_fraction=1.5 must be between 0 \\(clocks not lowered\\) and 1"),
     ('layer_overhead_us = -1\n', "layer_overhead_us=-1.0 must be finite and not negative"),
     ('ddp_step_overhead_ms = [[2, -3.0]]\n', "ddp_step_overhead_ms=[[2, -3.0]] must be finite and not negative"),
     ('pp_action_overhead_us = [["1f1b", inf]]\n', "pp_action_overhead_us=[['1f1b', inf]] must be finite"),

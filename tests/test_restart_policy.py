@@ -1,12 +1,12 @@
 """The one restart policy of `train`, `serve`, replica groups and `generate`
-(phalanx/restart_policy.py), on attempts that are plain functions: which failures restart, the
+(phalanx/launch/restart_policy.py), on attempts that are plain functions: which failures restart, the
 lines said, the restart's number and reason in the workers' environment, put back after."""
 
 from __future__ import annotations
 
 import os
 
-from phalanx.restart_policy import REASON_ENV, RESTART_ENV, Failure, max_restarts, run_attempts
+from phalanx.launch.restart_policy import REASON_ENV, RESTART_ENV, Failure, max_restarts, run_attempts
 
 
 def _attempts(results):

@@ -168,7 +168,7 @@ def test_torchrun_restart_does_not_retry_a_user_error(tmp_path, capsys, monkeypa
 def test_max_restarts_setting(tmp_path, capsys):
     """The default follows the process count; TOML key max_restarts; a negative count is refused."""
     from phalanx.train.config import load_config
-    from phalanx.restart_policy import max_restarts
+    from phalanx.launch.restart_policy import max_restarts
 
     assert (max_restarts(-1, 1), max_restarts(-1, 2), max_restarts(0, 4), max_restarts(5, 1)) == (0, 3, 0, 5)
     (tmp_path / "run.toml").write_text("max_restarts = 5\n")

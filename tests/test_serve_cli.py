@@ -61,3 +61,54 @@ def test_tool_call_parser_flag(model, capsys):
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error == ("phalanx serve: error: argument --tool-call-parser: invalid choice: 'mistral' "
                      "(choose from 'hermes', 'llama3_json')"), error
+
+
+def _nan_copy(model: str, folder) -> str:
+    """The checkpoint with one NaN in a layer norm's weight."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(shutil.copytree(model, folder / "nan"))
+    weights = next(copy.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.layers.0.input_layernorm.weight"].view(-1)[0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return str(copy)
+
+
+def test_a_failed_load_never_prints_the_serving_line(model, tmp_path):
+    """Issue 36: the "serving ... on http://" line came before non-finite weights or --device cuda
+    without CUDA were found, so a supervisor waiting for it saw success. Now: one error line,
+    exit 2, and no serving line (server.py prints it once the model is in)."""
+    import torch
+
+    cases = [(["--model", _nan_copy(model, tmp_path)], "holds non-finite values")]
+    if not torch.cuda.is_available():
+        cases.append((["--model", model, "--device", "cuda"], "torch sees no CUDA device"))
+    for flags, message in cases:
+        run = subprocess.run([sys.executable, "-m", "phalanx", "serve", *flags, "--port", "0"], capture_output=True,
+                             text=True, timeout=180)
+        errors = [line for line in run.stderr.splitlines() if line.strip()]
+        assert run.returncode == 2, (flags, run.stdout, run.stderr)
+        assert "serving" not in run.stdout and "Traceback" not in run.stderr, (run.stdout, run.stderr)
+        assert len(errors) == 1 and errors[0].startswith("phalanx: error: ") and message in errors[0], errors
+
+
+def test_the_key_from_the_environment(monkeypatch, capsys):
+    """$PHALANX_API_KEY (issue 36: a key that no command line shows), UTF-8 as given; set but
+    empty is one line, and two sources at once too."""
+    from phalanx.cli import build_parser
+    from phalanx.serve.job import KEY_ENV, prepare_job
+
+    def key(*flags: str):
+        return prepare_job(build_parser().parse_args(["serve", "--model", "m", *flags])).api_key
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    assert key() is None
+    monkeypatch.setenv(KEY_ENV, "clé-🔑")
+    assert key() == "clé-🔑"
+    assert key("--api-key", "given") == "given"  # the flag, when given, wins
+    monkeypatch.setenv(KEY_ENV, " ")
+    assert_cli_error(["serve", "--model", "m"], capsys, f"${KEY_ENV} is set but empty")

@@ -138,3 +138,27 @@ def test_a_client_closing_mid_body_and_half_headers(server):
         assert sock.recv(100) == b""  # closed by the server
         sock.close()
     assert _request(server, "/v1/models")[0] == 200
+
+
+def test_the_key_is_compared_in_constant_time(monkeypatch):
+    """Issue 36: the key was compared with `!=`, whose time tells how many leading bytes matched.
+    Every /v1 request's Authorization goes through `hmac.compare_digest`, as UTF-8 bytes."""
+    import asyncio
+    import hmac
+
+    from phalanx.serve.http_limits import ApiKeyCheck
+
+    real, compared, reached, sent = hmac.compare_digest, [], [], []
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((a, b)) or real(a, b))
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    check = ApiKeyCheck(app, KEY)
+    for given in (b"Bearer " + KEY.encode(), b"Bearer wrong"):
+        asyncio.run(check({"type": "http", "path": "/v1/models", "headers": [(b"authorization", given)]}, None, send))
+    assert compared == [(b"Bearer " + KEY.encode(), b"Bearer " + KEY.encode()), (b"Bearer wrong", b"Bearer " + KEY.encode())]
+    assert reached == ["/v1/models"] and sent[0]["status"] == 401

@@ -65,6 +65,11 @@ def test_pool_auto_refuses_what_it_cannot_plan_in_one_line(tmp_path, capsys, mon
     assert_cli_error(auto + ["--tpot-ms", "0.001"], capsys, "no latency pool of 1 rank meets --tpot-ms 0.001",
                      "predicted at TTFT")
     assert_cli_error(auto + ["--tpot-ms", "50", "--isl", "120", "--osl", "16"], capsys, "beyond the model's 128")
+    # Named pools whose layout a single server would refuse: refused before any instance starts
+    # (issue 36: one failed 38 s later, once its instances had tried to load).
+    named = ["serve", "--model", str(tmp_path), "--pool", "b:tp=1"]
+    assert_cli_error(named + ["--pool", "a:tp=3"], capsys, "--pool ...:tp=3: tp=3 must divide n_heads=4")
+    assert_cli_error(named + ["--pool", "a:dp=2,ep=2"], capsys, "ep=2 needs a mixture-of-experts model")
 
 
 def test_a_request_goes_to_its_class_pool():
@@ -77,6 +82,9 @@ def test_a_request_goes_to_its_class_pool():
         router.classify("batch", None)
     with pytest.raises(UnknownClass, match="service_tier must be one of"):
         router.classify(None, "scale")
+    for odd in (["priority"], {"a": 1}, 3):  # issue 36: a list or object crashed the pool front
+        with pytest.raises(UnknownClass, match="service_tier must be one of"):
+            router.classify(None, odd)
     # Pools of other names: service tiers fall back to the first pool.
     other = Router([PoolSpec("a", "tp=1", 1), PoolSpec("b", "tp=1", 1)], 2, 5.0)
     assert other.classify(None, "priority") is other.pools["a"] and other.classify("b", None) is other.pools["b"]

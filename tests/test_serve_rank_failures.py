@@ -1,7 +1,7 @@
 """A multi-rank `phalanx serve` that stays up: it idles longer than its collective timeout and
-keeps answering (heartbeats, rank_loop.py), and a rank killed while requests run is noticed
+keeps answering (heartbeats, phalanx/launch/rank_loop.py), and a rank killed while requests run is noticed
 within seconds: every client gets its answer or a clear error, /health stops saying 200, and
-the launcher restarts the ranks, which serve again (phalanx/worker_launch.py's restart policy).
+the launcher restarts the ranks, which serve again (phalanx/launch/worker_launch.py's restart policy).
 
 The collective timeout is set short (2 s) so that the idle wait is three times it. The greedy
 answers are compared with `transformers` under the near-tie rule of tests/serve_server.py

@@ -38,6 +38,12 @@ def loading():
     engine = EngineLoop(lambda: None, max_waiting=4, metrics=None, on_load_error=lambda error: None)
     state = ServeState("m", engine, codec=None, chat_template=None, metrics=None, max_len=64, vocab_size=8,
                        api_key=KEY)
+    yield from _served(state)
+
+
+def _served(state: ServeState):
+    """The app of `state` on a real uvicorn server on 127.0.0.1 while the caller's fixture lasts."""
+    engine = state.engine
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -93,8 +99,46 @@ def test_openai_client_polling_models_sees_503_then_200(loading):
 def test_a_server_that_can_no_longer_serve_says_why(loading):
     url, engine = loading
     engine.ready.set()
-    engine.failed = "a rank of this server failed (rank 1 exited); retry shortly"
+    engine.health.failed = "a rank of this server failed (rank 1 exited); retry shortly"
     for method, path, body in ROUTES:
         code, answer = _call(url, method, path, body)
         assert code == 503 and answer["error"]["code"] == "server_failed" and "rank 1 exited" in answer["error"]["message"]
     assert _call(url, "GET", "/health", None)[0] == 503
+
+
+def test_a_prompt_being_tokenized_holds_no_other_request():
+    """Issue 36: a 10 MB prompt was tokenized on the event loop and held every other request,
+    /health included, for 39.5 s. Here the tokenizer blocks until the test releases it: while
+    it does, /health and /v1/models answer at once (api.py tokenizes in a thread)."""
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowCodec:
+        def encode(self, text: str) -> list[int]:
+            entered.set()
+            release.wait(60)
+            return []  # "encodes to no tokens": a 400 ends the request once released
+
+        encode_special = encode
+
+    engine = EngineLoop(lambda: None, max_waiting=4, metrics=None, on_load_error=lambda error: None)
+    engine.ready.set()
+    state = ServeState("m", engine, codec=SlowCodec(), chat_template=None, metrics=None, max_len=64, vocab_size=8,
+                       api_key=KEY)
+    served = _served(state)
+    url, _ = next(served)
+    try:
+        answers: list = []
+        slow = threading.Thread(target=lambda: answers.append(
+            _call(url, "POST", "/v1/completions", {"prompt": "a long prompt", "max_tokens": 1})))
+        slow.start()
+        assert entered.wait(30), "the request never reached the tokenizer"
+        began = time.monotonic()
+        assert _call(url, "GET", "/health", None) == (200, {"status": "ok"})
+        assert _call(url, "GET", "/v1/models", None)[0] == 200
+        assert time.monotonic() - began < 10  # held, they would wait for the release (60 s)
+        release.set()
+        slow.join(30)
+        assert answers and answers[0][0] == 400 and "no tokens" in answers[0][1]["error"]["message"]
+    finally:
+        release.set()
+        next(served, None)

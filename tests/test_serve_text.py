@@ -96,3 +96,36 @@ def test_windowed_pieces_add_up_to_decoding_every_id(tmp_path):
         for _ in range(40):
             ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
             assert "".join(_pieces(IncrementalText(decode), ids)) == decode(ids), (ids, decode(ids))
+
+
+def test_a_queue_filled_between_submit_and_step_is_429_not_503():
+    """Issue 36: an overflowing queue was sometimes answered 503 `server_error`. submit counts
+    the loop's own waiting requests; the scheduler can still refuse one at the next step (the
+    queue filled meanwhile): that request alone gets 429 `queue_full`, as submit's refusal, and
+    the client is told a rate_limit_error, not a server error."""
+    from phalanx.serve.api import _piece_error
+
+    scheduler = Scheduler(num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, max_waiting=1)
+
+    class Engine:
+        pass
+
+    engine = Engine()
+    engine.scheduler = scheduler
+    loop = EngineLoop(lambda: engine, max_waiting=4, metrics=None, on_load_error=print)
+
+    async def race():
+        loop.scheduler = scheduler
+        loop.ready.set()
+        handles = [loop.submit(Sequence.of(name, [1], 1), IncrementalText(_bytes)) for name in "ab"]
+        incoming, loop._incoming = loop._incoming, []
+        loop._apply(incoming, [], None)  # what the engine thread does before its next step
+        await asyncio.sleep(0)
+        return handles
+
+    first, second = asyncio.run(race())
+    assert first.queue.empty() and not first.done  # the first waits in the scheduler
+    piece = second.queue.get_nowait()
+    assert (piece.status, piece.code) == (429, "queue_full") and second.done
+    error = _piece_error(piece)
+    assert error.status == 429 and error.body()["error"]["type"] == "rate_limit_error"

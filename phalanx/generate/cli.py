@@ -164,7 +164,7 @@ def _run(args) -> int:
         return worker_main(job)
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.worker_group import check_nproc
-    from phalanx.worker_launch import launch_workers
+    from phalanx.launch.worker_launch import launch_workers
 
     check_nproc(args.nproc, args.device)
     # The one launcher of every command, with no restarts (a generation is short: run it again).

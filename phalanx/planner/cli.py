@@ -71,7 +71,8 @@ def run_plan(args) -> int:
         out = [{"cluster": c.name, "considered": r.considered, "pruned_memory": r.pruned_memory,
                 "search_seconds": r.seconds, "objective": args.objective, "max_slowdown": args.max_slowdown,
                 "announced": c.announced,
-                "plans": [plan_record(e, step_time_band(c), cluster=c, price=prices.get(c.name)) for e in r.ranked]}
+                "plans": [plan_record(e, step_time_band(c), cluster=c, price=prices.get(c.name), objective=objectives[c.name])
+                          for e in r.ranked]}
                for c, r in results]
         print(json.dumps(out[0] if len(out) == 1 else {"clusters": out}, indent=2))
         return 0 if all(r.ranked for _, r in results) else 1

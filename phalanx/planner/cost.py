@@ -3,7 +3,7 @@
 One micro-batch through the most loaded stage (its layers' compute, TP and EP communication,
 recompute, logits and loss) is stage_time.py's; this adds the rest of the step:
 Communication per step beyond the stage's layers (comm.py for the alpha-beta times):
-  PP: one T h / tp (sp) or T h send per stage boundary each way per micro-batch.
+  PP: one T h / tp (sp, or partitioned sends) or T h send per stage boundary each way per micro-batch.
   DP: gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1, 2) once
     per step in 25 MiB buckets (zero 2: one collective per FSDP unit), overlapped with the
     last backward / first forward when `dp_overlap`; zero 3 gathers parameters forward and
@@ -176,7 +176,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     bubble = _bubble(lay.schedule, p, v, stage, m)
     # Pipeline sends on the critical path: each micro-batch (per chunk) each way, plus fill/drain.
     if p > 1:
-        boundary_bytes = tokens * model.dim * BF16 / (lay.tp if lay.sp else 1)
+        boundary_bytes = tokens * model.dim * BF16 / (lay.tp if lay.sp or options.pp_partitioned_sends else 1)
         same = lay.tp * lay.replicas * 2 <= cluster.fast_domain
         t_send = comm.send(cluster, boundary_bytes, same_domain=same)
         pp_comm = 2 * t_send * (m * v + p - 1)

@@ -16,9 +16,12 @@ seconds (cost.py charges its share of SMs there), so it is busy. Every rank is t
 most loaded stage's (as the step time is), so pipelines' lighter stages are counted busy a
 little too long.
 
+With `--objective energy --max-slowdown F`, each plan's devices run their computing at the
+lowest clock that keeps its step within F x the fastest plan's (clocks.py: power against clock
+as a cube, down to the cluster's base clock), and its energy is counted so.
+
 Not modelled: the power a device draws while waiting above its idle reading (clocks stay up),
-draw below TDP while computing (training rarely holds TDP), clocks lowered where a stage has
-slack (DVFS, Perseus): `--max-slowdown` chooses among layouts only; CPUs, NICs, switches and
+draw below TDP while computing (training rarely holds TDP); CPUs, NICs, switches and
 fans (the node's own power, the same per GPU-second for every layout, so it scales with step
 time like idle_w: a cluster file can add it to idle_w and busy_w); the data centre's PUE.
 """
@@ -29,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from phalanx.errors import UserError
+from phalanx.planner import clocks
 from phalanx.planner.cost import Estimate
 from phalanx.planner.hardware import Cluster
 
@@ -99,21 +103,35 @@ class Objective:
     price: float | None = None
     """Dollars per GPU hour, for cost (and the cost column)."""
 
+    bound_s: float | None = None
+    """With max_slowdown: F x the fastest plan's step, the longest step allowed (set by rank)."""
+
+    def clocked(self, est: Estimate) -> clocks.Clocked | None:
+        """Energy with clocks lowered into the room the slowdown bound leaves (clocks.py), for
+        `--objective energy --max-slowdown F`; None otherwise."""
+        if self.kind != "energy" or self.bound_s is None or self.cluster is None or not has_power(self.cluster):
+            return None
+        return clocks.homogeneous(est, busy_seconds(est), self.cluster, self.bound_s)
+
     def value(self, est: Estimate) -> float:
-        """The quantity ranked: seconds, joules per step or dollars per million tokens."""
+        """The quantity ranked: seconds, joules per step (clocks lowered under a slowdown
+        bound) or dollars per million tokens."""
         if self.kind == "energy":
-            return energy_per_step_j(est, self.cluster)  # type: ignore[return-value]
+            lowered = self.clocked(est)
+            return lowered.energy_j if lowered else energy_per_step_j(est, self.cluster)  # type: ignore[return-value]
         if self.kind == "cost":
             return cost_usd_per_mtok(est, self.price)  # type: ignore[arg-type]
         return est.step_time_s
 
     def rank(self, fitting: list[Estimate]) -> list[Estimate]:
-        """Best first; with max_slowdown only the plans within it of the fastest."""
+        """Best first; with max_slowdown only the plans within it of the fastest, energy then
+        counted with each plan's clocks lowered to use the rest of the bound."""
         if not fitting:
             return []
         pool = fitting
         if self.max_slowdown is not None:
             fastest = min(e.step_time_s for e in fitting)
+            object.__setattr__(self, "bound_s", self.max_slowdown * fastest)
             pool = [e for e in fitting if e.step_time_s <= self.max_slowdown * fastest * (1 + 1e-12)]
         return sorted(pool, key=lambda e: (self.value(e), e.step_time_s, e.memory_bytes))
 

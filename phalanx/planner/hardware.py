@@ -93,6 +93,11 @@ class Cluster:
     """(group size, latency us per step, bus GB/s) measured by calibrate; they replace the intra
     figures for groups of that size inside the fast domain (a CPU's collectives slow down as
     more processes share its cores)."""
+    host_cpu_slowdown: float = 1.0
+    """How much slower the host CPU driving the devices runs a serving engine's per-request
+    Python than an x86 server CPU (planner/serve: a step is never shorter than its sequences'
+    host work). GB200's Grace: NVIDIA/TransformerEngine issue 2053 times one PyTorch Linear's
+    forward at 37.08 us of CPU on a GB200 against 13.48 us on a DGX H100's Xeon 8480C (2.75x). 1: x86."""
     idle_w: float = 0.0
     """Watts one device draws while it waits (a bubble, an exposed collective, a fixed overhead):
     published idle measurements, each preset naming its source. 0: not known (no energy is
@@ -100,6 +105,9 @@ class Cluster:
     busy_w: float = 0.0
     """Watts one device draws while it computes: the datasheet's maximum board power (TDP),
     an upper bound of what training draws. 0: not known."""
+    min_clock_fraction: float = 0.0
+    """The lowest clock a device is run at where it has slack (planner/clocks.py): its base
+    clock over its boost clock. 0: clocks are not lowered."""
     announced: bool = False
     """The figures are a vendor's announcement for hardware not yet measured (shown beside
     every plan for this cluster)."""
@@ -134,9 +142,12 @@ class Cluster:
         if self.sm_count < 0:
             problems.append(f"sm_count={self.sm_count} must be 0 (no wave quantization) or positive")
         for name in ("peak_tflops", "memory_gib", "hbm_tbs", "intra_bw_gbs", "inter_bw_gbs",
-                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency"):
+                     "matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency",
+                     "host_cpu_slowdown"):
             if not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if not 0 <= self.min_clock_fraction <= 1:
+            problems.append(f"min_clock_fraction={self.min_clock_fraction} must be between 0 (clocks not lowered) and 1")
         for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency", "elementwise_efficiency",
                      "comm_sm_fraction"):
             if getattr(self, name) > 1:
@@ -223,8 +234,24 @@ IDLE_SHARE_OF_TDP = 80.0 / 700.0
 """The H200's published idle draw over its TDP, applied to GPUs with no idle figure of their own."""
 
 
+GRACE_HOST_SLOWDOWN = 37.08 / 13.48
+"""A GB200's Grace CPU against a DGX H100's Xeon Platinum 8480C on the same PyTorch host work
+(torch.nn.Linear's forward, hidden 2048, 8192 tokens, bf16: 37.08 us against 13.48 us of CPU
+per call; NVIDIA/TransformerEngine issue 2053's table)."""
+
+
 def _idle(tdp_w: float) -> float:
     return float(round(IDLE_SHARE_OF_TDP * tdp_w))
+
+
+# The lowest clock planner/clocks.py lowers a device with slack to: the base clock over the
+# boost clock, the range the vendor specifies for sustained operation under TDP. A100 SXM4:
+# boost 1,410 MHz (NVIDIA A100 Tensor Core GPU architecture whitepaper), base 1,275 MHz; H100
+# SXM5 (and H800, the same board): boost 1,980 MHz, base 1,590 MHz; base clocks and the H100's
+# boost as TechPowerUp's GPU database lists them (NVIDIA's datasheets give neither). The other
+# presets keep 0 (clocks not lowered): no base clock for them was checked here.
+A100_SXM_CLOCKS = 1275.0 / 1410.0
+H100_SXM_CLOCKS = 1590.0 / 1980.0
 
 
 # Presets. Link figures are the measured ones of published-figures.md section 2; peak and
@@ -237,12 +264,14 @@ PRESETS: dict[str, Cluster] = {
         # DGX A100 80GB: NVLink3 + NVSwitch (229 GB/s all-reduce bus bw), 8x HDR 200 Gb/s (24 GB/s).
         # Power: A100 SXM 80GB 400 W max TDP (NVIDIA A100 Tensor Core GPU datasheet).
         Cluster(name="dgx-a100", peak_tflops=312.0, sm_count=108, memory_gib=80.0, hbm_tbs=2.04,
-                intra_bw_gbs=229.0, inter_bw_gbs=24.0, busy_w=400.0, idle_w=_idle(400.0)),
+                intra_bw_gbs=229.0, inter_bw_gbs=24.0, busy_w=400.0, idle_w=_idle(400.0),
+                min_clock_fraction=A100_SXM_CLOCKS),
         # DGX H100: NVLink4 (about 370 GB/s effective), 8x NDR 400 Gb/s (46-48 GB/s).
         # FP8 1,979 dense (NVIDIA H100 Tensor Core GPU datasheet, SXM: 3,958 with sparsity); no fp4.
         # Power: H100 SXM up to 700 W (configurable) max TDP (same datasheet).
         Cluster(name="dgx-h100", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
-                intra_bw_gbs=370.0, inter_bw_gbs=47.0, busy_w=700.0, idle_w=_idle(700.0)),
+                intra_bw_gbs=370.0, inter_bw_gbs=47.0, busy_w=700.0, idle_w=_idle(700.0),
+                min_clock_fraction=H100_SXM_CLOCKS),
         # DGX H200: same NVLink4 (about 475 GB/s all-reduce bus bw measured), 141 GB HBM3e.
         # Device figures from NVIDIA's H200 Tensor Core GPU datasheet (H200 SXM): 989 TFLOP/s
         # dense BF16 (the sheet's 1,979 counts 2:4 sparsity), 141 GB HBM3e at 4.8 TB/s; the
@@ -253,7 +282,7 @@ PRESETS: dict[str, Cluster] = {
         # GB200 NVL72: 72 GPUs in one NVLink domain (835-847 GB/s at 4-8 GiB), 400 Gb/s NIC each.
         # GB200 NVL72 datasheet per GPU, dense: BF16 2.5 PF, FP8 5, FP4 10 (published-figures.md section 5).
         Cluster(name="gb200-nvl72", devices_per_node=4, fast_domain=72, peak_tflops=2500.0, fp8_tflops=5000.0,
-                fp4_tflops=10000.0, sm_count=148,
+                fp4_tflops=10000.0, sm_count=148, host_cpu_slowdown=GRACE_HOST_SLOWDOWN,
                 memory_gib=186.0, hbm_tbs=8.0, intra_bw_gbs=840.0, inter_bw_gbs=47.0,
                 # Power: a liquid-cooled Blackwell GPU runs up to 1,200 W (NVIDIA, GTC 2024); a GB200
                 # superchip (one Grace, two GPUs) is configurable up to 2,700 W, the Grace CPU and its
@@ -277,7 +306,8 @@ PRESETS: dict[str, Cluster] = {
         # H800 (DeepSeek-V3 report: NVLink about 160 GB/s, IB 50 GB/s per GPU): same core as H100.
         # Power: the H100 SXM's board, 700 W max TDP.
         Cluster(name="hgx-h800", peak_tflops=989.0, fp8_tflops=1979.0, sm_count=132, memory_gib=80.0, hbm_tbs=3.35,
-                intra_bw_gbs=160.0, inter_bw_gbs=47.0, busy_w=700.0, idle_w=_idle(700.0)),
+                intra_bw_gbs=160.0, inter_bw_gbs=47.0, busy_w=700.0, idle_w=_idle(700.0),
+                min_clock_fraction=H100_SXM_CLOCKS),
         # Vera Rubin NVL72: ANNOUNCED, NOT MEASURED (NVIDIA, GTC 2025 as "NVL144", counting dies,
         # and CES 2026 as NVL72, counting packages); every figure will move when it ships.
         # Per GPU: 288 GB HBM4 at 22 TB/s; NVFP4 35 PF for training (50 PF inference with its

@@ -18,7 +18,9 @@ from phalanx.adapt_policy import equal_shares, proportional_shares
 from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan, parse_shares
+from phalanx.planner import clocks
 from phalanx.planner.cost import Estimate, evaluate
+from phalanx.planner.energy import busy_seconds
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.mixed_cluster import MixedCluster
@@ -27,12 +29,13 @@ from phalanx.planner.options import Options
 
 
 def _dp_estimate(model: ModelConfig, cluster: Cluster, seq: int, world: int, n: int, m: int,
-                 options: Options) -> Estimate:
-    """Plain DDP over `world` ranks, each with `n` sequences in `m` micro-batches (priced at
-    the largest micro-batch, ceil(n / m): the trainer cuts a share into parts one apart)."""
+                 options: Options, tp: int = 1) -> Estimate:
+    """Plain DDP over `world` ranks (dp ranks of `tp` devices each), each with `n` sequences in
+    `m` micro-batches (priced at the largest micro-batch, ceil(n / m): the trainer cuts a share
+    into parts one apart)."""
     mbs = math.ceil(n / m)
     return evaluate(model, cluster, Workload(global_batch=world * m * mbs, seq_len=seq),
-                    Layout(Plan(dp=world, microbatches=m), mbs=mbs), options)
+                    Layout(Plan(dp=world, tp=tp, microbatches=m), mbs=mbs), options)
 
 
 def _minmax_shares(times: list[dict[int, float]], counts: list[int], total: int, m: int) -> list[int] | None:
@@ -101,21 +104,46 @@ def dp_plans(model: ModelConfig, mixed: MixedCluster, seq: int, global_batch: in
                              baseline_s=priced["equal"][0], memory_gib=memory,
                              detail={"shares_by_group": per_group, "chosen": name, "dp_comm_s": dp_comm,
                                      "speeds_seq_per_s": [round(per_rank / times[g][per_rank], 4) for g in range(len(counts))],
-                                     "priced_s": {k: v[0] for k, v in priced.items()}}))
+                                     "priced_s": {k: v[0] for k, v in priced.items()},
+                                     **_slack_clocks(mixed, [ests[group_of[r]][shares[r]] for r in range(world)],
+                                                     [times[group_of[r]][shares[r]] for r in range(world)], group_of)}))
     return out
 
 
+def _slack_clocks(mixed: MixedCluster, ests: list[Estimate], times: list[float], group_of: list[int]) -> dict:
+    """Perseus's case for uneven dp (planner/clocks.py): a rank that finishes its share before the
+    slowest waits in the gradient all-reduce, so it can compute at a lower clock at no cost in
+    step time: its busy seconds stretched into its wait (the most loaded rank of each group,
+    `clock_fraction_by_group`), and the joules that saves over every rank (null without power)."""
+    slowest = max(times)
+    fractions, saved = [], 0.0
+    for est, t, g in zip(ests, times, group_of):
+        cluster = mixed.groups[g].cluster
+        busy = busy_seconds(est)
+        r = clocks.clock_fraction(busy, busy + slowest - t, cluster.min_clock_fraction)
+        fractions.append(r)
+        saved += clocks.saved_busy_energy_j(busy, r, cluster)
+    by_group = [max(r for r, g in zip(fractions, group_of) if g == i) for i in range(len(mixed.groups))]
+    powered = all(g.cluster.busy_w > 0 for g in mixed.groups)
+    return {"clock_fraction_by_group": by_group, "clock_energy_saved_j_per_step": saved if powered else None}
+
+
 def priced_shares(model, mixed, seq, global_batch, plan, options_for) -> MixedPlan:
-    m = plan.num_microbatches
+    """`dp=N[,tp=T],shares=...` as given: dp rank r on devices r*T .. r*T+T-1 (tp innermost, every
+    group holding whole dp ranks); the slowest rank's step plus the all-reduce over all of them.
+    `phalanx simulate` and the published validation price tp > 1 so; the trainer's uneven shares
+    run replicated dp only (tp=1), the layouts the search offers."""
+    m, tp = plan.num_microbatches, plan.tp
     shares = parse_shares(plan.shares, plan.dp, global_batch, m)
-    group_of = [g for g, grp in enumerate(mixed.groups) for _ in range(grp.devices)]
+    group_of = [g for g, grp in enumerate(mixed.groups) for _ in range(grp.devices // tp)]
     ests = [_dp_estimate(model, mixed.groups[group_of[r]].cluster, seq, plan.dp, shares[r], m,
-                         options_for(mixed.groups[group_of[r]].cluster)) for r in range(plan.dp)]
+                         options_for(mixed.groups[group_of[r]].cluster), tp) for r in range(plan.dp)]
     times = [e.step_time_s - e.breakdown["dp_comm"] for e in ests]
     slowest = max(range(plan.dp), key=lambda r: times[r])
     g = group_of[slowest]
     link = mixed_link_cluster(mixed, mixed.groups[g].cluster)
-    dp_comm = _dp_estimate(model, link, seq, plan.dp, shares[slowest], m, options_for(mixed.groups[g].cluster)).breakdown["dp_comm"]
+    dp_comm = _dp_estimate(model, link, seq, plan.dp, shares[slowest], m, options_for(mixed.groups[g].cluster),
+                           tp).breakdown["dp_comm"]
     memory = tuple(max(ests[r].memory_bytes for r in range(plan.dp) if group_of[r] == i) / 2**30
                    for i in range(len(mixed.groups)))
     return MixedPlan(kind="dp", plan=plan, mbs=math.ceil(max(shares) / m), step_time_s=times[slowest] + dp_comm,

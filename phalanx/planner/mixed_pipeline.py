@@ -18,7 +18,7 @@ from phalanx.adapt_policy import stage_costs, weighted_layer_counts
 from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
-from phalanx.planner import comm
+from phalanx.planner import clocks, comm
 from phalanx.planner.cost import evaluate, layer_flops, problems
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
@@ -115,7 +115,8 @@ def price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cost
     # the group's own time for those sends.
     crossings = sum(1 for a, b in zip(stage_group, stage_group[1:]) if a != b)
     link = mixed_link_cluster(mixed, mixed.groups[0].cluster)
-    boundary = mbs * seq * model.dim * BF16 / (plan.tp if plan.sp else 1)
+    partitioned = plan.sp or options_for(mixed.groups[0].cluster).pp_partitioned_sends
+    boundary = mbs * seq * model.dim * BF16 / (plan.tp if partitioned else 1)
     cross_s = 2 * (m + p - 1) * comm.send(link, boundary, same_domain=False) * crossings / max(p - 1, 1)
     time, per_mb = step(counts)
     base, _ = step(even)
@@ -125,9 +126,19 @@ def price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cost
         memory.append(est.memory_bytes * max(1.0, most / n_bal))
     if any(mem > g.cluster.usable_bytes for mem, g in zip(memory, mixed.groups)) and not given:
         return None
+    # Perseus's case (clocks.py): stages lighter than the slowest wait each micro-batch, so they
+    # run at lower clocks at no cost in step time; the energy that saves, where every group's
+    # power is known.
+    fractions = clocks.pipeline_stages(per_mb, [mixed.groups[g].cluster.min_clock_fraction for g in stage_group],
+                                       microbatches=m)
+    per_stage = plan.dp * plan.tp
+    saved = sum(per_stage * clocks.saved_busy_energy_j(m * t, r, mixed.groups[g].cluster)
+                for t, r, g in zip(per_mb, fractions, stage_group))
+    powered = all(g.cluster.busy_w > 0 for g in mixed.groups)
     return MixedPlan(kind="pipeline", plan=plan.replace(split=":".join(map(str, counts))), mbs=mbs,
                      step_time_s=time + cross_s, baseline_s=base + cross_s, memory_gib=tuple(x / 2**30 for x in memory),
                      detail={"stage_groups": stage_group, "even_split": ":".join(map(str, even)),
                              "stage_ms_per_microbatch": [t * 1e3 for t in per_mb],
                              "seconds_per_tflop_by_group": [k * 1e12 for k in scale],
-                             "cross_group_send_s": cross_s})
+                             "cross_group_send_s": cross_s, "stage_clock_fraction": fractions,
+                             "clock_energy_saved_j_per_step": saved if powered else None})

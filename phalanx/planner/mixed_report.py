@@ -63,8 +63,20 @@ def explain(mixed: MixedCluster, best: MixedPlan) -> list[str]:
         lines.append(f"  speed per device at the equal share (sequences/s): {speeds}")
         lines.append(f"  sequences per device: {shares} ({d['chosen']} shares; priced: {priced}); "
                      f"the gradient all-reduce over every group {d['dp_comm_s']:.3g} s at the slowest link")
+        if any(r < 1 for r in d["clock_fraction_by_group"]):
+            saved = d["clock_energy_saved_j_per_step"]
+            lines.append("  ranks that finish their share early can compute at lower clocks at no cost in step time "
+                         "(planner/clocks.py): clock fraction by group "
+                         + ", ".join(f"{g.name} {r:.2f}" for g, r in zip(mixed.groups, d["clock_fraction_by_group"]))
+                         + (f", {saved:.4g} J saved per step" if saved is not None else ""))
     else:
         lines.append(f"  {best_line(mixed, best)} (even split {d['even_split']})")
+        if any(r < 1 for r in d["stage_clock_fraction"]):
+            saved = d["clock_energy_saved_j_per_step"]
+            lines.append("  stages lighter than the slowest can compute at lower clocks at no cost in step time "
+                         "(planner/clocks.py): clock fraction by stage "
+                         + ", ".join(f"{r:.2f}" for r in d["stage_clock_fraction"])
+                         + (f", {saved:.4g} J saved per step" if saved is not None else ""))
     return lines
 
 

@@ -36,14 +36,16 @@ def evaluate_mixed_plan(model: ModelConfig, mixed: MixedCluster, seq: int, globa
     if plan.world_size != mixed.devices:
         raise UserError(f"--plan {plan} covers {plan.world_size} devices; the mixed cluster {mixed.name!r} has "
                         f"{mixed.devices} ({mixed.describe()})")
-    if plan.pp == 1 and plan.tp == plan.cp == 1 and plan.zero == 0:
+    whole_ranks = all(g.devices % plan.tp == 0 for g in mixed.groups)
+    if plan.pp == 1 and plan.cp == 1 and plan.zero == 0 and whole_ranks:
         if not plan.shares:  # equal shares, as a homogeneous plan gives them
             plan = plan.replace(shares=":".join(map(str, equal_shares(global_batch, plan.dp))))
         return priced_shares(model, mixed, seq, global_batch, plan, options_for)
     stage_group = stage_groups(mixed, plan.dp * plan.tp) if plan.pp > 1 and plan.cp == 1 and plan.virtual == 1 else None
     if stage_group is None or len(stage_group) != plan.pp or plan.shares:
         raise UserError(f"--plan {plan}: on a mixed cluster `phalanx simulate` prices plain data parallelism "
-                        "(dp=N[,microbatches=M][,shares=a:b:...]) or a pipeline whose every group holds whole "
+                        "(dp=N[,tp=T][,microbatches=M][,shares=a:b:...], each group holding whole dp ranks) or a pipeline "
+                        "whose every group holds whole "
                         "stages of dp x tp devices (pp=P,dp=D[,tp=T][,split=...], one stage per pp rank)")
     if plan.split:
         parse_split(plan.split, plan.pp, model.n_layers)

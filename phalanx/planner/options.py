@@ -71,6 +71,13 @@ class Options:
     peak_memory.py): no dropout masks, the norms' and flash attention's small fp32 row
     statistics; torch DDP's reducer buckets, a second copy of the gradients
     (`gradient_as_bucket_view=False`)."""
+    pp_partitioned_sends: bool = False
+    """Each tp rank sends only its 1/tp of a stage boundary's activation (and of its gradient)
+    and the next stage all-gathers it inside its node: DeepSpeed's PipelineEngine with
+    `pipe_partitioned` (its default under model parallelism, PartitionedTensor) and Megatron's
+    scatter_gather_tensors_in_pipeline. The all-gather runs on the fast links and is not
+    charged. False: every tp rank sends the whole activation (the phalanx trainer), unless
+    sequence parallelism already shards it."""
     cp_overlap: bool = False
     """Context parallelism passes key/value blocks around a ring while attention runs on the
     blocks at hand (Megatron-Core's, torchtitan's, the phalanx trainer's cp_ring=true, which the

@@ -14,12 +14,14 @@ if TYPE_CHECKING:
 
 
 def plan_record(est: Estimate, band: float = 0.0, *, cluster: Cluster | None = None,
-                price: float | None = None) -> dict:
+                price: float | None = None, objective: Objective | None = None) -> dict:
     """One plan as JSON: scripts depend on these names. `band`: the step time's error band
     (a fraction, from validation.step_time_band). With the `cluster`, its energy (null where the
-    cluster gives no power); with a `price` per GPU hour, its cost per million tokens (else null)."""
+    cluster gives no power); with a `price` per GPU hour, its cost per million tokens (else null);
+    ranked by energy under --max-slowdown, its lowered clock, step and energy (else null)."""
     lay = est.layout
     energy = energy_per_step_j(est, cluster) if cluster is not None else None
+    lowered = objective.clocked(est) if objective is not None else None
     return {
         "dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "mbs": lay.mbs,
         "microbatches": lay.microbatches, "schedule": lay.schedule, "virtual": lay.virtual,
@@ -34,6 +36,9 @@ def plan_record(est: Estimate, band: float = 0.0, *, cluster: Cluster | None = N
         "energy_j_per_step": energy,
         "energy_j_per_token": energy / est.tokens if energy is not None else None,
         "cost_usd_per_mtok": cost_usd_per_mtok(est, price) if price else None,
+        "clock_fraction": lowered.fraction if lowered else None,
+        "clocked_step_time_s": lowered.step_time_s if lowered else None,
+        "clocked_energy_j_per_step": lowered.energy_j if lowered else None,
     }
 
 
@@ -124,6 +129,14 @@ def _explain_objective(result: SearchResult, objective: Objective) -> list[str]:
              if objective.max_slowdown is not None else "")
     lines = [f"ranked by {objective.kind}{bound}: #1 takes {per(best):.4g} {unit}, busy "
              f"{busy_seconds(best) / best.step_time_s:.0%} of its {best.step_time_s:.4g} s step"]
+    if (lowered := objective.clocked(best)) is not None:
+        lines.append(f"clocks lowered into the slowdown bound (planner/clocks.py, power as the clock cubed): #1 "
+                     f"computes at {lowered.fraction:.0%} of its maximum clock, its step {lowered.step_time_s:.4g} s, "
+                     f"{lowered.saved:.1%} less energy than at full clock"
+                     + (" (the base clock: no lower)" if lowered.fraction == objective.cluster.min_clock_fraction
+                        else "")
+                     + ("" if objective.cluster.min_clock_fraction else
+                        f" ({objective.cluster.name} has no min_clock_fraction: clocks stay at their maximum)"))
     if fastest is best or fastest.layout == best.layout:
         lines.append("#1 is also the fastest plan")
     else:

@@ -5,7 +5,9 @@ A preset's predictions are checked against published runs on such clusters
 machine (benchmarks/planner_local.py). Each benchmark writes its median |error| into
 validation.json (`--record`) beside the source it came from (for presets, the hold-out half of
 the published rows: runs no modelling decision looked at); the plan table shows it as the
-step time's band (`12.4 s ±7%`) and the JSON as `step_time_band`, a fraction.
+step time's band (`12.4 s ±7%`) and the JSON as `step_time_band`, a fraction. The mixed-cluster
+planner's check against published runs on mixed GPUs (benchmarks/planner_published_mixed.py)
+is recorded beside them under "mixed".
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def record(kind: str, median: float, rows: int, source: str | None = None) -> No
     """Write a benchmark's median into validation.json, with the line saying where it comes from
     (kept when not given)."""
     data = figures()
-    data[kind].update(median_abs_error=round(median, 4), rows=rows)
+    data.setdefault(kind, {}).update(median_abs_error=round(median, 4), rows=rows)
     if source:
         data[kind]["source"] = source
     FILE.write_text(json.dumps(data, indent=2) + "\n")

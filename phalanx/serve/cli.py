@@ -124,19 +124,19 @@ def _run(args) -> int:
 
 def _launch(job: ServeJob) -> int:
     """`--nproc N`: N local workers, started again after one dies, by the one launcher of every
-    command and its restart policy (phalanx/worker_launch.py, phalanx/restart_policy.py).
+    command and its restart policy (phalanx/launch/worker_launch.py, phalanx/launch/restart_policy.py).
 
     A rank that dies (SIGKILL, a crash, a collective past `--collective-timeout`) breaks the
-    group: rank 0 answers every request 503 and exits (`rank_loop.py`), the agent stops the
+    group: rank 0 answers every request 503 and exits (`launch/rank_loop.py`), the agent stops the
     others, and all ranks start again on the same port (a `--port 0` is resolved to a free port
     once, before the first start, so that clients find the restarted server where the first
     one was). SIGTERM to this process reaches every rank (rank 0 drains, the others wait for
     it) and ends with 0, Ctrl-C with 130; with no restarts left, 1 and one line saying why."""
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.ports import free_port
-    from phalanx.restart_policy import STOP_STATUS
+    from phalanx.launch.restart_policy import STOP_STATUS
     from phalanx.worker_group import check_nproc
-    from phalanx.worker_launch import launch_workers
+    from phalanx.launch.worker_launch import launch_workers
 
     check_nproc(job.nproc, job.device)
     if job.port == 0 and job.max_restarts:
@@ -169,7 +169,7 @@ def _rank_main(job: ServeJob) -> int:
     parallel = dist.is_initialized() and dist.get_world_size() > 1
     if parallel and dist.get_rank() != 0:
         # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
-        from phalanx.serve.rank_loop import follow
+        from phalanx.launch.rank_loop import follow
 
         return follow(build_engine(job, source).runner)
     codec = text_codec(source.tokenizer_dir, job.tokenizer or source.tokenizer)
@@ -177,7 +177,7 @@ def _rank_main(job: ServeJob) -> int:
     # Imported when run, not at the top: it brings in prometheus_client, starlette, torch, uvicorn, which start-up need not wait for.
     from phalanx.serve.chat_template import ChatTemplate
     from phalanx.serve.metrics import ServeMetrics
-    from phalanx.serve.rank_loop import RankChannel, heartbeat_interval
+    from phalanx.launch.rank_loop import RankChannel, heartbeat_interval
     from phalanx.serve.server import serve
     from phalanx.worker_group import say_threads
 

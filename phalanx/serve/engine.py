@@ -7,7 +7,7 @@ turns it into at most two forwards and the changes to the block tables every ran
 (`block_tables.py`); the model runner (`model_runner.py`) runs them on this rank's model and
 paged cache; the step sampler (`step_sampler.py`) draws the tokens and closes the step.
 Under a parallel layout rank 0 sends each step's message to the other ranks first
-(`rank_loop.RankChannel`), whose runners run the same forwards (`rank_loop.follow`).
+(`launch/rank_loop.RankChannel`), whose runners run the same forwards (`launch/rank_loop.follow`).
 Attention data parallelism composes the same parts per dp rank (`dp_engine.py`).
 """
 
@@ -30,7 +30,7 @@ class Engine:
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None,
                  expert_ranks: int = 1):
         """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests).
-        `channel`: rank 0's `rank_loop.RankChannel` under a parallel layout (the other ranks
+        `channel`: rank 0's `launch.rank_loop.RankChannel` under a parallel layout (the other ranks
         run the same forwards). `expert_ranks`: the ep degree (the ranks expert loads are
         counted over)."""
         self.scheduler, self.channel = scheduler, channel

@@ -8,7 +8,7 @@ detokenized here (`detokenize.py`), so that a stop string ends the sequence at o
 
 Failures: a request whose sampling fails (`step_sampler.TokenEvent.error`) fails alone. A step that
 raises in one process fails the sequences of that step only, and the server goes on. Over
-several ranks a failed step means the ranks are out of step for good (`rank_loop.py`): every
+several ranks a failed step means the ranks are out of step for good (`launch/rank_loop.py`, its `GroupHealth`): every
 request fails with a clear 503, `failed` says why (/health answers 503), and `on_fatal` tells
 the server to exit non-zero so that the launcher restarts the ranks.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from phalanx.serve.detokenize import IncrementalText
-from phalanx.serve.rank_loop import first_line
+from phalanx.launch.rank_loop import GroupHealth, first_line
 from phalanx.scheduling.scheduler import QueueFull, Scheduler, Sequence
 from phalanx.scheduling.slo_policy import QueueShape
 
@@ -85,8 +85,8 @@ class EngineLoop:
         multi-rank server lost each other (module docstring)."""
         self.build, self.max_waiting, self.metrics, self.on_load_error = build, max_waiting, metrics, on_load_error
         self.on_fatal = on_fatal
-        self.failed: str | None = None
-        """Why this server can no longer serve (a rank died); None while it can."""
+        self.health = GroupHealth()
+        """Whether this server's ranks are still in step (launch/rank_loop.py)."""
         self.scheduler: Scheduler | None = None
         self.ready = threading.Event()
         self.accepting = True
@@ -99,6 +99,11 @@ class EngineLoop:
         self._queue = QueueShape(0, 0)
         """What a new request queues behind, as of the last step (for SLO admission)."""
         self.thread = threading.Thread(target=self._run, name="phalanx-engine", daemon=True)
+
+    @property
+    def failed(self) -> str | None:
+        """Why this server can no longer serve (a rank died); None while it can."""
+        return self.health.failed
 
     def start(self) -> None:
         self.thread.start()
@@ -197,9 +202,7 @@ class EngineLoop:
     def _fail(self, error: BaseException) -> None:
         """A multi-rank server whose ranks lost each other: every request ends with a clear
         error, new ones are refused, and the server is told to exit (non-zero)."""
-        why = first_line(error)
-        self.failed = (f"a rank of this server failed ({why}); the server is restarting its ranks "
-                       "(or exits, with no restarts left): retry shortly")
+        why = self.health.lost(error)
         with self._wake:
             incoming, self._incoming = self._incoming, []
         for handle in incoming:

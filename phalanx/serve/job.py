@@ -18,7 +18,7 @@ from phalanx.scheduling.serving_bounds import check_counts
 from phalanx.scheduling.slo_policy import SloPolicy, SloTargets
 from phalanx.scheduling.speculation import SpeculativeConfig
 from phalanx.serve.chat_template import ChatTemplate
-from phalanx.restart_policy import max_restarts
+from phalanx.launch.restart_policy import max_restarts
 from phalanx.threads import check_requested
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20

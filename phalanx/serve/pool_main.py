@@ -18,7 +18,7 @@ from phalanx.inference.model_source import is_run_dir, resolve_model
 from phalanx.model.hf_config import read_model_config
 from phalanx.plan import plan_from_string
 from phalanx.plan_model_checks import validate_tp
-from phalanx.process_count import check_process_count
+from phalanx.process_count import check_process_count, usable_cores
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.serve.job import ServeJob
@@ -63,7 +63,7 @@ def check_pools(args, job: ServeJob):
         raise UserError(f"--pool-move-after must be > 0 seconds, got {args.pool_move_after}")
     specs = [] if auto else parse_pools(args.pool)  # the flags' own spelling first, then the model
     _check_ranks(args.nproc if auto else sum(spec.world * spec.instances for spec in specs), job.device,
-                 "--nproc" if auto else "the pools' ranks")
+                 "--nproc" if auto else "the pools' ranks", auto)
     if auto:
         check_auto(ttft_ms=job.ttft_ms, tpot_ms=job.tpot_ms, ranks=args.nproc)  # before the model is read
     cfg = _model_config(job)
@@ -84,9 +84,12 @@ def check_pools(args, job: ServeJob):
     return specs, check_plan
 
 
-def _check_ranks(ranks: int, device: str, what: str) -> None:
+def _check_ranks(ranks: int, device: str, what: str, auto: bool = False) -> None:
     """Every rank is a process (and a GPU, on GPUs): against this machine's, before the
-    planner or any instance starts."""
+    planner or any instance starts. `--pool auto` divides the machine's own ranks, so on the
+    CPU its --nproc is at most the cores this process may use: every instance it plans loads
+    the model and its KV cache, and ranks beyond the cores would only time-slice them (named
+    pools, a layout the user wrote, keep the general process bound)."""
     check_process_count(ranks, what)
     if device == "cuda" or (device == "auto" and _cuda()):
         # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
@@ -94,6 +97,9 @@ def _check_ranks(ranks: int, device: str, what: str) -> None:
 
         if ranks > torch.cuda.device_count():
             raise UserError(f"{what} {ranks}: this machine has {torch.cuda.device_count()} GPUs")
+    elif auto and ranks > usable_cores():
+        raise UserError(f"{what} {ranks}: --pool auto on the CPU plans at most one rank per core, and this process "
+                        f"may use {usable_cores()} cores")
 
 
 def layout_ok(check_plan):

@@ -5,7 +5,7 @@ uvicorn answers at once (/health says 503) while the engine thread loads the mod
 stop accepting (new requests get 503, the listening socket closes), let running requests
 finish for `--shutdown-grace` seconds, then end those left with an error chunk, and exit 0
 (130 after Ctrl-C, as `phalanx train` does). When the ranks of a multi-rank server lose each
-other (`rank_loop.py`), every request gets a clear 503, /health says so, and the process exits
+other (`launch/rank_loop.py`), every request gets a clear 503, /health says so, and the process exits
 1 at once, for the launcher to restart the ranks.
 """
 

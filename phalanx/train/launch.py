@@ -5,7 +5,7 @@
 - `--nproc N` starts N local workers through PyTorch's elastic launcher (the machinery of
   `torchrun`), rendezvous on 127.0.0.1 unless `--rdzv-endpoint` says otherwise, and starts
   them again after a failure (`--max-restarts`), both by the one launcher of every command
-  (phalanx/worker_launch.py) and its restart policy (phalanx/restart_policy.py).
+  (phalanx/launch/worker_launch.py) and its restart policy (phalanx/launch/restart_policy.py).
 - SIGTERM and SIGINT stop every worker after the same step, with a checkpoint
   (phalanx/train/stop_signal.py); `report_stop` says how to continue.
 """
@@ -31,7 +31,7 @@ from phalanx.hf.weights import initial_weights
 from phalanx.model.by_name import model_config
 from phalanx.model.init import build_model
 from phalanx.plan import parse_plan
-from phalanx.restart_policy import max_restarts
+from phalanx.launch.restart_policy import max_restarts
 from phalanx.train.config import TrainConfig
 from phalanx.train.injected_faults import InjectedFaults  # test hooks, read once here
 from phalanx.train.job import Job, check_sequence_length, resolve_job
@@ -41,7 +41,7 @@ from phalanx.train.restarts import leave_user_error, resume_mode
 from phalanx.train.resume_point import gpu_name, saved_checkpoint
 from phalanx.train.stop_signal import GRACE_S, STOP_STATUS, StopSignals
 from phalanx.worker_group import check_nproc, run_in_group, usable_cores
-from phalanx.worker_launch import launch_workers
+from phalanx.launch.worker_launch import launch_workers
 
 TEARDOWN_WAIT_S = 1.0
 """How long a worker that raised waits for the agent's SIGTERM before reporting its own error
@@ -121,7 +121,7 @@ def worker_main(cfg_fields: dict, run_dir: str, on_user_error=None, job: Job | N
 
 
 def node_worker(cfg_fields: dict, job: Job | None, run_dir: str) -> int:
-    """Every worker the launcher starts (phalanx/worker_launch.py runs it): `worker_main`, with
+    """Every worker the launcher starts (phalanx/launch/worker_launch.py runs it): `worker_main`, with
     the run directory's lock held by rank 0 across machines (there no launcher holds it: each
     would refuse the others')."""
     across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
@@ -135,7 +135,7 @@ def node_worker(cfg_fields: dict, job: Job | None, run_dir: str) -> int:
 
 def launch_with_restarts(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoint: str, restarts: int,
                          job_for=lambda cfg: None, *, group: int | None = None) -> int:
-    """The workers under the one restart policy (phalanx/restart_policy.py): each restart goes
+    """The workers under the one restart policy (phalanx/launch/restart_policy.py): each restart goes
     on from the newest checkpoint (`--resume auto`, its job worked out again by `job_for`), or,
     for a replica `group` (phalanx/train/replica_groups.py), from its peers' live state, which
     it receives at its first quorum. Across machines every launcher names the same run (each

@@ -3,8 +3,8 @@ launcher of its own, so that a failed worker stops and restarts only its group.
 
 This process starts torchft's lighthouse (unless `--lighthouse` names one), then forks one
 launcher per group. Each runs, for its own workers and with `PHALANX_REPLICA_GROUP` set, the
-one launcher and restart policy of every command (phalanx/worker_launch.py,
-phalanx/restart_policy.py: one elastic launch per attempt, the same lines, here prefixed with
+one launcher and restart policy of every command (phalanx/launch/worker_launch.py,
+phalanx/launch/restart_policy.py: one elastic launch per attempt, the same lines, here prefixed with
 the group), as `phalanx train`'s `launch_with_restarts` calls them;
 the workers meet the other groups through the lighthouse (`parallel/fault_tolerance.py`). A
 restarted group receives at its first quorum the live state of a group that is ahead; only

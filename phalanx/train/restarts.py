@@ -1,7 +1,7 @@
 """What a worker needs to know about restarts (torch-free: the CLI reads it before torch).
 
 A worker is a restart when the built-in launcher says so (`RESTART_ENV`, with the reason in
-`REASON_ENV`; launcher side: the one restart policy, phalanx/restart_policy.py) or when a user's own
+`REASON_ENV`; launcher side: the one restart policy, phalanx/launch/restart_policy.py) or when a user's own
 `torchrun --max-restarts` restarted it (`TORCHELASTIC_RESTART_COUNT` > 0). A restart resumes
 from the newest complete checkpoint when there is one, else starts fresh (`--resume auto`),
 and rank 0 writes an event row to metrics.jsonl.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from phalanx.restart_policy import REASON_ENV, RESTART_ENV, restart_count, restart_reason  # noqa: F401 (the workers' names)
+from phalanx.launch.restart_policy import REASON_ENV, RESTART_ENV, restart_count, restart_reason  # noqa: F401 (the workers' names)
 
 USER_ERROR_FILE = "user_error.txt"
 FAULT_ENV = "PHALANX_TEST_FAULT"

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from phalanx.restart_policy import STOP_STATUS  # noqa: F401 (exit status of a worker stopped by each signal)
+from phalanx.launch.restart_policy import STOP_STATUS  # noqa: F401 (exit status of a worker stopped by each signal)
 
 GRACE_S = 120
 """Seconds the built-in launcher's agent waits for stopped workers to finish a step and save."""

@@ -48,6 +48,12 @@ class ServeCosts:
     time a memory-bound GEMM takes beyond its bytes at the cluster's streaming bandwidth, its
     pipeline's fill and drain (`GPU_KERNEL_FILL_S`); 0 on this CPU, where calibration's
     per-layer cost holds it."""
+    host_sequence_s: float = 0.0
+    """Per sequence per step, host work an overlapping engine runs beside the GPU's step
+    (sampling's bookkeeping, each request's token appended in Python): TensorRT-LLM's overlap
+    scheduler and SGLang's zero-overhead scheduler prepare step n + 1 while the GPU runs step n,
+    so a step lasts the longer of the GPU's work and this times its sequences (times the
+    cluster's `host_cpu_slowdown`), not their sum (`TORCH_SAMPLER_HOST_S`)."""
     request_s: float = 0.0
     """Per request, on its way to the first token beyond the steps: HTTP parsing, tokenizing,
     the engine thread taking it in, the first streamed chunk back (measured through the server)."""
@@ -114,11 +120,27 @@ def kernel_fill_seconds() -> list[float]:
 GPU_KERNEL_FILL_S = statistics.median(kernel_fill_seconds())
 """A GEMM's fill and drain on a GPU: the median of `kernel_fill_seconds()` (3.5 us)."""
 
-GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S)
-"""TensorRT-LLM / SGLang on a GPU: no framework time beyond the GPU's (CUDA graphs; the host's
-work overlapped with the GPU's step, module docstring), and each GEMM's fill and drain as
-DeepGEMM's published decode-size GEMMs show it. Issue 23 charged 2 ms of host work per step
-instead, a figure set on the visible published rows, not measured: issue 39 took it out."""
+TORCH_SAMPLER_HOST_S = 11.3e-3 / 1000
+"""Host seconds per sequence per step of TensorRT-LLM's PyTorch-backend sampler (TorchSampler),
+as its maintainers measured it: NVIDIA/TensorRT-LLM pull request 11983 (2026-03) gives "sampling
+related host overhead" of 11.3 ms per step at a batch of 1,000 (Llama-3.2-1B on an L40S's x86
+host, 13.8 ms before that change; the C++ TRTLLMSampler 5.9 ms). Only the sampler's share of
+the executor's per-request Python (scheduling, input preparation and response handling are
+not in it), and measured on a later, already faster sampler than v1.0's (pull requests 7908
+and 11141 sped it up in between): a floor of the host's time per sequence, not a fit."""
+
+GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S, host_sequence_s=TORCH_SAMPLER_HOST_S)
+"""A Python-driven engine on a GPU (TensorRT-LLM's PyTorch backend, SGLang, vLLM): no framework
+time beyond the GPU's while the GPU's step is the longer (CUDA graphs; the host's work
+overlapped with the GPU's step, module docstring), each GEMM's fill and drain as DeepGEMM's
+published decode-size GEMMs show it, and a step never shorter than its sequences' host work
+(`TORCH_SAMPLER_HOST_S`, TensorRT-LLM's, the one engine whose figure was found). Issue 23
+charged 2 ms of host work per step instead, a figure set on the visible published rows, not
+measured: issue 39 took it out."""
+
+GPU_CPP_EXECUTOR = ServeCosts(gemm_s=GPU_KERNEL_FILL_S)
+"""TensorRT-LLM's TensorRT engines under its C++ executor (v0.17 and before): no Python per
+request; its host time per sequence is not published, so none is charged."""
 
 CPU_GUESS = ServeCosts(step_s=2e-3, layer_s=3e-4, sequence_s=2e-4, sequence_layer_s=1e-4, split_forwards=True)
 """`phalanx serve` on a CPU before `phalanx calibrate --serve` has measured it: rough."""

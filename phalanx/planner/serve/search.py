@@ -21,7 +21,7 @@ from phalanx.layout_rules import divisors
 from phalanx.plan import key_values
 from phalanx.model.config import ModelConfig
 from phalanx.planner.hardware import Cluster
-from phalanx.planner.serve.costs import serve_costs_for
+from phalanx.planner.serve.costs import ServeCosts, serve_costs_for
 from phalanx.planner.serve.expert_load import ExpertLoad, expected_imbalance, slot_choices
 from phalanx.planner.serve.memory import VLLM_POOL, PoolRule, RankMemory, max_batch_for, rank_memory
 from phalanx.planner.serve.rates import Rates, ServeLoad, Setting, colocated, phase_only
@@ -186,10 +186,11 @@ def _one_slot_each(model: ModelConfig, layout: ServeLayout, load: ServeLoad) -> 
 
 def search_serving(model: ModelConfig, cluster: Cluster, load: ServeLoad, *, gpus: int, fixed: dict[str, int],
                    weight_dtype: str = "bf16", kv_dtype: str = "bf16", keep: int = 10,
-                   pool: PoolRule = VLLM_POOL) -> ServeSearchResult:
+                   pool: PoolRule = VLLM_POOL, costs: ServeCosts | None = None) -> ServeSearchResult:
+    """`costs`: the engine's framework costs (default: what `serve_costs_for` gives the cluster)."""
     start = time.perf_counter()
     result = ServeSearchResult()
-    costs = serve_costs_for(cluster)
+    costs = costs or serve_costs_for(cluster)
     check_fixed_slots(model, fixed)
     budgets = (fixed["max_batch_tokens"],) if "max_batch_tokens" in fixed else BUDGETS
     if load.phase == "decode" and "max_batch_tokens" not in fixed:

@@ -205,8 +205,9 @@ def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, deco
     forward one step in five, not a fifth-size forward every step)."""
     costs = costs or serve_costs_for(cluster)
     if not (costs.split_forwards and decodes > 0 and prefill_tokens > 0):
-        return _forward_time(model, cluster, layout, decodes=decodes, context=context, prefill_tokens=prefill_tokens,
-                             prefill_context=prefill_context, world=world, costs=costs)
+        return _host_bound(_forward_time(model, cluster, layout, decodes=decodes, context=context,
+                                         prefill_tokens=prefill_tokens, prefill_context=prefill_context, world=world,
+                                         costs=costs), cluster, costs, decodes + (1 if prefill_tokens else 0))
     per_forward = dataclasses.replace(costs, step_s=0.0)
     d_share, p_share = (min(max(x, 1e-9), 1.0) for x in shares)
     dec = _forward_time(model, cluster, layout, decodes=decodes / d_share, context=context, world=world,
@@ -215,7 +216,15 @@ def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, deco
                         prefill_context=prefill_context, world=world, costs=per_forward)
     parts = {k: d_share * dec.breakdown[k] + p_share * pre.breakdown[k] for k in dec.breakdown}
     parts["framework"] += costs.step_s
-    return StepTime(parts)
+    return _host_bound(StepTime(parts), cluster, costs, decodes + p_share)
+
+
+def _host_bound(step: StepTime, cluster: Cluster, costs: ServeCosts, sequences: float) -> StepTime:
+    """The step under an engine that overlaps its host work with the GPU's
+    (`ServeCosts.host_sequence_s`): the longer of the two; what the host adds beyond the GPU's
+    step is its own cause, `host`."""
+    host = costs.host_sequence_s * cluster.host_cpu_slowdown * sequences
+    return StepTime({**step.breakdown, "host": max(0.0, host - step.seconds)})
 
 
 def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, decodes: float, context: float,

@@ -3,7 +3,7 @@
 `phalanx generate --nproc N` (which has no restarts: the same lines, none left).
 
 A launch is a loop of attempts, each one elastic launch of all the workers
-(phalanx/worker_launch.py), rather than the elastic agent's own `max_restarts`: the agent
+(phalanx/launch/worker_launch.py), rather than the elastic agent's own `max_restarts`: the agent
 restarts every failure, a user error (exit status 2) too, and keeps the failure to itself, so
 the workers could not be told why they were restarted, nor the user get one clean line. Here
 each attempt ends with (status, failure):
@@ -37,7 +37,7 @@ would be left to restart it)."""
 STOP_STATUS = {signal.SIGTERM: 143, signal.SIGINT: 130}
 """A worker's exit status after a stop by this signal (the shell's 128 + signal number)."""
 
-CONDITIONS = ("CollectiveTimeout:", "RankGroupFailed:")
+CONDITIONS = ("CollectiveTimeout:",)
 """Worker exceptions that describe the cluster's state, not a fault in the code: their one
 line says all (no traceback)."""
 

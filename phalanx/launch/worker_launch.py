@@ -4,7 +4,7 @@ A command gives its worker's main function (module-level, so that a forkserver's
 worker can find it by name) and the plain data it runs (the job the launcher worked out);
 `launch_workers` starts `nproc` local workers through PyTorch's elastic launcher
 (phalanx/worker_group.py's `start_elastic`), each running `elastic_entry`, and starts them all
-again after a failure under the one restart policy (phalanx/restart_policy.py). What each
+again after a failure under the one restart policy (phalanx/launch/restart_policy.py). What each
 command adds is only what is its own: where a restart of training resumes from, the server's
 port kept across restarts.
 
@@ -23,7 +23,7 @@ from typing import Callable
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from phalanx.restart_policy import CONDITIONS, STOP_STATUS, Failure, run_attempts
+from phalanx.launch.restart_policy import CONDITIONS, STOP_STATUS, Failure, run_attempts
 from phalanx.worker_group import start_elastic, warm_forkserver
 
 

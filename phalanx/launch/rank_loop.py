@@ -1,7 +1,8 @@
 """Serving over several ranks (`--nproc N --plan tp=N`): rank 0 runs HTTP and the scheduler,
 and before every step sends the other ranks its plain-data description
-(`input_batch.StepMessage`: the changes to the block tables every rank keeps, then per forward
-the token ids, positions and which logits are read), so every rank runs the same forward, collectives included, on its own slice of the weights and its own kv heads.
+(`serve/input_batch.StepMessage`: the changes to the block tables every rank keeps, then per
+forward the token ids, positions and which logits are read), so every rank runs the same
+forward, collectives included, on its own slice of the weights and its own kv heads.
 Sampling happens on rank 0 only (every rank holds the gathered logits anyway).
 Under attention data parallelism (`--plan dp=N,ep=N`) the message holds each dp rank's own
 forwards instead, and the logits come back to rank 0 (`dp_engine.py`).
@@ -13,10 +14,11 @@ Staying up while idle, and noticing a dead rank:
   reaches the timeout however long the server idles, and a rank that died is noticed at the
   next heartbeat, within a second, not at the next request.
 - A collective with a dead rank fails at once on gloo ("Connection closed by peer"), or at the
-  timeout where the rank hangs instead. Either is `RankGroupFailed` on rank 0: the ranks are
-  out of step for good, so rank 0 fails every request with a clear error, /health says 503,
+  timeout where the rank hangs instead. On rank 0 either ends its step or heartbeat with an
+  error (serve/engine_loop.py): the ranks are out of step for good, so rank 0 fails every
+  request with a clear error, /health says 503,
   and the process exits non-zero for the launcher to restart the ranks (`serve/cli.py`'s
-  `_launch`: the one launcher and restart policy, phalanx/worker_launch.py).
+  `_launch`: the one launcher and restart policy, phalanx/launch/worker_launch.py).
   A rank other than 0 that loses rank 0 says so in one line and exits non-zero.
 
 The other ranks ignore SIGTERM and SIGINT (the launcher forwards them to every worker): they
@@ -46,8 +48,20 @@ HEARTBEAT_MAX_S = 1.0
 idle (one small broadcast a second costs nothing next to a step)."""
 
 
-class RankGroupFailed(RuntimeError):
-    """A collective with the other ranks failed: one died, or hung past the timeout."""
+class GroupHealth:
+    """Rank 0's view of its rank group, which /health and every route read: `failed` is None
+    while the ranks are in step, else why this server can no longer serve."""
+
+    def __init__(self):
+        self.failed: str | None = None
+
+    def lost(self, error: BaseException) -> str:
+        """A step or heartbeat with the other ranks failed: the ranks are out of step for good.
+        Marks the group failed and returns the error in one line."""
+        why = first_line(error)
+        self.failed = (f"a rank of this server failed ({why}); the server is restarting its ranks "
+                       "(or exits, with no restarts left): retry shortly")
+        return why
 
 
 def heartbeat_interval(collective_timeout_s: float) -> float:

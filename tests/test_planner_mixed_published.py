@@ -1,0 +1,74 @@
+"""The mixed-cluster planner's published validation (benchmarks/planner_published_mixed.py) and
+the pipeline-send option it needed.
+
+`pp_partitioned_sends` (DeepSpeed's pipe_partitioned, Megatron's scatter-gather): each tp rank
+sends 1/tp of the boundary, so the pipeline sends' time, pure bandwidth on a zero-latency link,
+falls by exactly tp; nothing else in the step moves."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from phalanx.plan import Plan
+from phalanx.planner.cost import evaluate
+from phalanx.planner.hardware import PRESETS
+from phalanx.planner.layout import Layout, Workload
+from phalanx.planner.mixed_cluster import mixed_cluster_from_dict
+from phalanx.planner.mixed_search import evaluate_mixed_plan
+from phalanx.planner.options import Options
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("planner_published_mixed", ROOT / "benchmarks/planner_published_mixed.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_partitioned_sends_divide_pipeline_traffic_by_tp():
+    model = _bench().opt_350m()
+    cluster = dataclasses.replace(PRESETS["dgx-a100"], fast_domain=4, devices_per_node=4, inter_latency_us=0.0,
+                                  intra_latency_us=0.0)
+    layout = Layout(Plan(tp=4, pp=2, microbatches=8), mbs=2)
+    work = Workload(global_batch=16, seq_len=2048)
+    whole = evaluate(model, cluster, work, layout, Options())
+    split = evaluate(model, cluster, work, layout, Options(pp_partitioned_sends=True))
+    assert math.isclose(split.breakdown["pp_comm"] * 4, whole.breakdown["pp_comm"], rel_tol=1e-9)
+    assert whole.breakdown["pp_comm"] > 0
+    assert split.breakdown["compute"] == whole.breakdown["compute"]
+
+
+def test_split_rule_and_representable_rows():
+    bench = _bench()
+    halves = bench.split_halves(bench.ROWS)
+    # Alternating down the order the rows became representable: no row changed half once seen.
+    assert halves == {"N2_D1": "visible", "N3_D1": "hold-out", "N4_D1": "visible", "N2_D2": "hold-out",
+                      "N4_D4": "visible", "N6_D6": "hold-out"}
+    assert bench.transformer_split((5, 7, 7, 7)) == "4:7:7:6"  # embedding and head are Sailor's layers too
+    for row in bench.ROWS:
+        if not bench.representable(row):
+            assert 0 < bench.evaluate(row) < 1e4
+
+
+def test_dp_with_tp_over_two_equal_groups_prices_as_the_homogeneous_model():
+    """`dp=8,tp=2` over two groups of one dgx-h100 node each, the link between them the nodes'
+    own: the same cluster split in two, so the mixed pricing (each dp rank of 2 devices inside
+    a group, the all-reduce at the slowest link) must give the homogeneous model's step."""
+    model = _bench().opt_350m()
+    h100 = PRESETS["dgx-h100"]
+    mixed = mixed_cluster_from_dict({"groups": [{"preset": "dgx-h100", "nodes": 1}, {"preset": "dgx-h100", "nodes": 1}]},
+                                    source="two.toml")
+    plan = Plan(dp=8, tp=2, microbatches=2)
+    priced = evaluate_mixed_plan(model, mixed, 2048, 64, plan, lambda c: Options())
+    homogeneous = evaluate(model, h100, Workload(global_batch=64, seq_len=2048), Layout(plan, mbs=4), Options())
+    assert priced.step_time_s == pytest.approx(homogeneous.step_time_s, rel=1e-9)
+    assert priced.plan.shares == "8:8:8:8:8:8:8:8"
