@@ -8,7 +8,10 @@ launcher restarts the group (`--max-restarts`), which resumes from the newest ch
 Printed, per arm and as ratios:
 
 - wall time of the command, and goodput = useful step time / wall, where useful step time is
-  the sum of `step_time_s` over the run's final metrics rows (one per step);
+  the sum of `step_time_s` over the run's final metrics rows (one per step). The goodput ratio
+  of two arms compares the share of their wall time spent in useful steps, not their speed: a
+  slower step counts as useful time too. The replica arms also print useful steps per second
+  against the clean arm's, which does count it;
 - steps replayed (the steps done after the checkpoint a restart resumed from, done twice),
   and what they cost at the clean arm's median step time;
 - time lost per failure = (failure wall - clean wall) / kills, and the time from a kill to the
@@ -81,7 +84,7 @@ def children(pid: int) -> list[int]:
 def workers(pid: int, min_depth: int = 1) -> list[int]:
     """The launcher's worker processes: its descendants without children of their own (a first
     attempt forks them from the launcher; restarts fork them from a forkserver, its child),
-    but multiprocessing's resource tracker and forkserver. `min_depth` 2 with replica groups:
+    but multiprocessing's resource tracker and forkservers. `min_depth` 2 with replica groups:
     the workers are below each group's launcher, and the launcher's own childless child is the
     lighthouse."""
     def cmdline(proc: int) -> bytes:
@@ -100,9 +103,20 @@ def workers(pid: int, min_depth: int = 1) -> list[int]:
             todo += [(child, depth + 1, own) for child in below]
             continue
         server = b"forkserver" in own and b"forkserver" not in parent
+        # A replica group's forkserver forked from its launcher (phalanx/forked_forkserver.py)
+        # carries the launcher's command line; before its first restart it is childless too,
+        # but one thread, where a worker has torch's and gloo's.
+        server = server or threads(proc) == 1
         if own and depth >= min_depth and b"resource_tracker" not in own and not server:
             found.append(proc)
     return sorted(found)
+
+
+def threads(pid: int) -> int:
+    try:
+        return len(list(Path(f"/proc/{pid}/task").iterdir()))
+    except FileNotFoundError:
+        return 0
 
 
 def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int = 1) -> dict:
@@ -184,7 +198,7 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
     steps_rows = [r for r in rows(out) if "loss" in r]
     useful = sum(r["step_time_s"] * len(r["groups"]) / groups for r in steps_rows)
     alone = sum(1 for r in steps_rows if len(r["groups"]) < groups)
-    return {"wall": wall, "useful": useful, "ckpt": sum(r["ckpt_wait_s"] for r in steps_rows), "kills": kills,
+    return {"wall": wall, "useful": useful, "useful_steps": sum(len(r["groups"]) / groups for r in steps_rows), "ckpt": sum(r["ckpt_wait_s"] for r in steps_rows), "kills": kills,
             "steps": len(steps_rows), "short_steps": alone,
             "median_step": statistics.median(r["step_time_s"] for r in steps_rows)}
 
@@ -200,8 +214,15 @@ def report_replicas(clean: dict, arm: dict) -> float:
     print(f"  {len(kills)} kills, {len(backs)} rejoins before the end; no step replayed; kill -> the group's rejoin "
           f"{back:.1f} s (its restart, the quorum and the state received from its peer)")
     ratio = arm["useful"] / arm["wall"] / (clean["useful"] / clean["wall"])
-    print(f"  goodput replica groups with failures / clean = {ratio:.3f}; wall / clean = {arm['wall'] / clean['wall']:.3f}")
+    print(f"  goodput replica groups with failures / clean = {ratio:.3f}; wall / clean = {arm['wall'] / clean['wall']:.3f}; "
+          f"useful steps per second / clean = {steps_per_second(arm) / steps_per_second(clean):.3f}")
     return ratio
+
+
+def steps_per_second(arm: dict) -> float:
+    """Useful steps per second of wall time (a replica step counts the share of groups in it):
+    unlike goodput, a slower step counts against it."""
+    return arm.get("useful_steps", arm["steps"]) / arm["wall"]
 
 
 def report_replica_overhead(clean: dict, quiet: dict, failing: dict) -> None:
@@ -212,7 +233,8 @@ def report_replica_overhead(clean: dict, quiet: dict, failing: dict) -> None:
           f"{goodput['quiet']:.3f}  (median step {quiet['median_step'] * 1e3:.0f} ms against the clean arm's "
           f"{clean['median_step'] * 1e3:.0f} ms)")
     print(f"  goodput replica groups without failures / clean = {goodput['quiet'] / goodput['clean']:.3f} (torchft at every "
-          f"step); with failures / without = {goodput['failing'] / goodput['quiet']:.3f} (the failures)")
+          f"step); with failures / without = {goodput['failing'] / goodput['quiet']:.3f} (the failures); useful steps per "
+          f"second without failures / clean = {steps_per_second(quiet) / steps_per_second(clean):.3f}")
 
 
 def report(args, clean: dict, faulty: dict) -> float:

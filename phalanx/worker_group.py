@@ -20,6 +20,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from phalanx.errors import UserError
+from phalanx.forked_forkserver import fork_forkserver, stop_forked_forkserver
 from phalanx.ports import free_port
 from phalanx.process_count import check_process_count, usable_cores
 from phalanx.threads import choose_for_this_process
@@ -181,16 +182,25 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
 def warm_forkserver(device: str, preload: str) -> None:
     """Start now the forkserver that a restart (`start_elastic(..., fresh=True)`) forks its
     workers from, with `preload` imported, instead of at the restart: its interpreter start and
-    torch import (seconds on busy cores) are then off the restart's path. A forkserver is
-    started by executing a new interpreter (no fork of this process's threads), once per
-    process. Nothing on GPUs, whose workers are spawned."""
+    torch import (seconds on busy cores) are then off the restart's path. Where this process is
+    still one thread, the server is a fork of it, which has all of that imported already
+    (phalanx/forked_forkserver.py); else a new interpreter that imports it (no fork of this
+    process's threads). Once per process; nothing on GPUs, whose workers are spawned. A caller
+    ends it with `stop_warm_forkserver` before it exits."""
     if torch.cuda.is_available() and device != "cpu":
         return
     # Imported when asked for, not at the top: the forkserver's own module, used only here.
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload([preload])
-    forkserver.ensure_running()
+    if not fork_forkserver(preload):
+        forkserver.ensure_running()
+
+
+def stop_warm_forkserver() -> None:
+    """End a forkserver that `warm_forkserver` forked (one started as a new interpreter holds
+    none of this process's files and ends by itself after this process)."""
+    stop_forked_forkserver()
 
 
 class AfterSiblingsForked:

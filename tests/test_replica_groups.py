@@ -30,6 +30,7 @@ from phalanx.parallel.fault_tolerance import DIGEST_ENV  # noqa: E402
 from phalanx.ports import free_port  # noqa: E402
 from phalanx.testing.cli_errors import assert_cli_error  # noqa: E402
 from phalanx.train.collective_watch import STALL_ENV  # noqa: E402
+from phalanx.train.injected_faults import REJOIN_STALL_ENV  # noqa: E402
 from phalanx.train.metrics import parse_lines, read_metrics  # noqa: E402
 from phalanx.train.restarts import FAULT_ENV  # noqa: E402
 
@@ -81,14 +82,18 @@ def test_two_groups_of_two_equal_one_process(tmp_path, capsys):
 
 def test_killed_group_rejoins_from_its_peer(tmp_path):
     """2 groups of one process. Group 1 SIGKILLs itself after step 3; group 0 goes on alone
-    (steps 4 and 5 name only group 0), then stalls before step 6 for long enough that group 1
-    is back (restarted by its launcher) and waiting at the quorum: a quorum cannot form without
+    (steps 4 and 5 name only group 0: restarted, group 1 is held 5 s before its manager starts),
+    then stalls before step 6 for long enough that group 1 is back and waiting at the quorum: a quorum cannot form without
     a group that is still heartbeating, so group 1 joins step 6, receiving group 0's live state.
     No step is missing or repeated; event rows say when group 1 was lost and rejoined; from
     the step it rejoined on, its model and optimizer state equal group 0's bit for bit."""
     run = tmp_path / "run"
     code, err = _launch([*TINY, "--steps", "8", "--ckpt-every", "2", "--nproc", "2", "--replica-groups", "2", "--out", str(run)],
                         **{FAULT_ENV: "1:3:SIGKILL",  # global rank 1: group 1's only rank
+                           # Restarted, group 1 waits 5 s before its torchft manager starts: its restart
+                           # alone (forked from a forkserver with everything imported) can be back within
+                           # the lighthouse's heartbeat timeout, and then no step runs without it.
+                           REJOIN_STALL_ENV: "1:5",
                            STALL_ENV: "0:6:30",  # group 0, before step 6 (a restart took 10-20 s on 2 loaded cores)
                            DIGEST_ENV: "1", "PYTHONPATH": str(Path(__file__).parents[1])})
     assert code == 0, err

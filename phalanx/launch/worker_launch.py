@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from phalanx.launch.restart_policy import CONDITIONS, STOP_STATUS, Failure, run_attempts
-from phalanx.worker_group import start_elastic, warm_forkserver
+from phalanx.worker_group import start_elastic, stop_warm_forkserver, warm_forkserver
 
 
 def elastic_entry(main: Callable[..., int], args: tuple, phalanx_env: dict | None = None) -> None:
@@ -128,4 +128,8 @@ def launch_workers(main: Callable[..., int], args_for: Callable[[int], tuple], n
         return launch_attempt(main, args_for(n), nproc, device, n, rdzv_endpoint=rdzv_endpoint, nodes=nodes,
                               grace_s=grace_s, run_id=run_id, who=who)
 
-    return run_attempts(attempt, restarts, label=label, restarting=restarting, after=after, flag=flag)
+    try:
+        return run_attempts(attempt, restarts, label=label, restarting=restarting, after=after, flag=flag)
+    finally:
+        if warm and restarts:
+            stop_warm_forkserver()

@@ -7,9 +7,12 @@ worker's entry (`launch.worker_main`) reads them once, with `from_env()`:
 
 - `restarts.FAULT_ENV`  `RANK:STEP:SIGNAL`: rank RANK sends itself SIGNAL once STEP steps are done;
 - `collective_watch.STALL_ENV`  `RANK:STEP:SECONDS`: rank RANK sleeps before step STEP (1-based);
-- `bad_steps.NAN_STEPS_ENV`  `S1,S2,...`: those steps' (1-based) loss is made NaN after the backward.
+- `bad_steps.NAN_STEPS_ENV`  `S1,S2,...`: those steps' (1-based) loss is made NaN after the backward;
+- `REJOIN_STALL_ENV`  `RANK:SECONDS`: rank RANK (across replica groups), restarted, sleeps
+  before its group's torchft manager starts (and heartbeats).
 
-Kills and stalls happen on a first attempt only: a restarted worker must not meet them again.
+Kills and stalls happen on a first attempt only: a restarted worker must not meet them again;
+a rejoin stall only on a restart.
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ from phalanx.train.bad_steps import NAN_STEPS_ENV
 from phalanx.train.collective_watch import STALL_ENV
 from phalanx.train.restarts import FAULT_ENV, restart_count
 
+REJOIN_STALL_ENV = "PHALANX_TEST_REJOIN_STALL"
+"""A replica group's restart forks its workers from a forkserver that has everything imported,
+and may be back at the quorum before the lighthouse stops counting the failed workers (its
+heartbeat timeout): then no step runs without it. A test that needs the other groups to step
+alone meanwhile delays the restarted worker with this."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class InjectedFaults:
@@ -34,10 +43,13 @@ class InjectedFaults:
     I/O or a hung kernel."""
     nan_steps: frozenset[int] = frozenset()
     """Steps (1-based) whose loss is made NaN after the backward pass."""
+    rejoin_stall: tuple[int, float] | None = None
+    """(rank, seconds): that rank, restarted, sleeps before its replica group's manager starts."""
 
     @classmethod
     def from_env(cls) -> "InjectedFaults":
-        """The faults the test variables name; a restarted worker gets no kill and no stall."""
+        """The faults the test variables name; a restarted worker gets no kill and no stall but
+        the rejoin stall."""
         kill = stall = None
         if (text := os.environ.get(FAULT_ENV, "")) and not restart_count():
             who, when, name = text.split(":")
@@ -45,8 +57,18 @@ class InjectedFaults:
         if (text := os.environ.get(STALL_ENV, "")) and not restart_count():
             who, when, seconds = text.split(":")
             stall = (int(who), int(when), float(seconds))
+        rejoin = None
+        if (text := os.environ.get(REJOIN_STALL_ENV, "")) and restart_count():
+            who, seconds = text.split(":")
+            rejoin = (int(who), float(seconds))
         nan = frozenset(int(part) for part in os.environ.get(NAN_STEPS_ENV, "").split(",") if part.strip())
-        return cls(kill=kill, stall=stall, nan_steps=nan)
+        return cls(kill=kill, stall=stall, nan_steps=nan, rejoin_stall=rejoin)
+
+    def before_rejoin(self, rank: int) -> None:
+        """Before a replica group's torchft manager starts (`rank`: across replica groups): while
+        none heartbeats, the lighthouse drops the group and the others step without it."""
+        if self.rejoin_stall is not None and self.rejoin_stall[0] == rank:
+            time.sleep(self.rejoin_stall[1])
 
     def before_step(self, rank: int, steps_done: int) -> None:
         """At each step boundary, with the steps done so far (`rank`: across replica groups)."""

@@ -10,6 +10,7 @@ three (setup, steps, end) together.
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from phalanx.hf.weights import initial_weights
 from phalanx.local_device import pick_device
 from phalanx.model.by_name import model_config
 from phalanx.parallel.apply import parallelize
-from phalanx.parallel.fault_tolerance import replica_group
+from phalanx.parallel.fault_tolerance import GROUP_ENV, replica_group
 from phalanx.parallel.float8 import note_float8_device
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.mixed_precision import autocast_for, release_before_step
@@ -260,6 +261,8 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
 
     # Last: from here this group's torchft manager heartbeats, and the other groups' quorums
     # wait for it to ask (a second of TensorBoard's import in between stalled them all).
+    if cfg.replica_groups > 1:  # test hook (injected_faults.REJOIN_STALL_ENV)
+        faults.before_rejoin(int(os.environ[GROUP_ENV]) * world_size + rank)
     run.groups = replica_group(cfg, run.model, run.optimizer, device, rank=rank, world=world_size, step=run.step,
                                run_dir=run_dir, first_attempt=not restart_count())
     # With replica groups, the data-parallel ranks of every group together read the global batch.
