@@ -47,14 +47,14 @@ from phalanx.serve.job import prepare_job
 from phalanx.serve.sampling_params import request_sampling
 from phalanx.worker_group import use_threads
 
-model, concurrency, requests = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
-job = prepare_job(build_parser().parse_args(["serve", "--model", model]))
+model, concurrency, requests, warmup = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+job = prepare_job(build_parser().parse_args(["serve", "--model", model, *sys.argv[5:]]))
 use_threads(job.threads)
 source = resolve_model(job.model, job.step)
 codec = text_codec(source.tokenizer_dir, source.tokenizer)
 engine = build_engine(job, source)
 scheduler = engine.scheduler
-pending = list(enumerate(requests))
+pending = list(enumerate(warmup))  # as the http arm: first calls of every kernel before the clock
 
 def add():
     index, (prompt, out) = pending.pop(0)
@@ -62,17 +62,24 @@ def add():
     seq.payload = IncrementalText(codec.decode)
     scheduler.add(seq)
 
-for _ in range(min(concurrency, len(pending))):
-    add()
+def run():
+    global generated
+    for _ in range(min(concurrency, len(pending))):
+        add()
+    while scheduler.has_work():
+        for event in engine.step():
+            event.seq.payload.add(event.token)
+            generated += 1
+            if event.finish_reason:
+                event.seq.payload.finish()
+                if pending:
+                    add()
+
+generated = 0
+run()
+pending = [(len(warmup) + index, request) for index, request in enumerate(requests)]
 generated, began = 0, time.perf_counter()
-while scheduler.has_work():
-    for event in engine.step():
-        event.seq.payload.add(event.token)
-        generated += 1
-        if event.finish_reason:
-            event.seq.payload.finish()
-            if pending:
-                add()
+run()
 print(generated / (time.perf_counter() - began))
 """
 
@@ -82,8 +89,9 @@ def requests_for(count: int, isl: int, osl: int, seed: int) -> list[tuple[list[i
     return [([rng.randrange(1, VOCAB) for _ in range(isl)], osl) for _ in range(count)]
 
 
-def engine_arm(model: Path, concurrency: int, requests) -> float:
-    done = subprocess.run([sys.executable, "-c", ENGINE_ARM, str(model), str(concurrency), json.dumps(requests)],
+def engine_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> float:
+    done = subprocess.run([sys.executable, "-c", ENGINE_ARM, str(model), str(concurrency), json.dumps(requests),
+                           json.dumps(warmup), *flags],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     if done.returncode != 0:
         sys.exit(f"the engine arm failed:\n{done.stderr[-3000:]}")
@@ -109,10 +117,10 @@ async def _closed_loop(url: str, concurrency: int, requests) -> float:
     return generated / (time.perf_counter() - began)
 
 
-def http_arm(model: Path, concurrency: int, requests, warmup) -> float:
+def http_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> float:
     from tests.serve_server import ServeProcess
 
-    server = ServeProcess(model, "--served-model-name", NAME)
+    server = ServeProcess(model, "--served-model-name", NAME, *flags)
     try:
         asyncio.run(_closed_loop(server.url, concurrency, warmup))
         return asyncio.run(_closed_loop(server.url, concurrency, requests))
@@ -129,11 +137,13 @@ def main() -> None:
     parser.add_argument("--osl", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=0, help="--threads for both arms (0: phalanx's choice)")
     args = parser.parse_args()
+    flags = ["--threads", str(args.threads)] if args.threads else []
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(Path(tmp) / "model", hidden=args.hidden, layers=args.layers)
         print(f"llama hidden {args.hidden} x {args.layers} layers, fp32, {args.isl} prompt / {args.osl} output tokens, "
-              f"greedy, median of {args.rounds} alternated rounds")
+              f"greedy, median of {args.rounds} alternated rounds, threads {args.threads or 'automatic'}")
         print("conc  engine alone tok/s  over HTTP tok/s  http/engine")
         for concurrency in args.concurrency:
             count = max(args.requests, concurrency)
@@ -141,12 +151,12 @@ def main() -> None:
             for round_index in range(args.rounds):
                 requests = requests_for(count, args.isl, args.osl, 1000 * round_index + concurrency)
                 order = ("engine", "http") if round_index % 2 == 0 else ("http", "engine")
+                warmup = requests_for(concurrency, args.isl, 8, 7 + round_index)  # the same for both arms
                 for arm in order:
                     if arm == "engine":
-                        runs[arm].append(engine_arm(model, concurrency, requests))
+                        runs[arm].append(engine_arm(model, concurrency, requests, warmup, flags))
                     else:
-                        warmup = requests_for(concurrency, args.isl, 8, 7 + round_index)
-                        runs[arm].append(http_arm(model, concurrency, requests, warmup))
+                        runs[arm].append(http_arm(model, concurrency, requests, warmup, flags))
             engine, http = statistics.median(runs["engine"]), statistics.median(runs["http"])
             print(f"{concurrency:4d} {engine:19.1f} {http:16.1f} {http / engine:12.2f}", flush=True)
 
