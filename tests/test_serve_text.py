@@ -43,17 +43,22 @@ def test_stop_string_is_held_back_and_cut():
     assert "".join(_pieces(other, list(b"abENx"))) == "abENx" and not other.stopped
 
 
-def test_waiting_queue_is_bounded_and_loading_refuses():
-    """submit: 503 (NotAccepting) until the model is loaded, then QueueFull (429) once
-    `max_waiting` requests wait, before anything reaches the scheduler."""
-    scheduler = Scheduler(num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, max_waiting=8)
+def _loop_over(scheduler: Scheduler, max_waiting: int) -> EngineLoop:
+    """An engine loop whose engine is only `scheduler` (nothing is stepped)."""
 
     class Engine:
         pass
 
     engine = Engine()
     engine.scheduler = scheduler
-    loop = EngineLoop(lambda: engine, max_waiting=2, metrics=None, on_load_error=print)
+    return EngineLoop(lambda: engine, max_waiting=max_waiting, metrics=None, on_load_error=print)
+
+
+def test_waiting_queue_is_bounded_and_loading_refuses():
+    """submit: 503 (NotAccepting) until the model is loaded, then QueueFull (429) once
+    `max_waiting` requests wait, before anything reaches the scheduler."""
+    scheduler = Scheduler(num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, max_waiting=8)
+    loop = _loop_over(scheduler, max_waiting=2)
 
     async def submit_all():
         with pytest.raises(NotAccepting):
@@ -106,13 +111,7 @@ def test_a_queue_filled_between_submit_and_step_is_429_not_503():
     from phalanx.serve.api import _piece_error
 
     scheduler = Scheduler(num_blocks=8, block_size=4, max_num_seqs=1, max_num_batched_tokens=8, max_waiting=1)
-
-    class Engine:
-        pass
-
-    engine = Engine()
-    engine.scheduler = scheduler
-    loop = EngineLoop(lambda: engine, max_waiting=4, metrics=None, on_load_error=print)
+    loop = _loop_over(scheduler, max_waiting=4)
 
     async def race():
         loop.scheduler = scheduler
