@@ -72,3 +72,32 @@ def test_dp_with_tp_over_two_equal_groups_prices_as_the_homogeneous_model():
     homogeneous = evaluate(model, h100, Workload(global_batch=64, seq_len=2048), Layout(plan, mbs=4), Options())
     assert priced.step_time_s == pytest.approx(homogeneous.step_time_s, rel=1e-9)
     assert priced.plan.shares == "8:8:8:8:8:8:8:8"
+
+
+def test_pipeline_over_two_equal_groups_prices_as_the_homogeneous_model():
+    """`pp=2,tp=8` over two groups of one dgx-h100 node each, the link between them the nodes'
+    own, the homogeneous split given: the same cluster split in two, so the mixed pipeline must
+    give the homogeneous model's step. The sends that cross groups are counted once (at the
+    between-groups link), not again at the group's own links."""
+    model = _bench().opt_350m()
+    h100 = PRESETS["dgx-h100"]
+    mixed = mixed_cluster_from_dict({"groups": [{"preset": "dgx-h100", "nodes": 1}, {"preset": "dgx-h100", "nodes": 1}],
+                                     "between_bw_gbs": h100.inter_bw_gbs, "between_latency_us": h100.inter_latency_us},
+                                    source="two.toml")
+    plan = Plan(tp=8, pp=2, microbatches=16, schedule="1f1b", split="12:12")
+    priced = evaluate_mixed_plan(model, mixed, 2048, 32, plan, lambda c: Options())
+    homogeneous = evaluate(model, h100, Workload(global_batch=32, seq_len=2048), Layout(plan, mbs=2), Options())
+    assert homogeneous.breakdown["pp_comm"] > 0.01 * homogeneous.step_time_s  # the sends matter here
+    assert priced.step_time_s == pytest.approx(homogeneous.step_time_s, rel=1e-9)
+
+
+def test_sailor_runs_priced_in_fp32():
+    """The MIT rows were trained without --fp16/--bf16 (Megatron's fp32 default): the
+    benchmark prices them with `fp32_compute` at each GPU's fp32 peak, and its tp all-reduces
+    at the bus bandwidth that gives Aceso's measured 16 MiB time back."""
+    bench = _bench()
+    assert bench.OPTIONS.fp32_compute and not bench.OPTIONS.dp_overlap
+    titan = bench.group_cluster("Titan-RTX", 8)
+    assert titan.compute_flops_per_rank(8, fp32=True) == 16.3e12
+    from phalanx.planner import comm
+    assert comm.all_reduce(titan, bench.MIB16, size=8, stride=1) == pytest.approx(5.584e-3, rel=1e-9)
