@@ -101,3 +101,23 @@ def test_sailor_runs_priced_in_fp32():
     assert titan.compute_flops_per_rank(8, fp32=True) == 16.3e12
     from phalanx.planner import comm
     assert comm.all_reduce(titan, bench.MIB16, size=8, stride=1) == pytest.approx(5.584e-3, rel=1e-9)
+
+
+def _amp():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import published_mixed_amp
+
+    return published_mixed_amp
+
+
+def test_amp_rows_split_and_units():
+    """AMP's halves, fixed from the layouts alone before any row was evaluated: representable
+    rows in the results file's order, alternating; AMP's 30 units map to 24 transformer layers."""
+    amp = _amp()
+    halves = amp.split_halves()
+    assert len(halves) == 23 and list(halves)[:4] == ["amp00", "amp01", "amp02", "amp03"]
+    assert [halves[k] for k in ("amp00", "amp01", "amp08", "amp43")] == ["visible", "hold-out", "visible", "visible"]
+    row = amp.ROWS[0]
+    assert amp.transformer_split(row) == [5, 7, 6, 6]  # [0, 7, 14, 20, 30]: embedding and a no-op first
+    assert amp.representable(amp.ROWS[7]) == "a pipeline stage on both GPU types"  # pp=2: nodes 2 (V100) and 3 (T4)
+    assert "did not run" in amp.representable(amp.ROWS[10])
