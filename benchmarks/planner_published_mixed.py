@@ -50,6 +50,7 @@ import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
@@ -58,6 +59,9 @@ from phalanx.planner.memory import TRAINER_PRECISION
 from phalanx.planner.mixed_cluster import Group, MixedCluster
 from phalanx.planner.mixed_search import evaluate_mixed_plan
 from phalanx.planner.options import Options
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import published_mixed_amp as amp  # noqa: E402
 
 GB = 1e9
 
@@ -238,41 +242,70 @@ def split_halves(rows: list[Row]) -> dict[str, str]:
     return {label: ("visible" if i % 2 == 0 else "hold-out") for i, label in enumerate(SPLIT_ORDER)}
 
 
+def _amp_rows():
+    """AMP's rows (benchmarks/published_mixed_amp.py) as (label, half, measured, predict, layout, why)."""
+    halves = amp.split_halves()
+    for row in amp.ROWS:
+        layout = f"mbs{row.mbs} tp{row.tp} dp{row.dp} pp{row.pp}" + (
+            f" split {':'.join(map(str, amp.transformer_split(row)))}" if row.pp > 1 else "")
+        yield row.label, halves.get(row.label, "-"), row.measured_s, (lambda r=row: amp.evaluate(r)), layout, \
+            amp.representable(row)
+
+
+def _sailor_rows():
+    halves = split_halves(ROWS)
+    for row in ROWS:
+        layout = " | ".join(f"{'+'.join(g)} tp{tp}" for g, tp in row.stages)
+        yield row.label, halves.get(row.label, "-"), row.measured_s, (lambda r=row: evaluate(r)), layout, \
+            representable(row)
+
+
+SOURCES = (("Sailor, MIT cluster (RTX 3090 / Titan RTX / RTX 2080 Ti nodes, OPT-350M)", _sailor_rows),
+           ("AMP, 3 x p3.8xlarge V100 + 1 x g4dn.12xlarge T4 (GPT-2 345M)", _amp_rows))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", action="store_true",
-                        help="write the hold-out half's median into phalanx/planner/validation.json (key 'mixed')")
+                        help="write the hold-out half's median (both sources) into phalanx/planner/validation.json "
+                             "(key 'mixed')")
     parser.add_argument("--visible-only", action="store_true",
                         help="print the visible half only (what a modelling decision may look at)")
     args = parser.parse_args()
     if args.record and args.visible_only:
         parser.error("--record writes the hold-out half's median: drop --visible-only")
-    halves = split_halves(ROWS)
-    errors: dict[str, list[float]] = {"visible": [], "hold-out": []}
-    print(f"{'run':7} {'half':9} {'measured s':>10} {'predicted s':>11} {'error':>7}  layout")
-    for row in ROWS:
-        why = representable(row)
-        layout = " | ".join(f"{'+'.join(g)} tp{tp}" for g, tp in row.stages)
-        if args.visible_only and halves.get(row.label) != "visible":
-            continue
-        if why:
-            print(f"{row.label:7} {'-':9} {row.measured_s:10.2f} {'-':>11} {'-':>7}  {layout}  [not representable: {why}]")
-            continue
-        predicted = evaluate(row)
-        err = (predicted - row.measured_s) / row.measured_s
-        errors[halves[row.label]].append(abs(err))
-        print(f"{row.label:7} {halves[row.label]:9} {row.measured_s:10.2f} {predicted:11.2f} {err:+7.1%}  {layout}")
-    for half in ("visible",) if args.visible_only else ("visible", "hold-out"):
-        values = errors[half]
-        print(f"median |error|, {half} half: {statistics.median(values):.1%} over {len(values)} rows")
+    halves_shown = ("visible",) if args.visible_only else ("visible", "hold-out")
+    pooled: dict[str, list[float]] = {"visible": [], "hold-out": []}
+    for title, rows in SOURCES:
+        print(f"== {title}")
+        print(f"{'run':7} {'half':9} {'measured s':>10} {'predicted s':>11} {'error':>7}  layout")
+        errors: dict[str, list[float]] = {"visible": [], "hold-out": []}
+        for label, half, measured, predict, layout, why in rows():
+            if why:
+                if not args.visible_only:
+                    print(f"{label:7} {'-':9} {measured:10.2f} {'-':>11} {'-':>7}  {layout}  [not representable: {why}]")
+                continue
+            if half not in halves_shown:
+                continue
+            predicted = predict()
+            err = (predicted - measured) / measured
+            errors[half].append(abs(err))
+            print(f"{label:7} {half:9} {measured:10.2f} {predicted:11.2f} {err:+7.1%}  {layout}")
+        for half in halves_shown:
+            values = errors[half]
+            pooled[half] += values
+            print(f"median |error|, {half} half: {statistics.median(values):.1%} over {len(values)} rows")
+    print("== both sources")
+    for half in halves_shown:
+        print(f"median |error|, {half} half: {statistics.median(pooled[half]):.1%} over {len(pooled[half])} rows")
     if args.record:
         # Imported when run, not at the top: only --record writes the file.
         from phalanx.planner.validation import record
 
-        record("mixed", statistics.median(errors["hold-out"]), len(errors["hold-out"]),
+        record("mixed", statistics.median(pooled["hold-out"]), len(pooled["hold-out"]),
                source="benchmarks/planner_published_mixed.py --record: median |error| of predicted against measured "
-                      "step time over the hold-out half of Sailor's mixed-GPU runs (OPT-350M on RTX-3090, Titan RTX "
-                      "and RTX 2080 Ti nodes)")
+                      "step time over the hold-out halves of Sailor's mixed-GPU runs (OPT-350M on RTX-3090, Titan RTX "
+                      "and RTX 2080 Ti nodes) and AMP's (GPT-2 345M on V100 and T4 nodes)")
     return 0
 
 

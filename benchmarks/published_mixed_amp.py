@@ -22,6 +22,15 @@ DeepSpeed's topology puts pipe outermost, model innermost: stage s holds ranks
 s*dp*mp .. (s+1)*dp*mp - 1. Datasheets: NVIDIA Tesla V100 (SXM2: 125 TFLOP/s fp16 tensor,
 80 SMs, 16 GB HBM2 at 900 GB/s, 300 W); NVIDIA T4 (65 TFLOP/s fp16 tensor, 40 SMs, 16 GB
 GDDR6 at 320 GB/s, 70 W).
+
+What the framework costs beyond FLOPs and bytes, measured by AMP on these machines: its
+profiles (src/known_cost/gpt2_{P3,G4}_{1,2,4}.npy, forward seconds per layer unit at one
+sequence, from ds_pretrain_gpt2_profile.sh) time a transformer layer's forward at 3.9-5.2 ms
+on a V100 and 5.5-6.0 ms on a T4 whatever the model-parallel degree, where its FLOPs, bytes
+and all-reduces take 0.8-1.8 ms (the cost model's own layer, at 1 to 4 ways): a fixed time
+per layer per pass, the launches and Python of Megatron 1.1.5 and DeepSpeed on these hosts,
+which the GPU presets do not carry. `framework_costs` takes it from those profiles:
+`layer_overhead_us` the gap at mp=1, `tp_layer_overhead_us` what mp=2 and 4 add on average.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from dataclasses import dataclass
 
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
+from phalanx.planner import comm
+from phalanx.planner.framework_costs import FrameworkCosts
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.mixed_cluster import Group, MixedCluster
 from phalanx.planner.mixed_search import evaluate_mixed_plan
@@ -44,6 +55,10 @@ P3_LINKS = (10 * GBIT, 170 * GBIT)
 """(between nodes, inside a node), bytes/s (het_cluster.py's cluster_info)."""
 G4_LINKS = (50 * GBIT, 50 * GBIT)
 P3_NODES = 3
+
+PROFILED_FORWARD_MS = {"V100": {1: 3.919, 2: 5.243, 4: 4.519}, "T4": {1: 5.470, 2: 5.962, 4: 5.577}}
+"""Mean over the 24 transformer units of AMP's known_cost profiles (forward, one sequence of
+1,024 tokens), by model-parallel degree."""
 
 OPTIONS = Options(flash_attention=False, pp_partitioned_sends=True, dp_overlap=False, grad_reduce_bytes=4)
 
@@ -133,11 +148,32 @@ def split_halves() -> dict[str, str]:
     return {label: ("visible" if i % 2 == 0 else "hold-out") for i, label in enumerate(kept)}
 
 
-def _cluster(gpu: str, inter_bps: float, intra_bps: float, sharing: int) -> Cluster:
+def _cluster(gpu: str, inter_bps: float, intra_bps: float, sharing: int, framework: FrameworkCosts = FrameworkCosts()
+             ) -> Cluster:
     """One node type; its network link shared by the `sharing` devices that use it at once."""
     return Cluster(name=gpu.lower(), devices_per_node=NODE_GPUS, fast_domain=NODE_GPUS, **(V100 if gpu == "V100" else T4),
                    intra_bw_gbs=intra_bps / GB, inter_bw_gbs=inter_bps / sharing / GB, intra_latency_us=10.0,
-                   inter_latency_us=50.0)
+                   inter_latency_us=50.0, framework=framework)
+
+
+def modelled_forward_s(gpu: str, tp: int) -> float:
+    """The cost model's forward of one transformer layer, one sequence, `tp` ways on one node
+    of `gpu` (FLOPs, bytes and the two tp all-reduces), no framework cost."""
+    # Imported when run, not at the top: stage_time is the cost model's inside, used only here.
+    from phalanx.planner.stage_time import layer_cost
+
+    cluster = _cluster(gpu, P3_LINKS[0], (P3_LINKS if gpu == "V100" else G4_LINKS)[1], NODE_GPUS)
+    model = gpt2()
+    lc = layer_cost(model, cluster, seq=model.max_seq_len, mbs=1, tp=tp, ep=1, sp=False, moe=False,
+                    peak=cluster.peak_tflops * 1e12, flash=OPTIONS.flash_attention,
+                    memory_bw=cluster.hbm_tbs * 1e12 * cluster.hbm_efficiency, overhead=0.0)
+    return lc.f + 2 * comm.all_reduce(cluster, lc.tp_bytes, size=tp, stride=1)
+
+
+def framework_costs(gpu: str) -> FrameworkCosts:
+    """AMP's profiled forward per layer less the cost model's (module docstring)."""
+    gap = {tp: PROFILED_FORWARD_MS[gpu][tp] * 1e-3 - modelled_forward_s(gpu, tp) for tp in (1, 2, 4)}
+    return FrameworkCosts(layer_overhead_us=gap[1] * 1e6, tp_layer_overhead_us=((gap[2] + gap[4]) / 2 - gap[1]) * 1e6)
 
 
 def evaluate(row: AmpRow) -> float:
@@ -147,9 +183,10 @@ def evaluate(row: AmpRow) -> float:
     # Pipelines: a stage's dp x tp devices send across a node boundary at once; dp: every
     # device of a node takes part in the all-reduce over nodes.
     sharing = min(NODE_GPUS, row.dp * row.tp) if row.pp > 1 else NODE_GPUS
-    groups = (Group(name="p3.8xlarge V100", cluster=_cluster("V100", min(P3_LINKS[0], between), P3_LINKS[1], sharing),
-                    nodes=P3_NODES),
-              Group(name="g4dn.12xlarge T4", cluster=_cluster("T4", between, G4_LINKS[1], sharing), nodes=1))
+    groups = (Group(name="p3.8xlarge V100", cluster=_cluster("V100", min(P3_LINKS[0], between), P3_LINKS[1], sharing,
+                                                             framework_costs("V100")), nodes=P3_NODES),
+              Group(name="g4dn.12xlarge T4", cluster=_cluster("T4", between, G4_LINKS[1], sharing, framework_costs("T4")),
+                    nodes=1))
     mixed = MixedCluster(name="amp-het", groups=groups, between_bw_gbs=between / sharing / GB, between_latency_us=50.0)
     m = row.global_batch // (row.dp * row.mbs)
     if row.pp == 1:

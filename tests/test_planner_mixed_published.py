@@ -121,3 +121,16 @@ def test_amp_rows_split_and_units():
     assert amp.transformer_split(row) == [5, 7, 6, 6]  # [0, 7, 14, 20, 30]: embedding and a no-op first
     assert amp.representable(amp.ROWS[7]) == "a pipeline stage on both GPU types"  # pp=2: nodes 2 (V100) and 3 (T4)
     assert "did not run" in amp.representable(amp.ROWS[10])
+
+
+def test_amp_framework_cost_gives_the_profiled_forward_back():
+    """The framework time per layer pass taken from AMP's profiles: the cost model's layer
+    forward plus it is the profiled forward (mp=1), and tp adds the mean extra of mp=2 and 4."""
+    amp = _amp()
+    for gpu in ("V100", "T4"):
+        fw = amp.framework_costs(gpu)
+        assert fw.layer_overhead_us > 0 and fw.tp_layer_overhead_us > 0  # the profiles sit above the FLOPs
+        assert amp.modelled_forward_s(gpu, 1) + fw.layer_overhead_us * 1e-6 == pytest.approx(
+            amp.PROFILED_FORWARD_MS[gpu][1] * 1e-3, rel=1e-9)
+        extra = [amp.PROFILED_FORWARD_MS[gpu][tp] * 1e-3 - amp.modelled_forward_s(gpu, tp) for tp in (2, 4)]
+        assert fw.layer_overhead_us + fw.tp_layer_overhead_us == pytest.approx(sum(extra) / 2 * 1e6, rel=1e-9)
