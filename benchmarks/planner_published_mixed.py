@@ -40,7 +40,11 @@ The three pipelines came first (N2_D1 visible, N3_D1 hold-out, N4_D1 visible); t
 rows when dp with tp > 1 was priced, after those three had been looked at (N2_D2 hold-out,
 N4_D4 visible, N6_D6 hold-out), so no row changed half once its error was seen.
 
-    PYTHONPATH=. python benchmarks/planner_published_mixed.py [--record]
+A second source, AMP's measured layouts on V100 + T4 nodes, is in published_mixed_amp.py (its
+own docstring: source, cluster, split rule); the script prints both, each source's halves and
+the two pooled.
+
+    PYTHONPATH=. python benchmarks/planner_published_mixed.py [--visible-only] [--record]
 """
 
 from __future__ import annotations
