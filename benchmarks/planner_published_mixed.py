@@ -50,7 +50,6 @@ the two pooled.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass

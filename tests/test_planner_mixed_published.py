@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.plan import Plan
+from phalanx.planner import comm
 from phalanx.planner.cost import evaluate
 from phalanx.planner.hardware import PRESETS
 from phalanx.planner.layout import Layout, Workload
@@ -99,12 +100,12 @@ def test_sailor_runs_priced_in_fp32():
     assert bench.OPTIONS.fp32_compute and not bench.OPTIONS.dp_overlap
     titan = bench.group_cluster("Titan-RTX", 8)
     assert titan.compute_flops_per_rank(8, fp32=True) == 16.3e12
-    from phalanx.planner import comm
     assert comm.all_reduce(titan, bench.MIB16, size=8, stride=1) == pytest.approx(5.584e-3, rel=1e-9)
 
 
 def _amp():
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    # Imported when run, not at the top: a benchmark module, found once benchmarks/ is on the path.
     import published_mixed_amp
 
     return published_mixed_amp
