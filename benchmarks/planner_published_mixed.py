@@ -10,12 +10,22 @@ Source: Sailor (Strati et al., SOSP'25), https://github.com/eth-easl/sailor, the
 validation runs on the MIT cluster of mixed consumer GPUs (README: "8-Titan-RTX, 8-RTX-2080, and
 8-RTX-3090" nodes), files sailor/Planner/simulations/validation/mit/N*/plan_config_*.json:
 OPT-350M (24 layers, hidden 1024, 16 heads, sequence 2,048, Aceso configs
-aceso_validation_mit/configs/OPT-350_*.json), Megatron-DeepSpeed, fp16, no activation
-checkpointing, micro-batch 2, the layout per stage (GPU type, tensor-parallel degree, dp
-replicas) and `real`, the measured seconds per iteration. The cluster's links are Sailor's own
-measurements of it (sailor/providers/intra_node_bandwidths.json, the largest send/recv
-bandwidth between GPUs of one node at the group's size; multizone_bandwidths_het.json, between
-two nodes); peaks and memory from NVIDIA's datasheets (below).
+aceso_validation_mit/configs/OPT-350_*.json), timed with Aceso's Megatron-LM runtime in fp32
+(OPTIONS below says how that was read off the repository), no activation checkpointing,
+micro-batch 2, the layout per stage (GPU type, tensor-parallel degree, dp replicas) and
+`real`, the measured seconds per iteration. The cluster's links are measurements of it:
+all-reduce inside a node from Aceso's profiler run on these nodes (ALL_REDUCE_16MIB_MS),
+send/recv between two nodes from Sailor (multizone_bandwidths_het.json; inside a node,
+intra_node_bandwidths.json, the largest send/recv bandwidth at the group's size); peaks and
+memory from NVIDIA's datasheets (below).
+
+Why the first version was about 2x optimistic (visible half only): it priced the runs as fp16
+mixed precision (tensor-core peaks, 2-byte activations), but they ran in fp32 (CUDA-core peaks
+4-8x lower, every activation, send and tp all-reduce twice the bytes, and unfused fp32
+softmax's separate passes); and it took Sailor's send/recv bandwidths for the all-reduce bus
+bandwidth, 2-18x what NCCL reaches over these PCIe nodes. One error went the other way: a
+pipeline's sends between groups were counted twice (at the group's links and again at the
+between-groups link), now once.
 
 Which rows count: the mixed planner prices a pipeline whose every stage sits in one group
 (one GPU type), and data parallelism over groups (`dp=N,tp=T`, each dp rank inside one group;
@@ -30,23 +40,31 @@ The three pipelines came first (N2_D1 visible, N3_D1 hold-out, N4_D1 visible); t
 rows when dp with tp > 1 was priced, after those three had been looked at (N2_D2 hold-out,
 N4_D4 visible, N6_D6 hold-out), so no row changed half once its error was seen.
 
-    PYTHONPATH=. python benchmarks/planner_published_mixed.py [--record]
+A second source, AMP's measured layouts on V100 + T4 nodes, is in published_mixed_amp.py (its
+own docstring: source, cluster, split rule); the script prints both, each source's halves and
+the two pooled.
+
+    PYTHONPATH=. python benchmarks/planner_published_mixed.py [--visible-only] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
 from phalanx.planner.hardware import Cluster
+from phalanx.planner.memory import TRAINER_PRECISION
 from phalanx.planner.mixed_cluster import Group, MixedCluster
 from phalanx.planner.mixed_search import evaluate_mixed_plan
 from phalanx.planner.options import Options
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import published_mixed_amp as amp  # noqa: E402
 
 GB = 1e9
 
@@ -58,16 +76,36 @@ def opt_350m() -> ModelConfig:
                        ffn_dim=4096, mlp="gelu", max_seq_len=2048)
 
 
-# Datasheet figures, fp16 tensor-core peak with fp32 accumulation (what fp16 mixed-precision
-# training uses), dense: NVIDIA Ampere GA102 whitepaper (RTX 3090: 71 TFLOP/s, 82 SMs, 24 GB,
-# 936 GB/s, 350 W); NVIDIA Turing TU102 whitepaper (Titan RTX: 130 TFLOP/s, 72 SMs, 24 GB,
-# 672 GB/s, 280 W; RTX 2080 Ti: 53.8 TFLOP/s, 68 SMs, 11 GB, 616 GB/s, 250 W). Sailor's
-# "RTX-2080" has 11 GiB (basic_cluster_config.json, constants.py): the 2080 Ti's memory.
+# Datasheet figures, dense: fp16 tensor-core peak with fp32 accumulation, and the fp32 peak
+# (CUDA cores), which is what these fp32 runs compute at (OPTIONS below): NVIDIA Ampere GA102
+# whitepaper (RTX 3090: 71 and 35.6 TFLOP/s, 82 SMs, 24 GB, 936 GB/s, 350 W); NVIDIA Turing
+# TU102 whitepaper (Titan RTX: 130 and 16.3 TFLOP/s, 72 SMs, 24 GB, 672 GB/s, 280 W; RTX
+# 2080 Ti at reference clocks: 53.8 and 13.4 TFLOP/s, 68 SMs, 11 GB, 616 GB/s, 250 W).
+# Sailor's "RTX-2080" has 11 GiB (basic_cluster_config.json, constants.py): the 2080 Ti's memory.
 GPUS = {
-    "RTX-3090": dict(peak_tflops=71.0, sm_count=82, memory_gib=24.0, hbm_tbs=0.936, busy_w=350.0),
-    "Titan-RTX": dict(peak_tflops=130.0, sm_count=72, memory_gib=24.0, hbm_tbs=0.672, busy_w=280.0),
-    "RTX-2080": dict(peak_tflops=53.8, sm_count=68, memory_gib=11.0, hbm_tbs=0.616, busy_w=250.0),
+    "RTX-3090": dict(peak_tflops=71.0, fp32_tflops=35.6, sm_count=82, memory_gib=24.0, hbm_tbs=0.936, busy_w=350.0),
+    "Titan-RTX": dict(peak_tflops=130.0, fp32_tflops=16.3, sm_count=72, memory_gib=24.0, hbm_tbs=0.672, busy_w=280.0),
+    "RTX-2080": dict(peak_tflops=53.8, fp32_tflops=13.4, sm_count=68, memory_gib=11.0, hbm_tbs=0.616, busy_w=250.0),
 }
+# All-reduce inside one node, measured on these nodes by Aceso's profiler for Sailor
+# (sailor/Planner/baselines/Aceso/profiler/<GPU>/profiled-data-fp16/prim_OPT-350_all_reduce_<n>gpus.csv,
+# NCCL over PCIe, no NVLink but the RTX-3090 pairs' bridge): milliseconds for a 16 MiB
+# buffer, the size these runs all-reduce in every tensor-parallel layer (2 sequences x 2,048
+# tokens x 1,024 fp32 values). Sailor's send/recv bandwidths (INTRA_BPS) are 2-18x higher
+# than what these all-reduces reach: NCCL's ring over PCIe without peer-to-peer goes through
+# host memory.
+ALL_REDUCE_16MIB_MS = {
+    "RTX-3090": {2: 0.456, 4: 5.218, 8: 22.028},
+    "Titan-RTX": {2: 4.186, 4: 5.146, 8: 5.584},
+    "RTX-2080": {2: 4.223, 4: 5.146, 8: 6.807},
+}
+MIB16 = 16 * 2**20
+
+
+def measured_all_reduce(gpu: str) -> tuple[tuple[int, float, float], ...]:
+    """`Cluster.measured_groups` rows (size, latency us, bus GB/s): the bus bandwidth at which
+    the ring formula 2(n-1)/n S / busbw gives the measured time at 16 MiB (latency inside it)."""
+    return tuple((n, 0.0, 2 * (n - 1) / n * MIB16 / (ms * 1e-3) / GB) for n, ms in ALL_REDUCE_16MIB_MS[gpu].items())
 # Sailor's measured send/recv bandwidth inside one node, bytes/s, by GPUs used in the node
 # (intra_node_bandwidths.json, the fit's "max network bandwidth").
 INTRA_BPS = {
@@ -95,6 +133,7 @@ def group_cluster(gpu: str, used: int) -> Cluster:
     slowest_peer = min(node_link_bps(gpu, other) for other in GPUS)
     return Cluster(name=gpu.lower(), devices_per_node=used, fast_domain=used, **GPUS[gpu],
                    intra_bw_gbs=INTRA_BPS[gpu][used] / GB, inter_bw_gbs=slowest_peer / used / GB,
+                   measured_groups=measured_all_reduce(gpu),
                    intra_latency_us=10.0, inter_latency_us=50.0)
 
 
@@ -131,14 +170,20 @@ ROWS = [
     _row("N6_D6", [(["RTX-3090", "RTX-2080", "RTX-2080", "Titan-RTX", "RTX-2080", "Titan-RTX"], 8)], [26], 288, 70.78508),
 ]
 
-# Megatron-DeepSpeed's defaults for these runs: unfused attention (Turing has no
-# flash-attention 2 kernels, and use_flash_attn is off by default), no sequence parallelism,
-# gradients reduced once per step; DeepSpeed's PipelineEngine sends each tp rank's 1/tp of a
-# boundary (`pipe_partitioned`, on under model parallelism: Sailor's deepspeed/pipe_engine.py
-# wraps the stage output in a PartitionedTensor over the tp group). That last option was added
-# after the visible rows' tp8 pipelines came out 2-4x slow: it is DeepSpeed's documented
-# behaviour, not a constant fitted to them.
-OPTIONS = Options(flash_attention=False, pp_partitioned_sends=True)
+# How the runs were made, read off Sailor's repository: the MIT rows were timed with Aceso's
+# runtime, a Megatron-LM fork (Aceso/scripts_mit/run_mit.sh runs scripts/aceso_opt_execute.sh
+# on each node), whose command line gives neither --fp16 nor --bf16, so Megatron's
+# params_dtype stays torch.float (Aceso/runtime/megatron/arguments.py): the runs train in fp32
+# (`fp32_compute`: the fp32 peak, 4-byte activations, sends and tp all-reduces; fp32 weights,
+# gradients and Adam moments). Sailor's own Megatron-DeepSpeed launchers pass no precision flag
+# either, and Sailor's per-layer profiles of these GPUs (Planner/simulations/profiles_tmp.json)
+# match Aceso's fp32 operator profiles of them, not its fp16 ones (2-5x faster). The rest:
+# unfused attention (fp32; Turing has no flash-attention 2 kernels), no sequence parallelism;
+# `--DDP-impl local` (the script's), whose gradient all-reduce runs after the last backward,
+# not overlapped (`dp_overlap=False`); Megatron's scatter_gather_tensors_in_pipeline (on by
+# default) sends each tp rank's 1/tp of a boundary (`pp_partitioned_sends`).
+OPTIONS = Options(flash_attention=False, pp_partitioned_sends=True, fp32_compute=True, dp_overlap=False,
+                  precision=TRAINER_PRECISION["fp32"])
 
 
 def representable(row: Row) -> str:
@@ -200,35 +245,70 @@ def split_halves(rows: list[Row]) -> dict[str, str]:
     return {label: ("visible" if i % 2 == 0 else "hold-out") for i, label in enumerate(SPLIT_ORDER)}
 
 
+def _amp_rows():
+    """AMP's rows (benchmarks/published_mixed_amp.py) as (label, half, measured, predict, layout, why)."""
+    halves = amp.split_halves()
+    for row in amp.ROWS:
+        layout = f"mbs{row.mbs} tp{row.tp} dp{row.dp} pp{row.pp}" + (
+            f" split {':'.join(map(str, amp.transformer_split(row)))}" if row.pp > 1 else "")
+        yield row.label, halves.get(row.label, "-"), row.measured_s, (lambda r=row: amp.evaluate(r)), layout, \
+            amp.representable(row)
+
+
+def _sailor_rows():
+    halves = split_halves(ROWS)
+    for row in ROWS:
+        layout = " | ".join(f"{'+'.join(g)} tp{tp}" for g, tp in row.stages)
+        yield row.label, halves.get(row.label, "-"), row.measured_s, (lambda r=row: evaluate(r)), layout, \
+            representable(row)
+
+
+SOURCES = (("Sailor, MIT cluster (RTX 3090 / Titan RTX / RTX 2080 Ti nodes, OPT-350M)", _sailor_rows),
+           ("AMP, 3 x p3.8xlarge V100 + 1 x g4dn.12xlarge T4 (GPT-2 345M)", _amp_rows))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", action="store_true",
-                        help="write the hold-out half's median into phalanx/planner/validation.json (key 'mixed')")
+                        help="write the hold-out half's median (both sources) into phalanx/planner/validation.json "
+                             "(key 'mixed')")
+    parser.add_argument("--visible-only", action="store_true",
+                        help="print the visible half only (what a modelling decision may look at)")
     args = parser.parse_args()
-    halves = split_halves(ROWS)
-    errors: dict[str, list[float]] = {"visible": [], "hold-out": []}
-    print(f"{'run':7} {'half':9} {'measured s':>10} {'predicted s':>11} {'error':>7}  layout")
-    for row in ROWS:
-        why = representable(row)
-        layout = " | ".join(f"{'+'.join(g)} tp{tp}" for g, tp in row.stages)
-        if why:
-            print(f"{row.label:7} {'-':9} {row.measured_s:10.2f} {'-':>11} {'-':>7}  {layout}  [not representable: {why}]")
-            continue
-        predicted = evaluate(row)
-        err = (predicted - row.measured_s) / row.measured_s
-        errors[halves[row.label]].append(abs(err))
-        print(f"{row.label:7} {halves[row.label]:9} {row.measured_s:10.2f} {predicted:11.2f} {err:+7.1%}  {layout}")
-    for half in ("visible", "hold-out"):
-        values = errors[half]
-        print(f"median |error|, {half} half: {statistics.median(values):.1%} over {len(values)} rows")
+    if args.record and args.visible_only:
+        parser.error("--record writes the hold-out half's median: drop --visible-only")
+    halves_shown = ("visible",) if args.visible_only else ("visible", "hold-out")
+    pooled: dict[str, list[float]] = {"visible": [], "hold-out": []}
+    for title, rows in SOURCES:
+        print(f"== {title}")
+        print(f"{'run':7} {'half':9} {'measured s':>10} {'predicted s':>11} {'error':>7}  layout")
+        errors: dict[str, list[float]] = {"visible": [], "hold-out": []}
+        for label, half, measured, predict, layout, why in rows():
+            if why:
+                if not args.visible_only:
+                    print(f"{label:7} {'-':9} {measured:10.2f} {'-':>11} {'-':>7}  {layout}  [not representable: {why}]")
+                continue
+            if half not in halves_shown:
+                continue
+            predicted = predict()
+            err = (predicted - measured) / measured
+            errors[half].append(abs(err))
+            print(f"{label:7} {half:9} {measured:10.2f} {predicted:11.2f} {err:+7.1%}  {layout}")
+        for half in halves_shown:
+            values = errors[half]
+            pooled[half] += values
+            print(f"median |error|, {half} half: {statistics.median(values):.1%} over {len(values)} rows")
+    print("== both sources")
+    for half in halves_shown:
+        print(f"median |error|, {half} half: {statistics.median(pooled[half]):.1%} over {len(pooled[half])} rows")
     if args.record:
         # Imported when run, not at the top: only --record writes the file.
         from phalanx.planner.validation import record
 
-        record("mixed", statistics.median(errors["hold-out"]), len(errors["hold-out"]),
+        record("mixed", statistics.median(pooled["hold-out"]), len(pooled["hold-out"]),
                source="benchmarks/planner_published_mixed.py --record: median |error| of predicted against measured "
-                      "step time over the hold-out half of Sailor's mixed-GPU runs (OPT-350M on RTX-3090, Titan RTX "
-                      "and RTX 2080 Ti nodes)")
+                      "step time over the hold-out halves of Sailor's mixed-GPU runs (OPT-350M on RTX-3090, Titan RTX "
+                      "and RTX 2080 Ti nodes) and AMP's (GPT-2 345M on V100 and T4 nodes)")
     return 0
 
 

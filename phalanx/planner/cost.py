@@ -34,7 +34,7 @@ from phalanx.planner.dp_traffic import dp_time, replica_sum_time
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import layers_per_stage
-from phalanx.planner.options import Options
+from phalanx.planner.options import Options, activation_bytes
 from phalanx.planner.peak_memory import (
     BF16,
     expert_shards,
@@ -176,7 +176,7 @@ def evaluate(model: ModelConfig, cluster: Cluster, workload: Workload, layout: L
     bubble = _bubble(lay.schedule, p, v, stage, m)
     # Pipeline sends on the critical path: each micro-batch (per chunk) each way, plus fill/drain.
     if p > 1:
-        boundary_bytes = tokens * model.dim * BF16 / (lay.tp if lay.sp or options.pp_partitioned_sends else 1)
+        boundary_bytes = tokens * model.dim * activation_bytes(options) / (lay.tp if lay.sp or options.pp_partitioned_sends else 1)
         same = lay.tp * lay.replicas * 2 <= cluster.fast_domain
         t_send = comm.send(cluster, boundary_bytes, same_domain=same)
         pp_comm = 2 * t_send * (m * v + p - 1)

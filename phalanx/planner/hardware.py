@@ -41,6 +41,10 @@ class Cluster:
     """Devices that share the fast link (NVLink island); 1 when devices only meet over PCIe/network."""
     peak_tflops: float = 989.0
     """Dense bf16 peak of one device, TFLOP/s (the MFU denominator)."""
+    fp32_tflops: float = 0.0
+    """Dense fp32 peak, TFLOP/s: what a run that computes in fp32 (`Options.fp32_compute`:
+    Megatron without --fp16/--bf16) reaches, on CUDA cores (PyTorch leaves TF32 off for
+    matmuls since 1.12). 0: not known, such a run priced at `peak_tflops`."""
     fp8_tflops: float = 0.0
     """Dense fp8 tensor-core peak, TFLOP/s (serving plans with fp8 weights); 0: no fp8 units."""
     fp4_tflops: float = 0.0
@@ -155,7 +159,7 @@ class Cluster:
         if self.busy_w < self.idle_w:
             problems.append(f"busy_w={self.busy_w} must be at least idle_w={self.idle_w} (a device computing draws "
                             "more than one waiting)")
-        for name in ("idle_w", "busy_w", "fp8_tflops", "fp4_tflops", "memory_reserved_gib", "intra_latency_us", "inter_latency_us", "matmul_half_dim",
+        for name in ("idle_w", "busy_w", "fp32_tflops", "fp8_tflops", "fp4_tflops", "memory_reserved_gib", "intra_latency_us", "inter_latency_us", "matmul_half_dim",
                      "comm_sm_fraction", "thread_speedup"):
             if getattr(self, name) < 0:
                 problems.append(f"{name}={getattr(self, name)} must not be negative")
@@ -197,6 +201,12 @@ class Cluster:
         if self.shared_compute:
             return self.peak_tflops * 1e12 / world_size * self.thread_scaling(world_size)
         return self.peak_tflops * 1e12
+
+    def compute_flops_per_rank(self, world_size: int, *, fp32: bool) -> float:
+        """`peak_flops_per_rank`, or the fp32 peak for a run that computes in fp32 (where known)."""
+        if fp32 and self.fp32_tflops and not self.shared_compute:
+            return self.fp32_tflops * 1e12
+        return self.peak_flops_per_rank(world_size)
 
     def memory_bw_per_rank(self, world_size: int) -> float:
         """Bytes/s of memory bandwidth one rank gets (shared CPU: split among its ranks)."""

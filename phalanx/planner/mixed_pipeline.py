@@ -4,8 +4,9 @@ time per micro-batch is its layers' FLOPs times its group's seconds per FLOP, me
 homogeneous model (the balanced most-loaded stage's time over its FLOPs), and the layers are cut
 by `adapt_policy.weighted_layer_counts`, the same cut the trainer's re-split makes from measured
 times. Step = (m + P - 1) x the slowest stage, plus the most of each stage's own dp, optimizer
-and pipeline-send time from its group's model (dp and optimizer scaled by its layer count),
-plus the sends that cross a group boundary at the between-groups link. Memory: the group's
+and pipeline-send time from its group's model (dp and optimizer scaled by its layer count;
+sends, the share of boundaries inside one group), plus the sends that cross a group boundary
+at the between-groups link. Memory: the group's
 balanced stage scaled by layers over the balanced count (the non-layer parts too, so an
 overestimate for the stages that gain layers)."""
 
@@ -25,9 +26,7 @@ from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import layers_per_stage
 from phalanx.planner.mixed_cluster import MixedCluster
 from phalanx.planner.mixed_plan import MAX_MBS, MixedPlan, mixed_link_cluster
-from phalanx.planner.options import Options
-
-BF16 = 2
+from phalanx.planner.options import Options, activation_bytes
 
 
 def unit_costs(model: ModelConfig, seq: int) -> list[float]:
@@ -101,22 +100,24 @@ def price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cost
     counts = [int(x) for x in plan.split.split(":")] if given and plan.split else weighted_layer_counts(costs, stage_scale)
     even = weighted_layer_counts(costs, [1.0] * p)
 
+    # Each group's pp_comm counts the sends of all p - 1 boundaries on its own links (2 per
+    # micro-batch and boundary on the critical path, plus fill and drain). Of them, the share
+    # inside one group is kept at the group's links; the share that crosses groups is priced
+    # once, at the between-groups link (cross_s), not at both.
+    crossings = sum(1 for a, b in zip(stage_group, stage_group[1:]) if a != b)
+    inside = (p - 1 - crossings) / max(p - 1, 1)
+
     def step(split: list[int]) -> tuple[float, list[float]]:
         per_mb = [c * mbs * k for c, k in zip(stage_costs(costs, split), stage_scale)]
         rest = []
         for s, g in enumerate(stage_group):
             b = ests[g].breakdown
-            rest.append(b["pp_comm"] + (b["dp_comm"] + b["optimizer"]) * split[s] / n_bal + b["overhead"])
+            rest.append(b["pp_comm"] * inside + (b["dp_comm"] + b["optimizer"]) * split[s] / n_bal + b["overhead"])
         return (m + p - 1) * max(per_mb) + max(rest), per_mb
 
-    # Each group's pp_comm already counts the sends of all p - 1 boundaries on its own links
-    # (2 per micro-batch and boundary on the critical path, plus fill and drain); the share of
-    # them that crosses groups is added again at the between-groups link: an overestimate by
-    # the group's own time for those sends.
-    crossings = sum(1 for a, b in zip(stage_group, stage_group[1:]) if a != b)
     link = mixed_link_cluster(mixed, mixed.groups[0].cluster)
     partitioned = plan.sp or options_for(mixed.groups[0].cluster).pp_partitioned_sends
-    boundary = mbs * seq * model.dim * BF16 / (plan.tp if partitioned else 1)
+    boundary = mbs * seq * model.dim * activation_bytes(options_for(mixed.groups[0].cluster)) / (plan.tp if partitioned else 1)
     cross_s = 2 * (m + p - 1) * comm.send(link, boundary, same_domain=False) * crossings / max(p - 1, 1)
     time, per_mb = step(counts)
     base, _ = step(even)

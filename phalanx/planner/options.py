@@ -60,6 +60,13 @@ class Options:
     precision: Precision = MIXED_ADAM
     """Bytes of weights, gradients, optimizer state, activations and logits
     (`memory.TRAINER_PRECISION[dtype]` for the phalanx trainer)."""
+    fp32_compute: bool = False
+    """The run computes in fp32: Megatron-LM and Megatron-DeepSpeed given neither --fp16 nor
+    --bf16 (their `params_dtype` defaults to torch.float). Its GEMMs and attention run at the
+    device's fp32 peak (`Cluster.fp32_tflops`), and its activations, attention scores,
+    tensor-parallel collectives and pipeline sends move 4 bytes per element, not 2. False:
+    16-bit compute (the published mixed-precision runs; the phalanx trainer, whose fp32 runs
+    on CPUs are priced from calibrate's measurements)."""
     fused_norm: bool = True
     """RMSNorm saves only its input and 1/rms per row (torch's `_fused_rms_norm` on CUDA; Apex and
     Transformer Engine likewise; the phalanx trainer's model/rms_norm.py on every device). False:
@@ -93,6 +100,11 @@ class Options:
     n_experts / ep experts. 0: one slot per expert, and none of the slots' layout rules (S =
     n_experts, for `--rebalance-every` alone, keeps the memory and applies the rules: ep > 1,
     no tp or pp, `layout_rules.expert_slots_layout_problem`)."""
+
+
+def activation_bytes(options: Options) -> int:
+    """Bytes of one activation element as computed and communicated (`fp32_compute`)."""
+    return 4 if options.fp32_compute else 2
 
 
 def trainer_options(dtype: str, cluster: Cluster, **overrides) -> Options:

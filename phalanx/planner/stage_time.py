@@ -51,7 +51,7 @@ from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memo import by_identity as _by_identity
 from phalanx.planner.memo import collective_time as _collective
 from phalanx.planner.memory import layer_activation_bytes, layers_per_stage
-from phalanx.planner.options import Options
+from phalanx.planner.options import Options, activation_bytes
 from phalanx.planner.peak_memory import BF16, folds_experts, kv_gather_bytes, moe_layer_count, recompute_share
 
 LOSS_BYTES_F = 22
@@ -133,7 +133,8 @@ def gemm_time(m: float, n: float, k: float, *, cluster: Cluster, peak: float) ->
 @_by_identity
 def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: int, ep: int, sp: bool,
                moe: bool, peak: float, flash: bool, memory_bw: float, overhead: float,
-               tp_splits_experts: bool = True, fold_experts: bool = False, cp: int = 1) -> LayerCost:
+               tp_splits_experts: bool = True, fold_experts: bool = False, cp: int = 1,
+               act_bytes: int = BF16) -> LayerCost:
     """Forward, input-gradient and weight-gradient seconds of one layer for one micro-batch.
 
     `tp_splits_experts`: False where the MoE block stays out of tensor parallelism (the phalanx
@@ -143,7 +144,9 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     (MoE parallel folding): `ep` spans dp x tp, each device holds n_experts / ep whole experts
     and dispatches 1/tp of the routed rows; router and shared experts still run on every tp
     rank (the all-gather of the rows over tp is charged with the all-to-all, `stage_cost`).
-    `cp`: this rank's seq / cp positions of each sequence against every key."""
+    `cp`: this rank's seq / cp positions of each sequence against every key. `act_bytes`: 2,
+    or 4 where the run computes in fp32 (`Options.fp32_compute`): activations, scores and
+    collectives twice the bytes."""
     tokens = mbs * seq // cp
     h = model.dim
     one = functools.partial(gemm_time, cluster=cluster, peak=peak)
@@ -173,30 +176,36 @@ def layer_cost(model: ModelConfig, cluster: Cluster, *, seq: int, mbs: int, tp: 
     gemm, gemm_b, gemm_w = (sum(p[i] for p in parts) for i in range(3))
     stored = layer_activation_bytes(model, seq=seq, mbs=mbs, tp=tp, sp=sp, recompute="none", moe=moe, flash=True,
                                     tp_splits_experts=tp_splits_experts, fold_experts=fold_experts, cp=cp)
-    elementwise = 2 * stored / (memory_bw * cluster.elementwise_efficiency)
+    elementwise = 2 * stored * (act_bytes / BF16) / (memory_bw * cluster.elementwise_efficiency)
     if flash:  # fused kernel: masked blocks skipped, scores never leave the chip
         attention = 0.5 * 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
         attention_b = 2.5 * attention
     else:
         # Two batched GEMMs over the whole s x s score matrix (the mask is applied after them),
-        # backward twice the forward's FLOPs; between them the scores go through HBM: fused
-        # scale-mask-softmax reads and writes 16-bit scores (4 bytes per score forward, 6 backward:
-        # gradient and probabilities in, gradient out), GPT-style dropout on the probabilities
-        # 5 more each way (2 in, 2 out, a 1-byte mask).
+        # backward twice the forward's FLOPs; between them the scores go through HBM, `a` bytes
+        # each: fused scale-mask-softmax reads and writes them (2a per score forward, 3a
+        # backward: gradient and probabilities in, gradient out); GPT-style dropout on the
+        # probabilities 2a + 1 more each way (in, out, a 1-byte mask). In fp32 Megatron's fused
+        # kernel does not run (FusedScaleMaskSoftmax.is_kernel_available needs 16-bit input):
+        # torch scales, fills the mask and takes the softmax as three passes, each reading and
+        # writing the scores (6a + 1 forward, the mask read once), and autograd undoes them as
+        # three (softmax 3a, mask fill 2a + 1, scale 2a).
         attention = 4 * tokens * seq * latent_attention.core_width(model) / tp / (peak * cluster.attention_efficiency)
         attention_b = 2 * attention
         scores = tokens * model.n_heads * seq / tp
-        dropout = 5 if model.mlp == "gelu" else 0
-        attention += scores * (4 + dropout) / memory_bw
-        attention_b += scores * (6 + dropout) / memory_bw
+        a = act_bytes
+        dropout = 2 * a + 1 if model.mlp == "gelu" else 0
+        softmax_f, softmax_b = (2 * a, 3 * a) if a == BF16 else (6 * a + 1, 7 * a + 1)
+        attention += scores * (softmax_f + dropout) / memory_bw
+        attention_b += scores * (softmax_b + dropout) / memory_bw
     return LayerCost(
         f=gemm + attention + elementwise + overhead,
         b=gemm_b + attention_b + 2 * elementwise + overhead,
         w=gemm_w + overhead,
         attention_f=attention,
         attention_b=attention_b,
-        tp_bytes=tokens * h * BF16,
-        ep_bytes=tokens * model.experts_per_token * h * BF16 / (expert_tp * fold) if moe else 0.0,
+        tp_bytes=tokens * h * act_bytes,
+        ep_bytes=tokens * model.experts_per_token * h * act_bytes / (expert_tp * fold) if moe else 0.0,
         gemm_f=gemm,
         cp_bytes=kv_gather_bytes(model, mbs, seq, tp) if cp > 1 else 0.0,
     )
@@ -248,9 +257,10 @@ def layer_costs(model: ModelConfig, cluster: Cluster, workload: Workload, lay: L
     """(dense, MoE) layer costs of this layout; the dense one twice when the stage holds no MoE layer."""
     world = lay.world_size
     kw = dict(seq=workload.seq_len, mbs=lay.mbs, tp=lay.tp, ep=lay.ep, sp=lay.sp,
-              peak=cluster.peak_flops_per_rank(world), flash=options.flash_attention,
+              peak=cluster.compute_flops_per_rank(world, fp32=options.fp32_compute), flash=options.flash_attention,
               memory_bw=cluster.memory_bw_per_rank(world), overhead=overhead,
-              tp_splits_experts=options.tp_splits_experts, fold_experts=folds_experts(lay), cp=lay.cp)
+              tp_splits_experts=options.tp_splits_experts, fold_experts=folds_experts(lay), cp=lay.cp,
+              act_bytes=activation_bytes(options))
     dense = layer_cost(model, cluster, moe=False, **kw)
     return dense, layer_cost(model, cluster, moe=True, **kw) if moe else dense
 
@@ -282,7 +292,7 @@ def stage_cost(model: ModelConfig, cluster: Cluster, workload: Workload, lay: La
     loaded stage, TP and EP communication included."""
     seq, p, v = workload.seq_len, lay.pp, lay.virtual
     world = lay.world_size
-    peak = cluster.peak_flops_per_rank(world)
+    peak = cluster.compute_flops_per_rank(world, fp32=options.fp32_compute)
     memory_bw = cluster.memory_bw_per_rank(world)
     n = layers_per_stage(model.n_layers, p, v)
     n_moe_total = moe_layer_count(model)
