@@ -70,6 +70,13 @@ class ServeCosts:
     reading the weights, the all-reduces, the group's cost per forward (timed on this CPU: such
     a step took about the sum of the two alone, at one process and at tp=2). The GPU engines
     whose published runs the presets are checked on batch both into one forward."""
+    elementwise_passes: bool = False
+    """Charge the step's element-wise passes (norms, activations, residual adds, rotary, the
+    activations' quantization and the MoE's permutes) as their own memory-bound kernels:
+    reading and writing the layer's activations once at the cluster's streaming bandwidth, the
+    training planner's forward term (stage_time.layer_cost: `layer_activation_bytes`, the
+    published Korthikanti et al. count). On GPUs (`GPU_ENGINE`, `GPU_CPP_EXECUTOR`); off on this
+    CPU, where calibration's per-token cost (`token_s`) holds them."""
     flops_scale: float = 1.0
     """Measured GEMM rate over the cluster's `peak_tflops x matmul_efficiency` (CPU fit; 1 on GPUs)."""
     bandwidth_scale: float = 1.0
@@ -84,7 +91,7 @@ class ServeCosts:
             if size < 2 or not sec >= 0:
                 out.append(f"group_step_s row [{size}, {sec}] needs a group of >= 2 ranks and seconds >= 0")
         for f in dataclasses.fields(self):
-            if f.name in ("group_step_s", "split_forwards"):
+            if f.name in ("group_step_s", "split_forwards", "elementwise_passes"):
                 continue
             value = getattr(self, f.name)
             if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
@@ -129,7 +136,7 @@ the executor's per-request Python (scheduling, input preparation and response ha
 not in it), and measured on a later, already faster sampler than v1.0's (pull requests 7908
 and 11141 sped it up in between): a floor of the host's time per sequence, not a fit."""
 
-GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S, host_sequence_s=TORCH_SAMPLER_HOST_S)
+GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S, host_sequence_s=TORCH_SAMPLER_HOST_S, elementwise_passes=True)
 """A Python-driven engine on a GPU (TensorRT-LLM's PyTorch backend, SGLang, vLLM): no framework
 time beyond the GPU's while the GPU's step is the longer (CUDA graphs; the host's work
 overlapped with the GPU's step, module docstring), each GEMM's fill and drain as DeepGEMM's
@@ -138,7 +145,7 @@ published decode-size GEMMs show it, and a step never shorter than its sequences
 charged 2 ms of host work per step instead, a figure set on the visible published rows, not
 measured: issue 39 took it out."""
 
-GPU_CPP_EXECUTOR = ServeCosts(gemm_s=GPU_KERNEL_FILL_S)
+GPU_CPP_EXECUTOR = ServeCosts(gemm_s=GPU_KERNEL_FILL_S, elementwise_passes=True)
 """TensorRT-LLM's TensorRT engines under its C++ executor (v0.17 and before): no Python per
 request; its host time per sequence is not published, so none is charged."""
 
@@ -165,8 +172,9 @@ def load_serve_costs(path: Path) -> ServeCosts:
         values["group_step_s"] = tuple((int(n), float(sec)) for n, sec in values.get("group_step_s", ()))
     except (TypeError, ValueError):
         raise UserError(f"{path}: group_step_s must be a list of [tp ranks, seconds]") from None
-    if not isinstance(values.get("split_forwards", False), bool):
-        raise UserError(f"{path}: split_forwards must be true or false")
+    for name in ("split_forwards", "elementwise_passes"):
+        if not isinstance(values.get(name, False), bool):
+            raise UserError(f"{path}: {name} must be true or false")
     costs = ServeCosts(**values)
     if costs.problems():
         raise UserError(f"{path}: " + "; ".join(costs.problems()))

@@ -43,6 +43,7 @@ from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, latent_attention
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.kv_cache import kv_bytes_per_token
+from phalanx.planner.memory import layer_activation_bytes
 from phalanx.planner.serve.costs import ServeCosts, serve_costs_for
 from phalanx.planner.stage_time import GEMM_TILE, gemm_time
 
@@ -146,6 +147,16 @@ def active_experts_per_rank(model: ModelConfig, layout: ServeLayout, tokens: flo
     s, k = layout.slot_count(model.n_experts), model.experts_per_token
     group_tokens = tokens * layout.ep * (1 + layout.expert_imbalance)
     return s / layout.ep * (1 - (1 - k / s) ** group_tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def activation_bytes_per_token(model: ModelConfig, tp: int) -> tuple[float, float]:
+    """(dense layer, MoE layer) bytes of 16-bit activations one token's forward writes on a tp
+    rank (the training planner's count, `memory.layer_activation_bytes`, without sequence
+    parallelism: norm and block inputs whole, attention and feed-forward tensors over tp, the
+    routed rows k copies of the token)."""
+    one = functools.partial(layer_activation_bytes, model, seq=1, mbs=1, tp=tp, sp=False, recompute="none", flash=True)
+    return one(moe=False), (one(moe=True) if model.n_experts else 0.0)
 
 
 def _fill(d: float, half: float) -> float:
@@ -292,13 +303,21 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
     if layout.pp > 1:
         same = tp * layout.dp * 2 <= cluster.fast_domain
         pp_comm = comm.send(cluster, tokens * h * ab, same_domain=same)
+    elementwise = 0.0
+    if costs.elementwise_passes and tokens > 0:
+        # Each element-wise pass reads and writes its activations (2x), as the training
+        # planner's forward charges them (stage_time.layer_cost), at the streaming bandwidth.
+        dense_bytes, moe_bytes = activation_bytes_per_token(model, tp)
+        elementwise = 2 * tokens * (dense_layers * dense_bytes + moe_layers * moe_bytes) / (
+            bw * cluster.elementwise_efficiency)
     sequences = decodes + (1 if prefill_tokens else 0)
     framework = (costs.step_s + costs.group_step(tp) + layers * costs.layer_s + sequences * costs.sequence_s
                  + decodes * layers * costs.sequence_layer_s + tokens * costs.token_s)
     return StepTime({
         "weights_and_gemms": attention + dense + experts + head + launches * costs.gemm_s,
         "attention_decode": dec_attn, "attention_prefill": pre_attn,
-        "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "framework": framework,
+        "elementwise": elementwise, "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm,
+        "framework": framework,
     })
 
 
