@@ -21,6 +21,7 @@ the N rows of each half furthest off, with the step's largest cause.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -32,7 +33,7 @@ from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.model_spec import model_from_dict
 from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_KERNEL_FILL_S, TORCH_SAMPLER_HOST_S,
                                          ServeCosts, kernel_fill_seconds)
-from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule
+from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule, trtllm_bench_max_num_tokens
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.planner.serve.search import parse_serve_fix, search_serving
 
@@ -64,9 +65,17 @@ def predict(row: dict, models: dict, kv_dtype: str) -> tuple[float, str]:
     """(predicted metric, the decode step's largest cause); nan where no layout holds the run."""
     model = MODELS.get(row["model"]) or model_from_dict(models[row["model"]], source=row["model"])
     load = ServeLoad(isl=row["isl"], osl=row["osl"], concurrency=row.get("concurrency"), phase=row["phase"])
-    result = search_serving(model, CLUSTERS[row["cluster"]], load, gpus=row["gpus"], fixed=parse_serve_fix(row["fix"]),
-                            weight_dtype=row["weight_dtype"], kv_dtype=row.get("kv_dtype", kv_dtype), keep=1,
-                            pool=pool_of(row), costs=costs_of(row))
+    fixed = parse_serve_fix(row["fix"])
+    search = functools.partial(search_serving, model, CLUSTERS[row["cluster"]], load, gpus=row["gpus"],
+                               weight_dtype=row["weight_dtype"], kv_dtype=row.get("kv_dtype", kv_dtype), keep=1,
+                               pool=pool_of(row), costs=costs_of(row))
+    result = search(fixed=fixed)
+    if "trtllm-bench" in row["engine"] and "max_batch_tokens" not in fixed and result.ranked:
+        # trtllm-bench's own token budget for the batch the KV pool holds (its tuning.py), not
+        # the planner's choice among its budgets.
+        plan = result.ranked[0]
+        budget = trtllm_bench_max_num_tokens(plan.max_batch, isl=row["isl"], osl=row["osl"], pp=plan.layout.pp)
+        result = search(fixed={**fixed, "max_batch_tokens": budget})
     if not result.ranked:
         return float("nan"), "refused"
     rates = result.ranked[0].rates
