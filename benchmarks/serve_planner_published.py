@@ -36,6 +36,7 @@ from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_KERNE
 from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule, trtllm_bench_max_num_tokens
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.planner.serve.search import parse_serve_fix, search_serving
+from phalanx.planner.serve.step import one_gemm_time
 
 ROWS = Path(__file__).resolve().parents[1] / "phalanx" / "planner" / "serve" / "validation.json"
 
@@ -86,6 +87,40 @@ def predict(row: dict, models: dict, kv_dtype: str) -> tuple[float, str]:
     return value, cause
 
 
+DEEPGEMM_DENSE = (
+    (64, 2112, 7168, 206, 2.7), (64, 24576, 1536, 289, 1.7), (64, 32768, 512, 219, 1.8),
+    (64, 7168, 16384, 336, 1.4), (64, 4096, 7168, 287, 1.4), (64, 7168, 2048, 295, 1.7),
+    (128, 2112, 7168, 352, 2.4), (128, 24576, 1536, 535, 1.6), (128, 32768, 512, 358, 1.5),
+    (128, 7168, 16384, 645, 1.4), (128, 4096, 7168, 533, 2.0), (128, 7168, 2048, 510, 1.7),
+    (4096, 2112, 7168, 1058, 1.1), (4096, 24576, 1536, 990, 1.0), (4096, 32768, 512, 590, 1.0),
+    (4096, 7168, 16384, 1358, 1.2), (4096, 4096, 7168, 1304, 1.1), (4096, 7168, 2048, 1025, 1.1))
+"""(M, N, K, TFLOP/s, speedup) of every row of DeepGEMM's "Normal GEMMs for dense models" table
+(deepseek-ai/DeepGEMM@7a70b43 README: fp8 with 128-wide block scales on an H800, whose SMs and
+tensor cores are the H100's); speedup: over DeepSeek's "internally and carefully optimized
+implementation based on CUTLASS 3.6", whose time is DeepGEMM's times the speedup."""
+
+
+def print_kernels() -> None:
+    """The step model's time of one fp8 GEMM on hgx-h800 (roofline of weights and FLOPs,
+    the training planner's efficiency, one launch's fill) against DeepGEMM's published
+    times and its CUTLASS 3.6 baseline's."""
+    print(f"{'M':>5} {'N':>6} {'K':>6} {'model us':>9} {'DeepGEMM us':>12} {'CUTLASS us':>11} "
+          f"{'model/DeepGEMM':>15} {'model/CUTLASS':>14}")
+    to_deep, to_cutlass = [], []
+    for m, n, k, tflops, speedup in DEEPGEMM_DENSE:
+        model = one_gemm_time(CLUSTERS["hgx-h800"], "fp8", m, n, k, costs=GPU_ENGINE)
+        deep = 2 * m * n * k / (tflops * 1e12)
+        to_deep.append(model / deep)
+        to_cutlass.append(model / (deep * speedup))
+        print(f"{m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {deep * 1e6:>12.1f} {deep * speedup * 1e6:>11.1f} "
+              f"{to_deep[-1]:>15.2f} {to_cutlass[-1]:>14.2f}")
+    for name, ratios in (("DeepGEMM", to_deep), ("CUTLASS 3.6 baseline", to_cutlass)):
+        small = ratios[:12]
+        print(f"model / {name}: median {statistics.median(ratios):.2f} over the 18 rows; M = 64 and 128: median "
+              f"{statistics.median(small):.2f} ({min(small):.2f} to {max(small):.2f}); M = 4096: "
+              f"{min(ratios[12:]):.2f} to {max(ratios[12:]):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv-dtype", default="fp8", choices=("bf16", "fp8"),
@@ -98,7 +133,12 @@ def main() -> None:
                         help="only the file's first N rows (27: the rows of issue 23, before issue 39 added more)")
     parser.add_argument("--by-group", action="store_true",
                         help="also the median pred/pub of each model on each cluster and dtype, per half")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only the step model's fp8 GEMM times against DeepGEMM's published table and its CUTLASS baseline")
     args = parser.parse_args()
+    if args.kernels:
+        print_kernels()
+        return
     data = json.loads(ROWS.read_text())
     start = time.perf_counter()
     splits = ("visible", "holdout") if args.split == "both" else (args.split,)

@@ -197,6 +197,15 @@ def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbyte
     return copies * total
 
 
+def one_gemm_time(cluster: Cluster, dtype: str, rows: float, n: float, k: float, *, costs: ServeCosts) -> float:
+    """Seconds the step model gives one (rows x k)(k x n) GEMM with weights in `dtype` on one
+    device: its roofline (`_linear`) plus its launch's fill and drain (`costs.gemm_s`); what
+    benchmarks/serve_planner_published.py --kernels sets beside published kernel timings."""
+    peak = gemm_peak(cluster, dtype, 1) * costs.flops_scale
+    bw = cluster.memory_bw_per_rank(1) * costs.bandwidth_scale
+    return _linear(cluster, peak, bw, rows, [(n, k)], WEIGHT_BYTES[dtype]) + costs.gemm_s
+
+
 def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, decodes: float, context: float,
               prefill_tokens: float = 0.0, prefill_context: float | None = None, world: int | None = None,
               costs: ServeCosts | None = None, shares: tuple[float, float] = (1.0, 1.0)) -> StepTime:
