@@ -36,7 +36,8 @@ from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_KERNE
 from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule, trtllm_bench_max_num_tokens
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.planner.serve.search import parse_serve_fix, search_serving
-from phalanx.planner.serve.step import one_gemm_time
+from phalanx.planner.serve.step import WEIGHT_BYTES, gemm_peak, one_gemm_time
+from phalanx.planner.stage_time import gemm_time
 
 ROWS = Path(__file__).resolve().parents[1] / "phalanx" / "planner" / "serve" / "validation.json"
 
@@ -100,25 +101,59 @@ tensor cores are the H100's); speedup: over DeepSeek's "internally and carefully
 implementation based on CUTLASS 3.6", whose time is DeepGEMM's times the speedup."""
 
 
+VLLM_LLAMA8B_QKV = (
+    ("dgx-h100", "fp8", ((16, 87.46), (64, 396.96), (128, 693.31), (256, 956.00))),
+    ("dgx-h100", "bf16", ((1, 2.513), (16, 39.11), (64, 160.59), (128, 307.85), (256, 544.33))),
+    ("dgx-b200", "fp8", ((1, 8.451), (16, 137.11), (64, 533.22), (128, 905.74), (256, 1462.90), (512, 1759.88),
+                         (1024, 2207.50))))
+"""(cluster, dtype, ((M, TFLOP/s), ...)) of vLLM's benchmarks/kernels/bench_fp8_gemm.py on Llama 3.1
+8B's fused qkv shape (N 6144, K 4096) as its pull requests print them: #17126 (H100: the
+per-tensor fp8 CUTLASS GEMM without the activations' quantization, and torch's bf16 GEMM) and
+#18778 (B200, the same fp8 column)."""
+
+
+def training_gemm_time(cluster_name: str, dtype: str, m: float, n: float, k: float) -> float:
+    """What the serving step charged one GEMM before issue 39 took gpu_gemm_time: the weights'
+    bytes or the training planner's GEMM time (f(m) f(n) f(k) and the large tiles' waves at
+    every size), whichever is longer, plus one launch's fill."""
+    cluster = CLUSTERS[cluster_name]
+    peak = gemm_peak(cluster, dtype, 1)
+    read = n * k * WEIGHT_BYTES[dtype] / cluster.memory_bw_per_rank(1)
+    return max(read, gemm_time(m, n, k, cluster=cluster, peak=peak)) + GPU_ENGINE.gemm_s
+
+
 def print_kernels() -> None:
-    """The step model's time of one fp8 GEMM on hgx-h800 (roofline of weights and FLOPs,
-    the training planner's efficiency, one launch's fill) against DeepGEMM's published
-    times and its CUTLASS 3.6 baseline's."""
-    print(f"{'M':>5} {'N':>6} {'K':>6} {'model us':>9} {'DeepGEMM us':>12} {'CUTLASS us':>11} "
-          f"{'model/DeepGEMM':>15} {'model/CUTLASS':>14}")
-    to_deep, to_cutlass = [], []
+    """The step model's time of one GEMM (serve/step.one_gemm_time: the kernel's roofline and
+    one launch's fill) against published kernel timings: DeepGEMM's dense fp8 table on an
+    H800 and its CUTLASS 3.6 baseline, and vLLM's per-tensor fp8 and bf16 GEMMs on H100 and B200."""
+    print(f"{'cluster':<9} {'dtype':<5} {'M':>5} {'N':>6} {'K':>6} {'model us':>9} {'published us':>13} {'model/published':>16}"
+          f" {'training GEMM/published':>24}  (DeepGEMM's CUTLASS 3.6 baseline: us, model/baseline)")
+    ratios: dict[str, list[float]] = {"DeepGEMM": [], "its CUTLASS 3.6 baseline": [], "vLLM": []}
+    training: dict[str, list[float]] = {"DeepGEMM": [], "its CUTLASS 3.6 baseline": [], "vLLM": []}
     for m, n, k, tflops, speedup in DEEPGEMM_DENSE:
         model = one_gemm_time(CLUSTERS["hgx-h800"], "fp8", m, n, k, costs=GPU_ENGINE)
+        old = training_gemm_time("hgx-h800", "fp8", m, n, k)
         deep = 2 * m * n * k / (tflops * 1e12)
-        to_deep.append(model / deep)
-        to_cutlass.append(model / (deep * speedup))
-        print(f"{m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {deep * 1e6:>12.1f} {deep * speedup * 1e6:>11.1f} "
-              f"{to_deep[-1]:>15.2f} {to_cutlass[-1]:>14.2f}")
-    for name, ratios in (("DeepGEMM", to_deep), ("CUTLASS 3.6 baseline", to_cutlass)):
-        small = ratios[:12]
-        print(f"model / {name}: median {statistics.median(ratios):.2f} over the 18 rows; M = 64 and 128: median "
-              f"{statistics.median(small):.2f} ({min(small):.2f} to {max(small):.2f}); M = 4096: "
-              f"{min(ratios[12:]):.2f} to {max(ratios[12:]):.2f}")
+        ratios["DeepGEMM"].append(model / deep)
+        ratios["its CUTLASS 3.6 baseline"].append(model / (deep * speedup))
+        training["DeepGEMM"].append(old / deep)
+        training["its CUTLASS 3.6 baseline"].append(old / (deep * speedup))
+        print(f"{'hgx-h800':<9} {'fp8':<5} {m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {deep * 1e6:>13.1f} "
+              f"{model / deep:>16.2f} {old / deep:>24.2f}  ({deep * speedup * 1e6:.1f}, {model / (deep * speedup):.2f})")
+    n, k = 6144, 4096
+    for cluster, dtype, points in VLLM_LLAMA8B_QKV:
+        for m, tflops in points:
+            model = one_gemm_time(CLUSTERS[cluster], dtype, m, n, k, costs=GPU_ENGINE)
+            old = training_gemm_time(cluster, dtype, m, n, k)
+            published = 2 * m * n * k / (tflops * 1e12)
+            ratios["vLLM"].append(model / published)
+            training["vLLM"].append(old / published)
+            print(f"{cluster:<9} {dtype:<5} {m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {published * 1e6:>13.1f} "
+                  f"{model / published:>16.2f} {old / published:>24.2f}")
+    for name, values in ratios.items():
+        print(f"model / {name}: median {statistics.median(values):.2f} ({min(values):.2f} to {max(values):.2f}) "
+              f"over {len(values)} GEMMs; the training GEMM's: median {statistics.median(training[name]):.2f} "
+              f"({min(training[name]):.2f} to {max(training[name]):.2f})")
 
 
 def main() -> None:

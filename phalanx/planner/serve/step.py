@@ -178,15 +178,54 @@ def _grouped_gemm_time(cluster: Cluster, peak: float, groups: float, rows: float
     return 2.0 * groups * rows * n * k / (peak * eff)
 
 
+GEMM_OUT_BYTES = 2.0
+"""A GEMM's output is bf16 (the fp8 and fp4 GEMMs dequantize into it)."""
+
+
+def gpu_gemm_time(cluster: Cluster, peak: float, bw: float, groups: float, rows: float, n: float, k: float,
+                  wbytes: float) -> float:
+    """Seconds of `groups` (rows x k)(k x n) GEMMs in one launch on a GPU, a roofline of the
+    kernel's bytes and FLOPs: the weights, the inputs (in the weights' dtype: W16A16, W8A8 and
+    NVFP4's W4A4 quantize the activations on the way in) and the bf16 outputs at the streaming
+    bandwidth, or the FLOPs at `matmul_efficiency` of the dtype's peak, charged for a small n or
+    k (f(d) = d / (d + matmul_half_dim), the training planner's) and, once the output's 128 x 256
+    tiles fill at least one wave of the SMs, for the last wave's idle SMs. No charge for few
+    rows, nor for an output of fewer tiles than SMs: decode-size kernels take smaller tiles or
+    split k and stream the weights near the bandwidth. Checked against published kernel
+    timings (`benchmarks/serve_planner_published.py --kernels`): DeepGEMM's fp8 GEMMs on an H800
+    (its README at 7a70b43, 18 dense rows) and vLLM's per-tensor fp8 CUTLASS GEMMs on Llama 3.1
+    8B's qkv shape on H100 and B200 (vLLM pull requests 17126 and 18778). The training
+    planner's `gemm_time`, which charges f(rows) and the large tiles' waves at any size, ran
+    their 16 to 256 row GEMMs 1.3 to 4x slower than published; it matches only DeepSeek's own
+    CUTLASS 3.6 baseline for block-scaled fp8, which DeepGEMM beats 1.4 to 2.7x there."""
+    half = cluster.matmul_half_dim
+    eff = cluster.matmul_efficiency * _fill(n, half) * _fill(k, half)
+    tiles_min, wave = math.inf, 0.0
+    for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
+        tiles = math.ceil(groups) * math.ceil(rows / tm) * math.ceil(n / tn)
+        tiles_min = min(tiles_min, tiles)
+        wave = max(wave, tiles / (math.ceil(tiles / cluster.sm_count) * cluster.sm_count))
+    if tiles_min >= cluster.sm_count:
+        eff *= wave
+    nbytes = groups * (n * k * wbytes + rows * k * wbytes + rows * n * GEMM_OUT_BYTES)
+    return max(nbytes / bw, 2.0 * groups * rows * n * k / (peak * eff))
+
+
 def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbytes: float, copies: float = 1.0,
             *, grouped: bool = False) -> float:
     """`copies` x the GEMMs of `shapes` ((n, k) each) over `rows` token rows: the weights'
     bytes or the GEMM's time, whichever is longer (roofline), summed. Copies are layers run
     one after another, or with `grouped` experts run as one grouped GEMM (as MoE kernels do):
     their output tiles fill the SMs' waves together, so the wave fill is that of copies x rows
-    rows, while the small-dimension charge stays that of `rows`."""
+    rows, while the small-dimension charge stays that of `rows`. On a GPU (`sm_count` > 0)
+    each is `gpu_gemm_time`; on this CPU the training planner's GEMM, as calibrated."""
     total = 0.0
     for n, k in shapes:
+        if cluster.sm_count > 0:
+            groups = copies if grouped else 1.0
+            total += gpu_gemm_time(cluster, peak, bw, groups, rows, n, k, wbytes) / groups if rows > 0 else \
+                n * k * wbytes / bw
+            continue
         read = n * k * wbytes / bw
         compute = 0.0
         if rows > 0 and grouped:
