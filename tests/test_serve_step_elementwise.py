@@ -49,13 +49,17 @@ def test_gpu_step_pays_elementwise_passes_cpu_does_not():
 
 def test_moe_layers_count_their_routed_rows():
     """Mixtral 8x7B routes each token to 2 experts: an MoE layer's element-wise bytes per token
-    exceed a dense layer's of the same width by the k routed copies of the rows in and out and
-    their SwiGLU tensors."""
+    are the attention's plus the k routed copies of the rows in and out and their SwiGLU
+    tensors."""
     model = MODELS["mixtral-8x7b"]
     _, moe = activation_bytes_per_token(model, 1)
     h, k, f = model.dim, model.experts_per_token, model.moe_ffn_dim
     no_ffn = 8 * h + 4 * h + 4 * model.n_kv_heads * model.head_dim
     assert moe == pytest.approx(no_ffn + 2 * k * h + 8 * k * f + 2 * k * h)
+    # tp=2: each rank runs half of every expert on every routed row, so the rows stay whole
+    # while the attention tensors and the SwiGLU's halve.
+    _, moe2 = activation_bytes_per_token(model, 2)
+    assert moe2 == pytest.approx(8 * h + (4 * h + 4 * model.n_kv_heads * model.head_dim + 8 * k * f) / 2 + 4 * k * h)
 
 
 def test_calibration_file_flag_must_be_boolean(tmp_path):

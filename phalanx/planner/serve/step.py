@@ -154,9 +154,15 @@ def activation_bytes_per_token(model: ModelConfig, tp: int) -> tuple[float, floa
     """(dense layer, MoE layer) bytes of 16-bit activations one token's forward writes on a tp
     rank (the training planner's count, `memory.layer_activation_bytes`, without sequence
     parallelism: norm and block inputs whole, attention and feed-forward tensors over tp, the
-    routed rows k copies of the token)."""
+    routed rows k copies of the token, whole on every tp rank)."""
     one = functools.partial(layer_activation_bytes, model, seq=1, mbs=1, tp=tp, sp=False, recompute="none", flash=True)
-    return one(moe=False), (one(moe=True) if model.n_experts else 0.0)
+    if not model.n_experts:
+        return one(moe=False), 0.0
+    # The training count divides the routed rows (2 k h bytes in, 2 k h out) over tp with the
+    # rest of the block; a serving tp rank runs its 1/tp slice of every expert on every routed
+    # row (TensorRT-LLM's and vLLM's tensor-parallel MoE), so it permutes and returns them whole.
+    rows = 4 * model.experts_per_token * model.dim
+    return one(moe=False), one(moe=True) + rows * (1 - 1 / tp)
 
 
 def _fill(d: float, half: float) -> float:
