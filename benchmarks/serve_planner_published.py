@@ -31,8 +31,8 @@ from pathlib import Path
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.model_spec import model_from_dict
-from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_KERNEL_FILL_S, TORCH_SAMPLER_HOST_S,
-                                         ServeCosts, kernel_fill_seconds)
+from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_FP4_FILL_S, GPU_KERNEL_FILL_S,
+                                         TORCH_SAMPLER_HOST_S, ServeCosts, fp4_fill_seconds, kernel_fill_seconds)
 from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule, trtllm_bench_max_num_tokens
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.planner.serve.search import parse_serve_fix, search_serving
@@ -112,6 +112,13 @@ per-tensor fp8 CUTLASS GEMM without the activations' quantization, and torch's b
 #18778 (B200, the same fp8 column)."""
 
 
+CUBLASLT_FP4 = ((128, 2048, 7168, 338), (128, 24576, 1536, 745), (512, 2048, 7168, 1422), (512, 7168, 2048, 1190),
+                (1024, 7168, 2048, 1399), (4096, 4096, 7168, 3939), (8192, 8192, 8192, 5239))
+"""(M, N, K, TFLOP/s) of cuBLASLt's FP4 x FP4 (MXFP4) GEMMs on a B200, every row of DeepGEMM pull
+request 348's table (its cublasTest 13.3 column); the first four set the fp4 fill
+(serve/costs.GPU_FP4_FILL_S)."""
+
+
 def training_gemm_time(cluster_name: str, dtype: str, m: float, n: float, k: float) -> float:
     """What the serving step charged one GEMM before issue 39 took gpu_gemm_time: the weights'
     bytes or the training planner's GEMM time (f(m) f(n) f(k) and the large tiles' waves at
@@ -119,7 +126,7 @@ def training_gemm_time(cluster_name: str, dtype: str, m: float, n: float, k: flo
     cluster = CLUSTERS[cluster_name]
     peak = gemm_peak(cluster, dtype, 1)
     read = n * k * WEIGHT_BYTES[dtype] / cluster.memory_bw_per_rank(1)
-    return max(read, gemm_time(m, n, k, cluster=cluster, peak=peak)) + GPU_ENGINE.gemm_s
+    return max(read, gemm_time(m, n, k, cluster=cluster, peak=peak)) + GPU_ENGINE.gemm_fill(dtype)
 
 
 def print_kernels() -> None:
@@ -128,8 +135,8 @@ def print_kernels() -> None:
     H800 and its CUTLASS 3.6 baseline, and vLLM's per-tensor fp8 and bf16 GEMMs on H100 and B200."""
     print(f"{'cluster':<9} {'dtype':<5} {'M':>5} {'N':>6} {'K':>6} {'model us':>9} {'published us':>13} {'model/published':>16}"
           f" {'training GEMM/published':>24}  (DeepGEMM's CUTLASS 3.6 baseline: us, model/baseline)")
-    ratios: dict[str, list[float]] = {"DeepGEMM": [], "its CUTLASS 3.6 baseline": [], "vLLM": []}
-    training: dict[str, list[float]] = {"DeepGEMM": [], "its CUTLASS 3.6 baseline": [], "vLLM": []}
+    ratios: dict[str, list[float]] = {"DeepGEMM": [], "its CUTLASS 3.6 baseline": [], "vLLM": [], "cuBLASLt fp4": []}
+    training: dict[str, list[float]] = {"DeepGEMM": [], "its CUTLASS 3.6 baseline": [], "vLLM": [], "cuBLASLt fp4": []}
     for m, n, k, tflops, speedup in DEEPGEMM_DENSE:
         model = one_gemm_time(CLUSTERS["hgx-h800"], "fp8", m, n, k, costs=GPU_ENGINE)
         old = training_gemm_time("hgx-h800", "fp8", m, n, k)
@@ -150,6 +157,14 @@ def print_kernels() -> None:
             training["vLLM"].append(old / published)
             print(f"{cluster:<9} {dtype:<5} {m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {published * 1e6:>13.1f} "
                   f"{model / published:>16.2f} {old / published:>24.2f}")
+    for m, n, k, tflops in CUBLASLT_FP4:
+        model = one_gemm_time(CLUSTERS["dgx-b200"], "fp4", m, n, k, costs=GPU_ENGINE)
+        old = training_gemm_time("dgx-b200", "fp4", m, n, k)
+        published = 2 * m * n * k / (tflops * 1e12)
+        ratios["cuBLASLt fp4"].append(model / published)
+        training["cuBLASLt fp4"].append(old / published)
+        print(f"{'dgx-b200':<9} {'fp4':<5} {m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {published * 1e6:>13.1f} "
+              f"{model / published:>16.2f} {old / published:>24.2f}")
     for name, values in ratios.items():
         print(f"model / {name}: median {statistics.median(values):.2f} ({min(values):.2f} to {max(values):.2f}) "
               f"over {len(values)} GEMMs; the training GEMM's: median {statistics.median(training[name]):.2f} "
@@ -211,7 +226,9 @@ def main() -> None:
                   f"{ratio:.2f}, step mostly {cause}")
     fills = ", ".join(f"{x * 1e6:.2f}" for x in kernel_fill_seconds())
     print(f"GPU engines: host work overlapped with the GPU's (CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
-          f"per launch (the median of DeepGEMM's decode-size fp8 GEMMs on H800: {fills} us beyond their bytes)")
+          f"per launch (the median of DeepGEMM's decode-size fp8 GEMMs on H800: {fills} us beyond their bytes), "
+          f"an NVFP4 one's {GPU_FP4_FILL_S * 1e6:.2f} us (cuBLASLt's fp4 GEMMs of 128 and 512 rows on B200: "
+          f"{', '.join(f'{x * 1e6:.2f}' for x in fp4_fill_seconds())} us); element-wise passes at the streaming bandwidth")
     print(f"Python-driven engines: a step at least {TORCH_SAMPLER_HOST_S * 1e6:.1f} us of host work per sequence "
           f"(TensorRT-LLM's TorchSampler at a batch of 1,000, its pull request 11983), x{CLUSTERS['gb200-nvl72'].host_cpu_slowdown:.2f} "
           f"on GB200's Grace (TransformerEngine issue 2053); none under the C++ executor")

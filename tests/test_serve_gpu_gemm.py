@@ -61,3 +61,22 @@ def test_cpu_keeps_the_training_gemm():
     peak, bw = 1e12, 1e10
     got = _linear(cpu, peak, bw, 64, [(512, 512)], 4.0)
     assert got == max(512 * 512 * 4 / bw, gemm_time(64, 512, 512, cluster=cpu, peak=peak))
+
+
+def test_fp4_gemms_pay_their_own_fill():
+    """An NVFP4 step's 129 GEMM launches (Llama 3 8B) each fill and drain for
+    ServeCosts.gemm_fp4_s (9.48 us: cuBLASLt's fp4 GEMMs of 128 and 512 rows on B200, 8.9 to
+    10.4 us beyond their bytes), an fp8 step's for gemm_s; 0 falls back to gemm_s."""
+    from phalanx.model.config import PRESETS as MODELS
+    from phalanx.planner.serve.costs import GPU_ENGINE, GPU_FP4_FILL_S, fp4_fill_seconds
+    from phalanx.planner.serve.step import ServeLayout, step_time
+
+    assert GPU_FP4_FILL_S == pytest.approx(9.48e-6, abs=0.01e-6) and len(fp4_fill_seconds()) == 4
+    b200, model = CLUSTERS["dgx-b200"], MODELS["llama3-8b"]
+    for dtype, fill in (("fp4", GPU_ENGINE.gemm_fp4_s), ("fp8", GPU_ENGINE.gemm_s)):
+        layout = ServeLayout(weight_dtype=dtype, kv_dtype="fp8")
+        with_fill = step_time(model, b200, layout, decodes=64, context=1000, costs=GPU_ENGINE).breakdown
+        none = dataclasses.replace(GPU_ENGINE, gemm_s=0.0, gemm_fp4_s=0.0)
+        without = step_time(model, b200, layout, decodes=64, context=1000, costs=none).breakdown
+        assert with_fill["weights_and_gemms"] - without["weights_and_gemms"] == pytest.approx(129 * fill)
+    assert dataclasses.replace(GPU_ENGINE, gemm_fp4_s=0.0).gemm_fill("fp4") == GPU_ENGINE.gemm_s

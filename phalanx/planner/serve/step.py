@@ -244,11 +244,11 @@ def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbyte
 
 def one_gemm_time(cluster: Cluster, dtype: str, rows: float, n: float, k: float, *, costs: ServeCosts) -> float:
     """Seconds the step model gives one (rows x k)(k x n) GEMM with weights in `dtype` on one
-    device: its roofline (`_linear`) plus its launch's fill and drain (`costs.gemm_s`); what
+    device: its roofline (`_linear`) plus its launch's fill and drain (`costs.gemm_fill`); what
     benchmarks/serve_planner_published.py --kernels sets beside published kernel timings."""
     peak = gemm_peak(cluster, dtype, 1) * costs.flops_scale
     bw = cluster.memory_bw_per_rank(1) * costs.bandwidth_scale
-    return _linear(cluster, peak, bw, rows, [(n, k)], WEIGHT_BYTES[dtype]) + costs.gemm_s
+    return _linear(cluster, peak, bw, rows, [(n, k)], WEIGHT_BYTES[dtype]) + costs.gemm_fill(dtype)
 
 
 def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, decodes: float, context: float,
@@ -329,7 +329,7 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
         experts = moe_layers * (router + shared_t + routed)
     head = _linear(cluster, peak, bw, min(tokens, decodes + (1 if prefill_tokens else 0)),
                    [(model.vocab_size / tp, h)], wb)
-    # Each GEMM launched also fills and drains its pipeline (ServeCosts.gemm_s): one launch per
+    # Each GEMM launched also fills and drains its pipeline (ServeCosts.gemm_fill): one launch per
     # shape per layer, the routed experts' two as grouped GEMMs, the router, shared experts, head.
     launches = (layers * len(latent_attention.gemm_shapes(model, tp)) + dense_layers * len(mlp_shapes)
                 + moe_layers * (1 + (2 if model.n_shared_experts else 0) + 2) + 1)
@@ -368,7 +368,7 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
     framework = (costs.step_s + costs.group_step(tp) + layers * costs.layer_s + sequences * costs.sequence_s
                  + decodes * layers * costs.sequence_layer_s + tokens * costs.token_s)
     return StepTime({
-        "weights_and_gemms": attention + dense + experts + head + launches * costs.gemm_s,
+        "weights_and_gemms": attention + dense + experts + head + launches * costs.gemm_fill(layout.weight_dtype),
         "attention_decode": dec_attn, "attention_prefill": pre_attn,
         "elementwise": elementwise, "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm,
         "framework": framework,
