@@ -16,6 +16,10 @@ the file's `about`); the median |error| of each is printed (target: 15%), and wi
 the N rows of each half furthest off, with the step's largest cause.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serve_planner_published.py [--split visible] [--worst 8]
+
+`--kernels` prints instead the step model's time of single GEMMs beside published kernel
+timings (DeepGEMM's fp8 table on H800 and its CUTLASS baseline, vLLM's fp8 and bf16 GEMMs on
+H100 and B200, cuBLASLt's fp4 GEMMs on B200), which chose the GPU GEMM model.
 """
 
 from __future__ import annotations

@@ -8,9 +8,13 @@ Per layer of the most loaded pipeline stage, on one device:
   Weights are read from HBM once per step, whatever the batch: attention and dense
     feed-forwards split over tp, routed experts over ep x tp, and of those only the experts
     some token of the step chose (a step's tokens over the ep group, each choosing k of E,
-    touch E/ep (1 - (1 - k/E)^T) of a rank's experts). Each linear costs
-    max(its weight bytes / bandwidth, its GEMM time) (`stage_time.gemm_time`: small token
-    counts fill the GEMM badly): decode is bound by the bytes, a long prefill by the FLOPs.
+    touch E/ep (1 - (1 - k/E)^T) of a rank's experts). Each linear costs, on a GPU, the
+    roofline of its kernel's bytes and FLOPs (`gpu_gemm_time`, checked against published
+    kernel timings), on this CPU max(its weight bytes / bandwidth, the training planner's
+    `stage_time.gemm_time`), plus one launch's fill: decode is bound by the bytes, a long
+    prefill by the FLOPs.
+  Element-wise passes (GPUs, `ServeCosts.elementwise_passes`): each token's activations
+    written and read once at the streaming bandwidth, the training planner's count.
   The attention core reads every decoding sequence's KV cache once: the model's real cache
     (`kv_cache_values_per_token`: grouped-query attention's KV heads, of which a tp rank holds
     n_kv/tp, or latent attention's one latent of kv_lora_rank + qk_rope_head_dim values, the
