@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from phalanx.errors import UserError
 from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
 from phalanx.planner.serve.costs import CPU_GUESS, GPU_ENGINE, ServeCosts, load_serve_costs
@@ -65,7 +66,7 @@ def test_moe_layers_count_their_routed_rows():
 def test_calibration_file_flag_must_be_boolean(tmp_path):
     path = tmp_path / "serve-local.json"
     path.write_text('{"elementwise_passes": 1}')
-    with pytest.raises(Exception, match="elementwise_passes must be true or false"):
+    with pytest.raises(UserError, match="elementwise_passes must be true or false"):
         load_serve_costs(path)
 
 
