@@ -48,6 +48,9 @@ class ServeCosts:
     time a memory-bound GEMM takes beyond its bytes at the cluster's streaming bandwidth, its
     pipeline's fill and drain (`GPU_KERNEL_FILL_S`); 0 on this CPU, where calibration's
     per-layer cost holds it."""
+    gemm_fp4_s: float = 0.0
+    """`gemm_s` for a GEMM of NVFP4 weights and activations, whose block-scaled kernels take
+    longer to fill and drain (`GPU_FP4_FILL_S`); 0: `gemm_s`."""
     host_sequence_s: float = 0.0
     """Per sequence per step, host work an overlapping engine runs beside the GPU's step
     (sampling's bookkeeping, each request's token appended in Python): TensorRT-LLM's overlap
@@ -70,10 +73,21 @@ class ServeCosts:
     reading the weights, the all-reduces, the group's cost per forward (timed on this CPU: such
     a step took about the sum of the two alone, at one process and at tp=2). The GPU engines
     whose published runs the presets are checked on batch both into one forward."""
+    elementwise_passes: bool = False
+    """Charge the step's element-wise passes (norms, activations, residual adds, rotary, the
+    activations' quantization and the MoE's permutes) as their own memory-bound kernels:
+    reading and writing the layer's activations once at the cluster's streaming bandwidth, the
+    training planner's forward term (stage_time.layer_cost: `layer_activation_bytes`, the
+    published Korthikanti et al. count). On GPUs (`GPU_ENGINE`, `GPU_CPP_EXECUTOR`); off on this
+    CPU, where calibration's per-token cost (`token_s`) holds them."""
     flops_scale: float = 1.0
     """Measured GEMM rate over the cluster's `peak_tflops x matmul_efficiency` (CPU fit; 1 on GPUs)."""
     bandwidth_scale: float = 1.0
     """Measured weight-streaming rate over the cluster's bandwidth (CPU fit; 1 on GPUs)."""
+
+    def gemm_fill(self, weight_dtype: str) -> float:
+        """Seconds one GEMM launch fills and drains, by the weights' dtype."""
+        return self.gemm_fp4_s if weight_dtype == "fp4" and self.gemm_fp4_s else self.gemm_s
 
     def group_step(self, tp: int) -> float:
         return next((sec for size, sec in self.group_step_s if size == tp), 0.0)
@@ -84,7 +98,7 @@ class ServeCosts:
             if size < 2 or not sec >= 0:
                 out.append(f"group_step_s row [{size}, {sec}] needs a group of >= 2 ranks and seconds >= 0")
         for f in dataclasses.fields(self):
-            if f.name in ("group_step_s", "split_forwards"):
+            if f.name in ("group_step_s", "split_forwards", "elementwise_passes"):
                 continue
             value = getattr(self, f.name)
             if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
@@ -120,6 +134,33 @@ def kernel_fill_seconds() -> list[float]:
 GPU_KERNEL_FILL_S = statistics.median(kernel_fill_seconds())
 """A GEMM's fill and drain on a GPU: the median of `kernel_fill_seconds()` (3.5 us)."""
 
+CUBLASLT_FP4_DECODE_GEMMS = ((128, 2048, 7168, 338.0), (128, 24576, 1536, 745.0), (512, 2048, 7168, 1422.0),
+                             (512, 7168, 2048, 1190.0))
+"""(M, N, K, TFLOP/s) of cuBLASLt's FP4 x FP4 GEMMs of 128 and 512 rows on a B200 (the cublasTest
+13.3 column of deepseek-ai/DeepGEMM pull request 348's table; MXFP4, 32-value block scales,
+the nearest published kin of NVFP4's 16-value ones): every row of fewer than 1,024 rows. The
+same shapes in fp8 stream near the bandwidth after 2.3 to 3.3 us (vLLM pull request 18778's
+B200 GEMMs, `benchmarks/serve_planner_published.py --kernels`); these take 9 to 10 us beyond
+their bytes, as FlashInfer issue 1732 found an NVFP4 GEMM of one row streaming 1.78 of B200's
+8 TB/s."""
+B200_STREAM_BYTES_PER_S = 8e12 * 0.9
+"""B200's HBM (8 TB/s) at the presets' streaming fraction."""
+FP4_BYTES = 0.5 + 1 / 16
+
+
+def fp4_fill_seconds() -> list[float]:
+    """Each cuBLASLt FP4 GEMM's time beyond its bytes (weights and inputs in fp4 with their
+    scales, bf16 outputs) at B200's streaming bandwidth."""
+    out = []
+    for m, n, k, tflops in CUBLASLT_FP4_DECODE_GEMMS:
+        nbytes = (n * k + m * k) * FP4_BYTES + 2 * m * n
+        out.append(2 * m * n * k / (tflops * 1e12) - nbytes / B200_STREAM_BYTES_PER_S)
+    return out
+
+
+GPU_FP4_FILL_S = statistics.median(fp4_fill_seconds())
+"""An NVFP4 GEMM's fill and drain on a GPU: the median of `fp4_fill_seconds()` (9.5 us)."""
+
 TORCH_SAMPLER_HOST_S = 11.3e-3 / 1000
 """Host seconds per sequence per step of TensorRT-LLM's PyTorch-backend sampler (TorchSampler),
 as its maintainers measured it: NVIDIA/TensorRT-LLM pull request 11983 (2026-03) gives "sampling
@@ -129,7 +170,8 @@ the executor's per-request Python (scheduling, input preparation and response ha
 not in it), and measured on a later, already faster sampler than v1.0's (pull requests 7908
 and 11141 sped it up in between): a floor of the host's time per sequence, not a fit."""
 
-GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S, host_sequence_s=TORCH_SAMPLER_HOST_S)
+GPU_ENGINE = ServeCosts(gemm_s=GPU_KERNEL_FILL_S, gemm_fp4_s=GPU_FP4_FILL_S, host_sequence_s=TORCH_SAMPLER_HOST_S,
+                        elementwise_passes=True)
 """A Python-driven engine on a GPU (TensorRT-LLM's PyTorch backend, SGLang, vLLM): no framework
 time beyond the GPU's while the GPU's step is the longer (CUDA graphs; the host's work
 overlapped with the GPU's step, module docstring), each GEMM's fill and drain as DeepGEMM's
@@ -138,7 +180,7 @@ published decode-size GEMMs show it, and a step never shorter than its sequences
 charged 2 ms of host work per step instead, a figure set on the visible published rows, not
 measured: issue 39 took it out."""
 
-GPU_CPP_EXECUTOR = ServeCosts(gemm_s=GPU_KERNEL_FILL_S)
+GPU_CPP_EXECUTOR = ServeCosts(gemm_s=GPU_KERNEL_FILL_S, gemm_fp4_s=GPU_FP4_FILL_S, elementwise_passes=True)
 """TensorRT-LLM's TensorRT engines under its C++ executor (v0.17 and before): no Python per
 request; its host time per sequence is not published, so none is charged."""
 
@@ -165,8 +207,9 @@ def load_serve_costs(path: Path) -> ServeCosts:
         values["group_step_s"] = tuple((int(n), float(sec)) for n, sec in values.get("group_step_s", ()))
     except (TypeError, ValueError):
         raise UserError(f"{path}: group_step_s must be a list of [tp ranks, seconds]") from None
-    if not isinstance(values.get("split_forwards", False), bool):
-        raise UserError(f"{path}: split_forwards must be true or false")
+    for name in ("split_forwards", "elementwise_passes"):
+        if not isinstance(values.get(name, False), bool):
+            raise UserError(f"{path}: {name} must be true or false")
     costs = ServeCosts(**values)
     if costs.problems():
         raise UserError(f"{path}: " + "; ".join(costs.problems()))

@@ -91,6 +91,20 @@ def rank_memory(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, ma
     return RankMemory(weights, workspace, max(0.0, kv), per_token)
 
 
+def trtllm_bench_max_num_tokens(kv_max_requests: float, *, isl: int, osl: int, pp: int = 1) -> int:
+    """The step's token budget trtllm-bench gives an engine when none is set (its
+    `finetune_setting`, tensorrt_llm/bench/build/tuning.py): room for the running batch's
+    decodes and the prompt tokens that keep it full, raw = min(requests, 4096) / pp x (1 + isl
+    / osl), at most 32,768, rounded up to 256 (at least 2,048) below 4,096, to 512 below 8,192,
+    else to 1,024."""
+    raw = min(min(kv_max_requests, 4096) / pp * (1 + isl / osl), 32768)
+    if raw < 4096:
+        return max(2048, 256 * math.ceil(raw / 256))
+    if raw < 8192:
+        return 512 * math.ceil(raw / 512)
+    return 1024 * math.ceil(raw / 1024)
+
+
 def max_batch_for(mem: RankMemory, *, isl: int, osl: int, pp: int = 1, limit: int = MAX_BATCH_LIMIT) -> int:
     """Sequences of isl + osl positions a dp rank's pool holds whole (whole blocks each), at
     most `limit` per pipeline micro-batch; 0 when not one fits."""

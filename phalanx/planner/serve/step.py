@@ -8,9 +8,13 @@ Per layer of the most loaded pipeline stage, on one device:
   Weights are read from HBM once per step, whatever the batch: attention and dense
     feed-forwards split over tp, routed experts over ep x tp, and of those only the experts
     some token of the step chose (a step's tokens over the ep group, each choosing k of E,
-    touch E/ep (1 - (1 - k/E)^T) of a rank's experts). Each linear costs
-    max(its weight bytes / bandwidth, its GEMM time) (`stage_time.gemm_time`: small token
-    counts fill the GEMM badly): decode is bound by the bytes, a long prefill by the FLOPs.
+    touch E/ep (1 - (1 - k/E)^T) of a rank's experts). Each linear costs, on a GPU, the
+    roofline of its kernel's bytes and FLOPs (`gpu_gemm_time`, checked against published
+    kernel timings), on this CPU max(its weight bytes / bandwidth, the training planner's
+    `stage_time.gemm_time`), plus one launch's fill: decode is bound by the bytes, a long
+    prefill by the FLOPs.
+  Element-wise passes (GPUs, `ServeCosts.elementwise_passes`): each token's activations
+    written and read once at the streaming bandwidth, the training planner's count.
   The attention core reads every decoding sequence's KV cache once: the model's real cache
     (`kv_cache_values_per_token`: grouped-query attention's KV heads, of which a tp rank holds
     n_kv/tp, or latent attention's one latent of kv_lora_rank + qk_rope_head_dim values, the
@@ -43,6 +47,7 @@ from phalanx.model.config import ModelConfig
 from phalanx.planner import comm, latent_attention
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.kv_cache import kv_bytes_per_token
+from phalanx.planner.memory import layer_activation_bytes
 from phalanx.planner.serve.costs import ServeCosts, serve_costs_for
 from phalanx.planner.stage_time import GEMM_TILE, gemm_time
 
@@ -148,6 +153,22 @@ def active_experts_per_rank(model: ModelConfig, layout: ServeLayout, tokens: flo
     return s / layout.ep * (1 - (1 - k / s) ** group_tokens)
 
 
+@functools.lru_cache(maxsize=256)
+def activation_bytes_per_token(model: ModelConfig, tp: int) -> tuple[float, float]:
+    """(dense layer, MoE layer) bytes of 16-bit activations one token's forward writes on a tp
+    rank (the training planner's count, `memory.layer_activation_bytes`, without sequence
+    parallelism: norm and block inputs whole, attention and feed-forward tensors over tp, the
+    routed rows k copies of the token, whole on every tp rank)."""
+    one = functools.partial(layer_activation_bytes, model, seq=1, mbs=1, tp=tp, sp=False, recompute="none", flash=True)
+    if not model.n_experts:
+        return one(moe=False), 0.0
+    # The training count divides the routed rows (2 k h bytes in, 2 k h out) over tp with the
+    # rest of the block; a serving tp rank runs its 1/tp slice of every expert on every routed
+    # row (TensorRT-LLM's and vLLM's tensor-parallel MoE), so it permutes and returns them whole.
+    rows = 4 * model.experts_per_token * model.dim
+    return one(moe=False), one(moe=True) + rows * (1 - 1 / tp)
+
+
 def _fill(d: float, half: float) -> float:
     return d / (d + half)
 
@@ -167,15 +188,54 @@ def _grouped_gemm_time(cluster: Cluster, peak: float, groups: float, rows: float
     return 2.0 * groups * rows * n * k / (peak * eff)
 
 
+GEMM_OUT_BYTES = 2.0
+"""A GEMM's output is bf16 (the fp8 and fp4 GEMMs dequantize into it)."""
+
+
+def gpu_gemm_time(cluster: Cluster, peak: float, bw: float, groups: float, rows: float, n: float, k: float,
+                  wbytes: float) -> float:
+    """Seconds of `groups` (rows x k)(k x n) GEMMs in one launch on a GPU, a roofline of the
+    kernel's bytes and FLOPs: the weights, the inputs (in the weights' dtype: W16A16, W8A8 and
+    NVFP4's W4A4 quantize the activations on the way in) and the bf16 outputs at the streaming
+    bandwidth, or the FLOPs at `matmul_efficiency` of the dtype's peak, charged for a small n or
+    k (f(d) = d / (d + matmul_half_dim), the training planner's) and, once the output's 128 x 256
+    tiles fill at least one wave of the SMs, for the last wave's idle SMs. No charge for few
+    rows, nor for an output of fewer tiles than SMs: decode-size kernels take smaller tiles or
+    split k and stream the weights near the bandwidth. Checked against published kernel
+    timings (`benchmarks/serve_planner_published.py --kernels`): DeepGEMM's fp8 GEMMs on an H800
+    (its README at 7a70b43, 18 dense rows) and vLLM's per-tensor fp8 CUTLASS GEMMs on Llama 3.1
+    8B's qkv shape on H100 and B200 (vLLM pull requests 17126 and 18778). The training
+    planner's `gemm_time`, which charges f(rows) and the large tiles' waves at any size, ran
+    their 16 to 256 row GEMMs 1.3 to 4x slower than published; it matches only DeepSeek's own
+    CUTLASS 3.6 baseline for block-scaled fp8, which DeepGEMM beats 1.4 to 2.7x there."""
+    half = cluster.matmul_half_dim
+    eff = cluster.matmul_efficiency * _fill(n, half) * _fill(k, half)
+    tiles_min, wave = math.inf, 0.0
+    for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
+        tiles = math.ceil(groups) * math.ceil(rows / tm) * math.ceil(n / tn)
+        tiles_min = min(tiles_min, tiles)
+        wave = max(wave, tiles / (math.ceil(tiles / cluster.sm_count) * cluster.sm_count))
+    if tiles_min >= cluster.sm_count:
+        eff *= wave
+    nbytes = groups * (n * k * wbytes + rows * k * wbytes + rows * n * GEMM_OUT_BYTES)
+    return max(nbytes / bw, 2.0 * groups * rows * n * k / (peak * eff))
+
+
 def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbytes: float, copies: float = 1.0,
             *, grouped: bool = False) -> float:
     """`copies` x the GEMMs of `shapes` ((n, k) each) over `rows` token rows: the weights'
     bytes or the GEMM's time, whichever is longer (roofline), summed. Copies are layers run
     one after another, or with `grouped` experts run as one grouped GEMM (as MoE kernels do):
     their output tiles fill the SMs' waves together, so the wave fill is that of copies x rows
-    rows, while the small-dimension charge stays that of `rows`."""
+    rows, while the small-dimension charge stays that of `rows`. On a GPU (`sm_count` > 0)
+    each is `gpu_gemm_time`; on this CPU the training planner's GEMM, as calibrated."""
     total = 0.0
     for n, k in shapes:
+        if cluster.sm_count > 0:
+            groups = copies if grouped else 1.0
+            total += gpu_gemm_time(cluster, peak, bw, groups, rows, n, k, wbytes) / groups if rows > 0 else \
+                n * k * wbytes / bw
+            continue
         read = n * k * wbytes / bw
         compute = 0.0
         if rows > 0 and grouped:
@@ -184,6 +244,15 @@ def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbyte
             compute = gemm_time(rows, n, k, cluster=cluster, peak=peak)
         total += max(read, compute)
     return copies * total
+
+
+def one_gemm_time(cluster: Cluster, dtype: str, rows: float, n: float, k: float, *, costs: ServeCosts) -> float:
+    """Seconds the step model gives one (rows x k)(k x n) GEMM with weights in `dtype` on one
+    device: its roofline (`_linear`) plus its launch's fill and drain (`costs.gemm_fill`); what
+    benchmarks/serve_planner_published.py --kernels sets beside published kernel timings."""
+    peak = gemm_peak(cluster, dtype, 1) * costs.flops_scale
+    bw = cluster.memory_bw_per_rank(1) * costs.bandwidth_scale
+    return _linear(cluster, peak, bw, rows, [(n, k)], WEIGHT_BYTES[dtype]) + costs.gemm_fill(dtype)
 
 
 def step_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, decodes: float, context: float,
@@ -264,7 +333,7 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
         experts = moe_layers * (router + shared_t + routed)
     head = _linear(cluster, peak, bw, min(tokens, decodes + (1 if prefill_tokens else 0)),
                    [(model.vocab_size / tp, h)], wb)
-    # Each GEMM launched also fills and drains its pipeline (ServeCosts.gemm_s): one launch per
+    # Each GEMM launched also fills and drains its pipeline (ServeCosts.gemm_fill): one launch per
     # shape per layer, the routed experts' two as grouped GEMMs, the router, shared experts, head.
     launches = (layers * len(latent_attention.gemm_shapes(model, tp)) + dense_layers * len(mlp_shapes)
                 + moe_layers * (1 + (2 if model.n_shared_experts else 0) + 2) + 1)
@@ -292,13 +361,21 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
     if layout.pp > 1:
         same = tp * layout.dp * 2 <= cluster.fast_domain
         pp_comm = comm.send(cluster, tokens * h * ab, same_domain=same)
+    elementwise = 0.0
+    if costs.elementwise_passes and tokens > 0:
+        # Each element-wise pass reads and writes its activations (2x), as the training
+        # planner's forward charges them (stage_time.layer_cost), at the streaming bandwidth.
+        dense_bytes, moe_bytes = activation_bytes_per_token(model, tp)
+        elementwise = 2 * tokens * (dense_layers * dense_bytes + moe_layers * moe_bytes) / (
+            bw * cluster.elementwise_efficiency)
     sequences = decodes + (1 if prefill_tokens else 0)
     framework = (costs.step_s + costs.group_step(tp) + layers * costs.layer_s + sequences * costs.sequence_s
                  + decodes * layers * costs.sequence_layer_s + tokens * costs.token_s)
     return StepTime({
-        "weights_and_gemms": attention + dense + experts + head + launches * costs.gemm_s,
+        "weights_and_gemms": attention + dense + experts + head + launches * costs.gemm_fill(layout.weight_dtype),
         "attention_decode": dec_attn, "attention_prefill": pre_attn,
-        "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm, "framework": framework,
+        "elementwise": elementwise, "tp_comm": tp_comm, "ep_comm": ep_comm, "pp_comm": pp_comm,
+        "framework": framework,
     })
 
 
