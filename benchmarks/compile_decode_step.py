@@ -1,6 +1,6 @@
 """Would a `torch.compile`d decode step serve faster on this CPU? (issue 37: "one compiled decode
 step per batch-size bucket"). A serving decode step of the ~100M llama (`--hidden 768 --layers
-12`, vocabulary 2048, fp32, as serve_vs_vllm.py's) three ways, alternating step by step in one
+12`, vocabulary 2048, fp32, as serve_vs_vllm.py's) four ways, alternating step by step in one
 process, so that a drifting machine hits every arm alike:
 
 - eager: what `phalanx serve` runs on the CPU: the model's Python forward, its linears through
@@ -12,11 +12,17 @@ process, so that a drifting machine hits every arm alike:
   pool in place), the C decode kernel, and the blocked oneDNN linear, so that inductor fuses
   everything around them (norms, rotary, SiLU, residual adds) into its own C++ loops;
 - compiled, inductor's linears: the same, with inductor lowering the linears itself (freezing:
-  the weights folded into the graph and packed; on the CPU in fp32 that is MKL's packed sgemm).
+  the weights folded into the graph and packed; on the CPU in fp32, for a fixed batch, that is
+  MKL's packed sgemm);
+- `phalanx serve --compile` (`serve/compiled_decode.py`): the same ops, the weights frozen, and
+  the batch symbolic, for which inductor packs the weights for oneDNN instead (one graph for
+  every batch size; a batch of one runs as two identical rows).
 
 Each arm's logits are checked against eager's first (within 1e-4 of the largest). Prints the
 median and fastest step per arm and batch size, each compiled arm's ratio to eager from the same
-run, and the compile time of each bucket (inductor's cache in a fresh temporary directory).
+run, and the compile time of each bucket (inductor's cache in a fresh temporary directory); then, from
+torch's profiler over ten eager steps, the share of their CPU time in the linears' oneDNN calls,
+which no compiler fuses away.
 
 Reproduce:  .venv/bin/python benchmarks/compile_decode_step.py [--threads 1] [--batches 1 8 32]
 """
@@ -39,34 +45,14 @@ from phalanx.cpu_ops import decode_kernel  # noqa: E402
 from phalanx.cpu_ops.onednn_linear import block, onednn_linear, use_onednn  # noqa: E402
 from phalanx.model.config import ModelConfig  # noqa: E402
 from phalanx.model.transformer import Transformer  # noqa: E402
+from phalanx.serve.compiled_decode import CompiledDecode, TensorDecodeCache  # noqa: E402
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache  # noqa: E402
 
+SERVED = "phalanx serve --compile"
 BLOCK = 16
 CONTEXT = 300
 """Positions each sequence holds when the timed decodes start (serve_vs_vllm's 256-token prompts
 plus some output)."""
-
-
-@torch.library.custom_op("phalanx_bench::paged_write", mutates_args=("pool",))
-def paged_write(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The new tokens' keys and values (n, kv_heads, 1, channels) into their pool rows, in place."""
-    n = slots.shape[0]
-    pool.index_copy_(0, slots, torch.cat([k.reshape(n, -1), v.reshape(n, -1)], 1))
-
-
-@torch.library.custom_op("phalanx_bench::paged_decode", mutates_args=())
-def paged_decode(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, first: torch.Tensor, ends: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """The C kernel over the pool: q (n, kv_heads, group, head_dim) -> the same shape."""
-    kv_heads, dim = q.shape[1], q.shape[3]
-    k_pool = pool[:, :kv_heads * dim].unflatten(-1, (kv_heads, dim))
-    v_pool = pool[:, kv_heads * dim:].unflatten(-1, (kv_heads, -1))
-    return decode_kernel.attend(q, k_pool, v_pool, slots, first, ends, int((ends - first).max()), scale)
-
-
-@paged_decode.register_fake
-def _(q, pool, slots, first, ends, scale):
-    return torch.empty_like(q)
 
 
 _BLOCKED: dict[int, torch.Tensor] = {}
@@ -90,33 +76,6 @@ class OpaqueLinear(torch.nn.Linear):
         return blocked_linear(x, self.weight)
 
 
-class TensorDecodeCache:
-    """The AttentionCache protocol (model/kv_cache.py) for one decode step, in tensors only, so
-    that dynamo traces it without guarding on Python values: `update` writes through the custom
-    op and hands back the layer's pool, which `attend` reads with the kernel."""
-
-    def __init__(self, pools: dict[int, torch.Tensor], positions, write, slots, first, ends):
-        self.pools, self._positions, self.write, self.slots, self.first, self.ends = (
-            pools, positions, write, slots, first, ends)
-
-    def positions(self, seq: int, device) -> torch.Tensor:
-        return self._positions  # (n, 1)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int):
-        paged_write(self.pools[layer], self.write, k, v)
-        return self.pools[layer], self.pools[layer], self
-
-    def attend(self, q: torch.Tensor, pool: torch.Tensor, _: torch.Tensor, scale: float | None) -> torch.Tensor:
-        n, heads, _, dim = q.shape
-        kv_heads = (pool.shape[1] // 2) // dim
-        folded = q.reshape(n, kv_heads, heads // kv_heads, dim)
-        out = paged_decode(folded, pool, self.slots, self.first, self.ends, dim ** -0.5 if scale is None else scale)
-        return out.reshape(n, heads, 1, dim)
-
-    def advance(self, seq: int) -> None:
-        pass
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=768)
@@ -137,6 +96,7 @@ def main() -> None:
     for model in (opaque, lowered):
         model.load_state_dict(eager.state_dict())
     use_onednn(eager, blocked=True)
+    served = CompiledDecode(eager)  # what `phalanx serve --compile` runs, over the eager arm's own model
     for module in opaque.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = OpaqueLinear
@@ -145,10 +105,10 @@ def main() -> None:
           f"decodes at {CONTEXT}+ positions, {args.steps} steps per arm, arms alternated step by step")
     print(f"{'batch':>5}  {'arm':34s} {'median ms':>9} {'fastest':>8} {'eager/arm':>9} {'compile s':>9}")
     for batch in args.batches:
-        run_batch(batch, args.steps, cfg, eager, opaque, lowered)
+        run_batch(batch, args.steps, cfg, eager, opaque, lowered, served)
 
 
-def run_batch(batch: int, steps: int, cfg, eager, opaque, lowered) -> None:
+def run_batch(batch: int, steps: int, cfg, eager, opaque, lowered, served) -> None:
     blocks_per_seq = -(-(CONTEXT + steps + 4) // BLOCK)
     cache = PagedKVCache(batch * blocks_per_seq, BLOCK, "cpu", ragged=True, pool_kernel=True)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
@@ -163,11 +123,15 @@ def run_batch(batch: int, steps: int, cfg, eager, opaque, lowered) -> None:
 
     def tensor_cache(position: int) -> TensorDecodeCache:
         return TensorDecodeCache(cache.pools, torch.full((batch, 1), position), slots[:, position].contiguous(), slots,
-                                 torch.zeros(batch, dtype=torch.long), torch.full((batch,), position + 1))
+                                 torch.full((batch,), position + 1))
 
     def eager_step(position: int) -> torch.Tensor:
         cache.prepare([ChunkLayout(table, position, 1) for table in tables])
         return eager(tokens, cache)
+
+    def served_step(position: int) -> torch.Tensor:
+        cache.prepare([ChunkLayout(table, position, 1) for table in tables])
+        return served(tokens, cache)
 
     torch._inductor.config.freezing = False
     compiled_opaque = torch.compile(opaque, fullgraph=True, dynamic=False)
@@ -185,6 +149,12 @@ def run_batch(batch: int, steps: int, cfg, eager, opaque, lowered) -> None:
             if float((got - want).abs().max()) > 1e-4 * float(want.abs().max()):
                 sys.exit(f"{name}: logits differ from eager's by {float((got - want).abs().max()):.3g}")
             arms[name] = lambda position, compiled=compiled: compiled(tokens, tensor_cache(position))
+        began = time.perf_counter()
+        got = served_step(CONTEXT)  # compiles on the first batch size only: its batch is symbolic
+        compile_s[SERVED] = time.perf_counter() - began
+        if float((got - want).abs().max()) > 1e-4 * float(want.abs().max()):
+            sys.exit(f"{SERVED}: logits differ from eager's by {float((got - want).abs().max()):.3g}")
+        arms[SERVED] = served_step
         times: dict[str, list[float]] = {name: [] for name in arms}
         names = list(arms)
         for step in range(steps):
@@ -194,11 +164,25 @@ def run_batch(batch: int, steps: int, cfg, eager, opaque, lowered) -> None:
                 began = time.perf_counter()
                 arms[name](position)
                 times[name].append(time.perf_counter() - began)
+        linear_share = linear_cpu_share(eager_step, CONTEXT + 1 + steps)
     base = statistics.median(times[names[0]])
     for name in names:
         median = statistics.median(times[name])
         built = f"{compile_s[name]:9.1f}" if name in compile_s else f"{'':9s}"
         print(f"{batch:5d}  {name:34s} {median * 1e3:9.2f} {min(times[name]) * 1e3:8.2f} {base / median:9.3f} {built}")
+    print(f"{batch:5d}  eager step: {100 * linear_share:.0f}% of its CPU time in the linears' oneDNN calls "
+          "(what compiling cannot fuse)")
+
+
+def linear_cpu_share(eager_step, position: int, steps: int = 10) -> float:
+    """The share of the eager steps' CPU time (torch's profiler, self time per op) spent in
+    oneDNN's linear."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for step in range(steps):
+            eager_step(position + step)
+    events = profile.key_averages()
+    total = sum(event.self_cpu_time_total for event in events)
+    return sum(event.self_cpu_time_total for event in events if event.key == "mkldnn::_linear_pointwise") / total
 
 
 if __name__ == "__main__":

@@ -214,7 +214,9 @@ class OneDnnLinear(nn.Linear):
     """Its weight's blocked copy, where `use_onednn` keeps them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if usable(x, self.weight):
+        # Traced by torch.compile (`serve/compiled_decode.py`): the plain product, which
+        # inductor itself lowers to oneDNN on packed weights.
+        if not torch.compiler.is_compiling() and usable(x, self.weight):
             return (self.blocked.linear if self.blocked else sized_linear)(x, self.weight, self.bias)
         return super().forward(x)
 

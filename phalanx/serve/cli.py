@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import os
 import signal
+import sys
 
 from phalanx.errors import UserError
 from phalanx.serve.job import (DEFAULT_MAX_REQUEST_BYTES, ServeJob, check_for_model, prepare_job, slo_policy,
@@ -70,6 +71,9 @@ def register(subparsers) -> None:
     add("--shutdown-grace", type=float, default=DEFAULTS["shutdown_grace"],
         help=f"seconds running requests may take to finish after SIGTERM or Ctrl-C (default {DEFAULTS['shutdown_grace']:g})")
     add("--nproc", type=int, default=1, help="local worker processes (default 1)")
+    add("--compile", action="store_true",
+        help="decode steps through one torch.compile'd graph (CPU, float32, dense models; the first decode compiles, "
+             "tens of seconds; docs/serve.md)")
     add("--threads", type=int, default=0, metavar="N", help="torch intra-op threads per process (default 0: OMP_NUM_THREADS if set, else the cores this process may use divided among the local processes; docs/serve.md)")
     add("--plan", default="", help="parallel layout: tp=N, dp=N,ep=N (attention data parallelism, experts over the "
                                    "ranks) or tp=N,ep=N,ep_over_tp=true (default: one process)")
@@ -229,12 +233,15 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
                          speculative=job.speculative)
 
     if plan.dp == 1:
-        return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep)
+        return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep, compile=job.compile)
     # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.serve.dp_assign import DPSchedulers
     from phalanx.serve.dp_engine import DPEngine
     from phalanx.serve.expert_placement import LivePlacement
 
+    if job.compile:
+        print("phalanx: --compile: decodes stay eager: experts over data-parallel ranks are not compiled",
+              file=sys.stderr, flush=True)
     rank = dist.get_rank()
     live = None if phy2log is None else LivePlacement(model, phy2log, source.cfg.n_experts, plan.ep,
                                                      job.rebalance_every, planner=rank == 0)

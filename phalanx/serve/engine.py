@@ -28,13 +28,14 @@ from phalanx.serve.step_sampler import StepSampler, TokenEvent
 class Engine:
     def __init__(self, model: torch.nn.Module, scheduler: Scheduler, device: torch.device | str = "cpu",
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None,
-                 expert_ranks: int = 1):
+                 expert_ranks: int = 1, compile: bool = False):
         """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests).
         `channel`: rank 0's `launch.rank_loop.RankChannel` under a parallel layout (the other ranks
         run the same forwards). `expert_ranks`: the ep degree (the ranks expert loads are
-        counted over)."""
+        counted over). `compile`: decodes through a compiled graph where the model allows
+        (`compiled_decode.py`)."""
         self.scheduler, self.channel = scheduler, channel
-        self.runner = ModelRunner(model, device, scheduler.blocks.num_blocks, scheduler.block_size)
+        self.runner = ModelRunner(model, device, scheduler.blocks.num_blocks, scheduler.block_size, compile)
         self.sampler = StepSampler(on_logits)
         self.expert_loads = ExpertLoads(model, expert_ranks)
         self.sent = BlockTables()

@@ -70,6 +70,8 @@ class ServeJob:
     tpot_ms: float | None
     speculative: SpeculativeConfig | None = None
     """--speculative-config: guessed tokens per step (scheduling/speculation.py), or None: none."""
+    compile: bool = False
+    """--compile: decodes through a compiled graph where the model allows (compiled_decode.py)."""
 
 
 def check_slo(args) -> dict:
@@ -138,7 +140,8 @@ def prepare_job(args) -> ServeJob:
         chat_template=_chat_template(getattr(args, "chat_template", None)),
         tool_call_parser=getattr(args, "tool_call_parser", None), threads=getattr(args, "threads", 0),
         max_restarts=max_restarts(args.max_restarts, args.nproc), max_restarts_given=args.max_restarts,
-        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)), **slo)
+        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
+        compile=getattr(args, "compile", False), **slo)
 
 
 def _chat_template(path: str | None) -> str | None:

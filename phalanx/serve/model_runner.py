@@ -15,6 +15,7 @@ import torch
 
 from phalanx.cpu_ops import decode_kernel as cpu_decode_kernel
 from phalanx.serve.block_tables import BlockTables
+from phalanx.serve.compiled_decode import compiled_decode
 from phalanx.serve.input_batch import Forward, StepMessage
 from phalanx.serve.paged_cache import ChunkLayout, PagedKVCache
 
@@ -30,10 +31,14 @@ def full_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device | str, num_blocks: int, block_size: int):
+    def __init__(self, model: torch.nn.Module, device: torch.device | str, num_blocks: int, block_size: int,
+                 compile: bool = False):
+        """`compile`: decodes through one compiled graph where the model allows it
+        (`compiled_decode.py`, `phalanx serve --compile`)."""
         self.model, self.device = model.eval(), torch.device(device)
         self.cache = self._new_cache(num_blocks, block_size)
         self.tables = BlockTables()
+        self.compiled = compiled_decode(self.model, self.cache) if compile else None
 
     def _new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless
@@ -58,5 +63,7 @@ class ModelRunner:
         tokens = torch.tensor(forward.ids, dtype=torch.long, device=self.device).view(shape)
         read = torch.tensor(forward.read_at, dtype=torch.long, device=self.device)
         if shape[1] == 1:
-            return full_logits(self.model(tokens, self.cache))[read]  # (rows read, vocab)
+            # The compiled step once every layer's pool exists (a first forward may be one-token prompts).
+            step = self.compiled if self.compiled is not None and self.cache.pools else self.model
+            return full_logits(step(tokens, self.cache))[read]  # (rows read, vocab)
         return full_logits(self.model(tokens, self.cache, read_at=read))

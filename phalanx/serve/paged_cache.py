@@ -64,6 +64,16 @@ def bytes_per_block(block_size: int, n_layers: int, channels: int, element_size:
     return n_layers * channels * block_size * element_size
 
 
+@dataclass(frozen=True)
+class PoolReadRows:
+    """A decode step that reads the pool, in tensors: each sequence's new position (n, 1), the
+    slot its keys go to (n,), its slots position by position (n, positions), its key count (n,)."""
+    positions: torch.Tensor
+    write: torch.Tensor
+    slots: torch.Tensor
+    ends: torch.Tensor
+
+
 class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu", ragged: bool = False,
                  pool_kernel: bool = False):
@@ -129,6 +139,14 @@ class PagedKVCache:
             query_seq = chunk_ids.repeat_interleave(counts)  # (tokens,)
             key_seq = chunk_ids.repeat_interleave(end_at[:, 0])  # (keys,)
             self._same_seq = query_seq[:, None] == key_seq[None, :]  # (tokens, keys)
+
+    def pool_read_rows(self) -> PoolReadRows:
+        """The prepared decode step as tensors (`compiled_decode.py`): only for decodes that read
+        the pool (`pool_kernel`)."""
+        if not self._from_pool:
+            raise ValueError("pool_read_rows needs a prepared decode step that reads the pool (pool_kernel)")
+        read = self._batch.pool_read
+        return PoolReadRows(self._query_pos[:, None], self._write, read.slots, read.ends)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
