@@ -45,6 +45,9 @@ class ThreadChoice:
     the cores and ranks it was divided from."""
     wait_policy: str
     """OMP_WAIT_POLICY as the OpenMP runtime saw it ("PASSIVE", or the user's value)."""
+    automatic: bool = False
+    """The count came from the cores, not from the user (--threads, OMP_NUM_THREADS): a server
+    may then change it while it runs (thread_tuner.py)."""
 
     def line(self, actual: int) -> str:
         """The start-up line; `actual`: torch.get_num_threads() once set."""
@@ -101,7 +104,7 @@ def choose_threads(*, requested: int = 0, cores: int, local_ranks: int,
     local_ranks = max(1, local_ranks)
     count = max(1, cores // local_ranks)
     ranks = f"{local_ranks} local ranks" if local_ranks != 1 else "1 local rank"
-    return ThreadChoice(count, f"{cores} cores in this process's affinity / {ranks}", policy)
+    return ThreadChoice(count, f"{cores} cores in this process's affinity / {ranks}", policy, automatic=True)
 
 
 def choose_for_this_process(requested: int = 0, environ: Mapping[str, str] = os.environ) -> ThreadChoice:

@@ -16,6 +16,8 @@ from phalanx.errors import UserError
 from phalanx.serve.job import (DEFAULT_MAX_REQUEST_BYTES, ServeJob, check_for_model, prepare_job, slo_policy,
                                slo_targets)
 from phalanx.serve.tool_call_parsers import PARSERS
+from phalanx.thread_tuner import ThreadTuner
+from phalanx.threads import choose_for_this_process
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
             "max_waiting": 256, "shutdown_grace": 30.0, "collective_timeout": 600.0}
@@ -233,7 +235,8 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
                          speculative=job.speculative)
 
     if plan.dp == 1:
-        return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep, compile=job.compile)
+        return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep, compile=job.compile,
+                      tuner=thread_tuner(job, world_size))
     # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.serve.dp_assign import DPSchedulers
     from phalanx.serve.dp_engine import DPEngine
@@ -248,6 +251,15 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
     schedulers = DPSchedulers([scheduler() for _ in range(plan.dp if rank == 0 else 1)])
     return DPEngine(model, schedulers, device, dp_rank=mesh.axis_rank("dp"), channel=channel, expert_ranks=plan.ep,
                     placement=live, on_rebalance=None if metrics is None else metrics.rebalanced)
+
+
+def thread_tuner(job: ServeJob, world_size: int):
+    """A single process whose thread count is automatic re-decides it from its steps' speed
+    (thread_tuner.py); None where the user set the count or ranks run in lockstep."""
+    choice = choose_for_this_process(job.threads)
+    if world_size > 1 or not choice.automatic or choice.threads < 2:
+        return None
+    return ThreadTuner(choice.threads)
 
 
 def _add_expert_flags(add) -> None:

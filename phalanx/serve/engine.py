@@ -13,11 +13,14 @@ Attention data parallelism composes the same parts per dp rank (`dp_engine.py`).
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Callable
 
 import torch
 
 from phalanx.scheduling.scheduler import Scheduler, Sequence
+from phalanx.thread_tuner import ThreadTuner
 from phalanx.serve.block_tables import BlockTables
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.input_batch import step_message
@@ -28,13 +31,14 @@ from phalanx.serve.step_sampler import StepSampler, TokenEvent
 class Engine:
     def __init__(self, model: torch.nn.Module, scheduler: Scheduler, device: torch.device | str = "cpu",
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None,
-                 expert_ranks: int = 1, compile: bool = False):
+                 expert_ranks: int = 1, compile: bool = False, tuner: ThreadTuner | None = None):
         """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests).
         `channel`: rank 0's `launch.rank_loop.RankChannel` under a parallel layout (the other ranks
         run the same forwards). `expert_ranks`: the ep degree (the ranks expert loads are
         counted over). `compile`: decodes through a compiled graph where the model allows
-        (`compiled_decode.py`)."""
-        self.scheduler, self.channel = scheduler, channel
+        (`compiled_decode.py`). `tuner`: re-decides the intra-op thread count from the steps'
+        speed (`thread_tuner.py`; a single process whose count is automatic)."""
+        self.scheduler, self.channel, self.tuner = scheduler, channel, tuner
         self.runner = ModelRunner(model, device, scheduler.blocks.num_blocks, scheduler.block_size, compile)
         self.sampler = StepSampler(on_logits)
         self.expert_loads = ExpertLoads(model, expert_ranks)
@@ -51,6 +55,22 @@ class Engine:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
+        if self.tuner is None:
+            return self._run(step)
+        threads = self.tuner.next_threads()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        began = time.perf_counter()
+        events = self._run(step)
+        switches = len(self.tuner.switches)
+        self.tuner.observe(time.perf_counter() - began, sum(chunk.length for chunk in step.chunks))
+        if len(self.tuner.switches) > switches:
+            was, now, ratio = self.tuner.switches[-1]
+            print(f"phalanx: intra-op threads {was} -> {now}: {1 / ratio:.2f}x faster steps per token with {now} "
+                  "(thread_tuner.py)", file=sys.stderr, flush=True)
+        return events
+
+    def _run(self, step) -> list[TokenEvent]:
         message, reads = step_message(step, self.scheduler.running, self.sent)
         if self.channel is not None:
             self.channel.send(message)
