@@ -18,6 +18,8 @@ length (`ignore_eos`), answered whole (serve_stream_client.py's lean client). Ar
   KMP_BLOCKTIME (which libgomp ignores), so that phalanx, seeing a wait variable the user
   set, sets none;
 - `1 thread`: `--threads 1`;
+- `2 fixed` (only when asked): `--threads 2` with phalanx's passive wait: the automatic count
+  as it was before it was re-decided while serving (`thread_tuner.py`);
 - `2 spin 20k` (only when asked, `--arms`): `--threads 2`, libgomp spinning 20,000 times before it
   sleeps (GOMP_SPINCOUNT; KMP_BLOCKTIME=1 for Intel's runtime, and so that phalanx sets none).
 
@@ -50,6 +52,7 @@ ARMS = {
     "2 default": (["--threads", "2"], {"KMP_BLOCKTIME": "200"}),
     "auto": ([], {}),
     "1 thread": (["--threads", "1"], {}),
+    "2 fixed": (["--threads", "2"], {}),
     "2 spin 20k": (["--threads", "2"], {"GOMP_SPINCOUNT": "20000", "KMP_BLOCKTIME": "1"}),
 }
 BASELINE = "2 active"

@@ -9,9 +9,10 @@ the 2-core machine) served one request at 0.63 of vLLM, whose one model thread i
 other core; with `--threads 1` a thread of ours could have run there whole. Which count is
 faster depends on what else runs, and that changes while a server runs, so it is measured:
 
-- the steps run on the current count; every `every` steps a probe alternates the current count
-  and the other candidate step by step (`probe` steps each, so that the batch and the machine
-  change alike for both), comparing the median seconds per token fed (a step's tokens vary);
+- the steps run on the current count; after FIRST_PROBE_AFTER steps, then every `every`, a
+  probe alternates the current count and the other candidate step by step (`probe` steps
+  each, so that the batch and the machine change alike for both), comparing the median
+  seconds per token fed (a step's tokens vary);
 - the other count is taken when its median is at least `margin` faster (hysteresis: noise
   between two near-equal counts does not flip the choice every probe);
 - the candidates are the automatic count and half of it (1 on a 2-core machine), and the probe
@@ -30,6 +31,9 @@ from dataclasses import dataclass, field
 
 EVERY_STEPS = 1024
 """Steps between probes: at a 2-core CPU decode step of 5-50 ms, every 5-50 s."""
+FIRST_PROBE_AFTER = 64
+"""Steps before the first probe: a server started beside a busy process finds out in its
+first second or two, not after EVERY_STEPS."""
 PROBE_STEPS = 8
 """Steps per count in a probe (alternated): enough for a median over a moving batch."""
 MARGIN = 0.1
@@ -55,6 +59,7 @@ class ThreadTuner:
         if self.most < 1 or self.every < 2 * self.probe or self.probe < 1 or not 0 <= self.margin < 1:
             raise ValueError(f"ThreadTuner needs most >= 1, every >= 2 * probe >= 2, 0 <= margin < 1: got {self}")
         self.current = self.current or self.most
+        self._steps = self.every - min(self.every, FIRST_PROBE_AFTER)
 
     @property
     def candidates(self) -> tuple[int, ...]:
