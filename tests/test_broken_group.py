@@ -14,7 +14,10 @@ import threading
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from phalanx.launch.restart_policy import Failure
+from phalanx.launch.worker_launch import describe
 from phalanx.parallel import broken_group
 from phalanx.parallel.broken_group import BrokenGroupWatch, alive
 from phalanx.parallel.fault_tolerance import StepReduction, membership_events
@@ -120,3 +123,21 @@ def test_a_failed_worker_leaves_without_waiting_for_its_threads(tmp_path, monkey
         alive_after = worker.is_alive()
         worker.kill()
         assert not alive_after and worker.exitcode == 1, (status, worker.exitcode)
+
+
+def test_the_dead_worker_is_named_not_the_sibling_that_left():
+    """The elastic agent's failure times are whole seconds: a worker that left because its
+    sibling was killed (status 1, no recorded error), seen in the same pass, ties with it, and
+    torch's own choice (the lowest rank) named the one that left. The launcher's line names the
+    killed one, also when the agent's clock passed a second between the two; and the one that
+    failed first when an earlier pass saw it."""
+    left = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="/nonexistent")
+    killed = ProcessFailure(local_rank=1, pid=2, exitcode=-signal.SIGKILL, error_file="/nonexistent")
+    killed.timestamp = left.timestamp
+    error = ChildFailedError("train", {0: left, 1: killed})
+    assert error.get_first_failure()[0] == 0  # what describe() said before
+    assert describe(error) == (1, Failure("worker rank 1 exited with signal SIGKILL"))
+    left.timestamp = killed.timestamp - 1  # the agent's clock passed a second between the two
+    assert describe(error) == (1, Failure("worker rank 1 exited with signal SIGKILL"))
+    left.timestamp = killed.timestamp - 2  # an earlier pass: it did fail first
+    assert describe(error) == (1, Failure("worker rank 0 exited with status 1"))

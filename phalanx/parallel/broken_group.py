@@ -14,13 +14,18 @@ surviving group's quorum took 32.07 s, the dead group's launcher saw the failure
 the kill; issue 41's 36.9 s rejoin).
 
 So each worker of a group of several processes learns its siblings' process ids when it joins
-(one all-gather in the group) and a thread looks every `POLL_S`: while this worker has been
-inside a torchft wait for longer than `POLL_S` and a sibling has exited, the group cannot finish
-the step, and the worker exits at once (`os._exit`: the wait is in torchft's own threads and
-Rust code, which no exception reaches), which also ends its manager's heartbeats. Outside a
-torchft wait nothing is done: a gloo collective with a dead rank fails by itself, and a sibling
-that exits at the end of the run is not a failure. The siblings are processes of this machine
-(replica groups are one launcher's, on one node).
+(one all-gather in the group) and a thread looks every `POLL_S`: while this worker is inside a
+step's torchft span (`enter` .. `leave`: from the step's quorum to its commit, when every process
+of the group must take part; `waiting()` for a shorter one) for longer than `POLL_S` and a
+sibling has exited, the group cannot finish the step, and the worker exits at once (`os._exit`:
+the wait may be in torchft's own threads and Rust code, which no exception reaches), which also
+ends its manager's heartbeats. The span is the whole step's, forward and backward included, not
+only torchft's waits: a worker whose sibling died in its forward would otherwise run on to the
+group's next collective (up to a step's compute, measured 0.6-0.8 s from the kill to the group's
+restart on the loaded 2-core machine), holding back its restart and, heartbeating meanwhile,
+the lighthouse's next quorum. Outside the span nothing is done: a sibling that exits at the end
+of the run (or after a stop signal, after the last step) is not a failure. The siblings are
+processes of this machine (replica groups are one launcher's, on one node).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import threading
 import time
 from contextlib import contextmanager
 
-POLL_S = 0.1
-"""How often the watch looks, and how long a torchft wait must have lasted before it counts."""
+POLL_S = 0.05
+"""How often the watch looks (one read of /proc per sibling), and how long this worker must have
+been in its step's span before a dead sibling counts. 0.1 s before: half of it comes off a
+failure's path twice, to the group's restart and to the end of its heartbeats."""
 
 BROKEN_STATUS = 1
 """The exit status of a worker whose group broke (the agent reports the sibling that died first)."""
@@ -65,13 +72,20 @@ class BrokenGroupWatch:
         if siblings:
             self.thread.start()
 
+    def enter(self) -> None:
+        """From now on every sibling must be alive (until `leave`)."""
+        self.since = time.monotonic()
+
+    def leave(self) -> None:
+        self.since = None
+
     @contextmanager
     def waiting(self):
-        self.since = time.monotonic()
+        self.enter()
         try:
             yield
         finally:
-            self.since = None
+            self.leave()
 
     def stop(self) -> None:
         self.done.set()
