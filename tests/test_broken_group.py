@@ -33,21 +33,25 @@ def _sibling():
     return process
 
 
-def _watch(siblings):
+def _watch(siblings, noted=None):
     exited = threading.Event()
-    return BrokenGroupWatch(siblings, exit_now=lambda status: exited.set()), exited
+    return BrokenGroupWatch(siblings, exit_now=lambda status: exited.set(),
+                            on_broken=None if noted is None else lambda: noted.append(exited.is_set())), exited
 
 
 def test_a_dead_sibling_ends_a_torchft_wait_at_once():
+    """And `on_broken` (a rank 0's manager stops heartbeating) comes first, once."""
     sibling = _sibling()
-    watch, exited = _watch([sibling.pid])
+    noted = []
+    watch, exited = _watch([sibling.pid], noted)
     try:
         with watch.waiting():
             time.sleep(3 * broken_group.POLL_S)
-            assert not exited.is_set()  # a live sibling: the wait goes on
+            assert not exited.is_set() and not noted  # a live sibling: the wait goes on
             os.kill(sibling.pid, signal.SIGKILL)
             # Measured against the watch's own poll, not a speed: a few polls at most.
             assert exited.wait(30), "the watch did not end the wait"
+        assert noted == [False]  # called before the exit, not after
     finally:
         watch.stop()
         sibling.kill()

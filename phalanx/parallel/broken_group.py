@@ -41,6 +41,15 @@ POLL_S = 0.05
 been in its step's span before a dead sibling counts. 0.1 s before: half of it comes off a
 failure's path twice, to the group's restart and to the end of its heartbeats."""
 
+REPORT_S = 0.2
+"""How long this worker stays after it found a sibling dead (its manager's heartbeats already
+stopped, `on_broken`): twice the elastic agent's monitor interval (0.1 s,
+worker_group.start_elastic), so that one of the agent's passes sees the dead sibling while this
+worker still lives, and the launcher's line names the sibling. torch reports one failure per
+pass, the first process it finds: when both had gone, the lowest rank, and the line said
+`worker rank 0 exited with status 1` for a killed rank 1 (2 of 3 kills in a benchmark run,
+when the worker left 0.05 s after its sibling)."""
+
 BROKEN_STATUS = 1
 """The exit status of a worker whose group broke (the agent reports the sibling that died first)."""
 
@@ -62,10 +71,12 @@ def alive(pid: int) -> bool:
 
 class BrokenGroupWatch:
     """This worker's watch over its group's other processes (see the module docstring).
-    `waiting()` marks a torchft wait; `stop()` ends the watch."""
+    `enter()` .. `leave()` (or `waiting()`) marks the span in which every sibling must live;
+    `stop()` ends the watch; `on_broken()` is called as soon as a sibling is found dead, before
+    the exit (a replica group's rank 0 stops its torchft manager's heartbeats there)."""
 
-    def __init__(self, siblings: list[int], *, exit_now=os._exit):
-        self.siblings, self.exit_now = siblings, exit_now
+    def __init__(self, siblings: list[int], *, exit_now=os._exit, on_broken=None):
+        self.siblings, self.exit_now, self.on_broken = siblings, exit_now, on_broken
         self.since: float | None = None
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="phalanx-broken-group", daemon=True)
@@ -97,6 +108,12 @@ class BrokenGroupWatch:
                 continue
             dead = [pid for pid in self.siblings if not alive(pid)]
             if dead and self.since is not None and not self.done.is_set():
+                if self.on_broken is not None:
+                    try:
+                        self.on_broken()
+                    except Exception:  # noqa: BLE001 (leaving anyway: the group is broken)
+                        pass
+                time.sleep(REPORT_S)
                 # Quietly: the launcher says in one line which worker died and that the group restarts.
                 sys.stderr.flush()
                 self.exit_now(BROKEN_STATUS)

@@ -231,7 +231,9 @@ class ReplicaGroupSync:
                                   else FlatStateTransport(self.pg)),
         )
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.watch = BrokenGroupWatch(_sibling_pids(world))  # a dead sibling ends this worker's step
+        # A dead sibling ends this worker's step, and at once its manager's heartbeats (rank 0's),
+        # which would keep the lighthouse counting this group.
+        self.watch = BrokenGroupWatch(_sibling_pids(world), on_broken=lambda: self.manager.shutdown(wait=False))
 
     def _state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
