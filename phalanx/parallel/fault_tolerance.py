@@ -72,9 +72,9 @@ manager heartbeats every 100 ms, from a thread of its own). When a group dies, t
 new quorum waits this long after its last heartbeat (`broken_group.py` ends its remaining
 workers within 0.05 to 0.3 s of the first one's death), then they step without it while it
 restarts. The largest heartbeat age of a live group that the lighthouse's status page showed
-(benchmarks/goodput.py --heartbeats, benchmarks/README.md) was 108-120 ms with the benchmark's
-4 workers on the 2 shared cores and 151 ms with six busy processes beside them (load average
-10): 500 ms is 3.3 times that, 5 heartbeats missed in a row. A live group later than that and
+(benchmarks/goodput.py --heartbeats, benchmarks/README.md) was 106-107 ms with the benchmark's
+4 workers on the 2 shared cores and 112 ms with six busy processes beside them (load average
+8 to 9), some 6,000 to 9,000 polls each: 500 ms is 4.5 times that, 4 heartbeats missed in a row. A live group later than that and
 not yet at the quorum would sit out one step and then receive a peer's state (a heal, not a
 failure). It was 2 s (set when a first test with 1 s dropped a live group, before the
 forkservers and the broken-group watch): longer than a group's restart (0.8-1.2 s from a kill
