@@ -49,12 +49,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -119,12 +122,12 @@ def threads(pid: int) -> int:
         return 0
 
 
-def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int = 1) -> dict:
+def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int = 1, heartbeats: bool = False) -> dict:
     """Run the command; with kill_every, SIGKILL a worker each time the run reaches the next
     multiple of kill_every steps (counted from where it resumed), before its last step. With
     `groups` > 1 (replica groups) see `run_replica_arm`."""
     if groups > 1:
-        return run_replica_arm(argv, out, kill_every, steps, groups)
+        return run_replica_arm(argv, out, kill_every, steps, groups, heartbeats)
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -162,14 +165,27 @@ def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int
             "median_step": statistics.median(r["step_time_s"] for r in steps)}
 
 
-def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int) -> dict:
+def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int,
+                    heartbeats: bool = False) -> dict:
     """The replica-group arm: a worker of one group SIGKILLed at every multiple of kill_every
     steps (as many kills as the restart arm: none is replayed here to push the next one later),
     each once the group killed before has rejoined. A group killed near the end may not be back
-    before the other finishes; it then finds the final checkpoint and ends."""
+    before the other finishes; it then finds the final checkpoint and ends. Per kill, the time
+    to the next step row (the surviving groups' next committed step) and to the rejoin row.
+    `heartbeats`: also poll the lighthouse's status page (`LighthouseAges`)."""
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--replica-groups", str(groups), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err_lines: list[str] = []
+    ages = LighthouseAges() if heartbeats else None
+
+    def read_stderr() -> None:  # read as it comes: the lighthouse's address is on its first lines
+        for line in proc.stderr:
+            err_lines.append(line)
+            if ages is not None and (found := re.search(r"torchft lighthouse at (\S+)", line)):
+                ages.start(found.group(1), proc)
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     kills: list[dict] = []
     target = kill_every
     while kill_every and proc.poll() is None:
@@ -179,18 +195,23 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
             os.kill(victim, signal.SIGKILL)
             kills.append({"at": killed_at, "last_step": last_step(out)})
             while proc.poll() is None:
+                if "next_step_after_s" not in kills[-1] and last_step(out) > kills[-1]["last_step"]:
+                    kills[-1]["next_step_after_s"] = time.perf_counter() - killed_at
                 rejoined = [r for r in rows(out) if r.get("event") == "group_rejoined"]
                 if len(rejoined) == len(kills):
                     kills[-1]["rejoined_at_step"] = rejoined[-1]["step"]
                     kills[-1]["back_after_s"] = time.perf_counter() - killed_at
+                    kills[-1].setdefault("next_step_after_s", kills[-1]["back_after_s"])
                     break
                 time.sleep(0.01)
             if "rejoined_at_step" not in kills[-1]:
                 break  # the run ended before the group came back (or failed: its status says)
             target = max(target + kill_every, kills[-1]["rejoined_at_step"] + 1)
         time.sleep(0.01)
-    _, err = proc.communicate()
+    proc.wait()
+    reader.join()
     wall = time.perf_counter() - began
+    err = "".join(err_lines)
     if proc.returncode != 0:
         raise SystemExit(f"phalanx train --replica-groups failed ({proc.returncode}):\n{err}")
     if kill_every:  # the launchers' line per failure
@@ -200,7 +221,50 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
     alone = sum(1 for r in steps_rows if len(r["groups"]) < groups)
     return {"wall": wall, "useful": useful, "useful_steps": sum(len(r["groups"]) / groups for r in steps_rows), "ckpt": sum(r["ckpt_wait_s"] for r in steps_rows), "kills": kills,
             "steps": len(steps_rows), "short_steps": alone,
-            "median_step": statistics.median(r["step_time_s"] for r in steps_rows)}
+            "median_step": statistics.median(r["step_time_s"] for r in steps_rows),
+            "heartbeat_ages": ages.stop() if ages is not None else None}
+
+
+class LighthouseAges:
+    """Polls the lighthouse's status page (every `EVERY_S`) for how long ago it last heard from
+    each group: a live group's largest age before its next heartbeat is how late heartbeats
+    come on this machine under this load, what the lighthouse's heartbeat timeout must exceed
+    (phalanx/parallel/fault_tolerance.py). A dead group's age only grows: never counted. The
+    poll sees an age up to EVERY_S (plus its own delay) before the next heartbeat lands, so the
+    largest age is a little under the true largest gap."""
+
+    EVERY_S = 0.01
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[str, float]] = []
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self, url: str, proc) -> None:
+        def poll() -> None:
+            while not self.done.is_set() and proc.poll() is None:
+                try:
+                    page = urllib.request.urlopen(f"{url}/status", timeout=2).read().decode()
+                except OSError:
+                    page = ""
+                for replica, age, unit in re.findall(r"(phalanx_group_\S+): seen ([0-9.]+)(m?s) ago", page):
+                    self.samples.append((replica, float(age) / (1000 if unit == "ms" else 1)))
+                time.sleep(self.EVERY_S)
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> dict:
+        """{"largest_s": the largest age of a live group seen before its next heartbeat, "polls": how many}."""
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join()
+        last: dict[str, float] = {}
+        largest = 0.0
+        for replica, age in self.samples:
+            if age < last.get(replica, 0.0):  # it heartbeat again: the age before was a live group's gap
+                largest = max(largest, last[replica])
+            last[replica] = age
+        return {"largest_s": largest, "polls": len(self.samples)}
 
 
 def report_replicas(clean: dict, arm: dict) -> float:
@@ -213,6 +277,14 @@ def report_replicas(clean: dict, arm: dict) -> float:
           f"without the killed group; median step {arm['median_step'] * 1e3:.0f} ms)")
     print(f"  {len(kills)} kills, {len(backs)} rejoins before the end; no step replayed; kill -> the group's rejoin "
           f"{back:.1f} s (its restart, the quorum and the state received from its peer)")
+    if kills:
+        print("  per kill: kill -> the next step row (the surviving group's next committed step) / -> the rejoin row: "
+              + ", ".join(f"{k['next_step_after_s']:.2f} / {k['back_after_s']:.2f} s" if "back_after_s" in k
+                          else "(no rejoin before the end)" for k in kills))
+    if arm.get("heartbeat_ages"):
+        ages = arm["heartbeat_ages"]
+        print(f"  lighthouse: the largest heartbeat age of a live group {ages['largest_s'] * 1e3:.0f} ms "
+              f"({ages['polls']} polls of its status page)")
     ratio = arm["useful"] / arm["wall"] / (clean["useful"] / clean["wall"])
     print(f"  goodput replica groups with failures / clean = {ratio:.3f}; wall / clean = {arm['wall'] / clean['wall']:.3f}; "
           f"useful steps per second / clean = {steps_per_second(arm) / steps_per_second(clean):.3f}")
@@ -235,6 +307,10 @@ def report_replica_overhead(clean: dict, quiet: dict, failing: dict) -> None:
     print(f"  goodput replica groups without failures / clean = {goodput['quiet'] / goodput['clean']:.3f} (torchft at every "
           f"step); with failures / without = {goodput['failing'] / goodput['quiet']:.3f} (the failures); useful steps per "
           f"second without failures / clean = {steps_per_second(quiet) / steps_per_second(clean):.3f}")
+    if quiet.get("heartbeat_ages"):
+        ages = quiet["heartbeat_ages"]
+        print(f"  lighthouse, without failures: the largest heartbeat age of a live group {ages['largest_s'] * 1e3:.0f} ms "
+              f"({ages['polls']} polls of its status page)")
 
 
 def report(args, clean: dict, faulty: dict) -> float:
@@ -291,6 +367,9 @@ def main() -> None:
                         help="leave out the replica-group arm (--replica-groups 2, torchft)")
     parser.add_argument("--replica-overhead", action="store_true",
                         help="also run the replica-group command without failures (torchft's cost at every step)")
+    parser.add_argument("--heartbeats", action="store_true",
+                        help="poll the lighthouse's status page in the replica arms: the largest heartbeat age of a "
+                             "live group (what the heartbeat timeout must exceed)")
     parser.add_argument("--saves", action="store_true",
                         help="compare synchronous and background checkpoint saves (no failures) instead")
     args = parser.parse_args()
@@ -315,7 +394,7 @@ def main() -> None:
                 arm_argv = argv if not replicas else [args.replica_plan if a == args.plan else a for a in argv]
                 arms[kind] = run_arm(arm_argv, Path(tmp) / f"{kind}-{pair}",
                                      0 if kind in ("clean", "replicas-quiet") else args.kill_every, args.steps,
-                                     groups=2 if replicas else 1)
+                                     groups=2 if replicas else 1, heartbeats=args.heartbeats)
             print(f"pair {pair + 1} ({' then '.join(arms)}):")
             ratios.append(report(args, arms["clean"], arms["failures"]))
             if args.replicas:

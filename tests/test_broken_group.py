@@ -14,7 +14,10 @@ import threading
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from phalanx.launch.restart_policy import Failure
+from phalanx.launch.worker_launch import describe
 from phalanx.parallel import broken_group
 from phalanx.parallel.broken_group import BrokenGroupWatch, alive
 from phalanx.parallel.fault_tolerance import StepReduction, membership_events
@@ -30,21 +33,25 @@ def _sibling():
     return process
 
 
-def _watch(siblings):
+def _watch(siblings, noted=None):
     exited = threading.Event()
-    return BrokenGroupWatch(siblings, exit_now=lambda status: exited.set()), exited
+    return BrokenGroupWatch(siblings, exit_now=lambda status: exited.set(),
+                            on_broken=None if noted is None else lambda: noted.append(exited.is_set())), exited
 
 
 def test_a_dead_sibling_ends_a_torchft_wait_at_once():
+    """And `on_broken` (a rank 0's manager stops heartbeating) comes first, once."""
     sibling = _sibling()
-    watch, exited = _watch([sibling.pid])
+    noted = []
+    watch, exited = _watch([sibling.pid], noted)
     try:
         with watch.waiting():
             time.sleep(3 * broken_group.POLL_S)
-            assert not exited.is_set()  # a live sibling: the wait goes on
+            assert not exited.is_set() and not noted  # a live sibling: the wait goes on
             os.kill(sibling.pid, signal.SIGKILL)
             # Measured against the watch's own poll, not a speed: a few polls at most.
             assert exited.wait(30), "the watch did not end the wait"
+        assert noted == [False]  # called before the exit, not after
     finally:
         watch.stop()
         sibling.kill()
@@ -120,3 +127,21 @@ def test_a_failed_worker_leaves_without_waiting_for_its_threads(tmp_path, monkey
         alive_after = worker.is_alive()
         worker.kill()
         assert not alive_after and worker.exitcode == 1, (status, worker.exitcode)
+
+
+def test_the_dead_worker_is_named_not_the_sibling_that_left():
+    """The elastic agent's failure times are whole seconds: a worker that left because its
+    sibling was killed (status 1, no recorded error), seen in the same pass, ties with it, and
+    torch's own choice (the lowest rank) named the one that left. The launcher's line names the
+    killed one, also when the agent's clock passed a second between the two; and the one that
+    failed first when an earlier pass saw it."""
+    left = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="/nonexistent")
+    killed = ProcessFailure(local_rank=1, pid=2, exitcode=-signal.SIGKILL, error_file="/nonexistent")
+    killed.timestamp = left.timestamp
+    error = ChildFailedError("train", {0: left, 1: killed})
+    assert error.get_first_failure()[0] == 0  # what describe() said before
+    assert describe(error) == (1, Failure("worker rank 1 exited with signal SIGKILL"))
+    left.timestamp = killed.timestamp - 1  # the agent's clock passed a second between the two
+    assert describe(error) == (1, Failure("worker rank 1 exited with signal SIGKILL"))
+    left.timestamp = killed.timestamp - 2  # an earlier pass: it did fail first
+    assert describe(error) == (1, Failure("worker rank 0 exited with status 1"))

@@ -30,7 +30,7 @@ from phalanx.parallel.fault_tolerance import DIGEST_ENV  # noqa: E402
 from phalanx.ports import free_port  # noqa: E402
 from phalanx.testing.cli_errors import assert_cli_error  # noqa: E402
 from phalanx.train.collective_watch import STALL_ENV  # noqa: E402
-from phalanx.train.injected_faults import REJOIN_STALL_ENV  # noqa: E402
+from phalanx.train.injected_faults import IN_STEP_FAULT_ENV, REJOIN_STALL_ENV  # noqa: E402
 from phalanx.train.metrics import parse_lines, read_metrics  # noqa: E402
 from phalanx.train.restarts import FAULT_ENV  # noqa: E402
 
@@ -114,16 +114,21 @@ def test_killed_group_rejoins_from_its_peer(tmp_path):
     assert all(digests[step][0] == digests[step][1] for step in (1, 2, 3, 6, 7, 8))
 
 
-def test_a_group_of_two_with_a_dead_worker_restarts_and_rejoins(tmp_path):
-    """2 groups of 2 processes; group 1's rank 1 SIGKILLs itself after step 3, while its rank 0
-    goes on into torchft's quorum (which parallel/broken_group.py then ends; that the watch ends
-    such a wait at once, and only then, is tests/test_broken_group.py's). The group restarts and
-    rejoins (missing a step or not, depending on how fast it is back); no step is missing or
-    repeated, its loss and rejoin are event rows, and from the step it rejoined on its state
-    equals group 0's bit for bit."""
+@pytest.mark.parametrize("fault", [{FAULT_ENV: "3:3:SIGKILL"}, {IN_STEP_FAULT_ENV: "3:4:SIGKILL"}],
+                         ids=["between-steps", "in-a-step"])
+def test_a_group_of_two_with_a_dead_worker_restarts_and_rejoins(tmp_path, fault):
+    """2 groups of 2 processes; group 1's rank 1 SIGKILLs itself, while its rank 0 goes on into
+    torchft's quorum or all-reduce (which parallel/broken_group.py then ends; that the watch
+    ends such a wait at once, and only then, is tests/test_broken_group.py's). Either after
+    step 3, or in step 4 after its backward: then group 0's all-reduce of step 4 breaks (rank 1's
+    at once; rank 0's may go through with group 1's rank 0, but the group's commit fails), and
+    group 0 runs that all-reduce again with its own step-4 gradients at a new quorum, without
+    group 1 or with it restarted. The group restarts and rejoins (missing a step or not,
+    depending on how fast it is back); no step is missing or repeated, its loss and rejoin are
+    event rows, and from the step it rejoined on its state equals group 0's bit for bit."""
     run = tmp_path / "run"
     code, err = _launch([*TINY, "--steps", "8", "--ckpt-every", "2", "--nproc", "4", "--replica-groups", "2", "--out", str(run)],
-                        **{FAULT_ENV: "3:3:SIGKILL",  # group 1, rank 1 (group x 2 + rank)
+                        **{**fault,  # group 1, rank 1 (group x 2 + rank)
                            # Group 0 waits before step 6 for group 1 to be back (tiny's steps take
                            # milliseconds; a group's restart took 3.0-7.1 s in benchmarks/goodput.py
                            # on the loaded 2-core machine).

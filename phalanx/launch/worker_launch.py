@@ -68,6 +68,18 @@ def worker_name(rank: int) -> str:
     return f"worker rank {rank}"
 
 
+def first_failure(error: ChildFailedError) -> tuple[int, object]:
+    """(rank, failure) the agent saw fail first. Its timestamps are whole seconds, taken one
+    worker after another, so workers that failed within one of its monitor passes tie or differ
+    by one; among those, one killed by a signal or that recorded an error comes before one that
+    only exited with a status: a worker that leaves because another died (a replica group's,
+    parallel/broken_group.py, within the same 0.1 s pass; or one whose collective failed), which
+    torch's own choice, the lowest rank, could name instead of the dead one."""
+    first = min(failure.timestamp for failure in error.failures.values())
+    tied = [(rank, failure) for rank, failure in sorted(error.failures.items()) if failure.timestamp <= first + 1]
+    return min(tied, key=lambda item: (item[1].exitcode > 0 and not isinstance(item[1].message, dict), item[0]))
+
+
 def describe(error: ChildFailedError, who: Callable[[int], str] = worker_name) -> tuple[int, Failure | None]:
     """A ChildFailedError as (status, failure): status 2 (a user error, printed by rank 0),
     130/143 (stopped by a signal) or 1 with the failure of the first worker the agent saw fail."""
@@ -76,7 +88,7 @@ def describe(error: ChildFailedError, who: Callable[[int], str] = worker_name) -
         return 2, None
     if codes <= set(STOP_STATUS.values()):
         return max(codes), None
-    rank, failure = error.get_first_failure()
+    rank, failure = first_failure(error)
     if failure.exitcode < 0:
         return 1, Failure(f"{who(rank)} exited with signal {failure.signal_name()}")
     message = failure.message

@@ -14,13 +14,18 @@ surviving group's quorum took 32.07 s, the dead group's launcher saw the failure
 the kill; issue 41's 36.9 s rejoin).
 
 So each worker of a group of several processes learns its siblings' process ids when it joins
-(one all-gather in the group) and a thread looks every `POLL_S`: while this worker has been
-inside a torchft wait for longer than `POLL_S` and a sibling has exited, the group cannot finish
-the step, and the worker exits at once (`os._exit`: the wait is in torchft's own threads and
-Rust code, which no exception reaches), which also ends its manager's heartbeats. Outside a
-torchft wait nothing is done: a gloo collective with a dead rank fails by itself, and a sibling
-that exits at the end of the run is not a failure. The siblings are processes of this machine
-(replica groups are one launcher's, on one node).
+(one all-gather in the group) and a thread looks every `POLL_S`: while this worker is inside a
+step's torchft span (`enter` .. `leave`: from the step's quorum to its commit, when every process
+of the group must take part; `waiting()` for a shorter one) for longer than `POLL_S` and a
+sibling has exited, the group cannot finish the step, and the worker exits at once (`os._exit`:
+the wait may be in torchft's own threads and Rust code, which no exception reaches), which also
+ends its manager's heartbeats. The span is the whole step's, forward and backward included, not
+only torchft's waits: a worker whose sibling died in its forward would otherwise run on to the
+group's next collective (up to a step's compute, measured 0.6-0.8 s from the kill to the group's
+restart on the loaded 2-core machine), holding back its restart and, heartbeating meanwhile,
+the lighthouse's next quorum. Outside the span nothing is done: a sibling that exits at the end
+of the run (or after a stop signal, after the last step) is not a failure. The siblings are
+processes of this machine (replica groups are one launcher's, on one node).
 """
 
 from __future__ import annotations
@@ -31,8 +36,19 @@ import threading
 import time
 from contextlib import contextmanager
 
-POLL_S = 0.1
-"""How often the watch looks, and how long a torchft wait must have lasted before it counts."""
+POLL_S = 0.05
+"""How often the watch looks (one read of /proc per sibling), and how long this worker must have
+been in its step's span before a dead sibling counts. 0.1 s before: half of it comes off a
+failure's path twice, to the group's restart and to the end of its heartbeats."""
+
+REPORT_S = 0.2
+"""How long this worker stays after it found a sibling dead (its manager's heartbeats already
+stopped, `on_broken`): twice the elastic agent's monitor interval (0.1 s,
+worker_group.start_elastic), so that one of the agent's passes sees the dead sibling while this
+worker still lives, and the launcher's line names the sibling. torch reports one failure per
+pass, the first process it finds: when both had gone, the lowest rank, and the line said
+`worker rank 0 exited with status 1` for a killed rank 1 (2 of 3 kills in a benchmark run,
+when the worker left 0.05 s after its sibling)."""
 
 BROKEN_STATUS = 1
 """The exit status of a worker whose group broke (the agent reports the sibling that died first)."""
@@ -55,23 +71,32 @@ def alive(pid: int) -> bool:
 
 class BrokenGroupWatch:
     """This worker's watch over its group's other processes (see the module docstring).
-    `waiting()` marks a torchft wait; `stop()` ends the watch."""
+    `enter()` .. `leave()` (or `waiting()`) marks the span in which every sibling must live;
+    `stop()` ends the watch; `on_broken()` is called as soon as a sibling is found dead, before
+    the exit (a replica group's rank 0 stops its torchft manager's heartbeats there)."""
 
-    def __init__(self, siblings: list[int], *, exit_now=os._exit):
-        self.siblings, self.exit_now = siblings, exit_now
+    def __init__(self, siblings: list[int], *, exit_now=os._exit, on_broken=None):
+        self.siblings, self.exit_now, self.on_broken = siblings, exit_now, on_broken
         self.since: float | None = None
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="phalanx-broken-group", daemon=True)
         if siblings:
             self.thread.start()
 
+    def enter(self) -> None:
+        """From now on every sibling must be alive (until `leave`)."""
+        self.since = time.monotonic()
+
+    def leave(self) -> None:
+        self.since = None
+
     @contextmanager
     def waiting(self):
-        self.since = time.monotonic()
+        self.enter()
         try:
             yield
         finally:
-            self.since = None
+            self.leave()
 
     def stop(self) -> None:
         self.done.set()
@@ -83,6 +108,12 @@ class BrokenGroupWatch:
                 continue
             dead = [pid for pid in self.siblings if not alive(pid)]
             if dead and self.since is not None and not self.done.is_set():
+                if self.on_broken is not None:
+                    try:
+                        self.on_broken()
+                    except Exception:  # noqa: BLE001 (leaving anyway: the group is broken)
+                        pass
+                time.sleep(REPORT_S)
                 # Quietly: the launcher says in one line which worker died and that the group restarts.
                 sys.stderr.flush()
                 self.exit_now(BROKEN_STATUS)

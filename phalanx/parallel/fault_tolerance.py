@@ -12,13 +12,17 @@ down only its group. Across groups, torchft (the `ft` extra) does the rest:
 - a group that (re)starts behind the others receives the model and optimizer state of a
   healthy peer at its first quorum (torchft's PGTransport, over that same group: no checkpoint,
   no replay) and takes part from that step on;
-- a group whose worker died ends its other workers' torchft waits at once (`broken_group.py`),
-  so that neither it nor the healthy groups' quorum waits for the elastic agent's 30 s.
+- a group whose worker died ends its other workers at once (`broken_group.py`), so that
+  neither its restart nor the healthy groups' quorum waits for them;
+- the healthy groups keep the gradients of the step a failure broke and run only its
+  all-reduce again, at a new quorum (`ReplicaGroupSync.reduce`).
 
-`ReplicaGroupSync` is what the training loop calls, three times a step: `begin_step` (the
-quorum, and the live state when this group heals), `reduce` (after backward: the gradients,
-the loss and which groups took part, in one all-reduce) and `commit` (whether the step may
-update: every rank of every group present agreed that its all-reduce succeeded).
+`ReplicaGroupSync` is what the training loop calls, twice a step: `begin_step` (the quorum,
+and the live state when this group heals) and `reduce` (after backward: the gradients, the loss
+and which groups took part, in one all-reduce, then torchft's commit: every rank of the group
+agreed that its all-reduce succeeded). When a group fails during the all-reduce, the others
+keep their step's own gradients, take a new quorum without it and run only the all-reduce
+again, not the step's forward and backward.
 
 torchft is imported only here and only when replica groups are asked for, so a run without
 them needs no torchft.
@@ -30,8 +34,10 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import multiprocessing
 import os
+import pickle
 import socket
 import time
 import warnings
@@ -40,6 +46,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
 
 from phalanx.errors import UserError
 from phalanx.parallel.broken_group import BrokenGroupWatch
@@ -59,11 +66,21 @@ DIGEST_ENV = "PHALANX_TEST_STATE_DIGESTS"
 model's and optimizer's state to `state_digests.jsonl` in the run directory, so a test can check
 that groups hold bit-equal state (a rejoined group from its first step on)."""
 
-HEARTBEAT_TIMEOUT_MS = 2000
-"""How long the lighthouse keeps counting a group that stopped heartbeating (every 100 ms): a
-quorum waits at most this long for a group that died between two steps. 2 s leaves 20 missed
-heartbeats of slack on a loaded 2-core machine, where the first tests with 1 s dropped a live
-group now and then."""
+HEARTBEAT_TIMEOUT_MS = 500
+"""How long the lighthouse keeps counting a group whose heartbeats stopped (each group's torchft
+manager heartbeats every 100 ms, from a thread of its own). When a group dies, the others'
+new quorum waits this long after its last heartbeat (`broken_group.py` ends its remaining
+workers within 0.05 to 0.3 s of the first one's death), then they step without it while it
+restarts. The largest heartbeat age of a live group that the lighthouse's status page showed
+(benchmarks/goodput.py --heartbeats, benchmarks/README.md) was 106-107 ms with the benchmark's
+4 workers on the 2 shared cores and 112 ms with six busy processes beside them (load average
+8 to 9), some 6,000 to 9,000 polls each: 500 ms is 4.5 times that, 4 heartbeats missed in a row. A live group later than that and
+not yet at the quorum would sit out one step and then receive a peer's state (a heal, not a
+failure). It was 2 s (set when a first test with 1 s dropped a live group, before the
+forkservers and the broken-group watch): longer than a group's restart (0.8-1.2 s from a kill
+to its next quorum, measured), so the survivors waited for the restarted group instead of
+stepping, and the restarted group itself waited out `JOIN_TIMEOUT_MS` at its first quorum
+while the lighthouse still counted its dead predecessor as a straggler."""
 
 JOIN_TIMEOUT_MS = 1000
 """How long the lighthouse waits for a heartbeating group to ask for the quorum before it forms
@@ -165,6 +182,10 @@ class StepReduction:
     """The groups that took part in this step, in order."""
     healed: list[int]
     """The groups among them that received their state from a peer at this step's quorum."""
+    retry_s: float = 0.0
+    """Seconds this rank spent on all-reduces that a failed group broke and on the new quorums
+    after them (from the first all-reduce's start to the end of the one that went through):
+    not the step's work, so not in its `step_time_s`."""
 
 
 class ReplicaGroupSync:
@@ -173,10 +194,10 @@ class ReplicaGroupSync:
     `model`, `optimizer`: what a healing group receives; `rank`, `world`: this rank's place in
     its group (rank 0 serves the group's torchft manager, whose address it leaves in the
     elastic agent's store at MASTER_ADDR:MASTER_PORT); `step`: the step this group starts from
-    (a checkpoint's, or 0)."""
+    (a checkpoint's, or 0); `steps`: the run's last step."""
 
     def __init__(self, *, group: int, groups: int, lighthouse: str, model, optimizer, device: torch.device,
-                 rank: int, world: int, step: int, timeout_s: float):
+                 rank: int, world: int, step: int, timeout_s: float, steps: int):
         require_torchft()
         # Imported when asked for, not at the top: torchft is the optional `ft` extra, needed only with --replica-groups.
         from torchft import Manager
@@ -187,10 +208,10 @@ class ReplicaGroupSync:
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torchft")
         # A warning per quorum about NCCL's flight recorder, and, when a group dies, a traceback per
-        # surviving rank of the all-reduce that lost it: expected, the step runs again, and the
-        # launcher's line and the metrics' event rows say which group left.
+        # surviving rank of the all-reduce that lost it: expected, the all-reduce runs again, and
+        # the launcher's line and the metrics' event rows say which group left.
         logging.getLogger("torchft").setLevel(logging.CRITICAL)
-        self.group, self.groups, self.device = group, groups, device
+        self.group, self.groups, self.device, self.steps = group, groups, device, steps
         self.model, self.optimizer = model, optimizer
         self.healed_now = False
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -206,10 +227,13 @@ class ReplicaGroupSync:
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=rank, world_size=world, store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=lighthouse, replica_id=f"phalanx_group_{group}", hostname=socket.gethostname(),
-            checkpoint_transport=PGTransport(self.pg, timeout=timeout, device=device),
+            checkpoint_transport=(PGTransport(self.pg, timeout=timeout, device=device) if device.type == "cuda"
+                                  else FlatStateTransport(self.pg)),
         )
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.watch = BrokenGroupWatch(_sibling_pids(world))  # a dead sibling ends this worker's torchft waits
+        # A dead sibling ends this worker's step, and at once its manager's heartbeats (rank 0's),
+        # which would keep the lighthouse counting this group.
+        self.watch = BrokenGroupWatch(_sibling_pids(world), on_broken=lambda: self.manager.shutdown(wait=False))
 
     def _state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
@@ -220,30 +244,52 @@ class ReplicaGroupSync:
         self.healed_now = True
 
     def begin_step(self) -> int:
-        """The step's quorum (a healing group receives the live state here); the step to run."""
+        """The step's quorum (a healing group receives the live state here); the step to run.
+        From here to the step's commit every process of the group takes part: a sibling that
+        exits meanwhile has broken the group (`broken_group.py`)."""
         self.healed_now = False
-        with self.watch.waiting():
-            self.manager.start_quorum()
-        return self.manager.current_step()
+        self.watch.enter()
+        self.manager.start_quorum()
+        step = self.manager.current_step()
+        if step >= self.steps:  # the run is over: siblings now leave as they finish
+            self.watch.leave()
+        return step
 
     def set_step(self, step: int) -> None:
         """The step this group is at, after it loaded a checkpoint itself."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
-    def reduce(self, params, loss_sum: torch.Tensor) -> StepReduction:
+    def reduce(self, params, loss_sum: torch.Tensor) -> StepReduction | None:
         """After backward (and the group's own gradient reduction): sum this rank's gradients,
         loss share and a flag of its group (and whether it healed) with the same rank of every
-        group present, in one all-reduce, and divide by the groups present. A group that did
-        not take part (the all-reduce failed) is told by `commit`."""
+        group present, in one all-reduce, and divide by the groups present, once torchft's
+        commit says every rank of the group got through its all-reduce (collective within the
+        group). None: the step must run again from its forward (this group received a peer's
+        state at a new quorum meanwhile).
+
+        A group that dies during the step breaks the all-reduce of the others. Their own
+        gradients are still the step's (written back only after a commit), so they take a new
+        quorum, which goes on without the dead group once the lighthouse stops counting it (or
+        with it restarted, healing: it then runs the step's forward and backward, the others
+        wait in the all-reduce), and run the all-reduce again: a failure costs the survivors no
+        forward and backward of their own."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        flags = torch.zeros(2 * self.groups, dtype=torch.float32, device=self.device)
-        flags[self.group] = 1.0
-        flags[self.groups + self.group] = float(self.healed_now)
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.detach().reshape(1).float(), flags])
-
-        with self.watch.waiting():
+        step, began, retried = self.manager.current_step(), time.perf_counter(), False
+        while True:
+            flags = torch.zeros(2 * self.groups, dtype=torch.float32, device=self.device)
+            flags[self.group] = 1.0
+            flags[self.groups + self.group] = float(self.healed_now)
+            flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.detach().reshape(1).float(), flags])
             self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            if self.manager.should_commit():
+                break
+            retried = True
+            self.manager.start_quorum()
+            if self.healed_now or self.manager.current_step() != step:
+                self.watch.leave()  # the step's next quorum enters it again
+                return None
+        self.watch.leave()
         present = max(self.manager.num_participants(), 1)
         offset = 0
         for grad in grads:
@@ -252,17 +298,109 @@ class ReplicaGroupSync:
         flags = flat[offset + 1:].tolist()
         return StepReduction(loss_sum=flat[offset] / present,
                              groups=[g for g in range(self.groups) if flags[g] > 0.5],
-                             healed=[g for g in range(self.groups) if flags[self.groups + g] > 0.5])
-
-    def commit(self) -> bool:
-        """Whether this step may update the weights (False: a group failed during it; the step
-        is run again with the next quorum). Collective within the group."""
-        with self.watch.waiting():
-            return self.manager.should_commit()
+                             healed=[g for g in range(self.groups) if flags[self.groups + g] > 0.5],
+                             retry_s=time.perf_counter() - began if retried else 0.0)
 
     def shutdown(self) -> None:
         self.watch.stop()
         self.manager.shutdown(wait=False)
+
+
+class FlatStateTransport:
+    """torchft's checkpoint transport (its `CheckpointTransport` methods) for a healing group on
+    CPU: the peer's whole state in one buffer, three messages over the replica groups' gloo
+    group (sizes, the tree and tensor layout pickled, the bytes), where torchft's `PGTransport`
+    sends and waits for each tensor in turn. A small model's state on CPU is some 200 tensors
+    (weights and two Adam moments each), and that way each one was a round trip through gloo's
+    threads: measured 0.3 to 0.5 s a heal on the loaded 2-core machine, the surviving groups
+    blocked as long (they send at their quorum). On GPUs `PGTransport` stays: NCCL's sends are
+    queued on a stream, and one buffer would double the state's device memory. Bytes are
+    copied as they are, so the healed group's state equals its peer's bit for bit."""
+
+    ALIGN = 64
+    """Each tensor's bytes start at a multiple of this in the buffer, so the receiver's views
+    of them are aligned for any dtype."""
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+
+    def metadata(self) -> str:
+        return "<n/a>"
+
+    def disallow_checkpoint(self) -> None:
+        pass
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict, timeout: datetime.timedelta) -> None:
+        tensors: list = []
+        tree = _without_tensors(state_dict, tensors)
+        layout, offset = [], 0
+        for index, leaf in enumerate(tensors):
+            tensor = (leaf.to_local() if isinstance(leaf, DTensor) else leaf).detach().contiguous()
+            mesh = (leaf.device_mesh, leaf.placements, leaf.shape, leaf.stride()) if isinstance(leaf, DTensor) else None
+            layout.append((offset, tensor.dtype, tuple(tensor.shape), mesh))
+            tensors[index] = tensor
+            offset += -(-tensor.numel() * tensor.element_size() // self.ALIGN) * self.ALIGN
+        flat = torch.empty(offset, dtype=torch.uint8)
+        for (start, *_), tensor in zip(layout, tensors):
+            flat[start:start + tensor.numel() * tensor.element_size()].copy_(tensor.reshape(-1).view(torch.uint8))
+        meta = torch.frombuffer(bytearray(pickle.dumps((step, tree, layout))), dtype=torch.uint8)
+        sizes = torch.tensor([meta.numel(), flat.numel()], dtype=torch.int64)
+        works = [work for rank in dst_ranks
+                 for work in (self.pg.send([sizes], rank, tag=1), self.pg.send([meta], rank, tag=2),
+                              self.pg.send([flat], rank, tag=3))]
+        for work in works:
+            work.wait(timeout)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: datetime.timedelta):
+        sizes = torch.zeros(2, dtype=torch.int64)
+        self.pg.recv([sizes], src_rank, tag=1).wait(timeout)
+        meta, flat = torch.empty(int(sizes[0]), dtype=torch.uint8), torch.empty(int(sizes[1]), dtype=torch.uint8)
+        self.pg.recv([meta], src_rank, tag=2).wait(timeout)
+        self.pg.recv([flat], src_rank, tag=3).wait(timeout)
+        sent_step, tree, layout = pickle.loads(meta.numpy().tobytes())
+        if sent_step != step:
+            raise RuntimeError(f"a peer sent its state of step {sent_step}, expected step {step}")
+        tensors = []
+        for start, dtype, shape, mesh in layout:
+            count = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            tensor = flat[start:start + count].view(dtype).view(shape)
+            if mesh is not None:
+                tensor = DTensor.from_local(tensor, mesh[0], mesh[1], run_check=False, shape=mesh[2], stride=mesh[3])
+            tensors.append(tensor)
+        return _with_tensors(tree, tensors)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a state dict's tensor was, in `FlatStateTransport`'s pickled tree."""
+
+    index: int
+
+
+def _without_tensors(tree, tensors: list):
+    """`tree` (dicts, lists, tuples) with each tensor moved to `tensors` and a `_Slot` in its place."""
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return _Slot(len(tensors) - 1)
+    if isinstance(tree, dict):
+        return {key: _without_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_without_tensors(value, tensors) for value in tree)
+    return tree
+
+
+def _with_tensors(tree, tensors: list):
+    """`_without_tensors`'s inverse."""
+    if isinstance(tree, _Slot):
+        return tensors[tree.index]
+    if isinstance(tree, dict):
+        return {key: _with_tensors(value, tensors) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_with_tensors(value, tensors) for value in tree)
+    return tree
 
 
 def _sibling_pids(world: int) -> list[int]:
@@ -283,7 +421,7 @@ def replica_group(cfg, model, optimizer, device: torch.device, *, rank: int, wor
         return None
     sync = ReplicaGroupSync(group=int(os.environ[GROUP_ENV]), groups=cfg.replica_groups,
                             lighthouse=os.environ[LIGHTHOUSE_ENV], model=model, optimizer=optimizer, device=device,
-                            rank=rank, world=world, step=step, timeout_s=cfg.collective_timeout)
+                            rank=rank, world=world, step=step, timeout_s=cfg.collective_timeout, steps=cfg.steps)
     if first_attempt and rank == 0:  # the group's other ranks wait for it at the first quorum
         wait_for_groups(run_dir, os.environ[LAUNCH_ENV], sync.group, sync.groups, cfg.collective_timeout)
     return sync

@@ -9,7 +9,9 @@ worker's entry (`launch.worker_main`) reads them once, with `from_env()`:
 - `collective_watch.STALL_ENV`  `RANK:STEP:SECONDS`: rank RANK sleeps before step STEP (1-based);
 - `bad_steps.NAN_STEPS_ENV`  `S1,S2,...`: those steps' (1-based) loss is made NaN after the backward;
 - `REJOIN_STALL_ENV`  `RANK:SECONDS`: rank RANK (across replica groups), restarted, sleeps
-  before its group's torchft manager starts (and heartbeats).
+  before its group's torchft manager starts (and heartbeats);
+- `IN_STEP_FAULT_ENV`  `RANK:STEP:SIGNAL`: rank RANK (across replica groups) sends itself SIGNAL
+  in step STEP (1-based), after its backward, before the replica groups' all-reduce.
 
 Kills and stalls happen on a first attempt only: a restarted worker must not meet them again;
 a rejoin stall only on a restart.
@@ -32,6 +34,11 @@ and may be back at the quorum before the lighthouse stops counting the failed wo
 heartbeat timeout): then no step runs without it. A test that needs the other groups to step
 alone meanwhile delays the restarted worker with this."""
 
+IN_STEP_FAULT_ENV = "PHALANX_TEST_FAULT_IN_STEP"
+"""A worker killed at a step boundary dies before the other groups' all-reduce has it; one
+killed in the middle of a step breaks that all-reduce, which the surviving groups then run
+again without it (fault_tolerance.ReplicaGroupSync.reduce). A test of that path sets this."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class InjectedFaults:
@@ -45,15 +52,21 @@ class InjectedFaults:
     """Steps (1-based) whose loss is made NaN after the backward pass."""
     rejoin_stall: tuple[int, float] | None = None
     """(rank, seconds): that rank, restarted, sleeps before its replica group's manager starts."""
+    kill_in_step: tuple[int, int, str] | None = None
+    """(rank, step, signal name): that rank signals itself in that step (1-based), after its
+    backward, before the replica groups' all-reduce."""
 
     @classmethod
     def from_env(cls) -> "InjectedFaults":
         """The faults the test variables name; a restarted worker gets no kill and no stall but
         the rejoin stall."""
-        kill = stall = None
+        kill = stall = in_step = None
         if (text := os.environ.get(FAULT_ENV, "")) and not restart_count():
             who, when, name = text.split(":")
             kill = (int(who), int(when), name)
+        if (text := os.environ.get(IN_STEP_FAULT_ENV, "")) and not restart_count():
+            who, when, name = text.split(":")
+            in_step = (int(who), int(when), name)
         if (text := os.environ.get(STALL_ENV, "")) and not restart_count():
             who, when, seconds = text.split(":")
             stall = (int(who), int(when), float(seconds))
@@ -62,7 +75,7 @@ class InjectedFaults:
             who, seconds = text.split(":")
             rejoin = (int(who), float(seconds))
         nan = frozenset(int(part) for part in os.environ.get(NAN_STEPS_ENV, "").split(",") if part.strip())
-        return cls(kill=kill, stall=stall, nan_steps=nan, rejoin_stall=rejoin)
+        return cls(kill=kill, stall=stall, nan_steps=nan, rejoin_stall=rejoin, kill_in_step=in_step)
 
     def before_rejoin(self, rank: int) -> None:
         """Before a replica group's torchft manager starts (`rank`: across replica groups): while
@@ -76,3 +89,8 @@ class InjectedFaults:
             os.kill(os.getpid(), signal.Signals[self.kill[2]])
         if self.stall is not None and self.stall[:2] == (rank, steps_done + 1):
             time.sleep(self.stall[2])
+
+    def after_backward(self, rank: int, step: int) -> None:
+        """In step `step` (1-based), after the backward (`rank`: across replica groups)."""
+        if self.kill_in_step is not None and self.kill_in_step[:2] == (rank, step):
+            os.kill(os.getpid(), signal.Signals[self.kill_in_step[2]])

@@ -209,7 +209,7 @@ def stop_now(run: Run) -> bool:
 
 def run_step(run: Run) -> bool:
     """Run step `run.step + 1` on this rank (collective); False when the run stops instead.
-    A step a replica group must run again (a group failed during it) leaves `run.step` as it was."""
+    A step a replica group must run again (it received a peer's state during it) leaves `run.step` as it was."""
     cfg, device, step = run.cfg, run.device, run.step
     run.faults.before_step(run.hook_rank, step)  # test hooks (injected_faults.py)
     if stop_now(run):
@@ -235,7 +235,12 @@ def run_step(run: Run) -> bool:
         run.slots.sum_replica_grads()  # replicas of an expert take the same update
         run.rank_clock.add_wait(time.perf_counter() - waited)  # a collective: the faster ranks wait in it
     if run.groups is not None:  # averaged over the groups present, before clipping, as in one process
-        reduction = run.groups.reduce(list(run.model.parameters()), loss_sum)
+        run.faults.after_backward(run.hook_rank, step + 1)  # test hook (injected_faults.IN_STEP_FAULT_ENV)
+        reduction = run.groups.reduce(list(run.model.parameters()), loss_sum)  # and committed
+        if reduction is None:  # this group received a peer's state meanwhile: the step runs again
+            run.optimizer.zero_grad(set_to_none=True)
+            return True
+        run.rank_clock.add_wait(reduction.retry_s)  # a failed group's cost, not this rank's compute
         loss_sum = reduction.loss_sum
     grad_norm = clip_grad_norm(run.model.parameters(), cfg.grad_clip, pp_group=run.mesh.group("pp"),
                                experts=expert_params(run.model))
@@ -247,9 +252,6 @@ def run_step(run: Run) -> bool:
     # The global batch's mean loss, every rank's figures; syncs the step.
     agreed = run.sync.agree(loss_sum, peak_memory_mb(device), compute_s, wait_s)
     if run.groups is not None:
-        if not run.groups.commit():  # a group failed during the step: run it again with the next quorum
-            run.optimizer.zero_grad(set_to_none=True)
-            return True
         run.writes = writer_group(reduction) == run.groups.group
         if run.metrics and run.writes:
             for row in membership_events(done, run.members, reduction):
@@ -271,7 +273,8 @@ def run_step(run: Run) -> bool:
     run.bad_steps.good()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    record = step_record(done, agreed, lr, grad_norm, time.perf_counter() - began,
+    retry_s = reduction.retry_s if run.groups is not None else 0.0  # a failed group's all-reduces and quorums
+    record = step_record(done, agreed, lr, grad_norm, time.perf_counter() - began - retry_s,
                          tokens=cfg.global_batch * cfg.seq_len, mesh=run.mesh, clock=clock)
     if run.groups is not None:
         record["groups"] = reduction.groups
