@@ -105,3 +105,18 @@ def test_the_engine_applies_the_count(tmp_path, monkeypatch, capsys):
     assert outputs[0] == outputs[1] and len(outputs[0]) == 20
     assert 1 in applied and tuner.current == 1
     assert "phalanx: intra-op threads 2 -> 1" in capsys.readouterr().err
+
+
+def test_the_server_tunes_only_one_cpu_process_with_an_automatic_count(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from phalanx.serve.cli import thread_tuner
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("phalanx.threads.physical_cores", lambda cpus, sysfs=None: 4)
+    cpu, automatic = torch.device("cpu"), SimpleNamespace(threads=0)
+    assert thread_tuner(automatic, 1, cpu).candidates == (4, 2)
+    assert thread_tuner(automatic, 2, cpu) is None, "ranks in lockstep"
+    assert thread_tuner(automatic, 1, torch.device("cuda")) is None, "a GPU's steps are not the CPU threads'"
+    assert thread_tuner(SimpleNamespace(threads=3), 1, cpu) is None, "--threads 3 is kept"

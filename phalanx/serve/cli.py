@@ -236,7 +236,7 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
 
     if plan.dp == 1:
         return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep, compile=job.compile,
-                      tuner=thread_tuner(job, world_size))
+                      tuner=thread_tuner(job, world_size, device))
     # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.serve.dp_assign import DPSchedulers
     from phalanx.serve.dp_engine import DPEngine
@@ -253,11 +253,12 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
                     placement=live, on_rebalance=None if metrics is None else metrics.rebalanced)
 
 
-def thread_tuner(job: ServeJob, world_size: int):
-    """A single process whose thread count is automatic re-decides it from its steps' speed
-    (thread_tuner.py); None where the user set the count or ranks run in lockstep."""
+def thread_tuner(job: ServeJob, world_size: int, device) -> ThreadTuner | None:
+    """A single CPU process whose thread count is automatic re-decides it from its steps' speed
+    (thread_tuner.py); None where the user set the count, ranks run in lockstep, or the model
+    runs on a GPU (its steps' time is not the CPU threads')."""
     choice = choose_for_this_process(job.threads)
-    if world_size > 1 or not choice.automatic or choice.threads < 2:
+    if world_size > 1 or device.type != "cpu" or not choice.automatic or choice.threads < 2:
         return None
     return ThreadTuner(choice.threads)
 
