@@ -14,6 +14,17 @@ engine's speed that the HTTP side takes. On this 2-core machine a separate engin
 would still share the cores with the HTTP process and the client, so it could win back at
 most the difference, and only the GIL's part of it.
 
+Where the engine thread's time goes, from the kernel's own accounting of that thread
+(/proc/PID/task/TID/schedstat: time on a core, time runnable but waiting for one; the rest of
+the wall time it was blocked): `cpu` on a core, `queue` waiting for a core (the cores' part),
+`blocked` asleep. Alone, the engine thread blocks only where its OpenMP team's barrier sleeps
+(passive policy); over HTTP it also blocks waiting for the GIL that the server's threads hold
+and, between requests, for work. So `blocked` over HTTP minus `blocked` alone bounds the GIL's
+share from above: what an engine in a process of its own could win back at most on a machine
+with cores to spare (where `queue` is zero). `http ms/tok` is the CPU the server's other
+threads spent per output token (uvicorn, the streamed events), `client ms/tok` the client's.
+The server's engine thread is found by its OS name (`phalanx-engine`, engine_loop.py).
+
     .venv/bin/python benchmarks/serve_engine_share.py [--concurrency 1 8 32] [--hidden 512 --layers 4]
 """
 
@@ -22,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -35,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve_aiperf import NAME, VOCAB, write_model  # noqa: E402 (the path above first)
 
 ENGINE_ARM = r"""
-import json, sys, time
+import json, sys, threading, time
 from phalanx.threads import set_wait_policy
 set_wait_policy()  # as phalanx serve does, before torch loads
 from phalanx.cli import build_parser
@@ -78,9 +90,16 @@ def run():
 generated = 0
 run()
 pending = [(len(warmup) + index, request) for index, request in enumerate(requests)]
-generated, began = 0, time.perf_counter()
+def schedstat():
+    with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as file:
+        return [int(x) for x in file.read().split()[:2]]
+
+generated, began, before = 0, time.perf_counter(), schedstat()
 run()
-print(generated / (time.perf_counter() - began))
+wall, after = time.perf_counter() - began, schedstat()
+print(json.dumps({"tok_s": generated / wall, "wall_s": wall, "cpu_s": (after[0] - before[0]) / 1e9,
+                  "queue_s": (after[1] - before[1]) / 1e9, "http_cpu_s": 0.0, "client_cpu_s": 0.0,
+                  "tokens": generated}))
 """
 
 
@@ -89,13 +108,13 @@ def requests_for(count: int, isl: int, osl: int, seed: int) -> list[tuple[list[i
     return [([rng.randrange(1, VOCAB) for _ in range(isl)], osl) for _ in range(count)]
 
 
-def engine_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> float:
+def engine_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> dict:
     done = subprocess.run([sys.executable, "-c", ENGINE_ARM, str(model), str(concurrency), json.dumps(requests),
                            json.dumps(warmup), *flags],
                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     if done.returncode != 0:
         sys.exit(f"the engine arm failed:\n{done.stderr[-3000:]}")
-    return float(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 async def _closed_loop(url: str, concurrency: int, requests) -> float:
@@ -114,18 +133,54 @@ async def _closed_loop(url: str, concurrency: int, requests) -> float:
 
     began = time.perf_counter()
     await asyncio.gather(*[worker() for _ in range(concurrency)])
-    return generated / (time.perf_counter() - began)
+    return generated / (time.perf_counter() - began), generated
 
 
-def http_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> float:
+def _tasks(pid: int) -> dict[str, tuple[int, int, int]]:
+    """{thread name (its id after a '/'): (ns on a core, ns waiting for one, CPU ticks)} of every
+    thread of process `pid`."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            on_core, queued = (int(x) for x in (task / "schedstat").read_text().split()[:2])
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+        out[f"{name}/{task.name}"] = (on_core, queued, int(fields[11]) + int(fields[12]))  # utime + stime
+    return out
+
+
+def http_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> dict:
     from tests.serve_server import ServeProcess
 
-    server = ServeProcess(model, "--served-model-name", NAME, *flags)
+    # As a user runs it: its own thread count from the cores (the tests' harness would pin one).
+    server = ServeProcess(model, "--served-model-name", NAME, *flags, one_thread=False)
     try:
         asyncio.run(_closed_loop(server.url, concurrency, warmup))
-        return asyncio.run(_closed_loop(server.url, concurrency, requests))
+        before, client_before, began = _tasks(server.process.pid), time.process_time(), time.perf_counter()
+        tok_s, tokens = asyncio.run(_closed_loop(server.url, concurrency, requests))
+        wall, after, client_cpu = time.perf_counter() - began, _tasks(server.process.pid), time.process_time() - client_before
     finally:
         server.stop()
+    # Threads take their creator's name: the engine's OpenMP workers, started by the engine
+    # thread after it was named, are named as it is; the engine thread is the first of them.
+    named = sorted((key for key in after if key.startswith("phalanx-engine/")), key=lambda key: int(key.split("/")[1]))
+    if not named:
+        sys.exit(f"no thread named phalanx-engine in the server: {sorted(after)}")
+    engine, tick = named[0], os.sysconf("SC_CLK_TCK")
+    http_ticks = sum(after[key][2] - before.get(key, (0, 0, 0))[2] for key in after if key not in named)
+    (cpu_after, queue_after, _), (cpu_before, queue_before, _) = after[engine], before[engine]
+    return {"tok_s": tok_s, "wall_s": wall, "cpu_s": (cpu_after - cpu_before) / 1e9,
+            "queue_s": (queue_after - queue_before) / 1e9, "http_cpu_s": http_ticks / tick,
+            "client_cpu_s": client_cpu, "tokens": tokens}
+
+
+def _time_shares(runs: list[dict]) -> str:
+    """The engine thread's wall time over the rounds, in % on a core / waiting for one / asleep."""
+    wall = sum(run["wall_s"] for run in runs)
+    cpu, queued = (100 * sum(run[key] for run in runs) / wall for key in ("cpu_s", "queue_s"))
+    return f"{cpu:.0f}/{queued:.0f}/{100 - cpu - queued:.0f}"
 
 
 def main() -> None:
@@ -144,10 +199,11 @@ def main() -> None:
         model = write_model(Path(tmp) / "model", hidden=args.hidden, layers=args.layers)
         print(f"llama hidden {args.hidden} x {args.layers} layers, fp32, {args.isl} prompt / {args.osl} output tokens, "
               f"greedy, median of {args.rounds} alternated rounds, threads {args.threads or 'automatic'}")
-        print("conc  engine alone tok/s  over HTTP tok/s  http/engine")
+        print("conc  engine alone tok/s  over HTTP tok/s  http/engine  engine thread cpu/queue/blocked % "
+              "(alone | over HTTP)  http ms/tok  client ms/tok")
         for concurrency in args.concurrency:
             count = max(args.requests, concurrency)
-            runs: dict[str, list[float]] = {"engine": [], "http": []}
+            runs: dict[str, list[dict]] = {"engine": [], "http": []}
             for round_index in range(args.rounds):
                 requests = requests_for(count, args.isl, args.osl, 1000 * round_index + concurrency)
                 order = ("engine", "http") if round_index % 2 == 0 else ("http", "engine")
@@ -157,8 +213,12 @@ def main() -> None:
                         runs[arm].append(engine_arm(model, concurrency, requests, warmup, flags))
                     else:
                         runs[arm].append(http_arm(model, concurrency, requests, warmup, flags))
-            engine, http = statistics.median(runs["engine"]), statistics.median(runs["http"])
-            print(f"{concurrency:4d} {engine:19.1f} {http:16.1f} {http / engine:12.2f}", flush=True)
+            engine, http = (statistics.median(run["tok_s"] for run in runs[arm]) for arm in ("engine", "http"))
+            shares = " | ".join(_time_shares(runs[arm]) for arm in ("engine", "http"))
+            per_token = {side: 1000 * sum(run[f"{side}_cpu_s"] for run in runs["http"]) /
+                         sum(run["tokens"] for run in runs["http"]) for side in ("http", "client")}
+            print(f"{concurrency:4d} {engine:19.1f} {http:16.1f} {http / engine:12.2f}  {shares:>40}  "
+                  f"{per_token['http']:11.3f}  {per_token['client']:13.3f}", flush=True)
 
 
 if __name__ == "__main__":

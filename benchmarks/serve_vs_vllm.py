@@ -77,8 +77,11 @@ def measure(arm: str, args, model: Path, folder: Path, round_index: int) -> dict
     from tests.serve_server import ServeProcess
 
     if arm == "phalanx":
-        server = ServeProcess(model, "--served-model-name", NAME, *args.phalanx_flags.split())
+        # As a user runs it: its own thread count from the cores (the tests' harness would pin one).
+        server = ServeProcess(model, "--served-model-name", NAME, *args.phalanx_flags.split(), one_thread=False)
         url, stopper = server.url, server.stop
+        said = next((line.strip() for line in server.stderr if "intra-op thread" in line), "(no thread line)")
+        print(f"  round {round_index} {said}", file=sys.stderr, flush=True)
     else:
         process = start_vllm(args.vllm_python, model, args.vllm_port, folder / f"vllm{round_index}.log")
         url, stopper = f"http://127.0.0.1:{args.vllm_port}", lambda: stop(process)
@@ -93,6 +96,10 @@ def measure(arm: str, args, model: Path, folder: Path, round_index: int) -> dict
         return out
     finally:
         stopper()
+        if arm == "phalanx":  # the counts the server switched to while serving (thread_tuner.py)
+            for line in server.stderr:
+                if line.startswith("phalanx: intra-op threads "):
+                    print(f"  round {round_index} {line.strip()}", file=sys.stderr, flush=True)
 
 
 def main() -> None:

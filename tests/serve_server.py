@@ -28,14 +28,17 @@ START_TIMEOUT_S = 240
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 """The server's torch on one thread: on a machine shared by many processes, two OpenMP threads
-that spin at every barrier made a tiny model's steps many times slower."""
+that spin at every barrier made a tiny model's steps many times slower. A benchmark that
+measures phalanx as a user runs it passes `one_thread=False`: the server then chooses its own
+count (and re-decides it while serving) from the cores, as it does outside the tests."""
 
 
 class ServeProcess:
-    def __init__(self, model: Path, *flags: str, env: dict | None = None):
+    def __init__(self, model: Path, *flags: str, env: dict | None = None, one_thread: bool = True):
         command = [sys.executable, "-m", "phalanx", "serve", "--model", str(model), "--port", "0", *flags]
+        base = dict(os.environ) if one_thread else {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                        env={**os.environ, **ONE_THREAD, **(env or {})},
+                                        env={**base, **(ONE_THREAD if one_thread else {}), **(env or {})},
                                         start_new_session=True)  # stop() ends its workers too
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []

@@ -5,6 +5,8 @@ benchmarks/serve_threads_busy.py measures what the choice is for."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from phalanx import threads
@@ -127,5 +129,8 @@ def test_serve_runs_on_the_threads_given(model, monkeypatch):
         assert said[0].startswith("phalanx: 1 intra-op thread per process (--threads 1); OpenMP wait policy PASSIVE"), said
         runtime = [line.strip() for line in server.stderr if "OMP_WAIT_POLICY" in line]
         assert runtime and set(runtime) == {"OMP_WAIT_POLICY = 'PASSIVE'"}, server.stderr
+        # The engine's thread carries its name in the operating system (what top -H shows).
+        names = [task.joinpath("comm").read_text().strip() for task in Path(f"/proc/{server.process.pid}/task").iterdir()]
+        assert names.count("phalanx-engine") == 1, names
     finally:
         server.stop()

@@ -27,6 +27,7 @@ from phalanx.serve.detokenize import IncrementalText
 from phalanx.launch.rank_loop import GroupHealth, first_line
 from phalanx.scheduling.scheduler import QueueFull, Scheduler, Sequence
 from phalanx.scheduling.slo_policy import QueueShape
+from phalanx.threads import name_this_thread
 
 IDLE_WAIT_S = 0.5
 
@@ -155,6 +156,7 @@ class EngineLoop:
         self.thread.join(timeout=30)
 
     def _run(self) -> None:
+        name_this_thread(self.thread.name)  # tells it from the HTTP server's threads in top -H and /proc
         try:
             engine = self.build()
         except BaseException as error:  # reported by the server, which then exits
