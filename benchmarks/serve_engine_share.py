@@ -25,6 +25,11 @@ with cores to spare (where `queue` is zero). `http ms/tok` is the CPU the server
 threads spent per output token (uvicorn, the streamed events), `client ms/tok` the client's.
 The server's engine thread is found by its OS name (`phalanx-engine`, engine_loop.py).
 
+`--pin` (with `--threads 1`) gives each arm's engine thread core 0 to itself and puts
+everything else (the server's other threads, the client) on core 1: a machine with cores to
+spare, as a GPU host is. Then `queue` is about zero and `blocked` over HTTP is the GIL's
+share (plus waits for work), which a separate engine process would win back.
+
     .venv/bin/python benchmarks/serve_engine_share.py [--concurrency 1 8 32] [--hidden 512 --layers 4]
 """
 
@@ -108,10 +113,15 @@ def requests_for(count: int, isl: int, osl: int, seed: int) -> list[tuple[list[i
     return [([rng.randrange(1, VOCAB) for _ in range(isl)], osl) for _ in range(count)]
 
 
-def engine_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> dict:
+ENGINE_CORE, OTHERS_CORE = 0, 1
+"""`--pin`: the engine thread's core, and the core of everything else."""
+
+
+def engine_arm(model: Path, concurrency: int, requests, warmup, flags: list[str], pin: bool) -> dict:
+    pinned = (lambda: os.sched_setaffinity(0, {ENGINE_CORE})) if pin else None  # one thread: the engine's
     done = subprocess.run([sys.executable, "-c", ENGINE_ARM, str(model), str(concurrency), json.dumps(requests),
                            json.dumps(warmup), *flags],
-                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], preexec_fn=pinned)
     if done.returncode != 0:
         sys.exit(f"the engine arm failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -151,18 +161,31 @@ def _tasks(pid: int) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def http_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> dict:
+def _pin_server(pid: int) -> None:
+    """`--pin`: the engine thread alone on ENGINE_CORE; the server's other threads, and this
+    process (the client), on OTHERS_CORE (threads started later inherit their creator's)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        core = ENGINE_CORE if (task / "comm").read_text().strip() == "phalanx-engine" else OTHERS_CORE
+        os.sched_setaffinity(int(task.name), {core})
+    os.sched_setaffinity(0, {OTHERS_CORE})
+
+
+def http_arm(model: Path, concurrency: int, requests, warmup, flags: list[str], pin: bool) -> dict:
     from tests.serve_server import ServeProcess
 
     # As a user runs it: its own thread count from the cores (the tests' harness would pin one).
     server = ServeProcess(model, "--served-model-name", NAME, *flags, one_thread=False)
+    cores = os.sched_getaffinity(0)
     try:
+        if pin:
+            _pin_server(server.process.pid)
         asyncio.run(_closed_loop(server.url, concurrency, warmup))
         before, client_before, began = _tasks(server.process.pid), time.process_time(), time.perf_counter()
         tok_s, tokens = asyncio.run(_closed_loop(server.url, concurrency, requests))
         wall, after, client_cpu = time.perf_counter() - began, _tasks(server.process.pid), time.process_time() - client_before
     finally:
         server.stop()
+        os.sched_setaffinity(0, cores)  # the next arm's processes inherit this process's cores
     # Threads take their creator's name: the engine's OpenMP workers, started by the engine
     # thread after it was named, are named as it is; the engine thread is the first of them.
     named = sorted((key for key in after if key.startswith("phalanx-engine/")), key=lambda key: int(key.split("/")[1]))
@@ -193,12 +216,17 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=0, help="--threads for both arms (0: phalanx's choice)")
+    parser.add_argument("--pin", action="store_true", help="the engine thread on a core of its own, the rest on "
+                        "another (needs --threads 1 and cores 0 and 1)")
     args = parser.parse_args()
+    if args.pin and (args.threads != 1 or not {ENGINE_CORE, OTHERS_CORE} <= os.sched_getaffinity(0)):
+        parser.error("--pin needs --threads 1 and cores 0 and 1 in this process's affinity")
     flags = ["--threads", str(args.threads)] if args.threads else []
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(Path(tmp) / "model", hidden=args.hidden, layers=args.layers)
         print(f"llama hidden {args.hidden} x {args.layers} layers, fp32, {args.isl} prompt / {args.osl} output tokens, "
-              f"greedy, median of {args.rounds} alternated rounds, threads {args.threads or 'automatic'}")
+              f"greedy, median of {args.rounds} alternated rounds, threads {args.threads or 'automatic'}"
+              + (f", engine thread alone on core {ENGINE_CORE}, the rest on core {OTHERS_CORE}" if args.pin else ""))
         print("conc  engine alone tok/s  over HTTP tok/s  http/engine  engine thread cpu/queue/blocked % "
               "(alone | over HTTP)  http ms/tok  client ms/tok")
         for concurrency in args.concurrency:
@@ -210,9 +238,9 @@ def main() -> None:
                 warmup = requests_for(concurrency, args.isl, 8, 7 + round_index)  # the same for both arms
                 for arm in order:
                     if arm == "engine":
-                        runs[arm].append(engine_arm(model, concurrency, requests, warmup, flags))
+                        runs[arm].append(engine_arm(model, concurrency, requests, warmup, flags, args.pin))
                     else:
-                        runs[arm].append(http_arm(model, concurrency, requests, warmup, flags))
+                        runs[arm].append(http_arm(model, concurrency, requests, warmup, flags, args.pin))
             engine, http = (statistics.median(run["tok_s"] for run in runs[arm]) for arm in ("engine", "http"))
             shares = " | ".join(_time_shares(runs[arm]) for arm in ("engine", "http"))
             per_token = {side: 1000 * sum(run[f"{side}_cpu_s"] for run in runs["http"]) /
