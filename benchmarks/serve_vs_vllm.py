@@ -2,7 +2,8 @@
 same client, measured in the same run (issue 37's comparison).
 
 The checkpoint is a random llama (`--hidden`, `--layers`; default serve_aiperf.py's hidden 512,
-4 layers; `--hidden 768 --layers 12` is the ~100M model of issue 37) in fp32 with a word-level
+4 layers; `--hidden 768 --layers 12` is the ~100M model of issue 37) served in fp32 (`--dtype
+bf16`: both in bfloat16, for CPUs with bf16 instructions) with a word-level
 tokenizer. The client is NVIDIA's AIPerf for both servers (nobody here wrote it; issue 37 allows
 "your own client, the same for both"): streamed completions of `--isl` prompt tokens and exactly
 `--osl` output tokens (`ignore_eos`), a closed loop at each `--concurrency`, prompts drawn with
@@ -39,10 +40,13 @@ from benchmarks.serve_aiperf import NAME, run_aiperf, write_model  # noqa: E402 
 VLLM_START_S = 300
 
 
-def start_vllm(python: str, model: Path, port: int, log: Path) -> subprocess.Popen:
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def start_vllm(python: str, model: Path, port: int, log: Path, dtype: str) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # 1 GiB of KV cache, as phalanx serve's CPU default
     process = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                                "--served-model-name", NAME, "--port", str(port), "--dtype", "float32",
+                                "--served-model-name", NAME, "--port", str(port), "--dtype", VLLM_DTYPES[dtype],
                                 "--max-model-len", "1024"], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                env=env, start_new_session=True)
     deadline = time.monotonic() + VLLM_START_S
@@ -78,12 +82,13 @@ def measure(arm: str, args, model: Path, folder: Path, round_index: int) -> dict
 
     if arm == "phalanx":
         # As a user runs it: its own thread count from the cores (the tests' harness would pin one).
-        server = ServeProcess(model, "--served-model-name", NAME, *args.phalanx_flags.split(), one_thread=False)
+        server = ServeProcess(model, "--served-model-name", NAME, "--dtype", args.dtype, *args.phalanx_flags.split(),
+                              one_thread=False)
         url, stopper = server.url, server.stop
         said = next((line.strip() for line in server.stderr if "intra-op thread" in line), "(no thread line)")
         print(f"  round {round_index} {said}", file=sys.stderr, flush=True)
     else:
-        process = start_vllm(args.vllm_python, model, args.vllm_port, folder / f"vllm{round_index}.log")
+        process = start_vllm(args.vllm_python, model, args.vllm_port, folder / f"vllm{round_index}.log", args.dtype)
         url, stopper = f"http://127.0.0.1:{args.vllm_port}", lambda: stop(process)
     try:
         out = {}
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vllm-port", type=int, default=8011)
+    parser.add_argument("--dtype", choices=sorted(VLLM_DTYPES), default="fp32", help="both servers' weights and cache")
     parser.add_argument("--contention", action="store_true", help="a busy process on core 0 for the whole run")
     parser.add_argument("--json", default="", help="also write the figures to this file")
     parser.add_argument("--phalanx-flags", default="", metavar="FLAGS",
@@ -137,7 +143,7 @@ def main() -> None:
         if competitor:
             competitor.kill()
     rows = []
-    print(f"phalanx serve vs vLLM {version} (CPU build), fp32, llama hidden {args.hidden} x {args.layers} layers, "
+    print(f"phalanx serve vs vLLM {version} (CPU build), {args.dtype}, llama hidden {args.hidden} x {args.layers} layers, "
           f"{args.isl} prompt / {args.osl} output tokens, AIPerf, median of {args.rounds} alternated rounds"
           f"{', a busy process on core 0' if args.contention else ''}"
           f"{f', phalanx serve {args.phalanx_flags}' if args.phalanx_flags else ''}")
