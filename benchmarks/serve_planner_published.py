@@ -40,7 +40,7 @@ from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_FP4_F
 from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule, trtllm_bench_max_num_tokens
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.planner.serve.search import parse_serve_fix, search_serving
-from phalanx.planner.serve.step import WEIGHT_BYTES, gemm_peak, one_gemm_time
+from phalanx.planner.serve.step import DECODE_ATTENTION_HBM_FRACTION, WEIGHT_BYTES, gemm_peak, one_gemm_time
 from phalanx.planner.stage_time import gemm_time
 
 ROWS = Path(__file__).resolve().parents[1] / "phalanx" / "planner" / "serve" / "validation.json"
@@ -232,7 +232,10 @@ def main() -> None:
     print(f"GPU engines: host work overlapped with the GPU's (CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
           f"per launch (the median of DeepGEMM's decode-size fp8 GEMMs on H800: {fills} us beyond their bytes), "
           f"an NVFP4 one's {GPU_FP4_FILL_S * 1e6:.2f} us (cuBLASLt's fp4 GEMMs of 128 and 512 rows on B200: "
-          f"{', '.join(f'{x * 1e6:.2f}' for x in fp4_fill_seconds())} us); element-wise passes at the streaming bandwidth")
+          f"{', '.join(f'{x * 1e6:.2f}' for x in fp4_fill_seconds())} us); element-wise passes at the streaming bandwidth; "
+          f"grouped-query decode attention's KV reads at {DECODE_ATTENTION_HBM_FRACTION:.3f} of the datasheet bandwidth "
+          f"(TensorRT-LLM's XQA on Hopper 0.60-0.75, FlashInfer pull request 4904; trtllm-gen on B200 0.61 and 0.73, "
+          f"its pull request 1415)")
     print(f"Python-driven engines: a step at least {TORCH_SAMPLER_HOST_S * 1e6:.1f} us of host work per sequence "
           f"(TensorRT-LLM's TorchSampler at a batch of 1,000, its pull request 11983), x{CLUSTERS['gb200-nvl72'].host_cpu_slowdown:.2f} "
           f"on GB200's Grace (TransformerEngine issue 2053); none under the C++ executor")

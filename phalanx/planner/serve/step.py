@@ -188,6 +188,20 @@ def _grouped_gemm_time(cluster: Cluster, peak: float, groups: float, rows: float
     return 2.0 * groups * rows * n * k / (peak * eff)
 
 
+DECODE_ATTENTION_HBM_FRACTION = (0.60 + 0.75) / 2
+"""The share of a GPU's datasheet HBM bandwidth at which a serving engine's grouped-query decode
+attention kernel streams the KV cache of a large batch: FlashInfer pull request 4904 (2026-09)
+found TensorRT-LLM's XQA kernel (Hopper, fp8 KV cache, head_dim 128, paged, under a CUDA graph)
+running large-batch decode "at 60-75% of bandwidth" (its split-KV grid collapses to one CTA per
+(sequence, KV head) once batch x KV heads passes about 50; e.g. 8 query heads over 1 KV head,
+batch 32, 32,768 positions: 111.9 us for 268 MB, 2.4 TB/s on a GH200), and FlashInfer pull
+request 1415 times TensorRT-LLM's trtllm-gen decode kernel on a B200 (64 query and 8 KV heads,
+page 16) at batch 128 with 1,024 and 4,096 positions at 4,915 and 5,831 GB/s, 0.61 and 0.73 of
+its 8 TB/s. The middle of 0.60 to 0.75. The GEMMs stream at the presets' 0.9 (`hbm_efficiency`,
+a device-to-device copy); latent attention keeps it too: FlashMLA's README gives "up to 3000
+GB/s" on an H800 (0.90 of 3.35 TB/s), the kernel's own figure."""
+
+
 GEMM_OUT_BYTES = 2.0
 """A GEMM's output is bf16 (the fp8 and fp4 GEMMs dequantize into it)."""
 
@@ -344,7 +358,12 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
         dec_width = heads * (model.kv_lora_rank + model.qk_rope_head_dim + model.kv_lora_rank)
     else:
         dec_width = heads * (model.head_dim + model.value_dim)
-    dec_attn = layers * max(decodes * context * kv_layer / bw, 2 * decodes * context * dec_width / attn_peak)
+    # A GPU's grouped-query decode attention kernel streams the KV cache below the plain
+    # streaming rate (DECODE_ATTENTION_HBM_FRACTION of the datasheet bandwidth); latent
+    # attention's kernels and this CPU's calibrated rate stay at `bw`.
+    gqa_gpu = cluster.sm_count > 0 and not model.is_latent
+    kv_bw = bw * DECODE_ATTENTION_HBM_FRACTION / cluster.hbm_efficiency if gqa_gpu else bw
+    dec_attn = layers * max(decodes * context * kv_layer / kv_bw, 2 * decodes * context * dec_width / attn_peak)
     pre_ctx = prefill_context if prefill_context is not None else prefill_tokens / 2
     pre_width = heads * (model.head_dim + model.value_dim)
     pre_attn = layers * 2 * prefill_tokens * pre_ctx * pre_width / attn_peak if prefill_tokens else 0.0
