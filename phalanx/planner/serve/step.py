@@ -207,7 +207,7 @@ GEMM_OUT_BYTES = 2.0
 
 
 def gpu_gemm_time(cluster: Cluster, peak: float, bw: float, groups: float, rows: float, n: float, k: float,
-                  wbytes: float) -> float:
+                  wbytes: float, *, moe_grouped: bool = False) -> float:
     """Seconds of `groups` (rows x k)(k x n) GEMMs in one launch on a GPU, a roofline of the
     kernel's bytes and FLOPs: the weights, the inputs (in the weights' dtype: W16A16, W8A8 and
     NVFP4's W4A4 quantize the activations on the way in) and the bf16 outputs at the streaming
@@ -221,9 +221,20 @@ def gpu_gemm_time(cluster: Cluster, peak: float, bw: float, groups: float, rows:
     8B's qkv shape on H100 and B200 (vLLM pull requests 17126 and 18778). The training
     planner's `gemm_time`, which charges f(rows) and the large tiles' waves at any size, ran
     their 16 to 256 row GEMMs 1.3 to 4x slower than published; it matches only DeepSeek's own
-    CUTLASS 3.6 baseline for block-scaled fp8, which DeepGEMM beats 1.4 to 2.7x there."""
+    CUTLASS 3.6 baseline for block-scaled fp8, which DeepGEMM beats 1.4 to 2.7x there.
+
+    `moe_grouped`: an MoE layer's experts as one grouped GEMM of `rows` per group, whose FLOPs
+    are also charged f(rows): DeepGEMM's grouped tables (its README at 7a70b43, H800, fp8) run
+    the same N and K at 1,233 TFLOP/s with 1,024 rows per group, 1,040 with 512 and 932 with
+    256 (4,096 x 7,168; 925, 916 and 815 at 7,168 x 2,048), where the uncharged roofline gives
+    one rate for all three: it ran those ten grouped GEMMs a median 0.90 of their published
+    time (0.75 to 1.00), charged f(rows) 1.02 (0.87 to 1.11;
+    `benchmarks/serve_planner_published.py --kernels`). Dense GEMMs stay uncharged (vLLM's and
+    DeepGEMM's dense tables above)."""
     half = cluster.matmul_half_dim
     eff = cluster.matmul_efficiency * _fill(n, half) * _fill(k, half)
+    if moe_grouped:
+        eff *= _fill(rows, half)
     tiles_min, wave = math.inf, 0.0
     for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
         tiles = math.ceil(groups) * math.ceil(rows / tm) * math.ceil(n / tn)
@@ -247,7 +258,8 @@ def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbyte
     for n, k in shapes:
         if cluster.sm_count > 0:
             groups = copies if grouped else 1.0
-            total += gpu_gemm_time(cluster, peak, bw, groups, rows, n, k, wbytes) / groups if rows > 0 else \
+            total += gpu_gemm_time(cluster, peak, bw, groups, rows, n, k, wbytes, moe_grouped=grouped) / groups \
+                if rows > 0 else \
                 n * k * wbytes / bw
             continue
         read = n * k * wbytes / bw
