@@ -12,7 +12,8 @@ Per layer of the most loaded pipeline stage, on one device:
     roofline of its kernel's bytes and FLOPs (`gpu_gemm_time`, checked against published
     kernel timings), on this CPU max(its weight bytes / bandwidth, the training planner's
     `stage_time.gemm_time`), plus one launch's fill: decode is bound by the bytes, a long
-    prefill by the FLOPs.
+    prefill by the FLOPs. The routed experts run as one grouped GEMM whose FLOPs also pay for
+    few rows per group (DeepGEMM's grouped tables).
   Element-wise passes (GPUs, `ServeCosts.elementwise_passes`): each token's activations
     written and read once at the streaming bandwidth, the training planner's count.
   The attention core reads every decoding sequence's KV cache once: the model's real cache
@@ -21,7 +22,9 @@ Per layer of the most loaded pipeline stage, on one device:
     same on every tp rank) and computes 2 C heads (dk + dv) FLOPs per token (latent
     attention absorbed, as every MLA serving kernel runs it: dk = kv_lora_rank + rope,
     dv = kv_lora_rank); prompt tokens attend causally to their prefix (heads x head_dims
-    decompressed). Each side costs max(bytes / bandwidth, FLOPs / attention peak).
+    decompressed). Each side costs max(bytes / bandwidth, FLOPs / attention peak), a GPU's
+    grouped-query decode kernel reading at `DECODE_ATTENTION_HBM_FRACTION` of the datasheet
+    bandwidth (TensorRT-LLM's decode kernels as published), not the weights' streaming rate.
   TP: two all-reduces per layer of the step's tokens x dim (comm.all_reduce).
   EP: dispatch (fp8 under fp8/fp4 weights, as DeepEP sends it, else the activations' dtype)
     and combine (activations' dtype) of T k dim per MoE layer, an all-to-all over the ep
