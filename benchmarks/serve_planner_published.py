@@ -18,8 +18,9 @@ the N rows of each half furthest off, with the step's largest cause.
     PYTHONPATH=. .venv/bin/python benchmarks/serve_planner_published.py [--split visible] [--worst 8]
 
 `--kernels` prints instead the step model's time of single GEMMs beside published kernel
-timings (DeepGEMM's fp8 table on H800 and its CUTLASS baseline, vLLM's fp8 and bf16 GEMMs on
-H100 and B200, cuBLASLt's fp4 GEMMs on B200), which chose the GPU GEMM model.
+timings (DeepGEMM's fp8 table on H800 and its CUTLASS baseline, its grouped MoE GEMM tables,
+vLLM's fp8 and bf16 GEMMs on H100 and B200, cuBLASLt's fp4 GEMMs on B200), which chose the GPU
+GEMM model.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from phalanx.planner.serve.costs import (GPU_CPP_EXECUTOR, GPU_ENGINE, GPU_FP4_F
 from phalanx.planner.serve.memory import MAX_BATCH_LIMIT, PoolRule, trtllm_bench_max_num_tokens
 from phalanx.planner.serve.rates import ServeLoad
 from phalanx.planner.serve.search import parse_serve_fix, search_serving
-from phalanx.planner.serve.step import WEIGHT_BYTES, gemm_peak, one_gemm_time
+from phalanx.planner.serve.step import (DECODE_ATTENTION_HBM_FRACTION, WEIGHT_BYTES, gemm_peak, gpu_gemm_time,
+                                        one_gemm_time)
 from phalanx.planner.stage_time import gemm_time
 
 ROWS = Path(__file__).resolve().parents[1] / "phalanx" / "planner" / "serve" / "validation.json"
@@ -116,6 +118,15 @@ per-tensor fp8 CUTLASS GEMM without the activations' quantization, and torch's b
 #18778 (B200, the same fp8 column)."""
 
 
+DEEPGEMM_GROUPED = (
+    (4, 8192, 4096, 7168, 1297), (4, 8192, 7168, 2048, 1099), (8, 4096, 4096, 7168, 1288), (8, 4096, 7168, 2048, 1093),
+    (1, 1024, 4096, 7168, 1233), (1, 1024, 7168, 2048, 925), (2, 512, 4096, 7168, 1040), (2, 512, 7168, 2048, 916),
+    (4, 256, 4096, 7168, 932), (4, 256, 7168, 2048, 815))
+"""(groups, M per group, N, K, TFLOP/s) of every row of DeepGEMM's "Grouped GEMMs for MoE models"
+tables, contiguous layout then masked (deepseek-ai/DeepGEMM@7a70b43 README, fp8 on an H800): what
+the routed experts' grouped GEMM (serve/step.gpu_gemm_time with moe_grouped) is checked on."""
+
+
 CUBLASLT_FP4 = ((128, 2048, 7168, 338), (128, 24576, 1536, 745), (512, 2048, 7168, 1422), (512, 7168, 2048, 1190),
                 (1024, 7168, 2048, 1399), (4096, 4096, 7168, 3939), (8192, 8192, 8192, 5239))
 """(M, N, K, TFLOP/s) of cuBLASLt's FP4 x FP4 (MXFP4) GEMMs on a B200, every row of DeepGEMM pull
@@ -161,6 +172,17 @@ def print_kernels() -> None:
             training["vLLM"].append(old / published)
             print(f"{cluster:<9} {dtype:<5} {m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {published * 1e6:>13.1f} "
                   f"{model / published:>16.2f} {old / published:>24.2f}")
+    grouped: dict[str, list[float]] = {"charged f(rows)": [], "uncharged": []}
+    h800 = CLUSTERS["hgx-h800"]
+    peak, bw = gemm_peak(h800, "fp8", 1), h800.memory_bw_per_rank(1)
+    for groups, m, n, k, tflops in DEEPGEMM_GROUPED:
+        model = gpu_gemm_time(h800, peak, bw, groups, m, n, k, 1.0, moe_grouped=True) + GPU_ENGINE.gemm_fill("fp8")
+        flat = gpu_gemm_time(h800, peak, bw, groups, m, n, k, 1.0) + GPU_ENGINE.gemm_fill("fp8")
+        published = 2 * groups * m * n * k / (tflops * 1e12)
+        grouped["charged f(rows)"].append(model / published)
+        grouped["uncharged"].append(flat / published)
+        print(f"{'hgx-h800':<9} {'fp8':<5} {f'{groups}x{m}':>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {published * 1e6:>13.1f} "
+              f"{model / published:>16.2f}   (grouped; rows per group not charged: {flat / published:.2f})")
     for m, n, k, tflops in CUBLASLT_FP4:
         model = one_gemm_time(CLUSTERS["dgx-b200"], "fp4", m, n, k, costs=GPU_ENGINE)
         old = training_gemm_time("dgx-b200", "fp4", m, n, k)
@@ -169,6 +191,9 @@ def print_kernels() -> None:
         training["cuBLASLt fp4"].append(old / published)
         print(f"{'dgx-b200':<9} {'fp4':<5} {m:>5} {n:>6} {k:>6} {model * 1e6:>9.1f} {published * 1e6:>13.1f} "
               f"{model / published:>16.2f} {old / published:>24.2f}")
+    for name, values in grouped.items():
+        print(f"model / DeepGEMM grouped ({name}): median {statistics.median(values):.2f} "
+              f"({min(values):.2f} to {max(values):.2f}) over {len(values)} grouped GEMMs")
     for name, values in ratios.items():
         print(f"model / {name}: median {statistics.median(values):.2f} ({min(values):.2f} to {max(values):.2f}) "
               f"over {len(values)} GEMMs; the training GEMM's: median {statistics.median(training[name]):.2f} "
@@ -232,7 +257,10 @@ def main() -> None:
     print(f"GPU engines: host work overlapped with the GPU's (CUDA graphs); a GEMM's fill and drain {GPU_KERNEL_FILL_S * 1e6:.2f} us "
           f"per launch (the median of DeepGEMM's decode-size fp8 GEMMs on H800: {fills} us beyond their bytes), "
           f"an NVFP4 one's {GPU_FP4_FILL_S * 1e6:.2f} us (cuBLASLt's fp4 GEMMs of 128 and 512 rows on B200: "
-          f"{', '.join(f'{x * 1e6:.2f}' for x in fp4_fill_seconds())} us); element-wise passes at the streaming bandwidth")
+          f"{', '.join(f'{x * 1e6:.2f}' for x in fp4_fill_seconds())} us); element-wise passes at the streaming bandwidth; "
+          f"grouped-query decode attention's KV reads at {DECODE_ATTENTION_HBM_FRACTION:.3f} of the datasheet bandwidth "
+          f"(TensorRT-LLM's XQA on Hopper 0.60-0.75, FlashInfer pull request 4904; trtllm-gen on B200 0.61 and 0.73, "
+          f"its pull request 1415)")
     print(f"Python-driven engines: a step at least {TORCH_SAMPLER_HOST_S * 1e6:.1f} us of host work per sequence "
           f"(TensorRT-LLM's TorchSampler at a batch of 1,000, its pull request 11983), x{CLUSTERS['gb200-nvl72'].host_cpu_slowdown:.2f} "
           f"on GB200's Grace (TransformerEngine issue 2053); none under the C++ executor")

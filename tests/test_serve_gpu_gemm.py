@@ -10,8 +10,10 @@ import math
 
 import pytest
 
+from phalanx.model.config import PRESETS as MODELS
 from phalanx.planner.hardware import PRESETS as CLUSTERS
-from phalanx.planner.serve.step import _linear, gemm_peak, gpu_gemm_time
+from phalanx.planner.serve.costs import GPU_ENGINE
+from phalanx.planner.serve.step import ServeLayout, _linear, gemm_peak, gpu_gemm_time
 from phalanx.planner.stage_time import gemm_time
 
 H100 = CLUSTERS["dgx-h100"]
@@ -80,3 +82,40 @@ def test_fp4_gemms_pay_their_own_fill():
         without = step_time(model, b200, layout, decodes=64, context=1000, costs=none).breakdown
         assert with_fill["weights_and_gemms"] - without["weights_and_gemms"] == pytest.approx(129 * fill)
     assert dataclasses.replace(GPU_ENGINE, gemm_fp4_s=0.0).gemm_fill("fp4") == GPU_ENGINE.gemm_s
+
+
+def test_moe_grouped_gemm_charges_its_rows_per_group():
+    """An MoE layer's grouped GEMM also pays f(rows per group) on its FLOPs (DeepGEMM's grouped
+    tables: 932 TFLOP/s at 256 rows per group where 1,024 rows reach 1,233): 4 groups of 256
+    rows of 4096 x 7168 on an H800 by hand, compute-bound, its 4 x 2 x 16 = 128 tiles under one
+    wave of 132 SMs; the same call without the flag, as a dense GEMM, does not pay it."""
+    h800 = CLUSTERS["hgx-h800"]
+    peak, bw = gemm_peak(h800, "fp8", 1), h800.memory_bw_per_rank(1)
+    m, n, k = 256, 4096, 7168
+    half = h800.matmul_half_dim
+    base = 0.7 * n / (n + half) * k / (k + half)
+    flops = 2 * 4 * m * n * k
+    charged = gpu_gemm_time(h800, peak, bw, 4, m, n, k, 1.0, moe_grouped=True)
+    flat = gpu_gemm_time(h800, peak, bw, 4, m, n, k, 1.0)
+    assert flat == pytest.approx(flops / (peak * base))
+    assert charged == pytest.approx(flops / (peak * base * m / (m + half)))
+
+
+def test_step_routes_experts_through_the_charged_grouped_gemm():
+    """Mixtral 8x7B at tp=8 with 3,000 decodes on an H200: about 750 rows per expert, so the
+    routed experts cost more than the uncharged grouped GEMM gives; attention and dense layers
+    (none in Mixtral) are untouched (the host floor's excess over the step shrinks with it)."""
+    # Imported when run, not at the top: the test swaps the module's gpu_gemm_time for a while.
+    import phalanx.planner.serve.step as step_mod
+    model, cluster = MODELS["mixtral-8x7b"], CLUSTERS["dgx-h200"]
+    layout = ServeLayout(tp=8, weight_dtype="fp8", kv_dtype="fp8")
+    real = step_mod.step_time(model, cluster, layout, decodes=3000, context=1000, costs=GPU_ENGINE)
+    original = step_mod.gpu_gemm_time
+    try:
+        step_mod.gpu_gemm_time = lambda *a, moe_grouped=False, **kw: original(*a, **kw)
+        flat = step_mod.step_time(model, cluster, layout, decodes=3000, context=1000, costs=GPU_ENGINE)
+    finally:
+        step_mod.gpu_gemm_time = original
+    assert real.breakdown["weights_and_gemms"] > flat.breakdown["weights_and_gemms"] * 1.05
+    assert {k: v for k, v in real.breakdown.items() if k not in ("weights_and_gemms", "host")} == \
+        {k: v for k, v in flat.breakdown.items() if k not in ("weights_and_gemms", "host")}

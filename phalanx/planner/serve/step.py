@@ -12,7 +12,8 @@ Per layer of the most loaded pipeline stage, on one device:
     roofline of its kernel's bytes and FLOPs (`gpu_gemm_time`, checked against published
     kernel timings), on this CPU max(its weight bytes / bandwidth, the training planner's
     `stage_time.gemm_time`), plus one launch's fill: decode is bound by the bytes, a long
-    prefill by the FLOPs.
+    prefill by the FLOPs. The routed experts run as one grouped GEMM whose FLOPs also pay for
+    few rows per group (DeepGEMM's grouped tables).
   Element-wise passes (GPUs, `ServeCosts.elementwise_passes`): each token's activations
     written and read once at the streaming bandwidth, the training planner's count.
   The attention core reads every decoding sequence's KV cache once: the model's real cache
@@ -21,7 +22,9 @@ Per layer of the most loaded pipeline stage, on one device:
     same on every tp rank) and computes 2 C heads (dk + dv) FLOPs per token (latent
     attention absorbed, as every MLA serving kernel runs it: dk = kv_lora_rank + rope,
     dv = kv_lora_rank); prompt tokens attend causally to their prefix (heads x head_dims
-    decompressed). Each side costs max(bytes / bandwidth, FLOPs / attention peak).
+    decompressed). Each side costs max(bytes / bandwidth, FLOPs / attention peak), a GPU's
+    grouped-query decode kernel reading at `DECODE_ATTENTION_HBM_FRACTION` of the datasheet
+    bandwidth (TensorRT-LLM's decode kernels as published), not the weights' streaming rate.
   TP: two all-reduces per layer of the step's tokens x dim (comm.all_reduce).
   EP: dispatch (fp8 under fp8/fp4 weights, as DeepEP sends it, else the activations' dtype)
     and combine (activations' dtype) of T k dim per MoE layer, an all-to-all over the ep
@@ -188,12 +191,26 @@ def _grouped_gemm_time(cluster: Cluster, peak: float, groups: float, rows: float
     return 2.0 * groups * rows * n * k / (peak * eff)
 
 
+DECODE_ATTENTION_HBM_FRACTION = (0.60 + 0.75) / 2
+"""The share of a GPU's datasheet HBM bandwidth at which a serving engine's grouped-query decode
+attention kernel streams the KV cache of a large batch: FlashInfer pull request 4904 (2026-09)
+found TensorRT-LLM's XQA kernel (Hopper, fp8 KV cache, head_dim 128, paged, under a CUDA graph)
+running large-batch decode "at 60-75% of bandwidth" (its split-KV grid collapses to one CTA per
+(sequence, KV head) once batch x KV heads passes about 50; e.g. 8 query heads over 1 KV head,
+batch 32, 32,768 positions: 111.9 us for 268 MB, 2.4 TB/s on a GH200), and FlashInfer pull
+request 1415 times TensorRT-LLM's trtllm-gen decode kernel on a B200 (64 query and 8 KV heads,
+page 16) at batch 128 with 1,024 and 4,096 positions at 4,915 and 5,831 GB/s, 0.61 and 0.73 of
+its 8 TB/s. The middle of 0.60 to 0.75. The GEMMs stream at the presets' 0.9 (`hbm_efficiency`,
+a device-to-device copy); latent attention keeps it too: FlashMLA's README gives "up to 3000
+GB/s" on an H800 (0.90 of 3.35 TB/s), the kernel's own figure."""
+
+
 GEMM_OUT_BYTES = 2.0
 """A GEMM's output is bf16 (the fp8 and fp4 GEMMs dequantize into it)."""
 
 
 def gpu_gemm_time(cluster: Cluster, peak: float, bw: float, groups: float, rows: float, n: float, k: float,
-                  wbytes: float) -> float:
+                  wbytes: float, *, moe_grouped: bool = False) -> float:
     """Seconds of `groups` (rows x k)(k x n) GEMMs in one launch on a GPU, a roofline of the
     kernel's bytes and FLOPs: the weights, the inputs (in the weights' dtype: W16A16, W8A8 and
     NVFP4's W4A4 quantize the activations on the way in) and the bf16 outputs at the streaming
@@ -207,9 +224,20 @@ def gpu_gemm_time(cluster: Cluster, peak: float, bw: float, groups: float, rows:
     8B's qkv shape on H100 and B200 (vLLM pull requests 17126 and 18778). The training
     planner's `gemm_time`, which charges f(rows) and the large tiles' waves at any size, ran
     their 16 to 256 row GEMMs 1.3 to 4x slower than published; it matches only DeepSeek's own
-    CUTLASS 3.6 baseline for block-scaled fp8, which DeepGEMM beats 1.4 to 2.7x there."""
+    CUTLASS 3.6 baseline for block-scaled fp8, which DeepGEMM beats 1.4 to 2.7x there.
+
+    `moe_grouped`: an MoE layer's experts as one grouped GEMM of `rows` per group, whose FLOPs
+    are also charged f(rows): DeepGEMM's grouped tables (its README at 7a70b43, H800, fp8) run
+    the same N and K at 1,233 TFLOP/s with 1,024 rows per group, 1,040 with 512 and 932 with
+    256 (4,096 x 7,168; 925, 916 and 815 at 7,168 x 2,048), where the uncharged roofline gives
+    one rate for all three: it ran those ten grouped GEMMs a median 0.90 of their published
+    time (0.75 to 1.00), charged f(rows) 1.02 (0.87 to 1.11;
+    `benchmarks/serve_planner_published.py --kernels`). Dense GEMMs stay uncharged (vLLM's and
+    DeepGEMM's dense tables above)."""
     half = cluster.matmul_half_dim
     eff = cluster.matmul_efficiency * _fill(n, half) * _fill(k, half)
+    if moe_grouped:
+        eff *= _fill(rows, half)
     tiles_min, wave = math.inf, 0.0
     for tm, tn in (GEMM_TILE, GEMM_TILE[::-1]):
         tiles = math.ceil(groups) * math.ceil(rows / tm) * math.ceil(n / tn)
@@ -233,7 +261,8 @@ def _linear(cluster: Cluster, peak: float, bw: float, rows: float, shapes, wbyte
     for n, k in shapes:
         if cluster.sm_count > 0:
             groups = copies if grouped else 1.0
-            total += gpu_gemm_time(cluster, peak, bw, groups, rows, n, k, wbytes) / groups if rows > 0 else \
+            total += gpu_gemm_time(cluster, peak, bw, groups, rows, n, k, wbytes, moe_grouped=grouped) / groups \
+                if rows > 0 else \
                 n * k * wbytes / bw
             continue
         read = n * k * wbytes / bw
@@ -344,7 +373,12 @@ def _forward_time(model: ModelConfig, cluster: Cluster, layout: ServeLayout, *, 
         dec_width = heads * (model.kv_lora_rank + model.qk_rope_head_dim + model.kv_lora_rank)
     else:
         dec_width = heads * (model.head_dim + model.value_dim)
-    dec_attn = layers * max(decodes * context * kv_layer / bw, 2 * decodes * context * dec_width / attn_peak)
+    # A GPU's grouped-query decode attention kernel streams the KV cache below the plain
+    # streaming rate (DECODE_ATTENTION_HBM_FRACTION of the datasheet bandwidth); latent
+    # attention's kernels and this CPU's calibrated rate stay at `bw`.
+    gqa_gpu = cluster.sm_count > 0 and not model.is_latent
+    kv_bw = bw * DECODE_ATTENTION_HBM_FRACTION / cluster.hbm_efficiency if gqa_gpu else bw
+    dec_attn = layers * max(decodes * context * kv_layer / kv_bw, 2 * decodes * context * dec_width / attn_peak)
     pre_ctx = prefill_context if prefill_context is not None else prefill_tokens / 2
     pre_width = heads * (model.head_dim + model.value_dim)
     pre_attn = layers * 2 * prefill_tokens * pre_ctx * pre_width / attn_peak if prefill_tokens else 0.0
