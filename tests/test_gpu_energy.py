@@ -49,9 +49,10 @@ def fake_nvml(readings=(), *, known=(f"GPU-{UUID}",), supported=True, starts=Tru
         nvml.calls.append("shutdown")
 
     def nvmlDeviceGetHandleByUUID(uuid):
-        if uuid not in known:
+        assert isinstance(uuid, bytes)  # older pynvml releases pass it to C as given
+        if uuid.decode() not in known:
             raise NVMLError(nvml.NVML_ERROR_NOT_FOUND)
-        return ("handle", uuid)
+        return ("handle", uuid.decode())
 
     def nvmlDeviceGetTotalEnergyConsumption(handle):
         assert handle[0] == "handle"
@@ -116,6 +117,8 @@ def test_the_real_pynvml_has_the_fakes_names():
     assert all(hasattr(pynvml, name) for name in NAMES_USED)
     error = pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
     assert isinstance(error, pynvml.NVMLError) and error.value == 3
+    counter, why = counter_for(UUID, pynvml)  # here: no NVML library; on a GPU node: no such GPU
+    assert counter is None and why.startswith(("NVML did not start", "NVML does not know this GPU"))
 
 
 def test_a_cuda_rank_opens_its_gpus_counter_by_uuid_and_a_cpu_rank_reads_nothing(monkeypatch, capsys):
@@ -208,3 +211,14 @@ def test_a_training_run_writes_each_steps_energy_and_a_cpu_run_none(tiny_config,
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
     assert [r["energy_j"] for r in rows] == [1.0, 1.5, 1.5, 2.25]
     assert nvml.calls == ["init", "shutdown"]
+
+
+def test_an_unexpected_error_from_nvml_stops_no_run(monkeypatch, capsys):
+    from phalanx.train import run_setup
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid=UUID))
+    broken = fake_nvml([1])
+    broken.nvmlDeviceGetHandleByUUID = lambda uuid: (_ for _ in ()).throw(TypeError("bytes or integer address expected"))
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    assert run_setup.energy_counter(torch.device("cuda", 0), rank=0) is None
+    assert "reading NVML failed (TypeError: bytes or integer address expected)" in capsys.readouterr().err

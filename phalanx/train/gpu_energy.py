@@ -85,7 +85,7 @@ def counter_for(uuid: str, nvml: ModuleType | None = None) -> tuple[EnergyCounte
     handle, tried = None, []
     for name in nvml_handle_names(uuid):
         try:
-            handle = nvml.nvmlDeviceGetHandleByUUID(name)
+            handle = nvml.nvmlDeviceGetHandleByUUID(name.encode())  # bytes: what every pynvml passes to C
             break
         except nvml.NVMLError as error:
             tried.append(f"{name}: {error}")

@@ -83,7 +83,10 @@ def energy_counter(device: torch.device, rank: int) -> EnergyCounter | None:
     why, once: the rows then have no `energy_j`)."""
     if device.type != "cuda":
         return None
-    counter, why = counter_for(str(torch.cuda.get_device_properties(device).uuid))
+    try:
+        counter, why = counter_for(str(torch.cuda.get_device_properties(device).uuid))
+    except Exception as error:  # a measurement never stops a run: an NVML binding unlike pynvml's, say so
+        counter, why = None, f"reading NVML failed ({type(error).__name__}: {error})"
     if counter is None and rank == 0:
         print(f"phalanx: note: no energy_j in metrics.jsonl: {why}", file=sys.stderr)
     return counter
