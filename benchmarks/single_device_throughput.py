@@ -121,7 +121,10 @@ def why_no_energy() -> str:
     """Why this GPU's energy is not read (gpu_energy.counter_for's reason), or "" when it is."""
     from phalanx.train.gpu_energy import counter_for
 
-    counter, why = counter_for(str(torch.cuda.get_device_properties(0).uuid))
+    try:
+        counter, why = counter_for(str(torch.cuda.get_device_properties(0).uuid))
+    except Exception as error:  # the trainer's energy_counter says the same and trains on
+        return f"reading NVML failed ({type(error).__name__}: {error})"
     if counter is not None:
         counter.close()
         return "the counter reads here, but the steps' rows have no energy_j"
