@@ -168,7 +168,9 @@ def train_step(flags: tuple[str, ...]) -> Callable[[Context], Step]:
 
 
 _ARM = (r"^\s+(\w+)\s+([\d,]+) tokens/s\s+([\d.]+) model TFLOP/s\s+peak memory ([\d,]+) MB"
-        r"(?:\s+MFU ([\d.]+)% of ([\d.]+) TFLOP/s)?")
+        r"(?:\s+MFU ([\d.]+)% of ([\d.]+) TFLOP/s)?"
+        r"(?:\s+energy ([\d,.]+) J/step, ([\d.e+-]+) J/token \(([\d,]+) W\))?")
+"""An arm's line; on CUDA with NVML's counter it ends with the energy the GPU drew."""
 _ONE_ARM = r"median ([\d,]+) tokens/s, ([\d.]+) model TFLOP/s, peak memory ([\d,]+) MB"
 
 
@@ -179,10 +181,16 @@ def read_train_arm(arm: str) -> Callable[[str], dict]:
         if not head:
             return {}
         arms = {}
-        for name, rate, tflops, memory, mfu, peak in re.findall(_ARM, text, re.M):
+        for name, rate, tflops, memory, mfu, peak, joules, per_token, watts in re.findall(_ARM, text, re.M):
             arms[name] = {"tokens_per_s": _number(rate), "model_tflops": float(tflops), "peak_mem_mb": _number(memory)}
             if mfu:
                 arms[name].update(mfu=float(mfu) / 100, peak_tflops=float(peak))
+            if joules:
+                arms[name].update(energy_j_per_step=_number(joules), energy_j_per_token=float(per_token),
+                                  watts=_number(watts))
+        for name, why in re.findall(r"^\s+(\w+): energy not measured: (.*)$", text, re.M):
+            if name in arms:
+                arms[name]["energy_note"] = why.strip()
         if one := re.search(_ONE_ARM, text):  # one arm on the header line (before --compile existed)
             arms["eager"] = {"tokens_per_s": _number(one[1]), "model_tflops": float(one[2]),
                              "peak_mem_mb": _number(one[3])}
@@ -203,7 +211,9 @@ def read_train_arm(arm: str) -> Callable[[str], dict]:
 
 def train_planner(ctx: Context) -> dict:
     """`phalanx plan --json` for the benchmark's own model, batch and layout (one device, no
-    recompute, no ZeRO) on this device's cluster: step time, tokens/s, MFU and memory."""
+    recompute, no ZeRO) on this device's cluster: step time, tokens/s, MFU, memory, and the
+    energy per step and per token (planner/energy.py; None where the cluster has no power
+    figures, as `local` has none)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from single_device_throughput import SIZES  # noqa: E402  (the benchmark's models)
 
@@ -227,7 +237,8 @@ def train_planner(ctx: Context) -> dict:
     best = json.loads(stdout)["plans"][0]
     return {"cluster": ctx.cluster, "tokens_per_s": best["tokens_per_s"], "mfu": best["mfu"],
             "step_time_s": best["step_time_s"], "step_time_band": best["step_time_band"],
-            "memory_gib": best["memory_gib_per_gpu"], "command": _shown(command)}
+            "memory_gib": best["memory_gib_per_gpu"], "energy_j_per_step": best.get("energy_j_per_step"),
+            "energy_j_per_token": best.get("energy_j_per_token"), "command": _shown(command)}
 
 
 # 3. Generation against transformers.generate, and serving.

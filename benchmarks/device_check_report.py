@@ -16,11 +16,20 @@ def _tests(f: dict) -> str:
     return text + (f"; not passed: {', '.join(f['not_passed'])}" if f["not_passed"] else "")
 
 
+def _energy(joules: float, per_token: float) -> str:
+    return f"{joules:,.1f} J/step, {per_token:.3g} J/token"
+
+
 def _arm(name: str, a: dict) -> str:
     text = f"{name} {_rate(a['tokens_per_s'])} tokens/s, {a['model_tflops']:.1f} TFLOP/s"
     if "mfu" in a:
         text += f", MFU {a['mfu']:.1%} of {a['peak_tflops']:g}"
-    return text + f", peak {_rate(a['peak_mem_mb'])} MB"
+    text += f", peak {_rate(a['peak_mem_mb'])} MB"
+    if "energy_j_per_step" in a:  # NVML's counter over the measured steps
+        text += f", {_energy(a['energy_j_per_step'], a['energy_j_per_token'])} ({a['watts']:,.0f} W)"
+    elif "energy_note" in a:
+        text += f", energy not measured: {a['energy_note']}"
+    return text
 
 
 def _train(f: dict) -> str:
@@ -44,6 +53,12 @@ def _train_planner(measured: dict, p: dict) -> str:
     text += f", MFU {p['mfu']:.1%}, {p['memory_gib']:.3g} GiB"
     if measured.get("peak_mem_mb"):
         text += f" (measured peak {measured['peak_mem_mb'] / 1024:.3g} GiB)"
+    if p.get("energy_j_per_step") is not None:  # at the predicted step time (planner/energy.py)
+        text += f", {_energy(p['energy_j_per_step'], p['energy_j_per_token'])} ({p['energy_j_per_step'] / p['step_time_s']:,.0f} W)"
+        if measured.get("energy_j_per_step"):
+            text += f", energy predicted/measured {p['energy_j_per_step'] / measured['energy_j_per_step']:.2f}"
+    elif "energy_j_per_step" in p:
+        text += ", no energy (the cluster has no power figures)"
     return text + f" on {p['cluster']}"
 
 

@@ -12,7 +12,10 @@ float8/compile. The ratios of tokens/s stand beside torchtitan's published ones 
 8 H100s, FSDP: 1.16x from compile, a further 1.28x from float8; quoted in issue 20).
 
 Per arm: tokens/s (median over the steps after the first 3, which compile and warm up) and
-model FLOPs utilization: achieved model FLOP/s over the device's peak. Model FLOPs per token
+model FLOPs utilization: achieved model FLOP/s over the device's peak. On CUDA also the energy
+the GPU drew, from the `energy_j` of those steps' rows (NVML's counter, phalanx/train/
+gpu_energy.py): their mean joules per step and per token, and their sum over the steps' summed
+step times as the mean power; where the counter cannot be read, one line says why. Model FLOPs per token
 are 6 N (N = parameters outside the embedding) plus 6 L s h for causal attention (12 L s h
 halved by the mask), the PaLM-paper accounting. On a GPU, 1 step with a 1-process NCCL group
 runs first (the CUDA/NCCL path).
@@ -89,8 +92,43 @@ def run_arm(model: ModelConfig, args, settings: dict) -> dict:
                           sample_tokens=0, progress=False, out=out, warmup_steps=2, **settings)
         train(cfg, Path(out))
         records = read_metrics(Path(out) / "metrics.jsonl")[WARMUP:]
-    return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-            "peak_mem_mb": max(r["peak_mem_mb"] for r in records)}
+    result = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+              "peak_mem_mb": max(r["peak_mem_mb"] for r in records)}
+    result.update(measured_energy(records, tokens_per_step=args.global_batch * args.seq_len))
+    return result
+
+
+def measured_energy(records: list[dict], *, tokens_per_step: int) -> dict:
+    """Mean joules per step and per token, and the mean power, of steps whose rows all have
+    `energy_j` (CUDA with NVML's counter); {} otherwise. The mean, not the median: energy adds
+    up, and a step's share of the counter's coarse updates evens out over the steps."""
+    if not records or any(r.get("energy_j") is None for r in records):
+        return {}
+    joules = statistics.fmean(r["energy_j"] for r in records)
+    return {"energy_j_per_step": joules, "energy_j_per_token": joules / tokens_per_step,
+            "watts": sum(r["energy_j"] for r in records) / sum(r["step_time_s"] for r in records)}
+
+
+def energy_line(result: dict) -> str:
+    """The arm line's energy cell (device_check_parts.py reads it), or ""."""
+    if "energy_j_per_step" not in result:
+        return ""
+    return (f"  energy {result['energy_j_per_step']:,.1f} J/step, {result['energy_j_per_token']:.4g} J/token "
+            f"({result['watts']:,.0f} W)")
+
+
+def why_no_energy() -> str:
+    """Why this GPU's energy is not read (gpu_energy.counter_for's reason), or "" when it is."""
+    from phalanx.train.gpu_energy import counter_for
+
+    try:
+        counter, why = counter_for(str(torch.cuda.get_device_properties(0).uuid))
+    except Exception as error:  # the trainer's energy_counter says the same and trains on
+        return f"reading NVML failed ({type(error).__name__}: {error})"
+    if counter is not None:
+        counter.close()
+        return "the counter reads here, but the steps' rows have no energy_j"
+    return why
 
 
 def refuse_float8_speed_without_float8_matmuls() -> None:
@@ -134,7 +172,9 @@ def main() -> None:
                 f"peak memory {result['peak_mem_mb']:,.0f} MB")
         if args.peak_tflops:
             line += f"  MFU {achieved / 1e12 / args.peak_tflops:.1%} of {args.peak_tflops:g} TFLOP/s"
-        print(line)
+        print(line + energy_line(result))
+        if cuda and "energy_j_per_step" not in result:
+            print(f"  {name}: energy not measured: {why_no_energy()}")
     if "compile" in results:
         ratio = results["compile"]["tokens_per_s"] / results["eager"]["tokens_per_s"]
         print(f"compile / eager  = {ratio:.2f}x  (torchtitan: {PUBLISHED['compile']}x)")

@@ -83,3 +83,20 @@ def test_changing_shares_match_one_process(tiny_config):
             assert all(c > 0 for c in row["compute_s_by_rank"]) and all(w >= 0 for w in row["wait_s_by_rank"])
         changes = [(row["step"], row["shares"]) for row in rows if row.get("event") == "adapt"]
         assert changes == ([(2, [5, 3]), (4, [3, 5])] if adapt else []), (plan, changes)
+
+
+def test_a_persistently_slow_rank_is_named_in_an_event_row():
+    """The step's agreed compute seconds (step_sync.py) reach the straggler watch
+    (train_step.adapt_events, whose rows the step writes to metrics.jsonl): rank 1 at twice
+    its peer's time for `straggler_steps` steps in a row is named once."""
+    from phalanx.adapt_policy import StragglerWatch
+    from phalanx.train.step_sync import StepAgreement
+    from phalanx.train.train_step import adapt_events
+
+    watch = StragglerWatch(AdaptRules(straggler_steps=2))
+    slow = StepAgreement(loss=1.0, stop=0, peak_mb_by_rank=[1.0, 1.0], compute_s_by_rank=[0.2, 0.4],
+                         wait_s_by_rank=[0.2, 0.0])
+    assert adapt_events(1, slow, None, watch, None) == []
+    assert adapt_events(2, slow, None, watch, None) == [
+        {"event": "straggler", "step": 2, "rank": 1, "compute_s": 0.4, "median_s": 0.2}]
+    assert adapt_events(3, slow, None, watch, None) == []  # named once per slow spell

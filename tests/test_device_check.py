@@ -58,6 +58,7 @@ def test_dry_run_writes_every_part_with_its_figures(tmp_path):
     assert train["model"] == "bench-tiny" and train["tokens_per_s"] > 0 and train["peak_mem_mb"] > 0
     planner = parts["train_bf16"]["planner"]
     assert planner["cluster"] == "local" and planner["tokens_per_s"] > 0 and planner["memory_gib"] > 0
+    assert "energy_j_per_step" not in train and planner["energy_j_per_step"] is None  # CPU: none read; `local`: no power
     assert (tmp_path / "check" / "bench-tiny.json").exists()  # the planner's command can be rerun
     generate = figures["generate"]
     assert generate["same_tokens"] is True and generate["prefill_ratio"] > 0 and generate["decode_ratio"] > 0
@@ -188,3 +189,45 @@ def test_readers_of_the_lines_only_a_gpu_prints_and_their_table_row():
     assert "(kernel 0.004 s), 187.9x serial (986.5x kernel only); claim >= 10x serial" in table
     assert "| 4 | blur | timed out | 60 (-) |" in table and "last line: last \\| line |" in table
     assert "allocator peak 131.5 MiB" in table
+
+
+def test_the_gpus_measured_energy_stands_beside_the_planners_prediction():
+    """On CUDA the training script's arm line ends with the energy NVML's counter measured over
+    the steps after warm-up (single_device_throughput.energy_line); the reader takes it back
+    and the row shows it beside the planner's energy for the same model, layout and preset
+    (here the dgx-h200 plan's 132.5 J/step at its 0.189 s step), with their ratio. Where the
+    counter could not be read, the script's one line says why and the row repeats it."""
+    from device_check_parts import read_train_arm
+    from device_check_report import markdown
+    from single_device_throughput import energy_line, measured_energy
+
+    records = [{"energy_j": joules, "step_time_s": 0.25} for joules in (140.0, 150.0, 160.0)]
+    energy = measured_energy(records, tokens_per_step=8 * 2048)
+    assert energy == {"energy_j_per_step": 150.0, "energy_j_per_token": 150.0 / 16384, "watts": 600.0}
+    assert measured_energy(records + [{"step_time_s": 0.25}], tokens_per_step=16384) == {}  # a step without: none
+    head = "bench-1b: 8 x 2048 tokens per step, bf16, AdamW, 20 steps per arm (median after 3), torch 2.11\n"
+    line = (f"  {'eager':8s} {61234:12,.0f} tokens/s  {412.5:8.3f} model TFLOP/s  peak memory 48,120 MB  "
+            "MFU 41.7% of 989 TFLOP/s")
+    train = read_train_arm("eager")(head + line + energy_line(energy) + "\n")
+    assert train["energy_j_per_step"] == 150.0 and train["watts"] == 600.0
+    assert train["energy_j_per_token"] == pytest.approx(150.0 / 16384, rel=1e-3)  # printed to 4 digits
+    unmeasured = read_train_arm("eager")(head + line + "\n  eager: energy not measured: no pynvml module (pip install "
+                                         "nvidia-ml-py, or phalanx[gpu])\n")
+    assert "energy_j_per_step" not in unmeasured and unmeasured["arms"]["eager"]["energy_note"].startswith("no pynvml")
+    planner = {"cluster": "dgx-h200", "tokens_per_s": 86562.0, "mfu": 0.501, "step_time_s": 0.1893,
+               "step_time_band": 0.21, "memory_gib": 34.95, "energy_j_per_step": 132.49,
+               "energy_j_per_token": 0.008087, "command": "python -m phalanx plan ..."}
+    environment = {"device": "NVIDIA H200", "torch": "2.11.0", "cuda": "13.0", "commit": "abc", "dry_run": False}
+    rows = [{"name": "train_bf16", "section": 2, "title": "training, bf16", "status": "ok", "seconds": 40,
+             "figures": figures, "planner": planner} for figures in (train, unmeasured)]
+    measured, not_measured = (markdown({"environment": environment, "started": "now", "budget_s": 540, "parts": [row]})
+                              for row in rows)
+    assert "peak 48,120 MB, 150.0 J/step, 0.00915 J/token (600 W) |" in measured
+    assert "35 GiB (measured peak 47 GiB), 132.5 J/step, 0.00809 J/token (700 W), energy predicted/measured 0.88 on dgx-h200" \
+        in measured
+    assert "peak 48,120 MB, energy not measured: no pynvml module (pip install nvidia-ml-py, or phalanx[gpu]) |" in not_measured
+    assert "132.5 J/step, 0.00809 J/token (700 W) on dgx-h200" in not_measured
+    local = {**planner, "cluster": "local", "energy_j_per_step": None, "energy_j_per_token": None}
+    table = markdown({"environment": environment, "started": "now", "budget_s": 540,
+                      "parts": [{**rows[0], "planner": local}]})
+    assert "no energy (the cluster has no power figures) on local" in table

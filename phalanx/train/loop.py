@@ -50,6 +50,8 @@ def train(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None = None
 def close_run(run: Run, *, failing: bool) -> None:
     """After the last step, or on an error: what must not be left open."""
     run.rank_clock.close()
+    if run.sync is not None and run.sync.energy is not None:
+        run.sync.energy.close()
     if run.metrics:
         run.metrics.close()  # flushes the TensorBoard event file
     run.writer.close(failing=failing)  # the last save completes before the run ends

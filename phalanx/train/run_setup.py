@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from phalanx.train.bad_steps import BadStepCounter
 from phalanx.train.collective_watch import StuckRankWatch, bound_every_group
 from phalanx.train.config import TrainConfig
 from phalanx.train.expert_slot_training import SlotTraining, slot_placements
+from phalanx.train.gpu_energy import EnergyCounter, counter_for
 from phalanx.train.injected_faults import InjectedFaults
 from phalanx.train.job import Job
 from phalanx.train.metrics import MetricsLog
@@ -73,6 +75,21 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def energy_counter(device: torch.device, rank: int) -> EnergyCounter | None:
+    """NVML's energy counter of this rank's GPU, whose readings give each step's `energy_j`
+    (step_sync.py); None on CPU (nothing read there) and where it cannot be read (rank 0 says
+    why, once: the rows then have no `energy_j`)."""
+    if device.type != "cuda":
+        return None
+    try:
+        counter, why = counter_for(str(torch.cuda.get_device_properties(device).uuid))
+    except Exception as error:  # a measurement never stops a run: an NVML binding unlike pynvml's, say so
+        counter, why = None, f"reading NVML failed ({type(error).__name__}: {error})"
+    if counter is None and rank == 0:
+        print(f"phalanx: note: no energy_j in metrics.jsonl: {why}", file=sys.stderr)
+    return counter
 
 
 def make_optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -245,7 +262,8 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
     run.writer.last_saved = run.step if found else -1
     run.watch = StuckRankWatch(cfg.collective_timeout)  # names a stuck rank, only once a collective timed out
     bound_every_group(cfg.collective_timeout)  # the mesh's groups too, not only the default one
-    run.sync = StepSync(device, stop)  # each step's one small collective: loss, stop signal, peak memory
+    # Each step's one small collective: loss, stop signal, peak memory, times, GPU energy.
+    run.sync = StepSync(device, stop, energy=energy_counter(device, rank))
     if rank == 0:
         save_tokenizer_files(corpus.tokenizer, run_dir)  # what the run's ids mean, for export and generation
     # Data-parallel shares of the global batch (sequences per dp rank), adapted to the ranks'

@@ -8,6 +8,7 @@ the scalars of `scalars(record)`, tagged by what they measure:
     speed/tokens_per_s, speed/step_time_s
     ranks/compute_s/rank_R, ranks/wait_s/rank_R (each rank's compute and collective-wait seconds)
     memory/peak_mem_mb (rank 0), memory/peak_mem_mb_max_rank (the fullest rank)
+    energy/energy_j (CUDA: all ranks' GPUs' joules for the step, NVML's counter)
     pipeline/bubble (measured), pipeline/bubble_formula (the schedule's)
     moe/expert_imbalance/layer_N, moe/rank_imbalance/layer_N, moe/dropped/layer_N
 
@@ -31,6 +32,7 @@ _TOP_LEVEL = {
     "loss": "train/loss", "val_loss": "train/val_loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
     "tokens_per_s": "speed/tokens_per_s", "step_time_s": "speed/step_time_s",
     "peak_mem_mb": "memory/peak_mem_mb", "bubble": "pipeline/bubble", "bubble_formula": "pipeline/bubble_formula",
+    "energy_j": "energy/energy_j",
 }
 """metrics.jsonl key -> TensorBoard tag, for the keys that hold one number."""
 

@@ -115,6 +115,8 @@ def step_record(step: int, agreed: StepAgreement, lr: float, grad_norm: float, s
         record["peak_mem_mb_by_rank"] = agreed.peak_mb_by_rank
     if agreed.compute_s_by_rank is not None:  # what each counts: rank_clock.py
         record["compute_s_by_rank"], record["wait_s_by_rank"] = agreed.compute_s_by_rank, agreed.wait_s_by_rank
+    if agreed.energy_j is not None:  # CUDA: the ranks' GPUs' joules since the last step's agreement (step_sync.py)
+        record["energy_j"] = round(agreed.energy_j, 3)
     if clock is not None:  # pipelined: the time this step waited on transfers
         record.update(bubble_record(clock, step_time, mesh.plan, mesh))
     return record
