@@ -16,7 +16,8 @@ from phalanx.planner.energy import Objective
 from phalanx.planner.hardware import PRESETS, cluster_to_dict
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.mixed_cluster import Group, MixedCluster
-from phalanx.planner.mixed_dp import _slack_clocks
+from phalanx.planner.mixed_dp import rank_parts
+from phalanx.planner.mixed_energy import energy_detail
 
 H100 = PRESETS["dgx-h100"]
 POWERED = dataclasses.replace(H100, idle_w=100.0, busy_w=700.0, min_clock_fraction=0.5)
@@ -133,6 +134,6 @@ def test_uneven_dp_ranks_that_finish_early_get_lower_clocks():
     mixed = MixedCluster(name="two", groups=(Group("a", POWERED, 1), Group("b", POWERED, 1)), between_bw_gbs=47.0,
                          between_latency_us=8.0)
     a, b = _estimate(1.2, {"compute": 1.0, "overhead": 0.2}), _estimate(0.6, {"compute": 0.5, "overhead": 0.1})
-    out = _slack_clocks(mixed, [a, b], [1.2, 0.6], [0, 1])
+    out = energy_detail(mixed, "dp", rank_parts([a, b], [1.2, 0.6], [0, 1]), 1.2, microbatches=1, tokens=1)
     assert out["clock_fraction_by_group"] == pytest.approx([1.0, 0.5])
     assert out["clock_energy_saved_j_per_step"] == pytest.approx(600.0 * 0.5 * 0.75)

@@ -64,9 +64,16 @@ def energy_per_step_j(est: Estimate, cluster: Cluster) -> float | None:
                          idle_w=cluster.idle_w, busy_w=cluster.busy_w)
 
 
+def step_cost_usd_per_mtok(*, usd_per_gpu_hour: float, n_gpus: int, step_s: float, tokens: int) -> float:
+    """Dollars per million tokens of `n_gpus` devices held for a step of `step_s` at a price per
+    GPU hour: GPU-hours of a step over its tokens."""
+    return usd_per_gpu_hour * n_gpus * step_s / 3600 / tokens * 1e6
+
+
 def cost_usd_per_mtok(est: Estimate, usd_per_gpu_hour: float) -> float:
-    """Dollars per million tokens at a price per GPU hour: GPU-hours of a step over its tokens."""
-    return usd_per_gpu_hour * est.world_size * est.step_time_s / 3600 / est.tokens * 1e6
+    """Dollars per million tokens of a plan at a price per GPU hour."""
+    return step_cost_usd_per_mtok(usd_per_gpu_hour=usd_per_gpu_hour, n_gpus=est.world_size,
+                                  step_s=est.step_time_s, tokens=est.tokens)
 
 
 def parse_prices(items: list[str] | None) -> dict[str, float]:
@@ -136,9 +143,9 @@ class Objective:
         return sorted(pool, key=lambda e: (self.value(e), e.step_time_s, e.memory_bytes))
 
 
-def objective_for(kind: str, max_slowdown: float | None, cluster: Cluster, prices: dict[str, float]) -> Objective:
-    """The objective `phalanx plan` ranks `cluster`'s plans by; refused in one line where it
-    cannot be priced (cost without a --price for the cluster, energy without its power)."""
+def check_objective(kind: str, max_slowdown: float | None) -> None:
+    """`--objective` is one of OBJECTIVES, and `--max-slowdown` a factor of at least 1 that goes
+    with energy or cost (one-line errors); shared by the homogeneous and the mixed planner."""
     if kind not in OBJECTIVES:
         raise UserError(f"--objective {kind!r}: choose one of {', '.join(OBJECTIVES)}")
     if max_slowdown is not None:
@@ -148,6 +155,12 @@ def objective_for(kind: str, max_slowdown: float | None, cluster: Cluster, price
         if not (math.isfinite(max_slowdown) and max_slowdown >= 1):
             raise UserError(f"--max-slowdown={max_slowdown:g} must be a finite factor of at least 1 (1.1: up to 10% "
                             "slower than the fastest plan)")
+
+
+def objective_for(kind: str, max_slowdown: float | None, cluster: Cluster, prices: dict[str, float]) -> Objective:
+    """The objective `phalanx plan` ranks `cluster`'s plans by; refused in one line where it
+    cannot be priced (cost without a --price for the cluster, energy without its power)."""
+    check_objective(kind, max_slowdown)
     if kind == "cost" and cluster.name not in prices:
         raise UserError(f"--objective cost needs a price for {cluster.name!r}: --price {cluster.name}=USD_PER_GPU_HOUR")
     if kind == "energy" and not has_power(cluster):

@@ -18,13 +18,13 @@ from phalanx.adapt_policy import equal_shares, proportional_shares
 from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan, parse_shares
-from phalanx.planner import clocks
 from phalanx.planner.cost import Estimate, evaluate
 from phalanx.planner.energy import busy_seconds
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.mixed_cluster import MixedCluster
-from phalanx.planner.mixed_plan import MAX_MBS, MixedPlan, mixed_link_cluster
+from phalanx.planner.mixed_energy import energy_detail
+from phalanx.planner.mixed_plan import MAX_MBS, MixedPlan, Part, mixed_link_cluster
 from phalanx.planner.options import Options
 
 
@@ -97,6 +97,8 @@ def dp_plans(model: ModelConfig, mixed: MixedCluster, seq: int, global_batch: in
         name = min(priced, key=lambda k: (priced[k][0], k != "speed-proportional"))
         step, shares, dp_comm = priced[name]
         plan = Plan(dp=world, microbatches=m, shares=":".join(map(str, shares)))
+        parts = rank_parts([ests[group_of[r]][shares[r]] for r in range(world)],
+                           [times[group_of[r]][shares[r]] for r in range(world)], group_of)
         memory = tuple(max(ests[group_of[r]][shares[r]].memory_bytes for r in range(world) if group_of[r] == g) / 2**30
                        for g in range(len(counts)))
         per_group = [sorted({shares[r] for r in range(world) if group_of[r] == g}) for g in range(len(counts))]
@@ -105,27 +107,19 @@ def dp_plans(model: ModelConfig, mixed: MixedCluster, seq: int, global_batch: in
                              detail={"shares_by_group": per_group, "chosen": name, "dp_comm_s": dp_comm,
                                      "speeds_seq_per_s": [round(per_rank / times[g][per_rank], 4) for g in range(len(counts))],
                                      "priced_s": {k: v[0] for k, v in priced.items()},
-                                     **_slack_clocks(mixed, [ests[group_of[r]][shares[r]] for r in range(world)],
-                                                     [times[group_of[r]][shares[r]] for r in range(world)], group_of)}))
+                                     **energy_detail(mixed, "dp", parts, step, microbatches=m,
+                                                     tokens=global_batch * seq)},
+                             parts=tuple(parts)))
     return out
 
 
-def _slack_clocks(mixed: MixedCluster, ests: list[Estimate], times: list[float], group_of: list[int]) -> dict:
-    """Perseus's case for uneven dp (planner/clocks.py): a rank that finishes its share before the
-    slowest waits in the gradient all-reduce, so it can compute at a lower clock at no cost in
-    step time: its busy seconds stretched into its wait (the most loaded rank of each group,
-    `clock_fraction_by_group`), and the joules that saves over every rank (null without power)."""
-    slowest = max(times)
-    fractions, saved = [], 0.0
-    for est, t, g in zip(ests, times, group_of):
-        cluster = mixed.groups[g].cluster
-        busy = busy_seconds(est)
-        r = clocks.clock_fraction(busy, busy + slowest - t, cluster.min_clock_fraction)
-        fractions.append(r)
-        saved += clocks.saved_busy_energy_j(busy, r, cluster)
-    by_group = [max(r for r, g in zip(fractions, group_of) if g == i) for i in range(len(mixed.groups))]
-    powered = all(g.cluster.busy_w > 0 for g in mixed.groups)
-    return {"clock_fraction_by_group": by_group, "clock_energy_saved_j_per_step": saved if powered else None}
+def rank_parts(ests: list[Estimate], times: list[float], group_of: list[int], tp: int = 1) -> list[Part]:
+    """Each dp rank as a Part (mixed_energy.py): its tp devices compute its share's busy seconds
+    (energy.busy_seconds of its group's model) within `times[r]`, its time before the all-reduce.
+    Perseus's case for uneven dp (clocks.py): a rank that finishes its share before the slowest
+    waits in the gradient all-reduce, so all of its computing can run at a lower clock."""
+    return [Part(group=g, devices=tp, busy_s=busy_seconds(e), pace_s=t, clockable_s=busy_seconds(e))
+            for e, t, g in zip(ests, times, group_of)]
 
 
 def priced_shares(model, mixed, seq, global_batch, plan, options_for) -> MixedPlan:
@@ -146,6 +140,10 @@ def priced_shares(model, mixed, seq, global_batch, plan, options_for) -> MixedPl
                            tp).breakdown["dp_comm"]
     memory = tuple(max(ests[r].memory_bytes for r in range(plan.dp) if group_of[r] == i) / 2**30
                    for i in range(len(mixed.groups)))
-    return MixedPlan(kind="dp", plan=plan, mbs=math.ceil(max(shares) / m), step_time_s=times[slowest] + dp_comm,
+    step = times[slowest] + dp_comm
+    parts = rank_parts(ests, times, group_of, tp)
+    return MixedPlan(kind="dp", plan=plan, mbs=math.ceil(max(shares) / m), step_time_s=step,
                      baseline_s=math.nan, memory_gib=memory,
-                     detail={"chosen": "given", "dp_comm_s": dp_comm, "slowest_rank": slowest, "group_of_slowest": g})
+                     detail={"chosen": "given", "dp_comm_s": dp_comm, "slowest_rank": slowest, "group_of_slowest": g,
+                             **energy_detail(mixed, "dp", parts, step, microbatches=m, tokens=global_batch * seq)},
+                     parts=tuple(parts))

@@ -19,13 +19,15 @@ from phalanx.adapt_policy import stage_costs, weighted_layer_counts
 from phalanx.layout_rules import divisors
 from phalanx.model.config import ModelConfig
 from phalanx.plan import Plan
-from phalanx.planner import clocks, comm
+from phalanx.planner import comm
 from phalanx.planner.cost import evaluate, layer_flops, problems
+from phalanx.planner.energy import busy_seconds
 from phalanx.planner.hardware import Cluster
 from phalanx.planner.layout import Layout, Workload
 from phalanx.planner.memory import layers_per_stage
 from phalanx.planner.mixed_cluster import MixedCluster
-from phalanx.planner.mixed_plan import MAX_MBS, MixedPlan, mixed_link_cluster
+from phalanx.planner.mixed_energy import energy_detail
+from phalanx.planner.mixed_plan import MAX_MBS, MixedPlan, Part, mixed_link_cluster
 from phalanx.planner.options import Options, activation_bytes
 
 
@@ -127,19 +129,24 @@ def price_pipeline(model, mixed, seq, global_batch, plan, mbs, stage_group, cost
         memory.append(est.memory_bytes * max(1.0, most / n_bal))
     if any(mem > g.cluster.usable_bytes for mem, g in zip(memory, mixed.groups)) and not given:
         return None
-    # Perseus's case (clocks.py): stages lighter than the slowest wait each micro-batch, so they
-    # run at lower clocks at no cost in step time; the energy that saves, where every group's
-    # power is known.
-    fractions = clocks.pipeline_stages(per_mb, [mixed.groups[g].cluster.min_clock_fraction for g in stage_group],
-                                       microbatches=m)
-    per_stage = plan.dp * plan.tp
-    saved = sum(per_stage * clocks.saved_busy_energy_j(m * t, r, mixed.groups[g].cluster)
-                for t, r, g in zip(per_mb, fractions, stage_group))
-    powered = all(g.cluster.busy_w > 0 for g in mixed.groups)
+    # Each stage as a Part (mixed_energy.py): its per micro-batch time, of which its group's
+    # computing share (the balanced stage's compute and recompute over its time: exposed tp
+    # collectives wait) is busy, m times, plus its optimizer step scaled by its layers. Stages
+    # lighter than the slowest wait each micro-batch, so they can compute at lower clocks at no
+    # cost in step time (Perseus's case, clocks.py); the energy that saves is in the detail.
+    computing = [(busy_seconds(e) - e.breakdown["optimizer"]) / (m * (e.stage.f + e.stage.b + e.stage.w + e.stage.r))
+                 for e in ests]
+    parts = [Part(group=g, devices=plan.dp * plan.tp,
+                  busy_s=m * t * computing[g] + ests[g].breakdown["optimizer"] * c / n_bal,
+                  pace_s=t, clockable_s=m * t * computing[g])
+             for t, g, c in zip(per_mb, stage_group, counts)]
+    step_s = time + cross_s
     return MixedPlan(kind="pipeline", plan=plan.replace(split=":".join(map(str, counts))), mbs=mbs,
-                     step_time_s=time + cross_s, baseline_s=base + cross_s, memory_gib=tuple(x / 2**30 for x in memory),
+                     step_time_s=step_s, baseline_s=base + cross_s, memory_gib=tuple(x / 2**30 for x in memory),
                      detail={"stage_groups": stage_group, "even_split": ":".join(map(str, even)),
                              "stage_ms_per_microbatch": [t * 1e3 for t in per_mb],
                              "seconds_per_tflop_by_group": [k * 1e12 for k in scale],
-                             "cross_group_send_s": cross_s, "stage_clock_fraction": fractions,
-                             "clock_energy_saved_j_per_step": saved if powered else None})
+                             "cross_group_send_s": cross_s,
+                             **energy_detail(mixed, "pipeline", parts, step_s, microbatches=m,
+                                             tokens=global_batch * seq)},
+                     parts=tuple(parts))

@@ -15,6 +15,23 @@ MAX_MBS = 16
 
 
 @dataclass(frozen=True)
+class Part:
+    """Devices of one group that compute alike in a plan's step: a dp rank (its tp devices), or a
+    pipeline stage's dp x tp devices. A plan's energy is counted part by part (mixed_energy.py)."""
+    group: int
+    devices: int
+    busy_s: float
+    """Seconds of the step each of its devices computes at full clock (energy.BUSY_KEYS of its
+    group's model: compute, recompute, optimizer); the rest of the step it waits, at idle power."""
+    pace_s: float
+    """What the slowest part sets the step by: a dp rank's time before the gradient all-reduce;
+    a stage's time per micro-batch."""
+    clockable_s: float
+    """Of busy_s, the seconds a lower clock stretches into its slack: all of a dp rank's; a
+    stage's micro-batches' (its optimizer step, after the last one, stays at full clock)."""
+
+
+@dataclass(frozen=True)
 class MixedPlan:
     """One priced layout over a mixed cluster."""
     kind: str
@@ -28,6 +45,8 @@ class MixedPlan:
     memory_gib: tuple[float, ...]
     """Per group, the most loaded device's."""
     detail: dict = field(default_factory=dict)
+    parts: tuple[Part, ...] = ()
+    """What its energy is counted from (mixed_energy.py); not printed."""
 
     @property
     def gain(self) -> float:

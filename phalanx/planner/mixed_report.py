@@ -7,7 +7,10 @@ import json
 
 from phalanx.errors import UserError
 from phalanx.plan import parse_plan
+from phalanx.planner.energy import parse_prices
 from phalanx.planner.mixed_cluster import MixedCluster, load_mixed_cluster
+from phalanx.planner.mixed_energy import (MixedObjective, check_mixed_prices, cost_usd_per_mtok, energy_j,
+                                          mixed_objective)
 from phalanx.planner.mixed_plan import MixedPlan
 from phalanx.planner.mixed_search import evaluate_mixed_plan, mixed_search
 from phalanx.planner.model_spec import model_from_name
@@ -15,10 +18,19 @@ from phalanx.planner.plan_flags import options_for
 from phalanx.planner.report import format_table
 
 
-def _record(p: MixedPlan, tokens: int) -> dict:
+def _record(mixed: MixedCluster, p: MixedPlan, objective: MixedObjective) -> dict:
+    """One plan as JSON (names as the homogeneous plan records' where they mean the same):
+    `cost_usd_per_mtok` null without --price; `clocked_*` null unless ranked by energy under
+    --max-slowdown (`clocked_fractions`: by part, dp ranks or stages)."""
+    tokens = objective.tokens
+    lowered = objective.clocked(mixed, p)
     return {"kind": p.kind, "plan": p.plan.to_string(), "mbs": p.mbs, "step_time_s": p.step_time_s,
             "baseline_step_time_s": p.baseline_s, "tokens_per_s": tokens / p.step_time_s,
-            "memory_gib_by_group": [round(x, 2) for x in p.memory_gib], **p.detail}
+            "memory_gib_by_group": [round(x, 2) for x in p.memory_gib], **p.detail,
+            "cost_usd_per_mtok": cost_usd_per_mtok(mixed, p, objective.prices, tokens) if objective.prices else None,
+            "clocked_fractions": list(lowered.fractions) if lowered else None,
+            "clocked_step_time_s": lowered.step_time_s if lowered else None,
+            "clocked_energy_j_per_step": lowered.energy_j if lowered else None}
 
 
 def train_command(args, mixed: MixedCluster, p: MixedPlan) -> list[str]:
@@ -80,22 +92,99 @@ def explain(mixed: MixedCluster, best: MixedPlan) -> list[str]:
     return lines
 
 
+SEARCH_KEEP = 50
+"""Pipelines kept from the search when ranking by energy or cost (the fastest first)."""
+
+
+def explain_objective(mixed: MixedCluster, ranked: list[MixedPlan], fastest: MixedPlan | None,
+                      objective: MixedObjective) -> list[str]:
+    """Why #1 wins on energy or cost: its figure against the fastest plan's and each runner-up's,
+    and what the difference is made of (energy: every device's idle power over a longer step, or
+    busy power over more computing seconds; cost: the step alone, every plan holding every
+    group's devices for it)."""
+    best = ranked[0]
+    unit = {"energy": "J/token", "cost": "$/Mtok", "time": "s"}[objective.kind]
+
+    def per(p: MixedPlan) -> float:
+        v = objective.value(mixed, p)
+        return v / objective.tokens if objective.kind == "energy" else v
+
+    bound = (f" among the plans within {objective.max_slowdown:g}x the fastest plan's step time"
+             if objective.max_slowdown is not None else "")
+    busy = ", ".join(f"{g.name} {b:.0%}" for g, b in zip(mixed.groups, best.detail["busy_fraction_by_group"]))
+    lines = [f"ranked by {objective.kind}{bound}: #1 takes {per(best):.4g} {unit}, its devices busy "
+             f"{busy} of its {best.step_time_s:.4g} s step"]
+    if objective.kind == "cost":
+        held = ", ".join(f"{g.devices} x {g.cluster.name} at ${objective.prices[g.cluster.name]:g}" for g in mixed.groups)
+        lines.append(f"every plan holds every group's devices for its step ({held} per GPU hour), so the "
+                     "cheapest per token is the fastest")
+    if (lowered := objective.clocked(mixed, best)) is not None:
+        full = energy_j(mixed, best.parts, best.step_time_s)  # at full clock, as the homogeneous report
+        lines.append(f"clocks lowered into the slack and the slowdown bound (planner/clocks.py, power as the clock "
+                     f"cubed): #1's {'ranks' if best.kind == 'dp' else 'stages'} at "
+                     f"{', '.join(f'{r:.0%}' for r in _distinct(lowered.fractions))} of their maximum clock, its step "
+                     f"{lowered.step_time_s:.4g} s, {1 - lowered.energy_j / full:.1%} less energy than at full clock")
+    if fastest is None or fastest.plan == best.plan:
+        lines.append("#1 is also the fastest plan")
+    else:
+        gap = 1 - per(best) / per(fastest)
+        lines.append(f"the fastest plan, {fastest.plan.to_string()}, takes {fastest.step_time_s:.4g} s "
+                     f"({best.step_time_s / fastest.step_time_s - 1:+.1%} for #1) but {per(fastest):.4g} {unit}: "
+                     f"#1 spends {gap:.1%} less{_why(mixed, best, fastest, objective)}")
+    for rank, p in enumerate(ranked[1:], start=2):
+        gap = per(p) - per(best)
+        lines.append(f"#{rank} +{gap:.3g} {unit} ({gap / per(best):+.1%}){_why(mixed, best, p, objective, short=True)}")
+    return lines
+
+
+def _distinct(values) -> list[float]:
+    return sorted({round(v, 4) for v in values}, reverse=True)
+
+
+def _why(mixed: MixedCluster, best: MixedPlan, other: MixedPlan, objective: MixedObjective,
+         short: bool = False) -> str:
+    """Which part of `other`'s spend differs from `best`'s: every device's idle power over a
+    longer step, or the rest, busy power above idle (more computing seconds, on the hungrier
+    group, or at a higher clock); the steps and joules as ranked (clocked under a bound)."""
+    def step_s(p: MixedPlan) -> float:
+        lowered = objective.clocked(mixed, p)
+        return lowered.step_time_s if lowered else p.step_time_s
+
+    d_step = step_s(other) - step_s(best)
+    if objective.kind != "energy":
+        return f": its step is {d_step:+.3g} s" if short else ""
+    idle_part = sum(g.devices * g.cluster.idle_w for g in mixed.groups) * d_step
+    busy_part = objective.value(mixed, other) - objective.value(mixed, best) - idle_part
+    if abs(busy_part) >= abs(idle_part):
+        what = f"{busy_part / 1e3:+.3g} kJ of computing above idle power (busy seconds, and where and at what clock)"
+    else:
+        what = f"a {d_step:+.3g} s step, every device drawing idle power meanwhile"
+    return f": mostly {what}" if short else f"; the fastest plan's extra is mostly {what}"
+
+
 def run_mixed_plan(args, path: str) -> int:
     model = model_from_name(args.model)
     mixed = load_mixed_cluster(path)
     if args.gpus != mixed.devices:
         raise UserError(f"--gpus {args.gpus}: the mixed cluster {mixed.name!r} has {mixed.devices} devices "
                         f"({mixed.describe()}); plan for all of them")
-    if args.fix or args.objective != "time" or args.price or args.expert_slots or args.any_runtime:
-        raise UserError("a mixed cluster file takes none of --fix, --objective, --price, --expert-slots, "
-                        "--any-runtime yet (docs/planner.md, Mixed clusters)")
-    plans = mixed_search(model, mixed, args.seq_len, args.global_batch, lambda c: options_for(args, c),
-                         zero_levels=args.zero_levels, keep=args.top)
+    if args.fix or args.expert_slots or args.any_runtime:
+        raise UserError("a mixed cluster file takes none of --fix, --expert-slots, --any-runtime yet "
+                        "(docs/planner.md, Mixed clusters)")
     tokens = args.global_batch * args.seq_len
+    objective = mixed_objective(args.objective, args.max_slowdown, mixed, parse_prices(args.price), tokens)
+    # Ranked by another objective than time, every priced layout is a candidate, not only the
+    # fastest `--top` (mixed_search keeps the fastest pipelines only up to its `keep`).
+    keep = args.top if objective.kind == "time" else max(args.top, SEARCH_KEEP)
+    plans = mixed_search(model, mixed, args.seq_len, args.global_batch, lambda c: options_for(args, c),
+                         zero_levels=args.zero_levels, keep=keep)
+    fastest = plans[0] if plans else None
+    plans = objective.rank(mixed, plans)[:args.top]
     if args.json:
         print(json.dumps({"cluster": mixed.name, "groups": [{"name": g.name, "preset": g.cluster.name, "nodes": g.nodes,
                                                               "devices": g.devices} for g in mixed.groups],
-                          "plans": [_record(p, tokens) for p in plans]}, indent=2))
+                          "objective": args.objective, "max_slowdown": args.max_slowdown,
+                          "plans": [_record(mixed, p, objective) for p in plans]}, indent=2))
         return 0 if plans else 1
     print(f"{model.name} on {mixed.name}: {mixed.describe()}, global batch {args.global_batch} x {args.seq_len} tokens")
     if not plans:
@@ -103,10 +192,16 @@ def run_mixed_plan(args, path: str) -> int:
               "group to hold whole stages of the same dp x tp", flush=True)
         return 1
     rows = [[p.kind, p.plan.to_string(), str(p.mbs), f"{p.step_time_s:.4g}", f"{p.gain:.2f}x",
-             f"{tokens / p.step_time_s:,.0f}", " / ".join(f"{x:.1f}" for x in p.memory_gib)] for p in plans]
-    print(format_table(["kind", "plan", "mbs", "step s", "vs even", "tokens/s", "GiB by group"], rows))
+             f"{tokens / p.step_time_s:,.0f}", " / ".join(f"{x:.1f}" for x in p.memory_gib),
+             f"{p.detail['energy_j_per_token']:.4g}" if p.detail.get("energy_j_per_token") is not None else "-",
+             *([f"{cost_usd_per_mtok(mixed, p, objective.prices, tokens):.4g}"] if objective.prices else [])]
+            for p in plans]
+    print(format_table(["kind", "plan", "mbs", "step s", "vs even", "tokens/s", "GiB by group", "J/token",
+                        *(["$/Mtok"] if objective.prices else [])], rows))
     print()
     print("\n".join(explain(mixed, plans[0])))
+    if objective.kind != "time" or objective.max_slowdown is not None:
+        print("\n".join(explain_objective(mixed, plans, fastest, objective)))
     print("run it with:")
     print("\n".join(train_command(args, mixed, plans[0])))
     return 0
@@ -116,6 +211,8 @@ def run_mixed_simulate(args, path: str) -> int:
     model = model_from_name(args.model)
     mixed = load_mixed_cluster(path)
     plan, _ = parse_plan(args.plan)
+    prices = parse_prices(args.price)
+    check_mixed_prices(prices, mixed)
     p = evaluate_mixed_plan(model, mixed, args.seq_len, args.global_batch, plan.validate(),
                             lambda c: options_for(args, c))
     print(f"layout: {p.plan.to_string()} on {mixed.name}: {mixed.describe()}")
@@ -131,5 +228,12 @@ def run_mixed_simulate(args, path: str) -> int:
               f"with the even split {d['even_split']}: {p.baseline_s:.4g} s")
         if any(x > g.cluster.memory_gib - g.cluster.memory_reserved_gib for x, g in zip(p.memory_gib, mixed.groups)):
             print("does not fit: a stage needs more memory than its group's devices have")
+    if (energy := d["energy_j_per_step"]) is not None:  # of the cost model's step (mixed_energy.py)
+        print(f"predicted energy {energy / 1e3:.4g} kJ per step, {energy / tokens:.4g} J/token, busy "
+              + ", ".join(f"{g.name} {b:.0%}" for g, b in zip(mixed.groups, d["busy_fraction_by_group"]))
+              + f" of the step; {d['clock_energy_saved_j_per_step'] / 1e3:.3g} kJ less with the slack's clocks lowered")
+    if prices:
+        print(f"predicted cost ${cost_usd_per_mtok(mixed, p, prices, tokens):.4g} per million tokens at "
+              + ", ".join(f"${prices[g.cluster.name]:g} per {g.cluster.name} GPU hour" for g in mixed.groups))
     print("no timeline is drawn for a mixed cluster yet (trace.json and timeline.png are the homogeneous simulator's)")
     return 0
