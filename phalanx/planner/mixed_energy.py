@@ -187,7 +187,7 @@ def mixed_objective(kind: str, max_slowdown: float | None, mixed: MixedCluster, 
     if kind == "energy":
         for g in mixed.groups:
             if not has_power(g.cluster):
-                raise UserError(f"--objective energy needs the power of group {g.name!r}'s devices "
-                                f"({g.cluster.name!r}): give idle_w and busy_w in its cluster file "
+                raise UserError(f"--objective energy needs the power of the devices of group {g.name!r} "
+                                f"(preset {g.cluster.name!r}): give idle_w and busy_w in its cluster file "
                                 "(docs/planner.md, Energy and cost)")
     return MixedObjective(kind=kind, max_slowdown=max_slowdown, prices=prices, tokens=tokens)
