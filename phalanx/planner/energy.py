@@ -20,6 +20,9 @@ With `--objective energy --max-slowdown F`, each plan's devices run their comput
 lowest clock that keeps its step within F x the fastest plan's (clocks.py: power against clock
 as a cube, down to the cluster's base clock), and its energy is counted so.
 
+A mixed cluster's plans (mixed_energy.py) use these same functions per dp rank or pipeline
+stage, each with its own group's power and busy seconds, and one price per preset.
+
 Not modelled: the power a device draws while waiting above its idle reading (clocks stay up),
 draw below TDP while computing (training rarely holds TDP); CPUs, NICs, switches and
 fans (the node's own power, the same per GPU-second for every layout, so it scales with step

@@ -7,7 +7,8 @@ its slowest link). The step is the slowest rank's t_g(share) plus it. Three shar
 priced: equal (what a homogeneous plan gives), in proportion to speed
 (`adapt_policy.proportional_shares`, what the trainer's adaptation converges to, speeds from t_g
 at the equal share) and the exact min-max (the least T at which the ranks, each taking the most
-sequences it runs within T, hold the global batch); the fastest wins."""
+sequences it runs within T, hold the global batch); the fastest wins. Energy: each rank a
+`Part` (mixed_energy.py), busy for its own share's compute, idle while it waits."""
 
 from __future__ import annotations
 

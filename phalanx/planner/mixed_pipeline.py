@@ -6,7 +6,8 @@ by `adapt_policy.weighted_layer_counts`, the same cut the trainer's re-split mak
 times. Step = (m + P - 1) x the slowest stage, plus the most of each stage's own dp, optimizer
 and pipeline-send time from its group's model (dp and optimizer scaled by its layer count;
 sends, the share of boundaries inside one group), plus the sends that cross a group boundary
-at the between-groups link. Memory: the group's
+at the between-groups link. Energy: each stage a `Part` (mixed_energy.py) with its own
+busy seconds and its group's power. Memory: the group's
 balanced stage scaled by layers over the balanced count (the non-layer parts too, so an
 overestimate for the stages that gain layers)."""
 

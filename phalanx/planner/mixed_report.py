@@ -1,5 +1,7 @@
-"""`phalanx plan` and `phalanx simulate` on a mixed cluster file (`mixed_cluster.py`): the table,
-the explanation of the choice and the `phalanx train` command that runs it."""
+"""`phalanx plan` and `phalanx simulate` on a mixed cluster file (`mixed_cluster.py`): the table
+(with energy per token and, with `--price`, cost per million tokens: mixed_energy.py), the
+plans ranked by `--objective` (and `--max-slowdown`), the explanation of the choice and the
+`phalanx train` command that runs it."""
 
 from __future__ import annotations
 

@@ -48,8 +48,9 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
                         "a multiple of ep), S / ep per rank of weights, gradients and optimizer state; only layouts "
                         "the trainer runs slots in (ep > 1, experts under DDP-style data parallelism)")
     p.add_argument("--price", action="append", default=[], metavar="CLUSTER=USD_PER_HOUR",
-                   help="dollars per GPU hour on a cluster (preset or file name); repeat for several clusters. "
-                        "Adds cost per million tokens to every plan")
+                   help="dollars per GPU hour on a cluster (preset or file name); repeat for several clusters, "
+                        "or for each preset a mixed cluster file's groups use. Adds cost per million tokens to "
+                        "every plan")
 
 
 def options_for(args, cluster) -> Options:

@@ -1,5 +1,7 @@
 """Turning estimates into the `plan` command's table, JSON (the JSON names are an API) and
-the explanation of the ranking."""
+the explanation of the ranking, for one homogeneous cluster; a mixed cluster file's plans are
+reported by mixed_report.py, with the same names where they mean the same (`energy_j_per_step`,
+`energy_j_per_token`, `cost_usd_per_mtok`, `clocked_*`)."""
 
 from __future__ import annotations
 
