@@ -33,6 +33,7 @@ from phalanx.planner.mixed_energy import (MixedObjective, cost_usd_per_mtok, ene
 from phalanx.planner.mixed_plan import MixedPlan, Part
 from phalanx.planner.model_spec import model_from_name
 from phalanx.planner.options import trainer_options
+from phalanx.planner.search import search
 
 H100 = PRESETS["dgx-h100"]
 # One device per node, so each group of one node is one device.
@@ -189,19 +190,21 @@ ARGS = ["--model", "tiny", "--gpus", "16", "--global-batch", "48", "--seq-len", 
 
 def test_plan_json_gives_energy_cost_and_the_clocked_frontier(tmp_path, capsys):
     """`--json`: every plan has energy per step and token, cost from the two prices (each
-    group's devices at its price over the step) and, ranked by energy under --max-slowdown 1,
-    the clocked energy: exactly the full-clock energy less the slack clocks' saving, the step
-    unchanged."""
+    group's devices it holds at its price over the step: both groups' for a plan over them, one
+    group's alone) and, ranked by energy under --max-slowdown 1, the clocked energy: exactly the
+    full-clock energy less the slack clocks' saving, the step unchanged."""
     path = _mixed_file(tmp_path)
     prices = ["--price", "fast=3", "--price", "slow=1"]
-    assert cli.run(["plan", "--cluster", path, *ARGS, "--json", "--objective", "cost", *prices]) == 0
+    assert cli.run(["plan", "--cluster", path, *ARGS[:-1], "1000", "--json", "--objective", "cost", *prices]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["objective"] == "cost"
+    per_hour = {"fast": 3 * 8, "slow": 1 * 8}
     for p in out["plans"]:
-        assert p["cost_usd_per_mtok"] == pytest.approx((3 + 1) * 8 * p["step_time_s"] / 3600 / (48 * 128) * 1e6)
+        dollars = per_hour[p["group"]] if p["kind"] == "alone" else per_hour["fast"] + per_hour["slow"]
+        assert p["cost_usd_per_mtok"] == pytest.approx(dollars * p["step_time_s"] / 3600 / (48 * 128) * 1e6)
         assert p["energy_j_per_token"] == pytest.approx(p["energy_j_per_step"] / (48 * 128))
-    steps = [p["step_time_s"] for p in out["plans"]]
-    assert steps == sorted(steps)  # every plan holds every device: the cheapest is the fastest
+    over_both = [p["step_time_s"] for p in out["plans"] if p["kind"] != "alone"]
+    assert over_both and over_both == sorted(over_both)  # the same devices held: the cheapest is the fastest
     assert cli.run(["plan", "--cluster", path, *ARGS, "--json", "--objective", "energy", "--max-slowdown", "1"]) == 0
     plans = json.loads(capsys.readouterr().out)["plans"]
     for p in plans:
@@ -210,6 +213,57 @@ def test_plan_json_gives_energy_cost_and_the_clocked_frontier(tmp_path, capsys):
             p["energy_j_per_step"] - p["clock_energy_saved_j_per_step"], rel=1e-12)
     clocked = [p["clocked_energy_j_per_step"] for p in plans]
     assert clocked == sorted(clocked)
+
+
+def _best_alone(tmp_path, group: int):
+    """The homogeneous planner's fastest plan on one group's 8 devices, called here directly."""
+    mixed = _fast_slow(tmp_path)
+    cluster = mixed.groups[group].cluster
+    return search(model_from_name("tiny"), cluster, Workload(global_batch=48, seq_len=128), world_size=8,
+                  options=_options(cluster), keep=1).ranked[0], cluster
+
+
+@pytest.mark.parametrize("fast_price, chosen", [(3.0, "slow alone"), (1.0, "fast alone")])
+def test_cost_takes_the_group_whose_price_makes_it_cheaper_per_token(tmp_path, capsys, fast_price, chosen):
+    """Ranked by time, the plan over both groups wins (every device used, as --gpus asks).
+    Ranked by cost, a group left out is not paid for: with the fast group (twice the compute
+    rate) at $3 per GPU hour and the slow at $1, the slow group alone is cheapest per token
+    (8 x $1 for about twice the fast group's step, against 8 x $3 for one, and 8 x $4 for the
+    two together for about two thirds of one); with both at $1 the fast group alone is. The
+    cost printed is the hand product price x 8 x step / 3600 / tokens x 1e6 of the homogeneous
+    planner's fastest plan on that group, and less than the other two candidates'."""
+    path = _mixed_file(tmp_path)
+    assert cli.run(["plan", "--cluster", path, *ARGS, "--json"]) == 0
+    by_time = json.loads(capsys.readouterr().out)["plans"]
+    assert by_time[0]["kind"] in ("dp", "pipeline") and all(p["kind"] != "alone" for p in by_time)
+    assert cli.run(["plan", "--cluster", path, *ARGS, "--json", "--objective", "cost", "--price", f"fast={fast_price}",
+                    "--price", "slow=1"]) == 0
+    best = json.loads(capsys.readouterr().out)["plans"][0]
+    assert f"{best['group']} {best['kind']}" == chosen
+    tokens = 48 * 128
+    costs = {}
+    for name, g, price in (("fast", 0, fast_price), ("slow", 1, 1.0)):
+        est, _ = _best_alone(tmp_path, g)
+        costs[name] = price * 8 * est.step_time_s / 3600 / tokens * 1e6
+    costs["both"] = (fast_price + 1.0) * 8 * by_time[0]["step_time_s"] / 3600 / tokens * 1e6
+    assert best["cost_usd_per_mtok"] == pytest.approx(costs[best["group"]], rel=1e-12)
+    assert best["cost_usd_per_mtok"] == pytest.approx(min(costs.values()), rel=1e-12)
+    assert sorted(costs.values())[1] > sorted(costs.values())[0]
+
+
+def test_a_group_alone_counts_energy_as_the_homogeneous_plan(tmp_path, capsys):
+    """A group alone is the homogeneous plan on its devices: its energy is energy.py's."""
+    path = _mixed_file(tmp_path)
+    assert cli.run(["plan", "--cluster", path, *ARGS[:-1], "1000", "--json", "--objective", "energy"]) == 0
+    alone = [p for p in json.loads(capsys.readouterr().out)["plans"] if p["kind"] == "alone"]
+    for g, name in enumerate(("fast", "slow")):
+        est, cluster = _best_alone(tmp_path, g)
+        mine = [p for p in alone if p["group"] == name and p["fix"] == est.layout.to_string()]
+        assert len(mine) == 1
+        for p in mine:
+            assert p["energy_j_per_step"] == pytest.approx(energy_per_step_j(est, cluster), rel=1e-12)
+            assert p["busy_fraction_by_group"][g] == pytest.approx(busy_seconds(est) / est.step_time_s)
+            assert p["busy_fraction_by_group"][1 - g] is None
 
 
 def test_plan_table_prints_the_energy_and_cost_and_why(tmp_path, capsys):

@@ -13,7 +13,9 @@ work: a dp rank's at its share (so a faster group's rank waits, at idle power, f
 rank and in the all-reduce); a stage's time per micro-batch times the micro-batches, of which
 its group's computing share (exposed tp collectives wait, as in energy.py), plus its optimizer
 step scaled by its layers (the 1f1b bubble and the stage's wait for the slowest stage are idle).
-Every plan holds every group's devices for its whole step, so every device is counted.
+A plan over the groups holds every group's devices for its whole step, so every device is
+counted; a group alone (mixed_alone.py) holds only its own: the others are not held, so neither
+paid for nor powered (released to other work).
 
 Lowered clocks (clocks.py, Perseus's case): a part that finishes before the slowest computes
 at the lowest clock its slack allows (`lower_clocks`, room 0: no cost in step time); its busy
@@ -48,12 +50,19 @@ def energy_j(mixed: MixedCluster, parts: tuple[Part, ...] | list[Part], step_s: 
                              busy_w=mixed.groups[p.group].cluster.busy_w) for p in parts)
 
 
-def busy_fraction_by_group(mixed: MixedCluster, parts, step_s: float) -> list[float]:
-    """Per group, the share of its device-seconds in the step spent computing."""
-    out = []
+def groups_used(parts) -> list[int]:
+    """The groups whose devices a plan holds (every group, but for a group alone: mixed_alone.py)."""
+    return sorted({p.group for p in parts})
+
+
+def busy_fraction_by_group(mixed: MixedCluster, parts, step_s: float) -> list[float | None]:
+    """Per group, the share of its device-seconds in the step spent computing (None for a group
+    the plan leaves out)."""
+    out: list[float | None] = []
     for g, group in enumerate(mixed.groups):
-        busy = sum(p.devices * min(p.busy_s, step_s) for p in parts if p.group == g)
-        out.append(busy / (group.devices * step_s))
+        mine = [p for p in parts if p.group == g]
+        out.append(sum(p.devices * min(p.busy_s, step_s) for p in mine) / (sum(p.devices for p in mine) * step_s)
+                   if mine else None)
     return out
 
 
@@ -80,7 +89,7 @@ def lower_clocks(mixed: MixedCluster, kind: str, parts, step_s: float, *, microb
     With room_s = 0 the step does not change: only slack is used."""
     floors = [mixed.groups[p.group].cluster.min_clock_fraction for p in parts]
     slowest = max(p.pace_s for p in parts)
-    if kind == "dp":
+    if kind != "pipeline":  # dp ranks, or one group alone (one part: the homogeneous plan's clocks.homogeneous)
         fractions = [clocks.clock_fraction(p.clockable_s, p.clockable_s + slowest - p.pace_s + room_s, f)
                      for p, f in zip(parts, floors)]
         paces = [p.pace_s + p.clockable_s * (1 / r - 1) for p, r in zip(parts, fractions)]
@@ -104,9 +113,9 @@ def energy_detail(mixed: MixedCluster, kind: str, parts: list[Part], step_s: flo
     most loaded rank's, for dp; by stage for a pipeline) and the joules they save."""
     energy = energy_j(mixed, parts, step_s)
     slack = lower_clocks(mixed, kind, parts, step_s, microbatches=microbatches)
-    if kind == "dp":
-        clocks_entry = {"clock_fraction_by_group": [max(r for r, p in zip(slack.fractions, parts) if p.group == g)
-                                                    for g in range(len(mixed.groups))]}
+    if kind != "pipeline":
+        clocks_entry = {"clock_fraction_by_group": [max((r for r, p in zip(slack.fractions, parts) if p.group == g),
+                                                        default=None) for g in range(len(mixed.groups))]}
     else:
         clocks_entry = {"stage_clock_fraction": list(slack.fractions)}
     return {"energy_j_per_step": energy, "energy_j_per_token": energy / tokens if energy is not None else None,
@@ -115,10 +124,11 @@ def energy_detail(mixed: MixedCluster, kind: str, parts: list[Part], step_s: flo
 
 
 def cost_usd_per_mtok(mixed: MixedCluster, plan: MixedPlan, prices: dict[str, float], tokens: int) -> float:
-    """Dollars per million tokens: each group's devices held for the plan's step at its preset's
-    price per GPU hour (`check_mixed_prices` has made sure every group has one)."""
-    return sum(step_cost_usd_per_mtok(usd_per_gpu_hour=prices[g.cluster.name], n_gpus=g.devices,
-                                      step_s=plan.step_time_s, tokens=tokens) for g in mixed.groups)
+    """Dollars per million tokens: each group's devices the plan holds, for its step, at its
+    preset's price per GPU hour (`check_mixed_prices` has made sure every group has one)."""
+    return sum(step_cost_usd_per_mtok(usd_per_gpu_hour=prices[mixed.groups[g].cluster.name],
+                                      n_gpus=mixed.groups[g].devices, step_s=plan.step_time_s, tokens=tokens)
+               for g in groups_used(plan.parts))
 
 
 def check_mixed_prices(prices: dict[str, float], mixed: MixedCluster) -> None:

@@ -35,15 +35,16 @@ class Part:
 class MixedPlan:
     """One priced layout over a mixed cluster."""
     kind: str
-    """"dp" (uneven shares) or "pipeline" (stages over groups)."""
+    """"dp" (uneven shares), "pipeline" (stages over groups) or "alone" (one group's homogeneous
+    plan, the others left out: mixed_alone.py)."""
     plan: Plan
     mbs: int
     """Sequences per micro-batch (the largest, with uneven shares)."""
     step_time_s: float
     baseline_s: float
     """The same layout as a homogeneous planner would give it: equal shares, or the even split."""
-    memory_gib: tuple[float, ...]
-    """Per group, the most loaded device's."""
+    memory_gib: tuple[float | None, ...]
+    """Per group, the most loaded device's (None for a group the plan leaves out)."""
     detail: dict = field(default_factory=dict)
     parts: tuple[Part, ...] = ()
     """What its energy is counted from (mixed_energy.py); not printed."""

@@ -10,6 +10,7 @@ import json
 from phalanx.errors import UserError
 from phalanx.plan import parse_plan
 from phalanx.planner.energy import parse_prices
+from phalanx.planner.mixed_alone import alone_plans
 from phalanx.planner.mixed_cluster import MixedCluster, load_mixed_cluster
 from phalanx.planner.mixed_energy import (MixedObjective, check_mixed_prices, cost_usd_per_mtok, energy_j,
                                           mixed_objective)
@@ -28,7 +29,7 @@ def _record(mixed: MixedCluster, p: MixedPlan, objective: MixedObjective) -> dic
     lowered = objective.clocked(mixed, p)
     return {"kind": p.kind, "plan": p.plan.to_string(), "mbs": p.mbs, "step_time_s": p.step_time_s,
             "baseline_step_time_s": p.baseline_s, "tokens_per_s": tokens / p.step_time_s,
-            "memory_gib_by_group": [round(x, 2) for x in p.memory_gib], **p.detail,
+            "memory_gib_by_group": [round(x, 2) if x is not None else None for x in p.memory_gib], **p.detail,
             "cost_usd_per_mtok": cost_usd_per_mtok(mixed, p, objective.prices, tokens) if objective.prices else None,
             "clocked_fractions": list(lowered.fractions) if lowered else None,
             "clocked_step_time_s": lowered.step_time_s if lowered else None,
@@ -37,6 +38,12 @@ def _record(mixed: MixedCluster, p: MixedPlan, objective: MixedObjective) -> dic
 
 def train_command(args, mixed: MixedCluster, p: MixedPlan) -> list[str]:
     """The `phalanx train` command of the plan, and a line for what it cannot say."""
+    if p.kind == "alone":
+        group = next(g for g in mixed.groups if g.name == p.detail["group"])
+        return [f"  phalanx train --model {args.model} --global-batch {args.global_batch} --seq-len {args.seq_len} "
+                f"--nnodes {group.nodes} --nproc {group.cluster.devices_per_node} --rdzv-endpoint HOST:PORT "
+                f"--plan {p.plan.to_string()}",
+                f"  (on the {group.name} nodes only; the other groups are left out)"]
     per_node = {g.cluster.devices_per_node for g in mixed.groups}
     nodes = sum(g.nodes for g in mixed.groups)
     line = (f"phalanx train --model {args.model} --global-batch {args.global_batch} --seq-len {args.seq_len} "
@@ -68,6 +75,9 @@ def best_line(mixed: MixedCluster, p: MixedPlan) -> str:
 
 def explain(mixed: MixedCluster, best: MixedPlan) -> list[str]:
     d = best.detail
+    if best.kind == "alone":
+        return [f"why: {d['group']} alone, {best.step_time_s:.4g} s per step: the homogeneous planner's layout "
+                f"{d['fix']} on its devices, the other groups left out (not held: neither paid for nor powered)"]
     lines = [f"why: {best.kind} layout, {best.step_time_s:.4g} s per step against {best.baseline_s:.4g} s "
              f"with {'equal shares' if best.kind == 'dp' else 'the even split'} ({best.gain:.2f}x)."]
     if best.kind == "dp":
@@ -113,13 +123,14 @@ def explain_objective(mixed: MixedCluster, ranked: list[MixedPlan], fastest: Mix
 
     bound = (f" among the plans within {objective.max_slowdown:g}x the fastest plan's step time"
              if objective.max_slowdown is not None else "")
-    busy = ", ".join(f"{g.name} {b:.0%}" for g, b in zip(mixed.groups, best.detail["busy_fraction_by_group"]))
+    busy = ", ".join(f"{g.name} {b:.0%}" for g, b in zip(mixed.groups, best.detail["busy_fraction_by_group"])
+                     if b is not None)
     lines = [f"ranked by {objective.kind}{bound}: #1 takes {per(best):.4g} {unit}, its devices busy "
              f"{busy} of its {best.step_time_s:.4g} s step"]
     if objective.kind == "cost":
         held = ", ".join(f"{g.devices} x {g.cluster.name} at ${objective.prices[g.cluster.name]:g}" for g in mixed.groups)
-        lines.append(f"every plan holds every group's devices for its step ({held} per GPU hour), so the "
-                     "cheapest per token is the fastest")
+        lines.append(f"a plan over the groups holds every group's devices for its step ({held} per GPU hour), a "
+                     "group alone only its own: among the plans over the groups the cheapest is the fastest")
     if (lowered := objective.clocked(mixed, best)) is not None:
         full = energy_j(mixed, best.parts, best.step_time_s)  # at full clock, as the homogeneous report
         lines.append(f"clocks lowered into the slack and the slowdown bound (planner/clocks.py, power as the clock "
@@ -152,15 +163,19 @@ def _why(mixed: MixedCluster, best: MixedPlan, other: MixedPlan, objective: Mixe
         lowered = objective.clocked(mixed, p)
         return lowered.step_time_s if lowered else p.step_time_s
 
+    def idle_j(p: MixedPlan) -> float:  # the devices it holds at idle power over its step
+        return sum(q.devices * mixed.groups[q.group].cluster.idle_w for q in p.parts) * step_s(p)
+
     d_step = step_s(other) - step_s(best)
     if objective.kind != "energy":
         return f": its step is {d_step:+.3g} s" if short else ""
-    idle_part = sum(g.devices * g.cluster.idle_w for g in mixed.groups) * d_step
+    idle_part = idle_j(other) - idle_j(best)
     busy_part = objective.value(mixed, other) - objective.value(mixed, best) - idle_part
     if abs(busy_part) >= abs(idle_part):
         what = f"{busy_part / 1e3:+.3g} kJ of computing above idle power (busy seconds, and where and at what clock)"
     else:
-        what = f"a {d_step:+.3g} s step, every device drawing idle power meanwhile"
+        what = (f"{idle_part / 1e3:+.3g} kJ of idle power (a {d_step:+.3g} s step, over the "
+                f"{sum(q.devices for q in other.parts)} devices it holds)")
     return f": mostly {what}" if short else f"; the fastest plan's extra is mostly {what}"
 
 
@@ -180,6 +195,10 @@ def run_mixed_plan(args, path: str) -> int:
     keep = args.top if objective.kind == "time" else max(args.top, SEARCH_KEEP)
     plans = mixed_search(model, mixed, args.seq_len, args.global_batch, lambda c: options_for(args, c),
                          zero_levels=args.zero_levels, keep=keep)
+    if objective.kind != "time":  # what is cheapest or uses least may leave a group out (mixed_alone.py)
+        plans += alone_plans(model, mixed, args.seq_len, args.global_batch, lambda c: options_for(args, c),
+                             zero_levels=args.zero_levels, keep=keep, by_energy=objective.kind == "energy")
+    plans.sort(key=lambda p: p.step_time_s)
     fastest = plans[0] if plans else None
     plans = objective.rank(mixed, plans)[:args.top]
     if args.json:
@@ -193,8 +212,9 @@ def run_mixed_plan(args, path: str) -> int:
         print("no mixed layout fits: plain dp needs the whole model on every device, a pipeline needs every "
               "group to hold whole stages of the same dp x tp", flush=True)
         return 1
-    rows = [[p.kind, p.plan.to_string(), str(p.mbs), f"{p.step_time_s:.4g}", f"{p.gain:.2f}x",
-             f"{tokens / p.step_time_s:,.0f}", " / ".join(f"{x:.1f}" for x in p.memory_gib),
+    rows = [[p.kind if p.kind != "alone" else f"{p.detail['group']} alone", p.plan.to_string(), str(p.mbs),
+             f"{p.step_time_s:.4g}", f"{p.gain:.2f}x" if p.kind != "alone" else "-",
+             f"{tokens / p.step_time_s:,.0f}", " / ".join(f"{x:.1f}" if x is not None else "-" for x in p.memory_gib),
              f"{p.detail['energy_j_per_token']:.4g}" if p.detail.get("energy_j_per_token") is not None else "-",
              *([f"{cost_usd_per_mtok(mixed, p, objective.prices, tokens):.4g}"] if objective.prices else [])]
             for p in plans]
