@@ -137,11 +137,12 @@ def explain_objective(mixed: MixedCluster, ranked: list[MixedPlan], fastest: Mix
                      f"cubed): #1's {'ranks' if best.kind == 'dp' else 'stages'} at "
                      f"{', '.join(f'{r:.0%}' for r in _distinct(lowered.fractions))} of their maximum clock, its step "
                      f"{lowered.step_time_s:.4g} s, {1 - lowered.energy_j / full:.1%} less energy than at full clock")
-    if fastest is None or fastest.plan == best.plan:
+    if fastest is None or fastest is best:
         lines.append("#1 is also the fastest plan")
     else:
         gap = 1 - per(best) / per(fastest)
-        lines.append(f"the fastest plan, {fastest.plan.to_string()}, takes {fastest.step_time_s:.4g} s "
+        where = f"{fastest.detail['group']} alone " if fastest.kind == "alone" else ""
+        lines.append(f"the fastest plan, {where}{fastest.plan.to_string()}, takes {fastest.step_time_s:.4g} s "
                      f"({best.step_time_s / fastest.step_time_s - 1:+.1%} for #1) but {per(fastest):.4g} {unit}: "
                      f"#1 spends {gap:.1%} less{_why(mixed, best, fastest, objective)}")
     for rank, p in enumerate(ranked[1:], start=2):
@@ -166,7 +167,15 @@ def _why(mixed: MixedCluster, best: MixedPlan, other: MixedPlan, objective: Mixe
     def idle_j(p: MixedPlan) -> float:  # the devices it holds at idle power over its step
         return sum(q.devices * mixed.groups[q.group].cluster.idle_w for q in p.parts) * step_s(p)
 
+    def per_hour(p: MixedPlan) -> float:  # dollars an hour of the devices it holds
+        return sum(q.devices * objective.prices[mixed.groups[q.group].cluster.name] for q in p.parts)
+
     d_step = step_s(other) - step_s(best)
+    if objective.kind == "cost":
+        held = f"${per_hour(other):g} an hour of devices against #1's ${per_hour(best):g}"
+        if short:
+            return f": its step is {d_step:+.3g} s" + (f", {held}" if per_hour(other) != per_hour(best) else "")
+        return f"; the fastest plan holds {held}"
     if objective.kind != "energy":
         return f": its step is {d_step:+.3g} s" if short else ""
     idle_part = idle_j(other) - idle_j(best)
