@@ -63,3 +63,62 @@ def write_deepseek(folder: Path, *, seed: int = 0, legacy_rope: bool = False, **
 
 def tokens(seq: int = 40, batch: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+MTP_LAYER = BASE["num_hidden_layers"]
+"""The checkpoint's multi-token-prediction layer: numbered after the model's own."""
+
+
+@torch.no_grad()
+def write_deepseek_mtp(folder: Path, *, seed: int = 0, bigram: bool = False, **extra) -> Path:
+    """A random DeepSeek-V3 checkpoint with num_nextn_predict_layers=1: transformers writes the
+    model (it has no MTP module and ignores its tensors), and the MTP layer's tensors
+    (model.layers.3.*: a decoder layer as transformers writes layer 3, enorm, hnorm, eh_proj,
+    shared_head.norm, shared_head.head, and the embedding's copy) are drawn here as `_redraw` draws.
+
+    bigram: the draft is right by construction. Every attention output and feed-forward down
+    projection of the model and of the MTP layer is zero, so the model's hidden state at i is
+    Emb(t_i) and its next token a function of t_i alone: g(t_i) = argmax head(norm(Emb(t_i))).
+    The MTP layer takes only the embedding (eh_proj = [I 0], the embedding first), enorm's weight
+    is 1 and its head and norm are the model's: at i it gives head(norm(enorm(Emb(t_{i+1})))),
+    and RMSNorm forgets the scale enorm put on, so its draft is g(t_{i+1}), the model's next
+    token after t_{i+1} (up to eps 1e-6 in the two norms)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    write_deepseek(folder, seed=seed, num_nextn_predict_layers=1, **extra)
+    config = deepseek_config(num_nextn_predict_layers=1, **extra)
+    layer = DeepseekV3DecoderLayer(config, MTP_LAYER)
+    _redraw(layer, seed + 7)
+    generator = torch.Generator().manual_seed(seed + 8)
+    prefix = f"model.layers.{MTP_LAYER}."
+    tensors = load_file(folder / "model.safetensors")
+    for name, value in layer.state_dict().items():
+        if name.endswith("e_score_correction_bias"):
+            value = 0.5 * torch.randn(value.shape, generator=generator)
+        if name == "mlp.experts.gate_up_proj":  # (experts, 2 ffn, dim), gate rows first: per expert, as checkpoints hold them
+            for expert, (gate, up) in enumerate(zip(*value.chunk(2, dim=1))):
+                tensors[f"{prefix}mlp.experts.{expert}.gate_proj.weight"] = gate.contiguous()
+                tensors[f"{prefix}mlp.experts.{expert}.up_proj.weight"] = up.contiguous()
+        elif name == "mlp.experts.down_proj":  # (experts, dim, ffn)
+            for expert, down in enumerate(value):
+                tensors[f"{prefix}mlp.experts.{expert}.down_proj.weight"] = down.contiguous()
+        else:
+            tensors[prefix + name] = value.contiguous()
+    dim, vocab = config.hidden_size, config.vocab_size
+    tensors[prefix + "enorm.weight"] = 1 + 0.2 * torch.randn(dim, generator=generator)
+    tensors[prefix + "hnorm.weight"] = 1 + 0.2 * torch.randn(dim, generator=generator)
+    tensors[prefix + "eh_proj.weight"] = torch.randn(dim, 2 * dim, generator=generator) / (2 * dim) ** 0.5
+    tensors[prefix + "shared_head.norm.weight"] = 1 + 0.2 * torch.randn(dim, generator=generator)
+    tensors[prefix + "shared_head.head.weight"] = torch.randn(vocab, dim, generator=generator) / dim ** 0.5
+    tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    if bigram:
+        for name in tensors:
+            if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+                tensors[name] = torch.zeros_like(tensors[name])
+        tensors[prefix + "enorm.weight"] = torch.ones(dim)
+        tensors[prefix + "eh_proj.weight"] = torch.cat([torch.eye(dim), torch.zeros(dim, dim)], dim=1)
+        tensors[prefix + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        tensors[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder

@@ -104,18 +104,25 @@ class Transformer(nn.Module):
         logits of the last position only (batch, 1, vocab), all generation reads of a prefill.
         `read_at`: the logits of these positions only (batch, len(read_at), vocab): a serving step
         packs several sequences into one row and reads the last position of each."""
-        # A pipeline stage without the embedding receives hidden states instead of ids.
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values():
-            h = layer(h, self.rope, cache) if cache is not None else layer(h, self.rope)
-        if cache is not None:
-            cache.advance(tokens.shape[1])
+        h = self.trunk(tokens, cache)
         if last_only:
             h = h[:, -1:]  # (batch, 1, dim)
         elif read_at is not None:
             h = h[:, read_at]  # (batch, len(read_at), dim)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def trunk(self, tokens: torch.Tensor, cache: AttentionCache | None = None) -> torch.Tensor:
+        """tokens (batch, seq) -> the last layer's output (batch, seq, dim), before the final
+        norm: what `forward` projects, and (normed) what a serving engine's multi-token-prediction
+        draft reads at every position (multi_token_prediction.py)."""
+        # A pipeline stage without the embedding receives hidden states instead of ids.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope, cache) if cache is not None else layer(h, self.rope)
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        return h
 
     def reset_buffers(self) -> None:
         """Recompute non-persistent buffers (after `to_empty` from the meta device)."""

@@ -71,6 +71,9 @@ class Sequence:
     may_speculate: bool = False
     """Its steps may guess tokens (speculative decoding): what it asked for can be checked
     token by token (no grammar, no log-probabilities; the caller decides)."""
+    drafted: tuple[int, ...] = ()
+    """The tokens a draft model proposed after its tokens (speculative decoding by the model's
+    multi-token-prediction layer, serve/mtp_draft.py): its next step's guesses."""
     serial: int = field(default_factory=itertools.count().__next__)
     """Unique in this process (the choices of one request share its `seq_id`): what the
     engine's ranks name its block table by (serve/block_tables.py)."""
@@ -248,7 +251,7 @@ class Scheduler:
         if (self.speculative.disable_by_batch_size is not None
                 and len(self.running) + len(self.waiting) > self.speculative.disable_by_batch_size):
             return ()
-        return tuple(self.speculative.propose(seq.tokens, min(room, seq.max_tokens - len(seq.output) - 1)))
+        return tuple(self.speculative.propose(seq.tokens, min(room, seq.max_tokens - len(seq.output) - 1), seq.drafted))
 
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """The first chunk of a waiting sequence, after taking its cached prefix, or None when

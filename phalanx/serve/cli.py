@@ -236,7 +236,7 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
 
     if plan.dp == 1:
         return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep, compile=job.compile,
-                      tuner=thread_tuner(job, world_size, device))
+                      tuner=thread_tuner(job, world_size, device), mtp=_mtp_layer(job, source, device, dtype))
     # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.serve.dp_assign import DPSchedulers
     from phalanx.serve.dp_engine import DPEngine
@@ -251,6 +251,19 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
     schedulers = DPSchedulers([scheduler() for _ in range(plan.dp if rank == 0 else 1)])
     return DPEngine(model, schedulers, device, dp_rank=mesh.axis_rank("dp"), channel=channel, expert_ranks=plan.ep,
                     placement=live, on_rebalance=None if metrics is None else metrics.rebalanced)
+
+
+def _mtp_layer(job: ServeJob, source, device, dtype):
+    """The checkpoint's multi-token-prediction layer for `--speculative-config` deepseek_mtp, else None."""
+    if job.speculative is None or not job.speculative.drafts_with_model:
+        return None
+    # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
+    from phalanx.cpu_ops.onednn_linear import use_onednn
+    from phalanx.hf.mtp_weights import load_multi_token_prediction
+
+    mtp = load_multi_token_prediction(source.weights_dir, source.cfg, device, dtype)
+    use_onednn(mtp)  # as the model's own matrices on CPU
+    return mtp
 
 
 def thread_tuner(job: ServeJob, world_size: int, device) -> ThreadTuner | None:

@@ -25,23 +25,28 @@ from phalanx.serve.block_tables import BlockTables
 from phalanx.serve.expert_loads import ExpertLoads
 from phalanx.serve.input_batch import step_message
 from phalanx.serve.model_runner import ModelRunner
+from phalanx.serve.mtp_draft import MtpDraft
 from phalanx.serve.step_sampler import StepSampler, TokenEvent
 
 
 class Engine:
     def __init__(self, model: torch.nn.Module, scheduler: Scheduler, device: torch.device | str = "cpu",
                  on_logits: Callable[[Sequence, torch.Tensor], None] | None = None, channel=None,
-                 expert_ranks: int = 1, compile: bool = False, tuner: ThreadTuner | None = None):
+                 expert_ranks: int = 1, compile: bool = False, tuner: ThreadTuner | None = None,
+                 mtp: torch.nn.Module | None = None):
         """`on_logits(seq, logits)` sees the logits (vocab,) each token was picked from (tests).
         `channel`: rank 0's `launch.rank_loop.RankChannel` under a parallel layout (the other ranks
         run the same forwards). `expert_ranks`: the ep degree (the ranks expert loads are
         counted over). `compile`: decodes through a compiled graph where the model allows
         (`compiled_decode.py`). `tuner`: re-decides the intra-op thread count from the steps'
-        speed (`thread_tuner.py`; a single process whose count is automatic)."""
+        speed (`thread_tuner.py`; a single process whose count is automatic). `mtp`: the model's
+        multi-token-prediction layer, whose draft after each step is the next step's guess
+        (`mtp_draft.py`; one process)."""
         self.scheduler, self.channel, self.tuner = scheduler, channel, tuner
         self.runner = ModelRunner(model, device, scheduler.blocks.num_blocks, scheduler.block_size, compile)
         self.sampler = StepSampler(on_logits)
         self.expert_loads = ExpertLoads(model, expert_ranks)
+        self.draft = None if mtp is None else MtpDraft(mtp, self.runner)
         self.sent = BlockTables()
         """The block tables as the ranks hold them since the last message."""
         self.steps = 0
@@ -76,7 +81,10 @@ class Engine:
             self.channel.send(message)
         logits = self.runner.run_message(message)
         self.steps += 1
-        return self.sampler.sample(self.scheduler, step, logits, reads)
+        events = self.sampler.sample(self.scheduler, step, logits, reads)
+        if self.draft is not None:
+            self.draft.after_step(step, message, self.scheduler)
+        return events
 
     def take_expert_rows(self) -> list[list[int]] | None:
         """Routed rows per rank of each MoE layer since the last call (None without MoE)."""

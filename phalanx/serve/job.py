@@ -203,13 +203,27 @@ def check_plan(args) -> Plan:
     return plan
 
 
+def check_mtp(job: ServeJob, source) -> None:
+    """--speculative-config deepseek_mtp: a DeepSeek-V3 checkpoint with its multi-token-prediction
+    layer, served by one process (the draft step runs on rank 0's model and cache alone)."""
+    # Imported here, not at the top: it reaches torch, and `serve --help` should start light.
+    from phalanx.hf.mtp_weights import mtp_layers
+
+    mtp_layers(source.weights_dir, source.is_run)
+    if job.plan.world_size > 1:
+        raise UserError(f"--speculative-config deepseek_mtp with plan {job.plan.to_string()} is not there yet: the "
+                        "draft step runs in one process (serve without --plan/--nproc)")
+
+
 def check_for_model(job: ServeJob) -> None:
     """Before any worker starts: the plan's tp and ep and the expert-slot flags against the model."""
     # Imported here, not at the top: they reach torch, and `serve --help` should start light.
     from phalanx.serve.expert_placement import first_placement
 
-    cfg = resolve_model(job.model, job.step).cfg
-    plan = job.plan
+    source = resolve_model(job.model, job.step)
+    cfg, plan = source.cfg, job.plan
+    if job.speculative is not None and job.speculative.drafts_with_model:
+        check_mtp(job, source)
     # The trainer's rule, as serving shards the model with the same apply_tp: a tp that does
     # not divide the KV heads would fail in the first forward, after the server is up.
     if problems := validate_tp(plan, cfg, cfg.max_seq_len):

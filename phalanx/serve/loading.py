@@ -4,7 +4,8 @@ The model is loaded as `phalanx generate` loads it (`generate.model_source.load_
 rank reads only its slices), then cast to `--dtype`; on CPU its plain matrices then multiply
 through oneDNN (`cpu_ops/onednn_linear.py`). The block pool is `--num-kv-blocks`, or
 what `--kv-cache-memory` GiB holds (every layer's keys and values of this rank's kv heads, or
-latent attention's latent and rotated key: `paged_cache.kv_channels_per_position`), by
+latent attention's latent and rotated key: `paged_cache.kv_channels_per_position`; with the
+multi-token-prediction draft one layer more, `mtp_draft.py`), by
 default 1 GiB on CPU and 90% of the device memory left after the weights on a GPU, but never
 more than `--max-num-seqs` sequences of the model's whole context need.
 """
@@ -63,7 +64,8 @@ def kv_blocks(job: ServeJob, cfg, tp: int, device, dtype, agree: bool = False) -
 
 
 def _kv_blocks(job: ServeJob, cfg, tp: int, device, dtype) -> int:
-    per_block = bytes_per_block(job.block_size, cfg.n_layers, kv_channels_per_position(cfg, tp),
+    draft_layers = 1 if job.speculative is not None and job.speculative.drafts_with_model else 0  # mtp_draft.py
+    per_block = bytes_per_block(job.block_size, cfg.n_layers + draft_layers, kv_channels_per_position(cfg, tp),
                                 torch.empty((), dtype=dtype).element_size())
     if job.num_kv_blocks:
         held = _device_memory(device)

@@ -39,6 +39,11 @@ class ModelRunner:
         self.cache = self._new_cache(num_blocks, block_size)
         self.tables = BlockTables()
         self.compiled = compiled_decode(self.model, self.cache) if compile else None
+        self.keep_hidden = False
+        """Keep every position's final-normed hidden state (`hidden`): a draft model reads them
+        (speculative decoding by multi-token prediction, mtp_draft.py)."""
+        self.hidden: list[torch.Tensor] = []
+        """With keep_hidden, per forward of the last message: (len(ids), dim), in the order of its ids."""
 
     def _new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless
@@ -53,6 +58,7 @@ class ModelRunner:
     def run_message(self, message: StepMessage) -> torch.Tensor:
         """The step's forwards, the logits (rows read, vocab) of all of them in order."""
         self.tables.apply(message.tables)
+        self.hidden = []
         return torch.cat([self.run(forward) for forward in message.forwards])
 
     @torch.no_grad()
@@ -62,6 +68,10 @@ class ModelRunner:
         shape = self.cache.batch_shape()  # (sequences, 1) for decodes, (1, tokens) packed
         tokens = torch.tensor(forward.ids, dtype=torch.long, device=self.device).view(shape)
         read = torch.tensor(forward.read_at, dtype=torch.long, device=self.device)
+        if self.keep_hidden:  # every position normed (rows alike: the same logits), the rows read projected
+            hidden = self.model.norm(self.model.trunk(tokens, self.cache))
+            self.hidden.append(hidden.reshape(-1, hidden.shape[-1]))  # (len(ids), dim)
+            return full_logits(self.model.output(self.hidden[-1][read]))
         if shape[1] == 1:
             # The compiled step once every layer's pool exists (a first forward may be one-token prompts).
             step = self.compiled if self.compiled is not None and self.cache.pools else self.model

@@ -1,0 +1,229 @@
+"""Speculative decoding by DeepSeek-V3's multi-token-prediction layer
+(`--speculative-config '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'`), on tiny
+random DeepSeek-V3 checkpoints with num_nextn_predict_layers=1 (tests/deepseek_models.py).
+
+- The draft's logits against the module's formula computed directly, with `transformers`'
+  own decoder layer on the whole sequence (the served draft reads its keys from the paged
+  cache, filled step by step, across prompt chunks, decodes and rejected guesses).
+- Greedy output with the draft equal to the engine's without it and to `transformers`' greedy
+  generation (which ignores the MTP layer), under the near-tie rule of tests/serve_server.py:
+  a step with a guess feeds two positions in one packed chunk, whose matmuls add in another
+  order than a one-row decode's (~1e-6).
+- A draft right by construction (`write_deepseek_mtp(bigram=True)`) is kept: acceptance > 0.9.
+- Seeded sampling equal to unspeculated sampling of the same seed (every token is the
+  request's own draw in order: serve/speculative.py).
+- The server with the flag: ids equal `transformers`', acceptance counted in /metrics.
+- Bad input: one line each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import phalanx.hf as hf
+from phalanx.cli import main
+from phalanx.cpu_ops.onednn_linear import use_onednn
+from phalanx.errors import UserError
+from phalanx.hf.mtp_weights import load_multi_token_prediction, mtp_layers
+from phalanx.scheduling.scheduler import Scheduler, Sequence
+from phalanx.scheduling.speculation import SpeculativeConfig
+from phalanx.serve.engine import Engine
+from phalanx.serve.sampling_params import request_sampling
+from tests.deepseek_models import MTP_LAYER, VOCAB, write_deepseek, write_deepseek_mtp
+from tests.hf_models import write_checkpoint
+from tests.serve_server import assert_greedy_equal
+
+MTP = SpeculativeConfig.parse('{"method": "deepseek_mtp", "num_speculative_tokens": 1}')
+NEW = 24
+TOL = dict(rtol=1e-4, atol=1e-4)
+"""As tests/test_deepseek_models.py's for phalanx's DeepSeek-V3 against transformers' in fp32
+(the absorbed latent attention of a decode and the decompressed one of a prompt chunk add in
+other orders than transformers' eager attention; logits are O(1))."""
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return {"random": write_deepseek_mtp(root / "random"), "bigram": write_deepseek_mtp(root / "bigram", bigram=True)}
+
+
+def _load(folder):
+    model = hf.load(folder)
+    mtp = load_multi_token_prediction(folder, model.cfg, "cpu", torch.float32)
+    for module in (model, mtp):
+        use_onednn(module)  # as `phalanx serve` loads them on CPU
+    return model, mtp
+
+
+def _prompts() -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return {name: torch.randint(0, VOCAB, (n,), generator=generator).tolist() for name, n in (("a", 9), ("b", 21), ("c", 14))}
+
+
+def _serve(model, mtp, prompts, params, budget: int = 64):
+    """Every sequence's output, the scheduler, and the engine (prompt chunks of at most `budget` tokens)."""
+    scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=budget, max_waiting=16,
+                          speculative=MTP if mtp is not None else None)
+    engine = Engine(model, scheduler, mtp=mtp)
+    seqs = [Sequence.of(name, prompt, NEW, params=params, may_speculate=True) for name, prompt in prompts.items()]
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work():
+        engine.step()
+    return {seq.seq_id: seq.output for seq in seqs}, scheduler
+
+
+@torch.no_grad()
+def reference_mtp_logits(folder, ids: list[int]) -> torch.Tensor:
+    """(len(ids) - 1, vocab): at each position i < len - 1, the MTP layer's logits of t_{i+2},
+    computed directly: transformers' model for the final-normed hidden states h_i and the
+    embedding, enorm/hnorm/eh_proj written out, transformers' DeepseekV3DecoderLayer (with the
+    checkpoint's layer-3 tensors) over the whole sequence with a causal mask, then shared_head."""
+    import transformers
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tensors = load_file(folder / "model.safetensors")
+    prefix = f"model.layers.{MTP_LAYER}."
+    eps = model.config.rms_norm_eps
+
+    def rms(x, name):
+        return tensors[prefix + name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    tokens = torch.tensor([ids])
+    h = model.model(tokens).last_hidden_state[:, :-1]  # (1, T - 1, dim), after the final norm
+    e = model.model.embed_tokens(tokens[:, 1:])  # Emb(t_{i+1})
+    x = F.linear(torch.cat([rms(e, "enorm.weight"), rms(h, "hnorm.weight")], dim=-1), tensors[prefix + "eh_proj.weight"])
+    layer = DeepseekV3DecoderLayer(model.config, MTP_LAYER).eval()
+    experts = range(model.config.n_routed_experts)
+    fused = {  # transformers stacks the experts: per expert in the checkpoint
+        "mlp.experts.gate_up_proj": torch.stack([torch.cat([tensors[f"{prefix}mlp.experts.{e}.{w}_proj.weight"]
+                                                            for w in ("gate", "up")]) for e in experts]),
+        "mlp.experts.down_proj": torch.stack([tensors[f"{prefix}mlp.experts.{e}.down_proj.weight"] for e in experts])}
+    layer.load_state_dict({name: fused[name] if name in fused else tensors[prefix + name] for name in layer.state_dict()})
+    positions = torch.arange(x.shape[1])[None]
+    mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+    out = layer(x, attention_mask=mask, position_ids=positions,
+                position_embeddings=model.model.rotary_emb(x, positions))
+    return F.linear(rms(out, "shared_head.norm.weight"), tensors[prefix + "shared_head.head.weight"])[0]
+
+
+def test_the_draft_is_the_formula_computed_directly(folders):
+    """Greedy, prompt chunks of 8 tokens: every draft the engine made (the MTP logits at the
+    last position a step made final, its keys of the earlier positions read from the paged
+    cache) equals the reference's row at that position."""
+    model, mtp = _load(folders["random"])
+    seen: list[tuple[int, torch.Tensor]] = []
+    prompt = _prompts()["b"]
+    scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_waiting=4,
+                          speculative=MTP)
+    engine = Engine(model, scheduler, mtp=mtp)
+    seq = Sequence.of("b", prompt, NEW, params=request_sampling(0, 1, None, 0), may_speculate=True)
+    logits = mtp.logits
+
+    def spy(rows: torch.Tensor) -> torch.Tensor:
+        out = logits(rows)
+        seen.append((len(seq.tokens) - 2, out[0].clone()))  # the draft row: the position before the last token
+        return out
+
+    mtp.logits = spy
+    scheduler.add(seq)
+    while scheduler.has_work():
+        engine.step()
+    reference = reference_mtp_logits(folders["random"], seq.tokens)
+    assert len(seen) >= NEW // 2 and seen[0][0] == len(prompt) - 1
+    for position, row in seen:
+        torch.testing.assert_close(row, reference[position], **TOL)
+    assert scheduler.guessed_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["random", "bigram"])
+def test_greedy_with_the_draft_equals_greedy_without_and_transformers(folders, kind):
+    """Three prompts batched, 24 tokens each, greedy: the same ids as without the draft and as
+    `transformers` (near-tie rule); a draft right by construction is kept (> 0.9 of them: only a
+    near-tie of the model's top two logits could differ)."""
+    from tests.serve_server import transformers_greedy
+
+    model, mtp = _load(folders[kind])
+    params = request_sampling(0, 1, None, 0)
+    plain, _ = _serve(model, None, _prompts(), params, budget=16)
+    drafted, scheduler = _serve(model, mtp, _prompts(), params, budget=16)
+    references = transformers_greedy(folders[kind], list(_prompts().values()), NEW)
+    for name, (reference, logits) in zip(_prompts(), references):
+        assert_greedy_equal(drafted[name], plain[name], logits)
+        assert_greedy_equal(drafted[name], reference, logits)
+    assert scheduler.guessed_tokens > 0
+    if kind == "bigram":
+        assert scheduler.kept_guesses > 0.9 * scheduler.guessed_tokens, (scheduler.kept_guesses, scheduler.guessed_tokens)
+
+
+def test_a_seeded_draw_is_the_same_with_the_draft(folders):
+    """Temperature 0.7, seed 3: the output with drafts equals the output without, and drafts
+    were kept (the bigram draft is the model's likeliest token)."""
+    model, mtp = _load(folders["bigram"])
+    params = request_sampling(0.7, 1, None, 3)
+    plain, _ = _serve(model, None, _prompts(), params)
+    drafted, scheduler = _serve(model, mtp, _prompts(), params)
+    assert drafted == plain
+    assert scheduler.kept_guesses > 0
+
+
+def test_server_with_the_draft_equals_transformers_and_counts_acceptance(folders):
+    """`phalanx serve --speculative-config deepseek_mtp` through the real `openai` client:
+    greedy ids equal `transformers`' (near-tie rule), and /metrics counts the guesses and the
+    kept ones (the bigram draft: most of them)."""
+    pytest.importorskip("openai")
+    from tests.serve_server import ServeProcess, transformers_greedy
+
+    folder = folders["bigram"]
+    prompts = list(_prompts().values())
+    server = ServeProcess(folder, "--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}')
+    try:
+        client = server.client()
+        for prompt, (reference, logits) in zip(prompts, transformers_greedy(folder, prompts, NEW)):
+            answer = client.completions.create(model=server.name, prompt=prompt, max_tokens=NEW, temperature=0,
+                                               extra_body={"return_token_ids": True}).choices[0]
+            assert_greedy_equal(answer.token_ids, reference, logits)
+        samples = server.metrics()
+        guessed, kept = samples["phalanx_spec_decode_draft_tokens_total"], samples["phalanx_spec_decode_accepted_tokens_total"]
+        assert guessed > 0 and kept > 0.9 * guessed
+        assert samples["phalanx_spec_decode_acceptance_rate"] == kept / guessed
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"method": "deepseek_mtp", "num_speculative_tokens": 2}', "deepseek_mtp proposes 1 token a step"),
+    ('{"method": "deepseek_mtp", "num_speculative_tokens": 0}', ">= 1"),
+    ('{"method": "deepseek_mtp"}', "needs num_speculative_tokens"),
+    ('{"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 3}', "unknown field"),
+    ('{"method": ["deepseek_mtp"], "num_speculative_tokens": 1}', "is not supported"),
+])
+def test_bad_mtp_config_is_one_line(text, message):
+    with pytest.raises(UserError, match=message):
+        SpeculativeConfig.parse(text)
+
+
+def test_the_method_on_a_checkpoint_without_mtp_layers_is_one_line(tmp_path, capsys):
+    """A DeepSeek-V3 checkpoint with num_nextn_predict_layers 0, a Llama checkpoint, and one
+    whose config promises the layer (transformers' default, 1) but holds none of its tensors:
+    one line each, from the server's start-up check (before any weight is read) or the loader."""
+    none = write_deepseek(tmp_path / "none", num_nextn_predict_layers=0)
+    llama = write_checkpoint(tmp_path / "llama", "llama")
+    promised = write_deepseek(tmp_path / "promised", num_nextn_predict_layers=1)
+    with pytest.raises(UserError, match=r"has no multi-token-prediction layer \(num_nextn_predict_layers 0\)"):
+        mtp_layers(none)
+    with pytest.raises(UserError, match="is for DeepSeek-V3-family checkpoints; .* is llama"):
+        mtp_layers(llama)
+    with pytest.raises(UserError, match=r"has no tensor 'model\.layers\.3\.enorm\.weight'"):
+        load_multi_token_prediction(promised, hf.load(promised).cfg, "cpu", torch.float32)
+    for folder, shown in ((none, "has no multi-token-prediction layer"), (llama, "DeepSeek-V3-family")):
+        capsys.readouterr()  # what writing and loading the checkpoints said
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--model", str(folder), "--port", "0", "--speculative-config",
+                  '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("phalanx: error: ") and shown in err[0], err
