@@ -227,3 +227,31 @@ def test_the_method_on_a_checkpoint_without_mtp_layers_is_one_line(tmp_path, cap
                   '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'])
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("phalanx: error: ") and shown in err[0], err
+
+
+def test_the_pool_is_sized_for_the_draft_layer_it_holds(folders):
+    """The MTP layer's keys live in the model's block pool as one more layer: after a run the
+    pool holds n_layers + 1 layers of `bytes_per_block`, and `--kv-cache-memory` divides by
+    that (serve/loading.py): a budget of 1 MiB holds 1 MiB // that many blocks."""
+    from types import SimpleNamespace
+
+    from phalanx.serve.loading import _kv_blocks
+    from phalanx.serve.paged_cache import bytes_per_block, kv_channels_per_position
+
+    model, mtp = _load(folders["random"])
+    scheduler = Scheduler(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=32, max_waiting=4,
+                          speculative=MTP)
+    engine = Engine(model, scheduler, mtp=mtp)
+    scheduler.add(Sequence.of("a", _prompts()["a"], 4, may_speculate=True))
+    while scheduler.has_work():
+        engine.step()
+    cfg, pools = model.cfg, engine.runner.cache.pools
+    assert sorted(pools) == list(range(cfg.n_layers + 1))
+    per_block = bytes_per_block(4, cfg.n_layers + 1, kv_channels_per_position(cfg), 4)
+    assert sum(t.numel() * t.element_size() for t in pools.values()) == 16 * per_block
+    job = SimpleNamespace(block_size=4, num_kv_blocks=None, kv_cache_memory=1 / 1024, max_num_seqs=2, speculative=None)
+    plain = _kv_blocks(job, cfg, 1, torch.device("cpu"), torch.float32)
+    job.speculative = MTP
+    drafting = _kv_blocks(job, cfg, 1, torch.device("cpu"), torch.float32)
+    assert (plain, drafting) == ((1 << 20) // bytes_per_block(4, cfg.n_layers, kv_channels_per_position(cfg), 4),
+                                 (1 << 20) // per_block)

@@ -182,7 +182,8 @@ def _deepseek(fields: _Fields) -> dict:
     if extra and fields.source not in SAID:
         SAID.add(fields.source)
         print(f"phalanx: {fields.source}: num_nextn_predict_layers={extra} multi-token prediction layer(s) "
-              "skipped (the model predicts the next token only)", file=sys.stderr)
+              "skipped (the model predicts the next token only; serve --speculative-config deepseek_mtp drafts with the "
+              "first)", file=sys.stderr)
     heads = fields.need("num_attention_heads")
     return dict(
         dim=fields.need("hidden_size"), n_heads=heads, n_kv_heads=fields.get("num_key_value_heads", heads),
