@@ -73,7 +73,7 @@ MTP_LAYER = BASE["num_hidden_layers"]
 def write_deepseek_mtp(folder: Path, *, seed: int = 0, bigram: bool = False, **extra) -> Path:
     """A random DeepSeek-V3 checkpoint with num_nextn_predict_layers=1: transformers writes the
     model (it has no MTP module and ignores its tensors), and the MTP layer's tensors
-    (model.layers.3.*: a decoder layer as transformers writes layer 3, enorm, hnorm, eh_proj,
+    (model.layers.N.*, N = num_hidden_layers, 3 by default: a decoder layer as transformers writes it, enorm, hnorm, eh_proj,
     shared_head.norm, shared_head.head, and the embedding's copy) are drawn here as `_redraw` draws.
 
     bigram: the draft is right by construction. Every attention output and feed-forward down
@@ -88,10 +88,10 @@ def write_deepseek_mtp(folder: Path, *, seed: int = 0, bigram: bool = False, **e
 
     write_deepseek(folder, seed=seed, num_nextn_predict_layers=1, **extra)
     config = deepseek_config(num_nextn_predict_layers=1, **extra)
-    layer = DeepseekV3DecoderLayer(config, MTP_LAYER)
+    layer = DeepseekV3DecoderLayer(config, config.num_hidden_layers)
     _redraw(layer, seed + 7)
     generator = torch.Generator().manual_seed(seed + 8)
-    prefix = f"model.layers.{MTP_LAYER}."
+    prefix = f"model.layers.{config.num_hidden_layers}."
     tensors = load_file(folder / "model.safetensors")
     for name, value in layer.state_dict().items():
         if name.endswith("e_score_correction_bias"):

@@ -3,7 +3,10 @@
 
 After every engine step (the model ran, the tokens were drawn and the scheduler took them),
 the MTP layer (`model/multi_token_prediction.py`) runs once over every position the step made
-final, for each sequence that may speculate: at position i it reads the model's final-normed
+final, of every sequence (those that never guess and those that just ended too: their blocks
+may be found in the prefix cache by a later request, which then reads this layer's keys as
+well, and their blocks are not handed out again before the next step is scheduled, after
+this): at position i it reads the model's final-normed
 hidden state there (the model runner keeps them, `ModelRunner.keep_hidden`) and the embedding
 of the token at i + 1, which is now known (the prompt's next token, a guess the model kept, or
 the token just drawn). Its keys go into the paged cache under the layer's own number, in the
@@ -41,9 +44,9 @@ class MtpDraft:
     @torch.no_grad()
     def after_step(self, step: Step, message: StepMessage, scheduler: Scheduler) -> None:
         """The MTP layer over the positions `step` made final (its keys cached), and a draft
-        for every sequence whose next step feeds its last token (`Sequence.drafted`): one that
-        drew a token, or whose prompt has one token left (the draft at the position before it
-        is then the guess after it)."""
+        for every running sequence that may guess and whose next step feeds its last token
+        (`Sequence.drafted`): one that drew a token, or whose prompt has one token left (the
+        draft at the position before it is then the guess after it)."""
         where = self._where(message)
         running = {id(seq) for seq in scheduler.running}
         layouts, hidden, next_ids, read, drafting = [], [], [], [], []
@@ -51,15 +54,17 @@ class MtpDraft:
         for chunk in step.chunks:
             seq = chunk.seq
             seq.drafted = ()
-            if not seq.may_speculate or id(seq) not in running:  # finished, aborted, or never guesses
+            # The chunk's positions kept (rejected guesses are not; none if aborted while the step ran).
+            final = seq.num_computed - chunk.start
+            if final <= 0:
                 continue
-            final = seq.num_computed - chunk.start  # the chunk's positions kept (rejected guesses are not)
             forward, offset = where[seq.serial]
             hidden.append(self.runner.hidden[forward][offset:offset + final])  # (final, dim)
             next_ids += seq.tokens[chunk.start + 1:chunk.start + final + 1]  # t_{i+1} for each position i
             layouts.append(ChunkLayout(self.runner.tables[seq.serial], chunk.start, final))
             tokens += final
-            if seq.num_computed == len(seq.tokens) - 1:  # all but its last token computed: it feeds that next
+            # Running, all but its last token computed (it feeds that next), and its requests check guesses.
+            if seq.may_speculate and id(seq) in running and seq.num_computed == len(seq.tokens) - 1:
                 read.append(tokens - 1)
                 drafting.append(seq)
         if not layouts:
