@@ -4,7 +4,8 @@ random DeepSeek-V3 checkpoints with num_nextn_predict_layers=1 (tests/deepseek_m
 
 - The draft's logits against the module's formula computed directly, with `transformers`'
   own decoder layer on the whole sequence (the served draft reads its keys from the paged
-  cache, filled step by step, across prompt chunks, decodes and rejected guesses).
+  cache, filled step by step, across prompt chunks, decodes and rejected guesses), the
+  second of two drafts too (the layer again on its own output).
 - Greedy output with the draft equal to the engine's without it and to `transformers`' greedy
   generation (which ignores the MTP layer), under the near-tie rule of tests/serve_server.py:
   a step with a guess feeds two positions in one packed chunk, whose matmuls add in another
@@ -36,6 +37,7 @@ from tests.hf_models import write_checkpoint
 from tests.serve_server import assert_greedy_equal
 
 MTP = SpeculativeConfig.parse('{"method": "deepseek_mtp", "num_speculative_tokens": 1}')
+MTP2 = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}')
 NEW = 24
 TOL = dict(rtol=1e-4, atol=1e-4)
 """As tests/test_deepseek_models.py's for phalanx's DeepSeek-V3 against transformers' in fp32
@@ -62,111 +64,142 @@ def _prompts() -> dict[str, list[int]]:
     return {name: torch.randint(0, VOCAB, (n,), generator=generator).tolist() for name, n in (("a", 9), ("b", 21), ("c", 14))}
 
 
-def _serve(model, mtp, prompts, params, budget: int = 64):
-    """Every sequence's output, the scheduler, and the engine (prompt chunks of at most `budget` tokens)."""
+def _serve(model, mtp, prompts, params, budget: int = 64, config=MTP):
+    """Every sequence's output and the scheduler (prompt chunks of at most `budget` tokens;
+    `config`: the speculative config when `mtp` drafts)."""
     scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=budget, max_waiting=16,
-                          speculative=MTP if mtp is not None else None)
+                          speculative=config if mtp is not None else None)
     engine = Engine(model, scheduler, mtp=mtp)
     seqs = [Sequence.of(name, prompt, NEW, params=params, may_speculate=True) for name, prompt in prompts.items()]
     for seq in seqs:
         scheduler.add(seq)
+    scheduler.longest_guess = 0  # the most tokens one step guessed for a sequence
     while scheduler.has_work():
         engine.step()
+        scheduler.longest_guess = max([scheduler.longest_guess] + [len(c.guesses) for c in scheduler.last_step.chunks])
     return {seq.seq_id: seq.output for seq in seqs}, scheduler
 
 
-@torch.no_grad()
-def reference_mtp_logits(folder, ids: list[int]) -> torch.Tensor:
-    """(len(ids) - 1, vocab): at each position i < len - 1, the MTP layer's logits of t_{i+2},
-    computed directly: transformers' model for the final-normed hidden states h_i and the
-    embedding, enorm/hnorm/eh_proj written out, transformers' DeepseekV3DecoderLayer (with the
-    checkpoint's layer-3 tensors) over the whole sequence with a causal mask, then shared_head."""
-    import transformers
-    from safetensors.torch import load_file
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+class ReferenceMtp:
+    """The MTP layer's logits computed directly: transformers' model for the final-normed
+    hidden states h_i and the embedding, enorm/hnorm/eh_proj written out, transformers'
+    DeepseekV3DecoderLayer (with the checkpoint's layer-3 tensors) over the whole sequence with
+    a causal mask, then shared_head written out."""
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tensors = load_file(folder / "model.safetensors")
-    prefix = f"model.layers.{MTP_LAYER}."
-    eps = model.config.rms_norm_eps
+    def __init__(self, folder):
+        import transformers
+        from safetensors.torch import load_file
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
-    def rms(x, name):
-        return tensors[prefix + name] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.tensors, self.prefix = load_file(folder / "model.safetensors"), f"model.layers.{MTP_LAYER}."
+        self.layer = DeepseekV3DecoderLayer(self.model.config, MTP_LAYER).eval()
+        prefix, tensors = self.prefix, self.tensors
+        experts = range(self.model.config.n_routed_experts)
+        fused = {  # transformers stacks the experts: per expert in the checkpoint
+            "mlp.experts.gate_up_proj": torch.stack([torch.cat([tensors[f"{prefix}mlp.experts.{e}.{w}_proj.weight"]
+                                                                for w in ("gate", "up")]) for e in experts]),
+            "mlp.experts.down_proj": torch.stack([tensors[f"{prefix}mlp.experts.{e}.down_proj.weight"] for e in experts])}
+        self.layer.load_state_dict({name: fused[name] if name in fused else tensors[prefix + name]
+                                    for name in self.layer.state_dict()})
 
-    tokens = torch.tensor([ids])
-    h = model.model(tokens).last_hidden_state[:, :-1]  # (1, T - 1, dim), after the final norm
-    e = model.model.embed_tokens(tokens[:, 1:])  # Emb(t_{i+1})
-    x = F.linear(torch.cat([rms(e, "enorm.weight"), rms(h, "hnorm.weight")], dim=-1), tensors[prefix + "eh_proj.weight"])
-    layer = DeepseekV3DecoderLayer(model.config, MTP_LAYER).eval()
-    experts = range(model.config.n_routed_experts)
-    fused = {  # transformers stacks the experts: per expert in the checkpoint
-        "mlp.experts.gate_up_proj": torch.stack([torch.cat([tensors[f"{prefix}mlp.experts.{e}.{w}_proj.weight"]
-                                                            for w in ("gate", "up")]) for e in experts]),
-        "mlp.experts.down_proj": torch.stack([tensors[f"{prefix}mlp.experts.{e}.down_proj.weight"] for e in experts])}
-    layer.load_state_dict({name: fused[name] if name in fused else tensors[prefix + name] for name in layer.state_dict()})
-    positions = torch.arange(x.shape[1])[None]
-    mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
-    out = layer(x, attention_mask=mask, position_ids=positions,
-                position_embeddings=model.model.rotary_emb(x, positions))
-    return F.linear(rms(out, "shared_head.norm.weight"), tensors[prefix + "shared_head.head.weight"])[0]
+    def _rms(self, x, name):
+        weight = self.tensors[self.prefix + name]
+        return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.model.config.rms_norm_eps)
+
+    def _input(self, h, e):
+        """eh_proj([enorm(e); hnorm(h)])."""
+        return F.linear(torch.cat([self._rms(e, "enorm.weight"), self._rms(h, "hnorm.weight")], dim=-1),
+                        self.tensors[self.prefix + "eh_proj.weight"])
+
+    def _layer(self, x):
+        positions = torch.arange(x.shape[1])[None]
+        mask = torch.full((x.shape[1], x.shape[1]), float("-inf")).triu(1)[None, None]
+        return self.layer(x, attention_mask=mask, position_ids=positions,
+                          position_embeddings=self.model.model.rotary_emb(x, positions))
+
+    def _logits(self, out):
+        return F.linear(self._rms(out, "shared_head.norm.weight"), self.tensors[self.prefix + "shared_head.head.weight"])
+
+    @torch.no_grad()
+    def drafts(self, ids: list[int], depth: int = 1) -> list[torch.Tensor]:
+        """The logits of the `depth` drafts after `ids`: the layer at the position before the
+        last token (h there, the last token's embedding), then again at the next position on
+        its own output there and the embedding of its greedy draft."""
+        tokens = torch.tensor([ids])
+        h = self.model.model(tokens).last_hidden_state[:, :-1]  # (1, T - 1, dim), after the final norm
+        x = self._input(h, self.model.model.embed_tokens(tokens[:, 1:]))  # at i: Emb(t_{i+1})
+        found = []
+        for _ in range(depth):
+            out = self._layer(x)[:, -1:]  # (1, 1, dim)
+            found.append(self._logits(out)[0, 0])
+            x = torch.cat([x, self._input(out, self.model.model.embed_tokens(found[-1].argmax()[None, None]))], dim=1)
+        return found
 
 
-def test_the_draft_is_the_formula_computed_directly(folders):
-    """Greedy, prompt chunks of 8 tokens: every draft the engine made (the MTP logits at the
-    last position a step made final, its keys of the earlier positions read from the paged
-    cache) equals the reference's row at that position."""
+@pytest.mark.parametrize("config", [MTP, MTP2], ids=["1", "2"])
+def test_the_draft_is_the_formula_computed_directly(folders, config):
+    """Greedy, prompt chunks of 8 tokens, one or two tokens drafted a step: every draft the
+    engine made (the MTP logits at the last position a step made final, its keys of the
+    earlier positions read from the paged cache; the second on the layer's own output one
+    position on) equals the reference's after the tokens the sequence had then."""
     model, mtp = _load(folders["random"])
     seen: list[tuple[int, torch.Tensor]] = []
     prompt = _prompts()["b"]
     scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_waiting=4,
-                          speculative=MTP)
+                          speculative=config)
     engine = Engine(model, scheduler, mtp=mtp)
     seq = Sequence.of("b", prompt, NEW, params=request_sampling(0, 1, None, 0), may_speculate=True)
     logits = mtp.logits
 
     def spy(rows: torch.Tensor) -> torch.Tensor:
         out = logits(rows)
-        seen.append((len(seq.tokens) - 2, out[0].clone()))  # the draft row: the position before the last token
+        seen.append((len(seq.tokens), len(seq.drafted), out[0].clone()))  # tokens then, which draft
         return out
 
     mtp.logits = spy
     scheduler.add(seq)
     while scheduler.has_work():
         engine.step()
-    reference = reference_mtp_logits(folders["random"], seq.tokens)
-    assert len(seen) >= NEW // 2 and seen[0][0] == len(prompt) - 1
-    for position, row in seen:
-        torch.testing.assert_close(row, reference[position], **TOL)
+    reference = ReferenceMtp(folders["random"])
+    assert len(seen) >= NEW // 2 and seen[0][:2] == (len(prompt) + 1, 0)
+    assert {depth for _, depth, _ in seen} == set(range(config.num_speculative_tokens))
+    for length, depth, row in seen:
+        torch.testing.assert_close(row, reference.drafts(seq.tokens[:length], depth + 1)[depth], **TOL)
     assert scheduler.guessed_tokens > 0
 
 
-@pytest.mark.parametrize("kind", ["random", "bigram"])
-def test_greedy_with_the_draft_equals_greedy_without_and_transformers(folders, kind):
-    """Three prompts batched, 24 tokens each, greedy: the same ids as without the draft and as
-    `transformers` (near-tie rule); a draft right by construction is kept (> 0.9 of them: only a
-    near-tie of the model's top two logits could differ)."""
+@pytest.mark.parametrize("kind,config", [("random", MTP), ("bigram", MTP), ("random", MTP2), ("bigram", MTP2)],
+                         ids=["random-1", "bigram-1", "random-2", "bigram-2"])
+def test_greedy_with_the_draft_equals_greedy_without_and_transformers(folders, kind, config):
+    """Three prompts batched, 24 tokens each, greedy, one or two tokens drafted a step: the same
+    ids as without the draft and as `transformers` (near-tie rule); a draft right by
+    construction is kept (> 0.9 of them: only a near-tie of the model's top two logits could
+    differ; the bigram layer ignores the hidden state, so its second draft, from its own
+    output, is right too)."""
     from tests.serve_server import transformers_greedy
 
     model, mtp = _load(folders[kind])
     params = request_sampling(0, 1, None, 0)
     plain, _ = _serve(model, None, _prompts(), params, budget=16)
-    drafted, scheduler = _serve(model, mtp, _prompts(), params, budget=16)
+    drafted, scheduler = _serve(model, mtp, _prompts(), params, budget=16, config=config)
     references = transformers_greedy(folders[kind], list(_prompts().values()), NEW)
     for name, (reference, logits) in zip(_prompts(), references):
         assert_greedy_equal(drafted[name], plain[name], logits)
         assert_greedy_equal(drafted[name], reference, logits)
-    assert scheduler.guessed_tokens > 0
+    assert scheduler.guessed_tokens > 0 and scheduler.longest_guess == config.num_speculative_tokens
     if kind == "bigram":
         assert scheduler.kept_guesses > 0.9 * scheduler.guessed_tokens, (scheduler.kept_guesses, scheduler.guessed_tokens)
 
 
-def test_a_seeded_draw_is_the_same_with_the_draft(folders):
-    """Temperature 0.7, seed 3: the output with drafts equals the output without, and drafts
-    were kept (the bigram draft is the model's likeliest token)."""
+@pytest.mark.parametrize("config", [MTP, MTP2], ids=["1", "2"])
+def test_a_seeded_draw_is_the_same_with_the_draft(folders, config):
+    """Temperature 0.7, seed 3, one or two tokens drafted a step: the output with drafts equals
+    the output without, and drafts were kept (the bigram draft is the model's likeliest token)."""
     model, mtp = _load(folders["bigram"])
     params = request_sampling(0.7, 1, None, 3)
     plain, _ = _serve(model, None, _prompts(), params)
-    drafted, scheduler = _serve(model, mtp, _prompts(), params)
+    drafted, scheduler = _serve(model, mtp, _prompts(), params, config=config)
     assert drafted == plain
     assert scheduler.kept_guesses > 0
 
@@ -196,7 +229,6 @@ def test_server_with_the_draft_equals_transformers_and_counts_acceptance(folders
 
 
 @pytest.mark.parametrize("text,message", [
-    ('{"method": "deepseek_mtp", "num_speculative_tokens": 2}', "deepseek_mtp proposes 1 token a step"),
     ('{"method": "deepseek_mtp", "num_speculative_tokens": 0}', ">= 1"),
     ('{"method": "deepseek_mtp"}', "needs num_speculative_tokens"),
     ('{"method": "mtp", "num_speculative_tokens": 1, "prompt_lookup_max": 3}', "unknown field"),

@@ -253,6 +253,17 @@ class Scheduler:
             return ()
         return tuple(self.speculative.propose(seq.tokens, min(room, seq.max_tokens - len(seq.output) - 1), seq.drafted))
 
+    def reserve(self, seq: Sequence, positions: int) -> bool:
+        """Blocks for the first `positions` positions of a running sequence now, if free (a
+        draft model writes its keys of the positions the next step feeds one step early:
+        serve/mtp_draft.py); False when they are not (nothing is preempted for a draft)."""
+        if positions > len(seq.prompt) + seq.max_tokens - 1:  # beyond what it may ever hold (check_fits)
+            return False
+        if self.blocks_needed(positions) - len(seq.block_table) > self.blocks.num_free:
+            return False
+        self._grow(seq, positions)
+        return True
+
     def _admit(self, seq: Sequence, budget: int) -> Chunk | None:
         """The first chunk of a waiting sequence, after taking its cached prefix, or None when
         the blocks for it are not free."""

@@ -13,7 +13,8 @@ text that does not costs the guessed positions' compute only. vLLM names the sam
 With `"deepseek_mtp"` (vLLM's name; `"mtp"` too) the guess is the one DeepSeek-V3's own
 multi-token-prediction layer drafted after the sequence's last step (`serve/mtp_draft.py`):
 the engine leaves it on the sequence (`Sequence.drafted`), and the next step feeds it as the
-n-gram guesses are fed and keeps it by the same rule.
+n-gram guesses are fed and keeps it by the same rule. Beyond the first token the layer is
+applied again on its own output (as vLLM does), so a longer draft is kept less often.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from phalanx.errors import UserError
 NGRAM, MTP = "ngram", "deepseek_mtp"
 METHODS = {"ngram": NGRAM, "deepseek_mtp": MTP, "mtp": MTP}
 """--speculative-config's methods, by the names vLLM accepts for them."""
-MTP_MOST_TOKENS = 1
-"""Tokens the MTP draft proposes a step: one, the token after the next, from one application
-of the layer (chaining it for more is not there yet)."""
 
 
 @dataclass(frozen=True)
@@ -78,10 +76,6 @@ class SpeculativeConfig:
         for name, value in fields.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"--speculative-config: {name} must be a whole number >= 1, got {value!r}")
-        if method == MTP and fields["num_speculative_tokens"] > MTP_MOST_TOKENS:
-            raise UserError(f"--speculative-config: deepseek_mtp proposes {MTP_MOST_TOKENS} token a step "
-                            f"(num_speculative_tokens {fields['num_speculative_tokens']}; chaining the layer for more is "
-                            "not there yet)")
         config = cls(**fields, method=method)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise UserError(f"--speculative-config: prompt_lookup_min {config.prompt_lookup_min} is above "

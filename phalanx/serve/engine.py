@@ -46,7 +46,7 @@ class Engine:
         self.runner = ModelRunner(model, device, scheduler.blocks.num_blocks, scheduler.block_size, compile)
         self.sampler = StepSampler(on_logits)
         self.expert_loads = ExpertLoads(model, expert_ranks)
-        self.draft = None if mtp is None else MtpDraft(mtp, self.runner)
+        self.draft = None if mtp is None else MtpDraft(mtp, self.runner, scheduler.speculative.num_speculative_tokens)
         self.sent = BlockTables()
         """The block tables as the ranks hold them since the last message."""
         self.steps = 0

@@ -36,9 +36,10 @@ from phalanx.serve.paged_cache import ChunkLayout
 
 
 class MtpDraft:
-    def __init__(self, mtp: torch.nn.Module, runner: ModelRunner):
-        """`mtp`: a `MultiTokenPrediction` of the runner's model, on its device, in its dtype."""
-        self.mtp, self.runner, self.model = mtp.eval(), runner, runner.model
+    def __init__(self, mtp: torch.nn.Module, runner: ModelRunner, tokens: int = 1):
+        """`mtp`: a `MultiTokenPrediction` of the runner's model, on its device, in its dtype;
+        `tokens`: how many it drafts a step (num_speculative_tokens)."""
+        self.mtp, self.runner, self.model, self.tokens = mtp.eval(), runner, runner.model, tokens
         runner.keep_hidden = True
 
     @torch.no_grad()
@@ -80,6 +81,32 @@ class MtpDraft:
         rows = out.reshape(-1, out.shape[-1])[torch.tensor(read, device=out.device)]  # (drafting, dim)
         for seq, token in zip(drafting, self.mtp.logits(rows).argmax(-1).tolist()):
             seq.drafted = (token,)
+        self._chain(drafting, rows, scheduler)
+
+    def _chain(self, drafting: list, rows: torch.Tensor, scheduler: Scheduler) -> None:
+        """Drafts 2..k: the layer again at the next position, on its own output there and the
+        token it just drafted (as vLLM applies its one MTP layer k times). Its key at that
+        position goes where the next step writes the sequence's (its blocks taken a step early:
+        `Scheduler.reserve`), and is overwritten when that position becomes final."""
+        config = scheduler.speculative
+        if config is not None and config.disable_by_batch_size is not None and (
+                len(scheduler.running) + len(scheduler.waiting) > config.disable_by_batch_size):
+            return  # the scheduler guesses nothing now: one draft is all it would keep
+        for depth in range(1, self.tokens):
+            # The position of the last draft: the last token's is num_computed, its first draft's one after.
+            chained = [i for i, seq in enumerate(drafting) if len(seq.output) + depth + 1 < seq.max_tokens  # a guess it may still keep
+                       and scheduler.reserve(seq, seq.num_computed + depth)]
+            if not chained:
+                return
+            seqs = [drafting[i] for i in chained]
+            cache = self.runner.cache
+            cache.prepare([ChunkLayout(seq.block_table, seq.num_computed - 1 + depth, 1) for seq in seqs])
+            ids = torch.tensor([seq.drafted[-1] for seq in seqs], dtype=torch.long, device=rows.device)[:, None]
+            h = rows[torch.tensor(chained, device=rows.device)][:, None]  # (sequences, 1, dim)
+            rows = self.mtp(h, self.model.tok_embeddings(ids), self.model.rope, cache)[:, 0]  # (sequences, dim)
+            for seq, token in zip(seqs, self.mtp.logits(rows).argmax(-1).tolist()):
+                seq.drafted += (token,)
+            drafting = seqs
 
     @staticmethod
     def _where(message: StepMessage) -> dict[int, tuple[int, int]]:
