@@ -16,11 +16,11 @@ over the rounds, the ratio, and the acceptance rate the server's /metrics gave.
 (tests/deepseek_models.write_deepseek_mtp(bigram=True): the model's next token depends on the
 last token alone and the draft is that token): the mechanism's cost and gain where nearly every
 draft is kept, not a real checkpoint's acceptance. Its prompts are random token ids (it has no
-tokenizer), one token guessed a step.
+tokenizer), one token guessed a step unless `--k` says more.
 
 Reproduce:  .venv/bin/python benchmarks/serve_speculative.py [--concurrency 1 8] [--rounds 2] [--k 4]
                 [--disable-by-batch-size 4]
-            .venv/bin/python benchmarks/serve_speculative.py --method deepseek_mtp [--concurrency 1 8]
+            .venv/bin/python benchmarks/serve_speculative.py --method deepseek_mtp [--concurrency 1 8] [--k 2]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--method", choices=("ngram", "deepseek_mtp"), default="ngram")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (deepseek_mtp: 1)")
+    parser.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default 4; deepseek_mtp 1)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="the config's disable_by_batch_size (default: none, guesses at any batch)")
     parser.add_argument("--isl", type=int, default=128)
@@ -75,7 +75,7 @@ def main() -> None:
     from tests.serve_server import ServeProcess
 
     mtp = args.method == "deepseek_mtp"
-    k = 1 if mtp else args.k
+    k = args.k or (1 if mtp else 4)
     config = f'{{"method": "{args.method}", "num_speculative_tokens": {k}'
     config += "}" if args.disable_by_batch_size is None else f', "disable_by_batch_size": {args.disable_by_batch_size}}}'
     arms = {"plain": (), "guessing": ("--speculative-config", config)}

@@ -62,8 +62,8 @@ def register(subparsers) -> None:
         help="a jinja chat template to use instead of the model's own (chat_template.jinja or tokenizer_config.json)")
     add("--speculative-config", default=None, metavar="JSON",
         help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\' guesses up to 4 '
-             "tokens a step from earlier text (prompt_lookup_max, prompt_lookup_min: the n-gram lengths tried; "
-             "default none; docs/serve.md)")
+             "tokens a step from earlier text (prompt_lookup_max, prompt_lookup_min: the n-gram lengths tried); "
+             '"deepseek_mtp" drafts them with DeepSeek-V3\'s multi-token-prediction layer (default none; docs/serve.md)')
     add("--tool-call-parser", choices=tuple(PARSERS), default=None,
         help="the format tool_choice auto reads the model's tool calls in: hermes (<tool_call> JSON, Qwen's) or "
              "llama3_json (Llama 3's JSON objects) (default: as the chat template shows it)")
@@ -234,9 +234,10 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
                          max_waiting=job.max_waiting + job.max_num_seqs, slo=slo_policy(job),
                          speculative=job.speculative)
 
+    mtp = _mtp_layer(job, source, device, dtype, world_size)
     if plan.dp == 1:
         return Engine(model, scheduler(), device, channel=channel, expert_ranks=plan.ep, compile=job.compile,
-                      tuner=thread_tuner(job, world_size, device), mtp=_mtp_layer(job, source, device, dtype))
+                      tuner=thread_tuner(job, world_size, device), mtp=mtp)
     # Imported when run, not at the top: it brings in numpy, torch, which start-up need not wait for.
     from phalanx.serve.dp_assign import DPSchedulers
     from phalanx.serve.dp_engine import DPEngine
@@ -253,10 +254,12 @@ def build_engine(job: ServeJob, source, channel=None, metrics=None):
                     placement=live, on_rebalance=None if metrics is None else metrics.rebalanced)
 
 
-def _mtp_layer(job: ServeJob, source, device, dtype):
+def _mtp_layer(job: ServeJob, source, device, dtype, world_size: int):
     """The checkpoint's multi-token-prediction layer for `--speculative-config` deepseek_mtp, else None."""
     if job.speculative is None or not job.speculative.drafts_with_model:
         return None
+    if world_size > 1:  # a pool's instances reach here without the start-up check (job.check_mtp)
+        raise UserError(f"--speculative-config deepseek_mtp runs in one process; this server has {world_size} ranks")
     # Imported when run, not at the top: it brings in torch, which start-up need not wait for.
     from phalanx.cpu_ops.onednn_linear import use_onednn
     from phalanx.hf.mtp_weights import load_multi_token_prediction

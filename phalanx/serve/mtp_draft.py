@@ -14,10 +14,11 @@ same block pool and through the same block tables as the model's layers: positio
 layer is final exactly when position i of the model is (the kept positions; a rejected guess's
 position is never fed to it), so the scheduler's accounting (blocks, preemption, prefix
 caching) covers it unchanged, and the pool is sized for one more layer (`serve/loading.py`).
-At the last position of a sequence that drew a token, its most likely token is the draft
-(`Sequence.drafted`): the token after the next one, which the next step feeds as its guess
-and keeps only if the model itself draws it (`speculative.py`), so what is served stays the
-model's own, greedy or seeded.
+At the last position of a sequence that drew a token, its most likely token is the first
+draft (`Sequence.drafted`), the token after the next one; with num_speculative_tokens k > 1
+the layer runs again one position on, k - 1 times, on its own output (`_chain`). The next step
+feeds the drafts as its guesses and keeps each only if the model itself draws it
+(`speculative.py`), so what is served stays the model's own, greedy or seeded.
 
 One difference from the model's own cache: a prefix-cached block holds the MTP keys that were
 computed with the token after the block's last position as it was then, which a later
