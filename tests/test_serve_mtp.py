@@ -287,3 +287,56 @@ def test_the_pool_is_sized_for_the_draft_layer_it_holds(folders):
     drafting = _kv_blocks(job, cfg, 1, torch.device("cpu"), torch.float32)
     assert (plain, drafting) == ((1 << 20) // bytes_per_block(4, cfg.n_layers, kv_channels_per_position(cfg), 4),
                                  (1 << 20) // per_block)
+
+
+def test_preempted_sequences_with_drafts_equal_transformers(folders):
+    """A pool of 14 blocks of 4 positions for three sequences that need up to 45 positions each,
+    two tokens drafted a step: sequences are preempted and recomputed (their MTP keys with
+    them; a draft's blocks are taken only when free), and the greedy ids still equal
+    `transformers`' (near-tie rule)."""
+    from tests.serve_server import transformers_greedy
+
+    model, mtp = _load(folders["random"])
+    scheduler = Scheduler(num_blocks=14, block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_waiting=4,
+                          speculative=MTP2)
+    engine = Engine(model, scheduler, mtp=mtp)
+    seqs = [Sequence.of(name, prompt, NEW, params=request_sampling(0, 1, None, 0), may_speculate=True)
+            for name, prompt in _prompts().items()]
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_work():
+        engine.step()
+    assert scheduler.preemptions > 0 and scheduler.guessed_tokens > 0
+    for seq, (reference, logits) in zip(seqs, transformers_greedy(folders["random"], list(_prompts().values()), NEW)):
+        assert_greedy_equal(seq.output, reference, logits)
+
+
+def test_a_prefix_found_in_the_cache_holds_the_draft_layers_keys(folders):
+    """A second request with the first one's prompt finds its full blocks in the prefix cache
+    and computes only the rest: its drafts still equal the formula's, since the MTP layer's keys
+    of those positions are in the same blocks (one pool, one block table). (Zeroing the layer's
+    pool before the second request makes this fail.)"""
+    model, mtp = _load(folders["random"])
+    scheduler = Scheduler(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_waiting=4,
+                          speculative=MTP)
+    engine = Engine(model, scheduler, mtp=mtp)
+    prompt, logits = _prompts()["b"], mtp.logits
+    seen: list[tuple[int, torch.Tensor]] = []  # the second request's drafts: its tokens then, the logits
+
+    def spy(rows: torch.Tensor) -> torch.Tensor:
+        out = logits(rows)
+        if seq.seq_id == "second":
+            seen.append((len(seq.tokens), out[0].clone()))
+        return out
+
+    mtp.logits = spy
+    for name in ("first", "second"):
+        seq = Sequence.of(name, prompt, 6, params=request_sampling(0, 1, None, 0), may_speculate=True)
+        scheduler.add(seq)
+        while scheduler.has_work():
+            engine.step()
+    assert seq.cached_tokens == 20  # five blocks of the 21-token prompt found
+    reference = ReferenceMtp(folders["random"])
+    assert seen
+    for length, row in seen:
+        torch.testing.assert_close(row, reference.drafts(seq.tokens[:length])[0], **TOL)
