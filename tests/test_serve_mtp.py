@@ -14,6 +14,8 @@ random DeepSeek-V3 checkpoints with num_nextn_predict_layers=1 (tests/deepseek_m
 - Seeded sampling equal to unspeculated sampling of the same seed (every token is the
   request's own draw in order: serve/speculative.py).
 - The server with the flag: ids equal `transformers`', acceptance counted in /metrics.
+- Preemption (recomputed drafts' keys) and the prefix cache (cached blocks carry the layer's
+  keys); the pool sized for the layer it holds.
 - Bad input: one line each.
 """
 
