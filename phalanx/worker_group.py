@@ -23,6 +23,7 @@ from phalanx.errors import UserError
 from phalanx.forked_forkserver import fork_forkserver, stop_forked_forkserver
 from phalanx.ports import free_port
 from phalanx.process_count import check_process_count, usable_cores
+from phalanx.restart_timeline import mark
 from phalanx.threads import choose_for_this_process
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -111,6 +112,7 @@ def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timede
     if say:
         say_threads(threads)
     init_worker_group(device, timeout)
+    mark("process_group_up")
     try:
         return body()
     except UserError as error:

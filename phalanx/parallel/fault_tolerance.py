@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from phalanx.errors import UserError
 from phalanx.parallel.broken_group import BrokenGroupWatch
 from phalanx.ports import free_port
+from phalanx.restart_timeline import mark
 
 GROUP_ENV = "PHALANX_REPLICA_GROUP"
 """Which replica group a worker belongs to (0 .. R-1), set by the launcher of each group."""
@@ -249,8 +250,10 @@ class ReplicaGroupSync:
         exits meanwhile has broken the group (`broken_group.py`)."""
         self.healed_now = False
         self.watch.enter()
+        mark("quorum_ask")
         self.manager.start_quorum()
         step = self.manager.current_step()
+        mark("quorum_done", f"{step} healed={int(self.healed_now)}")
         if step >= self.steps:  # the run is over: siblings now leave as they finish
             self.watch.leave()
         return step
@@ -285,7 +288,9 @@ class ReplicaGroupSync:
             if self.manager.should_commit():
                 break
             retried = True
+            mark("allreduce_broken")
             self.manager.start_quorum()
+            mark("quorum_again", str(self.manager.current_step()))
             if self.healed_now or self.manager.current_step() != step:
                 self.watch.leave()  # the step's next quorum enters it again
                 return None

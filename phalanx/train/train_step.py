@@ -26,6 +26,7 @@ from phalanx.parallel.fault_tolerance import membership_events, state_digest, wr
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.tensor_parallel import loss_context
+from phalanx.restart_timeline import mark
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, why_bad
 from phalanx.train.config import TrainConfig
@@ -280,6 +281,7 @@ def run_step(run: Run) -> bool:
         record["groups"] = reduction.groups
         state_digest(run.run_dir, run.groups.group, run.rank, done, run.model, run.optimizer)  # test hook: fault_tolerance.DIGEST_ENV
     finish_step(run, done, record)
+    mark("step_done", f"{done} {record['step_time_s']:.3f} {''.join(map(str, record.get('groups', [])))}")
     if run.splitter is not None and run.splitter.pending is not None:
         seconds = resplit(run, done)  # layers move between the stages; the next step runs the new split
         if run.metrics and seconds:
