@@ -221,16 +221,19 @@ def run_step(run: Run) -> bool:
     lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    rows = batch_rows(run)
-    inputs, targets = rank_batch(
-        run.corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-        dp_rank=run.batch_rank, dp_size=run.batch_ranks, cp=run.plan.cp, cp_rank=run.mesh.cp_rank, rows=rows,
-    )
-    inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq / cp)
-    documents = step_documents(run.corpus.train_documents, run.corpus.train, cfg, run.mesh, seed=cfg.seed, step=step,
-                               rows=rows)
     clock = WaitClock() if run.pipeline is not None else None
-    loss_sum = forward_backward(run, inputs, targets, documents, clock)
+    if run.groups is not None and run.groups.sitting_out:  # healed from peers in mid-step: they have its gradients
+        loss_sum = torch.zeros((), device=device)
+    else:
+        rows = batch_rows(run)
+        inputs, targets = rank_batch(
+            run.corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+            dp_rank=run.batch_rank, dp_size=run.batch_ranks, cp=run.plan.cp, cp_rank=run.mesh.cp_rank, rows=rows,
+        )
+        inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq / cp)
+        documents = step_documents(run.corpus.train_documents, run.corpus.train, cfg, run.mesh, seed=cfg.seed, step=step,
+                                   rows=rows)
+        loss_sum = forward_backward(run, inputs, targets, documents, clock)
     if run.slots is not None:
         waited = time.perf_counter()
         run.slots.sum_replica_grads()  # replicas of an expert take the same update
