@@ -61,15 +61,19 @@ def _final_weights(run: Path, scratch: Path) -> dict[str, torch.Tensor]:
     return torch.load(scratch, weights_only=False)["model"]
 
 
-def test_two_groups_of_two_equal_one_process(tmp_path, capsys):
-    """4 processes as 2 replica groups of dp=2: losses, gradient norms and final weights equal
-    a one-process run (1e-4, see the module docstring); every row names both groups."""
+@pytest.mark.parametrize("plan", [None, "dp=2,zero=3", "tp=2"], ids=["ddp", "fsdp", "tp"])
+def test_two_groups_of_two_equal_one_process(tmp_path, capsys, plan):
+    """4 processes as 2 replica groups of dp=2 (DDP inside each group; or FSDP2 sharding inside
+    each group and replication across them, as HSDP; or tp=2 inside each group): losses,
+    gradient norms and final weights equal a one-process run (1e-4, see the module docstring);
+    every row names both groups."""
     steps = ["--steps", "4", "--ckpt-every", "4"]
     assert _run([*TINY, *steps, "--nproc", "1", "--out", str(tmp_path / "one")], capsys)[0] == 0
-    code, err = _launch([*TINY, *steps, "--nproc", "4", "--replica-groups", "2", "--out", str(tmp_path / "ft")],
+    code, err = _launch([*TINY, *steps, "--nproc", "4", "--replica-groups", "2", "--out", str(tmp_path / "ft"),
+                         *(["--plan", plan] if plan else [])],
                         PYTHONPATH=str(Path(__file__).parents[1]))
     assert code == 0, err
-    assert any("on 4 processes in 2 replica groups of 2, plan dp=2," in line for line in err), err
+    assert any(f"on 4 processes in 2 replica groups of 2, plan {plan or 'dp=2'}," in line for line in err), err
     one, ft = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "ft" / "metrics.jsonl")
     assert [row["step"] for row in ft] == [1, 2, 3, 4] and all(row["groups"] == [0, 1] for row in ft), ft
     for key in ("loss", "grad_norm"):
@@ -189,8 +193,9 @@ def test_a_group_back_in_the_middle_of_a_step_sits_it_out(tmp_path):
 
 
 def test_bad_replica_groups_are_one_line(tmp_path, capsys):
-    """R not dividing the processes, the batch not dividing over the groups, an MoE model and a
-    lighthouse nobody listens at: one line each, exit status 2, before any worker starts."""
+    """R not dividing the processes, the batch not dividing over the groups, an MoE model,
+    several machines (--nnodes, the elastic path among them) and a lighthouse nobody listens
+    at: one line each, exit status 2, before any worker starts."""
     out = ["--out", str(tmp_path / "r")]
     assert_cli_error([*TINY, "--nproc", "3", "--replica-groups", "2", *out], capsys,
                      "--replica-groups 2 must divide the 3 processes (--nproc) evenly", one_line=False)
@@ -198,6 +203,8 @@ def test_bad_replica_groups_are_one_line(tmp_path, capsys):
                      "--global-batch 6 must divide evenly over 4 replica groups x dp=1 = 4 data-parallel ranks",
                      one_line=False)  # after the warning that 4 processes share 2 cores
     assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--model", "tiny-moe", *out], capsys, "MoE")
+    assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999",
+                      *out], capsys, "--replica-groups with --nnodes is not supported yet")
     port = free_port()
     assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--lighthouse", f"127.0.0.1:{port}", *out], capsys,
                      f"--lighthouse 127.0.0.1:{port}: cannot reach a lighthouse there")
