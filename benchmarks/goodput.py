@@ -39,7 +39,11 @@ against this one).
 (`--sync-checkpoint`) against the default background saves, also in ABBA pairs: the checkpoint
 wait share of each and the ratio of their wall times.
 
+`--timeline` prints, per kill of the replica arm, the seconds from the SIGKILL to each mark of
+the killed group's restart (phalanx/restart_timeline.py) and the surviving group's steps meanwhile.
+
 Reproduce:  .venv/bin/python benchmarks/goodput.py          (issue 41's target: replica groups >= 0.9)
+            .venv/bin/python benchmarks/goodput.py --replica-overhead --timeline
             .venv/bin/python benchmarks/goodput.py --no-replicas   (restarts only, as issue 11 recorded)
             .venv/bin/python benchmarks/goodput.py --saves
 """
