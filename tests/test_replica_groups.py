@@ -192,6 +192,39 @@ def test_a_group_back_in_the_middle_of_a_step_sits_it_out(tmp_path):
     assert all(digests[step][0] == digests[step][1] for step in range(1, 7)), digests
 
 
+LIGHTHOUSE = """
+import sys, time
+from torchft.coordination import LighthouseServer
+server = LighthouseServer(bind="[::]:" + sys.argv[1], min_replicas=1)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_lighthouse_already_running(tmp_path):
+    """`--lighthouse HOST:PORT`: the groups meet at a lighthouse started beforehand (as with
+    --nnodes one would be), and phalanx starts none of its own."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", LIGHTHOUSE, str(port)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "RUST_LOG": "error"})
+    try:
+        assert server.stdout.readline().strip() == "up"
+        run = tmp_path / "run"
+        code, err = _launch([*TINY, "--steps", "3", "--ckpt-every", "3", "--nproc", "2", "--replica-groups", "2",
+                             "--lighthouse", f"127.0.0.1:{port}", "--out", str(run)],
+                            PYTHONPATH=str(Path(__file__).parents[1]))
+        assert code == 0, err
+        assert not any("torchft lighthouse at" in line for line in err), err
+        steps = read_metrics(run / "metrics.jsonl")
+        assert [row["step"] for row in steps] == [1, 2, 3] and all(row["groups"] == [0, 1] for row in steps), steps
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_bad_replica_groups_are_one_line(tmp_path, capsys):
     """R not dividing the processes, the batch not dividing over the groups, an MoE model,
     several machines (--nnodes, the elastic path among them) and a lighthouse nobody listens
