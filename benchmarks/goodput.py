@@ -39,7 +39,11 @@ against this one).
 (`--sync-checkpoint`) against the default background saves, also in ABBA pairs: the checkpoint
 wait share of each and the ratio of their wall times.
 
+`--timeline` prints, per kill of the replica arm, the seconds from the SIGKILL to each mark of
+the killed group's restart (phalanx/restart_timeline.py) and the surviving group's steps meanwhile.
+
 Reproduce:  .venv/bin/python benchmarks/goodput.py          (issue 41's target: replica groups >= 0.9)
+            .venv/bin/python benchmarks/goodput.py --replica-overhead --timeline
             .venv/bin/python benchmarks/goodput.py --no-replicas   (restarts only, as issue 11 recorded)
             .venv/bin/python benchmarks/goodput.py --saves
 """
@@ -59,6 +63,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from phalanx.restart_timeline import TIMELINE_ENV
 
 
 def rows(run: Path) -> list[dict]:
@@ -122,12 +128,13 @@ def threads(pid: int) -> int:
         return 0
 
 
-def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int = 1, heartbeats: bool = False) -> dict:
+def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int = 1, heartbeats: bool = False,
+            timeline: bool = False) -> dict:
     """Run the command; with kill_every, SIGKILL a worker each time the run reaches the next
     multiple of kill_every steps (counted from where it resumed), before its last step. With
     `groups` > 1 (replica groups) see `run_replica_arm`."""
     if groups > 1:
-        return run_replica_arm(argv, out, kill_every, steps, groups, heartbeats)
+        return run_replica_arm(argv, out, kill_every, steps, groups, heartbeats, timeline)
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -166,16 +173,20 @@ def run_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int
 
 
 def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, groups: int,
-                    heartbeats: bool = False) -> dict:
+                    heartbeats: bool = False, timeline: bool = False) -> dict:
     """The replica-group arm: a worker of one group SIGKILLed at every multiple of kill_every
     steps (as many kills as the restart arm: none is replayed here to push the next one later),
     each once the group killed before has rejoined. A group killed near the end may not be back
     before the other finishes; it then finds the final checkpoint and ends. Per kill, the time
     to the next step row (the surviving groups' next committed step) and to the rejoin row.
-    `heartbeats`: also poll the lighthouse's status page (`LighthouseAges`)."""
+    `heartbeats`: also poll the lighthouse's status page (`LighthouseAges`); `timeline`: the
+    workers' and launchers' marks (phalanx/restart_timeline.py), with a line of this process's at
+    each kill, for `report_timeline`."""
     began = time.perf_counter()
+    marks = out.parent / f"{out.name}.timeline"
+    env = {**os.environ, TIMELINE_ENV: str(marks)} if timeline and kill_every else None
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", *argv, "--replica-groups", str(groups), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     err_lines: list[str] = []
     ages = LighthouseAges() if heartbeats else None
 
@@ -191,8 +202,11 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
     while kill_every and proc.poll() is None:
         if target < steps and last_step(out) >= target:
             victim = workers(proc.pid, min_depth=2)[-1]
-            killed_at = time.perf_counter()
+            killed_at, killed_unix = time.perf_counter(), time.time()
             os.kill(victim, signal.SIGKILL)
+            if env is not None:
+                with marks.open("a") as file:
+                    file.write(f"{killed_unix:.4f} {victim} - kill\n")
             kills.append({"at": killed_at, "last_step": last_step(out)})
             while proc.poll() is None:
                 if "next_step_after_s" not in kills[-1] and last_step(out) > kills[-1]["last_step"]:
@@ -222,7 +236,8 @@ def run_replica_arm(argv: list[str], out: Path, kill_every: int, steps: int, gro
     return {"wall": wall, "useful": useful, "useful_steps": sum(len(r["groups"]) / groups for r in steps_rows), "ckpt": sum(r["ckpt_wait_s"] for r in steps_rows), "kills": kills,
             "steps": len(steps_rows), "short_steps": alone,
             "median_step": statistics.median(r["step_time_s"] for r in steps_rows),
-            "heartbeat_ages": ages.stop() if ages is not None else None}
+            "heartbeat_ages": ages.stop() if ages is not None else None,
+            "timeline": marks.read_text() if env is not None and marks.exists() else None}
 
 
 class LighthouseAges:
@@ -281,6 +296,8 @@ def report_replicas(clean: dict, arm: dict) -> float:
         print("  per kill: kill -> the next step row (the surviving group's next committed step) / -> the rejoin row: "
               + ", ".join(f"{k['next_step_after_s']:.2f} / {k['back_after_s']:.2f} s" if "back_after_s" in k
                           else "(no rejoin before the end)" for k in kills))
+    if arm.get("timeline"):
+        report_timeline(arm["timeline"])
     if arm.get("heartbeat_ages"):
         ages = arm["heartbeat_ages"]
         print(f"  lighthouse: the largest heartbeat age of a live group {ages['largest_s'] * 1e3:.0f} ms "
@@ -289,6 +306,61 @@ def report_replicas(clean: dict, arm: dict) -> float:
     print(f"  goodput replica groups with failures / clean = {ratio:.3f}; wall / clean = {arm['wall'] / clean['wall']:.3f}; "
           f"useful steps per second / clean = {steps_per_second(arm) / steps_per_second(clean):.3f}")
     return ratio
+
+
+TIMELINE_MARKS = [
+    ("sibling_dead", "the killed group's watch finds its dead sibling"),
+    ("attempt_failed", "its launcher sees the attempt fail"),
+    ("attempt_start", "its launcher starts the restart"),
+    ("worker_start", "the new workers start (their first line)"),
+    ("process_group_up", "their process group is up"),
+    ("model_built", "their model and optimizer are built"),
+    ("manager_start", "their torchft manager starts"),
+    ("manager_up", "... is up"),
+    ("quorum_ask", "they ask for their first quorum"),
+    ("quorum_done", "their first quorum (state received)"),
+    ("step_done", "their first committed step"),
+]
+
+
+def report_timeline(text: str) -> None:
+    """Per kill, seconds from the SIGKILL to each mark of the killed group (first and last of
+    its processes), and the surviving groups' marks until the rejoin: their broken all-reduce,
+    their new quorum and each step they committed (its step_time_s and the groups in it)."""
+    lines = sorted((float(t), pid, group, what, " ".join(rest)) for t, pid, group, what, *rest in
+                   (line.split(" ", 4) for line in text.splitlines() if line.strip()))
+    kills = [i for i, line in enumerate(lines) if line[3] == "kill"]
+    for number, start in enumerate(kills):
+        end = kills[number + 1] if number + 1 < len(kills) else len(lines)
+        t0, window = lines[start][0], lines[start + 1:end]
+        failed = next((line[2] for line in window if line[3] == "attempt_failed"), None)
+        if failed is None:
+            print(f"  kill {number + 1}: no failed attempt marked")
+            continue
+        restarted = next((line[0] for line in window if line[3] == "attempt_start" and line[2] == failed), None)
+        ours = [line for line in window if line[2] == failed and (restarted is None or line[3] in ("sibling_dead", "attempt_failed")
+                                                                     or line[0] >= restarted)]
+        back = next((line[0] for line in ours if line[3] == "step_done"), None)
+        print(f"  kill {number + 1} (group {failed}): seconds after the SIGKILL")
+        for name, words in TIMELINE_MARKS:
+            firsts: dict[str, float] = {}
+            for line in ours:
+                if line[3] == name:
+                    firsts.setdefault(line[1], line[0] - t0)
+            if firsts:
+                low, high = min(firsts.values()), max(firsts.values())
+                print(f"    {low:5.2f}{'' if high - low < 0.005 else f'-{high:.2f}'}  {words}")
+        others = [line for line in window if line[2] not in (failed, "-") and (back is None or line[0] <= back + 1e-3)
+                  and line[3] in ("allreduce_broken", "quorum_again", "step_done")]
+        seen: set[tuple[str, str]] = set()
+        survivor = []
+        for line in others:  # the first process of the surviving groups to mark each speaks for them
+            key = (line[2], line[3], line[4].split()[0] if line[3] == "step_done" else "")
+            if key in seen:
+                continue
+            seen.add(key)
+            survivor.append(f"{line[0] - t0:.2f} {line[3]}" + (f" {line[4]}" if line[4] else ""))
+        print("    survivors: " + "; ".join(survivor))
 
 
 def steps_per_second(arm: dict) -> float:
@@ -370,6 +442,9 @@ def main() -> None:
     parser.add_argument("--heartbeats", action="store_true",
                         help="poll the lighthouse's status page in the replica arms: the largest heartbeat age of a "
                              "live group (what the heartbeat timeout must exceed)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="per kill of the replica arm, the seconds from the SIGKILL to each mark of the killed group's "
+                             "restart and the surviving group's steps meanwhile (phalanx/restart_timeline.py)")
     parser.add_argument("--saves", action="store_true",
                         help="compare synchronous and background checkpoint saves (no failures) instead")
     args = parser.parse_args()
@@ -394,7 +469,7 @@ def main() -> None:
                 arm_argv = argv if not replicas else [args.replica_plan if a == args.plan else a for a in argv]
                 arms[kind] = run_arm(arm_argv, Path(tmp) / f"{kind}-{pair}",
                                      0 if kind in ("clean", "replicas-quiet") else args.kill_every, args.steps,
-                                     groups=2 if replicas else 1, heartbeats=args.heartbeats)
+                                     groups=2 if replicas else 1, heartbeats=args.heartbeats, timeline=args.timeline)
             print(f"pair {pair + 1} ({' then '.join(arms)}):")
             ratios.append(report(args, arms["clean"], arms["failures"]))
             if args.replicas:

@@ -23,6 +23,7 @@ from phalanx.errors import UserError
 from phalanx.forked_forkserver import fork_forkserver, stop_forked_forkserver
 from phalanx.ports import free_port
 from phalanx.process_count import check_process_count, usable_cores
+from phalanx.restart_timeline import mark
 from phalanx.threads import choose_for_this_process
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -111,6 +112,7 @@ def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timede
     if say:
         say_threads(threads)
     init_worker_group(device, timeout)
+    mark("process_group_up")
     try:
         return body()
     except UserError as error:
@@ -162,9 +164,15 @@ def start_elastic(entry, args: tuple, nproc: int, device: str, rdzv_endpoint: st
         # worker that connects, so the workers wait until the last one is forked before any
         # connects: one that did not left two of four workers hung for good.
         entry = AfterSiblingsForked(entry, nproc)
+    # One machine: torchrun's own default, the static rendezvous (the agent's store on a port of
+    # this machine), not c10d's, which first waits a random 0 to 0.3 s to spread the agents of
+    # many machines over its store (torch 2.13's DynamicRendezvousHandler.next_rendezvous): a
+    # replica group's restart waited that too while its peers stepped without it.
+    alone = nodes == (1, 1) and not rdzv_endpoint
     config = LaunchConfig(
         min_nodes=nodes[0], max_nodes=nodes[1], nproc_per_node=nproc, run_id=run_id or f"phalanx-{os.getpid()}",
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_backend="static" if alone else "c10d", rdzv_endpoint=rdzv_endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"rank": 0} if alone else {},
         local_addr="127.0.0.1" if not rdzv_endpoint else None, max_restarts=0, monitor_interval=0.1,
         shutdown_timeout=grace_s,
         start_method=start_method,

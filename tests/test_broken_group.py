@@ -57,6 +57,52 @@ def test_a_dead_sibling_ends_a_torchft_wait_at_once():
         sibling.kill()
 
 
+STAY_S = 2.0
+
+
+def _watch_then_sigterm(conn, signalled: bool) -> None:
+    """In a forked child's main thread, as in a worker: SIGTERM only noted (stop_signal.py), a
+    watch over a sibling that dies inside a torchft wait; sends how long after the sibling's
+    death the watch's exit came."""
+    from phalanx.train.stop_signal import StopSignals
+
+    broken_group.REPORT_S = STAY_S  # this child's: long against any delay of a loaded machine
+    with StopSignals():
+        sibling = _sibling()
+        exited = threading.Event()
+        watch = BrokenGroupWatch([sibling.pid], exit_now=lambda status: exited.set())
+        watch.enter()
+        time.sleep(2 * broken_group.POLL_S)
+        killed = time.monotonic()
+        os.kill(sibling.pid, signal.SIGKILL)
+        time.sleep(0.02)
+        if signalled:  # the agent's pass saw the dead sibling and stops the rest
+            os.kill(os.getpid(), signal.SIGTERM)
+        exited.wait(30)
+        conn.send(time.monotonic() - killed)
+        watch.stop()
+
+
+def test_the_agents_sigterm_ends_the_stay_after_a_dead_sibling():
+    """A worker that found its sibling dead stays up to REPORT_S (so that the agent's pass sees
+    the dead one first and names it), but leaves at once when the agent's SIGTERM comes: the
+    agent sends it only after its pass saw the failure, and the group's restart waits for it.
+    The handler runs in the main thread; the main thread here is blocked (as in torchft's
+    wait) and the watch learns of the signal through set_wakeup_fd."""
+    context = multiprocessing.get_context("fork")
+    took = {}
+    for signalled in (False, True):
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_watch_then_sigterm, args=(send, signalled))
+        child.start()
+        assert receive.poll(60)
+        took[signalled] = receive.recv()
+        child.join(10)
+    # Without the signal the stay is REPORT_S (plus the watch's poll); with it, the poll alone.
+    assert took[False] >= STAY_S, took
+    assert took[True] < STAY_S, took
+
+
 def test_no_exit_outside_a_torchft_wait_or_after_stop():
     """A sibling that exits while this worker is not in a torchft wait (a gloo collective fails
     by itself; the end of the run is no failure), or after the watch stopped, ends nothing."""

@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from phalanx.launch.restart_policy import CONDITIONS, STOP_STATUS, Failure, run_attempts
+from phalanx.restart_timeline import mark
 from phalanx.worker_group import start_elastic, stop_warm_forkserver, warm_forkserver
 
 
@@ -40,6 +41,7 @@ def elastic_entry(main: Callable[..., int], args: tuple, phalanx_env: dict | Non
         for name in [n for n in os.environ if n.startswith("PHALANX_") and n not in phalanx_env]:
             del os.environ[name]
         os.environ.update(phalanx_env)
+    mark("worker_start", os.environ.get("RANK", ""))
     try:
         status = _recorded(main, args)
     except Exception:  # `record` has written it, with its traceback, for the agent
@@ -108,6 +110,7 @@ def launch_attempt(main: Callable[..., int], args: tuple, nproc: int, device: st
     # The PHALANX_ variables (the restart's number and reason, test hooks) travel with the
     # arguments: a forkserver's workers do not see this process's environment.
     env = {name: value for name, value in os.environ.items() if name.startswith("PHALANX_")}
+    mark("attempt_start", str(attempt))
     try:
         start_elastic(elastic_entry, (main, args, env), nproc, device, rdzv_endpoint, nodes, quiet=True,
                       grace_s=grace_s, run_id=f"{run_id or f'phalanx-{os.getpid()}'}-{attempt}", fresh=attempt > 0,
@@ -117,6 +120,7 @@ def launch_attempt(main: Callable[..., int], args: tuple, nproc: int, device: st
     except KeyboardInterrupt:
         return 130, None
     except ChildFailedError as error:
+        mark("attempt_failed", str(attempt))
         return describe(error, who)
     return 0, None
 

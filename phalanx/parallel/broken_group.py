@@ -31,10 +31,14 @@ processes of this machine (replica groups are one launcher's, on one node).
 from __future__ import annotations
 
 import os
+import select
+import signal
 import sys
 import threading
 import time
 from contextlib import contextmanager
+
+from phalanx.restart_timeline import mark
 
 POLL_S = 0.05
 """How often the watch looks (one read of /proc per sibling), and how long this worker must have
@@ -42,13 +46,17 @@ been in its step's span before a dead sibling counts. 0.1 s before: half of it c
 failure's path twice, to the group's restart and to the end of its heartbeats."""
 
 REPORT_S = 0.2
-"""How long this worker stays after it found a sibling dead (its manager's heartbeats already
-stopped, `on_broken`): twice the elastic agent's monitor interval (0.1 s,
+"""How long at most this worker stays after it found a sibling dead (its manager's heartbeats
+already stopped, `on_broken`): twice the elastic agent's monitor interval (0.1 s,
 worker_group.start_elastic), so that one of the agent's passes sees the dead sibling while this
 worker still lives, and the launcher's line names the sibling. torch reports one failure per
 pass, the first process it finds: when both had gone, the lowest rank, and the line said
 `worker rank 0 exited with status 1` for a killed rank 1 (2 of 3 kills in a benchmark run,
-when the worker left 0.05 s after its sibling)."""
+when the worker left 0.05 s after its sibling). The agent's SIGTERM ends the stay early: the
+agent sends it only once a pass has seen a failure (the dead sibling: this worker still
+lives), and stops the workers left before it reports, so every moment of the stay after it
+held the group's restart back (0.2-0.4 s from the dead sibling found to the launcher's
+restart, measured, `goodput.py --timeline`)."""
 
 BROKEN_STATUS = 1
 """The exit status of a worker whose group broke (the agent reports the sibling that died first)."""
@@ -79,6 +87,7 @@ class BrokenGroupWatch:
         self.siblings, self.exit_now, self.on_broken = siblings, exit_now, on_broken
         self.since: float | None = None
         self.done = threading.Event()
+        self.signals = SignalPipe() if siblings else None
         self.thread = threading.Thread(target=self._run, name="phalanx-broken-group", daemon=True)
         if siblings:
             self.thread.start()
@@ -100,6 +109,8 @@ class BrokenGroupWatch:
 
     def stop(self) -> None:
         self.done.set()
+        if self.signals is not None:
+            self.signals.close()
 
     def _run(self) -> None:
         while not self.done.wait(POLL_S):
@@ -108,13 +119,55 @@ class BrokenGroupWatch:
                 continue
             dead = [pid for pid in self.siblings if not alive(pid)]
             if dead and self.since is not None and not self.done.is_set():
+                mark("sibling_dead")
                 if self.on_broken is not None:
                     try:
                         self.on_broken()
                     except Exception:  # noqa: BLE001 (leaving anyway: the group is broken)
                         pass
-                time.sleep(REPORT_S)
+                self.signals.wait(REPORT_S)  # the agent's SIGTERM, when it comes first
                 # Quietly: the launcher says in one line which worker died and that the group restarts.
                 sys.stderr.flush()
                 self.exit_now(BROKEN_STATUS)
                 return
+
+
+class SignalPipe:
+    """Says in any thread that this process received a signal that has a Python handler (the
+    worker's SIGTERM, which `stop_signal.StopSignals` notes), as it arrives: Python runs a
+    handler only in the main thread, and only once that thread is back from the call it is in
+    (here a wait in torchft's own code), but writes the signal's number at once to the file
+    descriptor `signal.set_wakeup_fd` names. Only where made in the main thread, else a plain
+    sleep; `close` puts back the descriptor that was there."""
+
+    def __init__(self) -> None:
+        self.read = self.saved = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            self.saved = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:  # not the main interpreter
+            os.close(read)
+            os.close(write)
+            return
+        self.read, self.write = read, write
+
+    def wait(self, seconds: float) -> bool:
+        """Up to `seconds` for a signal from now on or since this pipe was made; whether one came."""
+        if self.read is None:
+            time.sleep(seconds)
+            return False
+        try:
+            return bool(select.select([self.read], [], [], seconds)[0])
+        except OSError:  # closed meanwhile (`stop` at the run's end): the worker leaves anyway
+            return False
+
+    def close(self) -> None:
+        if self.read is None or threading.current_thread() is not threading.main_thread():
+            return
+        signal.set_wakeup_fd(self.saved, warn_on_full_buffer=False)
+        os.close(self.read)
+        os.close(self.write)
+        self.read = None

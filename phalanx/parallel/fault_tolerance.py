@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from phalanx.errors import UserError
 from phalanx.parallel.broken_group import BrokenGroupWatch
 from phalanx.ports import free_port
+from phalanx.restart_timeline import mark
 
 GROUP_ENV = "PHALANX_REPLICA_GROUP"
 """Which replica group a worker belongs to (0 .. R-1), set by the launcher of each group."""
@@ -66,21 +67,27 @@ DIGEST_ENV = "PHALANX_TEST_STATE_DIGESTS"
 model's and optimizer's state to `state_digests.jsonl` in the run directory, so a test can check
 that groups hold bit-equal state (a rejoined group from its first step on)."""
 
-HEARTBEAT_TIMEOUT_MS = 500
-"""How long the lighthouse keeps counting a group whose heartbeats stopped (each group's torchft
-manager heartbeats every 100 ms, from a thread of its own). When a group dies, the others'
-new quorum waits this long after its last heartbeat (`broken_group.py` ends its remaining
-workers within 0.05 to 0.3 s of the first one's death), then they step without it while it
-restarts. The largest heartbeat age of a live group that the lighthouse's status page showed
-(benchmarks/goodput.py --heartbeats, benchmarks/README.md) was 106-107 ms with the benchmark's
-4 workers on the 2 shared cores and 112 ms with six busy processes beside them (load average
-8 to 9), some 6,000 to 9,000 polls each: 500 ms is 4.5 times that, 4 heartbeats missed in a row. A live group later than that and
-not yet at the quorum would sit out one step and then receive a peer's state (a heal, not a
-failure). It was 2 s (set when a first test with 1 s dropped a live group, before the
-forkservers and the broken-group watch): longer than a group's restart (0.8-1.2 s from a kill
-to its next quorum, measured), so the survivors waited for the restarted group instead of
-stepping, and the restarted group itself waited out `JOIN_TIMEOUT_MS` at its first quorum
-while the lighthouse still counted its dead predecessor as a straggler."""
+HEARTBEAT_INTERVAL_MS = 50
+"""How often each group's torchft manager heartbeats to the lighthouse, from a thread of its own
+(torchft's default: 100 ms). Half of it halves the timeout below for the same count of missed
+heartbeats: a dead group is dropped sooner."""
+
+HEARTBEAT_TIMEOUT_MS = 300
+"""How long the lighthouse keeps counting a group whose heartbeats stopped. When a group dies,
+the others' new quorum waits this long after its last heartbeat (`broken_group.py` stops the
+group's heartbeats within 0.05 to 0.15 s of the kill), unless the group is back first: a
+restarted group's manager registers under a new id (torchft adds a uuid to each incarnation's),
+so the lighthouse waits for its dead predecessor's heartbeats to expire even once the restarted
+group asks (`goodput.py --timeline`: its quorum request at 0.31-0.45 s after the kill, the quorum
+at 0.57-0.71 s with the timeout at 500 ms). The largest heartbeat age of a live group that the
+lighthouse's status page showed (benchmarks/goodput.py --heartbeats, benchmarks/README.md) was
+69 ms with heartbeats every 50 ms (load average 2 to 5 on the 2 shared cores, 8,114 polls) and
+73 ms with six busy processes beside the benchmark's four (load average 8, 14,847 polls), and
+106-112 ms with heartbeats every 100 ms (up to load average 8 to 9): 300 ms is 4.1 times the
+largest, 5 heartbeats missed in a row (500 ms was 4.5 times the 100 ms heartbeats' 112 ms). A live group later than
+that and not yet at the quorum would sit out one step and then receive a peer's state (a heal,
+not a failure). It was 2 s (set when a first test with 1 s dropped a live group, before the
+forkservers and the broken-group watch), then 500 ms (branch ft2)."""
 
 JOIN_TIMEOUT_MS = 1000
 """How long the lighthouse waits for a heartbeating group to ask for the quorum before it forms
@@ -214,6 +221,17 @@ class ReplicaGroupSync:
         self.group, self.groups, self.device, self.steps = group, groups, device, steps
         self.model, self.optimizer = model, optimizer
         self.healed_now = False
+        self.retrying = False
+        """Whether this rank is in a step's all-reduce again (`reduce`): said to a group that
+        heals from it meanwhile, which then sits that step out (`sitting_out`)."""
+        self.sitting_out = False
+        """This group received its state from a peer that is in the middle of the step (its
+        all-reduce broken by a failed group, the step's gradients computed): it takes no part
+        in that step (zero gradients, not counted among the groups present) and applies the
+        others' averaged gradients, as torchft's asynchronous quorum lets a healing group sit
+        out its first step. Computing its own share instead, it would hold the peers in their
+        all-reduce for its forward and backward (0.45-0.55 s a kill on the loaded 2-core machine,
+        measured: `goodput.py --timeline`), none of which counts as step time."""
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = _replica_process_group(device, timeout)
         self.manager = Manager(
@@ -227,6 +245,7 @@ class ReplicaGroupSync:
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=rank, world_size=world, store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=lighthouse, replica_id=f"phalanx_group_{group}", hostname=socket.gethostname(),
+            heartbeat_interval=datetime.timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
             checkpoint_transport=(PGTransport(self.pg, timeout=timeout, device=device) if device.type == "cuda"
                                   else FlatStateTransport(self.pg)),
         )
@@ -236,21 +255,24 @@ class ReplicaGroupSync:
         self.watch = BrokenGroupWatch(_sibling_pids(world), on_broken=lambda: self.manager.shutdown(wait=False))
 
     def _state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "mid_step": self.retrying}
 
     def _load(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.healed_now = True
+        self.sitting_out = bool(state.get("mid_step"))
 
     def begin_step(self) -> int:
         """The step's quorum (a healing group receives the live state here); the step to run.
         From here to the step's commit every process of the group takes part: a sibling that
         exits meanwhile has broken the group (`broken_group.py`)."""
-        self.healed_now = False
+        self.healed_now = self.sitting_out = False
         self.watch.enter()
+        mark("quorum_ask")
         self.manager.start_quorum()
         step = self.manager.current_step()
+        mark("quorum_done", f"{step} healed={int(self.healed_now)}")
         if step >= self.steps:  # the run is over: siblings now leave as they finish
             self.watch.leave()
         return step
@@ -265,39 +287,48 @@ class ReplicaGroupSync:
         group present, in one all-reduce, and divide by the groups present, once torchft's
         commit says every rank of the group got through its all-reduce (collective within the
         group). None: the step must run again from its forward (this group received a peer's
-        state at a new quorum meanwhile).
+        state at a new quorum meanwhile). A group `sitting_out` its step adds zero gradients and
+        loss, and is not counted among the groups present.
 
         A group that dies during the step breaks the all-reduce of the others. Their own
         gradients are still the step's (written back only after a commit), so they take a new
         quorum, which goes on without the dead group once the lighthouse stops counting it (or
-        with it restarted, healing: it then runs the step's forward and backward, the others
-        wait in the all-reduce), and run the all-reduce again: a failure costs the survivors no
-        forward and backward of their own."""
+        with it restarted, healing from them: it then sits the step out, `sitting_out`), and run
+        the all-reduce again: a failure costs the survivors no forward and backward of their own."""
+        if self.sitting_out:  # every parameter takes the others' averaged gradient
+            for param in params:
+                param.grad = torch.zeros_like(param)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         step, began, retried = self.manager.current_step(), time.perf_counter(), False
         while True:
             flags = torch.zeros(2 * self.groups, dtype=torch.float32, device=self.device)
-            flags[self.group] = 1.0
+            flags[self.group] = float(not self.sitting_out)
             flags[self.groups + self.group] = float(self.healed_now)
             flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss_sum.detach().reshape(1).float(), flags])
             self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
             if self.manager.should_commit():
                 break
-            retried = True
-            self.manager.start_quorum()
+            retried = self.retrying = True
+            mark("allreduce_broken")
+            try:
+                self.manager.start_quorum()  # a group healing from this rank here learns it is mid-step
+            finally:
+                self.retrying = False
+            mark("quorum_again", str(self.manager.current_step()))
             if self.healed_now or self.manager.current_step() != step:
                 self.watch.leave()  # the step's next quorum enters it again
                 return None
         self.watch.leave()
-        present = max(self.manager.num_participants(), 1)
+        offset = sum(grad.numel() for grad in grads)
+        flags = flat[offset + 1:].tolist()
+        groups = [g for g in range(self.groups) if flags[g] > 0.5]
+        present = max(len(groups), 1)  # torchft's participants, less a group sitting the step out
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad) / present)
             offset += grad.numel()
-        flags = flat[offset + 1:].tolist()
-        return StepReduction(loss_sum=flat[offset] / present,
-                             groups=[g for g in range(self.groups) if flags[g] > 0.5],
+        return StepReduction(loss_sum=flat[offset] / present, groups=groups,
                              healed=[g for g in range(self.groups) if flags[self.groups + g] > 0.5],
                              retry_s=time.perf_counter() - began if retried else 0.0)
 

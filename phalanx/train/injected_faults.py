@@ -11,7 +11,8 @@ worker's entry (`launch.worker_main`) reads them once, with `from_env()`:
 - `REJOIN_STALL_ENV`  `RANK:SECONDS`: rank RANK (across replica groups), restarted, sleeps
   before its group's torchft manager starts (and heartbeats);
 - `IN_STEP_FAULT_ENV`  `RANK:STEP:SIGNAL`: rank RANK (across replica groups) sends itself SIGNAL
-  in step STEP (1-based), after its backward, before the replica groups' all-reduce.
+  in step STEP (1-based), after its backward, before the replica groups' all-reduce;
+- `IN_STEP_STALL_ENV`  `RANK:STEP:SECONDS`: rank RANK (across replica groups) sleeps there.
 
 Kills and stalls happen on a first attempt only: a restarted worker must not meet them again;
 a rejoin stall only on a restart.
@@ -40,6 +41,13 @@ killed in the middle of a step breaks that all-reduce, which the surviving group
 again without it (fault_tolerance.ReplicaGroupSync.reduce). A test of that path sets this."""
 
 
+IN_STEP_STALL_ENV = "PHALANX_TEST_STALL_IN_STEP"
+"""A group whose all-reduce a failed group broke, and that meets the failed group restarted at
+its new quorum, hands it its state in the middle of the step: the restarted group sits that
+step out (fault_tolerance.ReplicaGroupSync.sitting_out). A test holds a group before its
+all-reduce with this until the other group is back, to take that path."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class InjectedFaults:
     kill: tuple[int, int, str] | None = None
@@ -55,18 +63,23 @@ class InjectedFaults:
     kill_in_step: tuple[int, int, str] | None = None
     """(rank, step, signal name): that rank signals itself in that step (1-based), after its
     backward, before the replica groups' all-reduce."""
+    stall_in_step: tuple[int, int, float] | None = None
+    """(rank, step, seconds): that rank sleeps there."""
 
     @classmethod
     def from_env(cls) -> "InjectedFaults":
         """The faults the test variables name; a restarted worker gets no kill and no stall but
         the rejoin stall."""
-        kill = stall = in_step = None
+        kill = stall = in_step = in_step_stall = None
         if (text := os.environ.get(FAULT_ENV, "")) and not restart_count():
             who, when, name = text.split(":")
             kill = (int(who), int(when), name)
         if (text := os.environ.get(IN_STEP_FAULT_ENV, "")) and not restart_count():
             who, when, name = text.split(":")
             in_step = (int(who), int(when), name)
+        if (text := os.environ.get(IN_STEP_STALL_ENV, "")) and not restart_count():
+            who, when, seconds = text.split(":")
+            in_step_stall = (int(who), int(when), float(seconds))
         if (text := os.environ.get(STALL_ENV, "")) and not restart_count():
             who, when, seconds = text.split(":")
             stall = (int(who), int(when), float(seconds))
@@ -75,7 +88,8 @@ class InjectedFaults:
             who, seconds = text.split(":")
             rejoin = (int(who), float(seconds))
         nan = frozenset(int(part) for part in os.environ.get(NAN_STEPS_ENV, "").split(",") if part.strip())
-        return cls(kill=kill, stall=stall, nan_steps=nan, rejoin_stall=rejoin, kill_in_step=in_step)
+        return cls(kill=kill, stall=stall, nan_steps=nan, rejoin_stall=rejoin, kill_in_step=in_step,
+                   stall_in_step=in_step_stall)
 
     def before_rejoin(self, rank: int) -> None:
         """Before a replica group's torchft manager starts (`rank`: across replica groups): while
@@ -94,3 +108,5 @@ class InjectedFaults:
         """In step `step` (1-based), after the backward (`rank`: across replica groups)."""
         if self.kill_in_step is not None and self.kill_in_step[:2] == (rank, step):
             os.kill(os.getpid(), signal.Signals[self.kill_in_step[2]])
+        if self.stall_in_step is not None and self.stall_in_step[:2] == (rank, step):
+            time.sleep(self.stall_in_step[2])

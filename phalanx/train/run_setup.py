@@ -38,6 +38,7 @@ from phalanx.parallel.float8 import note_float8_device
 from phalanx.parallel.mesh import ParallelMesh, build_mesh
 from phalanx.parallel.mixed_precision import autocast_for, release_before_step
 from phalanx.parallel.stage_split import stage_layer_counts, unit_costs
+from phalanx.restart_timeline import mark
 from phalanx.train import moe_aux_loss
 from phalanx.train.bad_steps import BadStepCounter
 from phalanx.train.collective_watch import StuckRankWatch, bound_every_group
@@ -238,6 +239,7 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
               corpus=corpus, autocast=autocast_for(plan, cfg.dtype, device),  # only for param_dtype=fp32 under --dtype bf16
               placements=slot_placements(cfg, model_cfg, plan), faults=faults, speeds=speeds, stage_times=stage_times)
     build_model(run)
+    mark("model_built")
     run.slots = (SlotTraining(run.model, run.placements, cfg.rebalance_every, speed_rules=job.adapt_experts)
                  if run.placements else None)
 
@@ -281,8 +283,10 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
     # wait for it to ask (a second of TensorBoard's import in between stalled them all).
     if cfg.replica_groups > 1:  # test hook (injected_faults.REJOIN_STALL_ENV)
         faults.before_rejoin(int(os.environ[GROUP_ENV]) * world_size + rank)
+    mark("manager_start")
     run.groups = replica_group(cfg, run.model, run.optimizer, device, rank=rank, world=world_size, step=run.step,
                                run_dir=run_dir, first_attempt=not restart_count())
+    mark("manager_up")
     # With replica groups, the data-parallel ranks of every group together read the global batch.
     run.batch_rank, run.batch_ranks = mesh.batch_rank, plan.dp
     run.hook_rank = rank

@@ -26,6 +26,7 @@ from phalanx.parallel.fault_tolerance import membership_events, state_digest, wr
 from phalanx.parallel.grad_norm import clip_grad_norm
 from phalanx.parallel.mesh import ParallelMesh
 from phalanx.parallel.tensor_parallel import loss_context
+from phalanx.restart_timeline import mark
 from phalanx.train import moe_aux_loss, moe_stats
 from phalanx.train.bad_steps import BadStepCounter, why_bad
 from phalanx.train.config import TrainConfig
@@ -222,16 +223,19 @@ def run_step(run: Run) -> bool:
     lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    rows = batch_rows(run)
-    inputs, targets = rank_batch(
-        run.corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
-        dp_rank=run.batch_rank, dp_size=run.batch_ranks, cp=run.plan.cp, cp_rank=run.mesh.cp_rank, rows=rows,
-    )
-    inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq / cp)
-    documents = step_documents(run.corpus.train_documents, run.corpus.train, cfg, run.mesh, seed=cfg.seed, step=step,
-                               rows=rows)
     clock = WaitClock() if run.pipeline is not None else None
-    loss_sum = forward_backward(run, inputs, targets, documents, clock)
+    if run.groups is not None and run.groups.sitting_out:  # healed from peers in mid-step: they have its gradients
+        loss_sum = torch.zeros((), device=device)
+    else:
+        rows = batch_rows(run)
+        inputs, targets = rank_batch(
+            run.corpus.train, seed=cfg.seed, step=step, global_batch=cfg.global_batch, seq_len=cfg.seq_len,
+            dp_rank=run.batch_rank, dp_size=run.batch_ranks, cp=run.plan.cp, cp_rank=run.mesh.cp_rank, rows=rows,
+        )
+        inputs, targets = inputs.to(device), targets.to(device)  # (per_rank, seq / cp)
+        documents = step_documents(run.corpus.train_documents, run.corpus.train, cfg, run.mesh, seed=cfg.seed, step=step,
+                                   rows=rows)
+        loss_sum = forward_backward(run, inputs, targets, documents, clock)
     if run.slots is not None:
         waited = time.perf_counter()
         run.slots.sum_replica_grads()  # replicas of an expert take the same update
@@ -282,6 +286,7 @@ def run_step(run: Run) -> bool:
         record["groups"] = reduction.groups
         state_digest(run.run_dir, run.groups.group, run.rank, done, run.model, run.optimizer)  # test hook: fault_tolerance.DIGEST_ENV
     finish_step(run, done, record)
+    mark("step_done", f"{done} {record['step_time_s']:.3f} {''.join(map(str, record.get('groups', [])))}")
     if run.splitter is not None and run.splitter.pending is not None:
         seconds = resplit(run, done)  # layers move between the stages; the next step runs the new split
         if run.metrics and seconds:
