@@ -28,7 +28,10 @@ The server's engine thread is found by its OS name (`phalanx-engine`, engine_loo
 `--pin` (with `--threads 1`) gives each arm's engine thread core 0 to itself and puts
 everything else (the server's other threads, the client) on core 1: a machine with cores to
 spare, as a GPU host is. Then `queue` is about zero and `blocked` over HTTP is the GIL's
-share (plus waits for work), which a separate engine process would win back.
+share (plus waits for work), which a separate engine process would win back. It adds a third
+arm, `busy other`: the engine alone on core 0 beside a process that only spins on core 1 (an
+integer loop: no memory traffic to speak of), which shows what the other core's work costs the
+engine thread's own steps where they share a physical core (two vCPUs of one core) or more.
 
     .venv/bin/python benchmarks/serve_engine_share.py [--concurrency 1 8 32] [--hidden 512 --layers 4]
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -161,6 +165,25 @@ def _tasks(pid: int) -> dict[str, tuple[int, int, int]]:
     return out
 
 
+def _spin() -> None:
+    """`--pin`'s busy-other arm: a process that keeps OTHERS_CORE busy and touches no memory."""
+    os.sched_setaffinity(0, {OTHERS_CORE})
+    count = 0
+    while True:
+        count += 1
+
+
+def busy_other_arm(model: Path, concurrency: int, requests, warmup, flags: list[str]) -> dict:
+    """The engine alone on ENGINE_CORE while a spinning process holds OTHERS_CORE."""
+    spinner = multiprocessing.Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        return engine_arm(model, concurrency, requests, warmup, flags, pin=True)
+    finally:
+        spinner.kill()
+        spinner.join()
+
+
 def _pin_server(pid: int) -> None:
     """`--pin`: the engine thread alone on ENGINE_CORE; the server's other threads, and this
     process (the client), on OTHERS_CORE (threads started later inherit their creator's)."""
@@ -231,22 +254,27 @@ def main() -> None:
               "(alone | over HTTP)  http ms/tok  client ms/tok")
         for concurrency in args.concurrency:
             count = max(args.requests, concurrency)
-            runs: dict[str, list[dict]] = {"engine": [], "http": []}
+            arms = ("engine", "http", "busy") if args.pin else ("engine", "http")
+            runs: dict[str, list[dict]] = {arm: [] for arm in arms}
             for round_index in range(args.rounds):
                 requests = requests_for(count, args.isl, args.osl, 1000 * round_index + concurrency)
-                order = ("engine", "http") if round_index % 2 == 0 else ("http", "engine")
-                warmup = requests_for(concurrency, args.isl, 8, 7 + round_index)  # the same for both arms
+                order = arms if round_index % 2 == 0 else arms[::-1]
+                warmup = requests_for(concurrency, args.isl, 8, 7 + round_index)  # the same for every arm
                 for arm in order:
                     if arm == "engine":
                         runs[arm].append(engine_arm(model, concurrency, requests, warmup, flags, args.pin))
-                    else:
+                    elif arm == "http":
                         runs[arm].append(http_arm(model, concurrency, requests, warmup, flags, args.pin))
+                    else:
+                        runs[arm].append(busy_other_arm(model, concurrency, requests, warmup, flags))
             engine, http = (statistics.median(run["tok_s"] for run in runs[arm]) for arm in ("engine", "http"))
             shares = " | ".join(_time_shares(runs[arm]) for arm in ("engine", "http"))
             per_token = {side: 1000 * sum(run[f"{side}_cpu_s"] for run in runs["http"]) /
                          sum(run["tokens"] for run in runs["http"]) for side in ("http", "client")}
+            busy = (f"  busy other {statistics.median(run['tok_s'] for run in runs['busy']) / engine:.2f}x of alone"
+                    if args.pin else "")
             print(f"{concurrency:4d} {engine:19.1f} {http:16.1f} {http / engine:12.2f}  {shares:>40}  "
-                  f"{per_token['http']:11.3f}  {per_token['client']:13.3f}", flush=True)
+                  f"{per_token['http']:11.3f}  {per_token['client']:13.3f}{busy}", flush=True)
 
 
 if __name__ == "__main__":
