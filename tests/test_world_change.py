@@ -3,7 +3,7 @@ with another --nproc): the previous checkpoint is intact, the plan follows the w
 DCP reshards the checkpoint, so the losses go on.
 
 One 4-process run (dp=2,tp=2; checkpoints saved in the background, the default) has rank 0
-SIGKILLed in the middle of its last save (test hook DIE_IN_SAVE_ENV: after DCP wrote the shards,
+SIGKILLed in the middle of its last save (`InjectedFaults(die_in_save=3)`: after DCP wrote the shards,
 before the manifest): the step-2 checkpoint must stay the newest and load. It is resumed on 2
 processes with the same plan (dp follows: dp=1,tp=2) and with `--plan auto`. Step 3 must give
 the killed run's step-3 loss: the batch of a step and the learning rate depend only on the
@@ -23,7 +23,8 @@ import pytest
 from phalanx.testing.cli_errors import assert_cli_error
 from phalanx.testing.fork_ranks import run_ranks
 from phalanx.testing.small_corpus import ONE_FILE_CORPUS
-from phalanx.checkpoint.store import DIE_IN_SAVE_ENV, latest_checkpoint
+from phalanx.checkpoint.store import latest_checkpoint
+from phalanx.train.injected_faults import InjectedFaults
 from phalanx.train.loop import train
 from phalanx.train.world_change import dp_follows
 from phalanx.plan import Plan
@@ -34,10 +35,10 @@ def _losses(cfg):
 
 
 def _losses_to_file(cfg):
-    """Rank 0 is killed at the end: the other ranks (same global-mean losses) leave theirs in a file."""
+    """Rank 0 is killed in step 3's save: the other ranks (same global-mean losses) leave theirs in a file."""
     import torch.distributed as dist
 
-    losses = _losses(cfg)
+    losses = train(cfg, Path(cfg.out), faults=InjectedFaults(die_in_save=3)).losses
     Path(f"{cfg.out}.losses.rank{dist.get_rank()}").write_text(json.dumps(losses))
 
 
@@ -48,10 +49,8 @@ def four_process_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("world") / "run"
     cfg = TrainConfig(model="tiny", data=ONE_FILE_CORPUS, steps=3, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0,
                       ckpt_every=2, sample_tokens=0, progress=False, plot=False, device="cpu", plan="dp=2,tp=2", out=str(out))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DIE_IN_SAVE_ENV, "3")
-        with pytest.raises(RuntimeError, match="rank 0: died without a result"):
-            run_ranks(4, _losses_to_file, cfg)
+    with pytest.raises(RuntimeError, match="rank 0: died without a result"):
+        run_ranks(4, _losses_to_file, cfg)
     return cfg, json.loads(Path(f"{out}.losses.rank1").read_text())
 
 

@@ -77,11 +77,15 @@ def begin_save(run_dir: Path, step: int, *, rank: int) -> Path:
     return staging
 
 
-def finish_save(run_dir: Path, step: int, staging: Path, *, keep: int, meta: dict | None) -> Path:
+def finish_save(run_dir: Path, step: int, staging: Path, *, keep: int, meta: dict | None,
+                die_in_save: int | None = None) -> Path:
     """Rank 0, once every rank's shards and DCP's .metadata are written: the manifest, then the
     rename that makes the checkpoint count, then pruning. Before the rename the folder ends in
-    .tmp and is never read, so a crash anywhere in a save leaves the previous checkpoint newest."""
-    die_if_asked(step)
+    .tmp and is never read, so a crash anywhere in a save leaves the previous checkpoint newest.
+    `die_in_save`: a test's injected fault (injected_faults.py): rank 0 SIGKILLs itself here,
+    after DCP wrote its files and before the manifest, when saving that step."""
+    if die_in_save == step:
+        os.kill(os.getpid(), signal.SIGKILL)
     final = checkpoint_dir(run_dir, step)
     # Written last, after every shard is complete: a folder without a valid manifest is unfinished.
     record = {"step": step, **(meta or {}), "manifest": build_manifest(staging)}
@@ -93,7 +97,7 @@ def finish_save(run_dir: Path, step: int, staging: Path, *, keep: int, meta: dic
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, rank: int, keep: int,
-                    meta: dict | None = None) -> Path:
+                    meta: dict | None = None, die_in_save: int | None = None) -> Path:
     """Save the state after `step` completed steps and return when it is complete (all ranks
     call this). `meta` goes into phalanx.json beside the step (the model's config and the run's
     settings, for export and resume). checkpoint_writer.py saves in the background instead."""
@@ -101,19 +105,15 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer, *, ra
     dcp.save(checkpoint_state(model, optimizer), checkpoint_id=str(staging))
     _barrier()
     if rank == 0:
-        finish_save(run_dir, step, staging, keep=keep, meta=meta)
+        finish_save(run_dir, step, staging, keep=keep, meta=meta, die_in_save=die_in_save)
     _barrier()
     return checkpoint_dir(run_dir, step)
 
 
 DIE_IN_SAVE_ENV = "PHALANX_TEST_DIE_IN_SAVE"
 """Test hook: a step number; rank 0 SIGKILLs itself while saving that step's checkpoint, after
-DCP wrote its files and before the manifest (a crash in the middle of a save)."""
-
-
-def die_if_asked(step: int) -> None:
-    if os.environ.get(DIE_IN_SAVE_ENV) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
+DCP wrote its files and before the manifest (a crash in the middle of a save). Read once by
+`train.injected_faults.InjectedFaults.from_env`, passed down as `die_in_save`."""
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer) -> int:

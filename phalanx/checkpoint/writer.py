@@ -37,9 +37,11 @@ class CheckpointWriter:
     A new process group is made here when asynchronous: construct it on every rank, in order."""
 
     def __init__(self, run_dir: Path, model, optimizer, *, device: torch.device, rank: int, keep: int, meta: dict,
-                 asynchronous: bool, timeout_s: float):
+                 asynchronous: bool, timeout_s: float, die_in_save: int | None = None):
+        """`die_in_save`: a test's injected fault, the step whose save rank 0 dies in (store.finish_save)."""
         self.run_dir, self.model, self.optimizer, self.device = run_dir, model, optimizer, device
         self.rank, self.keep, self.meta, self.asynchronous = rank, keep, meta, asynchronous
+        self.die_in_save = die_in_save
         self.group = None
         if asynchronous and dist.is_initialized():
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -61,7 +63,8 @@ class CheckpointWriter:
         self.last_saved = step
         if not self.asynchronous:
             with self._disk_errors(step):
-                save_checkpoint(self.run_dir, step, self.model, self.optimizer, rank=self.rank, keep=self.keep, meta=self.meta)
+                save_checkpoint(self.run_dir, step, self.model, self.optimizer, rank=self.rank, keep=self.keep, meta=self.meta,
+                                die_in_save=self.die_in_save)
             return time.perf_counter() - began, True
         staging = begin_save(self.run_dir, step, rank=self.rank)
         # Returns once the state is copied to CPU memory; the optimizer may then change it.
@@ -76,7 +79,7 @@ class CheckpointWriter:
 
     def _finish(self, written: Future, step: int, staging: Path, meta: dict) -> None:
         written.result()  # every rank's files and DCP's .metadata are on disk
-        finish_save(self.run_dir, step, staging, keep=self.keep, meta=meta)
+        finish_save(self.run_dir, step, staging, keep=self.keep, meta=meta, die_in_save=self.die_in_save)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; raise what it raised."""

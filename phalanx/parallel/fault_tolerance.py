@@ -458,11 +458,9 @@ def replica_group(cfg, model, optimizer, device: torch.device, *, rank: int, wor
     return sync
 
 
-def state_digest(run_dir: Path, group: int, rank: int, step: int, model, optimizer) -> None:
-    """The DIGEST_ENV test hook (rank 0 of each group; a no-op unless set)."""
-    if not os.environ.get(DIGEST_ENV) or rank != 0:
-        return
-
+def state_digest(run_dir: Path, group: int, step: int, model, optimizer) -> None:
+    """A digest of `group`'s weights and optimizer state after `step`, appended to the run's
+    state_digests.jsonl: the test probe DIGEST_ENV turns on (injected_faults.py reads it once)."""
     digest = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
         digest.update(name.encode())

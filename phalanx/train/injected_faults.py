@@ -12,7 +12,11 @@ worker's entry (`launch.worker_main`) reads them once, with `from_env()`:
   before its group's torchft manager starts (and heartbeats);
 - `IN_STEP_FAULT_ENV`  `RANK:STEP:SIGNAL`: rank RANK (across replica groups) sends itself SIGNAL
   in step STEP (1-based), after its backward, before the replica groups' all-reduce;
-- `IN_STEP_STALL_ENV`  `RANK:STEP:SECONDS`: rank RANK (across replica groups) sleeps there.
+- `IN_STEP_STALL_ENV`  `RANK:STEP:SECONDS`: rank RANK (across replica groups) sleeps there;
+- `checkpoint.store.DIE_IN_SAVE_ENV`  `STEP`: rank 0 SIGKILLs itself in the middle of saving that
+  step's checkpoint (after the shards, before the manifest), on every attempt;
+- `fault_tolerance.DIGEST_ENV`  set: rank 0 of each replica group appends a digest of its weights
+  and optimizer state after every step (not a fault: a probe the replica-group tests read).
 
 Kills and stalls happen on a first attempt only: a restarted worker must not meet them again;
 a rejoin stall only on a restart.
@@ -25,6 +29,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from phalanx.checkpoint.store import DIE_IN_SAVE_ENV
+from phalanx.parallel.fault_tolerance import DIGEST_ENV
 from phalanx.train.bad_steps import NAN_STEPS_ENV
 from phalanx.train.collective_watch import STALL_ENV
 from phalanx.train.restarts import FAULT_ENV, restart_count
@@ -65,6 +71,11 @@ class InjectedFaults:
     backward, before the replica groups' all-reduce."""
     stall_in_step: tuple[int, int, float] | None = None
     """(rank, step, seconds): that rank sleeps there."""
+    die_in_save: int | None = None
+    """The step whose checkpoint save rank 0 dies in (checkpoint/store.finish_save)."""
+    state_digests: bool = False
+    """Each replica group's rank 0 records a digest of its state after every step
+    (`fault_tolerance.state_digest`)."""
 
     @classmethod
     def from_env(cls) -> "InjectedFaults":
@@ -89,7 +100,8 @@ class InjectedFaults:
             rejoin = (int(who), float(seconds))
         nan = frozenset(int(part) for part in os.environ.get(NAN_STEPS_ENV, "").split(",") if part.strip())
         return cls(kill=kill, stall=stall, nan_steps=nan, rejoin_stall=rejoin, kill_in_step=in_step,
-                   stall_in_step=in_step_stall)
+                   stall_in_step=in_step_stall, state_digests=bool(os.environ.get(DIGEST_ENV)),
+                   die_in_save=int(text) if (text := os.environ.get(DIE_IN_SAVE_ENV, "")) else None)
 
     def before_rejoin(self, rank: int) -> None:
         """Before a replica group's torchft manager starts (`rank`: across replica groups): while

@@ -260,7 +260,8 @@ def set_up(job: Job | TrainConfig, run_dir: Path, stop: StopSignals | None, *, f
         run.meta["expert_slots"] = run.slots.state_dict()  # kept current by the steps: each checkpoint holds its placement
 
     run.writer = CheckpointWriter(run_dir, run.model, run.optimizer, device=device, rank=rank, keep=cfg.keep_checkpoints,
-                                  meta=run.meta, asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout)
+                                  meta=run.meta, asynchronous=not cfg.sync_checkpoint, timeout_s=cfg.collective_timeout,
+                                  die_in_save=faults.die_in_save)
     run.writer.last_saved = run.step if found else -1
     run.watch = StuckRankWatch(cfg.collective_timeout)  # names a stuck rank, only once a collective timed out
     bound_every_group(cfg.collective_timeout)  # the mesh's groups too, not only the default one
