@@ -195,7 +195,10 @@ def test_node_slots(tmp_path):
     assert (fresh.rank, fresh.joining) == (0, False) and fresh.launch_id != first.launch_id
     fresh.lock.close()
     fresh.turn.close()  # gave up before `started` (its one-line error): the next machine starts the launch
-    assert claim_node(tmp_path, cfg, 2).joining is False
+    last = claim_node(tmp_path, cfg, 2)
+    assert last.joining is False
+    last.started()
+    last.lock.close()
 
 
 def test_bad_node_settings_are_one_line(tmp_path, capsys):
