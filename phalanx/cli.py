@@ -49,7 +49,7 @@ TRAIN_FLAGS: list[tuple[str, str, type, str]] = [
     ("--expert-slots", "expert_slots", int, "physical expert slots per MoE layer over the ep group: >= experts and a multiple of ep; extra slots replicate hot experts (default: one per expert)"),
     ("--rebalance-every", "rebalance_every", int, "move expert slots to the measured loads every K steps, weights and optimizer state with them (default 0: never)"),
     ("--replica-groups", "replica_groups", int, "split the --nproc processes into R data-parallel replica groups: a failed group restarts and rejoins from its peers while the others keep training (torchft: pip install 'phalanx[ft]'; docs/fault_tolerance.md)"),
-    ("--lighthouse", "lighthouse", str, "with --replica-groups: HOST:PORT of a torchft lighthouse already running (default: phalanx starts one)"),
+    ("--lighthouse", "lighthouse", str, "with --replica-groups: HOST:PORT of a torchft lighthouse already running (default: phalanx starts one; required with --nnodes)"),
     ("--threads", "threads", int, "torch intra-op threads per worker (default 0: OMP_NUM_THREADS if set, else the cores this process may use divided among the local workers; docs/serve.md: Threads)"),
     ("--collective-timeout", "collective_timeout", float, "seconds a collective may wait for the other ranks before the worker fails, naming the operation and, where known, the missing rank (default 600)"),
 ]

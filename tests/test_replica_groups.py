@@ -226,9 +226,9 @@ def test_a_lighthouse_already_running(tmp_path):
 
 
 def test_bad_replica_groups_are_one_line(tmp_path, capsys):
-    """R not dividing the processes, the batch not dividing over the groups, an MoE model,
-    several machines (--nnodes, the elastic path among them) and a lighthouse nobody listens
-    at: one line each, exit status 2, before any worker starts."""
+    """R not dividing the processes, the batch not dividing over the groups, an MoE model and a
+    lighthouse nobody listens at: one line each, exit status 2, before any worker starts
+    (several machines' bad settings: tests/test_replica_groups_nodes.py)."""
     out = ["--out", str(tmp_path / "r")]
     assert_cli_error([*TINY, "--nproc", "3", "--replica-groups", "2", *out], capsys,
                      "--replica-groups 2 must divide the 3 processes (--nproc) evenly", one_line=False)
@@ -236,8 +236,6 @@ def test_bad_replica_groups_are_one_line(tmp_path, capsys):
                      "--global-batch 6 must divide evenly over 4 replica groups x dp=1 = 4 data-parallel ranks",
                      one_line=False)  # after the warning that 4 processes share 2 cores
     assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--model", "tiny-moe", *out], capsys, "MoE")
-    assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999",
-                      *out], capsys, "--replica-groups with --nnodes is not supported yet")
     port = free_port()
     assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--lighthouse", f"127.0.0.1:{port}", *out], capsys,
                      f"--lighthouse 127.0.0.1:{port}: cannot reach a lighthouse there")

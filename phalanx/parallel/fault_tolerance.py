@@ -108,8 +108,17 @@ def require_torchft() -> None:
         raise UserError("--replica-groups needs torchft: pip install 'phalanx[ft]'") from None
 
 
-def check_replica_groups(groups: int, world: int) -> int:
-    """Processes per group; the groups must split the processes evenly."""
+def check_replica_groups(groups: int, world: int, nodes: int = 1) -> int:
+    """Processes per group; the groups must split the processes evenly. With `nodes` machines
+    (--nnodes), each runs groups / nodes whole groups on its `world` processes (--nproc)."""
+    if nodes > 1:
+        if groups % nodes:
+            raise UserError(f"--replica-groups {groups} must divide evenly over the {nodes} nodes of --nnodes "
+                            "(each node runs whole groups)")
+        if world % (groups // nodes):
+            raise UserError(f"--replica-groups {groups} over {nodes} nodes is {groups // nodes} groups per node, "
+                            f"which must divide the {world} processes per node (--nproc) evenly")
+        return world // (groups // nodes)
     if groups < 1 or world % groups:
         raise UserError(f"--replica-groups {groups} must divide the {world} processes (--nproc) evenly")
     return world // groups
@@ -168,7 +177,8 @@ def wait_for_groups(run_dir: Path, launch_id: str, group: int, groups: int, time
     """A first launch's groups meet here, each with its torchft manager up (heartbeating), before
     the first quorum: a lighthouse forms a quorum of the groups it has heard of, so a group that
     started a little late would otherwise miss step 1 and join it only by healing. One file per
-    group in the run directory (every node sees it); `launch_id` keeps launches apart."""
+    group in the run directory (every node sees it); `launch_id` keeps launches apart; `groups`:
+    how many groups to wait for (with --nnodes MIN:MAX, those of MIN machines)."""
     folder = run_dir / ".replica_groups"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{launch_id}.{group}").touch()
@@ -201,10 +211,12 @@ class ReplicaGroupSync:
     `model`, `optimizer`: what a healing group receives; `rank`, `world`: this rank's place in
     its group (rank 0 serves the group's torchft manager, whose address it leaves in the
     elastic agent's store at MASTER_ADDR:MASTER_PORT); `step`: the step this group starts from
-    (a checkpoint's, or 0); `steps`: the run's last step."""
+    (a checkpoint's, or 0); `steps`: the run's last step; `store_host`: the address of that
+    store that the other groups are told (they rendezvous there when this group leads a quorum):
+    MASTER_ADDR when empty, which a group launched on one machine has as 127.0.0.1."""
 
     def __init__(self, *, group: int, groups: int, lighthouse: str, model, optimizer, device: torch.device,
-                 rank: int, world: int, step: int, timeout_s: float, steps: int):
+                 rank: int, world: int, step: int, timeout_s: float, steps: int, store_host: str = ""):
         require_torchft()
         # Imported when asked for, not at the top: torchft is the optional `ft` extra, needed only with --replica-groups.
         from torchft import Manager
@@ -243,7 +255,8 @@ class ReplicaGroupSync:
             # nothing to send at step 0.
             init_sync=False,
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-            rank=rank, world_size=world, store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            rank=rank, world_size=world, store_addr=store_host or os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=lighthouse, replica_id=f"phalanx_group_{group}", hostname=socket.gethostname(),
             heartbeat_interval=datetime.timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
             checkpoint_transport=(PGTransport(self.pg, timeout=timeout, device=device) if device.type == "cuda"
@@ -450,11 +463,18 @@ def replica_group(cfg, model, optimizer, device: torch.device, *, rank: int, wor
     group goes straight to its quorum, where it heals."""
     if cfg.replica_groups == 1:
         return None
+    low, high = cfg.node_range
+    # Across machines (--nnodes), the other groups reach this group's store by this machine's
+    # name, as they reach its torchft manager (torchft advertises that at socket.gethostname());
+    # the elastic agent's store listens on every interface.
     sync = ReplicaGroupSync(group=int(os.environ[GROUP_ENV]), groups=cfg.replica_groups,
                             lighthouse=os.environ[LIGHTHOUSE_ENV], model=model, optimizer=optimizer, device=device,
-                            rank=rank, world=world, step=step, timeout_s=cfg.collective_timeout, steps=cfg.steps)
+                            rank=rank, world=world, step=step, timeout_s=cfg.collective_timeout, steps=cfg.steps,
+                            store_host=socket.gethostname() if high > 1 else "")
     if first_attempt and rank == 0:  # the group's other ranks wait for it at the first quorum
-        wait_for_groups(run_dir, os.environ[LAUNCH_ENV], sync.group, sync.groups, cfg.collective_timeout)
+        # With --nnodes MIN:MAX the first step waits for the groups of MIN nodes (all of them
+        # with a fixed --nnodes N); the groups of nodes that start later heal into the run.
+        wait_for_groups(run_dir, os.environ[LAUNCH_ENV], sync.group, sync.groups // high * low, cfg.collective_timeout)
     return sync
 
 

@@ -80,12 +80,12 @@ class TrainConfig:
     resuming from the newest complete checkpoint; a user error is never retried. -1 = the
     default: 3 when the launcher starts worker processes, 0 for one process run in its own."""
     replica_groups: int = 1
-    """Data-parallel replica groups, each a fault domain of nproc / replica_groups processes that
-    runs the plan inside it; a failed group restarts and rejoins from its peers while the others
-    keep training (torchft, the `ft` extra; `parallel/fault_tolerance.py`). 1 = none."""
+    """Data-parallel replica groups (over all machines), each a fault domain of nproc / (groups
+    per machine) processes that runs the plan inside it; a failed group restarts and rejoins
+    from its peers while the others keep training (torchft, the `ft` extra; `parallel/fault_tolerance.py`). 1 = none."""
     lighthouse: str = ""
     """With replica_groups: HOST:PORT of a torchft lighthouse already running; empty = the
-    launcher starts one."""
+    launcher starts one (on one machine only: with nnodes > 1 it is required)."""
     sample_tokens: int = 200
     sample_prompt: str = "def "
     device: str = "auto"

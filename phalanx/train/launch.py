@@ -36,7 +36,7 @@ from phalanx.train.config import TrainConfig
 from phalanx.train.injected_faults import InjectedFaults  # test hooks, read once here
 from phalanx.train.job import Job, check_sequence_length, resolve_job
 from phalanx.train.loop import train
-from phalanx.train.replica_groups import GROUP_ENV, check_group_job, group_processes, launch_replica_groups
+from phalanx.train.replica_groups import GROUP_ENV, check_group_job, claim_node, group_processes, launch_replica_groups
 from phalanx.train.restarts import leave_user_error, resume_mode
 from phalanx.train.resume_point import gpu_name, saved_checkpoint
 from phalanx.train.stop_signal import GRACE_S, STOP_STATUS, StopSignals
@@ -124,7 +124,9 @@ def node_worker(cfg_fields: dict, job: Job | None, run_dir: str) -> int:
     """Every worker the launcher starts (phalanx/launch/worker_launch.py runs it): `worker_main`, with
     the run directory's lock held by rank 0 across machines (there no launcher holds it: each
     would refuse the others')."""
-    across_nodes = TrainConfig(**cfg_fields).node_range[1] > 1 and os.environ.get("RANK") == "0"
+    cfg = TrainConfig(**cfg_fields)
+    # Replica groups are one local launch each: their machine's launcher holds the directory (`claim_node`).
+    across_nodes = cfg.node_range[1] > 1 and cfg.replica_groups == 1 and os.environ.get("RANK") == "0"
     lock = lock_run_dir(Path(run_dir)) if across_nodes else None
     try:
         return worker_main(cfg_fields, run_dir, job=job)
@@ -150,10 +152,11 @@ def launch_with_restarts(cfg: TrainConfig, nproc: int, run_dir: str, rdzv_endpoi
         found = latest_checkpoint(Path(run_dir))
         return f"restarting from step {found[0]}" if found else "restarting from the start (no checkpoint yet)"
 
-    run = f"phalanx-{rdzv_endpoint}" if cfg.node_range[1] > 1 else f"phalanx-{os.getpid()}"
+    nodes = cfg.node_range if group is None else (1, 1)  # a replica group's workers are on one machine
+    run = f"phalanx-{rdzv_endpoint}" if nodes[1] > 1 else f"phalanx-{os.getpid()}"
     return launch_workers(node_worker, args_for, nproc, cfg.device, restarts,
                           label="" if group is None else f"replica group {group}: ", restarting=restarting,
-                          after=lambda: resume_hint(Path(run_dir)), rdzv_endpoint=rdzv_endpoint, nodes=cfg.node_range,
+                          after=lambda: resume_hint(Path(run_dir)), rdzv_endpoint=rdzv_endpoint, nodes=nodes,
                           grace_s=GRACE_S, run_id=run, warm=group is not None)
 
 
@@ -173,22 +176,29 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     nproc = cfg.nproc or default_nproc(cfg)
     check_nproc(nproc, cfg.device)
     nodes = cfg.node_range
-    if nodes[1] > 1 and not rdzv_endpoint:
+    if nodes[1] > 1 and not rdzv_endpoint and cfg.replica_groups == 1:  # replica groups meet at the lighthouse
         raise UserError(f"--nnodes {cfg.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every machine")
     per_group = group_processes(cfg, nproc) if cfg.replica_groups > 1 else 0  # each group runs the plan
-    world = (per_group or nproc) * nodes[0]  # exact unless elastic: then the workers plan for the world they find
+    # Exact unless elastic: then the workers plan for the world they find (a replica group's world is fixed).
+    world = per_group or nproc * nodes[0]
     # Fail here, in one line, not in every worker.
     model_cfg = model_config(cfg.model)
     check_sequence_length(cfg, model_cfg)
     run_dir = resolve_run_dir(cfg)
+    node = None
+    if per_group and nodes[1] > 1:  # this machine's slot, its groups (train/replica_groups.py)
+        lock = lock_run_dir(run_dir, shared=True)  # the machines share it; a run of another kind is refused
+        node = claim_node(run_dir, cfg, nproc)
+        if node.joining:  # its groups receive the running groups' state: no checkpoint to read, none to refuse
+            cfg = cfg.replace(resume="")
     # Checksummed once here (a whole checkpoint is read); a run without --out is a new directory.
-    found = saved_checkpoint(run_dir, report=not cfg.elastic) if cfg.out else None
+    found = saved_checkpoint(run_dir, report=not cfg.elastic) if cfg.out and not (node and node.joining) else None
     cfg = cfg.replace(nproc=nproc, out=str(run_dir))
 
     def job_for(settings: TrainConfig, saved) -> Job | None:
         """The job the workers receive; None for an elastic launch, whose workers work it out
         for the world they find."""
-        if settings.elastic:
+        if settings.elastic and not per_group:
             return None
         return resolve_job(settings, world, saved if settings.resume else None, run_dir=str(run_dir),
                            gpu=gpu_name(settings), log=lambda line: print(line, file=sys.stderr))
@@ -210,9 +220,12 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     # The data too: a missing or short split, a tokenizer larger than the model, bad UTF-8.
     check_corpus(open_training_data(data=cfg.data, tokenizer=cfg.tokenizer, model=cfg.model), model=cfg.model,
                  model_vocab=model_cfg.vocab_size, seq_len=cfg.seq_len, needs_val=cfg.eval_every > 0, doc_mask=cfg.doc_mask)
+    if node is not None:  # the other machines may join this launch now
+        node.started()
     created = not run_dir.exists()
     # Held until this process exits; the workers inherit it. Across machines, rank 0 takes it.
-    lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
+    if node is None:
+        lock = lock_run_dir(run_dir) if nodes[1] == 1 else open(os.devnull)
 
     params = sum(p.numel() for p in build_model(model_cfg).parameters())  # meta device: no memory
     resumed = job.resume_from if job is not None else (found if cfg.resume else None)
@@ -223,6 +236,10 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     where = f"{nproc} process{'es' if nproc > 1 else ''}" + (f" per node on {cfg.nnodes} nodes" if nodes[1] > 1 else "")
     if per_group:
         where += f" in {cfg.replica_groups} replica groups of {per_group}"
+    if node is not None:
+        mine = node.groups
+        mine_text = f"group {mine.start}" if len(mine) == 1 else f"groups {mine.start}-{mine.stop - 1}"
+        where += f" (node slot {node.rank}: {mine_text}{', joining the running groups' if node.joining else ''})"
     plan = "chosen for the world size found" if job is None else job.plan_text
     print(f"phalanx: training {model_cfg.name} ({params / 1e6:.2f}M parameters{source}) on {where}, "
           f"plan {plan}, run directory {run_dir}", file=sys.stderr)
@@ -231,7 +248,7 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
         def run_group(group: int, first: Job, rejoin: Job) -> int:
             return launch_with_restarts(cfg, per_group, str(run_dir), "", restarts,
                                         lambda settings: first if settings is cfg else rejoin, group=group)
-        status = launch_replica_groups(cfg, str(run_dir), attempt_job, run_group)
+        status = launch_replica_groups(cfg, str(run_dir), attempt_job, run_group, node)
     elif nproc == 1 and nodes[1] == 1 and not restarts:  # in this process: nothing would be left to restart it
         status = worker_main(asdict(cfg), str(run_dir), job=job)
     else:
@@ -240,6 +257,8 @@ def launch_train(cfg: TrainConfig, rdzv_endpoint: str = "") -> int:
     if status and created:
         remove_if_empty(run_dir)
     lock.close()
+    if node is not None:
+        node.lock.close()
     return status
 
 
@@ -263,10 +282,12 @@ def _torchrun_worker(cfg: TrainConfig) -> int:
 LOCK_FILE = "phalanx.lock"
 
 
-def lock_run_dir(run_dir: Path):
+def lock_run_dir(run_dir: Path, shared: bool = False):
     """Create the run directory if needed and hold an exclusive lock on a file in it, so a
     second run on the same --out is refused instead of interleaving metrics and checkpoints.
-    flock's lock goes away with the last process holding the file, so a crash releases it."""
+    flock's lock goes away with the last process holding the file, so a crash releases it.
+    `shared`: a shared lock, as each machine's launcher of a replica-group run holds it (they
+    split the directory between them by node slots; any other run is refused)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--out {run_dir} is a file, not a directory")
     try:
@@ -275,12 +296,14 @@ def lock_run_dir(run_dir: Path):
     except OSError as error:
         raise UserError(f"--out {run_dir}: cannot write a run directory there ({error.strerror})") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
         raise UserError(f"{run_dir} is in use by another phalanx train ({holder}); wait for it to end, or pass another --out") from None
+    if shared:
+        return lock
     lock.seek(0)
     lock.truncate()
     lock.write(f"pid {os.getpid()}\n")
