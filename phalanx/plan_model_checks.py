@@ -15,10 +15,12 @@ from phalanx.plan import Plan, parse_split, weights_view
 
 
 def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_len: int, dtype: str = "fp32",
-                       compile: bool = False, float8: bool = False, doc_mask: bool = False) -> Plan:
+                       compile: bool = False, float8: bool = False, doc_mask: bool = False,
+                       replica_groups: int = 1) -> Plan:
     """Checks that need the model's shape, the batch, `--dtype`, `--compile`, `--float8` and `--doc-mask`;
     raised before any worker starts. Returns the plan with its precision filled
-    in from `dtype` (`resolve_precision`)."""
+    in from `dtype` (`resolve_precision`). `replica_groups`: the groups that share the global
+    batch, each running `plan` on its share."""
     validate_ep(cfg, weights_view(plan))  # experts spread over dp x cp ranks
     problems = validate_tp(plan, cfg, seq_len) + validate_pp(plan, cfg)
     problems += validate_cp(plan, seq_len, cfg, doc_mask=doc_mask)
@@ -26,10 +28,11 @@ def validate_for_model(plan: Plan, cfg: ModelConfig, *, global_batch: int, seq_l
     if cfg.tie_embeddings and plan.pp > 1:
         problems.append(f"model {cfg.name!r} ties its output projection to its embedding, which pp={plan.pp} "
                         "would place on different stages; use tp or dp instead")
-    micro = plan.dp * plan.num_microbatches
+    micro = replica_groups * plan.dp * plan.num_microbatches
     if global_batch % micro:
+        groups = f"{replica_groups} replica groups x " if replica_groups > 1 else ""
         problems.append(
-            f"global_batch={global_batch} must divide evenly into dp={plan.dp} ranks x "
+            f"global_batch={global_batch} must divide evenly into {groups}dp={plan.dp} ranks x "
             f"microbatches={plan.num_microbatches} (= {micro} micro-batches)"
         )
     if problems:

@@ -61,10 +61,11 @@ def _final_weights(run: Path, scratch: Path) -> dict[str, torch.Tensor]:
     return torch.load(scratch, weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("plan", [None, "dp=2,zero=3", "tp=2"], ids=["ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("plan", [None, "dp=2,zero=3", "tp=2", "pp=2,microbatches=2", "cp=2"],
+                         ids=["ddp", "fsdp", "tp", "pp", "cp"])
 def test_two_groups_of_two_equal_one_process(tmp_path, capsys, plan):
     """4 processes as 2 replica groups of dp=2 (DDP inside each group; or FSDP2 sharding inside
-    each group and replication across them, as HSDP; or tp=2 inside each group): losses,
+    each group and replication across them, as HSDP; or tp=2, pp=2 or cp=2 inside each group): losses,
     gradient norms and final weights equal a one-process run (1e-4, see the module docstring);
     every row names both groups."""
     steps = ["--steps", "4", "--ckpt-every", "4"]
@@ -226,15 +227,20 @@ def test_a_lighthouse_already_running(tmp_path):
 
 
 def test_bad_replica_groups_are_one_line(tmp_path, capsys):
-    """R not dividing the processes, the batch not dividing over the groups, an MoE model and a
+    """R not dividing the processes, the batch not dividing over the groups (or a group's share
+    not over its micro-batches), an MoE model and a
     lighthouse nobody listens at: one line each, exit status 2, before any worker starts
     (several machines' bad settings: tests/test_replica_groups_nodes.py)."""
     out = ["--out", str(tmp_path / "r")]
     assert_cli_error([*TINY, "--nproc", "3", "--replica-groups", "2", *out], capsys,
                      "--replica-groups 2 must divide the 3 processes (--nproc) evenly", one_line=False)
     assert_cli_error([*TINY, "--nproc", "4", "--replica-groups", "4", "--global-batch", "6", *out], capsys,
-                     "--global-batch 6 must divide evenly over 4 replica groups x dp=1 = 4 data-parallel ranks",
+                     "global_batch=6 must divide evenly into 4 replica groups x dp=1 ranks x microbatches=1",
                      one_line=False)  # after the warning that 4 processes share 2 cores
+    # Each group's share of the batch (4 / 2 groups = 2 sequences) cannot fill pp=2's default 4 micro-batches.
+    assert_cli_error([*TINY, "--nproc", "4", "--replica-groups", "2", "--plan", "pp=2", *out], capsys,
+                     "global_batch=4 must divide evenly into 2 replica groups x dp=1 ranks x microbatches=4",
+                     one_line=False)
     assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--model", "tiny-moe", *out], capsys, "MoE")
     port = free_port()
     assert_cli_error([*TINY, "--nproc", "2", "--replica-groups", "2", "--lighthouse", f"127.0.0.1:{port}", *out], capsys,

@@ -150,7 +150,8 @@ def resolve_job(cfg: TrainConfig, world_size: int, checkpoint: SavedCheckpoint |
     cfg = cfg.replace(plan=text)
     shown = plan.validate(world_size).to_string()
     plan = validate_for_model(plan, model_cfg, global_batch=cfg.global_batch, seq_len=cfg.seq_len, dtype=cfg.dtype,
-                              compile=cfg.compile, float8=cfg.float8, doc_mask=cfg.doc_mask)
+                              compile=cfg.compile, float8=cfg.float8, doc_mask=cfg.doc_mask,
+                              replica_groups=cfg.replica_groups)
     if checkpoint is not None:
         notes = check_resume(checkpoint.meta, model=model_cfg.to_dict(), where=run_dir,
                              settings={**dataclasses.asdict(cfg), "world_size": world_size})

@@ -153,11 +153,9 @@ def claim_node(run_dir: Path, cfg: TrainConfig, nproc: int) -> NodeSlot:
 
 
 def check_group_job(job, groups: int) -> None:
-    """What a replica group cannot run (yet), and why, in one line."""
+    """What a replica group cannot run (yet), and why, in one line (a batch that does not divide
+    over the groups' ranks and micro-batches: plan_model_checks.validate_for_model)."""
     settings, plan = job.settings, job.plan
-    if settings.global_batch % (groups * plan.dp):
-        raise UserError(f"--global-batch {settings.global_batch} must divide evenly over {groups} replica groups "
-                        f"x dp={plan.dp} = {groups * plan.dp} data-parallel ranks")
     if job.expert_slots or plan.ep > 1 or _is_moe(settings.model):
         raise UserError("--replica-groups does not support MoE models yet: each group's routers would follow "
                         "their own expert loads and drift apart")
