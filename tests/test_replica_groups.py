@@ -61,6 +61,19 @@ def _final_weights(run: Path, scratch: Path) -> dict[str, torch.Tensor]:
     return torch.load(scratch, weights_only=False)["model"]
 
 
+def assert_equal_to_one_process(tmp_path: Path) -> None:
+    """The run in tmp_path/ft (4 steps, both groups in every step) against the one-process run
+    in tmp_path/one: losses and gradient norms (1e-4) and the final weights."""
+    one, ft = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "ft" / "metrics.jsonl")
+    assert [row["step"] for row in ft] == [1, 2, 3, 4] and all(row["groups"] == [0, 1] for row in ft), ft
+    for key in ("loss", "grad_norm"):
+        assert [row[key] for row in ft] == pytest.approx([row[key] for row in one], rel=1e-4), key
+    got, want = _final_weights(tmp_path / "ft", tmp_path / "ft.pt"), _final_weights(tmp_path / "one", tmp_path / "one.pt")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("plan", [None, "dp=2,zero=3", "tp=2", "pp=2,microbatches=2", "cp=2"],
                          ids=["ddp", "fsdp", "tp", "pp", "cp"])
 def test_two_groups_of_two_equal_one_process(tmp_path, capsys, plan):
@@ -75,14 +88,7 @@ def test_two_groups_of_two_equal_one_process(tmp_path, capsys, plan):
                         PYTHONPATH=str(Path(__file__).parents[1]))
     assert code == 0, err
     assert any(f"on 4 processes in 2 replica groups of 2, plan {plan or 'dp=2'}," in line for line in err), err
-    one, ft = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "ft" / "metrics.jsonl")
-    assert [row["step"] for row in ft] == [1, 2, 3, 4] and all(row["groups"] == [0, 1] for row in ft), ft
-    for key in ("loss", "grad_norm"):
-        assert [row[key] for row in ft] == pytest.approx([row[key] for row in one], rel=1e-4), key
-    got, want = _final_weights(tmp_path / "ft", tmp_path / "ft.pt"), _final_weights(tmp_path / "one", tmp_path / "one.pt")
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_equal_to_one_process(tmp_path)
 
 
 def test_killed_group_rejoins_from_its_peer(tmp_path):

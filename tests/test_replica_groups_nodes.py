@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 os.environ.setdefault("RUST_LOG", "error")  # read when torchft is first imported: its quorum log lines off
 pytest.importorskip("torchft")
@@ -37,7 +36,7 @@ from phalanx.train.injected_faults import REJOIN_STALL_ENV  # noqa: E402
 from phalanx.train.metrics import parse_lines, read_metrics  # noqa: E402
 from phalanx.train.replica_groups import claim_node  # noqa: E402
 from phalanx.train.restarts import FAULT_ENV  # noqa: E402
-from tests.test_replica_groups import TINY, _digests, _final_weights, _run  # noqa: E402
+from tests.test_replica_groups import TINY, _digests, _run, assert_equal_to_one_process  # noqa: E402
 
 ROOT = str(Path(__file__).parents[1])
 
@@ -99,14 +98,7 @@ def test_two_nodes_equal_one_process(tmp_path, capsys):
     assert [code for code, _ in results] == [0, 0], results
     # Started together, the second to claim a slot joins the first one's launch.
     assert _slots(results) == ["0: group 0", "1: group 1, joining the running groups"], results
-    one, ft = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "ft" / "metrics.jsonl")
-    assert [row["step"] for row in ft] == [1, 2, 3, 4] and all(row["groups"] == [0, 1] for row in ft), ft
-    for key in ("loss", "grad_norm"):
-        assert [row[key] for row in ft] == pytest.approx([row[key] for row in one], rel=1e-4), key
-    got, want = _final_weights(tmp_path / "ft", tmp_path / "ft.pt"), _final_weights(tmp_path / "one", tmp_path / "one.pt")
-    assert got.keys() == want.keys()
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_equal_to_one_process(tmp_path)
 
 
 def test_a_killed_group_on_one_node_rejoins_while_the_other_node_steps(tmp_path):
