@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import statistics
 import sys
@@ -64,6 +65,10 @@ SEED = {1: 0, 3: 1, 2: 2}
 index in the old `--rates 1,3`); a rate's arrivals are the same at every layout."""
 BLOCKS, BUDGET, SEATS = 256, 512, 32
 """The servers' KV blocks of 16 positions, prompt-token budget per step and sequences per step."""
+THREADS = 1
+"""Threads per server process (tests/serve_server.ServeProcess pins one) and of the engine
+steps timed here: a process of one thread computes at one core's rate, whatever the core count
+(planner/serve/fit.compute_world)."""
 
 
 def measured(server, args, rate: float, seed: int) -> tuple[float, float]:
@@ -78,9 +83,11 @@ def measured(server, args, rate: float, seed: int) -> tuple[float, float]:
 
 def predict(model, cluster, costs, args, *, procs: int, rate: float | None, seqs: int, mbt: int,
             concurrency: int | None = None) -> tuple[float, float]:
+    from phalanx.planner.serve.fit import compute_world
+
     layout = ServeLayout(tp=procs, weight_dtype="fp32", kv_dtype="fp32")
     plan = evaluate(model, cluster, layout, 1, ServeLoad(isl=args.isl, osl=args.osl, rate=rate, concurrency=concurrency),
-                    max_batch=seqs, max_batch_tokens=mbt, world=procs, costs=costs)
+                    max_batch=seqs, max_batch_tokens=mbt, world=compute_world(cluster, procs, THREADS), costs=costs)
     return plan.rates.ttft_s, plan.rates.tpot_p50_s
 
 
@@ -91,17 +98,17 @@ def run_model(args, heads: int, rows: list, errors: dict) -> None:
 
     from phalanx.calibrate.serve_probe import probe_running
     from phalanx.calibrate.serve_steps import engine_splits_forwards, measure
-    from phalanx.planner.serve.fit import fit, fit_probe
+    from phalanx.planner.serve.fit import compute_world, fit, fit_probe
     from tests.serve_server import ServeProcess
 
     args.heads = heads
     folder = write_model(Path(tempfile.mkdtemp(prefix="serve-planner-")), args)
     model = model_from_name(str(folder))
     cluster = cluster_from_name("local")
-    torch.set_num_threads(1)  # as each server process runs (tests/serve_server.ONE_THREAD)
+    torch.set_num_threads(THREADS)  # as each server process runs (tests/serve_server.ONE_THREAD)
     steps = measure(model, log=lambda line: print(line, file=sys.stderr, flush=True))
     costs, fit_error = fit(model, cluster, steps, ServeLayout(weight_dtype="fp32", kv_dtype="fp32"),
-                           split_forwards=engine_splits_forwards())
+                           split_forwards=engine_splits_forwards(), world=compute_world(cluster, 1, THREADS))
     print(f"{heads} heads ({heads // 2} KV heads): engine constants fitted on {len(steps)} steps (median fit error "
           f"{fit_error:.1%}): step {costs.step_s * 1e3:.2f} ms, per sequence {costs.sequence_s * 1e3:.3f} ms, "
           f"per sequence-layer {costs.sequence_layer_s * 1e3:.3f} ms, per token {costs.token_s * 1e3:.3f} ms, "
@@ -115,6 +122,7 @@ def run_model(args, heads: int, rows: list, errors: dict) -> None:
             address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
             probe = asyncio.run(probe_running(address, server.name, tp=procs, vocab=args.vocab, isl=args.isl,
                                               osl=args.osl, max_num_seqs=SEATS, max_batch_tokens=BUDGET))
+            probe = dataclasses.replace(probe, threads=THREADS)
             costs = fit_probe(model, cluster, costs, probe)
             print(f"probe at {procs} process(es), requests one at a time: TTFT {probe.ttft_s * 1e3:.1f} ms, TPOT "
                   f"{probe.tpot_s * 1e3:.1f} ms; per step {costs.step_s * 1e3:.1f} ms, per sequence "

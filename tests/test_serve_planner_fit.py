@@ -116,3 +116,36 @@ def test_a_prompt_that_finds_the_engine_idle_waits_for_no_step():
         prompt = step_time(model, cluster, ServeLayout(tp=tp, weight_dtype="fp32", kv_dtype="fp32"), decodes=0,
                            context=0, prefill_tokens=64, prefill_context=32, world=tp, costs=costs).seconds
         assert predicted_latency(model, cluster, costs, probe)[0] == pytest.approx(0.01 + prompt, rel=0.01)
+
+
+def test_a_single_threaded_process_computes_at_one_cores_rate():
+    """Steps timed on one thread of a 2-core node are one core's rate (world 2), so a tp=2 group
+    of two single-threaded processes, each on its own core, runs a prompt's FLOPs in half the
+    time; a one-process fit at world 1 would have made each rank half as fast and the tp=2
+    prompt no faster. 4 processes on 2 cores: half a core each (world 4)."""
+    import dataclasses as dc
+
+    from phalanx.planner.serve.fit import compute_world
+
+    model = MODELS["small"]
+    cluster = dc.replace(CLUSTERS["local"], devices_per_node=2, fast_domain=2)
+    assert [compute_world(cluster, p, 1) for p in (1, 2, 4)] == [2, 2, 4]
+    assert [compute_world(cluster, p, 0) for p in (1, 2, 4)] == [1, 2, 4], "automatic: cores / processes"
+    assert compute_world(cluster, 1, 2) == 1
+    assert compute_world(CLUSTERS["dgx-h100"], 2, 1) == 2, "a GPU rank's rate is its own"
+    layout = ServeLayout(weight_dtype="fp32", kv_dtype="fp32")
+    truth = ServeCosts(flops_scale=0.4, bandwidth_scale=0.4)
+    shapes = [(b, c, 0, 0.0) for b in (1, 4, 16) for c in (32, 192)] + [(0, 0.0, t, t / 2) for t in (16, 64, 256)]
+    steps = [MeasuredStep(b, c, t, pc, step_time(model, cluster, layout, decodes=b, context=c, prefill_tokens=t,
+                                                 prefill_context=pc, world=2, costs=truth).seconds)
+             for b, c, t, pc in shapes]
+    one_core, _ = fit(model, cluster, steps, layout, world=2)
+    whole_node, _ = fit(model, cluster, steps, layout)
+    prompt = lambda costs, tp, world: step_time(model, cluster, ServeLayout(tp=tp, weight_dtype="fp32", kv_dtype="fp32"),  # noqa: E731
+                                                decodes=0, context=0, prefill_tokens=256, world=world,
+                                                costs=costs).breakdown["weights_and_gemms"]
+    assert prompt(one_core, 1, 2) == pytest.approx(prompt(whole_node, 1, 1), rel=1e-6), "same one-process prediction"
+    # Half the FLOPs per rank (a little over half the time: narrower GEMMs run a little less
+    # efficiently, hardware.Cluster.matmul_half_dim), against no faster at all.
+    assert 0.5 <= prompt(one_core, 2, 2) / prompt(one_core, 1, 2) < 0.6
+    assert prompt(whole_node, 2, 2) / prompt(whole_node, 1, 1) >= 1.0

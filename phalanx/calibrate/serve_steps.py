@@ -22,7 +22,7 @@ from pathlib import Path
 
 from phalanx.planner.hardware import cluster_from_name
 from phalanx.planner.model_spec import model_from_name
-from phalanx.planner.serve.fit import MeasuredStep, fit
+from phalanx.planner.serve.fit import MeasuredStep, compute_world, fit
 from phalanx.planner.serve.step import ServeLayout
 from phalanx.scheduling.scheduler import Chunk, Scheduler, Sequence, Step
 
@@ -110,7 +110,7 @@ def calibrate_serve(model_name: str, out_path, *, max_procs: int = 2, log=print)
     log(f"timing phalanx serve's engine steps of {cfg.name} on this CPU ({torch.get_num_threads()} threads)")
     steps = measure(cfg, log=log)
     costs, error = fit(cfg, cluster, steps, ServeLayout(weight_dtype="fp32", kv_dtype="fp32"),
-                       split_forwards=engine_splits_forwards())
+                       split_forwards=engine_splits_forwards(), world=compute_world(cluster, 1, torch.get_num_threads()))
     log("probing a real phalanx serve on 127.0.0.1 (HTTP, streaming, tp groups)")
     folder = model_name if Path(model_name).is_dir() and has_any_weights(Path(model_name)) else None
     costs, probes = probe_and_fit(cfg, cluster, costs, max_procs=max_procs, folder=folder, log=log)

@@ -37,10 +37,23 @@ class MeasuredStep:
     seconds: float
 
 
-def features(model: ModelConfig, cluster: Cluster, layout: ServeLayout, m: MeasuredStep) -> list[float]:
+def compute_world(cluster: Cluster, processes: int, threads: int = 0) -> int:
+    """The `world` a process's share of a shared CPU node is figured for (serve/step.step_time:
+    the node's rate divided among `world` ranks): the node's cores divide among the
+    processes, and a process of `threads` threads (0: its automatic share, cores / processes)
+    uses at most that many of them. One process of one thread on 2 cores computes at a
+    core's rate (world 2), not the node's; 4 single-threaded processes on 2 cores at half a
+    core's (world 4)."""
+    if not cluster.shared_compute or threads <= 0:
+        return processes
+    return max(processes, cluster.devices_per_node // threads, 1)
+
+
+def features(model: ModelConfig, cluster: Cluster, layout: ServeLayout, m: MeasuredStep,
+             world: int | None = None) -> list[float]:
     none = ServeCosts()
     mech = step_time(model, cluster, layout, decodes=m.decodes, context=m.context, prefill_tokens=m.prompt_tokens,
-                     prefill_context=m.prompt_context, costs=none).seconds
+                     prefill_context=m.prompt_context, world=world, costs=none).seconds
     sequences = m.decodes + (1 if m.prompt_tokens else 0)
     return [mech, 1.0, sequences, m.decodes * model.n_layers, m.decodes + m.prompt_tokens]
 
@@ -64,12 +77,13 @@ def _solve(rows: list[list[float]], target: list[float], active: list[int]) -> l
 
 
 def fit(model: ModelConfig, cluster: Cluster, steps: list[MeasuredStep], layout: ServeLayout, *,
-        split_forwards: bool = True) -> tuple[ServeCosts, float]:
+        split_forwards: bool = True, world: int | None = None) -> tuple[ServeCosts, float]:
     """The constants that explain `steps` (each one forward: decodes alone or a prompt alone),
     and the median relative error of the fit. `split_forwards`: whether the engine whose steps
     these are runs decodes and prompt chunks as two forwards (calibrate asks the engine:
-    calibrate/serve_steps.engine_splits_forwards; phalanx serve's does)."""
-    raw = [features(model, cluster, layout, m) for m in steps]
+    calibrate/serve_steps.engine_splits_forwards; phalanx serve's does). `world`: the share of
+    the node the timing process had (`compute_world` of its thread count; None: the layout's)."""
+    raw = [features(model, cluster, layout, m, world) for m in steps]
     rows = [[x / m.seconds for x in r] for r, m in zip(raw, steps)]  # relative: divide by the measured time
     target = [1.0] * len(steps)
     active = list(range(len(NAMES)))
@@ -104,6 +118,8 @@ class ServerProbe:
     burst: int = 0
     """Requests sent at once for the second point (0: none, as under tp > 1)."""
     burst_tpot_s: float = 0.0
+    threads: int = 0
+    """Threads per server process (0: `phalanx serve`'s automatic count, cores / processes)."""
 
 
 def predicted_latency(model: ModelConfig, cluster: Cluster, costs: ServeCosts, probe: ServerProbe, *,
@@ -113,12 +129,13 @@ def predicted_latency(model: ModelConfig, cluster: Cluster, costs: ServeCosts, p
     steps, then every step decodes all of them and nothing else, so a step of `burst` decodes
     (not the planner's closed loop, whose steps also carry the next requests' prompts)."""
     layout = ServeLayout(tp=probe.tp, weight_dtype="fp32", kv_dtype="fp32")
+    world = compute_world(cluster, probe.tp, probe.threads)
     if burst:
         return 0.0, step_time(model, cluster, layout, decodes=probe.burst, context=probe.isl + probe.osl / 2,
-                              world=probe.tp, costs=costs).seconds
+                              world=world, costs=costs).seconds
     load = ServeLoad(isl=probe.isl, osl=probe.osl, rate=1e-3)
     plan = evaluate(model, cluster, layout, 1, load, max_batch=probe.max_num_seqs,
-                    max_batch_tokens=probe.max_batch_tokens, world=probe.tp, costs=costs)
+                    max_batch_tokens=probe.max_batch_tokens, world=world, costs=costs)
     return plan.rates.ttft_s, plan.rates.tpot_p50_s
 
 
