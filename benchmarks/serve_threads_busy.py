@@ -10,7 +10,8 @@ requests at a time (default 1 and 4), `--rounds` requests per slot, each generat
 length (`ignore_eos`), answered whole (serve_stream_client.py's lean client). Arms:
 
 - `auto`: phalanx's choice (no OMP_NUM_THREADS, no wait policy in the environment): on the
-  2-core machine 2 threads, OMP_WAIT_POLICY=PASSIVE;
+  2-core machine 1 thread since `phalanx serve` keeps a core for its HTTP threads (2 before
+  that), OMP_WAIT_POLICY=PASSIVE;
 - `2 active` (the baseline): `--threads 2` and OMP_WAIT_POLICY=ACTIVE, threads that spin while
   they wait for a core the other process holds;
 - `2 default`: `--threads 2` and the OpenMP runtime's own default wait (GNU libgomp spins a

@@ -10,7 +10,8 @@ the member that was preempted: `phalanx serve` with two threads on a busy 2-core
 about 7x slower than with one. So:
 
 - the count: the cores in this process's affinity (`os.sched_getaffinity`, physical cores,
-  hyper-threads counted once where /sys says so), divided among this machine's ranks
+  hyper-threads counted once where /sys says so), less one a server keeps for its HTTP and
+  detokenizing threads (`SERVER_RESERVED_CORES`), divided among this machine's ranks
   (LOCAL_WORLD_SIZE), at least 1; `--threads N` or OMP_NUM_THREADS set by the user instead;
 - the wait policy: passive (OMP_WAIT_POLICY=PASSIVE, and KMP_BLOCKTIME=0 for Intel's runtime):
   an idle thread sleeps at once instead of spinning. The runtime reads it when it loads, with
@@ -89,10 +90,20 @@ def affinity() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
+SERVER_RESERVED_CORES = 1
+"""Cores a server keeps out of its ranks' intra-op teams, for its own other threads: the HTTP
+server, tokenizing and detokenizing, the engine loop's host work between steps. vLLM's CPU
+backend does the same (vllm/utils/ompmultiprocessing.py reserves a core per local rank for
+its scheduler and API processes). Measured here: on the 2-core machine `phalanx serve`'s
+thread tuner moved from 2 threads to 1 in every round of benchmarks/serve_vs_vllm.py, one
+thread 1.11-2.22x faster per token (benchmarks/README.md)."""
+
+
 def choose_threads(*, requested: int = 0, cores: int, local_ranks: int,
-                   environ: Mapping[str, str]) -> ThreadChoice:
+                   environ: Mapping[str, str], reserved: int = 0) -> ThreadChoice:
     """The count for one of `local_ranks` processes sharing `cores`: `requested` (--threads)
-    when given, else the user's OMP_NUM_THREADS, else cores // local_ranks (at least 1)."""
+    when given, else the user's OMP_NUM_THREADS, else (cores - reserved) // local_ranks (at
+    least 1); `reserved`: cores kept for the process's other threads (SERVER_RESERVED_CORES)."""
     check_requested(requested)
     policy = environ.get("OMP_WAIT_POLICY", "")
     if requested:
@@ -103,17 +114,20 @@ def choose_threads(*, requested: int = 0, cores: int, local_ranks: int,
         if first.isdigit() and int(first) > 0:
             return ThreadChoice(int(first), f"OMP_NUM_THREADS={omp} in the environment", policy)
     local_ranks = max(1, local_ranks)
-    count = max(1, cores // local_ranks)
+    reserved = min(max(reserved, 0), cores - 1)
+    count = max(1, (cores - reserved) // local_ranks)
     ranks = f"{local_ranks} local ranks" if local_ranks != 1 else "1 local rank"
-    return ThreadChoice(count, f"{cores} cores in this process's affinity / {ranks}", policy, automatic=True)
+    kept = f" - {reserved} kept for the server's other threads" if reserved else ""
+    return ThreadChoice(count, f"{cores} cores in this process's affinity{kept} / {ranks}", policy, automatic=True)
 
 
-def choose_for_this_process(requested: int = 0, environ: Mapping[str, str] = os.environ) -> ThreadChoice:
+def choose_for_this_process(requested: int = 0, environ: Mapping[str, str] = os.environ, *,
+                            reserved: int = 0) -> ThreadChoice:
     """choose_threads for this process: its affinity's cores, LOCAL_WORLD_SIZE ranks (1 when
     it is not one of several workers)."""
     local_ranks = int(environ.get("LOCAL_WORLD_SIZE") or environ.get("WORLD_SIZE") or 1)
     return choose_threads(requested=requested, cores=physical_cores(affinity()), local_ranks=local_ranks,
-                          environ=environ)
+                          environ=environ, reserved=reserved)
 
 
 def set_wait_policy(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:

@@ -42,20 +42,21 @@ def check_nproc(nproc: int, device: str) -> None:
               "(fine for testing layouts, slow for training)", file=sys.stderr)
 
 
-def use_threads(requested: int = 0) -> int:
+def use_threads(requested: int = 0, reserved: int = 0) -> int:
     """Set this process's torch intra-op threads as phalanx/threads.py chooses (`requested`:
-    --threads, 0 = automatic). The previous count, for a caller that runs in someone else's
-    process (a test) to put back."""
+    --threads, 0 = automatic; `reserved`: cores a server keeps for its other threads). The
+    previous count, for a caller that runs in someone else's process (a test) to put back."""
     before = torch.get_num_threads()
-    torch.set_num_threads(choose_for_this_process(requested).threads)
+    torch.set_num_threads(choose_for_this_process(requested, reserved=reserved).threads)
     return before
 
 
-def say_threads(requested: int = 0) -> None:
+def say_threads(requested: int = 0, reserved: int = 0) -> None:
     """Rank 0 prints the one line of the threads chosen and why (after use_threads). A command
     says it once its work has started, after the checks whose errors are one line each."""
     if int(os.environ.get("RANK", "0")) == 0:
-        print(choose_for_this_process(requested).line(torch.get_num_threads()), file=sys.stderr, flush=True)
+        print(choose_for_this_process(requested, reserved=reserved).line(torch.get_num_threads()), file=sys.stderr,
+              flush=True)
 
 
 def init_worker_group(device: str, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
@@ -101,16 +102,16 @@ def _attempt_store(world_size: int, timeout: datetime.timedelta = PROCESS_GROUP_
 
 
 def run_in_group(device: str, body, on_user_error=None, timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT,
-                 *, threads: int = 0, say: bool = True):
+                 *, threads: int = 0, reserved: int = 0, say: bool = True):
     """`body()` on this worker with its process group up, and torn down after; torch on the
-    intra-op threads `use_threads(threads)` chooses for the worker's share of the cores (the
-    count it had is put back after), said at once unless `say` is False (the body then says it,
-    `say_threads`). A UserError is printed once (by rank 0; also passed to
+    intra-op threads `use_threads(threads, reserved)` chooses for the worker's share of the
+    cores (the count it had is put back after), said at once unless `say` is False (the body
+    then says it, `say_threads`). A UserError is printed once (by rank 0; also passed to
     `on_user_error`) and gives None, for the caller's exit status 2."""
     rank = int(os.environ.get("RANK", "0"))
-    threads_before = use_threads(threads)
+    threads_before = use_threads(threads, reserved)
     if say:
-        say_threads(threads)
+        say_threads(threads, reserved)
     init_worker_group(device, timeout)
     mark("process_group_up")
     try:

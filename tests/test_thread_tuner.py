@@ -116,7 +116,9 @@ def test_the_server_tunes_only_one_cpu_process_with_an_automatic_count(monkeypat
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("phalanx.threads.physical_cores", lambda cpus, sysfs=None: 4)
     cpu, automatic = torch.device("cpu"), SimpleNamespace(threads=0)
-    assert thread_tuner(automatic, 1, cpu).candidates == (4, 2)
+    assert thread_tuner(automatic, 1, cpu).candidates == (3, 1), "a core kept for the HTTP threads, then half"
     assert thread_tuner(automatic, 2, cpu) is None, "ranks in lockstep"
     assert thread_tuner(automatic, 1, torch.device("cuda")) is None, "a GPU's steps are not the CPU threads'"
     assert thread_tuner(SimpleNamespace(threads=3), 1, cpu) is None, "--threads 3 is kept"
+    monkeypatch.setattr("phalanx.threads.physical_cores", lambda cpus, sysfs=None: 2)
+    assert thread_tuner(automatic, 1, cpu) is None, "2 cores: 1 thread beside the server's own, nothing to tune"

@@ -27,6 +27,18 @@ def test_count_is_cores_over_local_ranks(cores, ranks, expected):
     assert f"{cores} cores in this process's affinity" in choice.why
 
 
+@pytest.mark.parametrize("cores, ranks, expected", [
+    (2, 1, 1), (16, 1, 15), (16, 2, 7),  # a server keeps one core for its HTTP threads
+    (2, 2, 1), (1, 1, 1),  # never below one thread, nor the reserve above the cores
+])
+def test_a_server_keeps_a_core_for_its_other_threads(cores, ranks, expected):
+    choice = choose_threads(cores=cores, local_ranks=ranks, environ={}, reserved=threads.SERVER_RESERVED_CORES)
+    assert choice.threads == expected and choice.automatic
+    assert ("1 kept for the server's other threads" in choice.why) == (cores > 1)
+    requested = choose_threads(requested=2, cores=cores, local_ranks=ranks, environ={}, reserved=1)
+    assert requested.threads == 2, "--threads is kept as given"
+
+
 def test_requested_count_wins_over_cores_and_environment():
     choice = choose_threads(requested=3, cores=2, local_ranks=2, environ={"OMP_NUM_THREADS": "1"})
     assert (choice.threads, choice.why) == (3, "--threads 3")

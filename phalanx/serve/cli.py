@@ -17,7 +17,7 @@ from phalanx.serve.job import (DEFAULT_MAX_REQUEST_BYTES, ServeJob, check_for_mo
                                slo_targets)
 from phalanx.serve.tool_call_parsers import PARSERS
 from phalanx.thread_tuner import ThreadTuner
-from phalanx.threads import choose_for_this_process
+from phalanx.threads import SERVER_RESERVED_CORES, choose_for_this_process
 
 DEFAULTS = {"host": "127.0.0.1", "port": 8000, "max_num_seqs": 32, "max_num_batched_tokens": 512, "block_size": 16,
             "max_waiting": 256, "shutdown_grace": 30.0, "collective_timeout": 600.0}
@@ -160,7 +160,7 @@ def worker_main(job: ServeJob) -> int:
 
     startup = datetime.timedelta(seconds=max(job.collective_timeout, STARTUP_TIMEOUT_S))
     status = run_in_group(job.device, lambda: _rank_main(job), timeout=startup, threads=job.threads,
-                          say=False)
+                          reserved=SERVER_RESERVED_CORES, say=False)
     return 2 if status is None else status
 
 
@@ -193,7 +193,7 @@ def _rank_main(job: ServeJob) -> int:
 
     def loaded_engine():
         engine = build_engine(job, source, channel, metrics)
-        say_threads(job.threads)  # once the model is in: a failed start stays one error line
+        say_threads(job.threads, SERVER_RESERVED_CORES)  # once the model is in: a failed start stays one error line
         return engine
 
     chat_template = ChatTemplate(source.tokenizer_dir, job.chat_template, job.tool_call_parser)
@@ -273,7 +273,7 @@ def thread_tuner(job: ServeJob, world_size: int, device) -> ThreadTuner | None:
     """A single CPU process whose thread count is automatic re-decides it from its steps' speed
     (thread_tuner.py); None where the user set the count, ranks run in lockstep, or the model
     runs on a GPU (its steps' time is not the CPU threads')."""
-    choice = choose_for_this_process(job.threads)
+    choice = choose_for_this_process(job.threads, reserved=SERVER_RESERVED_CORES)
     if world_size > 1 or device.type != "cpu" or not choice.automatic or choice.threads < 2:
         return None
     return ThreadTuner(choice.threads)
