@@ -12,8 +12,10 @@ pools together do not fit the CPU's last-level cache, as while serving). Per lay
   they lie in the pool (the rows are crossed once instead of three times).
 The ways alternate call by call (a drifting machine hits all); prints the median time of a
 step's attention over all layers, its ratio to the baseline, and the largest difference.
+`--dtype bf16`: the pools, new keys and queries in bfloat16 (`phalanx serve --dtype bf16`; the C
+kernel widens each key as it reads it).
 
-    .venv/bin/python benchmarks/decode_attention_kernels.py [--sequences 32] [--layers 4] [--blocks 1024] [--iterations 40]
+    .venv/bin/python benchmarks/decode_attention_kernels.py [--sequences 32] [--layers 4] [--blocks 1024] [--iterations 40] [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=1024, help="blocks of 16 slots per layer pool")
     parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     rng = random.Random(args.seed)
     counts = [rng.randint(40, 380) for _ in range(args.sequences)]
     needed = sum(-(-count // BLOCK) for count in counts)
@@ -63,13 +67,13 @@ def main() -> None:
     tables = []
     for count in counts:
         tables.append([free.pop() for _ in range(-(-count // BLOCK))])
-    if not cpu_decode_kernel.usable(torch.device("cpu"), torch.float32):
+    if not cpu_decode_kernel.usable(torch.device("cpu"), dtype):
         sys.exit("the CPU decode kernel did not build here (a C compiler with OpenMP is needed)")
     cache = PagedKVCache(args.blocks, BLOCK, ragged=True)  # gathers: the baseline
     kernel_cache = PagedKVCache(args.blocks, BLOCK, ragged=True, pool_kernel=True)
     cache.prepare([ChunkLayout(table, count - 1, 1) for table, count in zip(tables, counts)])  # one decode each
     gen = torch.Generator().manual_seed(args.seed)
-    new = [torch.randn(2, args.sequences, KV_HEADS, 1, DIM, generator=gen) for _ in range(args.layers)]
+    new = [torch.randn(2, args.sequences, KV_HEADS, 1, DIM, generator=gen).to(dtype) for _ in range(args.layers)]
     kernel_cache.prepare([ChunkLayout(table, count - 1, 1) for table, count in zip(tables, counts)])
     for layer in range(args.layers):  # every pool filled, then this step's new keys written
         cache.write(layer, *new[layer])
@@ -77,7 +81,7 @@ def main() -> None:
         cache.write(layer, *new[layer])
         kernel_cache.pools[layer] = cache.pools[layer]  # the same pools, read the other way
         kernel_cache._shapes[layer] = cache._shapes[layer]
-    q = torch.randn(args.sequences, KV_HEADS * GROUP, 1, DIM, generator=gen)
+    q = torch.randn(args.sequences, KV_HEADS * GROUP, 1, DIM, generator=gen).to(dtype)
     folded = q.reshape(args.sequences, KV_HEADS, GROUP, DIM)  # query heads under their kv head
     scale = DIM ** -0.5
     compiled = torch.compile(from_pool, dynamic=True)
@@ -138,7 +142,8 @@ def main() -> None:
             times[name].append(time.perf_counter() - began)
     base = statistics.median(times["gather + flash"])
     print(f"{args.sequences} decodes ({sum(counts)} keys), {args.layers} layer pools of {args.blocks} blocks of {BLOCK} "
-          f"({cache.pools[0].numel() * 4 / 2**20:.0f} MiB each), {torch.get_num_threads()} threads; "
+          f"({cache.pools[0].numel() * cache.pools[0].element_size() / 2**20:.0f} MiB each, {args.dtype}), "
+          f"{torch.get_num_threads()} threads; "
           f"median of {args.iterations} alternating steps")
     print(f"{'way':30} {'ms/step':>8} {'gather + flash / way':>21} {'max diff':>9}")
     for name in ways:

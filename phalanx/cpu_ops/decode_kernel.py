@@ -12,7 +12,9 @@ every key.
 
 Built once per machine into `$PHALANX_CACHE_DIR` (else `$XDG_CACHE_HOME/phalanx`, else
 `~/.cache/phalanx`), keyed by the source, the compiler and the CPU's flags (`-march=native`),
-in a fraction of a second. Float32 only. If no compiler works, a warning says so once and
+in a fraction of a second. Float32 or bfloat16 pools (a bfloat16 key or value is widened as it
+is read; the products, softmax and output are float32's, the output then cast back to the
+query's dtype, as SDPA's CPU kernel accumulates bfloat16 in float32). If no compiler works, a warning says so once and
 decodes gather (`paged_attention.py`); `PHALANX_CPU_DECODE_KERNEL=0` does the same on purpose.
 The library's OpenMP calls bind to the libgomp torch already loaded, so it runs on torch's
 threads, as many as `torch.get_num_threads()`, not on a second pool competing for the cores.
@@ -38,14 +40,18 @@ LIBS = ["-lm"]  # expf; after the source, where the linker still wants it
 ON = os.environ.get("PHALANX_CPU_DECODE_KERNEL", "1") != "0"
 """Whether CPU decodes may use the kernel (benchmarks and tests switch it)."""
 
-_function = None
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""The pools' dtypes the kernel reads."""
+
+_functions: dict | None = None
+"""torch dtype -> the kernel's function for a pool of that dtype."""
 _failure: str | None = None
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether decodes on this device and dtype read the pool through the kernel (building it
     now if need be)."""
-    return ON and torch.device(device).type == "cpu" and dtype == torch.float32 and _load() is not None
+    return ON and torch.device(device).type == "cpu" and dtype in KERNEL_DTYPES and _load() is not None
 
 
 def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, first: torch.Tensor,
@@ -55,36 +61,39 @@ def attend(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: t
     row's heads contiguous; slots (n, positions) int64, contiguous; sequence s sees the keys at
     slots[s, first[s]:end[s]] (first and end contiguous int64), `most` the largest such count
     (the caller works these out once for every layer of a step) -> (n, kv_heads, group,
-    channels), float32."""
+    channels), in q's dtype (computed in float32)."""
     n, kv_heads, group, dim = q.shape
     channels = v_pool.shape[-1]
     if k_pool.stride(0) != v_pool.stride(0) or k_pool.stride()[1:] != (dim, 1) or v_pool.stride()[1:] != (channels, 1):
         raise ValueError(f"k_pool and v_pool need one row stride and contiguous heads, got strides "
                          f"{k_pool.stride()} and {v_pool.stride()}")
-    q = q.contiguous()
+    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the kernel reads float32 or bfloat16 pools, got {k_pool.dtype} and {v_pool.dtype}")
+    wide = q.to(torch.float32).contiguous()
     scratch = torch.empty(n, kv_heads * group, most)
     out = torch.empty(n, kv_heads, group, channels)
-    _load()(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), slots.data_ptr(), slots.stride(0),
+    _load()[k_pool.dtype](wide.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0), slots.data_ptr(), slots.stride(0),
             first.data_ptr(), end.data_ptr(), n, kv_heads, group, dim, channels, scale, scratch.data_ptr(), most,
             out.data_ptr(), torch.get_num_threads())
-    return out
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-def _load():
-    """The kernel's function, built and loaded once per process; None if that failed."""
-    global _function, _failure
-    if _function is None and _failure is None:
+def _load() -> dict | None:
+    """The kernel's functions by pool dtype, built and loaded once per process; None if that failed."""
+    global _functions, _failure
+    if _functions is None and _failure is None:
         try:
-            _function = _bind(ctypes.CDLL(str(_build())))
+            library = ctypes.CDLL(str(_build()))
+            _functions = {torch.float32: _bind(library.phalanx_decode_attention),
+                          torch.bfloat16: _bind(library.phalanx_decode_attention_bf16)}
         except (OSError, subprocess.SubprocessError, RuntimeError) as error:
             _failure = str(error)
             print(f"phalanx: the CPU decode-attention kernel is not available ({_failure}); decodes gather "
                   "their keys instead (slower)", file=sys.stderr, flush=True)
-    return _function
+    return _functions
 
 
-def _bind(library):
-    function = library.phalanx_decode_attention
+def _bind(function):
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [pointer, pointer, pointer, integer, pointer, integer, pointer, pointer, integer, integer,
                          integer, integer, integer, ctypes.c_float, pointer, integer, pointer, ctypes.c_int]

@@ -48,7 +48,7 @@ class ModelRunner:
     def _new_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         """Ragged attention (per sequence, over exactly its keys: `paged_attention.py`) unless
         latent attention's absorbed form needs the padded keys and their mask; decodes read
-        straight from the pool on the CPU in float32 (`cpu_ops/decode_kernel.py`)."""
+        straight from the pool on the CPU in float32 or bfloat16 (`cpu_ops/decode_kernel.py`)."""
         cfg = getattr(self.model, "cfg", None)
         ragged = not getattr(cfg, "is_latent", False)
         dtype = next(self.model.parameters()).dtype

@@ -3,7 +3,7 @@ only, never a mask over other sequences' keys.
 
 The paged cache (`paged_cache.py`) gathers the keys of the step's sequences into one flat
 tensor, (1, kv_heads, keys, channels), and hands attention a `RaggedAttention` in place of a
-mask (`AttentionCore` calls its `attend`). On the CPU in float32, decodes instead read their
+mask (`AttentionCore` calls its `attend`). On the CPU in float32 or bfloat16, decodes instead read their
 keys straight from the pool, all in one call of a C kernel (`cpu_ops/decode_kernel.py`, `PoolRead`). A prompt chunk's queries attend in one call over
 its sequence's keys. Decodes of nearly equal length share a call, their keys padded to the
 longest of them (`PADDING_KEYS`). Padding every decode to the longest sequence of the batch,

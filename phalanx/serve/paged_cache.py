@@ -80,7 +80,7 @@ class PagedKVCache:
         """`ragged`: attention per sequence over exactly its keys (`paged_attention.py`), for
         attention that runs through `AttentionCore`; else padded keys and a mask (what latent
         attention's absorbed form reads). `pool_kernel` (with `ragged`): decodes read their
-        keys straight from the pool (`cpu_ops/decode_kernel.py`: CPU, float32) instead of gathered."""
+        keys straight from the pool (`cpu_ops/decode_kernel.py`: CPU, float32 or bfloat16) instead of gathered."""
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.ragged, self.pool_kernel = ragged, ragged and pool_kernel
         self.pools: dict[int, torch.Tensor] = {}  # layer -> (slots, key channels + value channels)
